@@ -1,0 +1,379 @@
+// CPU implementations of the ops in ops.h. See that header for conventions.
+#include "backend/cpu/ops.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <bit>
+#include <cstddef>
+#include <cmath>
+#include <limits>
+
+#include "core/dtype.h"
+#include "core/error.h"
+
+namespace memtune::cpu {
+
+float fast_exp(float x) {
+  // exp(x) = 2^n * exp(r), r = x - n ln2 in [-ln2/2, ln2/2]; degree-7 Taylor on r.
+  x = std::clamp(x, -87.0f, 88.0f);
+  float n = std::nearbyint(x * 1.44269504088896341f);
+  float r = x - n * 0.693145751953125f - n * 1.42860682030941723e-6f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  int32_t e = static_cast<int32_t>(n) + 127;
+  return p * std::bit_cast<float>(static_cast<uint32_t>(e) << 23);
+}
+
+// Sums rows of x[N, C] into acc[C] (+=), parallel over column blocks so no two threads write
+// the same element.
+static void column_sum_accumulate(float* acc, const float* x, int64_t N, int64_t C) {
+  constexpr int64_t kBlock = 64;
+  int64_t blocks = (C + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < blocks; ++b) {
+    int64_t c0 = b * kBlock, c1 = std::min(C, c0 + kBlock);
+    for (int64_t n = 0; n < N; ++n) {
+      const float* row = x + n * C;
+#pragma omp simd
+      for (int64_t c = c0; c < c1; ++c) acc[c] += row[c];
+    }
+  }
+}
+
+void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int64_t C,
+                    int64_t OC) {
+  if (N == 0) return;
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, OC, C, 1.0f, inp, C, weight, C, 0.0f, out, OC);
+  if (bias) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      float* row = out + n * OC;
+#pragma omp simd
+      for (int64_t o = 0; o < OC; ++o) row[o] += bias[o];
+    }
+  }
+}
+
+void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                     const float* weight, int64_t N, int64_t C, int64_t OC) {
+  if (N == 0) return;
+  if (dinp) cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, C, OC, 1.0f, dout, OC, weight, C, 1.0f, dinp, C);
+  if (dweight)
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OC, C, N, 1.0f, dout, OC, inp, C, 1.0f, dweight, C);
+  if (dbias) column_sum_accumulate(dbias, dout, N, OC);
+}
+
+void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N, int64_t C, float eps) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* x = inp + n * C;
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t c = 0; c < C; ++c) ss += x[c] * x[c];
+    float r = 1.0f / std::sqrt(ss / static_cast<float>(C) + eps);
+    rstd[n] = r;
+    float* y = out + n * C;
+#pragma omp simd
+    for (int64_t c = 0; c < C; ++c) y[c] = x[c] * r * weight[c];
+  }
+}
+
+void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
+                      const float* rstd, int64_t N, int64_t C) {
+  // y = w * x * r, r = (mean(x^2) + eps)^-1/2
+  // dx = r * (dy * w) - x * r^3 / C * sum(dy * w * x);  dw += dy * x * r
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* x = inp + n * C;
+    const float* dy = dout + n * C;
+    float r = rstd[n];
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t c = 0; c < C; ++c) dot += dy[c] * weight[c] * x[c];
+    float k = dot * r * r * r / static_cast<float>(C);
+    float* dx = dinp + n * C;
+#pragma omp simd
+    for (int64_t c = 0; c < C; ++c) dx[c] += r * dy[c] * weight[c] - k * x[c];
+  }
+  constexpr int64_t kBlock = 64;
+  int64_t blocks = (C + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < blocks; ++b) {
+    int64_t c0 = b * kBlock, c1 = std::min(C, c0 + kBlock);
+    for (int64_t n = 0; n < N; ++n) {
+      const float* x = inp + n * C;
+      const float* dy = dout + n * C;
+      float r = rstd[n];
+#pragma omp simd
+      for (int64_t c = c0; c < c1; ++c) dweight[c] += dy[c] * x[c] * r;
+    }
+  }
+}
+
+// Rotates each head's (x_i, x_{i+hd/2}) pair by +angle (forward) or -angle (backward). Angles are
+// computed in float32 exactly as Hugging Face does: inv_freq = 1 / theta^(2i/hd), angle = pos * inv_freq.
+static void rope_rotate(float* x, const int32_t* positions, int64_t N, int64_t heads, int64_t hd, float theta,
+                        float direction) {
+  const int64_t half = hd / 2;
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    float pos = static_cast<float>(positions[n]);
+    for (int64_t i = 0; i < half; ++i) {
+      float inv_freq = 1.0f / std::pow(theta, static_cast<float>(2 * i) / static_cast<float>(hd));
+      float angle = pos * inv_freq;
+      float c = std::cos(angle), s = direction * std::sin(angle);
+      for (int64_t h = 0; h < heads; ++h) {
+        float* head = x + n * heads * hd + h * hd;
+        float x1 = head[i], x2 = head[i + half];
+        head[i] = x1 * c - x2 * s;
+        head[i + half] = x2 * c + x1 * s;
+      }
+    }
+  }
+}
+
+void rope_forward(float* x, const int32_t* positions, int64_t N, int64_t heads, int64_t head_dim, float theta) {
+  rope_rotate(x, positions, N, heads, head_dim, theta, 1.0f);
+}
+
+void rope_backward(float* dx, const int32_t* positions, int64_t N, int64_t heads, int64_t head_dim, float theta) {
+  rope_rotate(dx, positions, N, heads, head_dim, theta, -1.0f);
+}
+
+namespace {
+constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kKeyBlock = 64;
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+}  // namespace
+
+void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v, const int32_t* cu_seqlens,
+                       int64_t num_seqs, int64_t Hq, int64_t Hkv, int64_t hd) {
+  MT_ASSERT(hd <= kMaxHeadDim && Hq % Hkv == 0);
+  const int64_t qd = Hq * hd, kvd = Hkv * hd, group = Hq / Hkv;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  // One task per (sequence, query head); each query row runs an online softmax over key blocks.
+#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    for (int64_t h = 0; h < Hq; ++h) {
+      const int64_t begin = cu_seqlens[s], end = cu_seqlens[s + 1];
+      const int64_t g = h / group;
+      float acc[kMaxHeadDim];
+      float scores[kKeyBlock];
+      for (int64_t i = begin; i < end; ++i) {
+        const float* qi = q + i * qd + h * hd;
+        float m = -std::numeric_limits<float>::infinity(), l = 0.0f;
+        std::fill(acc, acc + hd, 0.0f);
+        for (int64_t j0 = begin; j0 <= i; j0 += kKeyBlock) {
+          const int64_t j1 = std::min(i + 1, j0 + kKeyBlock);
+          float block_max = -std::numeric_limits<float>::infinity();
+          for (int64_t j = j0; j < j1; ++j) {
+            scores[j - j0] = dot(qi, k + j * kvd + g * hd, hd) * scale;
+            block_max = std::max(block_max, scores[j - j0]);
+          }
+          const float new_m = std::max(m, block_max);
+          const float correction = std::exp(m - new_m);
+          l *= correction;
+#pragma omp simd
+          for (int64_t d = 0; d < hd; ++d) acc[d] *= correction;
+          for (int64_t j = j0; j < j1; ++j) {
+            const float p = std::exp(scores[j - j0] - new_m);
+            l += p;
+            const float* vj = v + j * kvd + g * hd;
+#pragma omp simd
+            for (int64_t d = 0; d < hd; ++d) acc[d] += p * vj[d];
+          }
+          m = new_m;
+        }
+        float* oi = out + i * qd + h * hd;
+        const float inv_l = 1.0f / l;
+#pragma omp simd
+        for (int64_t d = 0; d < hd; ++d) oi[d] = acc[d] * inv_l;
+        lse[i * Hq + h] = m + std::log(l);
+      }
+    }
+  }
+}
+
+void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* out, const float* lse,
+                        const float* q, const float* k, const float* v, const int32_t* cu_seqlens, int64_t num_seqs,
+                        int64_t Hq, int64_t Hkv, int64_t hd) {
+  MT_ASSERT(hd <= kMaxHeadDim && Hq % Hkv == 0);
+  const int64_t qd = Hq * hd, kvd = Hkv * hd, group = Hq / Hkv;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  // One task per (sequence, KV head): it owns dk/dv of that head and dq of the query heads of its
+  // group, so no two tasks write the same element.
+#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    for (int64_t g = 0; g < Hkv; ++g) {
+      const int64_t begin = cu_seqlens[s], end = cu_seqlens[s + 1];
+      for (int64_t j = begin; j < end; ++j) {
+        std::fill(dk + j * kvd + g * hd, dk + j * kvd + (g + 1) * hd, 0.0f);
+        std::fill(dv + j * kvd + g * hd, dv + j * kvd + (g + 1) * hd, 0.0f);
+      }
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        for (int64_t i = begin; i < end; ++i) {
+          const float* qi = q + i * qd + h * hd;
+          const float* doi = dout + i * qd + h * hd;
+          float* dqi = dq + i * qd + h * hd;
+          std::fill(dqi, dqi + hd, 0.0f);
+          const float Di = dot(doi, out + i * qd + h * hd, hd);
+          const float lse_i = lse[i * Hq + h];
+          for (int64_t j = begin; j <= i; ++j) {
+            const float* kj = k + j * kvd + g * hd;
+            const float* vj = v + j * kvd + g * hd;
+            const float p = std::exp(dot(qi, kj, hd) * scale - lse_i);
+            const float dp = dot(doi, vj, hd);
+            const float ds = p * (dp - Di) * scale;
+            float* dkj = dk + j * kvd + g * hd;
+            float* dvj = dv + j * kvd + g * hd;
+#pragma omp simd
+            for (int64_t d = 0; d < hd; ++d) {
+              dqi[d] += ds * kj[d];
+              dkj[d] += ds * qi[d];
+              dvj[d] += p * doi[d];
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+void swiglu_forward(float* h, const float* gate, const float* up, int64_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate[i];
+    h[i] = g / (1.0f + fast_exp(-g)) * up[i];
+  }
+}
+
+void swiglu_backward(float* dgate, float* dup, const float* dh, const float* gate, const float* up, int64_t n) {
+  // silu(g) = g * sig(g); silu'(g) = sig(g) * (1 + g * (1 - sig(g)))
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate[i];
+    const float sig = 1.0f / (1.0f + fast_exp(-g));
+    dgate[i] += dh[i] * up[i] * sig * (1.0f + g * (1.0f - sig));
+    dup[i] += dh[i] * g * sig;
+  }
+}
+
+void embedding_forward(float* out, const int32_t* ids, const void* table, DType table_dtype, int64_t N, int64_t D) {
+  const auto* bytes = static_cast<const std::byte*>(table);
+  const size_t row_bytes = static_cast<size_t>(D) * dtype_size(table_dtype);
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) convert_to_f32(bytes + ids[n] * row_bytes, table_dtype, out + n * D, D);
+}
+
+void embedding_backward(float* dtable, const float* dout, const int32_t* ids, int64_t N, int64_t D) {
+  // Repeated ids make rows collide, so split the work by columns, not tokens.
+  constexpr int64_t kBlock = 64;
+  int64_t blocks = (D + kBlock - 1) / kBlock;
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < blocks; ++b) {
+    int64_t c0 = b * kBlock, c1 = std::min(D, c0 + kBlock);
+    for (int64_t n = 0; n < N; ++n) {
+      float* row = dtable + static_cast<int64_t>(ids[n]) * D;
+      const float* d = dout + n * D;
+#pragma omp simd
+      for (int64_t c = c0; c < c1; ++c) row[c] += d[c];
+    }
+  }
+}
+
+void add_inplace(float* y, const float* x, int64_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) y[i] += x[i];
+}
+
+void add(float* out, const float* a, const float* b, int64_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
+}
+
+void scale_inplace(float* y, float s, int64_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) y[i] *= s;
+}
+
+LossSum lm_head_cross_entropy(const float* hidden, const int32_t* targets, int64_t N, const float* weight, int64_t V,
+                              int64_t D, float label_smoothing, float* dhidden, float* dweight,
+                              const LmHeadWorkspace& ws) {
+  MT_ASSERT(ws.chunk_rows > 0);
+  const bool backward = dhidden != nullptr;
+  int64_t count = 0;
+  for (int64_t n = 0; n < N; ++n) {
+    if (targets[n] == kIgnoreIndex) continue;
+    MT_ASSERT(targets[n] >= 0 && targets[n] < V, "target id out of range");
+    ws.positions[count++] = static_cast<int32_t>(n);
+  }
+  if (backward) std::fill(dhidden, dhidden + N * D, 0.0f);
+
+  double total = 0.0;
+  const float eps = label_smoothing;
+  const float inv_v = 1.0f / static_cast<float>(V);
+  for (int64_t c0 = 0; c0 < count; c0 += ws.chunk_rows) {
+    const int64_t m = std::min(ws.chunk_rows, count - c0);
+    const int32_t* pos = ws.positions + c0;
+    for (int64_t r = 0; r < m; ++r) std::copy_n(hidden + pos[r] * D, D, ws.rows + r * D);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, V, D, 1.0f, ws.rows, D, weight, D, 0.0f, ws.logits, V);
+
+    double chunk_loss = 0.0;
+#pragma omp parallel for schedule(static) reduction(+ : chunk_loss)
+    for (int64_t r = 0; r < m; ++r) {
+      float* z = ws.logits + r * V;
+      const int32_t t = targets[pos[r]];
+      float zmax = -std::numeric_limits<float>::infinity();
+      float zsum = 0.0f;
+#pragma omp simd reduction(max : zmax) reduction(+ : zsum)
+      for (int64_t v = 0; v < V; ++v) {
+        zmax = std::max(zmax, z[v]);
+        zsum += z[v];
+      }
+      const float z_t = z[t];
+      float sum_exp = 0.0f;
+      if (backward) {
+#pragma omp simd reduction(+ : sum_exp)
+        for (int64_t v = 0; v < V; ++v) {
+          z[v] = fast_exp(z[v] - zmax);
+          sum_exp += z[v];
+        }
+      } else {
+#pragma omp simd reduction(+ : sum_exp)
+        for (int64_t v = 0; v < V; ++v) sum_exp += fast_exp(z[v] - zmax);
+      }
+      const float lse = zmax + std::log(sum_exp);
+      // nll = lse - z_t; smoothed term = mean_v(lse - z_v) = lse - mean(z)
+      chunk_loss += (1.0f - eps) * (lse - z_t) + eps * (lse - zsum * inv_v);
+      if (backward) {
+        // d/dz_v = p_v - (1-eps) [v==t] - eps/V
+        const float inv_sum = 1.0f / sum_exp;
+        const float shift = eps * inv_v;
+#pragma omp simd
+        for (int64_t v = 0; v < V; ++v) z[v] = z[v] * inv_sum - shift;
+        z[t] -= 1.0f - eps;
+      }
+    }
+    total += chunk_loss;
+    if (!backward) continue;
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, D, V, 1.0f, ws.logits, V, weight, D, 0.0f, ws.drows, D);
+    for (int64_t r = 0; r < m; ++r) std::copy_n(ws.drows + r * D, D, dhidden + pos[r] * D);
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, V, D, m, 1.0f, ws.logits, V, ws.rows, D, 1.0f, dweight, D);
+  }
+  return LossSum{total, count};
+}
+
+}  // namespace memtune::cpu

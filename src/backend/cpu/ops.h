@@ -1,0 +1,82 @@
+// CPU reference backend: every op of the Qwen2 decoder as an explicit forward/backward pair in
+// float32 (llm.c style). GEMMs go to OpenBLAS; everything else is OpenMP loops. No op allocates:
+// all memory (outputs, saved tensors, scratch) comes from the caller, i.e. from the arena.
+//
+// Conventions: row-major; activations are [N, C] over a flat token stream of N tokens holding
+// several sequences back to back (cu_seqlens[s]..cu_seqlens[s+1]); linear weights are
+// [out, in] as in PyTorch. Backward functions ACCUMULATE (+=) into parameter gradients and into
+// input gradients; callers zero what must start at zero.
+#pragma once
+
+#include <cstdint>
+
+#include "core/dtype.h"
+
+namespace memtune::cpu {
+
+// exp(x) to ~1e-7 relative error, branch-free so loops over it vectorize.
+float fast_exp(float x);
+
+// out[N,OC] = inp[N,C] @ weight[OC,C]^T (+ bias[OC])
+void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int64_t C,
+                    int64_t OC);
+// dinp += dout @ weight; dweight += dout^T @ inp; dbias += colsum(dout). Null outputs are skipped.
+void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                     const float* weight, int64_t N, int64_t C, int64_t OC);
+
+// out = x * rsqrt(mean(x^2) + eps) * weight; saves rstd[N].
+void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N, int64_t C, float eps);
+void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
+                      const float* rstd, int64_t N, int64_t C);
+
+// Rotary embedding in place on x[N, heads*head_dim], Hugging Face rotate-half convention.
+void rope_forward(float* x, const int32_t* positions, int64_t N, int64_t heads, int64_t head_dim, float theta);
+// In-place gradient: rotates dx back by the same angles.
+void rope_backward(float* dx, const int32_t* positions, int64_t N, int64_t heads, int64_t head_dim, float theta);
+
+// Causal grouped-query attention over packed sequences, online softmax, never materializing a
+// [T, T] score matrix. q[N, Hq*hd], k/v[N, Hkv*hd] -> out[N, Hq*hd]; saves lse[N, Hq].
+void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v, const int32_t* cu_seqlens,
+                       int64_t num_seqs, int64_t Hq, int64_t Hkv, int64_t hd);
+// Recomputes probabilities from lse. dq, dk, dv are OVERWRITTEN (every token belongs to one sequence).
+void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* out, const float* lse,
+                        const float* q, const float* k, const float* v, const int32_t* cu_seqlens, int64_t num_seqs,
+                        int64_t Hq, int64_t Hkv, int64_t hd);
+
+// h = silu(gate) * up
+void swiglu_forward(float* h, const float* gate, const float* up, int64_t n);
+void swiglu_backward(float* dgate, float* dup, const float* dh, const float* gate, const float* up, int64_t n);
+
+// out[n] = table[ids[n]], the table stored in any storage dtype.
+void embedding_forward(float* out, const int32_t* ids, const void* table, DType table_dtype, int64_t N, int64_t D);
+void embedding_backward(float* dtable, const float* dout, const int32_t* ids, int64_t N, int64_t D);
+
+// y += x
+void add_inplace(float* y, const float* x, int64_t n);
+// out = a + b
+void add(float* out, const float* a, const float* b, int64_t n);
+void scale_inplace(float* y, float s, int64_t n);
+
+// Fused LM head + cross-entropy over the positions whose target is not ignore_index.
+// Logits exist only as a [chunk_rows, V] workspace reused chunk after chunk. Returns the SUM of
+// the per-token losses and the COUNT of targets; gradients are those of the sum. With
+// label_smoothing eps the per-token loss is (1-eps)*nll + eps*mean_v(-log p_v) (PyTorch's).
+// When dhidden is null only the loss is computed. dhidden rows are OVERWRITTEN (zero at ignored
+// positions); dweight is accumulated.
+struct LmHeadWorkspace {
+  float* logits;       // [chunk_rows, V]
+  float* rows;         // [chunk_rows, D] gathered hidden rows
+  float* drows;        // [chunk_rows, D]
+  int32_t* positions;  // [N] positions with a target
+  int64_t chunk_rows;
+};
+struct LossSum {
+  double sum = 0;
+  int64_t count = 0;
+};
+constexpr int32_t kIgnoreIndex = -100;
+LossSum lm_head_cross_entropy(const float* hidden, const int32_t* targets, int64_t N, const float* weight, int64_t V,
+                              int64_t D, float label_smoothing, float* dhidden, float* dweight,
+                              const LmHeadWorkspace& ws);
+
+}  // namespace memtune::cpu

@@ -1,0 +1,16 @@
+// The memtune subcommands. Each registers its flags on the CLI11 app and returns the action to
+// run once parsing succeeded; main() owns error reporting and exit codes.
+#pragma once
+
+#include <functional>
+
+#include <CLI/CLI.hpp>
+
+namespace memtune::cli {
+
+using Action = std::function<void()>;
+
+Action add_init_model(CLI::App& app);
+Action add_dump(CLI::App& app);
+
+}  // namespace memtune::cli

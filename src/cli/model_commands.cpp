@@ -1,0 +1,150 @@
+// `memtune init-model` and `memtune dump`: create a checkpoint, and inspect one numerically.
+#include <cmath>
+#include <filesystem>
+#include <fmt/format.h>
+#include <fstream>
+#include <iostream>
+#include <memory>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.h"
+#include "core/error.h"
+#include "io/checkpoint.h"
+#include "io/safetensors.h"
+#include "model/qwen2.h"
+
+namespace memtune::cli {
+
+namespace {
+
+nlohmann::json read_json_file(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw Error(fmt::format("{}: cannot open file", path));
+  try {
+    return nlohmann::json::parse(in);
+  } catch (const nlohmann::json::parse_error& e) {
+    throw Error(fmt::format("{}: invalid JSON: {}", path, e.what()));
+  }
+}
+
+// `key=value`: value is taken as JSON (numbers, booleans, null) or else as a string.
+void apply_override(nlohmann::json& doc, const std::string& assignment) {
+  const auto eq = assignment.find('=');
+  if (eq == std::string::npos || eq == 0)
+    throw Error(fmt::format("--set {}: expected key=value", assignment));
+  const std::string key = assignment.substr(0, eq), value = assignment.substr(eq + 1);
+  doc[key] = nlohmann::json::parse(value, nullptr, /*allow_exceptions=*/false);
+  if (doc[key].is_discarded()) doc[key] = value;
+}
+
+}  // namespace
+
+Action add_init_model(CLI::App& app) {
+  struct Args {
+    std::string preset, config, out, torch_dtype;
+    uint64_t seed = 42;
+    std::vector<std::string> overrides;
+  };
+  auto args = std::make_shared<Args>();
+  auto* preset = app.add_option("--preset", args->preset, "tiny, qwen2.5-0.5b, -1.5b, -3b, -7b, -14b, -32b, -72b");
+  auto* config = app.add_option("--config", args->config, "a config.json to take the shapes from");
+  preset->excludes(config);
+  app.add_option("--out", args->out, "output directory")->required();
+  app.add_option("--seed", args->seed, "initialization seed")->capture_default_str();
+  app.add_option("--torch_dtype", args->torch_dtype, "storage dtype: float32 | bfloat16 | float16");
+  app.add_option("--set", args->overrides, "override a config field, key=value (repeatable)");
+  return [args] {
+    if (args->preset.empty() == args->config.empty()) throw Error("init-model needs exactly one of --preset or --config");
+    nlohmann::json doc = args->preset.empty() ? read_json_file(args->config) : qwen2_config_to_json(qwen2_preset(args->preset));
+    for (const auto& o : args->overrides) apply_override(doc, o);
+    if (!args->torch_dtype.empty()) {
+      doc["torch_dtype"] = std::string(dtype_torch_name(parse_dtype(args->torch_dtype, "--torch_dtype")));
+      doc.erase("dtype");
+    }
+    const Qwen2Config cfg = parse_qwen2_config(doc, args->preset.empty() ? args->config : "--preset " + args->preset);
+    ModelOptions options;
+    options.max_tokens = 1;
+    options.with_grads = false;
+    options.loss_workspace_bytes = 0;
+    Qwen2Model model(cfg, options);
+    model.init_random(args->seed);
+    model.save(args->out);
+    std::cout << fmt::format("wrote {} ({} parameters, {}, seed {})\n", args->out, qwen2_parameter_count(cfg),
+                             dtype_torch_name(cfg.torch_dtype), args->seed);
+  };
+}
+
+Action add_dump(CLI::App& app) {
+  struct Args {
+    std::string model, input, out;
+    bool gradient_checkpointing = false;
+    size_t loss_workspace_bytes = size_t{128} << 20;
+  };
+  auto args = std::make_shared<Args>();
+  app.add_option("--model", args->model, "model directory (config.json + safetensors)")->required();
+  app.add_option("--input", args->input, "JSON {\"input_ids\": [[...]], \"labels\": [[...]]}")->required();
+  app.add_option("--out", args->out, "output .safetensors")->required();
+  app.add_flag("--gradient_checkpointing", args->gradient_checkpointing, "recompute layer activations in backward");
+  app.add_option("--loss_workspace_bytes", args->loss_workspace_bytes, "budget for the LM head's logits chunk")
+      ->capture_default_str();
+  return [args] {
+    const nlohmann::json doc = read_json_file(args->input);
+    auto rows_of = [&](const char* key) {
+      if (!doc.contains(key)) return std::vector<std::vector<int32_t>>{};
+      try {
+        return doc.at(key).get<std::vector<std::vector<int32_t>>>();
+      } catch (const nlohmann::json::exception&) {
+        throw Error(fmt::format("{}: \"{}\" must be a list of lists of integers", args->input, key));
+      }
+    };
+    const auto ids = rows_of("input_ids");
+    auto labels = doc.contains("labels") ? rows_of("labels") : ids;
+    if (ids.empty() || ids[0].empty()) throw Error(fmt::format("{}: \"input_ids\" must hold at least one non-empty row", args->input));
+    const size_t B = ids.size(), T = ids[0].size();
+    if (labels.size() != B) throw Error(fmt::format("{}: \"labels\" has {} rows, \"input_ids\" has {}", args->input, labels.size(), B));
+    std::vector<int32_t> flat_ids, flat_labels, cu{0};
+    for (size_t b = 0; b < B; ++b) {
+      if (ids[b].size() != T || labels[b].size() != T)
+        throw Error(fmt::format("{}: row {} has a different length than row 0 ({} tokens); rows must be equal", args->input, b, T));
+      flat_ids.insert(flat_ids.end(), ids[b].begin(), ids[b].end());
+      flat_labels.insert(flat_labels.end(), labels[b].begin(), labels[b].end());
+      cu.push_back(static_cast<int32_t>(flat_ids.size()));
+    }
+
+    const Qwen2Config cfg = load_qwen2_config((std::filesystem::path(args->model) / "config.json").string());
+    ModelOptions options;
+    options.max_tokens = static_cast<int64_t>(B * T);
+    options.gradient_checkpointing = args->gradient_checkpointing;
+    options.loss_workspace_bytes = args->loss_workspace_bytes;
+    Qwen2Model model(cfg, options);
+    model.load(CheckpointReader(args->model));
+    model.zero_grads();
+    std::vector<float> logits(B * T * static_cast<size_t>(cfg.vocab_size));
+    const cpu::LossSum loss = model.forward_backward({flat_ids, flat_labels, cu}, logits.data());
+    // The HF mean; an all-ignored batch gives NaN exactly like torch's mean over nothing.
+    const float mean = static_cast<float>(loss.sum / static_cast<double>(loss.count));
+    const float inv_count = 1.0f / static_cast<float>(loss.count);
+
+    std::vector<TensorToWrite> tensors;
+    tensors.push_back({"logits", DType::F32, {int64_t(B), int64_t(T), cfg.vocab_size}, logits.data()});
+    tensors.push_back({"loss", DType::F32, {}, &mean});
+    std::vector<std::vector<float>> grads;
+    for (size_t i = 0; i < model.params().size(); ++i) {
+      const auto& p = model.params()[i];
+      const float* g = model.grad_data(i);
+      grads.emplace_back(g, g + p.numel());
+      for (float& v : grads.back()) v *= inv_count;
+      tensors.push_back({"grad." + p.name, DType::F32, p.shape, grads.back().data()});
+    }
+    write_safetensors(args->out, tensors);
+    std::cout << fmt::format("loss {:.6f} over {} target tokens ({} sequences x {} tokens)\n", mean, loss.count, B, T);
+    std::cout << fmt::format("memory plan: peak {} planned, {} arena high-water, logits chunk {} rows\n",
+                             format_bytes(model.plan().peak_bytes()), format_bytes(model.arena().high_water_bytes()),
+                             model.loss_chunk_rows());
+    std::cout << model.plan().summary();
+    std::cout << "wrote " << args->out << "\n";
+  };
+}
+
+}  // namespace memtune::cli

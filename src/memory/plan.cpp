@@ -1,0 +1,138 @@
+#include "memory/plan.h"
+
+#include <algorithm>
+#include <fmt/format.h>
+#include <numeric>
+
+#include "core/error.h"
+
+namespace memtune {
+
+std::string_view category_name(Category c) {
+  static constexpr std::array<std::string_view, kNumCategories> names = {
+      "weights",          "trainable_params",  "gradients", "optimizer_state", "batch",
+      "saved_activations", "recompute_scratch", "working",   "loss_workspace"};
+  return names[static_cast<size_t>(c)];
+}
+
+std::string_view phase_name(Phase p) {
+  static constexpr std::array<std::string_view, kNumPhases> names = {"forward", "loss", "backward"};
+  return names[static_cast<size_t>(p)];
+}
+
+BufferId MemoryPlan::declare(std::string name, Category category, size_t bytes, Phase first, Phase last) {
+  MT_ASSERT(!finalized_, "declare after finalize: " + name);
+  MT_ASSERT(first <= last, name);
+  size_t padded = (bytes + kAlignment - 1) / kAlignment * kAlignment;
+  buffers_.push_back(BufferDecl{std::move(name), category, bytes, padded, first, last});
+  return static_cast<BufferId>(buffers_.size() - 1);
+}
+
+static bool lifetimes_overlap(const BufferDecl& a, const BufferDecl& b) {
+  return a.first <= b.last && b.first <= a.last;
+}
+
+void MemoryPlan::finalize() {
+  MT_ASSERT(!finalized_);
+  // Laminar check: two lifetimes either nest or are disjoint.
+  std::vector<std::pair<Phase, Phase>> spans;
+  for (const auto& b : buffers_) spans.emplace_back(b.first, b.last);
+  std::sort(spans.begin(), spans.end());
+  spans.erase(std::unique(spans.begin(), spans.end()), spans.end());
+  for (const auto& [f1, l1] : spans)
+    for (const auto& [f2, l2] : spans) {
+      bool nested = (f1 <= f2 && l2 <= l1) || (f2 <= f1 && l1 <= l2);
+      bool disjoint = l1 < f2 || l2 < f1;
+      MT_ASSERT(nested || disjoint, "buffer lifetimes must nest or be disjoint");
+    }
+
+  // Longest lifetime first, then earliest start, then largest; first fit among conflicts.
+  std::vector<BufferId> order(buffers_.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](BufferId a, BufferId b) {
+    const auto &x = buffers_[a], &y = buffers_[b];
+    auto lx = static_cast<int>(x.last) - static_cast<int>(x.first);
+    auto ly = static_cast<int>(y.last) - static_cast<int>(y.first);
+    if (lx != ly) return lx > ly;
+    if (x.first != y.first) return x.first < y.first;
+    return x.padded_bytes > y.padded_bytes;
+  });
+  std::vector<BufferId> placed;
+  size_t extent = 0;
+  for (BufferId id : order) {
+    auto& b = buffers_[id];
+    std::vector<std::pair<size_t, size_t>> taken;  // [begin, end) of conflicting buffers
+    for (BufferId other : placed) {
+      const auto& o = buffers_[other];
+      if (lifetimes_overlap(b, o)) taken.emplace_back(o.offset, o.offset + o.padded_bytes);
+    }
+    std::sort(taken.begin(), taken.end());
+    size_t offset = 0;
+    for (const auto& [begin, end] : taken) {
+      if (offset + b.padded_bytes <= begin) break;
+      offset = std::max(offset, end);
+    }
+    b.offset = offset;
+    extent = std::max(extent, offset + b.padded_bytes);
+    placed.push_back(id);
+  }
+
+  peak_bytes_ = 0;
+  for (size_t p = 0; p < kNumPhases; ++p) {
+    size_t live = live_bytes(static_cast<Phase>(p));
+    if (live > peak_bytes_) {
+      peak_bytes_ = live;
+      peak_phase_ = static_cast<Phase>(p);
+    }
+  }
+  MT_ASSERT(extent == peak_bytes_, fmt::format("placement extent {} != live peak {}", extent, peak_bytes_));
+  finalized_ = true;
+}
+
+size_t MemoryPlan::live_bytes(Phase p) const {
+  size_t total = 0;
+  for (const auto& b : buffers_)
+    if (b.live_in(p)) total += b.padded_bytes;
+  return total;
+}
+
+size_t MemoryPlan::live_bytes(Phase p, Category c) const {
+  size_t total = 0;
+  for (const auto& b : buffers_)
+    if (b.live_in(p) && b.category == c) total += b.padded_bytes;
+  return total;
+}
+
+std::string format_bytes(size_t bytes) {
+  constexpr const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(bytes);
+  size_t u = 0;
+  while (v >= 1024.0 && u + 1 < std::size(units)) {
+    v /= 1024.0;
+    ++u;
+  }
+  return u == 0 ? fmt::format("{} B", bytes) : fmt::format("{:.2f} {}", v, units[u]);
+}
+
+std::string MemoryPlan::summary() const {
+  std::string out = fmt::format("{:<20}", "category");
+  for (size_t p = 0; p < kNumPhases; ++p) out += fmt::format("{:>14}", phase_name(static_cast<Phase>(p)));
+  out += "\n";
+  for (size_t c = 0; c < kNumCategories; ++c) {
+    auto cat = static_cast<Category>(c);
+    size_t any = 0;
+    for (size_t p = 0; p < kNumPhases; ++p) any += live_bytes(static_cast<Phase>(p), cat);
+    if (any == 0) continue;
+    out += fmt::format("{:<20}", category_name(cat));
+    for (size_t p = 0; p < kNumPhases; ++p)
+      out += fmt::format("{:>14}", format_bytes(live_bytes(static_cast<Phase>(p), cat)));
+    out += "\n";
+  }
+  out += fmt::format("{:<20}", "total");
+  for (size_t p = 0; p < kNumPhases; ++p) out += fmt::format("{:>14}", format_bytes(live_bytes(static_cast<Phase>(p))));
+  out += fmt::format("\npeak {} ({} bytes) in phase {}, {} buffers\n", format_bytes(peak_bytes_), peak_bytes_,
+                     phase_name(peak_phase_), buffers_.size());
+  return out;
+}
+
+}  // namespace memtune

@@ -1,0 +1,118 @@
+// The Qwen2 decoder on the CPU backend: parameters with Hugging Face names, an explicit forward
+// and backward, gradient checkpointing as a choice of saved buffers, and the fused chunked
+// LM-head loss. Every byte it touches is declared in its MemoryPlan at construction and served
+// by its Arena; a training step performs no other allocation.
+//
+// Phases of one step: Forward (embedding + layers, residual stream saved per layer), Loss
+// (final norm + fused LM head/cross-entropy, which also yields d(normed hidden) and the head's
+// weight gradient), Backward (final norm, layers in reverse, embedding).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "backend/cpu/ops.h"
+#include "memory/arena.h"
+#include "memory/plan.h"
+#include "model/config.h"
+
+namespace memtune {
+
+class CheckpointReader;
+
+struct ParamSpec {
+  std::string name;  // Hugging Face name
+  std::vector<int64_t> shape;
+  int64_t numel() const;
+};
+// All parameters of a Qwen2ForCausalLM in Hugging Face order (lm_head.weight only when untied).
+std::vector<ParamSpec> qwen2_parameter_specs(const Qwen2Config& config);
+int64_t qwen2_parameter_count(const Qwen2Config& config);
+
+struct ModelOptions {
+  int64_t max_tokens = 2048;          // capacity of one micro-batch's flat token stream
+  bool gradient_checkpointing = false;
+  size_t loss_workspace_bytes = size_t{128} << 20;  // budget for the LM head's logits chunk
+  bool with_grads = true;             // declare gradients and backward buffers
+};
+
+// A micro-batch: a flat stream of tokens holding sequences back to back. labels are unshifted
+// (Hugging Face convention: the target of token t is labels[t+1] of the same sequence; -100 ignored).
+struct TokenBatch {
+  std::span<const int32_t> input_ids;
+  std::span<const int32_t> labels;
+  std::span<const int32_t> cu_seqlens;  // num_seqs + 1 offsets, starting at 0, ending at N
+};
+
+class Qwen2Model {
+ public:
+  Qwen2Model(const Qwen2Config& config, const ModelOptions& options);
+
+  const Qwen2Config& config() const { return config_; }
+  const ModelOptions& options() const { return options_; }
+  const std::vector<ParamSpec>& params() const { return specs_; }
+  const MemoryPlan& plan() const { return *plan_; }
+  Arena& arena() { return *arena_; }
+  int64_t loss_chunk_rows() const { return chunk_rows_; }
+
+  // Deterministic initialization like Hugging Face: N(0, 0.02) for matrices and embeddings,
+  // zero biases, unit norm weights.
+  void init_random(uint64_t seed);
+  // Loads every parameter from a checkpoint, converting dtype if needed; refuses missing or
+  // unexpected tensors and shape mismatches with the tensor and file named.
+  void load(const CheckpointReader& checkpoint);
+  // Writes config.json and model.safetensors (sharded when large) into dir.
+  void save(const std::string& dir) const;
+
+  void* param_data(size_t i) const;
+  float* grad_data(size_t i) const;
+  void zero_grads();
+
+  // forward, loss and backward of one micro-batch; gradients of the loss SUM are accumulated.
+  // If logits_out is given ([N, V] host memory, debugging only) the full logits are written there.
+  cpu::LossSum forward_backward(const TokenBatch& batch, float* logits_out = nullptr);
+
+ private:
+  struct LayerParams {
+    size_t ln1, wq, bq, wk, bk, wv, bv, wo, ln2, wg, wu, wd;
+  };
+  struct LayerActs {
+    BufferId ln1, rstd1, q, k, v, att, lse, res1, ln2, rstd2, gate, up, h;
+  };
+  LayerActs declare_layer_acts(const std::string& prefix, Category category, Phase first, Phase last);
+  void declare_buffers();
+  void upload_batch(const TokenBatch& batch);
+  void layer_forward(int64_t l, const LayerActs& a, const float* x, float* x_out);
+  void layer_backward(int64_t l, const LayerActs& a, const float* x, float* dstream);
+  // The parameter as float32: its own storage, or, when stored in 16 bits, converted into the
+  // current phase's conversion scratch (one for matrices, one for vectors, so a matmul's weight
+  // and bias can be live together). Valid until the next call for a parameter of the same rank.
+  const float* weight_f32(size_t param);
+
+  Qwen2Config config_;
+  ModelOptions options_;
+  std::vector<ParamSpec> specs_;
+  std::vector<LayerParams> layer_params_;
+  size_t embed_ = 0, final_norm_ = 0, head_ = 0;
+  std::vector<BufferId> weight_ids_, grad_ids_;
+  std::unique_ptr<MemoryPlan> plan_;
+  std::unique_ptr<Arena> arena_;
+  int64_t chunk_rows_ = 1;
+  int64_t num_tokens_ = 0, num_seqs_ = 0;
+
+  // Buffer ids (see declare_buffers for lifetimes).
+  BufferId ids_, positions_, targets_, cu_seqlens_;
+  std::vector<BufferId> residual_;   // layer inputs x_0..x_L (x_L feeds the final norm)
+  std::vector<LayerActs> saved_;     // per layer, without checkpointing
+  LayerActs fwd_scratch_{}, recompute_{};  // with checkpointing
+  std::array<BufferId, kNumPhases> matrix_f32_{}, vector_f32_{};
+  BufferId normed_, rstd_final_, dnormed_;
+  BufferId logits_chunk_, rows_, drows_, loss_positions_;
+  BufferId dstream_, dln_, datt_, dq_, dk_, dv_, dh_, dgate_, dup_;
+};
+
+}  // namespace memtune

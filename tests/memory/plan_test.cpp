@@ -1,0 +1,84 @@
+// MemoryPlan placement and Arena lifetime enforcement.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "core/error.h"
+#include "memory/arena.h"
+#include "memory/plan.h"
+
+namespace memtune {
+namespace {
+
+TEST(MemoryPlan, LaminarLifetimesPackToTheLivePeak) {
+  MemoryPlan plan;
+  plan.declare_persistent("weights", Category::Weights, 1000);
+  plan.declare("saved", Category::SavedActivations, 640, Phase::Forward, Phase::Backward);
+  plan.declare("fwd_scratch", Category::Working, 300, Phase::Forward, Phase::Forward);
+  plan.declare("dnormed", Category::Working, 100, Phase::Loss, Phase::Backward);
+  plan.declare("logits", Category::LossWorkspace, 5000, Phase::Loss, Phase::Loss);
+  plan.declare("bwd_scratch", Category::Working, 2000, Phase::Backward, Phase::Backward);
+  plan.finalize();
+  // padded: weights 1024, saved 640, fwd 320, dnormed 128, logits 5056, bwd 2048
+  EXPECT_EQ(plan.live_bytes(Phase::Forward), 1024u + 640 + 320);
+  EXPECT_EQ(plan.live_bytes(Phase::Loss), 1024u + 640 + 128 + 5056);
+  EXPECT_EQ(plan.live_bytes(Phase::Backward), 1024u + 640 + 128 + 2048);
+  EXPECT_EQ(plan.peak_bytes(), 1024u + 640 + 128 + 5056);
+  EXPECT_EQ(plan.peak_phase(), Phase::Loss);
+  // Buffers live at the same time never overlap.
+  const auto& b = plan.buffers();
+  for (size_t i = 0; i < b.size(); ++i)
+    for (size_t j = i + 1; j < b.size(); ++j) {
+      const bool together = b[i].first <= b[j].last && b[j].first <= b[i].last;
+      const bool disjoint_bytes = b[i].offset + b[i].padded_bytes <= b[j].offset || b[j].offset + b[j].padded_bytes <= b[i].offset;
+      if (together) {
+        EXPECT_TRUE(disjoint_bytes) << b[i].name << " / " << b[j].name;
+      }
+    }
+  // The logits workspace reuses bytes of the forward scratch.
+  EXPECT_LT(b[4].offset, b[2].offset + b[2].padded_bytes);
+}
+
+TEST(MemoryPlan, CrossingLifetimesAreRefused) {
+  MemoryPlan plan;
+  plan.declare("a", Category::Working, 64, Phase::Forward, Phase::Loss);
+  plan.declare("b", Category::Working, 64, Phase::Loss, Phase::Backward);
+  EXPECT_THROW(plan.finalize(), InternalError);
+}
+
+TEST(Arena, RefusesBuffersOutsideTheirLifetimeAndTracksHighWater) {
+  MemoryPlan plan;
+  const BufferId w = plan.declare_persistent("w", Category::Weights, 128);
+  const BufferId f = plan.declare("f", Category::Working, 256, Phase::Forward, Phase::Forward);
+  const BufferId l = plan.declare("l", Category::LossWorkspace, 64, Phase::Loss, Phase::Loss);
+  plan.finalize();
+  Arena arena(plan);
+  EXPECT_EQ(arena.capacity_bytes(), 384u);
+  arena.get<float>(w);
+  EXPECT_EQ(arena.high_water_bytes(), 128u);
+  arena.get<float>(f);
+  EXPECT_EQ(arena.high_water_bytes(), 384u);
+  EXPECT_THROW(arena.get<float>(l), InternalError);
+  arena.enter_phase(Phase::Loss);
+  EXPECT_THROW(arena.get<float>(f), InternalError);
+  EXPECT_NO_THROW(arena.get<float>(l));
+}
+
+TEST(Arena, PoisonsBuffersWhenTheirLifetimeEnds) {
+  MemoryPlan plan;
+  const BufferId f = plan.declare("f", Category::Working, 16, Phase::Forward, Phase::Forward);
+  const BufferId keep = plan.declare_persistent("keep", Category::Weights, 16);
+  plan.finalize();
+  Arena arena(plan);
+  arena.set_poison_on_release(true);
+  float* stale = arena.get<float>(f);
+  float* kept = arena.get<float>(keep);
+  stale[0] = 1.0f;
+  kept[0] = 2.0f;
+  arena.enter_phase(Phase::Loss);
+  EXPECT_TRUE(std::isnan(stale[0]));
+  EXPECT_EQ(kept[0], 2.0f);
+}
+
+}  // namespace
+}  // namespace memtune

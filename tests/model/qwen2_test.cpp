@@ -1,0 +1,269 @@
+// The Qwen2 model on the CPU backend: plan == arena high-water, no allocation during a step,
+// gradient checkpointing and loss chunking change nothing numerically, packed sequences are
+// independent, 16-bit storage stays 16-bit, and checkpoints round-trip through HF files.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <unistd.h>
+#include <filesystem>
+#include <numeric>
+
+#include "core/error.h"
+#include "core/rng.h"
+#include "io/checkpoint.h"
+#include "io/safetensors.h"
+#include "model/qwen2.h"
+#include "support/allocation_counter.h"
+
+namespace memtune {
+namespace {
+
+struct Sample {
+  std::vector<int32_t> ids, labels, cu;
+  TokenBatch batch() const { return {ids, labels, cu}; }
+};
+
+// Sequences of the given lengths with random ids; some labels masked with -100.
+Sample make_sample(const std::vector<int32_t>& lengths, int64_t vocab, uint64_t seed) {
+  Rng rng(seed);
+  Sample s;
+  s.cu.push_back(0);
+  for (int32_t len : lengths) {
+    for (int32_t t = 0; t < len; ++t) {
+      s.ids.push_back(static_cast<int32_t>(rng.next_u64() % vocab));
+      s.labels.push_back(rng.uniform() < 0.2 ? -100 : s.ids.back());
+    }
+    s.cu.push_back(static_cast<int32_t>(s.ids.size()));
+  }
+  return s;
+}
+
+Qwen2Config tiny(DType dtype = DType::F32, bool tied = true) {
+  Qwen2Config c = qwen2_preset("tiny");
+  c.torch_dtype = dtype;
+  c.tie_word_embeddings = tied;
+  return c;
+}
+
+std::vector<std::vector<float>> grads_of(const Qwen2Model& m) {
+  std::vector<std::vector<float>> out;
+  for (size_t i = 0; i < m.params().size(); ++i)
+    out.emplace_back(m.grad_data(i), m.grad_data(i) + m.params()[i].numel());
+  return out;
+}
+
+void expect_close(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b, double rel,
+                  const Qwen2Model& m) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    double maxref = 0, maxdiff = 0;
+    for (size_t j = 0; j < a[i].size(); ++j) {
+      maxref = std::max(maxref, std::abs(double(b[i][j])));
+      maxdiff = std::max(maxdiff, std::abs(double(a[i][j]) - b[i][j]));
+    }
+    EXPECT_LE(maxdiff, rel * maxref + 1e-9) << m.params()[i].name;
+  }
+}
+
+class PlanTest : public ::testing::TestWithParam<std::tuple<bool, DType, bool>> {};
+
+TEST_P(PlanTest, ArenaHighWaterEqualsPlannedPeakAndNoHeapAllocationInAStep) {
+  const auto [checkpointing, dtype, tied] = GetParam();
+  ModelOptions opt;
+  opt.max_tokens = 48;
+  opt.gradient_checkpointing = checkpointing;
+  opt.loss_workspace_bytes = 16 * 512 * 4;
+  Qwen2Model model(tiny(dtype, tied), opt);
+  model.arena().set_poison_on_release(true);
+  model.init_random(1);
+  model.zero_grads();
+  const Sample s = make_sample({20, 1, 27}, 512, 2);
+  model.forward_backward(s.batch());  // warm-up: thread pools, BLAS buffers
+
+  testing_support::start_counting_allocations();
+  const cpu::LossSum loss = model.forward_backward(s.batch());
+  EXPECT_EQ(testing_support::stop_counting_allocations(), 0) << "a forward/backward allocated outside the arena";
+
+  EXPECT_TRUE(std::isfinite(loss.sum));
+  EXPECT_GT(loss.count, 0);
+  EXPECT_EQ(model.arena().capacity_bytes(), model.plan().peak_bytes());
+  const size_t high = model.arena().high_water_bytes();
+  EXPECT_LE(high, model.plan().peak_bytes());
+  EXPECT_GE(high + (size_t{1} << 20), model.plan().peak_bytes());
+  EXPECT_EQ(high, model.plan().peak_bytes());  // no padding besides per-buffer alignment
+  // 16-bit storage is not silently widened: weights take 2 bytes per parameter.
+  EXPECT_EQ(model.plan().live_bytes(Phase::Forward, Category::Weights) / 64,
+            static_cast<size_t>(qwen2_parameter_count(model.config())) * dtype_size(dtype) / 64);
+  for (size_t i = 0; i < model.params().size(); ++i)
+    for (int64_t j = 0; j < model.params()[i].numel(); ++j) ASSERT_TRUE(std::isfinite(model.grad_data(i)[j]));
+}
+
+INSTANTIATE_TEST_SUITE_P(Configs, PlanTest,
+                         ::testing::Combine(::testing::Bool(), ::testing::Values(DType::F32, DType::BF16),
+                                            ::testing::Bool()));
+
+TEST(Qwen2, CheckpointingSavesActivationMemoryAndGivesTheSameGradients) {
+  const Sample s = make_sample({33, 15}, 512, 3);
+  auto run = [&](bool ckpt, std::vector<std::vector<float>>& grads, size_t& saved) {
+    ModelOptions opt;
+    opt.max_tokens = 48;
+    opt.gradient_checkpointing = ckpt;
+    Qwen2Model m(tiny(), opt);
+    m.init_random(4);
+    m.zero_grads();
+    const double loss = m.forward_backward(s.batch()).sum;
+    grads = grads_of(m);
+    saved = m.plan().live_bytes(Phase::Backward, Category::SavedActivations);
+    return loss;
+  };
+  std::vector<std::vector<float>> g_full, g_ckpt;
+  size_t saved_full = 0, saved_ckpt = 0;
+  const double l_full = run(false, g_full, saved_full), l_ckpt = run(true, g_ckpt, saved_ckpt);
+  EXPECT_EQ(l_full, l_ckpt);
+  ModelOptions opt;
+  Qwen2Model shape(tiny(), opt);
+  expect_close(g_ckpt, g_full, 1e-6, shape);
+  EXPECT_LT(saved_ckpt * 4, saved_full);
+}
+
+TEST(Qwen2, LossChunkSizeDoesNotChangeResults) {
+  const Sample s = make_sample({40}, 512, 5);
+  std::vector<std::vector<float>> grads[2];
+  double losses[2];
+  const size_t budgets[2] = {1, size_t{64} << 20};  // one row per chunk vs. everything at once
+  for (int i = 0; i < 2; ++i) {
+    ModelOptions opt;
+    opt.max_tokens = 40;
+    opt.loss_workspace_bytes = budgets[i];
+    Qwen2Model m(tiny(DType::F32, false), opt);
+    EXPECT_EQ(m.loss_chunk_rows(), i == 0 ? 1 : 40);
+    m.init_random(6);
+    m.zero_grads();
+    losses[i] = m.forward_backward(s.batch()).sum;
+    grads[i] = grads_of(m);
+  }
+  EXPECT_NEAR(losses[0], losses[1], 1e-5 * std::abs(losses[1]));
+  ModelOptions opt;
+  expect_close(grads[0], grads[1], 1e-5, Qwen2Model(tiny(DType::F32, false), opt));
+}
+
+TEST(Qwen2, PackedSequencesAreIndependent) {
+  // Loss and gradients of a packed batch equal the sums over each sequence run alone: attention
+  // never crosses a boundary and positions restart at 0.
+  const Sample packed = make_sample({17, 9, 22}, 512, 7);
+  ModelOptions opt;
+  opt.max_tokens = 48;
+  Qwen2Model m(tiny(), opt);
+  m.init_random(8);
+  m.zero_grads();
+  const cpu::LossSum whole = m.forward_backward(packed.batch());
+  const auto g_whole = grads_of(m);
+  m.zero_grads();
+  double sum = 0;
+  int64_t count = 0;
+  for (size_t s = 0; s + 1 < packed.cu.size(); ++s) {
+    const int32_t b = packed.cu[s], e = packed.cu[s + 1];
+    Sample one;
+    one.ids.assign(packed.ids.begin() + b, packed.ids.begin() + e);
+    one.labels.assign(packed.labels.begin() + b, packed.labels.begin() + e);
+    one.cu = {0, e - b};
+    const cpu::LossSum part = m.forward_backward(one.batch());
+    sum += part.sum;
+    count += part.count;
+  }
+  EXPECT_EQ(count, whole.count);
+  EXPECT_NEAR(sum, whole.sum, 1e-5 * std::abs(whole.sum));
+  expect_close(grads_of(m), g_whole, 1e-5, m);
+}
+
+TEST(Qwen2, RejectsBadBatches) {
+  ModelOptions opt;
+  opt.max_tokens = 8;
+  Qwen2Model m(tiny(), opt);
+  m.init_random(1);
+  Sample s = make_sample({9}, 512, 1);
+  EXPECT_THROW(m.forward_backward(s.batch()), Error);  // more tokens than planned
+  s = make_sample({4}, 512, 1);
+  s.ids[2] = 512;
+  EXPECT_THROW(m.forward_backward(s.batch()), Error);  // id outside the vocabulary
+}
+
+class ScopedDir {
+ public:
+  ScopedDir() : path_(std::filesystem::temp_directory_path() / ("memtune_model_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter_++))) {
+    std::filesystem::create_directories(path_);
+  }
+  ~ScopedDir() { std::filesystem::remove_all(path_); }
+  std::string str() const { return path_.string(); }
+
+ private:
+  static inline int counter_ = 0;
+  std::filesystem::path path_;
+};
+
+TEST(Qwen2, SaveLoadRoundTripAndLoadErrors) {
+  ScopedDir dir;
+  ModelOptions opt;
+  opt.max_tokens = 4;
+  Qwen2Model a(tiny(DType::BF16, false), opt);
+  a.init_random(9);
+  a.save(dir.str());
+  const Qwen2Config loaded = load_qwen2_config(dir.str() + "/config.json");
+  EXPECT_EQ(loaded.torch_dtype, DType::BF16);
+  EXPECT_FALSE(loaded.tie_word_embeddings);
+  Qwen2Model b(loaded, opt);
+  b.load(CheckpointReader(dir.str()));
+  for (size_t i = 0; i < a.params().size(); ++i)
+    EXPECT_EQ(std::memcmp(a.param_data(i), b.param_data(i), a.params()[i].numel() * 2), 0) << a.params()[i].name;
+
+  // A config with one more layer than the checkpoint: the missing tensor is named.
+  Qwen2Config deeper = loaded;
+  deeper.num_hidden_layers = 3;
+  Qwen2Model c(deeper, opt);
+  try {
+    c.load(CheckpointReader(dir.str()));
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("model.layers.2.input_layernorm.weight"), std::string::npos) << e.what();
+  }
+  // A tied config reading an untied checkpoint is fine (lm_head ignored), a shallower one is not.
+  Qwen2Config shallower = loaded;
+  shallower.num_hidden_layers = 1;
+  Qwen2Model d(shallower, opt);
+  try {
+    d.load(CheckpointReader(dir.str()));
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("model.layers.1."), std::string::npos) << e.what();
+  }
+  // Another hidden size: the shape mismatch names the tensor.
+  Qwen2Config wider = loaded;
+  wider.intermediate_size = 180;
+  Qwen2Model w(wider, opt);
+  try {
+    w.load(CheckpointReader(dir.str()));
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("mlp.gate_proj.weight"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Qwen2, Bfloat16StorageComputesLikeFloat32OnTheSameValues) {
+  // A bf16 model and an f32 model holding the same (bf16-representable) values agree.
+  ModelOptions opt;
+  opt.max_tokens = 32;
+  Qwen2Model half(tiny(DType::BF16), opt), full(tiny(DType::F32), opt);
+  half.init_random(10);
+  for (size_t i = 0; i < half.params().size(); ++i)
+    convert_to_f32(half.param_data(i), DType::BF16, static_cast<float*>(full.param_data(i)), half.params()[i].numel());
+  const Sample s = make_sample({32}, 512, 11);
+  half.zero_grads();
+  full.zero_grads();
+  const double lh = half.forward_backward(s.batch()).sum, lf = full.forward_backward(s.batch()).sum;
+  EXPECT_NEAR(lh, lf, 1e-6 * std::abs(lf));
+  expect_close(grads_of(half), grads_of(full), 1e-6, full);
+}
+
+}  // namespace
+}  // namespace memtune
