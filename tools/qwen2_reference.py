@@ -1,0 +1,388 @@
+#!/usr/bin/python3
+"""Reference Qwen2ForCausalLM in plain PyTorch: the independent numerical oracle for memtune.
+
+memtune reimplements Qwen2 training in C++ with hand-written kernels and backward passes. This
+file recomputes the same quantities (logits, the causal-LM loss, and every parameter gradient)
+with PyTorch autograd, written from the Hugging Face Qwen2 modeling semantics rather than from
+memtune's code, so the two can be compared tensor by tensor
+(tests/reference/compare_with_reference.py). It also provides the eager-PyTorch baseline for
+memtune's throughput/memory benchmark.
+
+Run it with Debian's /usr/bin/python3 (torch + numpy); it has no other dependencies.
+
+    qwen2_reference.py dump  --model DIR --input IN.json --out OUT.safetensors
+    qwen2_reference.py bench --model DIR --batch B --seq T --steps N [--threads K]
+"""
+
+import argparse
+import json
+import math
+import os
+import resource
+import struct
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+
+# ---------------------------------------------------------------------------------------------
+# safetensors
+# ---------------------------------------------------------------------------------------------
+
+SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+SAFETENSORS_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+
+
+def read_safetensors(path):
+    """Returns {name: tensor} in the stored dtype (F32, BF16 or F16), in file order."""
+    tensors = {}
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+        data_start = 8 + header_len
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            if info["dtype"] not in SAFETENSORS_DTYPES:
+                raise ValueError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+            dtype = SAFETENSORS_DTYPES[info["dtype"]]
+            shape = info["shape"]
+            begin, end = info["data_offsets"]
+            nbytes = math.prod(shape) * torch.finfo(dtype).bits // 8
+            if end - begin != nbytes:
+                raise ValueError(f"{path}: tensor {name} spans {end - begin} bytes, "
+                                 f"expected {nbytes} for {info['dtype']}{shape}")
+            if nbytes == 0:
+                tensors[name] = torch.empty(shape, dtype=dtype)
+                continue
+            # Read straight into a private bytearray: frombuffer shares its memory, and reading
+            # tensor by tensor avoids holding the whole file in memory next to the parameters.
+            buf = bytearray(nbytes)
+            f.seek(data_start + begin)
+            if f.readinto(buf) != nbytes:
+                raise ValueError(f"{path}: tensor {name} runs past the end of the file")
+            tensors[name] = torch.frombuffer(buf, dtype=dtype).reshape(shape)
+    return tensors
+
+
+def write_safetensors(path, tensors, metadata=None):
+    """Writes {name: tensor} (F32, BF16 or F16) with contiguous offsets, in the given order."""
+    header = {}
+    if metadata:
+        header["__metadata__"] = metadata
+    blobs = []
+    offset = 0
+    for name, t in tensors.items():
+        if t.dtype not in SAFETENSORS_NAMES:
+            raise ValueError(f"tensor {name}: cannot write dtype {t.dtype}")
+        # reshape(-1) makes 0-d tensors viewable as bytes; numpy has no bfloat16, bytes it has.
+        blob = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        header[name] = {"dtype": SAFETENSORS_NAMES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + len(blob)]}
+        blobs.append(blob)
+        offset += len(blob)
+    header_bytes = json.dumps(header, separators=(",", ":")).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header_bytes)))
+        f.write(header_bytes)
+        for blob in blobs:
+            f.write(blob)
+
+
+def read_checkpoint(model_dir):
+    """Reads model.safetensors, or the shards listed in model.safetensors.index.json."""
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.exists(single):
+        return read_safetensors(single)
+    index_path = os.path.join(model_dir, "model.safetensors.index.json")
+    with open(index_path) as f:
+        weight_map = json.load(f)["weight_map"]
+    tensors = {}
+    for shard in sorted(set(weight_map.values())):
+        for name, t in read_safetensors(os.path.join(model_dir, shard)).items():
+            if weight_map.get(name) != shard:
+                raise ValueError(f"{shard}: tensor {name} is not mapped to this shard in {index_path}")
+            tensors[name] = t
+    missing = set(weight_map) - set(tensors)
+    if missing:
+        raise ValueError(f"{index_path}: tensors missing from their shards: {sorted(missing)}")
+    return tensors
+
+
+# ---------------------------------------------------------------------------------------------
+# config
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class Qwen2Config:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+
+    @staticmethod
+    def from_json(doc):
+        """Accepts the classic config.json form and the transformers-5 form (`rope_parameters`).
+        Defaults are those of transformers' Qwen2Config. `torch_dtype`/`dtype` are not needed:
+        tensors carry their dtype in the safetensors header and are upcast on load."""
+        rope = doc.get("rope_parameters") or {}
+        scaling = doc.get("rope_scaling") or {}
+        for rope_type in (rope.get("rope_type"), scaling.get("rope_type"), scaling.get("type")):
+            if rope_type not in (None, "default"):
+                raise ValueError(f"config: rope type {rope_type!r} is not supported")
+        if doc.get("use_sliding_window"):
+            raise ValueError("config: sliding-window attention is not supported")
+        if doc.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config: hidden_act {doc['hidden_act']!r} is not supported")
+        heads = doc["num_attention_heads"]
+        kv_heads = doc.get("num_key_value_heads") or heads
+        if heads % kv_heads:
+            raise ValueError(f"config: {heads} attention heads are not a multiple of {kv_heads} KV heads")
+        return Qwen2Config(
+            hidden_size=doc["hidden_size"],
+            intermediate_size=doc["intermediate_size"],
+            num_hidden_layers=doc["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=doc.get("head_dim") or doc["hidden_size"] // heads,
+            vocab_size=doc["vocab_size"],
+            rms_norm_eps=float(doc.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", doc.get("rope_theta", 10000.0))),
+            tie_word_embeddings=bool(doc.get("tie_word_embeddings", False)),
+        )
+
+
+def parameter_shapes(cfg):
+    """The HF parameter names and shapes of a Qwen2ForCausalLM checkpoint, in model order."""
+    d, i, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+    shapes = {"model.embed_tokens.weight": [cfg.vocab_size, d]}
+    for layer in range(cfg.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        shapes.update({
+            p + "input_layernorm.weight": [d],
+            p + "self_attn.q_proj.weight": [q, d], p + "self_attn.q_proj.bias": [q],
+            p + "self_attn.k_proj.weight": [kv, d], p + "self_attn.k_proj.bias": [kv],
+            p + "self_attn.v_proj.weight": [kv, d], p + "self_attn.v_proj.bias": [kv],
+            p + "self_attn.o_proj.weight": [d, q],
+            p + "post_attention_layernorm.weight": [d],
+            p + "mlp.gate_proj.weight": [i, d],
+            p + "mlp.up_proj.weight": [i, d],
+            p + "mlp.down_proj.weight": [d, i],
+        })
+    shapes["model.norm.weight"] = [d]
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = [cfg.vocab_size, d]
+    return shapes
+
+
+def load_model(model_dir, dtype=torch.float32):
+    """Returns (config, {name: leaf parameter}) with parameters upcast to `dtype`. The checkpoint
+    must hold exactly the expected tensors (a tied model has no lm_head.weight)."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = Qwen2Config.from_json(json.load(f))
+    stored = read_checkpoint(model_dir)
+    shapes = parameter_shapes(cfg)
+    if set(stored) != set(shapes):
+        raise ValueError(f"{model_dir}: checkpoint tensors differ from the config's; "
+                         f"missing {sorted(set(shapes) - set(stored))}, "
+                         f"unexpected {sorted(set(stored) - set(shapes))}")
+    params = {}
+    for name, shape in shapes.items():
+        if list(stored[name].shape) != shape:
+            raise ValueError(f"{model_dir}: {name} has shape {list(stored[name].shape)}, expected {shape}")
+        params[name] = stored.pop(name).to(dtype).requires_grad_(True)
+    return cfg, params
+
+
+# ---------------------------------------------------------------------------------------------
+# model
+# ---------------------------------------------------------------------------------------------
+
+def rms_norm(x, weight, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rope_tables(cfg, seq_len, dtype):
+    """cos/sin [T, head_dim] for positions 0..T-1; both halves of the last dim repeat the angles."""
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=dtype) / cfg.head_dim))
+    angles = torch.arange(seq_len, dtype=dtype)[:, None] * inv_freq[None, :]
+    emb = torch.cat([angles, angles], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x, cos, sin):
+    """x: [B, heads, T, head_dim]."""
+    return x * cos + rotate_half(x) * sin
+
+
+def attention(h, params, prefix, cfg, cos, sin):
+    batch, seq, _ = h.shape
+    hd = cfg.head_dim
+
+    def project(name, heads):
+        y = F.linear(h, params[prefix + name + ".weight"], params[prefix + name + ".bias"])
+        return y.view(batch, seq, heads, hd).transpose(1, 2)  # [B, heads, T, hd]
+
+    q = apply_rope(project("q_proj", cfg.num_attention_heads), cos, sin)
+    k = apply_rope(project("k_proj", cfg.num_key_value_heads), cos, sin)
+    v = project("v_proj", cfg.num_key_value_heads)
+    # GQA: query head j reads KV head j // group, i.e. each KV head serves `group` consecutive
+    # query heads.
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
+    future = torch.ones(seq, seq, dtype=torch.bool).triu(1)
+    scores = scores.masked_fill(future, float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ v  # [B, Hq, T, hd]
+    out = out.transpose(1, 2).reshape(batch, seq, cfg.num_attention_heads * hd)
+    return F.linear(out, params[prefix + "o_proj.weight"])
+
+
+def mlp(h, params, prefix):
+    gate = F.linear(h, params[prefix + "gate_proj.weight"])
+    up = F.linear(h, params[prefix + "up_proj.weight"])
+    return F.linear(F.silu(gate) * up, params[prefix + "down_proj.weight"])
+
+
+def forward(cfg, params, input_ids):
+    """input_ids: int64 [B, T]. Returns logits [B, T, V] in the parameters' dtype."""
+    embed = params["model.embed_tokens.weight"]
+    x = F.embedding(input_ids, embed)
+    cos, sin = rope_tables(cfg, input_ids.shape[1], embed.dtype)
+    for layer in range(cfg.num_hidden_layers):
+        p = f"model.layers.{layer}."
+        h = rms_norm(x, params[p + "input_layernorm.weight"], cfg.rms_norm_eps)
+        x = x + attention(h, params, p + "self_attn.", cfg, cos, sin)
+        h = rms_norm(x, params[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
+        x = x + mlp(h, params, p + "mlp.")
+    x = rms_norm(x, params["model.norm.weight"], cfg.rms_norm_eps)
+    head = embed if cfg.tie_word_embeddings else params["lm_head.weight"]
+    return F.linear(x, head)
+
+
+def causal_lm_loss(logits, labels):
+    """HF ForCausalLMLoss: position t predicts labels[t + 1] of its row, the last position
+    predicts nothing, IGNORE_INDEX targets are skipped, mean over the rest. With no target at
+    all the mean is 0/0 = nan (and autograd then gives all-zero gradients)."""
+    vocab = logits.shape[-1]
+    return F.cross_entropy(logits[:, :-1, :].reshape(-1, vocab), labels[:, 1:].reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction="mean")
+
+
+def forward_backward(cfg, params, input_ids, labels):
+    """Returns (logits, loss) and leaves each parameter's gradient in .grad. A tied model's
+    embedding gradient sums the embedding and LM-head uses, since they are one tensor."""
+    for p in params.values():
+        p.grad = None
+    logits = forward(cfg, params, input_ids)
+    loss = causal_lm_loss(logits, labels)
+    loss.backward()
+    return logits, loss
+
+
+# ---------------------------------------------------------------------------------------------
+# subcommands
+# ---------------------------------------------------------------------------------------------
+
+def read_batch(path, vocab_size):
+    """Reads {"input_ids": [[...]], "labels": [[...]]} (labels default to input_ids)."""
+    with open(path) as f:
+        doc = json.load(f)
+    input_ids = doc["input_ids"]
+    labels = doc.get("labels", input_ids)
+    if not input_ids or len(labels) != len(input_ids):
+        raise ValueError(f"{path}: need one labels row per input_ids row, and at least one row")
+    seq = len(input_ids[0])
+    if seq == 0 or any(len(row) != seq for row in input_ids + labels):
+        raise ValueError(f"{path}: all input_ids and labels rows must have the same nonzero length")
+    ids = torch.tensor(input_ids, dtype=torch.int64)
+    lab = torch.tensor(labels, dtype=torch.int64)
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        raise ValueError(f"{path}: input_ids must lie in [0, {vocab_size})")
+    valid = lab != IGNORE_INDEX
+    if lab[valid].numel() and (lab[valid].min() < 0 or lab[valid].max() >= vocab_size):
+        raise ValueError(f"{path}: labels must lie in [0, {vocab_size}) or be {IGNORE_INDEX}")
+    return ids, lab
+
+
+def dump(model_dir, input_path, out_path, dtype=torch.float32):
+    """Computes logits, loss and gradients for one batch; writes them as F32 safetensors:
+    `logits` [B, T, V], `loss` [], `grad.<name>` for every checkpoint parameter. `dtype` is the
+    compute dtype: float32 for the oracle; the --self-check of the comparison adds float64."""
+    cfg, params = load_model(model_dir, dtype)
+    input_ids, labels = read_batch(input_path, cfg.vocab_size)
+    logits, loss = forward_backward(cfg, params, input_ids, labels)
+    out = {"logits": logits.detach(), "loss": loss.detach()}
+    for name, p in params.items():
+        out["grad." + name] = p.grad if p.grad is not None else torch.zeros_like(p)
+    write_safetensors(out_path, {k: v.float() for k, v in out.items()})
+
+
+def bench(model_dir, batch, seq, steps, threads):
+    """Eager PyTorch training-step throughput: `steps` forward+backward passes on random tokens,
+    the first one a warm-up that is not timed."""
+    torch.set_num_threads(threads)
+    cfg, params = load_model(model_dir)
+    gen = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(cfg.vocab_size, (batch, seq), generator=gen)
+    forward_backward(cfg, params, input_ids, input_ids)
+    start = time.perf_counter()
+    for _ in range(steps - 1):
+        forward_backward(cfg, params, input_ids, input_ids)
+    seconds_per_step = (time.perf_counter() - start) / (steps - 1)
+    print(json.dumps({
+        "tokens_per_s": batch * seq / seconds_per_step,
+        "seconds_per_step": seconds_per_step,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "threads": threads,
+    }))
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_dump = sub.add_parser("dump", help="write logits, loss and gradients for one batch")
+    p_dump.add_argument("--model", required=True, help="Hugging Face model directory")
+    p_dump.add_argument("--input", required=True, help='JSON {"input_ids": [[...]], "labels": [[...]]}')
+    p_dump.add_argument("--out", required=True, help="output .safetensors path")
+    p_bench = sub.add_parser("bench", help="time eager forward+backward steps")
+    p_bench.add_argument("--model", required=True)
+    p_bench.add_argument("--batch", type=int, required=True)
+    p_bench.add_argument("--seq", type=int, required=True)
+    p_bench.add_argument("--steps", type=int, required=True)
+    p_bench.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    if args.command == "bench" and min(args.batch, args.seq, args.threads) < 1:
+        parser.error("bench: --batch, --seq and --threads must be positive")
+    if args.command == "bench" and args.steps < 2:
+        parser.error("bench: --steps must be >= 2 (the first step is an untimed warm-up)")
+    try:
+        if args.command == "dump":
+            dump(args.model, args.input, args.out)
+        else:
+            bench(args.model, args.batch, args.seq, args.steps, args.threads)
+    except (ValueError, KeyError, OSError) as e:
+        sys.exit(f"qwen2_reference: error: {e}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
