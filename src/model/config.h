@@ -21,7 +21,7 @@ struct Qwen2Config {
   int64_t vocab_size = 0;
   int64_t max_position_embeddings = 32768;
   double rms_norm_eps = 1e-6;
-  double rope_theta = 1000000.0;
+  double rope_theta = 10000.0;  // transformers Qwen2Config default; presets set their own
   bool tie_word_embeddings = false;
   DType torch_dtype = DType::F32;
 

@@ -1,6 +1,7 @@
 #include "model/qwen2.h"
 
 #include <algorithm>
+#include <chrono>
 #include <filesystem>
 #include <fmt/format.h>
 #include <fstream>
@@ -328,6 +329,10 @@ cpu::LossSum Qwen2Model::forward_backward(const TokenBatch& batch, float* logits
   const int64_t D = c.hidden_size, V = c.vocab_size, L = c.num_hidden_layers;
   const bool ckpt = options_.gradient_checkpointing || !options_.with_grads;
 
+  using Clock = std::chrono::steady_clock;
+  auto seconds_since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
+  timings_ = {};
+  auto t0 = Clock::now();
   A.enter_phase(Phase::Forward);
   upload_batch(batch);
   const int64_t N = num_tokens_;
@@ -335,6 +340,8 @@ cpu::LossSum Qwen2Model::forward_backward(const TokenBatch& batch, float* logits
   for (int64_t l = 0; l < L; ++l)
     layer_forward(l, ckpt ? fwd_scratch_ : saved_[l], A.get<float>(residual_[l]), A.get<float>(residual_[l + 1]));
 
+  timings_.forward = seconds_since(t0);
+  t0 = Clock::now();
   A.enter_phase(Phase::Loss);
   float* normed = A.get<float>(normed_);
   cpu::rmsnorm_forward(normed, A.get<float>(rstd_final_), A.get<float>(residual_[L]), weight_f32(final_norm_), N, D,
@@ -347,8 +354,10 @@ cpu::LossSum Qwen2Model::forward_backward(const TokenBatch& batch, float* logits
   const cpu::LossSum loss =
       cpu::lm_head_cross_entropy(normed, A.get<int32_t>(targets_), N, head, V, D, 0.0f,
                                  grads ? A.get<float>(dnormed_) : nullptr, grads ? grad_data(head_) : nullptr, ws);
+  timings_.loss = seconds_since(t0);
   if (!grads) return loss;
 
+  t0 = Clock::now();
   A.enter_phase(Phase::Backward);
   float* dstream = A.get<float>(dstream_);
   std::fill_n(dstream, N * D, 0.0f);
@@ -365,6 +374,7 @@ cpu::LossSum Qwen2Model::forward_backward(const TokenBatch& batch, float* logits
     }
   }
   cpu::embedding_backward(grad_data(embed_), dstream, A.get<int32_t>(ids_), N, D);
+  timings_.backward = seconds_since(t0);
   A.enter_phase(Phase::Forward);
   return loss;
 }

@@ -48,6 +48,11 @@ struct TokenBatch {
   std::span<const int32_t> cu_seqlens;  // num_seqs + 1 offsets, starting at 0, ending at N
 };
 
+// Wall-clock seconds spent in each phase of the last forward_backward.
+struct StepTimings {
+  double forward = 0, loss = 0, backward = 0;
+};
+
 class Qwen2Model {
  public:
   Qwen2Model(const Qwen2Config& config, const ModelOptions& options);
@@ -75,6 +80,7 @@ class Qwen2Model {
   // forward, loss and backward of one micro-batch; gradients of the loss SUM are accumulated.
   // If logits_out is given ([N, V] host memory, debugging only) the full logits are written there.
   cpu::LossSum forward_backward(const TokenBatch& batch, float* logits_out = nullptr);
+  const StepTimings& last_step_timings() const { return timings_; }
 
  private:
   struct LayerParams {
@@ -103,6 +109,7 @@ class Qwen2Model {
   std::unique_ptr<Arena> arena_;
   int64_t chunk_rows_ = 1;
   int64_t num_tokens_ = 0, num_seqs_ = 0;
+  StepTimings timings_;
 
   // Buffer ids (see declare_buffers for lifetimes).
   BufferId ids_, positions_, targets_, cu_seqlens_;

@@ -1,6 +1,6 @@
 // Tests for Qwen2 config.json parsing: the classic transformers-4 form as published for
 // Qwen2.5, the transformers-5 form, every refusal (each naming the file and field), the presets
-// (checked against the published 0.5B parameter count) and the to_json -> parse round trip.
+// (checked against published parameter counts) and the to_json -> parse round trip.
 #include "model/config.h"
 
 #include <gtest/gtest.h>
@@ -105,7 +105,7 @@ TEST(Qwen2ConfigTest, SlidingAttentionLayerTypesAreFullAttentionWhenTheWindowIsO
 }
 
 TEST(Qwen2ConfigTest, AppliesTransformersDefaults) {
-  json doc = {{"model_type", "qwen2"}, {"hidden_size", 64},  {"intermediate_size", 128},
+  json doc = {{"model_type", "qwen2"},  {"hidden_size", 64},        {"intermediate_size", 128},
               {"num_hidden_layers", 2}, {"num_attention_heads", 4}, {"vocab_size", 100}};
   Qwen2Config c = parse_qwen2_config(doc, "c.json");
   EXPECT_EQ(c.num_key_value_heads, 4);
@@ -140,7 +140,8 @@ TEST(Qwen2ConfigTest, RefusesOtherArchitectures) {
 }
 
 TEST(Qwen2ConfigTest, RefusesMissingRequiredFields) {
-  for (const char* field : {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"}) {
+  for (const char* field :
+       {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"}) {
     std::string msg = refusal([&](json& d) { d.erase(field); }, field);
     EXPECT_CONTAINS(msg, "missing required field");
   }
@@ -184,8 +185,11 @@ TEST(Qwen2ConfigTest, RefusesRopeScaling) {
 }
 
 TEST(Qwen2ConfigTest, RefusesConflictingDuplicates) {
-  refusal([](json& d) { d["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 5.0}}; },
-          "rope_parameters.rope_theta");
+  refusal(
+      [](json& d) {
+        d["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 5.0}};
+      },
+      "rope_parameters.rope_theta");
   refusal([](json& d) { d["dtype"] = "float16"; }, "dtype");
   std::string msg = refusal([](json& d) { d["torch_dtype"] = "int8"; }, "torch_dtype");
   EXPECT_CONTAINS(msg, "int8");
@@ -203,8 +207,8 @@ TEST(Qwen2ConfigTest, RefusesSlidingWindowAttention) {
 }
 
 TEST(Qwen2ConfigTest, RefusesBadLayerTypes) {
-  std::string msg = refusal([](json& d) { d["layer_types"] = json(std::vector<std::string>(3, "full_attention")); },
-                            "layer_types");
+  std::string msg =
+      refusal([](json& d) { d["layer_types"] = json(std::vector<std::string>(3, "full_attention")); }, "layer_types");
   EXPECT_CONTAINS(msg, "num_hidden_layers is 24");
   refusal(
       [](json& d) {
@@ -222,16 +226,27 @@ TEST(Qwen2ConfigTest, RefusesInconsistentHeads) {
   msg = refusal([](json& d) { d["hidden_size"] = 14 * 63; }, "hidden_size");
   EXPECT_CONTAINS(msg, "even");
   refusal([](json& d) { d["head_dim"] = 128; }, "head_dim");
-  EXPECT_EQ(parse_qwen2_config([] { json d = qwen25_05b_classic(); d["head_dim"] = 64; return d; }(), "c").head_dim(), 64);
+  EXPECT_EQ(parse_qwen2_config(
+                [] {
+                  json d = qwen25_05b_classic();
+                  d["head_dim"] = 64;
+                  return d;
+                }(),
+                "c")
+                .head_dim(),
+            64);
 }
 
-TEST(Qwen2ConfigTest, RefusesOtherActivations) { refusal([](json& d) { d["hidden_act"] = "gelu"; }, "hidden_act"); }
+TEST(Qwen2ConfigTest, RefusesOtherActivations) {
+  refusal([](json& d) { d["hidden_act"] = "gelu"; }, "hidden_act");
+}
 
 class Qwen2ConfigFileTest : public ::testing::Test {
  protected:
   void SetUp() override {
     static std::atomic<int> counter{0};
-    dir_ = fs::temp_directory_path() / ("memtune_config_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
+    dir_ = fs::temp_directory_path() /
+           ("memtune_config_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
     fs::create_directories(dir_);
   }
   void TearDown() override { fs::remove_all(dir_); }
@@ -320,7 +335,8 @@ TEST(Qwen2ConfigTest, Qwen25PresetsMatchThePublishedModels) {
   EXPECT_NEAR(parameter_count(qwen2_preset("qwen2.5-1.5b")) / 1e9, 1.54, 0.005);
   EXPECT_NEAR(parameter_count(qwen2_preset("qwen2.5-14b")) / 1e9, 14.7, 0.1);
   EXPECT_NEAR(parameter_count(qwen2_preset("qwen2.5-72b")) / 1e9, 72.7, 0.05);
-  for (const char* name : {"qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b"}) {
+  for (const char* name :
+       {"qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b"}) {
     Qwen2Config c = qwen2_preset(name);
     EXPECT_EQ(c.torch_dtype, DType::BF16) << name;
     EXPECT_DOUBLE_EQ(c.rope_theta, 1e6) << name;

@@ -1,0 +1,132 @@
+// Benchmark: one training step (forward + fused LM-head loss + backward) of a Qwen2 checkpoint on
+// the CPU, against the GEMM ceiling measured at the model's own shapes in the same run.
+// Usage: bench_step --model DIR [--batch 4] [--seq 512] [--steps 3] [--loss_workspace_bytes N]
+// Prints a human-readable report and one final JSON line (for scripts/bench.sh).
+#include <cblas.h>
+#include <sys/resource.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "core/rng.h"
+#include "io/checkpoint.h"
+#include "model/qwen2.h"
+
+using namespace memtune;
+using Clock = std::chrono::steady_clock;
+
+static double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// GFLOP/s of C[M,N] = A[M,K] B (B given as [N,K] when trans_b, the layout of our weights).
+static double sgemm_gflops(int64_t M, int64_t N, int64_t K, bool trans_a, bool trans_b) {
+  std::vector<float> a(M * K, 0.01f), b(K * N, 0.02f), c(M * N, 0.0f);
+  auto run = [&] {
+    cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, M, N, K, 1.0f,
+                a.data(), trans_a ? M : K, b.data(), trans_b ? K : N, 0.0f, c.data(), N);
+  };
+  run();
+  int reps = 0;
+  auto t0 = Clock::now();
+  do {
+    run();
+    ++reps;
+  } while (seconds_since(t0) < 0.5);
+  return 2.0 * M * N * K * reps / seconds_since(t0) / 1e9;
+}
+
+int main(int argc, char** argv) {
+  CLI::App app{"memtune step benchmark"};
+  std::string model_dir;
+  int64_t batch = 4, seq = 512, steps = 3;
+  size_t workspace = size_t{128} << 20;
+  bool checkpointing = false;
+  app.add_option("--model", model_dir)->required();
+  app.add_option("--batch", batch);
+  app.add_option("--seq", seq);
+  app.add_option("--steps", steps);
+  app.add_option("--loss_workspace_bytes", workspace);
+  app.add_flag("--gradient_checkpointing", checkpointing);
+  CLI11_PARSE(app, argc, argv);
+  try {
+    const Qwen2Config c = load_qwen2_config((std::filesystem::path(model_dir) / "config.json").string());
+    ModelOptions opt;
+    opt.max_tokens = batch * seq;
+    opt.loss_workspace_bytes = workspace;
+    opt.gradient_checkpointing = checkpointing;
+    Qwen2Model model(c, opt);
+    model.load(CheckpointReader(model_dir));
+    const int64_t N = batch * seq, D = c.hidden_size, V = c.vocab_size, I = c.intermediate_size;
+    const int64_t chunk = model.loss_chunk_rows();
+
+    fmt::print("model: {} parameters, hidden {}, layers {}, vocab {}; batch {} x {} tokens; logits chunk {} rows\n",
+               qwen2_parameter_count(c), D, c.num_hidden_layers, V, batch, seq, chunk);
+    fmt::print("GEMM ceiling (OpenBLAS sgemm at the model's shapes):\n");
+    struct Shape {
+      const char* what;
+      int64_t M, N, K;
+      bool ta, tb;
+    };
+    const Shape shapes[] = {{"lm_head forward  [chunk,D]x[V,D]^T", chunk, V, D, false, true},
+                            {"lm_head dhidden  [chunk,V]x[V,D]", chunk, D, V, false, false},
+                            {"lm_head dweight  [chunk,V]^Tx[chunk,D]", V, D, chunk, true, false},
+                            {"mlp up forward   [N,D]x[I,D]^T", N, I, D, false, true},
+                            {"mlp down dweight [N,D]^Tx[N,I]", D, I, N, true, false}};
+    double ceiling = 0;
+    for (const auto& s : shapes) {
+      const double g = sgemm_gflops(s.M, s.N, s.K, s.ta, s.tb);
+      ceiling = std::max(ceiling, g);
+      fmt::print("  {:<42} {:8.1f} GFLOP/s\n", s.what, g);
+    }
+
+    // Useful FLOPs of a step: matmuls (forward 2*m*n*k, backward twice that) and attention
+    // (scores and values: 4*hd per query-key pair in forward, 8 in backward over the causal half).
+    const int64_t qd = c.q_dim(), kvd = c.kv_dim();
+    const double layer_matmul = 2.0 * N * (D * qd + 2 * D * kvd + qd * D + 3 * D * I);
+    const double pairs = double(batch) * seq * (seq + 1) / 2.0;
+    const double attention = 4.0 * c.head_dim() * c.num_attention_heads * pairs;
+    const double head = 2.0 * (N - batch) * V * D;  // positions with a target
+    const double flops = 3.0 * (c.num_hidden_layers * (layer_matmul + attention) + head);
+
+    Rng rng(1234);
+    std::vector<int32_t> ids(N), cu;
+    for (auto& id : ids) id = static_cast<int32_t>(rng.next_u64() % V);
+    for (int64_t b = 0; b <= batch; ++b) cu.push_back(static_cast<int32_t>(b * seq));
+    const TokenBatch tb{ids, ids, cu};
+    model.zero_grads();
+    model.forward_backward(tb);  // warm-up
+    auto t0 = Clock::now();
+    double loss = 0;
+    for (int64_t s = 0; s < steps; ++s) {
+      auto r = model.forward_backward(tb);
+      loss = r.sum / r.count;
+    }
+    const double sec = seconds_since(t0) / steps;
+    const StepTimings& pt = model.last_step_timings();
+    rusage ru{};
+    getrusage(RUSAGE_SELF, &ru);
+    const double tokens_per_s = N / sec;
+    const double gflops = flops / sec / 1e9;
+    fmt::print("step: {:.3f} s, {:.0f} tokens/s, {:.1f} GFLOP/s achieved = {:.0f}% of the GEMM ceiling {:.1f}; loss {:.4f}\n",
+               sec, tokens_per_s, gflops, 100.0 * gflops / ceiling, ceiling, loss);
+    fmt::print("phases of the last step: forward {:.3f} s, loss (LM head) {:.3f} s, backward {:.3f} s\n", pt.forward,
+               pt.loss, pt.backward);
+    fmt::print("memory: planned peak {} (arena high-water {}), process peak RSS {}\n",
+               format_bytes(model.plan().peak_bytes()), format_bytes(model.arena().high_water_bytes()),
+               format_bytes(size_t(ru.ru_maxrss) * 1024));
+    fmt::print("{{\"tokens_per_s\": {:.1f}, \"seconds_per_step\": {:.4f}, \"gflops\": {:.2f}, \"gemm_ceiling_gflops\": {:.2f}, "
+               "\"planned_peak_bytes\": {}, \"peak_rss_bytes\": {}, \"loss\": {:.5f}}}\n",
+               tokens_per_s, sec, gflops, ceiling, model.plan().peak_bytes(), size_t(ru.ru_maxrss) * 1024, loss);
+  } catch (const Error& e) {
+    fmt::print(stderr, "bench_step: error: {}\n", e.what());
+    return 1;
+  }
+  return 0;
+}

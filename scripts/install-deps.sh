@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs everything memtune needs to build, test and run, from Debian's packages only.
+# Quick and silent when everything is already there.
+set -euo pipefail
+packages=(build-essential cmake ninja-build pkg-config libopenblas-openmp-dev nlohmann-json3-dev libcli11-dev libfmt-dev
+          libgtest-dev python3 python3-numpy python3-torch)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "installing: ${missing[*]}"
+  sudo_cmd=""
+  [[ $(id -u) -ne 0 ]] && sudo_cmd="sudo"
+  $sudo_cmd apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi

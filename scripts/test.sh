@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Runs every test: installs dependencies, builds (release), runs the whole ctest suite including
+# the comparison with the PyTorch reference, then builds with AddressSanitizer +
+# UndefinedBehaviorSanitizer and runs the unit tests again.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+"$root/scripts/install-deps.sh"
+
+echo "== release build and tests"
+"$root/scripts/build.sh" "$root/build"
+ctest --test-dir "$root/build" --output-on-failure -j "$(nproc)"
+
+echo "== AddressSanitizer + UndefinedBehaviorSanitizer build and unit tests"
+"$root/scripts/build.sh" "$root/build-asan" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMEMTUNE_SANITIZE=ON
+ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+  ctest --test-dir "$root/build-asan" --output-on-failure -j "$(nproc)" -E reference_comparison
+echo "all tests passed"

@@ -1,0 +1,330 @@
+// safetensors reader (mmap + full validation of the header against the file) and atomic
+// writer. Every failure caused by the file's contents is an Error that starts with the path
+// and names the tensor or field at fault.
+#include "io/safetensors.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "core/error.h"
+
+namespace memtune {
+namespace {
+
+using nlohmann::json;
+
+// A header larger than this is taken as corruption rather than allocated and parsed.
+constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+
+std::string errno_text() { return std::strerror(errno); }
+
+// Short rendering of a JSON value for error messages.
+std::string json_text(const json& v) {
+  std::string s = v.dump(-1, ' ', false, json::error_handler_t::replace);
+  return s.size() > 60 ? s.substr(0, 57) + "..." : s;
+}
+
+// Element count of a shape, saturating at the uint64 maximum: callers compare it with a byte
+// count from the file, so an overflowing shape reads as "too large for the data".
+uint64_t saturating_numel(std::span<const int64_t> shape) {
+  uint64_t n = 1;
+  for (int64_t d : shape)
+    if (d == 0) return 0;
+  for (int64_t d : shape) {
+    auto ud = static_cast<uint64_t>(d);
+    if (n > std::numeric_limits<uint64_t>::max() / ud) return std::numeric_limits<uint64_t>::max();
+    n *= ud;
+  }
+  return n;
+}
+
+uint64_t saturating_bytes(uint64_t numel, DType dtype) {
+  uint64_t size = dtype_size(dtype);
+  return numel > std::numeric_limits<uint64_t>::max() / size ? std::numeric_limits<uint64_t>::max() : numel * size;
+}
+
+// A file written under a temporary name next to its destination and renamed over it only once
+// complete, so a reader never sees a half-written file. Unlinks the temp file if not committed.
+class AtomicFileWriter {
+ public:
+  explicit AtomicFileWriter(const std::string& path) : path_(path) {
+    static std::atomic<uint64_t> counter{0};
+    for (;;) {
+      tmp_ = path + ".tmp." + std::to_string(getpid()) + "." + std::to_string(counter++);
+      fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+      if (fd_ >= 0) return;
+      if (errno != EEXIST && errno != EINTR) throw Error(path + ": cannot create file: " + errno_text());
+    }
+  }
+  ~AtomicFileWriter() {
+    if (fd_ >= 0) ::close(fd_);
+    if (!committed_) ::unlink(tmp_.c_str());
+  }
+  AtomicFileWriter(const AtomicFileWriter&) = delete;
+  AtomicFileWriter& operator=(const AtomicFileWriter&) = delete;
+
+  void write(const void* data, size_t n) {
+    auto* p = static_cast<const char*>(data);
+    while (n > 0) {
+      ssize_t w = ::write(fd_, p, std::min<size_t>(n, size_t{1} << 30));
+      if (w < 0) {
+        if (errno == EINTR) continue;
+        throw Error(path_ + ": write failed: " + errno_text());
+      }
+      p += w;
+      n -= static_cast<size_t>(w);
+    }
+  }
+
+  void commit() {
+    if (::fsync(fd_) != 0) throw Error(path_ + ": fsync failed: " + errno_text());
+    int rc = ::close(fd_);
+    fd_ = -1;
+    if (rc != 0) throw Error(path_ + ": close failed: " + errno_text());
+    if (::rename(tmp_.c_str(), path_.c_str()) != 0)
+      throw Error(path_ + ": cannot rename temp file into place: " + errno_text());
+    committed_ = true;
+  }
+
+ private:
+  std::string path_, tmp_;
+  int fd_ = -1;
+  bool committed_ = false;
+};
+
+}  // namespace
+
+int64_t TensorInfo::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+int64_t TensorToWrite::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    MT_ASSERT(d >= 0, "tensor " + name + " has a negative dimension");
+    n *= d;
+  }
+  return n;
+}
+
+size_t TensorToWrite::nbytes() const { return static_cast<size_t>(numel()) * dtype_size(dtype); }
+
+SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw Error(path + ": cannot open safetensors file: " + errno_text());
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    std::string why = errno_text();
+    ::close(fd);
+    throw Error(path + ": cannot stat: " + why);
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    throw Error(path + ": not a regular file");
+  }
+  auto size = static_cast<size_t>(st.st_size);
+  if (size < 8) {
+    ::close(fd);
+    throw Error(path + ": file is " + std::to_string(size) +
+                " bytes, too short for a safetensors file (needs at least the 8-byte header length)");
+  }
+  void* m = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+  std::string why = m == MAP_FAILED ? errno_text() : "";
+  ::close(fd);
+  if (m == MAP_FAILED) throw Error(path + ": cannot memory-map file: " + why);
+  map_ = static_cast<const std::byte*>(m);
+  map_size_ = size;
+
+  try {
+    uint64_t header_len = 0;
+    for (int i = 7; i >= 0; --i) header_len = header_len << 8 | std::to_integer<uint64_t>(map_[i]);
+    if (header_len > kMaxHeaderBytes)
+      throw Error(path + ": header length " + std::to_string(header_len) + " exceeds the " +
+                  std::to_string(kMaxHeaderBytes) + "-byte limit (corrupt or not a safetensors file)");
+    if (header_len > size - 8)
+      throw Error(path + ": header length " + std::to_string(header_len) + " runs past the end of the file (" +
+                  std::to_string(size) + " bytes; truncated?)");
+    data_start_ = 8 + static_cast<size_t>(header_len);
+    parse_header(std::string_view(reinterpret_cast<const char*>(map_) + 8, header_len), size - data_start_);
+  } catch (...) {
+    ::munmap(const_cast<std::byte*>(map_), map_size_);
+    throw;
+  }
+}
+
+SafetensorsFile::~SafetensorsFile() { ::munmap(const_cast<std::byte*>(map_), map_size_); }
+
+void SafetensorsFile::parse_header(std::string_view header, size_t data_size) {
+  // Starting with '{' and parsing means the header is an object.
+  if (header.empty() || header.front() != '{')
+    throw Error(path_ + ": header is not a JSON object (does not start with '{'; not a safetensors file?)");
+
+  // nlohmann keeps the last of duplicate keys silently; the format forbids duplicates.
+  std::string duplicate;
+  std::set<std::string> seen;
+  json::parser_callback_t note_keys = [&](int depth, json::parse_event_t event, json& parsed) {
+    if (event == json::parse_event_t::key && depth == 1 && !seen.insert(parsed.get<std::string>()).second &&
+        duplicate.empty())
+      duplicate = parsed.get<std::string>();
+    return true;
+  };
+  json doc;
+  try {
+    doc = json::parse(header.begin(), header.end(), note_keys);
+  } catch (const json::parse_error& e) {
+    throw Error(path_ + ": header is not valid JSON: " + e.what());
+  }
+  if (!duplicate.empty()) throw Error(path_ + ": header lists \"" + duplicate + "\" more than once");
+
+  for (const auto& [name, entry] : doc.items()) {
+    if (name == "__metadata__") {
+      if (entry.is_null()) continue;
+      if (!entry.is_object())
+        throw Error(path_ + ": \"__metadata__\" must be an object of strings, got " + json_text(entry));
+      for (const auto& [key, value] : entry.items()) {
+        if (!value.is_string())
+          throw Error(path_ + ": \"__metadata__\" entry \"" + key + "\" must be a string, got " + json_text(value));
+        metadata_[key] = value.get<std::string>();
+      }
+      continue;
+    }
+    const std::string where = path_ + ": tensor \"" + name + "\": ";
+    if (!entry.is_object()) throw Error(where + "entry must be an object, got " + json_text(entry));
+
+    TensorInfo t;
+    t.name = name;
+    auto dtype = entry.find("dtype");
+    if (dtype == entry.end()) throw Error(where + "missing \"dtype\"");
+    if (!dtype->is_string()) throw Error(where + "\"dtype\" must be a string, got " + json_text(*dtype));
+    const std::string& dt = dtype->get_ref<const std::string&>();
+    if (dt == "F32")
+      t.dtype = DType::F32;
+    else if (dt == "BF16")
+      t.dtype = DType::BF16;
+    else if (dt == "F16")
+      t.dtype = DType::F16;
+    else
+      throw Error(where + "dtype " + dt + " not supported (supported: F32, BF16, F16)");
+
+    auto shape = entry.find("shape");
+    if (shape == entry.end()) throw Error(where + "missing \"shape\"");
+    if (!shape->is_array()) throw Error(where + "\"shape\" must be an array of integers, got " + json_text(*shape));
+    for (const json& d : *shape) {
+      if (!d.is_number_integer())
+        throw Error(where + "\"shape\" must be an array of integers, got " + json_text(*shape));
+      if (!d.is_number_unsigned()) throw Error(where + "negative dimension in shape " + json_text(*shape));
+      if (d.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+        throw Error(where + "dimension too large in shape " + json_text(*shape));
+      t.shape.push_back(d.get<int64_t>());
+    }
+
+    auto offsets = entry.find("data_offsets");
+    if (offsets == entry.end()) throw Error(where + "missing \"data_offsets\"");
+    if (!offsets->is_array() || offsets->size() != 2 || !(*offsets)[0].is_number_unsigned() ||
+        !(*offsets)[1].is_number_unsigned())
+      throw Error(where + "\"data_offsets\" must be [begin, end] with non-negative integers, got " +
+                  json_text(*offsets));
+    uint64_t begin = (*offsets)[0].get<uint64_t>(), end = (*offsets)[1].get<uint64_t>();
+    if (begin > end) throw Error(where + "data_offsets " + json_text(*offsets) + " end before they begin");
+    if (end > data_size)
+      throw Error(where + "data_offsets " + json_text(*offsets) + " run past the end of the " +
+                  std::to_string(data_size) + "-byte data buffer (truncated file?)");
+    uint64_t expected = saturating_bytes(saturating_numel(t.shape), t.dtype);
+    if (expected != end - begin)
+      throw Error(where + dt + " shape " + shape_string(t.shape) + " needs " + std::to_string(expected) +
+                  " bytes but data_offsets " + json_text(*offsets) + " cover " + std::to_string(end - begin));
+    t.begin = static_cast<size_t>(begin);
+    t.end = static_cast<size_t>(end);
+    tensors_.push_back(std::move(t));
+  }
+
+  std::sort(tensors_.begin(), tensors_.end(), [](const TensorInfo& a, const TensorInfo& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+  });
+  size_t covered = 0;
+  for (size_t i = 0; i < tensors_.size(); ++i) {
+    const TensorInfo& t = tensors_[i];
+    if (t.begin < covered)
+      throw Error(path_ + ": tensor \"" + t.name + "\" overlaps tensor \"" + tensors_[i - 1].name + "\" (bytes " +
+                  std::to_string(t.begin) + " to " + std::to_string(covered) + ")");
+    if (t.begin > covered)
+      throw Error(path_ + ": bytes " + std::to_string(covered) + " to " + std::to_string(t.begin) +
+                  " of the data buffer belong to no tensor (gap before tensor \"" + t.name + "\")");
+    covered = t.end;
+    by_name_[t.name] = i;
+  }
+  if (covered != data_size)
+    throw Error(path_ + ": the data buffer has " + std::to_string(data_size) + " bytes but the tensors cover only " +
+                std::to_string(covered) + " (trailing bytes)");
+}
+
+const TensorInfo* SafetensorsFile::find(const std::string& name) const {
+  auto it = by_name_.find(name);
+  return it == by_name_.end() ? nullptr : &tensors_[it->second];
+}
+
+std::span<const std::byte> SafetensorsFile::data(const TensorInfo& t) const {
+  MT_ASSERT(t.begin <= t.end && data_start_ + t.end <= map_size_, "tensor " + t.name + " is not from " + path_);
+  return {map_ + data_start_ + t.begin, t.nbytes()};
+}
+
+void write_safetensors(const std::string& path, const std::vector<TensorToWrite>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  size_t offset = 0;
+  for (const TensorToWrite& t : tensors) {
+    const std::string where = path + ": tensor \"" + t.name + "\": ";
+    if (t.name == "__metadata__") throw Error(where + "the name is reserved by the format");
+    if (header.contains(t.name)) throw Error(where + "given more than once");
+    for (int64_t d : t.shape)
+      if (d < 0) throw Error(where + "negative dimension in shape " + shape_string(t.shape));
+    size_t n = t.nbytes();
+    if (n > 0 && t.data == nullptr) throw Error(where + "no data");
+    header[t.name] = {
+        {"dtype", dtype_safetensors_name(t.dtype)}, {"shape", t.shape}, {"data_offsets", {offset, offset + n}}};
+    offset += n;
+  }
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+
+  std::string text;
+  try {
+    text = header.dump();
+  } catch (const nlohmann::json::type_error& e) {
+    throw Error(path + ": a tensor name or metadata string is not valid UTF-8 (" + e.what() + ")");
+  }
+  text.append((8 - text.size() % 8) % 8, ' ');
+  unsigned char len[8];
+  for (int i = 0; i < 8; ++i) len[i] = static_cast<unsigned char>(static_cast<uint64_t>(text.size()) >> (8 * i));
+
+  AtomicFileWriter out(path);
+  out.write(len, sizeof len);
+  out.write(text.data(), text.size());
+  for (const TensorToWrite& t : tensors) out.write(t.data, t.nbytes());
+  out.commit();
+}
+
+std::string shape_string(std::span<const int64_t> shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+void write_file_atomically(const std::string& path, std::string_view contents) {
+  AtomicFileWriter out(path);
+  out.write(contents.data(), contents.size());
+  out.commit();
+}
+
+}  // namespace memtune
