@@ -14,23 +14,6 @@
 
 namespace memtune::cpu {
 
-float fast_exp(float x) {
-  // exp(x) = 2^n * exp(r), r = x - n ln2 in [-ln2/2, ln2/2]; degree-7 Taylor on r.
-  x = std::clamp(x, -87.0f, 88.0f);
-  float n = std::nearbyint(x * 1.44269504088896341f);
-  float r = x - n * 0.693145751953125f - n * 1.42860682030941723e-6f;
-  float p = 1.0f / 5040.0f;
-  p = p * r + 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  int32_t e = static_cast<int32_t>(n) + 127;
-  return p * std::bit_cast<float>(static_cast<uint32_t>(e) << 23);
-}
-
 // Sums rows of x[N, C] into acc[C] (+=), parallel over column blocks so no two threads write
 // the same element.
 static void column_sum_accumulate(float* acc, const float* x, int64_t N, int64_t C) {
@@ -336,34 +319,38 @@ LossSum lm_head_cross_entropy(const float* hidden, const int32_t* targets, int64
     for (int64_t r = 0; r < m; ++r) {
       float* z = ws.logits + r * V;
       const int32_t t = targets[pos[r]];
-      float zmax = -std::numeric_limits<float>::infinity();
-      float zsum = 0.0f;
-#pragma omp simd reduction(max : zmax) reduction(+ : zsum)
-      for (int64_t v = 0; v < V; ++v) {
-        zmax = std::max(zmax, z[v]);
-        zsum += z[v];
-      }
-      const float z_t = z[t];
-      float sum_exp = 0.0f;
-      if (backward) {
-#pragma omp simd reduction(+ : sum_exp)
-        for (int64_t v = 0; v < V; ++v) {
-          z[v] = fast_exp(z[v] - zmax);
-          sum_exp += z[v];
+      // One streaming pass for the log-sum-exp: each block is reduced to (max, sum of exp) while
+      // it sits in L1, and blocks are merged like an online softmax. The row is then read once
+      // more (from L2) to write the gradient in place.
+      constexpr int64_t kBlock = 2048;
+      float row_max = -std::numeric_limits<float>::infinity(), row_sum = 0.0f, zsum = 0.0f;
+      for (int64_t b0 = 0; b0 < V; b0 += kBlock) {
+        const int64_t b1 = std::min(V, b0 + kBlock);
+        float bmax = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : bmax)
+        for (int64_t v = b0; v < b1; ++v) bmax = std::max(bmax, z[v]);
+        float bsum = 0.0f;
+#pragma omp simd reduction(+ : bsum)
+        for (int64_t v = b0; v < b1; ++v) bsum += fast_exp(z[v] - bmax);
+        if (eps > 0.0f) {
+#pragma omp simd reduction(+ : zsum)
+          for (int64_t v = b0; v < b1; ++v) zsum += z[v];
         }
-      } else {
-#pragma omp simd reduction(+ : sum_exp)
-        for (int64_t v = 0; v < V; ++v) sum_exp += fast_exp(z[v] - zmax);
+        if (bmax > row_max) {
+          row_sum = row_sum * fast_exp(row_max - bmax) + bsum;
+          row_max = bmax;
+        } else {
+          row_sum += bsum * fast_exp(bmax - row_max);
+        }
       }
-      const float lse = zmax + std::log(sum_exp);
+      const float lse = row_max + std::log(row_sum);
       // nll = lse - z_t; smoothed term = mean_v(lse - z_v) = lse - mean(z)
-      chunk_loss += (1.0f - eps) * (lse - z_t) + eps * (lse - zsum * inv_v);
+      chunk_loss += (1.0f - eps) * (lse - z[t]) + eps * (lse - zsum * inv_v);
       if (backward) {
         // d/dz_v = p_v - (1-eps) [v==t] - eps/V
-        const float inv_sum = 1.0f / sum_exp;
         const float shift = eps * inv_v;
 #pragma omp simd
-        for (int64_t v = 0; v < V; ++v) z[v] = z[v] * inv_sum - shift;
+        for (int64_t v = 0; v < V; ++v) z[v] = fast_exp(z[v] - lse) - shift;
         z[t] -= 1.0f - eps;
       }
     }

@@ -8,14 +8,30 @@
 // input gradients; callers zero what must start at zero.
 #pragma once
 
+#include <bit>
 #include <cstdint>
 
 #include "core/dtype.h"
 
 namespace memtune::cpu {
 
-// exp(x) to ~1e-7 relative error, branch-free so loops over it vectorize.
-float fast_exp(float x);
+// exp(x) to ~2e-7 relative error, branch-free and inline so loops over it vectorize:
+// exp(x) = 2^n * exp(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-7 Taylor polynomial on r.
+inline float fast_exp(float x) {
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to the nearest integer
+  const float n = (x * 1.44269504088896341f + kRound) - kRound;
+  const float r = x - n * 0.693145751953125f - n * 1.42860682030941723e-6f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  return p * std::bit_cast<float>(static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23);
+}
 
 // out[N,OC] = inp[N,C] @ weight[OC,C]^T (+ bias[OC])
 void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int64_t C,
