@@ -122,10 +122,7 @@ void Qwen2Model::declare_buffers() {
     matrix_f32_[static_cast<size_t>(ph)] = plan_->declare(p + ".matrix_f32", Category::Working, matrix_elems * 4, ph, ph);
     vector_f32_[static_cast<size_t>(ph)] = plan_->declare(p + ".vector_f32", Category::Working, largest_vector * 4, ph, ph);
   };
-  if (widen) {
-    declare_widening(F, largest_matrix);
-    declare_widening(L, V * D);  // the LM head
-  }
+  if (widen) declare_widening(F, largest_matrix);
 
   normed_ = plan_->declare("loss.normed_hidden", Category::LossWorkspace, N * D * 4, L, L);
   chunk_rows_ = static_cast<int64_t>(std::clamp<size_t>(options_.loss_workspace_bytes / ((V + 2 * D) * 4), 1, N));
@@ -134,6 +131,14 @@ void Qwen2Model::declare_buffers() {
   rows_ = plan_->declare("loss.hidden_rows", Category::LossWorkspace, chunk * D * 4, L, L);
   drows_ = plan_->declare("loss.dhidden_rows", Category::LossWorkspace, chunk * D * 4, L, L);
   loss_positions_ = plan_->declare("loss.target_positions", Category::LossWorkspace, N * 4, L, L);
+  if (widen) {
+    // The final norm's weight, and the LM head widened a vocabulary slice at a time.
+    vector_f32_[static_cast<size_t>(L)] =
+        plan_->declare("loss.vector_f32", Category::Working, largest_vector * 4, L, L);
+    head_slice_rows_ = std::min<int64_t>(V, kHeadSliceRows);
+    head_slice_ = plan_->declare("loss.head_weight_slice_f32", Category::LossWorkspace,
+                                 static_cast<size_t>(head_slice_rows_) * D * 4, L, L);
+  }
 
   if (options_.with_grads) {
     rstd_final_ = plan_->declare("act.rstd_final", Category::SavedActivations, N * 4, L, B);
@@ -346,14 +351,19 @@ cpu::LossSum Qwen2Model::forward_backward(const TokenBatch& batch, float* logits
   float* normed = A.get<float>(normed_);
   cpu::rmsnorm_forward(normed, A.get<float>(rstd_final_), A.get<float>(residual_[L]), weight_f32(final_norm_), N, D,
                        static_cast<float>(c.rms_norm_eps));
-  const float* head = weight_f32(head_);
-  if (logits_out) cpu::matmul_forward(logits_out, normed, head, nullptr, N, D, V);
+  if (logits_out) {  // debugging only: the caller's memory, widened weight built there too
+    std::vector<float> head(static_cast<size_t>(V * D));
+    convert_to_f32(param_data(head_), c.torch_dtype, head.data(), head.size());
+    cpu::matmul_forward(logits_out, normed, head.data(), nullptr, N, D, V);
+  }
+  const bool widen = c.torch_dtype != DType::F32;
   const cpu::LmHeadWorkspace ws{A.get<float>(logits_chunk_), A.get<float>(rows_), A.get<float>(drows_),
-                                A.get<int32_t>(loss_positions_), chunk_rows_};
+                                A.get<int32_t>(loss_positions_), chunk_rows_,
+                                widen ? A.get<float>(head_slice_) : nullptr, head_slice_rows_};
   const bool grads = options_.with_grads;
-  const cpu::LossSum loss =
-      cpu::lm_head_cross_entropy(normed, A.get<int32_t>(targets_), N, head, V, D, 0.0f,
-                                 grads ? A.get<float>(dnormed_) : nullptr, grads ? grad_data(head_) : nullptr, ws);
+  const cpu::LossSum loss = cpu::lm_head_cross_entropy(
+      normed, A.get<int32_t>(targets_), N, param_data(head_), c.torch_dtype, V, D, 0.0f,
+      grads ? A.get<float>(dnormed_) : nullptr, grads ? grad_data(head_) : nullptr, ws);
   timings_.loss = seconds_since(t0);
   if (!grads) return loss;
 

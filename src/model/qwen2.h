@@ -118,7 +118,9 @@ class Qwen2Model {
   LayerActs fwd_scratch_{}, recompute_{};  // with checkpointing
   std::array<BufferId, kNumPhases> matrix_f32_{}, vector_f32_{};
   BufferId normed_, rstd_final_, dnormed_;
-  BufferId logits_chunk_, rows_, drows_, loss_positions_;
+  BufferId logits_chunk_, rows_, drows_, loss_positions_, head_slice_{};
+  static constexpr int64_t kHeadSliceRows = 4096;  // vocabulary rows of a 16-bit head widened at once
+  int64_t head_slice_rows_ = 0;
   BufferId dstream_, dln_, datt_, dq_, dk_, dv_, dh_, dgate_, dup_;
 };
 

@@ -292,11 +292,40 @@ void scale_inplace(float* y, float s, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] *= s;
 }
 
-LossSum lm_head_cross_entropy(const float* hidden, const int32_t* targets, int64_t N, const float* weight, int64_t V,
-                              int64_t D, float label_smoothing, float* dhidden, float* dweight,
-                              const LmHeadWorkspace& ws) {
+namespace {
+
+// The LM head's weight as float32 slices of vocabulary rows: the weight itself when it is
+// float32, otherwise each slice widened into the workspace right before use.
+class HeadSlices {
+ public:
+  HeadSlices(const void* weight, DType dtype, int64_t V, int64_t D, const LmHeadWorkspace& ws)
+      : weight_(weight), dtype_(dtype), V_(V), D_(D), ws_(ws) {
+    MT_ASSERT(dtype == DType::F32 || (ws.weight_slice && ws.slice_rows > 0), "16-bit head needs a slice buffer");
+  }
+  int64_t slice_rows() const { return dtype_ == DType::F32 ? V_ : ws_.slice_rows; }
+  const float* slice(int64_t v0, int64_t v1) const {
+    if (dtype_ == DType::F32) return static_cast<const float*>(weight_) + v0 * D_;
+    const auto* bytes = static_cast<const std::byte*>(weight_) + v0 * D_ * dtype_size(dtype_);
+    convert_to_f32(bytes, dtype_, ws_.weight_slice, static_cast<size_t>((v1 - v0) * D_));
+    return ws_.weight_slice;
+  }
+
+ private:
+  const void* weight_;
+  DType dtype_;
+  int64_t V_, D_;
+  const LmHeadWorkspace& ws_;
+};
+
+}  // namespace
+
+LossSum lm_head_cross_entropy(const float* hidden, const int32_t* targets, int64_t N, const void* weight,
+                              DType weight_dtype, int64_t V, int64_t D, float label_smoothing, float* dhidden,
+                              float* dweight, const LmHeadWorkspace& ws) {
   MT_ASSERT(ws.chunk_rows > 0);
   const bool backward = dhidden != nullptr;
+  const HeadSlices head(weight, weight_dtype, V, D, ws);
+  const int64_t S = head.slice_rows();
   int64_t count = 0;
   for (int64_t n = 0; n < N; ++n) {
     if (targets[n] == kIgnoreIndex) continue;
@@ -312,7 +341,11 @@ LossSum lm_head_cross_entropy(const float* hidden, const int32_t* targets, int64
     const int64_t m = std::min(ws.chunk_rows, count - c0);
     const int32_t* pos = ws.positions + c0;
     for (int64_t r = 0; r < m; ++r) std::copy_n(hidden + pos[r] * D, D, ws.rows + r * D);
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, V, D, 1.0f, ws.rows, D, weight, D, 0.0f, ws.logits, V);
+    for (int64_t v0 = 0; v0 < V; v0 += S) {
+      const int64_t v1 = std::min(V, v0 + S);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, v1 - v0, D, 1.0f, ws.rows, D, head.slice(v0, v1), D,
+                  0.0f, ws.logits + v0, V);
+    }
 
     double chunk_loss = 0.0;
 #pragma omp parallel for schedule(static) reduction(+ : chunk_loss)
@@ -356,9 +389,16 @@ LossSum lm_head_cross_entropy(const float* hidden, const int32_t* targets, int64
     }
     total += chunk_loss;
     if (!backward) continue;
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, D, V, 1.0f, ws.logits, V, weight, D, 0.0f, ws.drows, D);
+    // drows = dlogits @ W and dW += dlogits^T @ rows, one vocabulary slice at a time.
+    for (int64_t v0 = 0; v0 < V; v0 += S) {
+      const int64_t v1 = std::min(V, v0 + S);
+      const float* w = head.slice(v0, v1);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, D, v1 - v0, 1.0f, ws.logits + v0, V, w, D,
+                  v0 == 0 ? 0.0f : 1.0f, ws.drows, D);
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, v1 - v0, D, m, 1.0f, ws.logits + v0, V, ws.rows, D, 1.0f,
+                  dweight + v0 * D, D);
+    }
     for (int64_t r = 0; r < m; ++r) std::copy_n(ws.drows + r * D, D, dhidden + pos[r] * D);
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, V, D, m, 1.0f, ws.logits, V, ws.rows, D, 1.0f, dweight, D);
   }
   return LossSum{total, count};
 }

@@ -78,21 +78,25 @@ void scale_inplace(float* y, float s, int64_t n);
 // the per-token losses and the COUNT of targets; gradients are those of the sum. With
 // label_smoothing eps the per-token loss is (1-eps)*nll + eps*mean_v(-log p_v) (PyTorch's).
 // When dhidden is null only the loss is computed. dhidden rows are OVERWRITTEN (zero at ignored
-// positions); dweight is accumulated.
+// positions); dweight (float32) is accumulated.
+// A weight stored in 16 bits is widened `slice_rows` vocabulary rows at a time into
+// `weight_slice`, so no float32 copy of the whole [V, D] head ever exists.
 struct LmHeadWorkspace {
-  float* logits;       // [chunk_rows, V]
-  float* rows;         // [chunk_rows, D] gathered hidden rows
-  float* drows;        // [chunk_rows, D]
-  int32_t* positions;  // [N] positions with a target
+  float* logits;        // [chunk_rows, V]
+  float* rows;          // [chunk_rows, D] gathered hidden rows
+  float* drows;         // [chunk_rows, D]
+  int32_t* positions;   // [N] positions with a target
   int64_t chunk_rows;
+  float* weight_slice;  // [slice_rows, D], used only for 16-bit weights
+  int64_t slice_rows;
 };
 struct LossSum {
   double sum = 0;
   int64_t count = 0;
 };
 constexpr int32_t kIgnoreIndex = -100;
-LossSum lm_head_cross_entropy(const float* hidden, const int32_t* targets, int64_t N, const float* weight, int64_t V,
-                              int64_t D, float label_smoothing, float* dhidden, float* dweight,
-                              const LmHeadWorkspace& ws);
+LossSum lm_head_cross_entropy(const float* hidden, const int32_t* targets, int64_t N, const void* weight,
+                              DType weight_dtype, int64_t V, int64_t D, float label_smoothing, float* dhidden,
+                              float* dweight, const LmHeadWorkspace& ws);
 
 }  // namespace memtune::cpu
