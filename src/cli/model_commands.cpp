@@ -1,7 +1,7 @@
 // `memtune init-model` and `memtune dump`: create a checkpoint, and inspect one numerically.
+#include <fmt/format.h>
 #include <cmath>
 #include <filesystem>
-#include <fmt/format.h>
 #include <fstream>
 #include <iostream>
 #include <memory>
@@ -31,8 +31,7 @@ nlohmann::json read_json_file(const std::string& path) {
 // `key=value`: value is taken as JSON (numbers, booleans, null) or else as a string.
 void apply_override(nlohmann::json& doc, const std::string& assignment) {
   const auto eq = assignment.find('=');
-  if (eq == std::string::npos || eq == 0)
-    throw Error(fmt::format("--set {}: expected key=value", assignment));
+  if (eq == std::string::npos || eq == 0) throw Error(fmt::format("--set {}: expected key=value", assignment));
   const std::string key = assignment.substr(0, eq), value = assignment.substr(eq + 1);
   doc[key] = nlohmann::json::parse(value, nullptr, /*allow_exceptions=*/false);
   if (doc[key].is_discarded()) doc[key] = value;
@@ -55,8 +54,10 @@ Action add_init_model(CLI::App& app) {
   app.add_option("--torch_dtype", args->torch_dtype, "storage dtype: float32 | bfloat16 | float16");
   app.add_option("--set", args->overrides, "override a config field, key=value (repeatable)");
   return [args] {
-    if (args->preset.empty() == args->config.empty()) throw Error("init-model needs exactly one of --preset or --config");
-    nlohmann::json doc = args->preset.empty() ? read_json_file(args->config) : qwen2_config_to_json(qwen2_preset(args->preset));
+    if (args->preset.empty() == args->config.empty())
+      throw Error("init-model needs exactly one of --preset or --config");
+    nlohmann::json doc =
+        args->preset.empty() ? read_json_file(args->config) : qwen2_config_to_json(qwen2_preset(args->preset));
     for (const auto& o : args->overrides) apply_override(doc, o);
     if (!args->torch_dtype.empty()) {
       doc["torch_dtype"] = std::string(dtype_torch_name(parse_dtype(args->torch_dtype, "--torch_dtype")));
@@ -100,13 +101,16 @@ Action add_dump(CLI::App& app) {
     };
     const auto ids = rows_of("input_ids");
     auto labels = doc.contains("labels") ? rows_of("labels") : ids;
-    if (ids.empty() || ids[0].empty()) throw Error(fmt::format("{}: \"input_ids\" must hold at least one non-empty row", args->input));
+    if (ids.empty() || ids[0].empty())
+      throw Error(fmt::format("{}: \"input_ids\" must hold at least one non-empty row", args->input));
     const size_t B = ids.size(), T = ids[0].size();
-    if (labels.size() != B) throw Error(fmt::format("{}: \"labels\" has {} rows, \"input_ids\" has {}", args->input, labels.size(), B));
+    if (labels.size() != B)
+      throw Error(fmt::format("{}: \"labels\" has {} rows, \"input_ids\" has {}", args->input, labels.size(), B));
     std::vector<int32_t> flat_ids, flat_labels, cu{0};
     for (size_t b = 0; b < B; ++b) {
       if (ids[b].size() != T || labels[b].size() != T)
-        throw Error(fmt::format("{}: row {} has a different length than row 0 ({} tokens); rows must be equal", args->input, b, T));
+        throw Error(fmt::format("{}: row {} has a different length than row 0 ({} tokens); rows must be equal",
+                                args->input, b, T));
       flat_ids.insert(flat_ids.end(), ids[b].begin(), ids[b].end());
       flat_labels.insert(flat_labels.end(), labels[b].begin(), labels[b].end());
       cu.push_back(static_cast<int32_t>(flat_ids.size()));

@@ -9,22 +9,30 @@
 
 namespace memtune {
 
-size_t dtype_size(DType dtype) { return dtype == DType::F32 ? 4 : 2; }
+size_t dtype_size(DType dtype) {
+  return dtype == DType::F32 ? 4 : 2;
+}
 
 std::string_view dtype_safetensors_name(DType dtype) {
   switch (dtype) {
-    case DType::F32: return "F32";
-    case DType::BF16: return "BF16";
-    case DType::F16: return "F16";
+    case DType::F32:
+      return "F32";
+    case DType::BF16:
+      return "BF16";
+    case DType::F16:
+      return "F16";
   }
   return "?";
 }
 
 std::string_view dtype_torch_name(DType dtype) {
   switch (dtype) {
-    case DType::F32: return "float32";
-    case DType::BF16: return "bfloat16";
-    case DType::F16: return "float16";
+    case DType::F32:
+      return "float32";
+    case DType::BF16:
+      return "bfloat16";
+    case DType::F16:
+      return "float16";
   }
   return "?";
 }
@@ -76,7 +84,9 @@ uint16_t f32_to_f16(float f) {
 
 void convert_to_f32(const void* src, DType src_dtype, float* dst, size_t n) {
   switch (src_dtype) {
-    case DType::F32: std::memcpy(dst, src, n * 4); return;
+    case DType::F32:
+      std::memcpy(dst, src, n * 4);
+      return;
     case DType::BF16: {
       auto* s = static_cast<const uint16_t*>(src);
 #pragma omp parallel for simd if (n > 65536)
@@ -93,7 +103,9 @@ void convert_to_f32(const void* src, DType src_dtype, float* dst, size_t n) {
 
 void convert_from_f32(const float* src, void* dst, DType dst_dtype, size_t n) {
   switch (dst_dtype) {
-    case DType::F32: std::memcpy(dst, src, n * 4); return;
+    case DType::F32:
+      std::memcpy(dst, src, n * 4);
+      return;
     case DType::BF16: {
       auto* d = static_cast<uint16_t*>(dst);
 #pragma omp parallel for simd if (n > 65536)

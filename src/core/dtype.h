@@ -20,7 +20,9 @@ std::string_view dtype_torch_name(DType dtype);
 // Parses either spelling (and "fp32"/"bf16"/"fp16"); throws Error naming `what` otherwise.
 DType parse_dtype(std::string_view name, const std::string& what);
 
-inline float bf16_to_f32(uint16_t v) { return std::bit_cast<float>(static_cast<uint32_t>(v) << 16); }
+inline float bf16_to_f32(uint16_t v) {
+  return std::bit_cast<float>(static_cast<uint32_t>(v) << 16);
+}
 
 inline uint16_t f32_to_bf16(float f) {
   uint32_t x = std::bit_cast<uint32_t>(f);

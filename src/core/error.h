@@ -25,7 +25,7 @@ class InternalError : public std::logic_error {
 
 }  // namespace memtune
 
-#define MT_ASSERT(cond, ...)                                                                 \
-  do {                                                                                       \
+#define MT_ASSERT(cond, ...)                                                                    \
+  do {                                                                                          \
     if (!(cond)) ::memtune::assert_failed(#cond, __FILE__, __LINE__, std::string{__VA_ARGS__}); \
   } while (0)

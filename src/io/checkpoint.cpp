@@ -33,7 +33,9 @@ std::string json_text(const json& v) {
   return s.size() > 60 ? s.substr(0, 57) + "..." : s;
 }
 
-std::string join(const std::string& dir, const std::string& name) { return (fs::path(dir) / name).string(); }
+std::string join(const std::string& dir, const std::string& name) {
+  return (fs::path(dir) / name).string();
+}
 
 // transformers' shard naming: model-00001-of-00003.safetensors.
 std::string shard_name(size_t index, size_t count) {
@@ -158,7 +160,9 @@ std::vector<std::string> CheckpointReader::tensor_names() const {
   return names;
 }
 
-bool CheckpointReader::contains(const std::string& name) const { return tensors_.contains(name); }
+bool CheckpointReader::contains(const std::string& name) const {
+  return tensors_.contains(name);
+}
 
 const CheckpointReader::Entry& CheckpointReader::entry(const std::string& name) const {
   auto it = tensors_.find(name);
@@ -166,9 +170,13 @@ const CheckpointReader::Entry& CheckpointReader::entry(const std::string& name) 
   return it->second;
 }
 
-const TensorInfo& CheckpointReader::info(const std::string& name) const { return *entry(name).info; }
+const TensorInfo& CheckpointReader::info(const std::string& name) const {
+  return *entry(name).info;
+}
 
-const SafetensorsFile& CheckpointReader::file_of(const std::string& name) const { return *entry(name).file; }
+const SafetensorsFile& CheckpointReader::file_of(const std::string& name) const {
+  return *entry(name).file;
+}
 
 void CheckpointReader::read_into(const std::string& name, std::span<const int64_t> expected_shape, void* dst,
                                  DType dst_dtype) const {

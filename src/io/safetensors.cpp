@@ -26,7 +26,9 @@ using nlohmann::json;
 // A header larger than this is taken as corruption rather than allocated and parsed.
 constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 
-std::string errno_text() { return std::strerror(errno); }
+std::string errno_text() {
+  return std::strerror(errno);
+}
 
 // Short rendering of a JSON value for error messages.
 std::string json_text(const json& v) {
@@ -119,7 +121,9 @@ int64_t TensorToWrite::numel() const {
   return n;
 }
 
-size_t TensorToWrite::nbytes() const { return static_cast<size_t>(numel()) * dtype_size(dtype); }
+size_t TensorToWrite::nbytes() const {
+  return static_cast<size_t>(numel()) * dtype_size(dtype);
+}
 
 SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -164,7 +168,9 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   }
 }
 
-SafetensorsFile::~SafetensorsFile() { ::munmap(const_cast<std::byte*>(map_), map_size_); }
+SafetensorsFile::~SafetensorsFile() {
+  ::munmap(const_cast<std::byte*>(map_), map_size_);
+}
 
 void SafetensorsFile::parse_header(std::string_view header, size_t data_size) {
   // Starting with '{' and parsing means the header is an object.

@@ -2,9 +2,9 @@
 
 #include <sys/mman.h>
 
+#include <fmt/format.h>
 #include <algorithm>
 #include <cstring>
-#include <fmt/format.h>
 
 #include "core/error.h"
 

@@ -1,7 +1,7 @@
 #include "memory/plan.h"
 
-#include <algorithm>
 #include <fmt/format.h>
+#include <algorithm>
 #include <numeric>
 
 #include "core/error.h"
@@ -10,7 +10,7 @@ namespace memtune {
 
 std::string_view category_name(Category c) {
   static constexpr std::array<std::string_view, kNumCategories> names = {
-      "weights",          "trainable_params",  "gradients", "optimizer_state", "batch",
+      "weights",           "trainable_params",  "gradients", "optimizer_state", "batch",
       "saved_activations", "recompute_scratch", "working",   "loss_workspace"};
   return names[static_cast<size_t>(c)];
 }

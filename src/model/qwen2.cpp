@@ -1,9 +1,9 @@
 #include "model/qwen2.h"
 
+#include <fmt/format.h>
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
-#include <fmt/format.h>
 #include <fstream>
 #include <set>
 
@@ -63,13 +63,12 @@ Qwen2Model::Qwen2Model(const Qwen2Config& config, const ModelOptions& options)
   arena_ = std::make_unique<Arena>(*plan_);
 }
 
-Qwen2Model::LayerActs Qwen2Model::declare_layer_acts(const std::string& prefix, Category cat, Phase first,
-                                                     Phase last) {
+Qwen2Model::LayerActs Qwen2Model::declare_layer_acts(const std::string& prefix, Category cat, Phase first, Phase last) {
   const size_t N = static_cast<size_t>(options_.max_tokens);
   const size_t D = config_.hidden_size, I = config_.intermediate_size, qd = config_.q_dim(), kvd = config_.kv_dim();
   const size_t Hq = config_.num_attention_heads;
   auto f32 = [&](const char* name, size_t elems) { return plan_->declare(prefix + name, cat, elems * 4, first, last); };
-  return LayerActs{f32("ln1", N * D),  f32("rstd1", N), f32("q", N * qd),   f32("k", N * kvd),     f32("v", N * kvd),
+  return LayerActs{f32("ln1", N * D),  f32("rstd1", N),    f32("q", N * qd),   f32("k", N * kvd), f32("v", N * kvd),
                    f32("att", N * qd), f32("lse", N * Hq), f32("res1", N * D), f32("ln2", N * D), f32("rstd2", N),
                    f32("gate", N * I), f32("up", N * I),   f32("h", N * I)};
 }
@@ -102,7 +101,8 @@ void Qwen2Model::declare_buffers() {
   // Without gradients nothing needs to survive the forward pass except what the loss reads.
   const Phase keep_until = options_.with_grads ? B : L;
   for (int64_t l = 0; l <= c.num_hidden_layers; ++l)
-    residual_.push_back(plan_->declare(fmt::format("act.x{}", l), Category::SavedActivations, N * D * 4, F, keep_until));
+    residual_.push_back(
+        plan_->declare(fmt::format("act.x{}", l), Category::SavedActivations, N * D * 4, F, keep_until));
   if (options_.gradient_checkpointing || !options_.with_grads) {
     fwd_scratch_ = declare_layer_acts("fwd.layer.", Category::Working, F, F);
   } else {
@@ -113,14 +113,18 @@ void Qwen2Model::declare_buffers() {
   // 16-bit storage: weights are widened right before use into per-phase scratch.
   size_t largest_matrix = 0, largest_vector = 0;
   for (const auto& s : specs_) {
-    if (s.shape.size() == 1) largest_vector = std::max<size_t>(largest_vector, s.numel());
-    else if (s.name.starts_with("model.layers.")) largest_matrix = std::max<size_t>(largest_matrix, s.numel());
+    if (s.shape.size() == 1)
+      largest_vector = std::max<size_t>(largest_vector, s.numel());
+    else if (s.name.starts_with("model.layers."))
+      largest_matrix = std::max<size_t>(largest_matrix, s.numel());
   }
   const bool widen = dt != DType::F32;
   auto declare_widening = [&](Phase ph, size_t matrix_elems) {
     const std::string p{phase_name(ph)};
-    matrix_f32_[static_cast<size_t>(ph)] = plan_->declare(p + ".matrix_f32", Category::Working, matrix_elems * 4, ph, ph);
-    vector_f32_[static_cast<size_t>(ph)] = plan_->declare(p + ".vector_f32", Category::Working, largest_vector * 4, ph, ph);
+    matrix_f32_[static_cast<size_t>(ph)] =
+        plan_->declare(p + ".matrix_f32", Category::Working, matrix_elems * 4, ph, ph);
+    vector_f32_[static_cast<size_t>(ph)] =
+        plan_->declare(p + ".vector_f32", Category::Working, largest_vector * 4, ph, ph);
   };
   if (widen) declare_widening(F, largest_matrix);
 
@@ -152,7 +156,8 @@ void Qwen2Model::declare_buffers() {
     dh_ = plan_->declare("bwd.dh", Category::Working, N * I * 4, B, B);
     dgate_ = plan_->declare("bwd.dgate", Category::Working, N * I * 4, B, B);
     dup_ = plan_->declare("bwd.dup", Category::Working, N * I * 4, B, B);
-    if (options_.gradient_checkpointing) recompute_ = declare_layer_acts("bwd.recompute.", Category::RecomputeScratch, B, B);
+    if (options_.gradient_checkpointing)
+      recompute_ = declare_layer_acts("bwd.recompute.", Category::RecomputeScratch, B, B);
     if (widen) declare_widening(B, largest_matrix);
   } else {
     rstd_final_ = plan_->declare("act.rstd_final", Category::LossWorkspace, N * 4, L, L);
@@ -160,7 +165,9 @@ void Qwen2Model::declare_buffers() {
   plan_->finalize();
 }
 
-void* Qwen2Model::param_data(size_t i) const { return arena_->raw(weight_ids_.at(i)); }
+void* Qwen2Model::param_data(size_t i) const {
+  return arena_->raw(weight_ids_.at(i));
+}
 
 float* Qwen2Model::grad_data(size_t i) const {
   MT_ASSERT(options_.with_grads, "model built without gradients");
@@ -248,7 +255,8 @@ void Qwen2Model::upload_batch(const TokenBatch& batch) {
     for (int32_t t = begin; t < end; ++t) {
       const int32_t id = batch.input_ids[t];
       if (id < 0 || id >= config_.vocab_size)
-        throw Error(fmt::format("token id {} at position {} is outside the vocabulary [0, {})", id, t, config_.vocab_size));
+        throw Error(
+            fmt::format("token id {} at position {} is outside the vocabulary [0, {})", id, t, config_.vocab_size));
       ids[t] = id;
       pos[t] = t - begin;
       const int32_t label = t + 1 < end ? batch.labels[t + 1] : cpu::kIgnoreIndex;
@@ -357,13 +365,17 @@ cpu::LossSum Qwen2Model::forward_backward(const TokenBatch& batch, float* logits
     cpu::matmul_forward(logits_out, normed, head.data(), nullptr, N, D, V);
   }
   const bool widen = c.torch_dtype != DType::F32;
-  const cpu::LmHeadWorkspace ws{A.get<float>(logits_chunk_), A.get<float>(rows_), A.get<float>(drows_),
-                                A.get<int32_t>(loss_positions_), chunk_rows_,
-                                widen ? A.get<float>(head_slice_) : nullptr, head_slice_rows_};
+  const cpu::LmHeadWorkspace ws{A.get<float>(logits_chunk_),
+                                A.get<float>(rows_),
+                                A.get<float>(drows_),
+                                A.get<int32_t>(loss_positions_),
+                                chunk_rows_,
+                                widen ? A.get<float>(head_slice_) : nullptr,
+                                head_slice_rows_};
   const bool grads = options_.with_grads;
-  const cpu::LossSum loss = cpu::lm_head_cross_entropy(
-      normed, A.get<int32_t>(targets_), N, param_data(head_), c.torch_dtype, V, D, 0.0f,
-      grads ? A.get<float>(dnormed_) : nullptr, grads ? grad_data(head_) : nullptr, ws);
+  const cpu::LossSum loss =
+      cpu::lm_head_cross_entropy(normed, A.get<int32_t>(targets_), N, param_data(head_), c.torch_dtype, V, D, 0.0f,
+                                 grads ? A.get<float>(dnormed_) : nullptr, grads ? grad_data(head_) : nullptr, ws);
   timings_.loss = seconds_since(t0);
   if (!grads) return loss;
 

@@ -34,10 +34,10 @@ std::vector<ParamSpec> qwen2_parameter_specs(const Qwen2Config& config);
 int64_t qwen2_parameter_count(const Qwen2Config& config);
 
 struct ModelOptions {
-  int64_t max_tokens = 2048;          // capacity of one micro-batch's flat token stream
+  int64_t max_tokens = 2048;  // capacity of one micro-batch's flat token stream
   bool gradient_checkpointing = false;
   size_t loss_workspace_bytes = size_t{128} << 20;  // budget for the LM head's logits chunk
-  bool with_grads = true;             // declare gradients and backward buffers
+  bool with_grads = true;                           // declare gradients and backward buffers
 };
 
 // A micro-batch: a flat stream of tokens holding sequences back to back. labels are unshifted
@@ -113,8 +113,8 @@ class Qwen2Model {
 
   // Buffer ids (see declare_buffers for lifetimes).
   BufferId ids_, positions_, targets_, cu_seqlens_;
-  std::vector<BufferId> residual_;   // layer inputs x_0..x_L (x_L feeds the final norm)
-  std::vector<LayerActs> saved_;     // per layer, without checkpointing
+  std::vector<BufferId> residual_;         // layer inputs x_0..x_L (x_L feeds the final norm)
+  std::vector<LayerActs> saved_;           // per layer, without checkpointing
   LayerActs fwd_scratch_{}, recompute_{};  // with checkpointing
   std::array<BufferId, kNumPhases> matrix_f32_{}, vector_f32_{};
   BufferId normed_, rstd_final_, dnormed_;

@@ -124,8 +124,9 @@ TEST(Ops, RopeMatchesRotateHalfAndBackward) {
 }
 
 // Causal softmax attention computed the direct way (full score rows, double precision).
-std::vector<float> naive_attention(const std::vector<float>& q, const std::vector<float>& k, const std::vector<float>& v,
-                                   const std::vector<int32_t>& cu, int64_t Hq, int64_t Hkv, int64_t hd) {
+std::vector<float> naive_attention(const std::vector<float>& q, const std::vector<float>& k,
+                                   const std::vector<float>& v, const std::vector<int32_t>& cu, int64_t Hq, int64_t Hkv,
+                                   int64_t hd) {
   const int64_t N = cu.back(), qd = Hq * hd, kvd = Hkv * hd;
   std::vector<float> out(N * qd);
   for (size_t s = 0; s + 1 < cu.size(); ++s)
@@ -237,7 +238,8 @@ TEST_P(LmHeadTest, MatchesMaterializedLogitsAndFiniteDifferences) {
     convert_to_f32(w16.data(), wdtype, w.data(), w.size());
   }
   auto loss = [&] {
-    return lm_head_cross_entropy(h.data(), targets.data(), N, stored_weight(), wdtype, V, D, eps, nullptr, nullptr, ws).sum;
+    return lm_head_cross_entropy(h.data(), targets.data(), N, stored_weight(), wdtype, V, D, eps, nullptr, nullptr, ws)
+        .sum;
   };
 
   // Direct computation over materialized logits, in double.

@@ -45,7 +45,8 @@ class CliTest : public ::testing::Test {
 };
 
 TEST_F(CliTest, InitModelThenDumpWritesLogitsLossAndEveryGradient) {
-  Result r = run("init-model --preset tiny --set tie_word_embeddings=false --torch_dtype bfloat16 --seed 3 --out " + path("m"));
+  Result r = run("init-model --preset tiny --set tie_word_embeddings=false --torch_dtype bfloat16 --seed 3 --out " +
+                 path("m"));
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("parameters"), std::string::npos);
   write("in.json", R"({"input_ids": [[1, 2, 3, 4], [5, 6, 7, 8]], "labels": [[1, -100, 3, 4], [5, 6, 7, 8]]})");

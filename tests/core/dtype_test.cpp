@@ -17,7 +17,9 @@
 namespace memtune {
 namespace {
 
-float from_bits(uint32_t b) { return std::bit_cast<float>(b); }
+float from_bits(uint32_t b) {
+  return std::bit_cast<float>(b);
+}
 const float kInf = std::numeric_limits<float>::infinity();
 
 TEST(DTypeTest, NamesAndSizes) {

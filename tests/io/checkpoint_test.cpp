@@ -40,7 +40,9 @@ std::string error_of(F&& f) {
 const std::vector<int64_t> k2x2 = {2, 2};
 
 // "t<i>". (Written without `"t" + std::to_string(i)`, which trips a false -Wrestrict in GCC 12 at -O2.)
-std::string tensor_name(int i) { return std::string(1, 't').append(std::to_string(i)); }
+std::string tensor_name(int i) {
+  return std::string(1, 't').append(std::to_string(i));
+}
 
 class CheckpointTest : public ::testing::Test {
  protected:

@@ -30,7 +30,8 @@ TEST(MemoryPlan, LaminarLifetimesPackToTheLivePeak) {
   for (size_t i = 0; i < b.size(); ++i)
     for (size_t j = i + 1; j < b.size(); ++j) {
       const bool together = b[i].first <= b[j].last && b[j].first <= b[i].last;
-      const bool disjoint_bytes = b[i].offset + b[i].padded_bytes <= b[j].offset || b[j].offset + b[j].padded_bytes <= b[i].offset;
+      const bool disjoint_bytes =
+          b[i].offset + b[i].padded_bytes <= b[j].offset || b[j].offset + b[j].padded_bytes <= b[i].offset;
       if (together) {
         EXPECT_TRUE(disjoint_bytes) << b[i].name << " / " << b[j].name;
       }

@@ -94,9 +94,13 @@ int64_t parameter_count(const Qwen2Config& c) {
   return embeddings + c.num_hidden_layers * per_layer + d;
 }
 
-TEST(Qwen2ConfigTest, ParsesTheClassicForm) { expect_qwen25_05b(parse_qwen2_config(qwen25_05b_classic(), "c.json")); }
+TEST(Qwen2ConfigTest, ParsesTheClassicForm) {
+  expect_qwen25_05b(parse_qwen2_config(qwen25_05b_classic(), "c.json"));
+}
 
-TEST(Qwen2ConfigTest, ParsesTheTransformers5Form) { expect_qwen25_05b(parse_qwen2_config(qwen25_05b_v5(), "c.json")); }
+TEST(Qwen2ConfigTest, ParsesTheTransformers5Form) {
+  expect_qwen25_05b(parse_qwen2_config(qwen25_05b_v5(), "c.json"));
+}
 
 TEST(Qwen2ConfigTest, SlidingAttentionLayerTypesAreFullAttentionWhenTheWindowIsOff) {
   json doc = qwen25_05b_v5();
@@ -258,7 +262,9 @@ class Qwen2ConfigFileTest : public ::testing::Test {
   fs::path dir_;
 };
 
-TEST_F(Qwen2ConfigFileTest, LoadsAFile) { expect_qwen25_05b(load_qwen2_config(write(qwen25_05b_classic().dump(2)))); }
+TEST_F(Qwen2ConfigFileTest, LoadsAFile) {
+  expect_qwen25_05b(load_qwen2_config(write(qwen25_05b_classic().dump(2))));
+}
 
 TEST_F(Qwen2ConfigFileTest, MissingFileAndInvalidJson) {
   std::string absent = (dir_ / "absent.json").string();

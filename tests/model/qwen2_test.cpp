@@ -3,9 +3,9 @@
 // independent, 16-bit storage stays 16-bit, and checkpoints round-trip through HF files.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
 #include <cmath>
 #include <cstring>
-#include <unistd.h>
 #include <filesystem>
 #include <numeric>
 
@@ -191,7 +191,9 @@ TEST(Qwen2, RejectsBadBatches) {
 
 class ScopedDir {
  public:
-  ScopedDir() : path_(std::filesystem::temp_directory_path() / ("memtune_model_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter_++))) {
+  ScopedDir()
+      : path_(std::filesystem::temp_directory_path() /
+              ("memtune_model_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter_++))) {
     std::filesystem::create_directories(path_);
   }
   ~ScopedDir() { std::filesystem::remove_all(path_); }

@@ -5,8 +5,8 @@
 
 #include <algorithm>
 #include <bit>
-#include <cstddef>
 #include <cmath>
+#include <cstddef>
 #include <limits>
 
 #include "core/dtype.h"
@@ -48,8 +48,7 @@ void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dou
                      const float* weight, int64_t N, int64_t C, int64_t OC) {
   if (N == 0) return;
   if (dinp) cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, C, OC, 1.0f, dout, OC, weight, C, 1.0f, dinp, C);
-  if (dweight)
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OC, C, N, 1.0f, dout, OC, inp, C, 1.0f, dweight, C);
+  if (dweight) cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OC, C, N, 1.0f, dout, OC, inp, C, 1.0f, dweight, C);
   if (dbias) column_sum_accumulate(dbias, dout, N, OC);
 }
 
@@ -142,8 +141,8 @@ inline float dot(const float* a, const float* b, int64_t n) {
 }
 }  // namespace
 
-void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v, const int32_t* cu_seqlens,
-                       int64_t num_seqs, int64_t Hq, int64_t Hkv, int64_t hd) {
+void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v,
+                       const int32_t* cu_seqlens, int64_t num_seqs, int64_t Hq, int64_t Hkv, int64_t hd) {
   MT_ASSERT(hd <= kMaxHeadDim && Hq % Hkv == 0);
   const int64_t qd = Hq * hd, kvd = Hkv * hd, group = Hq / Hkv;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
@@ -343,8 +342,8 @@ LossSum lm_head_cross_entropy(const float* hidden, const int32_t* targets, int64
     for (int64_t r = 0; r < m; ++r) std::copy_n(hidden + pos[r] * D, D, ws.rows + r * D);
     for (int64_t v0 = 0; v0 < V; v0 += S) {
       const int64_t v1 = std::min(V, v0 + S);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, v1 - v0, D, 1.0f, ws.rows, D, head.slice(v0, v1), D,
-                  0.0f, ws.logits + v0, V);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, v1 - v0, D, 1.0f, ws.rows, D, head.slice(v0, v1), D, 0.0f,
+                  ws.logits + v0, V);
     }
 
     double chunk_loss = 0.0;

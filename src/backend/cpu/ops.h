@@ -52,8 +52,8 @@ void rope_backward(float* dx, const int32_t* positions, int64_t N, int64_t heads
 
 // Causal grouped-query attention over packed sequences, online softmax, never materializing a
 // [T, T] score matrix. q[N, Hq*hd], k/v[N, Hkv*hd] -> out[N, Hq*hd]; saves lse[N, Hq].
-void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v, const int32_t* cu_seqlens,
-                       int64_t num_seqs, int64_t Hq, int64_t Hkv, int64_t hd);
+void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v,
+                       const int32_t* cu_seqlens, int64_t num_seqs, int64_t Hq, int64_t Hkv, int64_t hd);
 // Recomputes probabilities from lse. dq, dk, dv are OVERWRITTEN (every token belongs to one sequence).
 void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* out, const float* lse,
                         const float* q, const float* k, const float* v, const int32_t* cu_seqlens, int64_t num_seqs,
@@ -82,10 +82,10 @@ void scale_inplace(float* y, float s, int64_t n);
 // A weight stored in 16 bits is widened `slice_rows` vocabulary rows at a time into
 // `weight_slice`, so no float32 copy of the whole [V, D] head ever exists.
 struct LmHeadWorkspace {
-  float* logits;        // [chunk_rows, V]
-  float* rows;          // [chunk_rows, D] gathered hidden rows
-  float* drows;         // [chunk_rows, D]
-  int32_t* positions;   // [N] positions with a target
+  float* logits;       // [chunk_rows, V]
+  float* rows;         // [chunk_rows, D] gathered hidden rows
+  float* drows;        // [chunk_rows, D]
+  int32_t* positions;  // [N] positions with a target
   int64_t chunk_rows;
   float* weight_slice;  // [slice_rows, D], used only for 16-bit weights
   int64_t slice_rows;
