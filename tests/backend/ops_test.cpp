@@ -5,6 +5,7 @@
 #include <cmath>
 #include <functional>
 #include <numeric>
+#include <string>
 #include <vector>
 
 #include "backend/cpu/ops.h"
@@ -282,7 +283,13 @@ TEST_P(LmHeadTest, MatchesMaterializedLogitsAndFiniteDifferences) {
 INSTANTIATE_TEST_SUITE_P(ChunkSizes, LmHeadTest,
                          ::testing::Values(LmHeadCase{1, 0.0f}, LmHeadCase{4, 0.0f}, LmHeadCase{1000, 0.0f},
                                            LmHeadCase{3, 0.1f}, LmHeadCase{4, 0.0f, DType::BF16, 5},
-                                           LmHeadCase{2, 0.1f, DType::F16, 37}, LmHeadCase{3, 0.0f, DType::BF16, 64}));
+                                           LmHeadCase{2, 0.1f, DType::F16, 37}, LmHeadCase{3, 0.0f, DType::BF16, 64}),
+                         [](const ::testing::TestParamInfo<LmHeadCase>& info) {
+                           const LmHeadCase& p = info.param;
+                           return "chunk" + std::to_string(p.chunk_rows) + (p.label_smoothing > 0 ? "_smoothing" : "") +
+                                  "_" + std::string(dtype_safetensors_name(p.weight_dtype)) +
+                                  (p.slice_rows ? "_slice" + std::to_string(p.slice_rows) : "");
+                         });
 
 }  // namespace
 }  // namespace memtune::cpu

@@ -9,6 +9,7 @@
 #include <fstream>
 
 #include "io/safetensors.h"
+#include "support/test_util.h"
 
 namespace memtune {
 namespace {
@@ -32,12 +33,7 @@ Result run(const std::string& args) {
 
 class CliTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("memtune_cli_test_" + std::to_string(::getpid()) + "_" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
+  void SetUp() override { dir_ = testing_support::make_temp_dir("cli_test"); }
   void TearDown() override { fs::remove_all(dir_); }
   std::string path(const std::string& name) const { return (dir_ / name).string(); }
   void write(const std::string& name, const std::string& text) const { std::ofstream(path(name)) << text; }

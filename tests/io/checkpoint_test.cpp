@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "support/test_util.h"
 
 namespace memtune {
 namespace {
@@ -24,18 +25,7 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-#define EXPECT_CONTAINS(text, part) EXPECT_NE((text).find(part), std::string::npos) << "in: " << (text)
-
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected memtune::Error";
-  return "";
-}
+using testing_support::error_of;
 
 const std::vector<int64_t> k2x2 = {2, 2};
 
@@ -46,13 +36,7 @@ std::string tensor_name(int i) {
 
 class CheckpointTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    static std::atomic<int> counter{0};
-    dir_ = (fs::temp_directory_path() /
-            ("memtune_checkpoint_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter++)))
-               .string();
-    fs::create_directories(dir_);
-  }
+  void SetUp() override { dir_ = testing_support::make_temp_dir("checkpoint_test").string(); }
   void TearDown() override { fs::remove_all(dir_); }
 
   std::string path(const std::string& name) const { return (fs::path(dir_) / name).string(); }

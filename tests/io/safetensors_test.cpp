@@ -16,33 +16,18 @@
 #include <vector>
 
 #include "core/error.h"
+#include "support/test_util.h"
 
 namespace memtune {
 namespace {
 
 namespace fs = std::filesystem;
 
-#define EXPECT_CONTAINS(text, part) EXPECT_NE((text).find(part), std::string::npos) << "in: " << (text)
-
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected memtune::Error";
-  return "";
-}
+using testing_support::error_of;
 
 class SafetensorsTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    static std::atomic<int> counter{0};
-    dir_ = fs::temp_directory_path() /
-           ("memtune_safetensors_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    fs::create_directories(dir_);
-  }
+  void SetUp() override { dir_ = testing_support::make_temp_dir("safetensors_test"); }
   void TearDown() override { fs::remove_all(dir_); }
 
   std::string path(const std::string& name) const { return (dir_ / name).string(); }

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "support/test_util.h"
 
 namespace memtune {
 namespace {
@@ -20,18 +21,7 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-#define EXPECT_CONTAINS(text, part) EXPECT_NE((text).find(part), std::string::npos) << "in: " << (text)
-
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected memtune::Error";
-  return "";
-}
+using testing_support::error_of;
 
 // Qwen/Qwen2.5-0.5B-Instruct's config.json as published (transformers 4.x form).
 json qwen25_05b_classic() {
@@ -247,12 +237,7 @@ TEST(Qwen2ConfigTest, RefusesOtherActivations) {
 
 class Qwen2ConfigFileTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    static std::atomic<int> counter{0};
-    dir_ = fs::temp_directory_path() /
-           ("memtune_config_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    fs::create_directories(dir_);
-  }
+  void SetUp() override { dir_ = testing_support::make_temp_dir("config_test"); }
   void TearDown() override { fs::remove_all(dir_); }
   std::string write(const std::string& text) {
     std::string p = (dir_ / "config.json").string();

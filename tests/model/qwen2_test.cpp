@@ -15,6 +15,7 @@
 #include "io/safetensors.h"
 #include "model/qwen2.h"
 #include "support/allocation_counter.h"
+#include "support/test_util.h"
 
 namespace memtune {
 namespace {
@@ -101,7 +102,12 @@ TEST_P(PlanTest, ArenaHighWaterEqualsPlannedPeakAndNoHeapAllocationInAStep) {
 
 INSTANTIATE_TEST_SUITE_P(Configs, PlanTest,
                          ::testing::Combine(::testing::Bool(), ::testing::Values(DType::F32, DType::BF16),
-                                            ::testing::Bool()));
+                                            ::testing::Bool()),
+                         [](const auto& info) {
+                           return std::string(std::get<0>(info.param) ? "checkpointing_" : "saved_") +
+                                  std::string(dtype_safetensors_name(std::get<1>(info.param))) +
+                                  (std::get<2>(info.param) ? "_tied" : "_untied");
+                         });
 
 TEST(Qwen2, CheckpointingSavesActivationMemoryAndGivesTheSameGradients) {
   const Sample s = make_sample({33, 15}, 512, 3);
@@ -189,33 +195,22 @@ TEST(Qwen2, RejectsBadBatches) {
   EXPECT_THROW(m.forward_backward(s.batch()), Error);  // id outside the vocabulary
 }
 
-class ScopedDir {
- public:
-  ScopedDir()
-      : path_(std::filesystem::temp_directory_path() /
-              ("memtune_model_test_" + std::to_string(::getpid()) + "_" + std::to_string(counter_++))) {
-    std::filesystem::create_directories(path_);
-  }
-  ~ScopedDir() { std::filesystem::remove_all(path_); }
-  std::string str() const { return path_.string(); }
-
- private:
-  static inline int counter_ = 0;
-  std::filesystem::path path_;
-};
-
 TEST(Qwen2, SaveLoadRoundTripAndLoadErrors) {
-  ScopedDir dir;
+  const auto dir = testing_support::make_temp_dir("model_test");
+  struct Cleanup {
+    std::filesystem::path p;
+    ~Cleanup() { std::filesystem::remove_all(p); }
+  } cleanup{dir};
   ModelOptions opt;
   opt.max_tokens = 4;
   Qwen2Model a(tiny(DType::BF16, false), opt);
   a.init_random(9);
-  a.save(dir.str());
-  const Qwen2Config loaded = load_qwen2_config(dir.str() + "/config.json");
+  a.save(dir.string());
+  const Qwen2Config loaded = load_qwen2_config(dir.string() + "/config.json");
   EXPECT_EQ(loaded.torch_dtype, DType::BF16);
   EXPECT_FALSE(loaded.tie_word_embeddings);
   Qwen2Model b(loaded, opt);
-  b.load(CheckpointReader(dir.str()));
+  b.load(CheckpointReader(dir.string()));
   for (size_t i = 0; i < a.params().size(); ++i)
     EXPECT_EQ(std::memcmp(a.param_data(i), b.param_data(i), a.params()[i].numel() * 2), 0) << a.params()[i].name;
 
@@ -223,32 +218,18 @@ TEST(Qwen2, SaveLoadRoundTripAndLoadErrors) {
   Qwen2Config deeper = loaded;
   deeper.num_hidden_layers = 3;
   Qwen2Model c(deeper, opt);
-  try {
-    c.load(CheckpointReader(dir.str()));
-    FAIL() << "expected an error";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("model.layers.2.input_layernorm.weight"), std::string::npos) << e.what();
-  }
+  EXPECT_CONTAINS(testing_support::error_of([&] { c.load(CheckpointReader(dir.string())); }),
+                  "model.layers.2.input_layernorm.weight");
   // A tied config reading an untied checkpoint is fine (lm_head ignored), a shallower one is not.
   Qwen2Config shallower = loaded;
   shallower.num_hidden_layers = 1;
   Qwen2Model d(shallower, opt);
-  try {
-    d.load(CheckpointReader(dir.str()));
-    FAIL() << "expected an error";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("model.layers.1."), std::string::npos) << e.what();
-  }
+  EXPECT_CONTAINS(testing_support::error_of([&] { d.load(CheckpointReader(dir.string())); }), "model.layers.1.");
   // Another hidden size: the shape mismatch names the tensor.
   Qwen2Config wider = loaded;
   wider.intermediate_size = 180;
   Qwen2Model w(wider, opt);
-  try {
-    w.load(CheckpointReader(dir.str()));
-    FAIL() << "expected an error";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("mlp.gate_proj.weight"), std::string::npos) << e.what();
-  }
+  EXPECT_CONTAINS(testing_support::error_of([&] { w.load(CheckpointReader(dir.string())); }), "mlp.gate_proj.weight");
 }
 
 TEST(Qwen2, Bfloat16StorageComputesLikeFloat32OnTheSameValues) {
