@@ -2,7 +2,7 @@
 # Installs everything memtune needs to build, test and run, from Debian's packages only.
 # Quick and silent when everything is already there.
 set -euo pipefail
-packages=(build-essential cmake ninja-build pkg-config libopenblas-openmp-dev nlohmann-json3-dev libcli11-dev libfmt-dev
+packages=(build-essential cmake ninja-build pkg-config libopenblas-openmp-dev nlohmann-json3-dev libcli11-dev libfmt-dev libpcre2-dev libutf8proc-dev
           libgtest-dev python3 python3-numpy python3-torch)
 missing=()
 for p in "${packages[@]}"; do
