@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
-#include <fstream>
 #include <set>
 
 #include <nlohmann/json.hpp>
@@ -12,6 +11,7 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "io/checkpoint.h"
+#include "io/safetensors.h"
 
 namespace memtune {
 
@@ -218,14 +218,8 @@ void Qwen2Model::save(const std::string& dir) const {
   for (size_t i = 0; i < specs_.size(); ++i)
     tensors.push_back({specs_[i].name, config_.torch_dtype, specs_[i].shape, param_data(i)});
   write_checkpoint(dir, tensors);
-  const std::string path = (std::filesystem::path(dir) / "config.json").string();
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream out(tmp);
-    out << qwen2_config_to_json(config_).dump(2) << "\n";
-    if (!out) throw Error(fmt::format("cannot write {}", tmp));
-  }
-  std::filesystem::rename(tmp, path);
+  write_file_atomically((std::filesystem::path(dir) / "config.json").string(),
+                        qwen2_config_to_json(config_).dump(2) + "\n");
 }
 
 const float* Qwen2Model::weight_f32(size_t param) {
