@@ -16,7 +16,7 @@ std::string_view category_name(Category c) {
 }
 
 std::string_view phase_name(Phase p) {
-  static constexpr std::array<std::string_view, kNumPhases> names = {"forward", "loss", "backward"};
+  static constexpr std::array<std::string_view, kNumPhases> names = {"forward", "loss", "backward", "optimizer"};
   return names[static_cast<size_t>(p)];
 }
 

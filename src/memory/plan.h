@@ -34,8 +34,9 @@ constexpr size_t kNumCategories = static_cast<size_t>(Category::kCount);
 std::string_view category_name(Category c);
 
 // Phases of one training step, in order. Forward runs the decoder stack; Loss runs the final
-// norm and the fused LM head + loss (chunked logits); Backward runs the stack in reverse.
-enum class Phase { Forward, Loss, Backward, kCount };
+// norm and the fused LM head + loss (chunked logits); Backward runs the stack in reverse;
+// Optimizer updates the trainable parameters.
+enum class Phase { Forward, Loss, Backward, Optimizer, kCount };
 constexpr size_t kNumPhases = static_cast<size_t>(Phase::kCount);
 std::string_view phase_name(Phase p);
 
@@ -56,9 +57,9 @@ class MemoryPlan {
   static constexpr size_t kAlignment = 64;
 
   BufferId declare(std::string name, Category category, size_t bytes, Phase first, Phase last);
-  // Shorthand for buffers live in every phase (parameters, gradients, the batch).
+  // Shorthand for buffers live in every phase (parameters, gradients, optimizer state, the batch).
   BufferId declare_persistent(std::string name, Category category, size_t bytes) {
-    return declare(std::move(name), category, bytes, Phase::Forward, Phase::Backward);
+    return declare(std::move(name), category, bytes, Phase::Forward, Phase::Optimizer);
   }
   // Assigns offsets; after this no more declarations are accepted.
   void finalize();

@@ -91,6 +91,16 @@ void Qwen2Model::declare_buffers() {
   if (options_.with_grads)
     for (const auto& s : specs_)
       grad_ids_.push_back(plan_->declare_persistent("grad." + s.name, Category::Gradients, s.numel() * 4));
+  if (options_.with_optimizer) {
+    if (!options_.with_grads) throw Error("an optimizer needs gradients (with_grads)");
+    for (const auto& s : specs_) {
+      const size_t bytes = s.numel() * 4;
+      adam_m_ids_.push_back(plan_->declare_persistent("adam_m." + s.name, Category::OptimizerState, bytes));
+      adam_v_ids_.push_back(plan_->declare_persistent("adam_v." + s.name, Category::OptimizerState, bytes));
+      if (dt != DType::F32)
+        master_ids_.push_back(plan_->declare_persistent("master." + s.name, Category::TrainableParams, bytes));
+    }
+  }
 
   ids_ = plan_->declare_persistent("batch.input_ids", Category::Batch, N * 4);
   positions_ = plan_->declare_persistent("batch.positions", Category::Batch, N * 4);
@@ -172,6 +182,16 @@ void* Qwen2Model::param_data(size_t i) const {
 float* Qwen2Model::grad_data(size_t i) const {
   MT_ASSERT(options_.with_grads, "model built without gradients");
   return arena_->get<float>(grad_ids_.at(i));
+}
+
+float* Qwen2Model::adam_m(size_t i) const {
+  return arena_->get<float>(adam_m_ids_.at(i));
+}
+float* Qwen2Model::adam_v(size_t i) const {
+  return arena_->get<float>(adam_v_ids_.at(i));
+}
+float* Qwen2Model::master(size_t i) const {
+  return master_ids_.empty() ? nullptr : arena_->get<float>(master_ids_.at(i));
 }
 
 void Qwen2Model::zero_grads() {

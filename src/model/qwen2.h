@@ -38,6 +38,7 @@ struct ModelOptions {
   bool gradient_checkpointing = false;
   size_t loss_workspace_bytes = size_t{128} << 20;  // budget for the LM head's logits chunk
   bool with_grads = true;                           // declare gradients and backward buffers
+  bool with_optimizer = false;                      // declare AdamW moments (and fp32 masters for 16-bit storage)
 };
 
 // A micro-batch: a flat stream of tokens holding sequences back to back. labels are unshifted
@@ -76,6 +77,11 @@ class Qwen2Model {
   void* param_data(size_t i) const;
   float* grad_data(size_t i) const;
   void zero_grads();
+  // Optimizer state (with_optimizer): AdamW moments, and the float32 master copy of a parameter
+  // stored in 16 bits (nullptr for float32 storage, where the parameter is its own master).
+  float* adam_m(size_t i) const;
+  float* adam_v(size_t i) const;
+  float* master(size_t i) const;
 
   // forward, loss and backward of one micro-batch; gradients of the loss SUM are accumulated.
   // If logits_out is given ([N, V] host memory, debugging only) the full logits are written there.
@@ -104,7 +110,7 @@ class Qwen2Model {
   std::vector<ParamSpec> specs_;
   std::vector<LayerParams> layer_params_;
   size_t embed_ = 0, final_norm_ = 0, head_ = 0;
-  std::vector<BufferId> weight_ids_, grad_ids_;
+  std::vector<BufferId> weight_ids_, grad_ids_, adam_m_ids_, adam_v_ids_, master_ids_;
   std::unique_ptr<MemoryPlan> plan_;
   std::unique_ptr<Arena> arena_;
   int64_t chunk_rows_ = 1;

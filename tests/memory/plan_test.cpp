@@ -23,6 +23,7 @@ TEST(MemoryPlan, LaminarLifetimesPackToTheLivePeak) {
   EXPECT_EQ(plan.live_bytes(Phase::Forward), 1024u + 640 + 320);
   EXPECT_EQ(plan.live_bytes(Phase::Loss), 1024u + 640 + 128 + 5056);
   EXPECT_EQ(plan.live_bytes(Phase::Backward), 1024u + 640 + 128 + 2048);
+  EXPECT_EQ(plan.live_bytes(Phase::Optimizer), 1024u);
   EXPECT_EQ(plan.peak_bytes(), 1024u + 640 + 128 + 5056);
   EXPECT_EQ(plan.peak_phase(), Phase::Loss);
   // Buffers live at the same time never overlap.

@@ -1,0 +1,74 @@
+#include "train/trainer.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+
+namespace memtune {
+
+Trainer::Trainer(Qwen2Model& model, const TrainerConfig& config) : model_(model), config_(config) {
+  MT_ASSERT(model.options().with_optimizer, "the trainer needs a model planned with optimizer state");
+  model_.arena().enter_phase(Phase::Optimizer);
+  for (size_t i = 0; i < model_.params().size(); ++i) {
+    const size_t n = static_cast<size_t>(model_.params()[i].numel());
+    std::fill_n(model_.adam_m(i), n, 0.0f);
+    std::fill_n(model_.adam_v(i), n, 0.0f);
+    if (float* master = model_.master(i)) convert_to_f32(model_.param_data(i), model_.config().torch_dtype, master, n);
+  }
+  model_.arena().enter_phase(Phase::Forward);
+}
+
+StepResult Trainer::step(std::span<const TokenBatch> micro_batches) {
+  StepResult r;
+  model_.zero_grads();
+  for (const TokenBatch& mb : micro_batches) {
+    const cpu::LossSum part = model_.forward_backward(mb);
+    r.loss_sum += part.sum;
+    r.num_items += part.count;
+  }
+  r.learning_rate = config_.learning_rate * config_.schedule.multiplier(step_);
+  if (r.num_items == 0) return r;  // nothing to learn from: no update, the step is not counted
+
+  Arena& arena = model_.arena();
+  arena.enter_phase(Phase::Optimizer);
+  const size_t P = model_.params().size();
+  // The one division by num_items_in_batch, and the global norm of the result.
+  const float inv_items = 1.0f / static_cast<float>(r.num_items);
+  double sumsq = 0.0;
+  for (size_t i = 0; i < P; ++i) {
+    float* g = model_.grad_data(i);
+    const int64_t n = model_.params()[i].numel();
+    double local = 0.0;
+#pragma omp parallel for simd reduction(+ : local) schedule(static) if (n > 32768)
+    for (int64_t j = 0; j < n; ++j) {
+      g[j] *= inv_items;
+      local += static_cast<double>(g[j]) * g[j];
+    }
+    sumsq += local;
+  }
+  r.grad_norm = std::sqrt(sumsq);
+  // torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1.
+  const double clip = config_.max_grad_norm > 0 ? std::min(1.0, config_.max_grad_norm / (r.grad_norm + 1e-6)) : 1.0;
+
+  ++step_;
+  for (size_t i = 0; i < P; ++i) {
+    const auto& spec = model_.params()[i];
+    const size_t n = static_cast<size_t>(spec.numel());
+    float* g = model_.grad_data(i);
+    if (clip < 1.0) {
+      const float c = static_cast<float>(clip);
+      for (size_t j = 0; j < n; ++j) g[j] *= c;
+    }
+    float* master = model_.master(i);
+    float* param = master ? master : static_cast<float*>(model_.param_data(i));
+    adamw_update({param, n}, {g, n}, {model_.adam_m(i), n}, {model_.adam_v(i), n}, step_, r.learning_rate, config_.adam,
+                 takes_weight_decay(spec.name));
+    if (master) convert_from_f32(master, model_.param_data(i), model_.config().torch_dtype, n);
+  }
+  arena.enter_phase(Phase::Forward);
+  r.updated = true;
+  return r;
+}
+
+}  // namespace memtune

@@ -1,0 +1,261 @@
+// The training step: AdamW and the schedules against their published formulas, loss
+// normalization by num_items_in_batch (batch 4 x accumulation 1 == batch 1 x accumulation 4 with
+// unequal lengths, while a mean of micro-batch means would differ), bf16 masters, convergence.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <numbers>
+#include <vector>
+
+#include "core/error.h"
+#include "core/rng.h"
+#include "support/allocation_counter.h"
+#include "train/trainer.h"
+
+namespace memtune {
+namespace {
+
+TEST(AdamW, MatchesTheTorchAlgorithmInDouble) {
+  // torch.optim.AdamW, written out from its documentation in double precision.
+  const AdamWConfig c{0.9, 0.95, 1e-6, 0.1};
+  const double lr = 1e-2;
+  std::vector<float> p = {0.5f, -1.0f, 2.0f}, m(3, 0.0f), v(3, 0.0f);
+  std::vector<double> pd = {0.5, -1.0, 2.0}, md(3, 0.0), vd(3, 0.0);
+  Rng rng(3);
+  for (int t = 1; t <= 5; ++t) {
+    std::vector<float> g(3);
+    for (auto& x : g) x = static_cast<float>(rng.normal());
+    adamw_update(p, g, m, v, t, lr, c, true);
+    for (int i = 0; i < 3; ++i) {
+      pd[i] *= 1 - lr * c.weight_decay;
+      md[i] = c.beta1 * md[i] + (1 - c.beta1) * g[i];
+      vd[i] = c.beta2 * vd[i] + (1 - c.beta2) * g[i] * g[i];
+      const double mhat = md[i] / (1 - std::pow(c.beta1, t)), vhat = vd[i] / (1 - std::pow(c.beta2, t));
+      pd[i] -= lr * mhat / (std::sqrt(vhat) + c.eps);
+    }
+  }
+  for (int i = 0; i < 3; ++i) EXPECT_NEAR(p[i], pd[i], 1e-6);
+}
+
+TEST(AdamW, NoWeightDecayForBiasesAndNorms) {
+  EXPECT_TRUE(takes_weight_decay("model.layers.0.self_attn.q_proj.weight"));
+  EXPECT_TRUE(takes_weight_decay("model.embed_tokens.weight"));
+  EXPECT_FALSE(takes_weight_decay("model.layers.0.self_attn.q_proj.bias"));
+  EXPECT_FALSE(takes_weight_decay("model.layers.3.input_layernorm.weight"));
+  EXPECT_FALSE(takes_weight_decay("model.norm.weight"));
+}
+
+TEST(LrSchedule, HuggingFaceFormulas) {
+  LrSchedule s{LrScheduleType::Linear, 2, 10, 0.0};
+  EXPECT_DOUBLE_EQ(s.multiplier(0), 0.0);  // HF's first warmup step trains at lr 0
+  EXPECT_DOUBLE_EQ(s.multiplier(1), 0.5);
+  EXPECT_DOUBLE_EQ(s.multiplier(2), 1.0);
+  EXPECT_DOUBLE_EQ(s.multiplier(6), 0.5);
+  EXPECT_DOUBLE_EQ(s.multiplier(10), 0.0);
+  s.type = LrScheduleType::Cosine;
+  EXPECT_DOUBLE_EQ(s.multiplier(6), 0.5 * (1 + std::cos(std::numbers::pi * 0.5)));
+  s.type = LrScheduleType::CosineWithMinLr;
+  s.min_lr_rate = 0.1;
+  EXPECT_NEAR(s.multiplier(10), 0.1, 1e-12);
+  s.type = LrScheduleType::ConstantWithWarmup;
+  EXPECT_DOUBLE_EQ(s.multiplier(1), 0.5);
+  EXPECT_DOUBLE_EQ(s.multiplier(9), 1.0);
+  s.type = LrScheduleType::Constant;
+  EXPECT_DOUBLE_EQ(s.multiplier(0), 1.0);
+  EXPECT_EQ(warmup_steps_for(0, 0.1, 25), 3);
+  EXPECT_EQ(warmup_steps_for(4, 0.1, 25), 4);
+  EXPECT_THROW(parse_lr_schedule("polynomial_decay"), Error);
+}
+
+struct Seqs {
+  std::vector<std::vector<int32_t>> rows;
+};
+
+// Sequences of very different lengths, labels = ids with a masked prompt.
+Seqs make_seqs(const std::vector<int>& lengths, uint64_t seed) {
+  Rng rng(seed);
+  Seqs s;
+  for (int len : lengths) {
+    std::vector<int32_t> row(len);
+    for (auto& id : row) id = static_cast<int32_t>(rng.next_u64() % 512);
+    s.rows.push_back(row);
+  }
+  return s;
+}
+
+// Owns the flat vectors a TokenBatch views.
+struct Packed {
+  std::vector<int32_t> ids, labels, cu{0};
+  TokenBatch view() const { return {ids, labels, cu}; }
+};
+
+Packed pack(const Seqs& s, size_t begin, size_t end) {
+  Packed p;
+  for (size_t i = begin; i < end; ++i) {
+    const auto& row = s.rows[i];
+    p.ids.insert(p.ids.end(), row.begin(), row.end());
+    for (size_t t = 0; t < row.size(); ++t) p.labels.push_back(t < 2 ? -100 : row[t]);
+    p.cu.push_back(static_cast<int32_t>(p.ids.size()));
+  }
+  return p;
+}
+
+ModelOptions train_options(int64_t max_tokens) {
+  ModelOptions o;
+  o.max_tokens = max_tokens;
+  o.with_optimizer = true;
+  return o;
+}
+
+std::vector<float> flat_params(Qwen2Model& m) {
+  std::vector<float> out;
+  for (size_t i = 0; i < m.params().size(); ++i) {
+    std::vector<float> p(m.params()[i].numel());
+    convert_to_f32(m.param_data(i), m.config().torch_dtype, p.data(), p.size());
+    out.insert(out.end(), p.begin(), p.end());
+  }
+  return out;
+}
+
+TEST(Trainer, AccumulationOverUnequalMicroBatchesEqualsOneBigBatch) {
+  const Seqs data = make_seqs({3, 41, 7, 26}, 1);
+  TrainerConfig tc;
+  tc.learning_rate = 1e-3;
+  tc.adam.weight_decay = 0.01;
+  tc.schedule = {LrScheduleType::Linear, 1, 4, 0.0};
+  const Qwen2Config cfg = qwen2_preset("tiny");
+
+  Qwen2Model big(cfg, train_options(77)), small(cfg, train_options(41));
+  big.init_random(5);
+  small.init_random(5);
+  Trainer tb(big, tc), ts(small, tc);
+  const Packed all = pack(data, 0, 4);
+  std::vector<Packed> parts;
+  for (size_t i = 0; i < 4; ++i) parts.push_back(pack(data, i, i + 1));
+  for (int step = 0; step < 3; ++step) {
+    const TokenBatch one[] = {all.view()};
+    const TokenBatch four[] = {parts[0].view(), parts[1].view(), parts[2].view(), parts[3].view()};
+    const StepResult a = tb.step(one), b = ts.step(four);
+    EXPECT_EQ(a.num_items, b.num_items);
+    EXPECT_NEAR(a.loss(), b.loss(), 1e-5);
+    EXPECT_NEAR(a.grad_norm, b.grad_norm, 1e-5 * a.grad_norm);
+    // The normalized gradients that entered AdamW agree to float32 rounding (after the first
+    // update the parameters themselves differ by rounding, so later steps get a looser bound).
+    const double tol = step == 0 ? 1e-5 : 2e-4;
+    big.arena().enter_phase(Phase::Optimizer);
+    small.arena().enter_phase(Phase::Optimizer);
+    for (size_t i = 0; i < big.params().size(); ++i) {
+      double maxref = 0, maxdiff = 0;
+      for (int64_t j = 0; j < big.params()[i].numel(); ++j) {
+        maxref = std::max(maxref, double(std::abs(big.grad_data(i)[j])));
+        maxdiff = std::max(maxdiff, double(std::abs(big.grad_data(i)[j] - small.grad_data(i)[j])));
+      }
+      EXPECT_LE(maxdiff, tol * maxref + 1e-9) << big.params()[i].name << " at step " << step;
+    }
+    big.arena().enter_phase(Phase::Forward);
+    small.arena().enter_phase(Phase::Forward);
+  }
+  // AdamW divides by sqrt(v), which magnifies rounding in near-zero gradients up to a fraction of
+  // the learning rate; the parameters agree well within that.
+  const auto pa = flat_params(big), pb = flat_params(small);
+  double maxdiff = 0;
+  for (size_t i = 0; i < pa.size(); ++i) maxdiff = std::max(maxdiff, double(std::abs(pa[i] - pb[i])));
+  EXPECT_LT(maxdiff, 0.05 * tc.learning_rate);
+}
+
+TEST(Trainer, MeanOfMicroBatchMeansWouldGiveADifferentGradient) {
+  // The rule a custom compute_loss falls into: average each micro-batch's mean loss.
+  const Seqs data = make_seqs({3, 41, 7, 26}, 1);
+  const Qwen2Config cfg = qwen2_preset("tiny");
+  ModelOptions o;
+  o.max_tokens = 77;
+  Qwen2Model m(cfg, o);
+  m.init_random(5);
+  auto grads = [&](const Packed& p, double scale, std::vector<double>& acc) {
+    m.zero_grads();
+    const auto r = m.forward_backward(p.view());
+    size_t k = 0;
+    for (size_t i = 0; i < m.params().size(); ++i)
+      for (int64_t j = 0; j < m.params()[i].numel(); ++j, ++k) acc[k] += m.grad_data(i)[j] * scale / r.count;
+    return r.count;
+  };
+  const size_t total = static_cast<size_t>(qwen2_parameter_count(cfg));
+  std::vector<double> global(total, 0.0), mean_of_means(total, 0.0);
+  grads(pack(data, 0, 4), 1.0, global);
+  for (size_t i = 0; i < 4; ++i) grads(pack(data, i, i + 1), 0.25, mean_of_means);
+  double diff2 = 0, ref2 = 0;
+  for (size_t k = 0; k < total; ++k) {
+    diff2 += (global[k] - mean_of_means[k]) * (global[k] - mean_of_means[k]);
+    ref2 += global[k] * global[k];
+  }
+  EXPECT_GT(std::sqrt(diff2 / ref2), 0.05) << "the unequal lengths must make the two rules differ";
+}
+
+TEST(Trainer, Bfloat16WeightsFollowTheirFloat32Masters) {
+  Qwen2Config cfg = qwen2_preset("tiny");
+  cfg.torch_dtype = DType::BF16;
+  Qwen2Model m(cfg, train_options(32));
+  m.init_random(2);
+  TrainerConfig tc;
+  tc.learning_rate = 1e-3;
+  tc.schedule.type = LrScheduleType::Constant;
+  Trainer t(m, tc);
+  const Packed p = pack(make_seqs({32}, 3), 0, 1);
+  const TokenBatch mb[] = {p.view()};
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(t.step(mb).updated);
+  m.arena().enter_phase(Phase::Optimizer);
+  for (size_t i = 0; i < m.params().size(); ++i) {
+    const auto* w = static_cast<const uint16_t*>(m.param_data(i));
+    for (int64_t j = 0; j < m.params()[i].numel(); ++j) ASSERT_EQ(w[j], f32_to_bf16(m.master(i)[j]));
+  }
+  m.arena().enter_phase(Phase::Forward);
+  EXPECT_GT(m.plan().live_bytes(Phase::Optimizer, Category::TrainableParams), 0u);
+}
+
+TEST(Trainer, AStepStaysInsideThePlanAndDoesNotAllocate) {
+  for (DType dtype : {DType::F32, DType::BF16}) {
+    Qwen2Config cfg = qwen2_preset("tiny");
+    cfg.torch_dtype = dtype;
+    ModelOptions o = train_options(41);
+    o.gradient_checkpointing = true;
+    Qwen2Model m(cfg, o);
+    m.arena().set_poison_on_release(true);
+    m.init_random(3);
+    Trainer t(m, TrainerConfig{});
+    const Seqs data = make_seqs({30, 11}, 4);
+    const Packed a = pack(data, 0, 1), b = pack(data, 1, 2);
+    const TokenBatch mbs[] = {a.view(), b.view()};
+    t.step(mbs);  // warm-up
+    testing_support::start_counting_allocations();
+    const StepResult r = t.step(mbs);
+    EXPECT_EQ(testing_support::stop_counting_allocations(), 0);
+    EXPECT_TRUE(std::isfinite(r.loss()) && std::isfinite(r.grad_norm));
+    EXPECT_EQ(m.arena().high_water_bytes(), m.plan().peak_bytes());
+    EXPECT_EQ(m.plan().live_bytes(Phase::Optimizer, Category::OptimizerState),
+              m.plan().live_bytes(Phase::Optimizer, Category::Gradients) * 2);
+  }
+}
+
+TEST(Trainer, TinyModelMemorizesASmallDataset) {
+  const Seqs data = make_seqs({16, 12, 20, 9}, 7);
+  const Packed all = pack(data, 0, 4);
+  Qwen2Model m(qwen2_preset("tiny"), train_options(57));
+  m.init_random(1);
+  TrainerConfig tc;
+  tc.learning_rate = 1e-2;
+  tc.schedule = {LrScheduleType::ConstantWithWarmup, 5, 300, 0.0};
+  Trainer t(m, tc);
+  const TokenBatch mb[] = {all.view()};
+  double loss = 0, first = 0;
+  int steps = 0;
+  for (; steps < 300; ++steps) {
+    loss = t.step(mb).loss();
+    if (steps == 0) first = loss;
+    if (loss < 0.05) break;
+  }
+  EXPECT_GT(first, 5.0);
+  EXPECT_LT(loss, 0.05) << "after " << steps << " steps";
+}
+
+}  // namespace
+}  // namespace memtune
