@@ -145,6 +145,7 @@ void Qwen2Model::declare_buffers() {
   rows_ = plan_->declare("loss.hidden_rows", Category::LossWorkspace, chunk * D * 4, L, L);
   drows_ = plan_->declare("loss.dhidden_rows", Category::LossWorkspace, chunk * D * 4, L, L);
   loss_positions_ = plan_->declare("loss.target_positions", Category::LossWorkspace, N * 4, L, L);
+  row_targets_ = plan_->declare("loss.row_targets", Category::LossWorkspace, chunk * 4, L, L);
   if (widen) {
     // The final norm's weight, and the LM head widened a vocabulary slice at a time.
     vector_f32_[static_cast<size_t>(L)] =
@@ -379,17 +380,18 @@ cpu::LossSum Qwen2Model::forward_backward(const TokenBatch& batch, float* logits
     cpu::matmul_forward(logits_out, normed, head.data(), nullptr, N, D, V);
   }
   const bool widen = c.torch_dtype != DType::F32;
-  const cpu::LmHeadWorkspace ws{A.get<float>(logits_chunk_),
-                                A.get<float>(rows_),
-                                A.get<float>(drows_),
-                                A.get<int32_t>(loss_positions_),
-                                chunk_rows_,
-                                widen ? A.get<float>(head_slice_) : nullptr,
-                                head_slice_rows_};
+  const cpu::LmHeadWorkspace ws{.logits = A.get<float>(logits_chunk_),
+                                .rows = A.get<float>(rows_),
+                                .drows = A.get<float>(drows_),
+                                .positions = A.get<int32_t>(loss_positions_),
+                                .row_targets = A.get<int32_t>(row_targets_),
+                                .chunk_rows = chunk_rows_,
+                                .weight_slice = widen ? A.get<float>(head_slice_) : nullptr,
+                                .slice_rows = head_slice_rows_};
   const bool grads = options_.with_grads;
   const cpu::LossSum loss =
-      cpu::lm_head_cross_entropy(normed, A.get<int32_t>(targets_), N, param_data(head_), c.torch_dtype, V, D, 0.0f,
-                                 grads ? A.get<float>(dnormed_) : nullptr, grads ? grad_data(head_) : nullptr, ws);
+      cpu::lm_head_loss(normed, A.get<int32_t>(targets_), N, param_data(head_), c.torch_dtype, V, D, *loss_,
+                        grads ? A.get<float>(dnormed_) : nullptr, grads ? grad_data(head_) : nullptr, ws);
   timings_.loss = seconds_since(t0);
   if (!grads) return loss;
 

@@ -87,6 +87,8 @@ class Qwen2Model {
   // If logits_out is given ([N, V] host memory, debugging only) the full logits are written there.
   cpu::LossSum forward_backward(const TokenBatch& batch, float* logits_out = nullptr);
   const StepTimings& last_step_timings() const { return timings_; }
+  // The token-level loss the fused LM head applies (cross-entropy by default). Not owned.
+  void set_loss(const cpu::ChunkLoss& loss) { loss_ = &loss; }
 
  private:
   struct LayerParams {
@@ -116,6 +118,8 @@ class Qwen2Model {
   int64_t chunk_rows_ = 1;
   int64_t num_tokens_ = 0, num_seqs_ = 0;
   StepTimings timings_;
+  static inline const cpu::CrossEntropyLoss kCrossEntropy{};
+  const cpu::ChunkLoss* loss_ = &kCrossEntropy;
 
   // Buffer ids (see declare_buffers for lifetimes).
   BufferId ids_, positions_, targets_, cu_seqlens_;
@@ -124,7 +128,7 @@ class Qwen2Model {
   LayerActs fwd_scratch_{}, recompute_{};  // with checkpointing
   std::array<BufferId, kNumPhases> matrix_f32_{}, vector_f32_{};
   BufferId normed_, rstd_final_, dnormed_;
-  BufferId logits_chunk_, rows_, drows_, loss_positions_, head_slice_{};
+  BufferId logits_chunk_, rows_, drows_, loss_positions_, row_targets_, head_slice_{};
   static constexpr int64_t kHeadSliceRows = 4096;  // vocabulary rows of a 16-bit head widened at once
   int64_t head_slice_rows_ = 0;
   BufferId dstream_, dln_, datt_, dq_, dk_, dv_, dh_, dgate_, dup_;

@@ -225,8 +225,10 @@ TEST_P(LmHeadTest, MatchesMaterializedLogitsAndFiniteDifferences) {
   const std::vector<int32_t> targets = {4, -100, 0, 36, -100, -100, 17, 4, 2};
   auto h = randn(N * D, 19), w = randn(V * D, 20);
   std::vector<float> logits(chunk * V), rows(chunk * D), drows(chunk * D), wslice(slice * D);
-  std::vector<int32_t> positions(N);
-  const LmHeadWorkspace ws{logits.data(), rows.data(), drows.data(), positions.data(), chunk, wslice.data(), slice};
+  std::vector<int32_t> positions(N), row_targets(chunk);
+  const LmHeadWorkspace ws{logits.data(),      rows.data(), drows.data(),  positions.data(),
+                           row_targets.data(), chunk,       wslice.data(), slice};
+  const CrossEntropyLoss ce(eps);
   // A 16-bit weight holds the rounded values; the reference below uses the same rounded values.
   std::vector<uint16_t> w16(V * D);
   auto stored_weight = [&]() -> const void* {
@@ -239,8 +241,7 @@ TEST_P(LmHeadTest, MatchesMaterializedLogitsAndFiniteDifferences) {
     convert_to_f32(w16.data(), wdtype, w.data(), w.size());
   }
   auto loss = [&] {
-    return lm_head_cross_entropy(h.data(), targets.data(), N, stored_weight(), wdtype, V, D, eps, nullptr, nullptr, ws)
-        .sum;
+    return lm_head_loss(h.data(), targets.data(), N, stored_weight(), wdtype, V, D, ce, nullptr, nullptr, ws).sum;
   };
 
   // Direct computation over materialized logits, in double.
@@ -263,7 +264,7 @@ TEST_P(LmHeadTest, MatchesMaterializedLogitsAndFiniteDifferences) {
   }
   std::vector<float> dh(N * D, 5.0f), dw(V * D, 0.0f);
   const LossSum got =
-      lm_head_cross_entropy(h.data(), targets.data(), N, stored_weight(), wdtype, V, D, eps, dh.data(), dw.data(), ws);
+      lm_head_loss(h.data(), targets.data(), N, stored_weight(), wdtype, V, D, ce, dh.data(), dw.data(), ws);
   EXPECT_EQ(got.count, count);
   EXPECT_NEAR(got.sum, ref, 1e-4 * std::abs(ref));
   EXPECT_NEAR(loss(), ref, 1e-4 * std::abs(ref));
@@ -275,7 +276,7 @@ TEST_P(LmHeadTest, MatchesMaterializedLogitsAndFiniteDifferences) {
     expect_grad_matches("dweight", w, loss, dw);
   } else {
     std::vector<float> dh32(N * D), dw32(V * D, 0.0f);
-    lm_head_cross_entropy(h.data(), targets.data(), N, w.data(), DType::F32, V, D, eps, dh32.data(), dw32.data(), ws);
+    lm_head_loss(h.data(), targets.data(), N, w.data(), DType::F32, V, D, ce, dh32.data(), dw32.data(), ws);
     for (size_t i = 0; i < dw.size(); ++i) ASSERT_NEAR(dw[i], dw32[i], 1e-5) << i;
   }
 }

@@ -318,9 +318,9 @@ class HeadSlices {
 
 }  // namespace
 
-LossSum lm_head_cross_entropy(const float* hidden, const int32_t* targets, int64_t N, const void* weight,
-                              DType weight_dtype, int64_t V, int64_t D, float label_smoothing, float* dhidden,
-                              float* dweight, const LmHeadWorkspace& ws) {
+LossSum lm_head_loss(const float* hidden, const int32_t* targets, int64_t N, const void* weight, DType weight_dtype,
+                     int64_t V, int64_t D, const ChunkLoss& loss, float* dhidden, float* dweight,
+                     const LmHeadWorkspace& ws) {
   MT_ASSERT(ws.chunk_rows > 0);
   const bool backward = dhidden != nullptr;
   const HeadSlices head(weight, weight_dtype, V, D, ws);
@@ -334,8 +334,6 @@ LossSum lm_head_cross_entropy(const float* hidden, const int32_t* targets, int64
   if (backward) std::fill(dhidden, dhidden + N * D, 0.0f);
 
   double total = 0.0;
-  const float eps = label_smoothing;
-  const float inv_v = 1.0f / static_cast<float>(V);
   for (int64_t c0 = 0; c0 < count; c0 += ws.chunk_rows) {
     const int64_t m = std::min(ws.chunk_rows, count - c0);
     const int32_t* pos = ws.positions + c0;
@@ -346,46 +344,8 @@ LossSum lm_head_cross_entropy(const float* hidden, const int32_t* targets, int64
                   ws.logits + v0, V);
     }
 
-    double chunk_loss = 0.0;
-#pragma omp parallel for schedule(static) reduction(+ : chunk_loss)
-    for (int64_t r = 0; r < m; ++r) {
-      float* z = ws.logits + r * V;
-      const int32_t t = targets[pos[r]];
-      // One streaming pass for the log-sum-exp: each block is reduced to (max, sum of exp) while
-      // it sits in L1, and blocks are merged like an online softmax. The row is then read once
-      // more (from L2) to write the gradient in place.
-      constexpr int64_t kBlock = 2048;
-      float row_max = -std::numeric_limits<float>::infinity(), row_sum = 0.0f, zsum = 0.0f;
-      for (int64_t b0 = 0; b0 < V; b0 += kBlock) {
-        const int64_t b1 = std::min(V, b0 + kBlock);
-        float bmax = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : bmax)
-        for (int64_t v = b0; v < b1; ++v) bmax = std::max(bmax, z[v]);
-        float bsum = 0.0f;
-#pragma omp simd reduction(+ : bsum)
-        for (int64_t v = b0; v < b1; ++v) bsum += fast_exp(z[v] - bmax);
-        if (eps > 0.0f) {
-#pragma omp simd reduction(+ : zsum)
-          for (int64_t v = b0; v < b1; ++v) zsum += z[v];
-        }
-        if (bmax > row_max) {
-          row_sum = row_sum * fast_exp(row_max - bmax) + bsum;
-          row_max = bmax;
-        } else {
-          row_sum += bsum * fast_exp(bmax - row_max);
-        }
-      }
-      const float lse = row_max + std::log(row_sum);
-      // nll = lse - z_t; smoothed term = mean_v(lse - z_v) = lse - mean(z)
-      chunk_loss += (1.0f - eps) * (lse - z[t]) + eps * (lse - zsum * inv_v);
-      if (backward) {
-        // d/dz_v = p_v - (1-eps) [v==t] - eps/V
-        const float shift = eps * inv_v;
-#pragma omp simd
-        for (int64_t v = 0; v < V; ++v) z[v] = fast_exp(z[v] - lse) - shift;
-        z[t] -= 1.0f - eps;
-      }
-    }
+    for (int64_t r = 0; r < m; ++r) ws.row_targets[r] = targets[pos[r]];
+    const double chunk_loss = loss.chunk(ws.logits, ws.row_targets, m, V, backward);
     total += chunk_loss;
     if (!backward) continue;
     // drows = dlogits @ W and dW += dlogits^T @ rows, one vocabulary slice at a time.
@@ -394,8 +354,9 @@ LossSum lm_head_cross_entropy(const float* hidden, const int32_t* targets, int64
       const float* w = head.slice(v0, v1);
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, D, v1 - v0, 1.0f, ws.logits + v0, V, w, D,
                   v0 == 0 ? 0.0f : 1.0f, ws.drows, D);
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, v1 - v0, D, m, 1.0f, ws.logits + v0, V, ws.rows, D, 1.0f,
-                  dweight + v0 * D, D);
+      if (dweight)
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, v1 - v0, D, m, 1.0f, ws.logits + v0, V, ws.rows, D, 1.0f,
+                    dweight + v0 * D, D);
     }
     for (int64_t r = 0; r < m; ++r) std::copy_n(ws.drows + r * D, D, dhidden + pos[r] * D);
   }

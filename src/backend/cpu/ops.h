@@ -11,6 +11,7 @@
 #include <bit>
 #include <cstdint>
 
+#include "backend/cpu/chunk_loss.h"
 #include "core/dtype.h"
 
 namespace memtune::cpu {
@@ -73,19 +74,19 @@ void add_inplace(float* y, const float* x, int64_t n);
 void add(float* out, const float* a, const float* b, int64_t n);
 void scale_inplace(float* y, float s, int64_t n);
 
-// Fused LM head + cross-entropy over the positions whose target is not ignore_index.
-// Logits exist only as a [chunk_rows, V] workspace reused chunk after chunk. Returns the SUM of
-// the per-token losses and the COUNT of targets; gradients are those of the sum. With
-// label_smoothing eps the per-token loss is (1-eps)*nll + eps*mean_v(-log p_v) (PyTorch's).
-// When dhidden is null only the loss is computed. dhidden rows are OVERWRITTEN (zero at ignored
-// positions); dweight (float32) is accumulated.
-// A weight stored in 16 bits is widened `slice_rows` vocabulary rows at a time into
-// `weight_slice`, so no float32 copy of the whole [V, D] head ever exists.
+// Fused LM head + loss over the positions whose target is not ignore_index. Logits exist only
+// as a [chunk_rows, V] workspace reused chunk after chunk; `loss` turns each chunk into its loss
+// sum and, for backward, d(sum)/d(logits) in place. Returns the SUM and the COUNT of targets;
+// gradients are those of the sum. When dhidden is null only the loss is computed. dhidden rows
+// are OVERWRITTEN (zero at ignored positions); dweight (float32, may be null for a frozen head)
+// is accumulated. A weight stored in 16 bits is widened `slice_rows` vocabulary rows at a time
+// into `weight_slice`, so no float32 copy of the whole [V, D] head ever exists.
 struct LmHeadWorkspace {
-  float* logits;       // [chunk_rows, V]
-  float* rows;         // [chunk_rows, D] gathered hidden rows
-  float* drows;        // [chunk_rows, D]
-  int32_t* positions;  // [N] positions with a target
+  float* logits;         // [chunk_rows, V]
+  float* rows;           // [chunk_rows, D] gathered hidden rows
+  float* drows;          // [chunk_rows, D]
+  int32_t* positions;    // [N] positions with a target
+  int32_t* row_targets;  // [chunk_rows] the targets of the chunk's rows
   int64_t chunk_rows;
   float* weight_slice;  // [slice_rows, D], used only for 16-bit weights
   int64_t slice_rows;
@@ -95,8 +96,8 @@ struct LossSum {
   int64_t count = 0;
 };
 constexpr int32_t kIgnoreIndex = -100;
-LossSum lm_head_cross_entropy(const float* hidden, const int32_t* targets, int64_t N, const void* weight,
-                              DType weight_dtype, int64_t V, int64_t D, float label_smoothing, float* dhidden,
-                              float* dweight, const LmHeadWorkspace& ws);
+LossSum lm_head_loss(const float* hidden, const int32_t* targets, int64_t N, const void* weight, DType weight_dtype,
+                     int64_t V, int64_t D, const ChunkLoss& loss, float* dhidden, float* dweight,
+                     const LmHeadWorkspace& ws);
 
 }  // namespace memtune::cpu
