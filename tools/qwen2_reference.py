@@ -5,12 +5,14 @@ memtune reimplements Qwen2 training in C++ with hand-written kernels and backwar
 file recomputes the same quantities (logits, the causal-LM loss, and every parameter gradient)
 with PyTorch autograd, written from the Hugging Face Qwen2 modeling semantics rather than from
 memtune's code, so the two can be compared tensor by tensor
-(tests/reference/compare_with_reference.py). It also provides the eager-PyTorch baseline for
-memtune's throughput/memory benchmark.
+(tests/reference/compare_with_reference.py). With --adapter it applies a PEFT LoRA adapter
+(written from PEFT's documented LoraLayer semantics) to the frozen base model and differentiates
+the adapter tensors only. It also provides the eager-PyTorch baseline for memtune's
+throughput/memory benchmark.
 
 Run it with Debian's /usr/bin/python3 (torch + numpy); it has no other dependencies.
 
-    qwen2_reference.py dump  --model DIR --input IN.json --out OUT.safetensors
+    qwen2_reference.py dump  --model DIR --input IN.json --out OUT.safetensors [--adapter ADIR]
     qwen2_reference.py bench --model DIR --batch B --seq T --steps N [--threads K]
 """
 
@@ -207,8 +209,136 @@ def load_model(model_dir, dtype=torch.float32):
 
 
 # ---------------------------------------------------------------------------------------------
+# LoRA adapter (PEFT format)
+# ---------------------------------------------------------------------------------------------
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PEFT_PREFIX = "base_model.model."  # PeftModelForCausalLM -> LoraModel -> Qwen2ForCausalLM
+
+# adapter_config.json keys that change the computation when set; each must hold its default
+# (an absent key, null, false or an empty container count as the default).
+LORA_KEYS_MUST_BE_DEFAULT = (
+    "fan_in_fan_out", "use_dora", "lora_bias", "rank_pattern", "alpha_pattern",
+    "layers_to_transform", "layers_pattern", "modules_to_save", "layer_replication",
+    "trainable_token_indices", "target_parameters", "exclude_modules", "megatron_config",
+)
+
+
+@dataclass
+class LoraAdapter:
+    r: int
+    lora_alpha: float
+    use_rslora: bool
+    target_modules: tuple
+    scaling: float
+    weights: dict  # {PEFT tensor name: leaf tensor}, model order, A before B
+
+    def pair(self, module):
+        """(A [r, in], B [out, r]) for the module `model.layers.{i}.self_attn.q_proj` etc.,
+        or None where the adapter does not target it."""
+        a = self.weights.get(PEFT_PREFIX + module + ".lora_A.weight")
+        return None if a is None else (a, self.weights[PEFT_PREFIX + module + ".lora_B.weight"])
+
+
+def lora_shapes(cfg, target_modules):
+    """{PEFT tensor name: shape}, in model order: lora_A [r, in] and lora_B [out, r] for every
+    targeted linear of every layer. `r` is left as the placeholder None."""
+    shapes = {}
+    for name, shape in parameter_shapes(cfg).items():
+        if not name.endswith(".weight"):
+            continue
+        module = name[:-len(".weight")]
+        if module.rsplit(".", 1)[-1] in target_modules:
+            out_features, in_features = shape
+            shapes[PEFT_PREFIX + module + ".lora_A.weight"] = [None, in_features]
+            shapes[PEFT_PREFIX + module + ".lora_B.weight"] = [out_features, None]
+    return shapes
+
+
+def read_lora_config(path):
+    """Validates a PEFT LoraConfig (adapter_config.json) against what this reference computes:
+    plain LoRA on some of the seven Qwen2 linears, same r and alpha everywhere, no bias, no
+    DoRA, no extra trainable modules. Returns (r, lora_alpha, use_rslora, target_modules)."""
+    with open(path) as f:
+        doc = json.load(f)
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+
+    def fail(msg):
+        raise ValueError(f"{path}: {msg}")
+
+    if doc.get("peft_type") != "LORA":
+        fail(f"peft_type must be \"LORA\", got {doc.get('peft_type')!r}")
+    if doc.get("task_type") not in (None, "CAUSAL_LM"):
+        fail(f"task_type must be \"CAUSAL_LM\", got {doc['task_type']!r}")
+    r = doc.get("r")
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        fail(f"r must be a positive integer, got {r!r}")
+    alpha = doc.get("lora_alpha")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        fail(f"lora_alpha must be a finite number, got {alpha!r}")
+    dropout = doc.get("lora_dropout", 0.0)
+    if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not 0 <= dropout < 1:
+        fail(f"lora_dropout must be a number in [0, 1), got {dropout!r}")
+    use_rslora = doc.get("use_rslora", False)
+    if not isinstance(use_rslora, bool):
+        fail(f"use_rslora must be true or false, got {use_rslora!r}")
+    if doc.get("bias", "none") != "none":
+        fail(f"bias must be \"none\", got {doc['bias']!r}")
+    for key in LORA_KEYS_MUST_BE_DEFAULT:
+        if doc.get(key):
+            fail(f"{key} = {doc[key]!r} is not supported")
+    init = doc.get("init_lora_weights", True)
+    if not isinstance(init, bool):
+        # e.g. "pissa", "olora", "loftq": these rewrite the base weights when applied.
+        fail(f"init_lora_weights = {init!r} is not supported")
+    targets = doc.get("target_modules")
+    if not isinstance(targets, list) or not targets:
+        # A string is a regex (or "all-linear") in PEFT; only explicit lists are accepted here.
+        fail(f"target_modules must be a nonempty list of {list(LORA_TARGETS)}, got {targets!r}")
+    if any(t not in LORA_TARGETS for t in targets) or len(set(targets)) != len(targets):
+        fail(f"target_modules must be distinct names among {list(LORA_TARGETS)}, got {targets!r}")
+    return r, float(alpha), use_rslora, tuple(t for t in LORA_TARGETS if t in targets)
+
+
+def load_adapter(adapter_dir, cfg, dtype=torch.float32):
+    """Reads ADIR/adapter_config.json and ADIR/adapter_model.safetensors. The file must hold
+    exactly lora_A/lora_B for every targeted linear of every layer, with PEFT's names and shapes.
+    Tensors are upcast to `dtype` and become leaves that require grad."""
+    r, alpha, use_rslora, targets = read_lora_config(os.path.join(adapter_dir, "adapter_config.json"))
+    path = os.path.join(adapter_dir, "adapter_model.safetensors")
+    stored = read_safetensors(path)
+    shapes = lora_shapes(cfg, targets)
+    if set(stored) != set(shapes):
+        raise ValueError(f"{path}: adapter tensors differ from the config's (targets {list(targets)}); "
+                         f"missing {sorted(set(shapes) - set(stored))}, "
+                         f"unexpected {sorted(set(stored) - set(shapes))}")
+    weights = {}
+    for name, shape in shapes.items():
+        shape = [r if dim is None else dim for dim in shape]
+        if list(stored[name].shape) != shape:
+            raise ValueError(f"{path}: {name} has shape {list(stored[name].shape)}, expected {shape} (r = {r})")
+        weights[name] = stored.pop(name).to(dtype).requires_grad_(True)
+    # PEFT LoraLayer.update_layer: alpha / sqrt(r) with rank-stabilized LoRA, alpha / r otherwise.
+    scaling = alpha / math.sqrt(r) if use_rslora else alpha / r
+    return LoraAdapter(r, alpha, use_rslora, targets, scaling, weights)
+
+
+# ---------------------------------------------------------------------------------------------
 # model
 # ---------------------------------------------------------------------------------------------
+
+def linear(h, params, module, lora, bias=False):
+    """The linear `module` (e.g. model.layers.0.mlp.up_proj), plus its LoRA update where the
+    adapter targets it. PEFT LoraLayer.forward in eval mode (dropout is the identity):
+    base(x) + lora_B(lora_A(x)) * scaling, i.e. y = x W^T + b + ((x A^T) B^T) * scaling."""
+    y = F.linear(h, params[module + ".weight"], params[module + ".bias"] if bias else None)
+    pair = lora.pair(module) if lora is not None else None
+    if pair is not None:
+        a, b = pair
+        y = y + F.linear(F.linear(h, a), b) * lora.scaling
+    return y
+
 
 def rms_norm(x, weight, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
@@ -232,12 +362,12 @@ def apply_rope(x, cos, sin):
     return x * cos + rotate_half(x) * sin
 
 
-def attention(h, params, prefix, cfg, cos, sin):
+def attention(h, params, prefix, cfg, cos, sin, lora=None):
     batch, seq, _ = h.shape
     hd = cfg.head_dim
 
     def project(name, heads):
-        y = F.linear(h, params[prefix + name + ".weight"], params[prefix + name + ".bias"])
+        y = linear(h, params, prefix + name, lora, bias=True)
         return y.view(batch, seq, heads, hd).transpose(1, 2)  # [B, heads, T, hd]
 
     q = apply_rope(project("q_proj", cfg.num_attention_heads), cos, sin)
@@ -254,26 +384,27 @@ def attention(h, params, prefix, cfg, cos, sin):
     scores = scores.masked_fill(future, float("-inf"))
     out = torch.softmax(scores, dim=-1) @ v  # [B, Hq, T, hd]
     out = out.transpose(1, 2).reshape(batch, seq, cfg.num_attention_heads * hd)
-    return F.linear(out, params[prefix + "o_proj.weight"])
+    return linear(out, params, prefix + "o_proj", lora)
 
 
-def mlp(h, params, prefix):
-    gate = F.linear(h, params[prefix + "gate_proj.weight"])
-    up = F.linear(h, params[prefix + "up_proj.weight"])
-    return F.linear(F.silu(gate) * up, params[prefix + "down_proj.weight"])
+def mlp(h, params, prefix, lora=None):
+    gate = linear(h, params, prefix + "gate_proj", lora)
+    up = linear(h, params, prefix + "up_proj", lora)
+    return linear(F.silu(gate) * up, params, prefix + "down_proj", lora)
 
 
-def forward(cfg, params, input_ids):
-    """input_ids: int64 [B, T]. Returns logits [B, T, V] in the parameters' dtype."""
+def forward(cfg, params, input_ids, lora=None):
+    """input_ids: int64 [B, T]. Returns logits [B, T, V] in the parameters' dtype. `lora`: an
+    optional LoraAdapter applied on top of the base linears."""
     embed = params["model.embed_tokens.weight"]
     x = F.embedding(input_ids, embed)
     cos, sin = rope_tables(cfg, input_ids.shape[1], embed.dtype)
     for layer in range(cfg.num_hidden_layers):
         p = f"model.layers.{layer}."
         h = rms_norm(x, params[p + "input_layernorm.weight"], cfg.rms_norm_eps)
-        x = x + attention(h, params, p + "self_attn.", cfg, cos, sin)
+        x = x + attention(h, params, p + "self_attn.", cfg, cos, sin, lora)
         h = rms_norm(x, params[p + "post_attention_layernorm.weight"], cfg.rms_norm_eps)
-        x = x + mlp(h, params, p + "mlp.")
+        x = x + mlp(h, params, p + "mlp.", lora)
     x = rms_norm(x, params["model.norm.weight"], cfg.rms_norm_eps)
     head = embed if cfg.tie_word_embeddings else params["lm_head.weight"]
     return F.linear(x, head)
@@ -288,12 +419,13 @@ def causal_lm_loss(logits, labels):
                            ignore_index=IGNORE_INDEX, reduction="mean")
 
 
-def forward_backward(cfg, params, input_ids, labels):
-    """Returns (logits, loss) and leaves each parameter's gradient in .grad. A tied model's
-    embedding gradient sums the embedding and LM-head uses, since they are one tensor."""
-    for p in params.values():
+def forward_backward(cfg, params, input_ids, labels, lora=None):
+    """Returns (logits, loss) and leaves each parameter's gradient in .grad (of the base
+    parameters that require grad, and of the adapter tensors). A tied model's embedding gradient
+    sums the embedding and LM-head uses, since they are one tensor."""
+    for p in list(params.values()) + (list(lora.weights.values()) if lora is not None else []):
         p.grad = None
-    logits = forward(cfg, params, input_ids)
+    logits = forward(cfg, params, input_ids, lora)
     loss = causal_lm_loss(logits, labels)
     loss.backward()
     return logits, loss
@@ -324,15 +456,25 @@ def read_batch(path, vocab_size):
     return ids, lab
 
 
-def dump(model_dir, input_path, out_path, dtype=torch.float32):
+def dump(model_dir, input_path, out_path, dtype=torch.float32, adapter_dir=None):
     """Computes logits, loss and gradients for one batch; writes them as F32 safetensors:
-    `logits` [B, T, V], `loss` [], `grad.<name>` for every checkpoint parameter. `dtype` is the
-    compute dtype: float32 for the oracle; the --self-check of the comparison adds float64."""
+    `logits` [B, T, V], `loss` [], `grad.<name>` for every checkpoint parameter. With
+    `adapter_dir` (a PEFT LoRA adapter) the base model is frozen and the gradients are those of
+    the adapter tensors only, `grad.<PEFT tensor name>`. `dtype` is the compute dtype (base and
+    adapter are upcast to it): float32 for the oracle; the --self-check of the comparison adds
+    float64."""
     cfg, params = load_model(model_dir, dtype)
+    lora = None
+    trainable = params
+    if adapter_dir is not None:
+        lora = load_adapter(adapter_dir, cfg, dtype)
+        for p in params.values():
+            p.requires_grad_(False)
+        trainable = lora.weights
     input_ids, labels = read_batch(input_path, cfg.vocab_size)
-    logits, loss = forward_backward(cfg, params, input_ids, labels)
+    logits, loss = forward_backward(cfg, params, input_ids, labels, lora)
     out = {"logits": logits.detach(), "loss": loss.detach()}
-    for name, p in params.items():
+    for name, p in trainable.items():
         out["grad." + name] = p.grad if p.grad is not None else torch.zeros_like(p)
     write_safetensors(out_path, {k: v.float() for k, v in out.items()})
 
@@ -364,6 +506,8 @@ def main(argv):
     p_dump.add_argument("--model", required=True, help="Hugging Face model directory")
     p_dump.add_argument("--input", required=True, help='JSON {"input_ids": [[...]], "labels": [[...]]}')
     p_dump.add_argument("--out", required=True, help="output .safetensors path")
+    p_dump.add_argument("--adapter", help="PEFT LoRA adapter directory (adapter_config.json + "
+                        "adapter_model.safetensors); gradients are then the adapter's only")
     p_bench = sub.add_parser("bench", help="time eager forward+backward steps")
     p_bench.add_argument("--model", required=True)
     p_bench.add_argument("--batch", type=int, required=True)
@@ -377,7 +521,7 @@ def main(argv):
         parser.error("bench: --steps must be >= 2 (the first step is an untimed warm-up)")
     try:
         if args.command == "dump":
-            dump(args.model, args.input, args.out)
+            dump(args.model, args.input, args.out, adapter_dir=args.adapter)
         else:
             bench(args.model, args.batch, args.seq, args.steps, args.threads)
     except (ValueError, KeyError, OSError) as e:

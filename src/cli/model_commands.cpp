@@ -78,7 +78,7 @@ Action add_init_model(CLI::App& app) {
 
 Action add_dump(CLI::App& app) {
   struct Args {
-    std::string model, input, out;
+    std::string model, input, out, adapter;
     bool gradient_checkpointing = false;
     size_t loss_workspace_bytes = size_t{128} << 20;
   };
@@ -86,6 +86,8 @@ Action add_dump(CLI::App& app) {
   app.add_option("--model", args->model, "model directory (config.json + safetensors)")->required();
   app.add_option("--input", args->input, "JSON {\"input_ids\": [[...]], \"labels\": [[...]]}")->required();
   app.add_option("--out", args->out, "output .safetensors")->required();
+  app.add_option("--adapter", args->adapter,
+                 "a PEFT LoRA adapter dir: the base is frozen and gradients are the adapter's");
   app.add_flag("--gradient_checkpointing", args->gradient_checkpointing, "recompute layer activations in backward");
   app.add_option("--loss_workspace_bytes", args->loss_workspace_bytes, "budget for the LM head's logits chunk")
       ->capture_default_str();
@@ -121,8 +123,13 @@ Action add_dump(CLI::App& app) {
     options.max_tokens = static_cast<int64_t>(B * T);
     options.gradient_checkpointing = args->gradient_checkpointing;
     options.loss_workspace_bytes = args->loss_workspace_bytes;
+    if (!args->adapter.empty()) {
+      const std::string path = (std::filesystem::path(args->adapter) / "adapter_config.json").string();
+      options.lora = parse_lora_adapter_config(read_json_file(path), path);
+    }
     Qwen2Model model(cfg, options);
     model.load(CheckpointReader(args->model));
+    if (!args->adapter.empty()) model.load_adapter(args->adapter);
     model.zero_grads();
     std::vector<float> logits(B * T * static_cast<size_t>(cfg.vocab_size));
     const cpu::LossSum loss = model.forward_backward({flat_ids, flat_labels, cu}, logits.data());
@@ -134,9 +141,9 @@ Action add_dump(CLI::App& app) {
     tensors.push_back({"logits", DType::F32, {int64_t(B), int64_t(T), cfg.vocab_size}, logits.data()});
     tensors.push_back({"loss", DType::F32, {}, &mean});
     std::vector<std::vector<float>> grads;
-    for (size_t i = 0; i < model.params().size(); ++i) {
-      const auto& p = model.params()[i];
-      const float* g = model.grad_data(i);
+    for (size_t i = 0; i < model.num_trainable(); ++i) {
+      const auto& p = model.trainable_spec(i);
+      const float* g = model.trainable_grad(i);
       grads.emplace_back(g, g + p.numel());
       for (float& v : grads.back()) v *= inv_count;
       tensors.push_back({"grad." + p.name, DType::F32, p.shape, grads.back().data()});

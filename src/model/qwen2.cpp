@@ -1,8 +1,11 @@
 #include "model/qwen2.h"
 
+#include <cblas.h>
 #include <fmt/format.h>
+
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <set>
 
@@ -68,9 +71,15 @@ Qwen2Model::LayerActs Qwen2Model::declare_layer_acts(const std::string& prefix, 
   const size_t D = config_.hidden_size, I = config_.intermediate_size, qd = config_.q_dim(), kvd = config_.kv_dim();
   const size_t Hq = config_.num_attention_heads;
   auto f32 = [&](const char* name, size_t elems) { return plan_->declare(prefix + name, cat, elems * 4, first, last); };
-  return LayerActs{f32("ln1", N * D),  f32("rstd1", N),    f32("q", N * qd),   f32("k", N * kvd), f32("v", N * kvd),
-                   f32("att", N * qd), f32("lse", N * Hq), f32("res1", N * D), f32("ln2", N * D), f32("rstd2", N),
-                   f32("gate", N * I), f32("up", N * I),   f32("h", N * I)};
+  LayerActs acts{f32("ln1", N * D),  f32("rstd1", N),    f32("q", N * qd),   f32("k", N * kvd), f32("v", N * kvd),
+                 f32("att", N * qd), f32("lse", N * Hq), f32("res1", N * D), f32("ln2", N * D), f32("rstd2", N),
+                 f32("gate", N * I), f32("up", N * I),   f32("h", N * I)};
+  const LoraConfig& lora = options_.lora;
+  for (size_t s = 0; s < kNumLinearSites; ++s)
+    if (lora.enabled() && lora.targets[s])
+      acts.lora_u[s] = plan_->declare(prefix + std::string(linear_site_name(static_cast<LinearSite>(s))) + ".lora_u",
+                                      cat, N * static_cast<size_t>(lora.rank) * 4, first, last);
+  return acts;
 }
 
 // Lifetimes, chosen so they nest (see MemoryPlan):
@@ -88,19 +97,7 @@ void Qwen2Model::declare_buffers() {
 
   for (const auto& s : specs_)
     weight_ids_.push_back(plan_->declare_persistent(s.name, Category::Weights, s.numel() * dtype_size(dt)));
-  if (options_.with_grads)
-    for (const auto& s : specs_)
-      grad_ids_.push_back(plan_->declare_persistent("grad." + s.name, Category::Gradients, s.numel() * 4));
-  if (options_.with_optimizer) {
-    if (!options_.with_grads) throw Error("an optimizer needs gradients (with_grads)");
-    for (const auto& s : specs_) {
-      const size_t bytes = s.numel() * 4;
-      adam_m_ids_.push_back(plan_->declare_persistent("adam_m." + s.name, Category::OptimizerState, bytes));
-      adam_v_ids_.push_back(plan_->declare_persistent("adam_v." + s.name, Category::OptimizerState, bytes));
-      if (dt != DType::F32)
-        master_ids_.push_back(plan_->declare_persistent("master." + s.name, Category::TrainableParams, bytes));
-    }
-  }
+  declare_trainables();
 
   ids_ = plan_->declare_persistent("batch.input_ids", Category::Batch, N * 4);
   positions_ = plan_->declare_persistent("batch.positions", Category::Batch, N * 4);
@@ -173,7 +170,99 @@ void Qwen2Model::declare_buffers() {
   } else {
     rstd_final_ = plan_->declare("act.rstd_final", Category::LossWorkspace, N * 4, L, L);
   }
+  if (options_.lora.enabled() && options_.with_grads) {
+    const size_t r = static_cast<size_t>(options_.lora.rank), widest = std::max(D, I);
+    lora_du_ = plan_->declare("bwd.lora_du", Category::Working, N * r * 4, B, B);
+    if (options_.lora.dropout > 0) {
+      // Dropout masks are regenerated from a seed; only the dropped input is materialized.
+      lora_xd_[static_cast<size_t>(F)] =
+          plan_->declare("forward.lora_dropped_x", Category::Working, N * widest * 4, F, F);
+      lora_xd_[static_cast<size_t>(B)] =
+          plan_->declare("backward.lora_dropped_x", Category::Working, N * widest * 4, B, B);
+      lora_dxd_ = plan_->declare("bwd.lora_ddropped_x", Category::Working, N * widest * 4, B, B);
+    }
+  }
   plan_->finalize();
+}
+
+// Base parameters get gradients (and optimizer state) only when they are trained; with LoRA the
+// adapters are the only trainable tensors and the base stays frozen in its storage dtype.
+void Qwen2Model::declare_trainables() {
+  const DType dt = config_.torch_dtype;
+  const bool optimizer = options_.with_optimizer;
+  if (optimizer && !options_.with_grads) throw Error("an optimizer needs gradients (with_grads)");
+  auto add = [&](const ParamSpec& spec, BufferId value, std::optional<size_t> widen_into) {
+    const size_t bytes = static_cast<size_t>(spec.numel()) * 4;
+    Trainable t{spec, value, plan_->declare_persistent("grad." + spec.name, Category::Gradients, bytes),
+                {},   {},    widen_into};
+    if (optimizer) {
+      t.m = plan_->declare_persistent("adam_m." + spec.name, Category::OptimizerState, bytes);
+      t.v = plan_->declare_persistent("adam_v." + spec.name, Category::OptimizerState, bytes);
+    }
+    trainables_.push_back(std::move(t));
+  };
+  if (base_trainable()) {
+    for (size_t i = 0; i < specs_.size(); ++i) {
+      const ParamSpec& s = specs_[i];
+      if (optimizer && dt != DType::F32) {
+        const BufferId master = plan_->declare_persistent("master." + s.name, Category::TrainableParams, s.numel() * 4);
+        add(s, master, i);
+      } else {
+        add(s, weight_ids_[i], std::nullopt);
+      }
+      grad_ids_.push_back(trainables_.back().grad);
+    }
+  }
+  const LoraConfig& lora = options_.lora;
+  if (!lora.enabled()) return;
+  const Qwen2Config& c = config_;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    std::array<int, kNumLinearSites> index;
+    index.fill(-1);
+    for (size_t s = 0; s < kNumLinearSites; ++s) {
+      if (!lora.targets[s]) continue;
+      const Linear lin = linear(l, static_cast<LinearSite>(s));
+      index[s] = static_cast<int>(trainables_.size());
+      for (bool is_b : {false, true}) {
+        ParamSpec spec{lora_tensor_name(l, static_cast<LinearSite>(s), is_b),
+                       is_b ? std::vector<int64_t>{lin.out, lora.rank} : std::vector<int64_t>{lora.rank, lin.in}};
+        const BufferId value = plan_->declare_persistent(spec.name, Category::TrainableParams, spec.numel() * 4);
+        if (options_.with_grads) {
+          add(spec, value, std::nullopt);
+        } else {
+          trainables_.push_back({spec, value, {}, {}, {}, std::nullopt});  // inference: values only
+        }
+      }
+    }
+    lora_index_.push_back(index);
+  }
+}
+
+Qwen2Model::Linear Qwen2Model::linear(int64_t l, LinearSite s) const {
+  const LayerParams& p = layer_params_[l];
+  const Qwen2Config& c = config_;
+  const int64_t D = c.hidden_size, I = c.intermediate_size, qd = c.q_dim(), kvd = c.kv_dim();
+  const int lora = lora_index_.empty() ? -1 : lora_index_[l][static_cast<size_t>(s)];
+  switch (s) {
+    case LinearSite::Q:
+      return {p.wq, p.bq, D, qd, lora};
+    case LinearSite::K:
+      return {p.wk, p.bk, D, kvd, lora};
+    case LinearSite::V:
+      return {p.wv, p.bv, D, kvd, lora};
+    case LinearSite::O:
+      return {p.wo, std::nullopt, qd, D, lora};
+    case LinearSite::Gate:
+      return {p.wg, std::nullopt, D, I, lora};
+    case LinearSite::Up:
+      return {p.wu, std::nullopt, D, I, lora};
+    case LinearSite::Down:
+      return {p.wd, std::nullopt, I, D, lora};
+    case LinearSite::kCount:
+      break;
+  }
+  MT_ASSERT(false, "bad linear site");
+  return {};
 }
 
 void* Qwen2Model::param_data(size_t i) const {
@@ -181,22 +270,111 @@ void* Qwen2Model::param_data(size_t i) const {
 }
 
 float* Qwen2Model::grad_data(size_t i) const {
-  MT_ASSERT(options_.with_grads, "model built without gradients");
+  MT_ASSERT(base_trainable(), "base parameters are not trainable in this model");
   return arena_->get<float>(grad_ids_.at(i));
 }
 
+float* Qwen2Model::trainable_value(size_t i) const {
+  return arena_->get<float>(trainables_.at(i).value);
+}
+float* Qwen2Model::trainable_grad(size_t i) const {
+  return arena_->get<float>(trainables_.at(i).grad);
+}
 float* Qwen2Model::adam_m(size_t i) const {
-  return arena_->get<float>(adam_m_ids_.at(i));
+  return arena_->get<float>(trainables_.at(i).m);
 }
 float* Qwen2Model::adam_v(size_t i) const {
-  return arena_->get<float>(adam_v_ids_.at(i));
+  return arena_->get<float>(trainables_.at(i).v);
 }
-float* Qwen2Model::master(size_t i) const {
-  return master_ids_.empty() ? nullptr : arena_->get<float>(master_ids_.at(i));
+
+void Qwen2Model::store_trainable(size_t i) {
+  const Trainable& t = trainables_.at(i);
+  if (t.widen_into)
+    convert_from_f32(trainable_value(i), param_data(*t.widen_into), config_.torch_dtype,
+                     static_cast<size_t>(t.spec.numel()));
+}
+
+void Qwen2Model::load_masters() {
+  for (size_t i = 0; i < trainables_.size(); ++i) {
+    const Trainable& t = trainables_[i];
+    if (t.widen_into)
+      convert_to_f32(param_data(*t.widen_into), config_.torch_dtype, trainable_value(i),
+                     static_cast<size_t>(t.spec.numel()));
+  }
 }
 
 void Qwen2Model::zero_grads() {
-  for (size_t i = 0; i < grad_ids_.size(); ++i) std::fill_n(grad_data(i), specs_[i].numel(), 0.0f);
+  for (size_t i = 0; i < trainables_.size(); ++i)
+    if (options_.with_grads) std::fill_n(trainable_grad(i), trainables_[i].spec.numel(), 0.0f);
+}
+
+void Qwen2Model::init_lora(uint64_t seed) {
+  MT_ASSERT(options_.lora.enabled());
+  for (size_t i = 0; i < trainables_.size(); ++i) {
+    const ParamSpec& s = trainables_[i].spec;
+    if (!s.name.ends_with(".lora_A.weight") && !s.name.ends_with(".lora_B.weight")) continue;
+    float* v = trainable_value(i);
+    if (s.name.ends_with(".lora_B.weight")) {
+      std::fill_n(v, s.numel(), 0.0f);
+      continue;
+    }
+    // PEFT: kaiming_uniform_(a=sqrt(5)) on [r, in] -> bound = 1/sqrt(in)
+    const double bound = 1.0 / std::sqrt(static_cast<double>(s.shape[1]));
+    Rng rng(seed, s.name);
+    for (int64_t j = 0; j < s.numel(); ++j) v[j] = static_cast<float>((2.0 * rng.uniform() - 1.0) * bound);
+  }
+}
+
+void Qwen2Model::load_adapter(const std::string& dir) {
+  MT_ASSERT(options_.lora.enabled());
+  const std::string path = (std::filesystem::path(dir) / "adapter_model.safetensors").string();
+  const SafetensorsFile file(path);
+  size_t expected = 0;
+  for (size_t i = 0; i < trainables_.size(); ++i) {
+    const ParamSpec& s = trainables_[i].spec;
+    if (!s.name.starts_with("base_model.")) continue;
+    ++expected;
+    const TensorInfo* t = file.find(s.name);
+    if (!t) throw Error(fmt::format("{}: adapter tensor \"{}\" is missing", path, s.name));
+    if (t->shape != s.shape)
+      throw Error(fmt::format("{}: tensor \"{}\" has shape {}, the adapter config needs {}", path, s.name,
+                              shape_string(t->shape), shape_string(s.shape)));
+    const auto bytes = file.data(*t);
+    std::vector<std::byte> aligned(bytes.begin(), bytes.end());  // the mapping may be unaligned
+    convert_to_f32(aligned.data(), t->dtype, trainable_value(i), static_cast<size_t>(s.numel()));
+  }
+  if (file.tensors().size() != expected)
+    throw Error(
+        fmt::format("{}: holds {} tensors, the adapter config describes {}", path, file.tensors().size(), expected));
+}
+
+void Qwen2Model::save_adapter(const std::string& dir, const std::string& base_model_name_or_path) const {
+  MT_ASSERT(options_.lora.enabled());
+  std::filesystem::create_directories(dir);
+  std::vector<TensorToWrite> tensors;
+  for (size_t i = 0; i < trainables_.size(); ++i)
+    tensors.push_back({trainables_[i].spec.name, DType::F32, trainables_[i].spec.shape, trainable_value(i)});
+  write_safetensors((std::filesystem::path(dir) / "adapter_model.safetensors").string(), tensors, {{"format", "pt"}});
+  write_file_atomically((std::filesystem::path(dir) / "adapter_config.json").string(),
+                        lora_adapter_config_json(options_.lora, base_model_name_or_path).dump(2) + "\n");
+}
+
+void Qwen2Model::merge_lora() {
+  MT_ASSERT(options_.lora.enabled());
+  const float scaling = static_cast<float>(options_.lora.scaling());
+  const int64_t r = options_.lora.rank;
+  std::vector<float> w;
+  for (int64_t l = 0; l < config_.num_hidden_layers; ++l)
+    for (size_t s = 0; s < kNumLinearSites; ++s) {
+      const Linear lin = linear(l, static_cast<LinearSite>(s));
+      if (lin.lora < 0) continue;
+      w.resize(static_cast<size_t>(lin.out * lin.in));
+      convert_to_f32(param_data(lin.weight), config_.torch_dtype, w.data(), w.size());
+      // W [out, in] += scaling * B [out, r] A [r, in]
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, lin.out, lin.in, r, scaling, trainable_value(lin.lora + 1),
+                  r, trainable_value(lin.lora), lin.in, 1.0f, w.data(), lin.in);
+      convert_from_f32(w.data(), param_data(lin.weight), config_.torch_dtype, w.size());
+    }
 }
 
 void Qwen2Model::init_random(uint64_t seed) {
@@ -286,10 +464,63 @@ void Qwen2Model::upload_batch(const TokenBatch& batch) {
   num_seqs_ = S;
 }
 
+uint64_t Qwen2Model::dropout_key(int64_t l, LinearSite s) const {
+  return *dropout_seed_ ^
+         (static_cast<uint64_t>(l) * kNumLinearSites + static_cast<uint64_t>(s) + 1) * 0x9e3779b97f4a7c15ull;
+}
+
+const float* Qwen2Model::lora_input(int64_t l, LinearSite s, const float* x, int64_t n) {
+  const float p = static_cast<float>(options_.lora.dropout);
+  if (p <= 0.0f || !dropout_seed_) return x;
+  float* out = arena_->get<float>(lora_xd_[static_cast<size_t>(arena_->phase())]);
+  cpu::dropout_forward(out, x, num_tokens_ * n, dropout_key(l, s), p);
+  return out;
+}
+
+void Qwen2Model::linear_forward(int64_t l, LinearSite s, const LayerActs& a, const float* x, float* y) {
+  const Linear lin = linear(l, s);
+  const int64_t N = num_tokens_;
+  // The weight and the bias widen into different scratch buffers (matrix / vector).
+  cpu::matmul_forward(y, x, weight_f32(lin.weight), lin.bias ? weight_f32(*lin.bias) : nullptr, N, lin.in, lin.out);
+  if (lin.lora < 0) return;
+  const int64_t r = options_.lora.rank;
+  float* u = arena_->get<float>(a.lora_u[static_cast<size_t>(s)]);
+  cpu::matmul_forward(u, lora_input(l, s, x, lin.in), trainable_value(lin.lora), nullptr, N, lin.in, r);
+  cpu::matmul_accumulate(y, u, trainable_value(lin.lora + 1), N, r, lin.out,
+                         static_cast<float>(options_.lora.scaling()));
+}
+
+void Qwen2Model::linear_backward(int64_t l, LinearSite s, const LayerActs& a, const float* dy, const float* x,
+                                 float* dx) {
+  const Linear lin = linear(l, s);
+  const int64_t N = num_tokens_;
+  cpu::matmul_backward(dx, base_grad_or_null(lin.weight), lin.bias ? base_grad_or_null(*lin.bias) : nullptr, dy, x,
+                       weight_f32(lin.weight), N, lin.in, lin.out);
+  if (lin.lora < 0) return;
+  // y += s * u B^T, u = xd A^T:  du = s dy B, dB += s dy^T u, dA += du^T xd, dxd = du A.
+  const int64_t r = options_.lora.rank;
+  float* du = arena_->get<float>(lora_du_);
+  std::fill_n(du, N * r, 0.0f);
+  cpu::matmul_backward(du, trainable_grad(lin.lora + 1), nullptr, dy,
+                       arena_->get<float>(a.lora_u[static_cast<size_t>(s)]), trainable_value(lin.lora + 1), N, r,
+                       lin.out, static_cast<float>(options_.lora.scaling()));
+  const float* xd = lora_input(l, s, x, lin.in);
+  if (xd == x) {
+    cpu::matmul_backward(dx, trainable_grad(lin.lora), nullptr, du, x, trainable_value(lin.lora), N, lin.in, r);
+    return;
+  }
+  // Dropout: the same mask (regenerated from the key) routes the gradient back to x.
+  float* dxd = arena_->get<float>(lora_dxd_);
+  std::fill_n(dxd, N * lin.in, 0.0f);
+  cpu::matmul_backward(dxd, trainable_grad(lin.lora), nullptr, du, xd, trainable_value(lin.lora), N, lin.in, r);
+  cpu::dropout_forward(dxd, dxd, N * lin.in, dropout_key(l, s), static_cast<float>(options_.lora.dropout));
+  cpu::add_inplace(dx, dxd, N * lin.in);
+}
+
 void Qwen2Model::layer_forward(int64_t l, const LayerActs& a, const float* x, float* x_out) {
   const auto& p = layer_params_[l];
   const Qwen2Config& c = config_;
-  const int64_t N = num_tokens_, D = c.hidden_size, I = c.intermediate_size, qd = c.q_dim(), kvd = c.kv_dim();
+  const int64_t N = num_tokens_, D = c.hidden_size, I = c.intermediate_size;
   const int64_t Hq = c.num_attention_heads, Hkv = c.num_key_value_heads, hd = c.head_dim();
   const float theta = static_cast<float>(c.rope_theta), eps = static_cast<float>(c.rms_norm_eps);
   Arena& A = *arena_;
@@ -297,20 +528,20 @@ void Qwen2Model::layer_forward(int64_t l, const LayerActs& a, const float* x, fl
   const int32_t* pos = A.get<int32_t>(positions_);
 
   cpu::rmsnorm_forward(f(a.ln1), f(a.rstd1), x, weight_f32(p.ln1), N, D, eps);
-  cpu::matmul_forward(f(a.q), f(a.ln1), weight_f32(p.wq), weight_f32(p.bq), N, D, qd);
-  cpu::matmul_forward(f(a.k), f(a.ln1), weight_f32(p.wk), weight_f32(p.bk), N, D, kvd);
-  cpu::matmul_forward(f(a.v), f(a.ln1), weight_f32(p.wv), weight_f32(p.bv), N, D, kvd);
+  linear_forward(l, LinearSite::Q, a, f(a.ln1), f(a.q));
+  linear_forward(l, LinearSite::K, a, f(a.ln1), f(a.k));
+  linear_forward(l, LinearSite::V, a, f(a.ln1), f(a.v));
   cpu::rope_forward(f(a.q), pos, N, Hq, hd, theta);
   cpu::rope_forward(f(a.k), pos, N, Hkv, hd, theta);
   cpu::attention_forward(f(a.att), f(a.lse), f(a.q), f(a.k), f(a.v), A.get<int32_t>(cu_seqlens_), num_seqs_, Hq, Hkv,
                          hd);
-  cpu::matmul_forward(f(a.res1), f(a.att), weight_f32(p.wo), nullptr, N, qd, D);
+  linear_forward(l, LinearSite::O, a, f(a.att), f(a.res1));
   cpu::add_inplace(f(a.res1), x, N * D);
   cpu::rmsnorm_forward(f(a.ln2), f(a.rstd2), f(a.res1), weight_f32(p.ln2), N, D, eps);
-  cpu::matmul_forward(f(a.gate), f(a.ln2), weight_f32(p.wg), nullptr, N, D, I);
-  cpu::matmul_forward(f(a.up), f(a.ln2), weight_f32(p.wu), nullptr, N, D, I);
+  linear_forward(l, LinearSite::Gate, a, f(a.ln2), f(a.gate));
+  linear_forward(l, LinearSite::Up, a, f(a.ln2), f(a.up));
   cpu::swiglu_forward(f(a.h), f(a.gate), f(a.up), N * I);
-  cpu::matmul_forward(x_out, f(a.h), weight_f32(p.wd), nullptr, N, I, D);
+  linear_forward(l, LinearSite::Down, a, f(a.h), x_out);
   cpu::add_inplace(x_out, f(a.res1), N * D);
 }
 
@@ -318,37 +549,36 @@ void Qwen2Model::layer_forward(int64_t l, const LayerActs& a, const float* x, fl
 void Qwen2Model::layer_backward(int64_t l, const LayerActs& a, const float* x, float* dstream) {
   const auto& p = layer_params_[l];
   const Qwen2Config& c = config_;
-  const int64_t N = num_tokens_, D = c.hidden_size, I = c.intermediate_size, qd = c.q_dim(), kvd = c.kv_dim();
+  const int64_t N = num_tokens_, D = c.hidden_size, I = c.intermediate_size, qd = c.q_dim();
   const int64_t Hq = c.num_attention_heads, Hkv = c.num_key_value_heads, hd = c.head_dim();
   const float theta = static_cast<float>(c.rope_theta);
   Arena& A = *arena_;
   auto f = [&](BufferId id) { return A.get<float>(id); };
-  auto g = [&](size_t param) { return grad_data(param); };
   auto zero = [&](BufferId id, int64_t n) { std::fill_n(f(id), n, 0.0f); };
   const int32_t* pos = A.get<int32_t>(positions_);
 
   // MLP: x_out = res1 + down(silu(gate(ln2)) * up(ln2))
   zero(dh_, N * I);
-  cpu::matmul_backward(f(dh_), g(p.wd), nullptr, dstream, f(a.h), weight_f32(p.wd), N, I, D);
+  linear_backward(l, LinearSite::Down, a, dstream, f(a.h), f(dh_));
   zero(dgate_, N * I);
   zero(dup_, N * I);
   cpu::swiglu_backward(f(dgate_), f(dup_), f(dh_), f(a.gate), f(a.up), N * I);
   zero(dln_, N * D);
-  cpu::matmul_backward(f(dln_), g(p.wg), nullptr, f(dgate_), f(a.ln2), weight_f32(p.wg), N, D, I);
-  cpu::matmul_backward(f(dln_), g(p.wu), nullptr, f(dup_), f(a.ln2), weight_f32(p.wu), N, D, I);
-  cpu::rmsnorm_backward(dstream, g(p.ln2), f(dln_), f(a.res1), weight_f32(p.ln2), f(a.rstd2), N, D);
+  linear_backward(l, LinearSite::Gate, a, f(dgate_), f(a.ln2), f(dln_));
+  linear_backward(l, LinearSite::Up, a, f(dup_), f(a.ln2), f(dln_));
+  cpu::rmsnorm_backward(dstream, base_grad_or_null(p.ln2), f(dln_), f(a.res1), weight_f32(p.ln2), f(a.rstd2), N, D);
   // Attention: res1 = x + o(attn(rope(q(ln1)), rope(k(ln1)), v(ln1)))
   zero(datt_, N * qd);
-  cpu::matmul_backward(f(datt_), g(p.wo), nullptr, dstream, f(a.att), weight_f32(p.wo), N, qd, D);
+  linear_backward(l, LinearSite::O, a, dstream, f(a.att), f(datt_));
   cpu::attention_backward(f(dq_), f(dk_), f(dv_), f(datt_), f(a.att), f(a.lse), f(a.q), f(a.k), f(a.v),
                           A.get<int32_t>(cu_seqlens_), num_seqs_, Hq, Hkv, hd);
   cpu::rope_backward(f(dq_), pos, N, Hq, hd, theta);
   cpu::rope_backward(f(dk_), pos, N, Hkv, hd, theta);
   zero(dln_, N * D);
-  cpu::matmul_backward(f(dln_), g(p.wq), g(p.bq), f(dq_), f(a.ln1), weight_f32(p.wq), N, D, qd);
-  cpu::matmul_backward(f(dln_), g(p.wk), g(p.bk), f(dk_), f(a.ln1), weight_f32(p.wk), N, D, kvd);
-  cpu::matmul_backward(f(dln_), g(p.wv), g(p.bv), f(dv_), f(a.ln1), weight_f32(p.wv), N, D, kvd);
-  cpu::rmsnorm_backward(dstream, g(p.ln1), f(dln_), x, weight_f32(p.ln1), f(a.rstd1), N, D);
+  linear_backward(l, LinearSite::Q, a, f(dq_), f(a.ln1), f(dln_));
+  linear_backward(l, LinearSite::K, a, f(dk_), f(a.ln1), f(dln_));
+  linear_backward(l, LinearSite::V, a, f(dv_), f(a.ln1), f(dln_));
+  cpu::rmsnorm_backward(dstream, base_grad_or_null(p.ln1), f(dln_), x, weight_f32(p.ln1), f(a.rstd1), N, D);
 }
 
 cpu::LossSum Qwen2Model::forward_backward(const TokenBatch& batch, float* logits_out) {
@@ -391,7 +621,7 @@ cpu::LossSum Qwen2Model::forward_backward(const TokenBatch& batch, float* logits
   const bool grads = options_.with_grads;
   const cpu::LossSum loss =
       cpu::lm_head_loss(normed, A.get<int32_t>(targets_), N, param_data(head_), c.torch_dtype, V, D, *loss_,
-                        grads ? A.get<float>(dnormed_) : nullptr, grads ? grad_data(head_) : nullptr, ws);
+                        grads ? A.get<float>(dnormed_) : nullptr, grads ? base_grad_or_null(head_) : nullptr, ws);
   timings_.loss = seconds_since(t0);
   if (!grads) return loss;
 
@@ -399,7 +629,7 @@ cpu::LossSum Qwen2Model::forward_backward(const TokenBatch& batch, float* logits
   A.enter_phase(Phase::Backward);
   float* dstream = A.get<float>(dstream_);
   std::fill_n(dstream, N * D, 0.0f);
-  cpu::rmsnorm_backward(dstream, grad_data(final_norm_), A.get<float>(dnormed_), A.get<float>(residual_[L]),
+  cpu::rmsnorm_backward(dstream, base_grad_or_null(final_norm_), A.get<float>(dnormed_), A.get<float>(residual_[L]),
                         weight_f32(final_norm_), A.get<float>(rstd_final_), N, D);
   for (int64_t l = L - 1; l >= 0; --l) {
     const float* x = A.get<float>(residual_[l]);
@@ -411,7 +641,7 @@ cpu::LossSum Qwen2Model::forward_backward(const TokenBatch& batch, float* logits
       layer_backward(l, saved_[l], x, dstream);
     }
   }
-  cpu::embedding_backward(grad_data(embed_), dstream, A.get<int32_t>(ids_), N, D);
+  if (base_trainable()) cpu::embedding_backward(grad_data(embed_), dstream, A.get<int32_t>(ids_), N, D);
   timings_.backward = seconds_since(t0);
   A.enter_phase(Phase::Forward);
   return loss;

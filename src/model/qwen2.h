@@ -11,6 +11,7 @@
 #include <array>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -19,6 +20,7 @@
 #include "memory/arena.h"
 #include "memory/plan.h"
 #include "model/config.h"
+#include "model/lora.h"
 
 namespace memtune {
 
@@ -39,6 +41,7 @@ struct ModelOptions {
   size_t loss_workspace_bytes = size_t{128} << 20;  // budget for the LM head's logits chunk
   bool with_grads = true;                           // declare gradients and backward buffers
   bool with_optimizer = false;                      // declare AdamW moments (and fp32 masters for 16-bit storage)
+  LoraConfig lora;  // rank > 0: adapters are trained, the base is frozen (no gradients, no optimizer state)
 };
 
 // A micro-batch: a flat stream of tokens holding sequences back to back. labels are unshifted
@@ -75,13 +78,33 @@ class Qwen2Model {
   void save(const std::string& dir) const;
 
   void* param_data(size_t i) const;
+  // Gradient of base parameter i (only when the base is trainable, i.e. no LoRA).
   float* grad_data(size_t i) const;
-  void zero_grads();
-  // Optimizer state (with_optimizer): AdamW moments, and the float32 master copy of a parameter
-  // stored in 16 bits (nullptr for float32 storage, where the parameter is its own master).
-  float* adam_m(size_t i) const;
+  bool base_trainable() const { return options_.with_grads && !options_.lora.enabled(); }
+
+  // What the optimizer updates: the base parameters (full fine-tuning) or the LoRA adapters.
+  // Values are float32: the parameter itself, its float32 master when stored in 16 bits, or the
+  // adapter matrix. After updating a value, store_trainable(i) rounds it into 16-bit storage.
+  size_t num_trainable() const { return trainables_.size(); }
+  const ParamSpec& trainable_spec(size_t i) const { return trainables_.at(i).spec; }
+  float* trainable_value(size_t i) const;
+  float* trainable_grad(size_t i) const;
+  float* adam_m(size_t i) const;  // with_optimizer
   float* adam_v(size_t i) const;
-  float* master(size_t i) const;
+  void store_trainable(size_t i);
+  // Sets every float32 master from its 16-bit weight (after loading or initializing weights).
+  void load_masters();
+  void zero_grads();
+
+  // LoRA (options().lora enabled): PEFT initialization (A Kaiming-uniform, B zero), adapter files
+  // in PEFT's format, and merging B A into the base weights.
+  void init_lora(uint64_t seed);
+  void load_adapter(const std::string& dir);
+  void save_adapter(const std::string& dir, const std::string& base_model_name_or_path) const;
+  void merge_lora();
+  // Training applies LoRA dropout with masks derived from this seed (regenerated in backward, so
+  // no mask is stored); nullopt (the default) disables dropout, as in evaluation.
+  void set_dropout_seed(std::optional<uint64_t> seed) { dropout_seed_ = seed; }
 
   // forward, loss and backward of one micro-batch; gradients of the loss SUM are accumulated.
   // If logits_out is given ([N, V] host memory, debugging only) the full logits are written there.
@@ -96,12 +119,34 @@ class Qwen2Model {
   };
   struct LayerActs {
     BufferId ln1, rstd1, q, k, v, att, lse, res1, ln2, rstd2, gate, up, h;
+    std::array<BufferId, kNumLinearSites> lora_u{};  // x A^T of each adapter, [N, r]
+  };
+  struct Trainable {
+    ParamSpec spec;
+    BufferId value, grad, m{}, v{};
+    std::optional<size_t> widen_into;  // base parameter stored in 16 bits that value is the master of
+  };
+  struct Linear {  // one linear layer of a decoder layer
+    size_t weight;
+    std::optional<size_t> bias;
+    int64_t in, out;
+    int lora = -1;  // index of the adapter's A in trainables_ (B follows), or -1
   };
   LayerActs declare_layer_acts(const std::string& prefix, Category category, Phase first, Phase last);
   void declare_buffers();
   void upload_batch(const TokenBatch& batch);
   void layer_forward(int64_t l, const LayerActs& a, const float* x, float* x_out);
   void layer_backward(int64_t l, const LayerActs& a, const float* x, float* dstream);
+  Linear linear(int64_t l, LinearSite s) const;
+  // y = x W^T + b (+ scaling * dropout(x) A^T B^T)
+  void linear_forward(int64_t l, LinearSite s, const LayerActs& a, const float* x, float* y);
+  // dx += dy W (+ the adapter's path); accumulates the gradients of whatever is trainable.
+  void linear_backward(int64_t l, LinearSite s, const LayerActs& a, const float* dy, const float* x, float* dx);
+  // x itself, or dropout(x) in scratch when LoRA dropout is active.
+  const float* lora_input(int64_t l, LinearSite s, const float* x, int64_t n);
+  uint64_t dropout_key(int64_t l, LinearSite s) const;
+  void declare_trainables();
+  float* base_grad_or_null(size_t param) const { return base_trainable() ? grad_data(param) : nullptr; }
   // The parameter as float32: its own storage, or, when stored in 16 bits, converted into the
   // current phase's conversion scratch (one for matrices, one for vectors, so a matmul's weight
   // and bias can be live together). Valid until the next call for a parameter of the same rank.
@@ -112,7 +157,10 @@ class Qwen2Model {
   std::vector<ParamSpec> specs_;
   std::vector<LayerParams> layer_params_;
   size_t embed_ = 0, final_norm_ = 0, head_ = 0;
-  std::vector<BufferId> weight_ids_, grad_ids_, adam_m_ids_, adam_v_ids_, master_ids_;
+  std::vector<BufferId> weight_ids_, grad_ids_;
+  std::vector<Trainable> trainables_;
+  std::vector<std::array<int, kNumLinearSites>> lora_index_;  // per layer and site, into trainables_
+  std::optional<uint64_t> dropout_seed_;
   std::unique_ptr<MemoryPlan> plan_;
   std::unique_ptr<Arena> arena_;
   int64_t chunk_rows_ = 1;
@@ -132,6 +180,8 @@ class Qwen2Model {
   static constexpr int64_t kHeadSliceRows = 4096;  // vocabulary rows of a 16-bit head widened at once
   int64_t head_slice_rows_ = 0;
   BufferId dstream_, dln_, datt_, dq_, dk_, dv_, dh_, dgate_, dup_;
+  BufferId lora_du_{}, lora_dxd_{};
+  std::array<BufferId, kNumPhases> lora_xd_{};
 };
 
 }  // namespace memtune

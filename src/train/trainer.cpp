@@ -10,12 +10,12 @@ namespace memtune {
 Trainer::Trainer(Qwen2Model& model, const TrainerConfig& config) : model_(model), config_(config) {
   MT_ASSERT(model.options().with_optimizer, "the trainer needs a model planned with optimizer state");
   model_.arena().enter_phase(Phase::Optimizer);
-  for (size_t i = 0; i < model_.params().size(); ++i) {
-    const size_t n = static_cast<size_t>(model_.params()[i].numel());
+  for (size_t i = 0; i < model_.num_trainable(); ++i) {
+    const size_t n = static_cast<size_t>(model_.trainable_spec(i).numel());
     std::fill_n(model_.adam_m(i), n, 0.0f);
     std::fill_n(model_.adam_v(i), n, 0.0f);
-    if (float* master = model_.master(i)) convert_to_f32(model_.param_data(i), model_.config().torch_dtype, master, n);
   }
+  model_.load_masters();
   model_.arena().enter_phase(Phase::Forward);
 }
 
@@ -32,13 +32,13 @@ StepResult Trainer::step(std::span<const TokenBatch> micro_batches) {
 
   Arena& arena = model_.arena();
   arena.enter_phase(Phase::Optimizer);
-  const size_t P = model_.params().size();
+  const size_t P = model_.num_trainable();
   // The one division by num_items_in_batch, and the global norm of the result.
   const float inv_items = 1.0f / static_cast<float>(r.num_items);
   double sumsq = 0.0;
   for (size_t i = 0; i < P; ++i) {
-    float* g = model_.grad_data(i);
-    const int64_t n = model_.params()[i].numel();
+    float* g = model_.trainable_grad(i);
+    const int64_t n = model_.trainable_spec(i).numel();
     double local = 0.0;
 #pragma omp parallel for simd reduction(+ : local) schedule(static) if (n > 32768)
     for (int64_t j = 0; j < n; ++j) {
@@ -53,18 +53,16 @@ StepResult Trainer::step(std::span<const TokenBatch> micro_batches) {
 
   ++step_;
   for (size_t i = 0; i < P; ++i) {
-    const auto& spec = model_.params()[i];
+    const auto& spec = model_.trainable_spec(i);
     const size_t n = static_cast<size_t>(spec.numel());
-    float* g = model_.grad_data(i);
+    float* g = model_.trainable_grad(i);
     if (clip < 1.0) {
       const float c = static_cast<float>(clip);
       for (size_t j = 0; j < n; ++j) g[j] *= c;
     }
-    float* master = model_.master(i);
-    float* param = master ? master : static_cast<float*>(model_.param_data(i));
-    adamw_update({param, n}, {g, n}, {model_.adam_m(i), n}, {model_.adam_v(i), n}, step_, r.learning_rate, config_.adam,
-                 takes_weight_decay(spec.name));
-    if (master) convert_from_f32(master, model_.param_data(i), model_.config().torch_dtype, n);
+    adamw_update({model_.trainable_value(i), n}, {g, n}, {model_.adam_m(i), n}, {model_.adam_v(i), n}, step_,
+                 r.learning_rate, config_.adam, takes_weight_decay(spec.name));
+    model_.store_trainable(i);
   }
   arena.enter_phase(Phase::Forward);
   r.updated = true;

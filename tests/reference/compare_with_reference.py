@@ -11,9 +11,13 @@ For each case of CASES:
      attention far from uniform, so that e.g. a dropped bias cannot hide behind a zero init.
   2. A batch of random token ids is written as JSON, with labels that are absent (default to
      input_ids), masked with -100 (scattered, a whole span, a whole row), or independent of ids.
-  3. `memtune dump` and the reference's dump compute logits, the mean causal-LM loss and the
-     gradient of every parameter.
-  4. Every tensor must be present in both, with equal shapes, F32, and within tolerance.
+  3. For a LoRA case, a PEFT adapter directory is written (adapter_config.json with every
+     LoraConfig key, adapter_model.safetensors in F32 with random, nonzero lora_A and lora_B;
+     PEFT's zero-initialized B would make A's gradient zero and hide bugs).
+  4. `memtune dump` and the reference's dump compute logits, the mean causal-LM loss and the
+     gradient of every parameter; with an adapter (`--adapter DIR`), the gradient of every
+     adapter tensor (`grad.<PEFT tensor name>`) and of no base parameter.
+  5. Every tensor must be present in both, with equal shapes, F32, and within tolerance.
 
 --self-check runs without memtune: each case's checkpoint is made by this script, and the
 reference's float32 dump is compared against the reference computed in float64, through the
@@ -62,6 +66,18 @@ TINY_PRESET = {
 
 
 @dataclass
+class Lora:
+    r: int
+    lora_alpha: int
+    target_modules: tuple
+    use_rslora: bool = False
+
+    @property
+    def scaling(self):
+        return self.lora_alpha / math.sqrt(self.r) if self.use_rslora else self.lora_alpha / self.r
+
+
+@dataclass
 class Case:
     name: str
     seed: int
@@ -72,6 +88,7 @@ class Case:
                               # "independent": random labels with -100s
     randomize: bool = True    # replace memtune's initial weights with random ones
     dump_args: tuple = ()     # extra `memtune dump` arguments
+    lora: Lora = None         # a LoRA adapter to train instead of the base parameters
 
     @property
     def has_targets(self):
@@ -96,9 +113,17 @@ CASES = [
     # The same numbers must come out whatever memory strategy the plan picks.
     Case("bf16_checkpointing_chunk1", seed=10, batch=2, seq=40, init_args=BF16 + UNTIED, labels="masked",
          dump_args=("--gradient_checkpointing", "--loss_workspace_bytes", "1")),
+    # LoRA: frozen base, gradients of the adapter tensors only.
+    Case("lora_tied_f32_all", seed=11, batch=2, seq=33,
+         lora=Lora(r=4, lora_alpha=8, target_modules=ref.LORA_TARGETS)),
+    Case("lora_untied_bf16_rslora", seed=12, batch=3, seq=40, init_args=BF16 + UNTIED, labels="masked",
+         lora=Lora(r=2, lora_alpha=16, target_modules=("q_proj", "v_proj", "down_proj"), use_rslora=True)),
+    Case("lora_f32_checkpointing", seed=13, batch=2, seq=40, dump_args=("--gradient_checkpointing",),
+         lora=Lora(r=8, lora_alpha=16, target_modules=("o_proj", "gate_proj", "up_proj"))),
 ]
 
-SELF_CHECK_CASES = ["tied_f32", "untied_bf16", "mha_kv4", "seq1_no_targets", "masked_labels"]
+SELF_CHECK_CASES = ["tied_f32", "untied_bf16", "mha_kv4", "seq1_no_targets", "masked_labels",
+                    "lora_tied_f32_all", "lora_untied_bf16_rslora"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -123,6 +148,35 @@ def random_weights(shapes, dtypes, seed):
             x = x / math.sqrt(shape[1])
         tensors[name] = x.to(dtypes[name])
     return tensors
+
+
+def write_adapter(adapter_dir, lora, cfg, seed, base_model):
+    """Writes a PEFT LoRA adapter directory for the model `cfg` as PEFT's save_pretrained does
+    (adapter_config.json with every LoraConfig key, sorted; adapter_model.safetensors in F32).
+    lora_A gets std 1/sqrt(in) like a linear layer, lora_B std 0.5/(scaling*sqrt(r)), so that
+    scaling * B @ A has entries of std 0.5/sqrt(in), half the base weights': both factors are
+    nonzero and the update is far from negligible."""
+    os.makedirs(adapter_dir)
+    config = {
+        "alpha_pattern": {}, "auto_mapping": None, "base_model_name_or_path": base_model,
+        "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
+        "layers_pattern": None, "layers_to_transform": None, "lora_alpha": lora.lora_alpha,
+        "lora_dropout": 0.0, "modules_to_save": None, "peft_type": "LORA", "r": lora.r,
+        "rank_pattern": {}, "revision": None, "target_modules": list(lora.target_modules),
+        "task_type": "CAUSAL_LM", "use_rslora": lora.use_rslora, "use_dora": False,
+    }
+    with open(os.path.join(adapter_dir, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in ref.lora_shapes(cfg, lora.target_modules).items():
+        out_features, in_features = shape
+        if name.endswith(".lora_A.weight"):
+            x = torch.randn(lora.r, in_features, generator=gen) / math.sqrt(in_features)
+        else:
+            x = torch.randn(out_features, lora.r, generator=gen) * (0.5 / (lora.scaling * math.sqrt(lora.r)))
+        tensors[name] = x
+    ref.write_safetensors(os.path.join(adapter_dir, "adapter_model.safetensors"), tensors, {"format": "pt"})
 
 
 def write_batch(path, case, vocab_size):
@@ -220,7 +274,7 @@ def print_rows(rows):
         return f"{'-':>10}" if math.isnan(x) else f"{x:>10.3e}"
 
     for row in rows:
-        print(f"{row.case:<24} {row.tensor:<58} {num(row.abs_err)} {num(row.rel_err)} "
+        print(f"{row.case:<24} {row.tensor:<68} {num(row.abs_err)} {num(row.rel_err)} "
               f"{num(row.tol)}  {row.status}")
     sys.stdout.flush()
 
@@ -266,14 +320,20 @@ def run_case_memtune(case, memtune, case_dir):
     if case.randomize:
         randomize_checkpoint(model_dir, 1000 + case.seed)
     with open(os.path.join(model_dir, "config.json")) as f:
-        vocab_size = ref.Qwen2Config.from_json(json.load(f)).vocab_size
+        cfg = ref.Qwen2Config.from_json(json.load(f))
     input_path = os.path.join(case_dir, "input.json")
-    write_batch(input_path, case, vocab_size)
+    write_batch(input_path, case, cfg.vocab_size)
+    adapter_dir, adapter_args = None, []
+    if case.lora is not None:
+        adapter_dir = os.path.join(case_dir, "adapter")
+        write_adapter(adapter_dir, case.lora, cfg, 2000 + case.seed, model_dir)
+        adapter_args = ["--adapter", adapter_dir]
 
     memtune_out = os.path.join(case_dir, "memtune.safetensors")
-    run([memtune, "dump", "--model", model_dir, "--input", input_path, "--out", memtune_out, *case.dump_args])
+    run([memtune, "dump", "--model", model_dir, "--input", input_path, "--out", memtune_out,
+         *adapter_args, *case.dump_args])
     ref_out = os.path.join(case_dir, "reference.safetensors")
-    ref.dump(model_dir, input_path, ref_out)
+    ref.dump(model_dir, input_path, ref_out, adapter_dir=adapter_dir)
     return compare(case, ref.read_safetensors(memtune_out), ref.read_safetensors(ref_out))
 
 
@@ -290,11 +350,15 @@ def run_case_self_check(case, case_dir):
     ref.write_safetensors(os.path.join(model_dir, "model.safetensors"), weights, {"format": "pt"})
     input_path = os.path.join(case_dir, "input.json")
     write_batch(input_path, case, cfg.vocab_size)
+    adapter_dir = None
+    if case.lora is not None:
+        adapter_dir = os.path.join(case_dir, "adapter")
+        write_adapter(adapter_dir, case.lora, cfg, 2000 + case.seed, model_dir)
 
     f32_out = os.path.join(case_dir, "reference.safetensors")
-    ref.dump(model_dir, input_path, f32_out)
+    ref.dump(model_dir, input_path, f32_out, adapter_dir=adapter_dir)
     f64_out = os.path.join(case_dir, "reference_f64.safetensors")
-    ref.dump(model_dir, input_path, f64_out, dtype=torch.float64)
+    ref.dump(model_dir, input_path, f64_out, dtype=torch.float64, adapter_dir=adapter_dir)
     return compare(case, ref.read_safetensors(f32_out), ref.read_safetensors(f64_out))
 
 
@@ -316,7 +380,7 @@ def main():
 
     print(f"{against}; tolerances: logits/loss abs <= {REL_TOL:g}*max(1,max|ref|), "
           f"grads abs <= {REL_TOL:g}*max|ref| + {GRAD_ABS_TOL:g}; workdir {workdir}")
-    print(f"{'case':<24} {'tensor':<58} {'max_abs':>10} {'max_rel':>10} {'tol':>10}  status")
+    print(f"{'case':<24} {'tensor':<68} {'max_abs':>10} {'max_rel':>10} {'tol':>10}  status")
     all_rows = []
     failed_cases = []
     for case in cases:

@@ -206,7 +206,7 @@ TEST(Trainer, Bfloat16WeightsFollowTheirFloat32Masters) {
   m.arena().enter_phase(Phase::Optimizer);
   for (size_t i = 0; i < m.params().size(); ++i) {
     const auto* w = static_cast<const uint16_t*>(m.param_data(i));
-    for (int64_t j = 0; j < m.params()[i].numel(); ++j) ASSERT_EQ(w[j], f32_to_bf16(m.master(i)[j]));
+    for (int64_t j = 0; j < m.params()[i].numel(); ++j) ASSERT_EQ(w[j], f32_to_bf16(m.trainable_value(i)[j]));
   }
   m.arena().enter_phase(Phase::Forward);
   EXPECT_GT(m.plan().live_bytes(Phase::Optimizer, Category::TrainableParams), 0u);

@@ -44,12 +44,22 @@ void matmul_forward(float* out, const float* inp, const float* weight, const flo
   }
 }
 
-void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                     const float* weight, int64_t N, int64_t C, int64_t OC) {
+void matmul_accumulate(float* out, const float* inp, const float* weight, int64_t N, int64_t C, int64_t OC,
+                       float scale) {
   if (N == 0) return;
-  if (dinp) cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, C, OC, 1.0f, dout, OC, weight, C, 1.0f, dinp, C);
-  if (dweight) cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OC, C, N, 1.0f, dout, OC, inp, C, 1.0f, dweight, C);
-  if (dbias) column_sum_accumulate(dbias, dout, N, OC);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, OC, C, scale, inp, C, weight, C, 1.0f, out, OC);
+}
+
+void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                     const float* weight, int64_t N, int64_t C, int64_t OC, float scale) {
+  if (N == 0) return;
+  if (dinp) cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, C, OC, scale, dout, OC, weight, C, 1.0f, dinp, C);
+  if (dweight)
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OC, C, N, scale, dout, OC, inp, C, 1.0f, dweight, C);
+  if (dbias) {
+    MT_ASSERT(scale == 1.0f, "scaled bias gradients are not needed");
+    column_sum_accumulate(dbias, dout, N, OC);
+  }
 }
 
 void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N, int64_t C, float eps) {
@@ -84,6 +94,7 @@ void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const floa
 #pragma omp simd
     for (int64_t c = 0; c < C; ++c) dx[c] += r * dy[c] * weight[c] - k * x[c];
   }
+  if (!dweight) return;
   constexpr int64_t kBlock = 64;
   int64_t blocks = (C + kBlock - 1) / kBlock;
 #pragma omp parallel for schedule(static)
@@ -273,6 +284,19 @@ void embedding_backward(float* dtable, const float* dout, const int32_t* ids, in
 #pragma omp simd
       for (int64_t c = c0; c < c1; ++c) row[c] += d[c];
     }
+  }
+}
+
+void dropout_forward(float* out, const float* x, int64_t n, uint64_t key, float p) {
+  const float scale = 1.0f / (1.0f - p);
+  const uint64_t threshold = static_cast<uint64_t>(static_cast<double>(p) * 16777216.0);  // p in 24-bit units
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    uint64_t z = key + static_cast<uint64_t>(i) * 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    out[i] = (z >> 40) >= threshold ? x[i] * scale : 0.0f;
   }
 }
 

@@ -37,12 +37,17 @@ inline float fast_exp(float x) {
 // out[N,OC] = inp[N,C] @ weight[OC,C]^T (+ bias[OC])
 void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int64_t C,
                     int64_t OC);
-// dinp += dout @ weight; dweight += dout^T @ inp; dbias += colsum(dout). Null outputs are skipped.
+// out[N,OC] += scale * inp[N,C] @ weight[OC,C]^T
+void matmul_accumulate(float* out, const float* inp, const float* weight, int64_t N, int64_t C, int64_t OC,
+                       float scale);
+// For out = scale * inp @ weight^T (+ bias): dinp += scale * dout @ weight;
+// dweight += scale * dout^T @ inp; dbias += scale * colsum(dout). Null outputs are skipped.
 void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
-                     const float* weight, int64_t N, int64_t C, int64_t OC);
+                     const float* weight, int64_t N, int64_t C, int64_t OC, float scale = 1.0f);
 
 // out = x * rsqrt(mean(x^2) + eps) * weight; saves rstd[N].
 void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N, int64_t C, float eps);
+// dweight may be null (frozen norm).
 void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
                       const float* rstd, int64_t N, int64_t C);
 
@@ -67,6 +72,11 @@ void swiglu_backward(float* dgate, float* dup, const float* dh, const float* gat
 // out[n] = table[ids[n]], the table stored in any storage dtype.
 void embedding_forward(float* out, const int32_t* ids, const void* table, DType table_dtype, int64_t N, int64_t D);
 void embedding_backward(float* dtable, const float* dout, const int32_t* ids, int64_t N, int64_t D);
+
+// Inverted dropout: out = x * keep / (1 - p), keep drawn from a counter-based hash of (key, i),
+// so the same key reproduces the same mask (backward regenerates it instead of storing it).
+// out may alias x.
+void dropout_forward(float* out, const float* x, int64_t n, uint64_t key, float p);
 
 // y += x
 void add_inplace(float* y, const float* x, int64_t n);
