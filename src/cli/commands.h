@@ -12,5 +12,8 @@ using Action = std::function<void()>;
 
 Action add_init_model(CLI::App& app);
 Action add_dump(CLI::App& app);
+Action add_train(CLI::App& app);
+Action add_tokenize(CLI::App& app);
+Action add_data_stats(CLI::App& app);
 
 }  // namespace memtune::cli

@@ -1,9 +1,12 @@
 // memtune command line: dispatches to subcommands; user errors print one clear message and exit 1.
+#include <algorithm>
 #include <cstdio>
+#include <string>
 #include <vector>
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "train/arguments.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"memtune: fine-tune and evaluate Qwen2.5-family models with planned memory"};
@@ -16,10 +19,24 @@ int main(int argc, char** argv) {
   add("init-model", "write a randomly initialized Qwen2 checkpoint (config.json + safetensors)",
       memtune::cli::add_init_model);
   add("dump", "debugging: logits, loss and every parameter gradient for a small batch", memtune::cli::add_dump);
+  add("train", "fine-tune (LoRA or full) on a JSONL dataset with Hugging Face's arguments", memtune::cli::add_train);
+  add("tokenize", "encode JSONL text (or chat messages) to token ids, or decode ids", memtune::cli::add_tokenize);
+  // `data` groups dataset tools; its sub-subcommands are dispatched like the others.
+  CLI::App* data = app.add_subcommand("data", "dataset tools");
+  data->require_subcommand(1);
+  CLI::App* data_stats = data->add_subcommand("stats", "token-length statistics of a JSONL dataset");
+  commands.emplace_back(data_stats, memtune::cli::add_data_stats(*data_stats));
   try {
-    app.parse(argc, argv);
+    // A --config file's keys become flags placed before the command line's, which override them.
+    std::vector<std::string> args(argv + 1, argv + argc);
+    args = memtune::expand_config_file(args);
+    std::reverse(args.begin(), args.end());  // CLI11 takes the vector back to front
+    app.parse(args);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
+  } catch (const memtune::Error& e) {
+    std::fprintf(stderr, "memtune: error: %s\n", e.what());
+    return 1;
   }
   try {
     for (auto& [sub, action] : commands)

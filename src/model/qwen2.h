@@ -92,6 +92,8 @@ class Qwen2Model {
   float* adam_m(size_t i) const;  // with_optimizer
   float* adam_v(size_t i) const;
   void store_trainable(size_t i);
+  // True when trainable i is the float32 master of a 16-bit base weight (checkpoints keep it).
+  bool trainable_is_master(size_t i) const { return trainables_.at(i).widen_into.has_value(); }
   // Sets every float32 master from its 16-bit weight (after loading or initializing weights).
   void load_masters();
   void zero_grads();

@@ -40,6 +40,9 @@ class Trainer {
   // One optimizer step over the micro-batches of a gradient-accumulation cycle.
   StepResult step(std::span<const TokenBatch> micro_batches);
   int64_t global_step() const { return step_; }
+  // Resuming: the step count the schedule and AdamW's bias correction continue from (the
+  // moments and values are restored into the model's buffers by the caller).
+  void restore_global_step(int64_t step) { step_ = step; }
 
  private:
   Qwen2Model& model_;

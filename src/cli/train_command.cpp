@@ -1,0 +1,17 @@
+// `memtune train`: registers Hugging Face's training arguments and runs the training.
+#include <iostream>
+#include <memory>
+
+#include "cli/commands.h"
+#include "train/arguments.h"
+#include "train/run.h"
+
+namespace memtune::cli {
+
+Action add_train(CLI::App& app) {
+  auto args = std::make_shared<TrainingArguments>();
+  add_training_arguments(app, *args);
+  return [args] { run_training(*args, std::cout); };
+}
+
+}  // namespace memtune::cli

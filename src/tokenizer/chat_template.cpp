@@ -1,0 +1,179 @@
+// Chat templates written out in C++ (see chat_template.h): recognition of the tokenizer's Jinja
+// template by its distinctive literals, conversation validation, rendering to trainable and
+// untrainable segments, and segment-wise tokenization into ids and unshifted labels.
+#include "tokenizer/chat_template.h"
+
+#include <fmt/format.h>
+
+#include <array>
+#include <cctype>
+
+#include "core/error.h"
+#include "tokenizer/tokenizer.h"
+
+namespace memtune {
+
+namespace {
+
+constexpr std::array<std::pair<std::string_view, ChatTemplate>, 3> kTemplateNames{{
+    {"qwen2_5", ChatTemplate::Qwen2_5},
+    {"chatml", ChatTemplate::ChatML},
+    {"plain", ChatTemplate::Plain},
+}};
+
+constexpr std::string_view kTemplateChoice = "pass --template qwen2_5|chatml|plain";
+
+// Whitespace runs become one space, so literals match however the template is indented or
+// line-wrapped.
+std::string collapse_whitespace(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  bool in_space = false;
+  for (char c : text) {
+    if (std::isspace(static_cast<unsigned char>(c))) {
+      in_space = true;
+      continue;
+    }
+    if (in_space && !out.empty()) out += ' ';
+    in_space = false;
+    out += c;
+  }
+  return out;
+}
+
+// True when some string literal in the template writes a system header followed directly by
+// literal text ('<|im_start|>system\nYou are ...'): a default system message baked into the
+// template, which plain ChatML rendering would silently leave out.
+bool has_literal_default_system(std::string_view text) {
+  constexpr std::string_view header = "<|im_start|>system";
+  for (size_t at = text.find(header); at != std::string_view::npos; at = text.find(header, at + 1)) {
+    std::string_view rest = text.substr(at + header.size());
+    // The newline after the role: Jinja's escape "\n" in the source, or a real newline.
+    if (rest.starts_with("\\n"))
+      rest.remove_prefix(2);
+    else if (rest.starts_with("\n"))
+      rest.remove_prefix(1);
+    else
+      continue;
+    if (!rest.empty() && rest[0] != '\'' && rest[0] != '"') return true;
+  }
+  return false;
+}
+
+void add(std::vector<ChatSegment>& segments, std::string text, bool trainable) {
+  segments.push_back({std::move(text), trainable});
+}
+
+}  // namespace
+
+ChatTemplate parse_chat_template(std::string_view name) {
+  for (const auto& [n, t] : kTemplateNames)
+    if (n == name) return t;
+  throw Error(fmt::format("unknown chat template \"{}\": expected qwen2_5, chatml or plain", name));
+}
+
+std::string_view chat_template_name(ChatTemplate chat_template) {
+  for (const auto& [n, t] : kTemplateNames)
+    if (t == chat_template) return n;
+  throw InternalError("chat template without a name");
+}
+
+ChatTemplate detect_chat_template(std::string_view jinja_text, std::string_view source) {
+  if (jinja_text.empty())
+    throw Error(
+        fmt::format("{}: the tokenizer has no chat_template (tokenizer_config.json); {}", source, kTemplateChoice));
+  const std::string text = collapse_whitespace(jinja_text);
+  if (text.find("<|im_start|>") == std::string::npos)
+    throw Error(
+        fmt::format("{}: chat_template is not a ChatML template (no <|im_start|>), which memtune does not "
+                    "render; {}",
+                    source, kTemplateChoice));
+  if (text.find("You are Qwen, created by Alibaba Cloud.") != std::string::npos) return ChatTemplate::Qwen2_5;
+  if (text.find("<think>") != std::string::npos)
+    throw Error(fmt::format("{}: chat_template is a reasoning (<think>) template, which memtune does not render; {}",
+                            source, kTemplateChoice));
+  if (has_literal_default_system(jinja_text))
+    throw Error(
+        fmt::format("{}: chat_template has a default system message that memtune does not recognize; {} "
+                    "(with --system \"...\" to keep that default)",
+                    source, kTemplateChoice));
+  return ChatTemplate::ChatML;
+}
+
+ChatTemplate resolve_chat_template(std::string_view name, const Tokenizer& tokenizer, std::string_view source) {
+  if (!name.empty()) return parse_chat_template(name);
+  return detect_chat_template(tokenizer.chat_template(), source);
+}
+
+void validate_conversation(std::span<const ChatMessage> messages, bool require_final_assistant) {
+  if (messages.empty()) throw Error("empty conversation: expected a user message and an assistant reply");
+  size_t first = 0;
+  if (messages[0].role == "system") first = 1;
+  if (first == messages.size()) throw Error("the conversation has only a system message: expected a user message");
+  for (size_t i = 0; i < messages.size(); ++i) {
+    const std::string& role = messages[i].role;
+    if (role == "tool" || role == "function" || role == "observation" || role == "function_call")
+      throw Error(
+          fmt::format("message {}: role \"{}\" is not supported yet: expected system, user or assistant", i, role));
+    if (role != "system" && role != "user" && role != "assistant")
+      throw Error(fmt::format("message {}: unknown role \"{}\": expected system, user or assistant", i, role));
+    if (i < first) continue;
+    const char* expected = (i - first) % 2 == 0 ? "user" : "assistant";
+    if (role != expected) {
+      if (i == first)
+        throw Error(fmt::format("message {}: expected the conversation to start with a user message{}, got \"{}\"", i,
+                                first ? " after the system message" : "", role));
+      throw Error(fmt::format("message {}: expected role \"{}\" after \"{}\", got \"{}\"", i, expected,
+                              messages[i - 1].role, role));
+    }
+  }
+  if (require_final_assistant && messages.back().role != "assistant")
+    throw Error(
+        fmt::format("the conversation ends with a \"{}\" message: expected it to end with an assistant reply "
+                    "to train on",
+                    messages.back().role));
+}
+
+std::vector<ChatSegment> render_chat(ChatTemplate chat_template, std::span<const ChatMessage> messages,
+                                     const RenderOptions& options) {
+  std::vector<ChatSegment> segments;
+  const bool all = options.train_on_prompt;
+  if (chat_template == ChatTemplate::Plain) {
+    MT_ASSERT(!options.eos_token.empty(), "the plain template needs the eos token's text");
+    for (const ChatMessage& m : messages) {
+      if (m.role == "assistant")
+        add(segments, m.content + options.eos_token, all || m.loss);
+      else
+        add(segments, m.content, all);
+    }
+    return segments;
+  }
+  if (chat_template == ChatTemplate::Qwen2_5 && (messages.empty() || messages[0].role != "system"))
+    add(segments, fmt::format("<|im_start|>system\n{}<|im_end|>\n", kQwen2_5DefaultSystem), all);
+  for (const ChatMessage& m : messages) {
+    if (m.role == "assistant") {
+      add(segments, "<|im_start|>assistant\n", all);
+      add(segments, m.content + "<|im_end|>", all || m.loss);
+      add(segments, "\n", all);
+    } else {
+      add(segments, fmt::format("<|im_start|>{}\n{}<|im_end|>\n", m.role, m.content), all);
+    }
+  }
+  if (options.add_generation_prompt) add(segments, "<|im_start|>assistant\n", all);
+  return segments;
+}
+
+void encode_segments(const Tokenizer& tokenizer, std::span<const ChatSegment> segments, std::vector<int32_t>& ids,
+                     std::vector<int32_t>& labels) {
+  MT_ASSERT(ids.size() == labels.size());
+  for (const ChatSegment& s : segments) {
+    const size_t begin = ids.size();
+    tokenizer.encode(s.text, ids);
+    if (s.trainable)
+      labels.insert(labels.end(), ids.begin() + static_cast<std::ptrdiff_t>(begin), ids.end());
+    else
+      labels.resize(ids.size(), kIgnoreLabel);
+  }
+}
+
+}  // namespace memtune

@@ -1,0 +1,86 @@
+// Chat templates: a conversation rendered to text segments, each marked trainable or not, then
+// tokenized segment by segment (as LLaMA-Factory and ms-swift do) so that labels can mask the
+// prompt exactly. Instead of a Jinja interpreter, the few templates memtune trains with are
+// written out here and recognized from the tokenizer's chat_template text; anything else asks
+// the user to name one, so a model is never trained with a silently different format.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace memtune {
+
+class Tokenizer;
+
+enum class ChatTemplate {
+  // ChatML with Qwen2.5's default system message when the conversation has none.
+  Qwen2_5,
+  // <|im_start|>{role}\n{content}<|im_end|>\n, no default system message.
+  ChatML,
+  // The contents back to back with no separators; each assistant message is followed by the
+  // eos token. For base models and for data whose prompts already carry their own formatting.
+  Plain,
+};
+
+// "qwen2_5" | "chatml" | "plain"; anything else is an Error listing these.
+ChatTemplate parse_chat_template(std::string_view name);
+std::string_view chat_template_name(ChatTemplate chat_template);
+
+// Recognizes a tokenizer_config.json chat_template (Jinja source): Qwen2.5's (ChatML with the
+// "You are Qwen, created by Alibaba Cloud..." default system) or a plain ChatML template without
+// a default system message. Anything else, or an empty text, is an Error asking for --template.
+// `source` names the tokenizer in the message.
+ChatTemplate detect_chat_template(std::string_view jinja_text, std::string_view source);
+
+// The user's choice if given (non-empty name), else the one detected from the tokenizer.
+ChatTemplate resolve_chat_template(std::string_view name, const Tokenizer& tokenizer, std::string_view source);
+
+inline constexpr std::string_view kQwen2_5DefaultSystem =
+    "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.";
+
+// Roles are "system", "user" and "assistant". Tool and function messages are refused for now
+// (validate_conversation names them): memtune has no tool-calling format yet, and rendering
+// them some other way than the model's own template would teach it the wrong format.
+struct ChatMessage {
+  std::string role;
+  std::string content;
+  bool loss = true;  // consulted for assistant messages only: false keeps that reply untrained
+};
+
+// Throws an Error (without a location; callers add file:line) unless the conversation is:
+// an optional system message first, then user and assistant messages strictly alternating,
+// starting with user; with require_final_assistant (training) it must end with an assistant
+// message. An empty conversation or one with no user message is refused.
+void validate_conversation(std::span<const ChatMessage> messages, bool require_final_assistant);
+
+struct ChatSegment {
+  std::string text;
+  bool trainable = false;
+};
+
+struct RenderOptions {
+  // Append the assistant header (<|im_start|>assistant\n; nothing for Plain) for generation.
+  bool add_generation_prompt = false;
+  // Every segment trainable: the prompt, and replies marked loss=false, included.
+  bool train_on_prompt = false;
+  // The eos token's text (e.g. "<|endoftext|>"); required by Plain, unused otherwise.
+  std::string eos_token;
+};
+
+// Renders a conversation that passed validate_conversation(messages, false). Trainable are the
+// assistant contents with their closing <|im_end|> (Plain: eos), not the assistant header and
+// not the "\n" after <|im_end|>; an assistant message with loss=false is not trainable.
+std::vector<ChatSegment> render_chat(ChatTemplate chat_template, std::span<const ChatMessage> messages,
+                                     const RenderOptions& options);
+
+// Tokenizes each segment on its own and appends the ids to `ids` and, to `labels`, the id for a
+// trainable token and -100 otherwise (unshifted labels, the Hugging Face convention).
+void encode_segments(const Tokenizer& tokenizer, std::span<const ChatSegment> segments, std::vector<int32_t>& ids,
+                     std::vector<int32_t>& labels);
+
+inline constexpr int32_t kIgnoreLabel = -100;
+
+}  // namespace memtune

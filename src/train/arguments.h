@@ -1,0 +1,78 @@
+// `memtune train` arguments, named and defaulted like Hugging Face TrainingArguments and ms-swift
+// so a user's existing flags mean what they mean there. Flags come from the command line and
+// optionally a --config file (JSON, or YAML of flat `key: value` lines) with the same keys; the
+// command line wins. An unknown key or an impossible combination is an Error before any work.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+namespace memtune {
+
+struct TrainingArguments {
+  // Where things are.
+  std::string model_name_or_path, train_file, eval_file, output_dir, tokenizer;
+  // Batches and steps.
+  int64_t per_device_train_batch_size = 8;
+  int64_t per_device_eval_batch_size = 8;
+  int64_t gradient_accumulation_steps = 1;
+  int64_t eval_accumulation_steps = 0;  // accepted for compatibility: evaluation streams anyway
+  double num_train_epochs = 3.0;
+  int64_t max_steps = -1;
+  // Optimizer and schedule.
+  double learning_rate = 5e-5;
+  double weight_decay = 0.0;
+  double adam_beta1 = 0.9, adam_beta2 = 0.999, adam_epsilon = 1e-8;
+  double max_grad_norm = 1.0;
+  std::string lr_scheduler_type = "linear";
+  double min_lr_rate = 0.0;  // cosine_with_min_lr
+  int64_t warmup_steps = 0;
+  double warmup_ratio = 0.0;
+  double label_smoothing_factor = 0.0;
+  // Logging and checkpoints.
+  int64_t logging_steps = 500;
+  std::string save_strategy = "steps";  // steps | epoch | no
+  int64_t save_steps = 500;
+  int64_t save_total_limit = 0;        // 0: keep all
+  std::string resume_from_checkpoint;  // a checkpoint dir, or "last"
+  uint64_t seed = 42;
+  std::optional<uint64_t> data_seed;
+  // Precision and memory.
+  std::string torch_dtype;  // storage dtype; empty: the checkpoint's
+  bool bf16 = false, fp16 = false;
+  bool gradient_checkpointing = false;
+  int64_t loss_workspace_bytes = int64_t{128} << 20;
+  // Tuning.
+  std::string tuner_type = "lora";  // lora | full (ms-swift's default is lora)
+  int64_t lora_rank = 8;
+  double lora_alpha = 32;
+  double lora_dropout = 0.05;
+  std::vector<std::string> target_modules = {"all-linear"};
+  bool use_rslora = false;
+  // Data.
+  int64_t max_length = 2048;
+  std::string truncation_strategy = "delete";
+  bool packing = false;
+  bool train_on_prompt = false;
+  std::string template_name;  // --template
+  std::string system;
+  bool skip_bad_lines = false;
+};
+
+// Registers every argument on `app` (names as above, --template for template_name) and
+// --config. Call prepare_config_args on argv first so the file's keys are seen as flags.
+void add_training_arguments(CLI::App& app, TrainingArguments& args);
+
+// Expands `--config FILE` inside argv (without the program name) into `--key=value` flags
+// placed right after the subcommand name, before the other flags, so explicit flags override
+// the file. Returns the new argument list.
+std::vector<std::string> expand_config_file(const std::vector<std::string>& argv);
+
+// Refuses impossible combinations, naming the flags.
+void validate_training_arguments(const TrainingArguments& args);
+
+}  // namespace memtune

@@ -1,0 +1,407 @@
+#include "train/run.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <ostream>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "data/batcher.h"
+#include "data/dataset.h"
+#include "io/checkpoint.h"
+#include "io/safetensors.h"
+#include "model/qwen2.h"
+#include "tokenizer/tokenizer.h"
+#include "train/trainer.h"
+
+namespace memtune {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+size_t peak_rss_bytes() {
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<size_t>(ru.ru_maxrss) * 1024;
+}
+
+json read_json(const fs::path& path) {
+  std::ifstream in(path);
+  if (!in) throw Error(fmt::format("{}: cannot open file", path.string()));
+  try {
+    return json::parse(in);
+  } catch (const json::parse_error& e) {
+    throw Error(fmt::format("{}: invalid JSON: {}", path.string(), e.what()));
+  }
+}
+
+// The checkpoint-{N} directories of output_dir, oldest first.
+std::vector<std::pair<int64_t, fs::path>> list_checkpoints(const fs::path& output_dir) {
+  std::vector<std::pair<int64_t, fs::path>> out;
+  if (!fs::exists(output_dir)) return out;
+  for (const auto& e : fs::directory_iterator(output_dir)) {
+    const std::string name = e.path().filename().string();
+    if (!e.is_directory() || !name.starts_with("checkpoint-")) continue;
+    try {
+      out.emplace_back(std::stoll(name.substr(11)), e.path());
+    } catch (const std::exception&) {
+    }
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// Everything that changes as training goes and must survive a resume.
+struct Progress {
+  int64_t global_step = 0;
+  int64_t epoch = 0;             // current epoch index
+  int64_t batches_in_epoch = 0;  // micro-batches of the current epoch already consumed
+  int64_t num_input_tokens_seen = 0;
+  json log_history = json::array();
+};
+
+class TrainingRun {
+ public:
+  TrainingRun(const TrainingArguments& args, std::ostream& out) : args_(args), out_(out) {}
+  void run();
+
+ private:
+  void load_data();
+  void build_model();
+  void resume();
+  void train_loop();
+  void log(json record);
+  void save_checkpoint();
+  void save_final();
+  void write_model_files(const fs::path& dir) const;
+  json trainer_state() const;
+  json memory_report() const;
+
+  const TrainingArguments& args_;
+  std::ostream& out_;
+  fs::path output_dir_;
+  std::optional<Tokenizer> tokenizer_;
+  fs::path tokenizer_dir_;
+  Dataset train_;
+  std::unique_ptr<Batcher> batcher_;
+  std::unique_ptr<Qwen2Model> model_;
+  std::unique_ptr<cpu::CrossEntropyLoss> loss_;
+  std::unique_ptr<Trainer> trainer_;
+  int64_t steps_per_epoch_ = 0, total_steps_ = 0;
+  Progress progress_;
+  std::ofstream log_file_;
+};
+
+void TrainingRun::run() {
+  validate_training_arguments(args_);
+  if (!args_.eval_file.empty())
+    throw Error("--eval_file: evaluation during training is not available yet (it arrives with streaming evaluation)");
+  output_dir_ = args_.output_dir;
+  fs::create_directories(output_dir_);
+  load_data();
+  build_model();
+  if (!args_.resume_from_checkpoint.empty()) resume();
+  log_file_.open(output_dir_ / "log.jsonl", std::ios::app);
+  if (!log_file_) throw Error(fmt::format("{}: cannot write log.jsonl", output_dir_.string()));
+  train_loop();
+  save_final();
+}
+
+void TrainingRun::load_data() {
+  tokenizer_dir_ = args_.tokenizer.empty() ? fs::path(args_.model_name_or_path) : fs::path(args_.tokenizer);
+  tokenizer_.emplace(Tokenizer::load(tokenizer_dir_.string()));
+  DataOptions d;
+  d.max_length = args_.max_length;
+  d.truncation_strategy = parse_truncation_strategy(args_.truncation_strategy);
+  d.train_on_prompt = args_.train_on_prompt;
+  d.skip_bad_lines = args_.skip_bad_lines;
+  d.chat_template = args_.template_name;
+  if (!args_.system.empty()) d.record.system = args_.system;
+  train_ = load_dataset(args_.train_file, *tokenizer_, d);
+  const DatasetCounts& c = train_.counts();
+  out_ << fmt::format(
+      "data: {} examples, {} tokens, {} target tokens from {} lines ({} dropped without targets, {} truncated, {} "
+      "deleted as longer than max_length {}, {} bad lines skipped)\n",
+      train_.size(), train_.num_tokens(), train_.num_targets(), c.lines, c.dropped_no_targets, c.truncated,
+      c.deleted_too_long, args_.max_length, c.bad_lines);
+  if (train_.empty() || train_.num_targets() == 0)
+    throw Error(fmt::format("{}: no example with a trainable token is left to train on", args_.train_file));
+  BatchOptions b;
+  b.per_device_batch_size = args_.per_device_train_batch_size;
+  b.packing = args_.packing;
+  b.max_length = args_.max_length;
+  b.seed = args_.data_seed.value_or(args_.seed);
+  batcher_ = std::make_unique<Batcher>(train_, b);
+  batcher_->start_epoch(0);
+  // Hugging Face: the last accumulation step of an epoch takes the micro-batches that are left.
+  steps_per_epoch_ = std::max<int64_t>(
+      1, (batcher_->num_batches() + args_.gradient_accumulation_steps - 1) / args_.gradient_accumulation_steps);
+  total_steps_ = args_.max_steps > 0 ? args_.max_steps
+                                     : static_cast<int64_t>(std::ceil(args_.num_train_epochs * steps_per_epoch_));
+}
+
+void TrainingRun::build_model() {
+  Qwen2Config config = load_qwen2_config((fs::path(args_.model_name_or_path) / "config.json").string());
+  if (args_.bf16) config.torch_dtype = DType::BF16;
+  if (!args_.torch_dtype.empty()) config.torch_dtype = parse_dtype(args_.torch_dtype, "--torch_dtype");
+  if (tokenizer_->vocab_size() > config.vocab_size)
+    throw Error(fmt::format("the tokenizer has {} ids but the model's vocab_size is {}", tokenizer_->vocab_size(),
+                            config.vocab_size));
+  ModelOptions o;
+  o.max_tokens = batcher_->max_micro_batch_tokens();
+  o.gradient_checkpointing = args_.gradient_checkpointing;
+  o.loss_workspace_bytes = static_cast<size_t>(args_.loss_workspace_bytes);
+  o.with_optimizer = true;
+  if (args_.tuner_type == "lora") {
+    o.lora.rank = args_.lora_rank;
+    o.lora.alpha = args_.lora_alpha;
+    o.lora.dropout = args_.lora_dropout;
+    o.lora.use_rslora = args_.use_rslora;
+    set_lora_targets(o.lora, args_.target_modules);
+  }
+  model_ = std::make_unique<Qwen2Model>(config, o);
+  model_->load(CheckpointReader(args_.model_name_or_path));
+  if (o.lora.enabled()) model_->init_lora(args_.seed);
+  loss_ = std::make_unique<cpu::CrossEntropyLoss>(static_cast<float>(args_.label_smoothing_factor));
+  model_->set_loss(*loss_);
+
+  TrainerConfig tc;
+  tc.learning_rate = args_.learning_rate;
+  tc.adam = {args_.adam_beta1, args_.adam_beta2, args_.adam_epsilon, args_.weight_decay};
+  tc.max_grad_norm = args_.max_grad_norm;
+  tc.schedule.type = parse_lr_schedule(args_.lr_scheduler_type);
+  tc.schedule.total_steps = total_steps_;
+  tc.schedule.warmup_steps = warmup_steps_for(args_.warmup_steps, args_.warmup_ratio, total_steps_);
+  tc.schedule.min_lr_rate = args_.min_lr_rate;
+  trainer_ = std::make_unique<Trainer>(*model_, tc);
+
+  int64_t trainable = 0;
+  for (size_t i = 0; i < model_->num_trainable(); ++i) trainable += model_->trainable_spec(i).numel();
+  out_ << fmt::format(
+      "model: {} parameters ({}), {} trainable ({}), micro-batch up to {} tokens, {} steps ({} per epoch)\n",
+      qwen2_parameter_count(config), dtype_torch_name(config.torch_dtype), trainable,
+      o.lora.enabled() ? fmt::format("LoRA r={} on {}", o.lora.rank, fmt::join(o.lora.target_names(), ","))
+                       : std::string("full fine-tuning"),
+      o.max_tokens, total_steps_, steps_per_epoch_);
+  out_ << "memory plan:\n" << model_->plan().summary();
+}
+
+void TrainingRun::write_model_files(const fs::path& dir) const {
+  if (model_->options().lora.enabled()) {
+    model_->save_adapter(dir.string(), args_.model_name_or_path);
+  } else {
+    model_->save(dir.string());
+  }
+  for (const char* name : {"tokenizer.json", "tokenizer_config.json"})
+    if (fs::exists(tokenizer_dir_ / name))
+      fs::copy_file(tokenizer_dir_ / name, dir / name, fs::copy_options::overwrite_existing);
+}
+
+json TrainingRun::trainer_state() const {
+  return {{"global_step", progress_.global_step},
+          {"epoch", static_cast<double>(progress_.global_step) / static_cast<double>(steps_per_epoch_)},
+          {"max_steps", total_steps_},
+          {"logging_steps", args_.logging_steps},
+          {"eval_steps", nullptr},
+          {"save_steps", args_.save_steps},
+          {"train_batch_size", args_.per_device_train_batch_size},
+          {"num_train_epochs", static_cast<int64_t>(std::ceil(static_cast<double>(total_steps_) / steps_per_epoch_))},
+          {"num_input_tokens_seen", progress_.num_input_tokens_seen},
+          {"log_history", progress_.log_history},
+          {"best_metric", nullptr},
+          {"best_global_step", nullptr},
+          {"best_model_checkpoint", nullptr},
+          {"is_local_process_zero", true},
+          {"is_world_process_zero", true},
+          {"total_flos", 0}};
+}
+
+json TrainingRun::memory_report() const {
+  const MemoryPlan& plan = model_->plan();
+  json categories = json::object();
+  for (size_t c = 0; c < kNumCategories; ++c)
+    categories[std::string(category_name(static_cast<Category>(c)))] =
+        plan.live_bytes(plan.peak_phase(), static_cast<Category>(c));
+  return {{"planned_peak_bytes", plan.peak_bytes()},
+          {"measured_peak_bytes", model_->arena().high_water_bytes()},
+          {"peak_phase", std::string(phase_name(plan.peak_phase()))},
+          {"categories", categories},
+          {"process_peak_rss_bytes", peak_rss_bytes()}};
+}
+
+void TrainingRun::save_checkpoint() {
+  const fs::path final_dir = output_dir_ / fmt::format("checkpoint-{}", progress_.global_step);
+  const fs::path tmp = output_dir_ / fmt::format("tmp-checkpoint-{}", progress_.global_step);
+  fs::remove_all(tmp);
+  fs::create_directories(tmp);
+  write_model_files(tmp);
+  // AdamW moments, and float32 masters of 16-bit weights (the weights alone would round them).
+  Arena& arena = model_->arena();
+  arena.enter_phase(Phase::Optimizer);
+  std::vector<TensorToWrite> tensors;
+  for (size_t i = 0; i < model_->num_trainable(); ++i) {
+    const ParamSpec& s = model_->trainable_spec(i);
+    tensors.push_back({"exp_avg." + s.name, DType::F32, s.shape, model_->adam_m(i)});
+    tensors.push_back({"exp_avg_sq." + s.name, DType::F32, s.shape, model_->adam_v(i)});
+    if (model_->trainable_is_master(i))
+      tensors.push_back({"master." + s.name, DType::F32, s.shape, model_->trainable_value(i)});
+  }
+  write_safetensors((tmp / "optimizer.safetensors").string(), tensors, {{"format", "pt"}});
+  arena.enter_phase(Phase::Forward);
+  write_file_atomically((tmp / "trainer_state.json").string(), trainer_state().dump(2) + "\n");
+  const json position = {{"global_step", progress_.global_step},
+                         {"epoch", progress_.epoch},
+                         {"batches_in_epoch", progress_.batches_in_epoch},
+                         {"num_input_tokens_seen", progress_.num_input_tokens_seen},
+                         {"seed", args_.seed},
+                         {"data_seed", args_.data_seed.value_or(args_.seed)}};
+  write_file_atomically((tmp / "memtune_state.json").string(), position.dump(2) + "\n");
+  fs::remove_all(final_dir);
+  fs::rename(tmp, final_dir);
+  if (args_.save_total_limit > 0) {
+    auto all = list_checkpoints(output_dir_);
+    for (size_t i = 0; i + static_cast<size_t>(args_.save_total_limit) < all.size(); ++i) fs::remove_all(all[i].second);
+  }
+  out_ << fmt::format("saved {}\n", final_dir.string());
+}
+
+void TrainingRun::resume() {
+  fs::path dir = args_.resume_from_checkpoint;
+  if (args_.resume_from_checkpoint == "last") {
+    const auto all = list_checkpoints(output_dir_);
+    if (all.empty())
+      throw Error(fmt::format("--resume_from_checkpoint last: no checkpoint-* in {}", output_dir_.string()));
+    dir = all.back().second;
+  }
+  const json position = read_json(dir / "memtune_state.json");
+  const json state = read_json(dir / "trainer_state.json");
+  if (model_->options().lora.enabled()) {
+    model_->load_adapter(dir.string());
+  } else {
+    model_->load(CheckpointReader(dir.string()));
+  }
+  const std::string opt_path = (dir / "optimizer.safetensors").string();
+  const SafetensorsFile opt(opt_path);
+  Arena& arena = model_->arena();
+  arena.enter_phase(Phase::Optimizer);
+  model_->load_masters();
+  auto restore = [&](const std::string& name, float* dst, const ParamSpec& s) {
+    const TensorInfo* t = opt.find(name);
+    if (!t || t->dtype != DType::F32 || t->shape != s.shape)
+      throw Error(fmt::format("{}: tensor \"{}\" missing or not F32 {}", opt_path, name, shape_string(s.shape)));
+    const auto bytes = opt.data(*t);
+    std::memcpy(dst, bytes.data(), bytes.size());
+  };
+  for (size_t i = 0; i < model_->num_trainable(); ++i) {
+    const ParamSpec& s = model_->trainable_spec(i);
+    restore("exp_avg." + s.name, model_->adam_m(i), s);
+    restore("exp_avg_sq." + s.name, model_->adam_v(i), s);
+    if (model_->trainable_is_master(i)) restore("master." + s.name, model_->trainable_value(i), s);
+  }
+  arena.enter_phase(Phase::Forward);
+  progress_.global_step = position.at("global_step").get<int64_t>();
+  progress_.epoch = position.at("epoch").get<int64_t>();
+  progress_.batches_in_epoch = position.at("batches_in_epoch").get<int64_t>();
+  progress_.num_input_tokens_seen = position.at("num_input_tokens_seen").get<int64_t>();
+  progress_.log_history = state.value("log_history", json::array());
+  trainer_->restore_global_step(progress_.global_step);
+  out_ << fmt::format("resumed from {} at step {}\n", dir.string(), progress_.global_step);
+}
+
+void TrainingRun::log(json record) {
+  record["step"] = progress_.global_step;
+  log_file_ << record.dump() << "\n";
+  log_file_.flush();
+  progress_.log_history.push_back(record);
+  out_ << record.dump() << "\n";
+}
+
+void TrainingRun::train_loop() {
+  using Clock = std::chrono::steady_clock;
+  const int64_t ga = args_.gradient_accumulation_steps;
+  std::vector<MicroBatch> micro(static_cast<size_t>(ga));
+  std::vector<TokenBatch> views;
+  double window_loss = 0, window_grad_norm = 0;
+  int64_t window_items = 0, window_steps = 0, window_tokens = 0;
+  auto window_start = Clock::now();
+  const auto run_start = Clock::now();
+  batcher_->start_epoch(progress_.epoch);
+  for (int64_t skip = 0; skip < progress_.batches_in_epoch; ++skip) batcher_->next(micro[0]);
+
+  while (progress_.global_step < total_steps_) {
+    views.clear();
+    int64_t tokens = 0;
+    for (int64_t k = 0; k < ga; ++k) {
+      if (!batcher_->next(micro[static_cast<size_t>(k)])) break;
+      ++progress_.batches_in_epoch;
+      const MicroBatch& mb = micro[static_cast<size_t>(k)];
+      if (mb.input_ids.empty()) continue;
+      views.push_back({mb.input_ids, mb.labels, mb.cu_seqlens});
+      tokens += static_cast<int64_t>(mb.input_ids.size());
+    }
+    if (views.empty()) {  // the epoch is over
+      ++progress_.epoch;
+      progress_.batches_in_epoch = 0;
+      batcher_->start_epoch(progress_.epoch);
+      if (args_.save_strategy == "epoch" && progress_.global_step > 0) save_checkpoint();
+      continue;
+    }
+    // LoRA dropout masks: a function of the seed and the step, so a resumed run draws the same.
+    model_->set_dropout_seed(args_.seed * 0x100000001b3ull + static_cast<uint64_t>(progress_.global_step));
+    const StepResult r = trainer_->step(views);
+    if (!r.updated) continue;
+    ++progress_.global_step;
+    progress_.num_input_tokens_seen += tokens;
+    window_loss += r.loss_sum;
+    window_items += r.num_items;
+    window_grad_norm += r.grad_norm;
+    window_tokens += tokens;
+    ++window_steps;
+    const bool last = progress_.global_step == total_steps_;
+    if (progress_.global_step % args_.logging_steps == 0 || last) {
+      const double seconds = std::chrono::duration<double>(Clock::now() - window_start).count();
+      log({{"loss", window_loss / static_cast<double>(window_items)},
+           {"grad_norm", window_grad_norm / static_cast<double>(window_steps)},
+           {"learning_rate", r.learning_rate},
+           {"epoch", static_cast<double>(progress_.global_step) / static_cast<double>(steps_per_epoch_)},
+           {"num_input_tokens_seen", progress_.num_input_tokens_seen},
+           {"tokens_per_second", static_cast<double>(window_tokens) / std::max(seconds, 1e-9)},
+           {"memory_planned_bytes", model_->plan().peak_bytes()},
+           {"memory_peak_bytes", model_->arena().high_water_bytes()},
+           {"elapsed_seconds", std::chrono::duration<double>(Clock::now() - run_start).count()}});
+      window_loss = window_grad_norm = 0;
+      window_items = window_steps = window_tokens = 0;
+      window_start = Clock::now();
+    }
+    if (args_.save_strategy == "steps" && progress_.global_step % args_.save_steps == 0) save_checkpoint();
+  }
+}
+
+void TrainingRun::save_final() {
+  write_model_files(output_dir_);
+  write_file_atomically((output_dir_ / "trainer_state.json").string(), trainer_state().dump(2) + "\n");
+  const json memory = memory_report();
+  write_file_atomically((output_dir_ / "memory.json").string(), memory.dump(2) + "\n");
+  out_ << fmt::format("done: {} steps; planned peak {}, measured peak {}; wrote {}\n", progress_.global_step,
+                      format_bytes(memory["planned_peak_bytes"].get<size_t>()),
+                      format_bytes(memory["measured_peak_bytes"].get<size_t>()), output_dir_.string());
+}
+
+}  // namespace
+
+void run_training(const TrainingArguments& args, std::ostream& out) {
+  TrainingRun(args, out).run();
+}
+
+}  // namespace memtune

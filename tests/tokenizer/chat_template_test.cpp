@@ -1,0 +1,157 @@
+// Chat templates: recognition of the tokenizer's Jinja text, rendering per template with the
+// trainable parts marked, conversation validation, and Qwen2.5's exact ids with the real
+// tokenizer (MEMTUNE_TOKENIZER_DIR).
+#include "tokenizer/chat_template.h"
+
+#include <gtest/gtest.h>
+
+#include "data/synthetic_tokenizer.h"
+#include "support/test_util.h"
+#include "tokenizer/tokenizer.h"
+
+namespace memtune {
+namespace {
+
+using testing_support::error_of;
+
+std::string joined(const std::vector<ChatSegment>& segments, bool only_trainable = false) {
+  std::string text;
+  for (const auto& s : segments)
+    if (!only_trainable || s.trainable) text += s.text;
+  return text;
+}
+
+const std::vector<ChatMessage> kOneTurn = {{"user", "Hi"}, {"assistant", "Hello"}};
+const std::string kDefaultSystem =
+    "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n";
+
+TEST(ChatTemplate, ParsesNamesAndListsThemOnError) {
+  EXPECT_EQ(parse_chat_template("qwen2_5"), ChatTemplate::Qwen2_5);
+  EXPECT_EQ(parse_chat_template("chatml"), ChatTemplate::ChatML);
+  EXPECT_EQ(parse_chat_template("plain"), ChatTemplate::Plain);
+  EXPECT_EQ(chat_template_name(ChatTemplate::ChatML), "chatml");
+  const std::string message = error_of([] { parse_chat_template("llama3"); });
+  EXPECT_CONTAINS(message, "llama3");
+  EXPECT_CONTAINS(message, "qwen2_5, chatml or plain");
+}
+
+TEST(ChatTemplate, DetectsQwen2_5AndChatMLAndRefusesTheRest) {
+  EXPECT_EQ(detect_chat_template(testing_support::kQwen2_5LikeTemplate, "t"), ChatTemplate::Qwen2_5);
+  EXPECT_EQ(detect_chat_template(testing_support::kChatMLTemplate, "t"), ChatTemplate::ChatML);
+  // Qwen2's template: ChatML with a different default system message, which plain ChatML would drop.
+  const std::string qwen2 =
+      "{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou are a helpful "
+      "assistant.<|im_end|>\\n' }}{% endif %}{{'<|im_start|>' + message['role']}}";
+  EXPECT_CONTAINS(error_of([&] { detect_chat_template(qwen2, "cfg.json"); }), "default system");
+  const std::string llama3 = "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>' }}";
+  std::string message = error_of([&] { detect_chat_template(llama3, "cfg.json"); });
+  EXPECT_CONTAINS(message, "cfg.json");
+  EXPECT_CONTAINS(message, "--template qwen2_5|chatml|plain");
+  EXPECT_CONTAINS(error_of([&] { detect_chat_template("", "cfg.json"); }), "no chat_template");
+  EXPECT_CONTAINS(error_of([&] { detect_chat_template("{{'<|im_start|>'}}<think>", "cfg.json"); }), "<think>");
+}
+
+TEST(ChatTemplate, ResolvePrefersTheGivenName) {
+  const Tokenizer tokenizer = testing_support::synthetic_tokenizer(testing_support::kChatMLTemplate);
+  EXPECT_EQ(resolve_chat_template("", tokenizer, "t"), ChatTemplate::ChatML);
+  EXPECT_EQ(resolve_chat_template("plain", tokenizer, "t"), ChatTemplate::Plain);
+}
+
+TEST(ChatTemplate, Qwen2_5AddsTheDefaultSystemAndTrainsOnTheReplyWithItsEnd) {
+  const auto segments = render_chat(ChatTemplate::Qwen2_5, kOneTurn, {});
+  EXPECT_EQ(joined(segments),
+            kDefaultSystem + "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n");
+  EXPECT_EQ(joined(segments, true), "Hello<|im_end|>");
+
+  RenderOptions generation;
+  generation.add_generation_prompt = true;
+  const std::vector<ChatMessage> prompt = {{"user", "Hi"}};
+  EXPECT_EQ(joined(render_chat(ChatTemplate::Qwen2_5, prompt, generation)),
+            kDefaultSystem + "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+}
+
+TEST(ChatTemplate, AGivenSystemReplacesTheDefault) {
+  const std::vector<ChatMessage> messages = {{"system", "Be brief."}, {"user", "Hi"}, {"assistant", "Yo"}};
+  EXPECT_EQ(joined(render_chat(ChatTemplate::Qwen2_5, messages, {})),
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+            "Yo<|im_end|>\n");
+}
+
+TEST(ChatTemplate, ChatMLHasNoDefaultSystem) {
+  const auto segments = render_chat(ChatTemplate::ChatML, kOneTurn, {});
+  EXPECT_EQ(joined(segments), "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n");
+  EXPECT_EQ(joined(segments, true), "Hello<|im_end|>");
+}
+
+TEST(ChatTemplate, PerTurnLossAndTrainOnPrompt) {
+  std::vector<ChatMessage> messages = {{"user", "a"}, {"assistant", "b"}, {"user", "c"}, {"assistant", "d"}};
+  messages[1].loss = false;
+  EXPECT_EQ(joined(render_chat(ChatTemplate::ChatML, messages, {}), true), "d<|im_end|>");
+  RenderOptions all;
+  all.train_on_prompt = true;
+  const auto segments = render_chat(ChatTemplate::ChatML, messages, all);
+  EXPECT_EQ(joined(segments, true), joined(segments));
+}
+
+TEST(ChatTemplate, PlainIsTheContentsWithEosAfterEachReply) {
+  RenderOptions options;
+  options.eos_token = "<|endoftext|>";
+  const std::vector<ChatMessage> messages = {{"system", "S:"}, {"user", "Q:"}, {"assistant", "A"}};
+  const auto segments = render_chat(ChatTemplate::Plain, messages, options);
+  EXPECT_EQ(joined(segments), "S:Q:A<|endoftext|>");
+  EXPECT_EQ(joined(segments, true), "A<|endoftext|>");
+  options.add_generation_prompt = true;
+  EXPECT_EQ(joined(render_chat(ChatTemplate::Plain, std::span(messages).first(2), options)), "S:Q:");
+}
+
+TEST(ChatTemplate, ValidationNamesTheProblem) {
+  auto problem = [](std::vector<ChatMessage> messages, bool final_assistant = true) {
+    return error_of([&] { validate_conversation(messages, final_assistant); });
+  };
+  EXPECT_CONTAINS(problem({}), "empty conversation");
+  EXPECT_CONTAINS(problem({{"system", "s"}}), "only a system message");
+  EXPECT_CONTAINS(problem({{"user", "a"}, {"assistant", "b"}, {"assistant", "c"}}),
+                  "expected role \"user\" after \"assistant\"");
+  EXPECT_CONTAINS(problem({{"user", "a"}, {"user", "b"}}), "expected role \"assistant\" after \"user\"");
+  EXPECT_CONTAINS(problem({{"assistant", "a"}}), "start with a user message");
+  EXPECT_CONTAINS(problem({{"user", "a"}}), "end with an assistant reply");
+  EXPECT_CONTAINS(problem({{"user", "a"}, {"tool", "b"}}), "role \"tool\" is not supported");
+  EXPECT_CONTAINS(problem({{"user", "a"}, {"robot", "b"}}), "unknown role \"robot\"");
+  EXPECT_CONTAINS(problem({{"user", "a"}, {"assistant", "b"}, {"system", "c"}}), "expected role \"user\"");
+  validate_conversation(std::vector<ChatMessage>{{"system", "s"}, {"user", "a"}}, false);
+}
+
+TEST(ChatTemplate, EncodeSegmentsMasksUntrainableTokens) {
+  const Tokenizer tokenizer = testing_support::synthetic_tokenizer();
+  std::vector<int32_t> ids, labels;
+  encode_segments(tokenizer, render_chat(ChatTemplate::ChatML, kOneTurn, {}), ids, labels);
+  ASSERT_EQ(ids.size(), labels.size());
+  std::vector<int32_t> trained;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (labels[i] == kIgnoreLabel) continue;
+    EXPECT_EQ(labels[i], ids[i]);
+    trained.push_back(ids[i]);
+  }
+  EXPECT_EQ(tokenizer.decode(trained), "Hello<|im_end|>");
+  EXPECT_EQ(tokenizer.decode(ids), "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n");
+  EXPECT_EQ(ids.back(), tokenizer.token_to_id("\xC4\x8A"));  // "\n" after <|im_end|>, untrained
+  EXPECT_EQ(labels.back(), kIgnoreLabel);
+}
+
+// The ids Hugging Face's apply_chat_template gives for Qwen2.5-Instruct.
+TEST(ChatTemplate, Qwen2_5IdsMatchTheRealTokenizer) {
+  const auto dir = testing_support::real_tokenizer_dir();
+  if (!dir) GTEST_SKIP() << "set MEMTUNE_TOKENIZER_DIR to a Qwen2.5 tokenizer directory";
+  const Tokenizer tokenizer = Tokenizer::load(*dir);
+  RenderOptions options;
+  options.add_generation_prompt = true;
+  std::vector<int32_t> ids, labels;
+  encode_segments(tokenizer, render_chat(ChatTemplate::Qwen2_5, std::vector<ChatMessage>{{"user", "Hi"}}, options), ids,
+                  labels);
+  EXPECT_EQ(ids, (std::vector<int32_t>{151644, 8948,   198, 2610, 525,   1207,   16948, 11,     3465,  553,
+                                       54364,  14817,  13,  1446, 525,   264,    10950, 17847,  13,    151645,
+                                       198,    151644, 872, 198,  13048, 151645, 198,   151644, 77091, 198}));
+}
+
+}  // namespace
+}  // namespace memtune

@@ -1,0 +1,155 @@
+// `memtune train` as a user runs it: outputs in Hugging Face's formats, log records, the memory
+// report, bit-identical resume, checkpoint rotation, config files and argument errors.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "data/synthetic_tokenizer.h"
+#include "io/safetensors.h"
+#include "support/test_util.h"
+
+namespace memtune {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+struct Result {
+  int status;
+  std::string output;
+};
+
+Result run(const std::string& args) {
+  const std::string cmd = std::string(MEMTUNE_BINARY) + " " + args + " 2>&1";
+  FILE* pipe = popen(cmd.c_str(), "r");
+  std::string out;
+  std::array<char, 4096> buf{};
+  while (size_t n = fread(buf.data(), 1, buf.size(), pipe)) out.append(buf.data(), n);
+  const int status = pclose(pipe);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+std::vector<json> read_jsonl(const fs::path& path) {
+  std::vector<json> out;
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) out.push_back(json::parse(line));
+  return out;
+}
+
+class TrainCliTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = testing_support::make_temp_dir("train_cli_test");
+    ASSERT_EQ(run("init-model --preset tiny --seed 1 --out " + path("model")).status, 0);
+    testing_support::write_synthetic_tokenizer(dir_ / "model");
+    std::ofstream data(dir_ / "train.jsonl");
+    const char* words[] = {"red", "green", "blue", "cyan", "amber", "teal", "gold", "plum"};
+    for (int i = 0; i < 12; ++i)
+      data << json{{"messages",
+                    {{{"role", "user"}, {"content", std::string("colour ") + std::to_string(i)}},
+                     {{"role", "assistant"}, {"content", words[i % 8]}}}}}
+                  .dump()
+           << "\n";
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+  std::string base_flags(const std::string& out) const {
+    return "train --model_name_or_path " + path("model") + " --train_file " + path("train.jsonl") + " --output_dir " +
+           path(out) + " --per_device_train_batch_size 4 --logging_steps 1 --lr_scheduler_type constant";
+  }
+  fs::path dir_;
+};
+
+TEST_F(TrainCliTest, FullFineTuningWritesHuggingFaceOutputsLogsAndMemoryReport) {
+  const Result r = run(base_flags("full") + " --tuner_type full --max_steps 4 --save_steps 2 --learning_rate 3e-3");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const fs::path out = dir_ / "full";
+  for (const char* f : {"config.json", "model.safetensors", "tokenizer.json", "trainer_state.json", "memory.json",
+                        "log.jsonl", "checkpoint-2/optimizer.safetensors", "checkpoint-4/trainer_state.json"})
+    EXPECT_TRUE(fs::exists(out / f)) << f;
+  const auto logs = read_jsonl(out / "log.jsonl");
+  ASSERT_EQ(logs.size(), 4u);
+  for (const char* key : {"loss", "grad_norm", "learning_rate", "epoch", "num_input_tokens_seen", "tokens_per_second",
+                          "memory_peak_bytes", "memory_planned_bytes", "step"})
+    EXPECT_TRUE(logs[0].contains(key)) << key;
+  EXPECT_LT(logs[3]["loss"].get<double>(), logs[0]["loss"].get<double>());
+  const json state = json::parse(std::ifstream(out / "trainer_state.json"));
+  EXPECT_EQ(state["global_step"], 4);
+  EXPECT_EQ(state["log_history"].size(), 4u);
+  for (const char* key : {"epoch", "max_steps", "logging_steps", "save_steps", "train_batch_size", "num_train_epochs",
+                          "num_input_tokens_seen", "best_metric", "best_global_step", "best_model_checkpoint"})
+    EXPECT_TRUE(state.contains(key)) << key;
+  const json memory = json::parse(std::ifstream(out / "memory.json"));
+  EXPECT_EQ(memory["planned_peak_bytes"], memory["measured_peak_bytes"]);
+  EXPECT_GT(memory["categories"]["optimizer_state"].get<size_t>(), 0u);
+}
+
+TEST_F(TrainCliTest, LoraWritesAPeftAdapter) {
+  const Result r = run(base_flags("lora") + " --max_steps 2 --lora_rank 4 --target_modules q_proj,v_proj --bf16");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const json cfg = json::parse(std::ifstream(dir_ / "lora/adapter_config.json"));
+  EXPECT_EQ(cfg["r"], 4);
+  EXPECT_EQ(cfg["target_modules"], json({"q_proj", "v_proj"}));
+  SafetensorsFile f(path("lora/adapter_model.safetensors"));
+  EXPECT_EQ(f.tensors().size(), 2u * 2 * 2);
+  EXPECT_NE(f.find("base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"), nullptr);
+  EXPECT_FALSE(fs::exists(dir_ / "lora/model.safetensors"));
+}
+
+TEST_F(TrainCliTest, ResumeContinuesBitIdentically) {
+  // Uninterrupted: 6 steps. Interrupted: 3 steps (checkpoint-3), then resume to 6.
+  const std::string flags = " --tuner_type lora --lora_dropout 0.1 --save_steps 3 --learning_rate 2e-3";
+  ASSERT_EQ(run(base_flags("a") + flags + " --max_steps 6").status, 0);
+  ASSERT_EQ(run(base_flags("b") + flags + " --max_steps 3").status, 0);
+  const Result r = run(base_flags("b") + flags + " --max_steps 6 --resume_from_checkpoint last");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("resumed from"), std::string::npos);
+  const auto a = read_jsonl(dir_ / "a/log.jsonl"), b = read_jsonl(dir_ / "b/log.jsonl");
+  ASSERT_EQ(a.size(), 6u);
+  ASSERT_EQ(b.size(), 6u);
+  for (size_t i = 3; i < 6; ++i) {
+    EXPECT_EQ(a[i]["step"], b[i]["step"]);
+    EXPECT_EQ(a[i]["loss"].dump(), b[i]["loss"].dump()) << "step " << a[i]["step"];
+    EXPECT_EQ(a[i]["grad_norm"].dump(), b[i]["grad_norm"].dump());
+  }
+}
+
+TEST_F(TrainCliTest, SaveTotalLimitKeepsTheNewest) {
+  ASSERT_EQ(run(base_flags("rot") + " --max_steps 5 --save_steps 1 --save_total_limit 2").status, 0);
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir_ / "rot"))
+    if (e.path().filename().string().find("checkpoint") != std::string::npos) names.push_back(e.path().filename());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"checkpoint-4", "checkpoint-5"}));
+}
+
+TEST_F(TrainCliTest, ConfigFileAndArgumentErrors) {
+  std::ofstream(dir_ / "run.json") << json{{"max_steps", 1}, {"lora_rank", 2}, {"learning_rate", 1e-3}}.dump();
+  Result r = run(base_flags("cfg") + " --config " + path("run.json") + " --lora_rank 3");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(json::parse(std::ifstream(dir_ / "cfg/adapter_config.json"))["r"], 3) << "the flag overrides the file";
+  std::ofstream(dir_ / "bad.yaml") << "max_steps: 1\nlearning_rat: 0.1\n";
+  r = run(base_flags("bad") + " --config " + path("bad.yaml"));
+  EXPECT_NE(r.status, 0);
+  EXPECT_CONTAINS(r.output, "learning_rat");
+  r = run(base_flags("bad") + " --max_steps 1 --bf16 --fp16");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_CONTAINS(r.output, "--bf16 and --fp16");
+  r = run(base_flags("bad") + " --max_steps 1 --target_modules qkv");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_CONTAINS(r.output, "qkv");
+  std::ofstream(dir_ / "empty.jsonl") << json{{"text", ""}}.dump() << "\n";
+  r = run("train --model_name_or_path " + path("model") + " --train_file " + path("empty.jsonl") + " --output_dir " +
+          path("bad") + " --max_steps 1");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_CONTAINS(r.output, "empty.jsonl");
+}
+
+}  // namespace
+}  // namespace memtune
