@@ -12,6 +12,7 @@ using Action = std::function<void()>;
 
 Action add_init_model(CLI::App& app);
 Action add_dump(CLI::App& app);
+Action add_merge(CLI::App& app);
 Action add_train(CLI::App& app);
 Action add_tokenize(CLI::App& app);
 Action add_data_stats(CLI::App& app);

@@ -19,6 +19,7 @@ int main(int argc, char** argv) {
   add("init-model", "write a randomly initialized Qwen2 checkpoint (config.json + safetensors)",
       memtune::cli::add_init_model);
   add("dump", "debugging: logits, loss and every parameter gradient for a small batch", memtune::cli::add_dump);
+  add("merge", "merge a LoRA adapter into its base model and write a Hugging Face checkpoint", memtune::cli::add_merge);
   add("train", "fine-tune (LoRA or full) on a JSONL dataset with Hugging Face's arguments", memtune::cli::add_train);
   add("tokenize", "encode JSONL text (or chat messages) to token ids, or decode ids", memtune::cli::add_tokenize);
   // `data` groups dataset tools; its sub-subcommands are dispatched like the others.

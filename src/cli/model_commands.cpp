@@ -6,6 +6,7 @@
 #include <iostream>
 #include <memory>
 
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
@@ -155,6 +156,38 @@ Action add_dump(CLI::App& app) {
                              model.loss_chunk_rows());
     std::cout << model.plan().summary();
     std::cout << "wrote " << args->out << "\n";
+  };
+}
+
+Action add_merge(CLI::App& app) {
+  struct Args {
+    std::string model, adapter, out;
+  };
+  auto args = std::make_shared<Args>();
+  app.add_option("--model", args->model, "base model directory")->required();
+  app.add_option("--adapter", args->adapter, "PEFT LoRA adapter directory")->required();
+  app.add_option("--out", args->out, "where the merged checkpoint goes")->required();
+  return [args] {
+    const Qwen2Config cfg = load_qwen2_config((std::filesystem::path(args->model) / "config.json").string());
+    const std::string adapter_config = (std::filesystem::path(args->adapter) / "adapter_config.json").string();
+    ModelOptions options;
+    options.max_tokens = 1;
+    options.with_grads = false;
+    options.loss_workspace_bytes = 0;
+    options.lora = parse_lora_adapter_config(read_json_file(adapter_config), adapter_config);
+    Qwen2Model model(cfg, options);
+    model.load(CheckpointReader(args->model));
+    model.load_adapter(args->adapter);
+    model.merge_lora();  // W += scaling * B A, rounded to the base's storage dtype
+    model.save(args->out);
+    for (const char* name : {"tokenizer.json", "tokenizer_config.json"}) {
+      const auto from = std::filesystem::path(args->model) / name;
+      if (std::filesystem::exists(from))
+        std::filesystem::copy_file(from, std::filesystem::path(args->out) / name,
+                                   std::filesystem::copy_options::overwrite_existing);
+    }
+    std::cout << fmt::format("merged {} (r={}, {}) into {}: wrote {}\n", args->adapter, options.lora.rank,
+                             fmt::join(options.lora.target_names(), ","), args->model, args->out);
   };
 }
 

@@ -45,7 +45,9 @@ LengthStats compute_length_stats(const Dataset& dataset, int64_t max_length, int
   s.suggested_max_length = (s.p99 + kSuggestedMultiple - 1) / kSuggestedMultiple * kSuggestedMultiple;
 
   const int64_t width = (s.max - s.min + bins) / bins;  // ceil((max - min + 1) / bins)
-  for (int b = 0; b < bins; ++b) s.histogram.push_back({s.min + b * width, s.min + (b + 1) * width, 0});
+  // Only as many bins as it takes to reach max (narrow ranges need fewer than `bins`).
+  const int64_t used = (s.max - s.min) / width + 1;
+  for (int64_t b = 0; b < used; ++b) s.histogram.push_back({s.min + b * width, s.min + (b + 1) * width, 0});
   for (int64_t length : lengths) ++s.histogram[static_cast<size_t>((length - s.min) / width)].count;
   return s;
 }

@@ -4,6 +4,7 @@
 
 #include <array>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -100,6 +101,25 @@ TEST_F(TrainCliTest, LoraWritesAPeftAdapter) {
   EXPECT_EQ(f.tensors().size(), 2u * 2 * 2);
   EXPECT_NE(f.find("base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"), nullptr);
   EXPECT_FALSE(fs::exists(dir_ / "lora/model.safetensors"));
+
+  // The merged checkpoint computes what base + adapter compute.
+  ASSERT_EQ(run("merge --model " + path("model") + " --adapter " + path("lora") + " --out " + path("merged")).status,
+            0);
+  std::ofstream(dir_ / "in.json") << R"({"input_ids": [[5, 17, 200, 3, 99, 42]]})";
+  ASSERT_EQ(run("dump --model " + path("model") + " --adapter " + path("lora") + " --input " + path("in.json") +
+                " --out " + path("a.safetensors"))
+                .status,
+            0);
+  ASSERT_EQ(
+      run("dump --model " + path("merged") + " --input " + path("in.json") + " --out " + path("m.safetensors")).status,
+      0);
+  auto loss_of = [&](const std::string& file) {
+    SafetensorsFile d(path(file));
+    float v;
+    std::memcpy(&v, d.data(*d.find("loss")).data(), 4);
+    return v;
+  };
+  EXPECT_NEAR(loss_of("m.safetensors"), loss_of("a.safetensors"), 1e-5);
 }
 
 TEST_F(TrainCliTest, ResumeContinuesBitIdentically) {
