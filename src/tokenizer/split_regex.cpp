@@ -23,24 +23,30 @@ std::string pcre2_message(int code) {
 // are read, so a small ovector suffices for any pattern) and a JIT stack larger than PCRE2's
 // default so that long pieces do not exhaust it.
 struct MatchState {
-  pcre2_match_data* data = nullptr;
-  pcre2_jit_stack* jit_stack = nullptr;
-  pcre2_match_context* context = nullptr;
+  pcre2_match_data* data;
+  pcre2_jit_stack* jit_stack;
+  pcre2_match_context* context;
 
-  MatchState() {
-    data = pcre2_match_data_create(4, nullptr);
-    jit_stack = pcre2_jit_stack_create(32 * 1024, 16 * 1024 * 1024, nullptr);
-    context = pcre2_match_context_create(nullptr);
-    if (!data || !jit_stack || !context) throw Error("out of memory creating regex match state");
+  MatchState()
+      : data(pcre2_match_data_create(4, nullptr)),
+        jit_stack(pcre2_jit_stack_create(32 * 1024, 16 * 1024 * 1024, nullptr)),
+        context(pcre2_match_context_create(nullptr)) {
+    if (!data || !jit_stack || !context) {
+      release();
+      throw Error("out of memory creating regex match state");
+    }
     pcre2_jit_stack_assign(context, nullptr, jit_stack);
   }
-  ~MatchState() {
+  ~MatchState() { release(); }
+  MatchState(const MatchState&) = delete;
+  MatchState& operator=(const MatchState&) = delete;
+
+  // The PCRE2 free functions accept null.
+  void release() {
     pcre2_match_context_free(context);
     pcre2_jit_stack_free(jit_stack);
     pcre2_match_data_free(data);
   }
-  MatchState(const MatchState&) = delete;
-  MatchState& operator=(const MatchState&) = delete;
 };
 
 MatchState& match_state() {
