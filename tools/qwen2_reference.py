@@ -14,6 +14,9 @@ Run it with Debian's /usr/bin/python3 (torch + numpy); it has no other dependenc
 
     qwen2_reference.py dump  --model DIR --input IN.json --out OUT.safetensors [--adapter ADIR]
     qwen2_reference.py bench --model DIR --batch B --seq T --steps N [--threads K]
+    qwen2_reference.py train-bench --model DIR --batch B --seq T --steps N [--threads K]
+                                   [--tuner full|lora] [--lora_rank R] [--lora_alpha A]
+                                   [--target_modules all-linear|NAME...] [--lr LR]
 """
 
 import argparse
@@ -499,6 +502,79 @@ def bench(model_dir, batch, seq, steps, threads):
     }))
 
 
+def hf_causal_lm_loss(logits, labels):
+    """transformers' ForCausalLMLoss as the Trainer calls it: labels padded by one IGNORE_INDEX
+    and shifted left (no copy of the logits), the logits flattened as a view, a summed
+    cross-entropy divided by num_items_in_batch (the target tokens of the batch)."""
+    vocab = logits.shape[-1]
+    shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].contiguous()
+    num_items_in_batch = (shift_labels != IGNORE_INDEX).sum()
+    loss = F.cross_entropy(logits.float().view(-1, vocab), shift_labels.view(-1),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+    return loss / num_items_in_batch
+
+
+def new_lora_adapter(cfg, r, alpha, targets, gen):
+    """A fresh PEFT-style adapter (init_lora_weights=True): lora_A kaiming-uniform with a =
+    sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in)); lora_B zeros; scaling alpha / r."""
+    weights = {}
+    for name, shape in lora_shapes(cfg, targets).items():
+        if name.endswith(".lora_A.weight"):
+            bound = 1.0 / math.sqrt(shape[1])
+            weights[name] = torch.empty(r, shape[1]).uniform_(-bound, bound, generator=gen)
+        else:
+            weights[name] = torch.zeros(shape[0], r)
+        weights[name].requires_grad_(True)
+    return LoraAdapter(r, float(alpha), False, targets, alpha / r, weights)
+
+
+def train_bench(model_dir, batch, seq, steps, threads, tuner, lora_rank, lora_alpha,
+                target_modules, lr):
+    """Eager PyTorch fine-tuning throughput, written the way a Hugging Face Trainer step runs:
+    forward with materialized logits, ForCausalLMLoss, backward, clip_grad_norm_(1.0),
+    AdamW.step, zero_grad(set_to_none=True); `steps` optimizer steps on one batch of random
+    tokens (labels = input_ids), the first a warm-up that is not timed. tuner "full" trains
+    every parameter in float32; "lora" freezes the base and trains fresh PEFT-style adapters."""
+    torch.set_num_threads(threads)
+    cfg, params = load_model(model_dir)
+    gen = torch.Generator().manual_seed(0)
+    lora = None
+    if tuner == "full":
+        trainable = list(params.values())
+    else:
+        for p in params.values():
+            p.requires_grad_(False)
+        lora = new_lora_adapter(cfg, lora_rank, lora_alpha, target_modules, gen)
+        trainable = list(lora.weights.values())
+    optimizer = torch.optim.AdamW(trainable, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    input_ids = torch.randint(cfg.vocab_size, (batch, seq), generator=gen)
+    labels = input_ids.clone()
+
+    def step():
+        logits = forward(cfg, params, input_ids, lora)
+        loss = hf_causal_lm_loss(logits, labels)
+        del logits
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    step()
+    start = time.perf_counter()
+    for _ in range(steps - 1):
+        step()
+    seconds_per_step = (time.perf_counter() - start) / (steps - 1)
+    print(json.dumps({
+        "tokens_per_s": batch * seq / seconds_per_step,
+        "seconds_per_step": seconds_per_step,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "threads": threads,
+        "tuner": tuner,
+        "trainable_parameters": sum(p.numel() for p in trainable),
+    }))
+
+
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -514,16 +590,43 @@ def main(argv):
     p_bench.add_argument("--seq", type=int, required=True)
     p_bench.add_argument("--steps", type=int, required=True)
     p_bench.add_argument("--threads", type=int, default=2)
+    p_train = sub.add_parser("train-bench", help="time eager fine-tuning steps (forward, backward, "
+                             "clip, AdamW), full or LoRA")
+    p_train.add_argument("--model", required=True)
+    p_train.add_argument("--batch", type=int, required=True)
+    p_train.add_argument("--seq", type=int, required=True)
+    p_train.add_argument("--steps", type=int, required=True)
+    p_train.add_argument("--threads", type=int, default=2)
+    p_train.add_argument("--tuner", choices=("full", "lora"), default="lora")
+    p_train.add_argument("--lora_rank", type=int, default=8)
+    p_train.add_argument("--lora_alpha", type=float, default=32.0)
+    p_train.add_argument("--target_modules", nargs="+", default=["all-linear"],
+                         help=f"all-linear, or names among {list(LORA_TARGETS)}")
+    p_train.add_argument("--lr", type=float, default=1e-4)
     args = parser.parse_args(argv)
-    if args.command == "bench" and min(args.batch, args.seq, args.threads) < 1:
-        parser.error("bench: --batch, --seq and --threads must be positive")
-    if args.command == "bench" and args.steps < 2:
-        parser.error("bench: --steps must be >= 2 (the first step is an untimed warm-up)")
+    timed = args.command in ("bench", "train-bench")
+    if timed and min(args.batch, args.seq, args.threads) < 1:
+        parser.error(f"{args.command}: --batch, --seq and --threads must be positive")
+    if timed and args.steps < 2:
+        parser.error(f"{args.command}: --steps must be >= 2 (the first step is an untimed warm-up)")
+    if args.command == "train-bench":
+        if args.lora_rank < 1:
+            parser.error("train-bench: --lora_rank must be positive")
+        targets = args.target_modules
+        if targets == ["all-linear"]:
+            targets = list(LORA_TARGETS)
+        if any(t not in LORA_TARGETS for t in targets) or len(set(targets)) != len(targets):
+            parser.error(f"train-bench: --target_modules must be all-linear or distinct names "
+                         f"among {list(LORA_TARGETS)}")
+        args.target_modules = tuple(t for t in LORA_TARGETS if t in targets)
     try:
         if args.command == "dump":
             dump(args.model, args.input, args.out, adapter_dir=args.adapter)
-        else:
+        elif args.command == "bench":
             bench(args.model, args.batch, args.seq, args.steps, args.threads)
+        else:
+            train_bench(args.model, args.batch, args.seq, args.steps, args.threads, args.tuner,
+                        args.lora_rank, args.lora_alpha, args.target_modules, args.lr)
     except (ValueError, KeyError, OSError) as e:
         sys.exit(f"qwen2_reference: error: {e}")
 

@@ -42,6 +42,9 @@ int main(int argc, char** argv) {
   try {
     for (auto& [sub, action] : commands)
       if (sub->parsed()) action();
+  } catch (const memtune::Interrupted& e) {
+    std::fprintf(stderr, "memtune: %s\n", e.what());
+    return 130;
   } catch (const memtune::Error& e) {
     std::fprintf(stderr, "memtune: error: %s\n", e.what());
     return 1;

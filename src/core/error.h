@@ -15,6 +15,12 @@ class Error : public std::runtime_error {
   explicit Error(const std::string& message) : std::runtime_error(message) {}
 };
 
+// The user interrupted (Ctrl-C) after the work in progress was saved; the CLI exits with 130.
+class Interrupted : public Error {
+ public:
+  using Error::Error;
+};
+
 // An invariant of the engine itself was broken: a bug, not a user error.
 class InternalError : public std::logic_error {
  public:

@@ -242,7 +242,8 @@ Qwen2Model::Linear Qwen2Model::linear(int64_t l, LinearSite s) const {
   const LayerParams& p = layer_params_[l];
   const Qwen2Config& c = config_;
   const int64_t D = c.hidden_size, I = c.intermediate_size, qd = c.q_dim(), kvd = c.kv_dim();
-  const int lora = lora_index_.empty() ? -1 : lora_index_[l][static_cast<size_t>(s)];
+  // While declare_trainables builds lora_index_, later layers have no entry yet.
+  const int lora = static_cast<size_t>(l) < lora_index_.size() ? lora_index_[l][static_cast<size_t>(s)] : -1;
   switch (s) {
     case LinearSite::Q:
       return {p.wq, p.bq, D, qd, lora};

@@ -3,6 +3,10 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <sys/resource.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <csignal>
 
 #include <algorithm>
 #include <chrono>
@@ -29,6 +33,17 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 namespace {
+
+// Ctrl-C asks the loop to stop after the current step; the loop then saves a checkpoint.
+std::atomic<bool> g_interrupted{false};
+extern "C" void on_sigint(int) {
+  g_interrupted = true;
+}
+
+std::string format_duration(double seconds) {
+  const auto s = static_cast<int64_t>(seconds);
+  return s >= 3600 ? fmt::format("{}h{:02}m", s / 3600, s / 60 % 60) : fmt::format("{}m{:02}s", s / 60, s % 60);
+}
 
 size_t peak_rss_bytes() {
   rusage ru{};
@@ -88,8 +103,11 @@ class TrainingRun {
   json trainer_state() const;
   json memory_report() const;
 
+  void show_progress(const StepResult& r, double elapsed);
+
   const TrainingArguments& args_;
   std::ostream& out_;
+  bool terminal_ = false;  // a live progress line on a terminal, plain log lines otherwise
   fs::path output_dir_;
   std::optional<Tokenizer> tokenizer_;
   fs::path tokenizer_dir_;
@@ -100,6 +118,7 @@ class TrainingRun {
   std::unique_ptr<Trainer> trainer_;
   int64_t steps_per_epoch_ = 0, total_steps_ = 0;
   Progress progress_;
+  int64_t first_step_ = 0, first_tokens_ = 0;  // where this process started (after a resume)
   std::ofstream log_file_;
 };
 
@@ -109,13 +128,45 @@ void TrainingRun::run() {
     throw Error("--eval_file: evaluation during training is not available yet (it arrives with streaming evaluation)");
   output_dir_ = args_.output_dir;
   fs::create_directories(output_dir_);
+  // A save interrupted by a crash leaves only a tmp-checkpoint-N behind; it was never complete.
+  for (const auto& e : fs::directory_iterator(output_dir_))
+    if (e.path().filename().string().starts_with("tmp-checkpoint-")) fs::remove_all(e.path());
   load_data();
   build_model();
   if (!args_.resume_from_checkpoint.empty()) resume();
   log_file_.open(output_dir_ / "log.jsonl", std::ios::app);
   if (!log_file_) throw Error(fmt::format("{}: cannot write log.jsonl", output_dir_.string()));
-  train_loop();
+  terminal_ = &out_ == &std::cout && isatty(STDOUT_FILENO);
+  g_interrupted = false;
+  struct sigaction action {
+  }, previous{};
+  action.sa_handler = on_sigint;
+  sigaction(SIGINT, &action, &previous);
+  try {
+    train_loop();
+  } catch (...) {
+    sigaction(SIGINT, &previous, nullptr);
+    throw;
+  }
+  sigaction(SIGINT, &previous, nullptr);
+  if (g_interrupted) {
+    save_checkpoint();
+    throw Interrupted(fmt::format("interrupted at step {}: saved {}; continue with --resume_from_checkpoint last",
+                                  progress_.global_step,
+                                  (output_dir_ / fmt::format("checkpoint-{}", progress_.global_step)).string()));
+  }
   save_final();
+}
+
+void TrainingRun::show_progress(const StepResult& r, double elapsed) {
+  if (!terminal_) return;
+  const double per_step = elapsed / static_cast<double>(std::max<int64_t>(1, progress_.global_step - first_step_));
+  const double eta = per_step * static_cast<double>(total_steps_ - progress_.global_step);
+  out_ << fmt::format("\r\x1b[2Kstep {}/{} | loss {:.4f} | lr {:.2e} | {:.0f} tok/s | ETA {} | memory {}",
+                      progress_.global_step, total_steps_, r.loss(), r.learning_rate,
+                      static_cast<double>(progress_.num_input_tokens_seen - first_tokens_) / std::max(elapsed, 1e-9),
+                      format_duration(eta), format_bytes(model_->plan().peak_bytes()))
+       << std::flush;
 }
 
 void TrainingRun::load_data() {
@@ -273,7 +324,7 @@ void TrainingRun::save_checkpoint() {
     auto all = list_checkpoints(output_dir_);
     for (size_t i = 0; i + static_cast<size_t>(args_.save_total_limit) < all.size(); ++i) fs::remove_all(all[i].second);
   }
-  out_ << fmt::format("saved {}\n", final_dir.string());
+  out_ << (terminal_ ? "\r\x1b[2K" : "") << fmt::format("saved {}\n", final_dir.string());
 }
 
 void TrainingRun::resume() {
@@ -324,7 +375,7 @@ void TrainingRun::log(json record) {
   log_file_ << record.dump() << "\n";
   log_file_.flush();
   progress_.log_history.push_back(record);
-  out_ << record.dump() << "\n";
+  out_ << (terminal_ ? "\r\x1b[2K" : "") << record.dump() << "\n";
 }
 
 void TrainingRun::train_loop() {
@@ -338,8 +389,10 @@ void TrainingRun::train_loop() {
   const auto run_start = Clock::now();
   batcher_->start_epoch(progress_.epoch);
   for (int64_t skip = 0; skip < progress_.batches_in_epoch; ++skip) batcher_->next(micro[0]);
+  first_step_ = progress_.global_step;
+  first_tokens_ = progress_.num_input_tokens_seen;
 
-  while (progress_.global_step < total_steps_) {
+  while (progress_.global_step < total_steps_ && !g_interrupted) {
     views.clear();
     int64_t tokens = 0;
     for (int64_t k = 0; k < ga; ++k) {
@@ -368,6 +421,7 @@ void TrainingRun::train_loop() {
     window_grad_norm += r.grad_norm;
     window_tokens += tokens;
     ++window_steps;
+    show_progress(r, std::chrono::duration<double>(Clock::now() - run_start).count());
     const bool last = progress_.global_step == total_steps_;
     if (progress_.global_step % args_.logging_steps == 0 || last) {
       const double seconds = std::chrono::duration<double>(Clock::now() - window_start).count();
@@ -389,6 +443,7 @@ void TrainingRun::train_loop() {
 }
 
 void TrainingRun::save_final() {
+  if (terminal_) out_ << "\n";
   write_model_files(output_dir_);
   write_file_atomically((output_dir_ / "trainer_state.json").string(), trainer_state().dump(2) + "\n");
   const json memory = memory_report();

@@ -2,6 +2,7 @@
 // report, bit-identical resume, checkpoint rotation, config files and argument errors.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <cstring>
@@ -138,6 +139,60 @@ TEST_F(TrainCliTest, ResumeContinuesBitIdentically) {
     EXPECT_EQ(a[i]["loss"].dump(), b[i]["loss"].dump()) << "step " << a[i]["step"];
     EXPECT_EQ(a[i]["grad_norm"].dump(), b[i]["grad_norm"].dump());
   }
+}
+
+// Runs a shell script with the test's directory as working directory.
+Result shell(const fs::path& dir, const std::string& script) {
+  const std::string cmd = "cd '" + dir.string() + "' && sh -c '" + script + "' 2>&1";
+  FILE* pipe = popen(cmd.c_str(), "r");
+  std::string out;
+  std::array<char, 4096> buf{};
+  while (size_t n = fread(buf.data(), 1, buf.size(), pipe)) out.append(buf.data(), n);
+  const int status = pclose(pipe);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+// The newest checkpoint-N of an output directory (0 if none).
+int64_t newest_checkpoint(const fs::path& dir) {
+  int64_t newest = 0;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (const std::string name = e.path().filename().string(); name.starts_with("checkpoint-"))
+      newest = std::max<int64_t>(newest, std::stoll(name.substr(11)));
+  return newest;
+}
+
+// The schedule is constant in these tests, so a resumed run may stop earlier than planned.
+TEST_F(TrainCliTest, CtrlCSavesACheckpointAndResumes) {
+  const std::string train =
+      std::string(MEMTUNE_BINARY) + " " + base_flags("int") + " --max_steps 100000 --save_steps 100000";
+  const Result r = shell(dir_, train +
+                                   " > int.out 2>&1 & pid=$!; while [ ! -s int/log.jsonl ]; do sleep 0.02; done; "
+                                   "kill -INT $pid; wait $pid; echo rc=$?");
+  EXPECT_CONTAINS(r.output, "rc=130");
+  const int64_t saved = newest_checkpoint(dir_ / "int");
+  ASSERT_GT(saved, 0) << "Ctrl-C must leave a checkpoint";
+  const Result resumed = run(base_flags("int") + " --max_steps " + std::to_string(saved + 2) +
+                             " --save_steps 100000 --resume_from_checkpoint last");
+  ASSERT_EQ(resumed.status, 0) << resumed.output;
+  EXPECT_EQ(json::parse(std::ifstream(dir_ / "int/trainer_state.json"))["global_step"], saved + 2);
+}
+
+TEST_F(TrainCliTest, KillDuringSavesLeavesLoadableCheckpoints) {
+  const std::string flags = " --save_steps 1 --save_total_limit 3";
+  const std::string train = std::string(MEMTUNE_BINARY) + " " + base_flags("kill") + flags + " --max_steps 100000";
+  shell(dir_, train +
+                  " > kill.out 2>&1 & pid=$!; while [ ! -d kill/checkpoint-3 ]; do sleep 0.01; done; kill -9 $pid; "
+                  "wait $pid");
+  for (const auto& e : fs::directory_iterator(dir_ / "kill"))
+    if (e.path().filename().string().starts_with("checkpoint-")) {
+      EXPECT_TRUE(fs::exists(e.path() / "trainer_state.json")) << e.path();
+      EXPECT_TRUE(fs::exists(e.path() / "optimizer.safetensors")) << e.path();
+    }
+  const int64_t saved = newest_checkpoint(dir_ / "kill");
+  const Result resumed =
+      run(base_flags("kill") + flags + " --max_steps " + std::to_string(saved + 2) + " --resume_from_checkpoint last");
+  ASSERT_EQ(resumed.status, 0) << resumed.output;
+  EXPECT_EQ(json::parse(std::ifstream(dir_ / "kill/trainer_state.json"))["global_step"], saved + 2);
 }
 
 TEST_F(TrainCliTest, SaveTotalLimitKeepsTheNewest) {

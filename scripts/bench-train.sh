@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# Benchmark of whole fine-tuning steps (forward, loss, backward, gradient clipping, AdamW) through
+# `memtune train`, full and LoRA, on the ~30M-parameter Qwen2-shaped model of scripts/bench.sh
+# (real Qwen2.5 vocabulary 151936), batch 4 x up to 512 tokens of a fixed text dataset, against
+# the eager PyTorch reference trained the way a Hugging Face Trainer step runs
+# (tools/qwen2_reference.py train-bench, batch 4 x 512 random tokens), in one run.
+# memtune's tokens/s is the mean of log.jsonl's tokens_per_second after the first step (all tokens
+# of a step: 4 examples of 501-510 tokens); its peak is memory.json's process_peak_rss_bytes.
+# Usage: scripts/bench-train.sh [steps=4]   (steps 1 is a smoke test: nothing excluded as warm-up)
+# MEMTUNE_BENCH_BIN=PATH uses that memtune binary instead of building build/.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+steps="${1:-4}"
+if ! [[ "$steps" =~ ^[1-9][0-9]*$ ]]; then
+  echo "bench-train: steps must be a positive integer, got '$steps'" >&2
+  exit 1
+fi
+memtune="${MEMTUNE_BENCH_BIN:-}"
+if [[ -z "$memtune" ]]; then
+  "$root/scripts/install-deps.sh"
+  "$root/scripts/build.sh" "$root/build" > /dev/null
+  memtune="$root/build/memtune"
+fi
+tokenizer="$("$root/scripts/prepare-tokenizer.sh" | tail -n 1)"
+model="$root/out/bench/qwen2-30m"
+if [[ ! -f "$model/model.safetensors" ]]; then
+  "$memtune" init-model --preset tiny --out "$model" --seed 1 \
+    --set vocab_size=151936 --set hidden_size=192 --set intermediate_size=512 \
+    --set num_hidden_layers=4 --set num_attention_heads=3 --set num_key_value_heads=1
+fi
+
+# 64 examples of 500-509 random common English words, each one token with its leading space;
+# memtune's text format appends the eos token: 501-510 tokens, so max_length 512 deletes none.
+data="$root/out/bench/train-text.jsonl"
+if [[ ! -f "$data" ]]; then
+  /usr/bin/python3 - "$data.tmp" <<'EOF'
+import json, random, sys
+words = """the of and to in is it that was for on are as with his they at be this from have or by
+one had not but what all were when we there can an your which their said if do will each about how
+up out them then she many some so these would other into has more her two like him see time could
+no make than first been its who now people my made over did down only way find use may water long
+little very after words called just where most know get through back much go good new write our me
+man too any day same right look think also around another came come work three word must because
+does part even place well such here take why things help put years different away again off went
+old number great tell men say small every found still between name should home big give air line
+set own under read last never us left end along while might next sound below saw something thought
+both few those always looked show large often together asked house world going want school
+important until form food keep children feet land side without boy once animals life enough took
+sometimes four head above kind began almost live page got earth need far hand high year mother
+light parts country father let night following picture being study second eyes soon times story
+boys since white days ever paper hard near sentence better best across during today others however
+sure means knew try told young miles sun ways thing whole hear example heard several change answer
+room sea against top turned learn point city play toward five using himself usually money seen car
+morning river""".split()
+rng = random.Random(0)
+with open(sys.argv[1], "w") as f:
+    for _ in range(64):
+        text = " ".join(rng.choice(words) for _ in range(rng.randint(500, 509)))
+        f.write(json.dumps({"text": text}) + "\n")
+EOF
+  mv "$data.tmp" "$data"
+fi
+stats="$("$memtune" data stats --tokenizer "$tokenizer" --file "$data" --json)"
+/usr/bin/python3 - "$stats" <<'EOF'
+import json, sys
+s = json.loads(sys.argv[1])
+n = s["length"]
+if not (480 <= n["p50"] <= 511 and n["max"] <= 511):
+    sys.exit(f"bench-train: dataset lengths off: p50 {n['p50']}, max {n['max']} "
+             f"(want p50 in [480, 511], max <= 511)")
+print(f"dataset: {s['examples']} examples (format {s['format']}) of {n['min']}-{n['max']} tokens, p50 {n['p50']}")
+EOF
+
+threads="$(nproc)"
+results=()
+for tuner in full lora; do
+  out="$root/out/bench/train-$tuner"
+  rm -rf "$out"
+  echo "== memtune train --tuner_type $tuner ($threads threads)"
+  OMP_NUM_THREADS=$threads "$memtune" train --model_name_or_path "$model" --tokenizer "$tokenizer" \
+    --train_file "$data" --output_dir "$out" --tuner_type "$tuner" --per_device_train_batch_size 4 \
+    --max_length 512 --max_steps "$steps" --logging_steps 1 --save_strategy no --learning_rate 1e-4 \
+    --lr_scheduler_type constant --lora_rank 8 --lora_alpha 32 --target_modules all-linear \
+    --lora_dropout 0 >&2
+  mt="$(/usr/bin/python3 - "$out" <<'EOF'
+import json, os, sys
+out = sys.argv[1]
+with open(os.path.join(out, "log.jsonl")) as f:
+    records = [json.loads(line) for line in f if line.strip()]
+steps = [r for r in records if "tokens_per_second" in r]
+if not steps:
+    sys.exit(f"bench-train: {out}/log.jsonl has no records with tokens_per_second")
+# The first step is a warm-up; with a single step (a smoke test) it is all there is.
+timed = steps[1:] or steps
+with open(os.path.join(out, "memory.json")) as f:
+    memory = json.load(f)
+print(json.dumps({"tokens_per_s": sum(r["tokens_per_second"] for r in timed) / len(timed),
+                  "timed_steps": len(timed), "peak_rss_bytes": memory["process_peak_rss_bytes"]}))
+EOF
+)"
+  echo "$mt"
+  echo "== PyTorch eager reference, $tuner ($threads threads)"
+  pt="$(/usr/bin/python3 "$root/tools/qwen2_reference.py" train-bench --model "$model" --batch 4 --seq 512 \
+    --steps "$((steps + 1))" --threads "$threads" --tuner "$tuner" --lora_rank 8 --lora_alpha 32 \
+    --target_modules all-linear --lr 1e-4 | tail -n 1)"
+  echo "$pt"
+  results+=("$tuner" "$mt" "$pt")
+done
+
+/usr/bin/python3 - "${results[@]}" <<'EOF'
+import json, sys
+rows = sys.argv[1:]
+mib = lambda b: f"{b / 2**20:.0f} MiB"
+print(f"\n{'tuner':<6} {'memtune tok/s':>14} {'PyTorch tok/s':>14} {'speed':>7} "
+      f"{'memtune RSS':>12} {'PyTorch RSS':>12} {'memory':>7}")
+for i in range(0, len(rows), 3):
+    tuner, mt, pt = rows[i], json.loads(rows[i + 1]), json.loads(rows[i + 2])
+    speed = mt["tokens_per_s"] / pt["tokens_per_s"]
+    mem = mt["peak_rss_bytes"] / pt["peak_rss_bytes"]
+    print(f"{tuner:<6} {mt['tokens_per_s']:>14.0f} {pt['tokens_per_s']:>14.0f} {speed:>6.2f}x "
+          f"{mib(mt['peak_rss_bytes']):>12} {mib(pt['peak_rss_bytes']):>12} {mem:>6.3f}x")
+print("targets: speed >= 2x, memory <= 0.2x (memtune counts the tokens of its batches, "
+      "4 x 501-510; PyTorch 4 x 512)")
+EOF
