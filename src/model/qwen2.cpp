@@ -622,7 +622,8 @@ cpu::LossSum Qwen2Model::forward_backward(const TokenBatch& batch, float* logits
   const bool grads = options_.with_grads;
   const cpu::LossSum loss =
       cpu::lm_head_loss(normed, A.get<int32_t>(targets_), N, param_data(head_), c.torch_dtype, V, D, *loss_,
-                        grads ? A.get<float>(dnormed_) : nullptr, grads ? base_grad_or_null(head_) : nullptr, ws);
+                        grads ? A.get<float>(dnormed_) : nullptr, grads ? base_grad_or_null(head_) : nullptr, ws,
+                        grad_scale_);
   timings_.loss = seconds_since(t0);
   if (!grads) return loss;
 

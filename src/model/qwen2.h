@@ -114,6 +114,8 @@ class Qwen2Model {
   const StepTimings& last_step_timings() const { return timings_; }
   // The token-level loss the fused LM head applies (cross-entropy by default). Not owned.
   void set_loss(const cpu::ChunkLoss& loss) { loss_ = &loss; }
+  // Multiplies all gradients of the following steps (dynamic loss scaling); the trainer unscales.
+  void set_grad_scale(float scale) { grad_scale_ = scale; }
 
  private:
   struct LayerParams {
@@ -170,6 +172,7 @@ class Qwen2Model {
   StepTimings timings_;
   static inline const cpu::CrossEntropyLoss kCrossEntropy{};
   const cpu::ChunkLoss* loss_ = &kCrossEntropy;
+  float grad_scale_ = 1.0f;
 
   // Buffer ids (see declare_buffers for lifetimes).
   BufferId ids_, positions_, targets_, cu_seqlens_;

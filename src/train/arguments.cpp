@@ -49,7 +49,7 @@ void add_training_arguments(CLI::App& app, TrainingArguments& a) {
   app.add_option("--data_seed", a.data_seed, "seed of the data order (default: seed)");
   app.add_option("--torch_dtype", a.torch_dtype, "storage dtype of the base weights: float32 | bfloat16 | float16");
   app.add_flag("--bf16", a.bf16, "store weights in bfloat16 (compute stays float32)");
-  app.add_flag("--fp16", a.fp16, "store weights in float16");
+  app.add_flag("--fp16", a.fp16, "store weights in float16 (with dynamic loss scaling)");
   app.add_flag("--gradient_checkpointing", a.gradient_checkpointing, "keep layer inputs only, recompute in backward");
   app.add_option("--loss_workspace_bytes", a.loss_workspace_bytes, "budget of the LM head's logits chunk")
       ->capture_default_str();
@@ -153,8 +153,6 @@ void validate_training_arguments(const TrainingArguments& a) {
   if (a.max_steps <= 0 && a.num_train_epochs <= 0)
     throw Error("nothing to train: --max_steps and --num_train_epochs are both <= 0");
   if (a.bf16 && a.fp16) throw Error("--bf16 and --fp16 are mutually exclusive");
-  if (a.fp16 || a.torch_dtype == "float16" || a.torch_dtype == "fp16")
-    throw Error("float16 training needs dynamic loss scaling, which memtune does not have yet; use --bf16");
   if (a.tuner_type != "lora" && a.tuner_type != "full")
     throw Error(fmt::format("--tuner_type must be lora or full, got \"{}\"", a.tuner_type));
   if (a.tuner_type == "lora" && a.lora_rank <= 0) throw Error("--lora_rank must be positive with --tuner_type lora");

@@ -205,6 +205,7 @@ void TrainingRun::load_data() {
 void TrainingRun::build_model() {
   Qwen2Config config = load_qwen2_config((fs::path(args_.model_name_or_path) / "config.json").string());
   if (args_.bf16) config.torch_dtype = DType::BF16;
+  if (args_.fp16) config.torch_dtype = DType::F16;
   if (!args_.torch_dtype.empty()) config.torch_dtype = parse_dtype(args_.torch_dtype, "--torch_dtype");
   if (tokenizer_->vocab_size() > config.vocab_size)
     throw Error(fmt::format("the tokenizer has {} ids but the model's vocab_size is {}", tokenizer_->vocab_size(),
@@ -231,6 +232,8 @@ void TrainingRun::build_model() {
   tc.learning_rate = args_.learning_rate;
   tc.adam = {args_.adam_beta1, args_.adam_beta2, args_.adam_epsilon, args_.weight_decay};
   tc.max_grad_norm = args_.max_grad_norm;
+  // float16 storage trains with dynamic loss scaling, as Hugging Face does with fp16.
+  tc.loss_scaling.enabled = config.torch_dtype == DType::F16;
   tc.schedule.type = parse_lr_schedule(args_.lr_scheduler_type);
   tc.schedule.total_steps = total_steps_;
   tc.schedule.warmup_steps = warmup_steps_for(args_.warmup_steps, args_.warmup_ratio, total_steps_);
@@ -312,6 +315,9 @@ void TrainingRun::save_checkpoint() {
   arena.enter_phase(Phase::Forward);
   write_file_atomically((tmp / "trainer_state.json").string(), trainer_state().dump(2) + "\n");
   const json position = {{"global_step", progress_.global_step},
+                         {"optimizer_steps", trainer_->global_step()},
+                         {"loss_scale", trainer_->loss_scale()},
+                         {"good_steps", trainer_->good_steps()},
                          {"epoch", progress_.epoch},
                          {"batches_in_epoch", progress_.batches_in_epoch},
                          {"num_input_tokens_seen", progress_.num_input_tokens_seen},
@@ -366,7 +372,9 @@ void TrainingRun::resume() {
   progress_.batches_in_epoch = position.at("batches_in_epoch").get<int64_t>();
   progress_.num_input_tokens_seen = position.at("num_input_tokens_seen").get<int64_t>();
   progress_.log_history = state.value("log_history", json::array());
-  trainer_->restore_global_step(progress_.global_step);
+  trainer_->restore_global_step(position.value("optimizer_steps", progress_.global_step));
+  trainer_->restore_loss_scale(position.value("loss_scale", trainer_->loss_scale()),
+                               position.value("good_steps", int64_t{0}));
   out_ << fmt::format("resumed from {} at step {}\n", dir.string(), progress_.global_step);
 }
 
@@ -413,8 +421,16 @@ void TrainingRun::train_loop() {
     // LoRA dropout masks: a function of the seed and the step, so a resumed run draws the same.
     model_->set_dropout_seed(args_.seed * 0x100000001b3ull + static_cast<uint64_t>(progress_.global_step));
     const StepResult r = trainer_->step(views);
-    if (!r.updated) continue;
+    if (!r.updated && !r.skipped_nonfinite) continue;  // no target token at all: not a step
     ++progress_.global_step;
+    if (r.skipped_nonfinite) {
+      // Counted as a step like Hugging Face does, but nothing was updated.
+      log({{"skipped", "non-finite gradients"},
+           {"loss_scale", r.loss_scale},
+           {"next_loss_scale", trainer_->loss_scale()}});
+      progress_.num_input_tokens_seen += tokens;
+      continue;
+    }
     progress_.num_input_tokens_seen += tokens;
     window_loss += r.loss_sum;
     window_items += r.num_items;
@@ -433,7 +449,8 @@ void TrainingRun::train_loop() {
            {"tokens_per_second", static_cast<double>(window_tokens) / std::max(seconds, 1e-9)},
            {"memory_planned_bytes", model_->plan().peak_bytes()},
            {"memory_peak_bytes", model_->arena().high_water_bytes()},
-           {"elapsed_seconds", std::chrono::duration<double>(Clock::now() - run_start).count()}});
+           {"elapsed_seconds", std::chrono::duration<double>(Clock::now() - run_start).count()},
+           {"loss_scale", r.loss_scale}});
       window_loss = window_grad_norm = 0;
       window_items = window_steps = window_tokens = 0;
       window_start = Clock::now();

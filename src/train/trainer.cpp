@@ -7,7 +7,8 @@
 
 namespace memtune {
 
-Trainer::Trainer(Qwen2Model& model, const TrainerConfig& config) : model_(model), config_(config) {
+Trainer::Trainer(Qwen2Model& model, const TrainerConfig& config)
+    : model_(model), config_(config), scale_(config.loss_scaling.enabled ? config.loss_scaling.init_scale : 1.0) {
   MT_ASSERT(model.options().with_optimizer, "the trainer needs a model planned with optimizer state");
   model_.arena().enter_phase(Phase::Optimizer);
   for (size_t i = 0; i < model_.num_trainable(); ++i) {
@@ -21,6 +22,8 @@ Trainer::Trainer(Qwen2Model& model, const TrainerConfig& config) : model_(model)
 
 StepResult Trainer::step(std::span<const TokenBatch> micro_batches) {
   StepResult r;
+  r.loss_scale = scale_;
+  model_.set_grad_scale(static_cast<float>(scale_));
   model_.zero_grads();
   for (const TokenBatch& mb : micro_batches) {
     const cpu::LossSum part = model_.forward_backward(mb);
@@ -33,8 +36,8 @@ StepResult Trainer::step(std::span<const TokenBatch> micro_batches) {
   Arena& arena = model_.arena();
   arena.enter_phase(Phase::Optimizer);
   const size_t P = model_.num_trainable();
-  // The one division by num_items_in_batch, and the global norm of the result.
-  const float inv_items = 1.0f / static_cast<float>(r.num_items);
+  // The one division by num_items_in_batch (and by the loss scale), and the global norm.
+  const float inv_items = static_cast<float>(1.0 / (static_cast<double>(r.num_items) * scale_));
   double sumsq = 0.0;
   for (size_t i = 0; i < P; ++i) {
     float* g = model_.trainable_grad(i);
@@ -48,6 +51,17 @@ StepResult Trainer::step(std::span<const TokenBatch> micro_batches) {
     sumsq += local;
   }
   r.grad_norm = std::sqrt(sumsq);
+  if (!std::isfinite(r.grad_norm)) {
+    r.skipped_nonfinite = true;
+    if (config_.loss_scaling.enabled) scale_ *= config_.loss_scaling.backoff_factor;
+    good_steps_ = 0;
+    arena.enter_phase(Phase::Forward);
+    return r;
+  }
+  if (config_.loss_scaling.enabled && ++good_steps_ == config_.loss_scaling.growth_interval) {
+    scale_ *= config_.loss_scaling.growth_factor;
+    good_steps_ = 0;
+  }
   // torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when that is below 1.
   const double clip = config_.max_grad_norm > 0 ? std::min(1.0, config_.max_grad_norm / (r.grad_norm + 1e-6)) : 1.0;
 

@@ -15,8 +15,18 @@
 
 namespace memtune {
 
+// Dynamic loss scaling as torch.cuda.amp.GradScaler does it: gradients are computed scaled by
+// `scale`; a step whose gradients are not finite is skipped and the scale backs off; after
+// growth_interval good steps in a row it grows.
+struct LossScaling {
+  bool enabled = false;
+  double init_scale = 65536.0, growth_factor = 2.0, backoff_factor = 0.5;
+  int64_t growth_interval = 2000;
+};
+
 struct TrainerConfig {
   double learning_rate = 5e-5;
+  LossScaling loss_scaling;
   AdamWConfig adam;
   double max_grad_norm = 1.0;  // <= 0 disables clipping
   LrSchedule schedule;
@@ -27,7 +37,9 @@ struct StepResult {
   int64_t num_items = 0;     // num_items_in_batch: target tokens over all micro-batches
   double grad_norm = 0;      // global norm of the normalized gradient, before clipping
   double learning_rate = 0;  // the rate this step used
-  bool updated = false;      // false when the step had no target token at all
+  bool updated = false;            // false when the step had no target token or was skipped
+  bool skipped_nonfinite = false;  // gradients were inf/nan: no update (the loss scale backed off)
+  double loss_scale = 1.0;         // the scale this step's gradients were computed with
   double loss() const { return num_items ? loss_sum / static_cast<double>(num_items) : 0.0; }
 };
 
@@ -43,11 +55,19 @@ class Trainer {
   // Resuming: the step count the schedule and AdamW's bias correction continue from (the
   // moments and values are restored into the model's buffers by the caller).
   void restore_global_step(int64_t step) { step_ = step; }
+  double loss_scale() const { return scale_; }
+  int64_t good_steps() const { return good_steps_; }
+  void restore_loss_scale(double scale, int64_t good_steps) {
+    scale_ = scale;
+    good_steps_ = good_steps;
+  }
 
  private:
   Qwen2Model& model_;
   TrainerConfig config_;
-  int64_t step_ = 0;
+  int64_t step_ = 0;  // optimizer updates made (AdamW's t, the schedule's step)
+  double scale_ = 1.0;
+  int64_t good_steps_ = 0;
 };
 
 }  // namespace memtune

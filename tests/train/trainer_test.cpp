@@ -236,6 +236,52 @@ TEST(Trainer, AStepStaysInsideThePlanAndDoesNotAllocate) {
   }
 }
 
+TEST(Trainer, DynamicLossScalingSkipsOverflowAndBacksOff) {
+  Qwen2Config cfg = qwen2_preset("tiny");
+  cfg.torch_dtype = DType::F16;
+  const Packed p = pack(make_seqs({20, 9}, 3), 0, 2);
+  const TokenBatch mb[] = {p.view()};
+  TrainerConfig tc;
+  tc.learning_rate = 1e-3;
+  tc.schedule.type = LrScheduleType::Constant;
+  tc.loss_scaling = {true, 1e38, 2.0, 0.5, 3};  // absurd start: the scaled gradients overflow
+  Qwen2Model m(cfg, train_options(29));
+  m.init_random(1);
+  Trainer t(m, tc);
+  const auto before = flat_params(m);
+  int skipped = 0;
+  StepResult r;
+  while ((r = t.step(mb)).skipped_nonfinite) {
+    ++skipped;
+    ASSERT_LT(skipped, 40);
+    EXPECT_EQ(flat_params(m), before) << "a skipped step must not change anything";
+  }
+  EXPECT_GT(skipped, 0);
+  EXPECT_TRUE(r.updated);
+  EXPECT_LT(t.loss_scale(), 1e38);
+  EXPECT_EQ(t.global_step(), 1);
+  // After growth_interval good steps the scale grows again.
+  const double settled = t.loss_scale();
+  t.step(mb);
+  t.step(mb);
+  EXPECT_DOUBLE_EQ(t.loss_scale(), settled * 2);
+
+  // A finite scale gives the same update as no scaling (the scale divides out).
+  Qwen2Model a(cfg, train_options(29)), b(cfg, train_options(29));
+  a.init_random(1);
+  b.init_random(1);
+  TrainerConfig scaled = tc, plain = tc;
+  scaled.loss_scaling = {true, 1024.0, 2.0, 0.5, 2000};
+  plain.loss_scaling.enabled = false;
+  Trainer ta(a, scaled), tb(b, plain);
+  const StepResult ra = ta.step(mb), rb = tb.step(mb);
+  EXPECT_NEAR(ra.grad_norm, rb.grad_norm, 1e-5 * rb.grad_norm);
+  const auto pa = flat_params(a), pb = flat_params(b);
+  size_t differ = 0;
+  for (size_t i = 0; i < pa.size(); ++i) differ += pa[i] != pb[i];
+  EXPECT_LT(differ, pa.size() / 100) << "float16 storage rounds away tiny differences";
+}
+
 TEST(Trainer, TinyModelMemorizesASmallDataset) {
   const Seqs data = make_seqs({16, 12, 20, 9}, 7);
   const Packed all = pack(data, 0, 4);

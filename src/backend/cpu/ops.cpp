@@ -344,7 +344,7 @@ class HeadSlices {
 
 LossSum lm_head_loss(const float* hidden, const int32_t* targets, int64_t N, const void* weight, DType weight_dtype,
                      int64_t V, int64_t D, const ChunkLoss& loss, float* dhidden, float* dweight,
-                     const LmHeadWorkspace& ws) {
+                     const LmHeadWorkspace& ws, float grad_scale) {
   MT_ASSERT(ws.chunk_rows > 0);
   const bool backward = dhidden != nullptr;
   const HeadSlices head(weight, weight_dtype, V, D, ws);
@@ -376,11 +376,11 @@ LossSum lm_head_loss(const float* hidden, const int32_t* targets, int64_t N, con
     for (int64_t v0 = 0; v0 < V; v0 += S) {
       const int64_t v1 = std::min(V, v0 + S);
       const float* w = head.slice(v0, v1);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, D, v1 - v0, 1.0f, ws.logits + v0, V, w, D,
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, D, v1 - v0, grad_scale, ws.logits + v0, V, w, D,
                   v0 == 0 ? 0.0f : 1.0f, ws.drows, D);
       if (dweight)
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, v1 - v0, D, m, 1.0f, ws.logits + v0, V, ws.rows, D, 1.0f,
-                    dweight + v0 * D, D);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, v1 - v0, D, m, grad_scale, ws.logits + v0, V, ws.rows, D,
+                    1.0f, dweight + v0 * D, D);
     }
     for (int64_t r = 0; r < m; ++r) std::copy_n(ws.drows + r * D, D, dhidden + pos[r] * D);
   }
