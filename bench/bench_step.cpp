@@ -46,7 +46,7 @@ int main(int argc, char** argv) {
   CLI::App app{"memtune step benchmark"};
   std::string model_dir;
   int64_t batch = 4, seq = 512, steps = 3;
-  size_t workspace = size_t{128} << 20;
+  size_t workspace = kDefaultLossWorkspaceBytes;
   bool checkpointing = false;
   app.add_option("--model", model_dir)->required();
   app.add_option("--batch", batch);

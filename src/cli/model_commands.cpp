@@ -81,7 +81,7 @@ Action add_dump(CLI::App& app) {
   struct Args {
     std::string model, input, out, adapter;
     bool gradient_checkpointing = false;
-    size_t loss_workspace_bytes = size_t{128} << 20;
+    size_t loss_workspace_bytes = kDefaultLossWorkspaceBytes;
   };
   auto args = std::make_shared<Args>();
   app.add_option("--model", args->model, "model directory (config.json + safetensors)")->required();

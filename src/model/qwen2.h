@@ -35,10 +35,14 @@ struct ParamSpec {
 std::vector<ParamSpec> qwen2_parameter_specs(const Qwen2Config& config);
 int64_t qwen2_parameter_count(const Qwen2Config& config);
 
+// Default budget of the fused LM head's logits chunk: large enough that the chunk's GEMMs run
+// near the machine's sgemm ceiling (measured in docs/benchmarks.md), small next to the model.
+constexpr size_t kDefaultLossWorkspaceBytes = size_t{192} << 20;
+
 struct ModelOptions {
   int64_t max_tokens = 2048;  // capacity of one micro-batch's flat token stream
   bool gradient_checkpointing = false;
-  size_t loss_workspace_bytes = size_t{128} << 20;  // budget for the LM head's logits chunk
+  size_t loss_workspace_bytes = kDefaultLossWorkspaceBytes;  // budget for the LM head's logits chunk
   bool with_grads = true;                           // declare gradients and backward buffers
   bool with_optimizer = false;                      // declare AdamW moments (and fp32 masters for 16-bit storage)
   LoraConfig lora;  // rank > 0: adapters are trained, the base is frozen (no gradients, no optimizer state)

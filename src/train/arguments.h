@@ -11,6 +11,8 @@
 
 #include <CLI/CLI.hpp>
 
+#include "model/qwen2.h"
+
 namespace memtune {
 
 struct TrainingArguments {
@@ -45,7 +47,7 @@ struct TrainingArguments {
   std::string torch_dtype;  // storage dtype; empty: the checkpoint's
   bool bf16 = false, fp16 = false;
   bool gradient_checkpointing = false;
-  int64_t loss_workspace_bytes = int64_t{128} << 20;
+  int64_t loss_workspace_bytes = static_cast<int64_t>(kDefaultLossWorkspaceBytes);
   // Tuning.
   std::string tuner_type = "lora";  // lora | full (ms-swift's default is lora)
   int64_t lora_rank = 8;

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <malloc.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -133,6 +134,10 @@ void TrainingRun::run() {
     if (e.path().filename().string().starts_with("tmp-checkpoint-")) fs::remove_all(e.path());
   load_data();
   build_model();
+  // The tokenizer (vocabulary, merges, caches) is not needed once the data is tokenized; give
+  // its memory back to the system so it does not sit under the training peak.
+  tokenizer_.reset();
+  malloc_trim(0);
   if (!args_.resume_from_checkpoint.empty()) resume();
   log_file_.open(output_dir_ / "log.jsonl", std::ios::app);
   if (!log_file_) throw Error(fmt::format("{}: cannot write log.jsonl", output_dir_.string()));
