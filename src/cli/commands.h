@@ -14,6 +14,7 @@ Action add_init_model(CLI::App& app);
 Action add_dump(CLI::App& app);
 Action add_merge(CLI::App& app);
 Action add_train(CLI::App& app);
+Action add_eval(CLI::App& app);
 Action add_tokenize(CLI::App& app);
 Action add_data_stats(CLI::App& app);
 

@@ -21,6 +21,8 @@ int main(int argc, char** argv) {
   add("dump", "debugging: logits, loss and every parameter gradient for a small batch", memtune::cli::add_dump);
   add("merge", "merge a LoRA adapter into its base model and write a Hugging Face checkpoint", memtune::cli::add_merge);
   add("train", "fine-tune (LoRA or full) on a JSONL dataset with Hugging Face's arguments", memtune::cli::add_train);
+  add("eval", "streaming evaluation: loss, perplexity, token accuracy without ever holding logits",
+      memtune::cli::add_eval);
   add("tokenize", "encode JSONL text (or chat messages) to token ids, or decode ids", memtune::cli::add_tokenize);
   // `data` groups dataset tools; its sub-subcommands are dispatched like the others.
   CLI::App* data = app.add_subcommand("data", "dataset tools");

@@ -623,7 +623,7 @@ cpu::LossSum Qwen2Model::forward_backward(const TokenBatch& batch, float* logits
   const cpu::LossSum loss =
       cpu::lm_head_loss(normed, A.get<int32_t>(targets_), N, param_data(head_), c.torch_dtype, V, D, *loss_,
                         grads ? A.get<float>(dnormed_) : nullptr, grads ? base_grad_or_null(head_) : nullptr, ws,
-                        grad_scale_);
+                        grad_scale_, observer_);
   timings_.loss = seconds_since(t0);
   if (!grads) return loss;
 

@@ -43,9 +43,9 @@ struct ModelOptions {
   int64_t max_tokens = 2048;  // capacity of one micro-batch's flat token stream
   bool gradient_checkpointing = false;
   size_t loss_workspace_bytes = kDefaultLossWorkspaceBytes;  // budget for the LM head's logits chunk
-  bool with_grads = true;                           // declare gradients and backward buffers
-  bool with_optimizer = false;                      // declare AdamW moments (and fp32 masters for 16-bit storage)
-  LoraConfig lora;  // rank > 0: adapters are trained, the base is frozen (no gradients, no optimizer state)
+  bool with_grads = true;                                    // declare gradients and backward buffers
+  bool with_optimizer = false;  // declare AdamW moments (and fp32 masters for 16-bit storage)
+  LoraConfig lora;              // rank > 0: adapters are trained, the base is frozen (no gradients, no optimizer state)
 };
 
 // A micro-batch: a flat stream of tokens holding sequences back to back. labels are unshifted
@@ -120,6 +120,8 @@ class Qwen2Model {
   void set_loss(const cpu::ChunkLoss& loss) { loss_ = &loss; }
   // Multiplies all gradients of the following steps (dynamic loss scaling); the trainer unscales.
   void set_grad_scale(float scale) { grad_scale_ = scale; }
+  // Sees every logits chunk of the following steps (streaming metrics); nullptr for none. Not owned.
+  void set_observer(cpu::ChunkObserver* observer) { observer_ = observer; }
 
  private:
   struct LayerParams {
@@ -177,6 +179,7 @@ class Qwen2Model {
   static inline const cpu::CrossEntropyLoss kCrossEntropy{};
   const cpu::ChunkLoss* loss_ = &kCrossEntropy;
   float grad_scale_ = 1.0f;
+  cpu::ChunkObserver* observer_ = nullptr;
 
   // Buffer ids (see declare_buffers for lifetimes).
   BufferId ids_, positions_, targets_, cu_seqlens_;

@@ -195,6 +195,28 @@ TEST_F(TrainCliTest, KillDuringSavesLeavesLoadableCheckpoints) {
   EXPECT_EQ(json::parse(std::ifstream(dir_ / "kill/trainer_state.json"))["global_step"], saved + 2);
 }
 
+TEST_F(TrainCliTest, EvalStreamsMetricsForABaseModelAndAnAdapter) {
+  ASSERT_EQ(run(base_flags("ad") + " --max_steps 3 --learning_rate 5e-3 --lora_rank 4").status, 0);
+  auto eval = [&](const std::string& extra) {
+    const Result r = run("eval --model_name_or_path " + path("model") + " --eval_file " + path("train.jsonl") +
+                         " --json --metrics eval_loss,perplexity,token_accuracy,top5_accuracy" + extra);
+    EXPECT_EQ(r.status, 0) << r.output;
+    return json::parse(r.output.substr(r.output.find('{')));
+  };
+  const json base = eval(""), adapted = eval(" --adapter " + path("ad") + " --per_device_eval_batch_size 1");
+  for (const json* j : {&base, &adapted}) {
+    for (const char* key : {"eval_loss", "perplexity", "token_accuracy", "top5_accuracy", "eval_tokens"})
+      EXPECT_TRUE(j->contains(key)) << key;
+    EXPECT_EQ((*j)["planned_peak_bytes"], (*j)["measured_peak_bytes"]);
+    EXPECT_EQ((*j)["eval_examples"], 12);
+  }
+  EXPECT_LT(adapted["eval_loss"].get<double>(), base["eval_loss"].get<double>()) << "the adapter was trained on it";
+  const Result bad = run("eval --model_name_or_path " + path("model") + " --eval_file " + path("train.jsonl") +
+                         " --metrics eval_loss,rouge");
+  EXPECT_EQ(bad.status, 1);
+  EXPECT_CONTAINS(bad.output, "rouge");
+}
+
 TEST_F(TrainCliTest, SaveTotalLimitKeepsTheNewest) {
   ASSERT_EQ(run(base_flags("rot") + " --max_steps 5 --save_steps 1 --save_total_limit 2").status, 0);
   std::vector<std::string> names;

@@ -28,6 +28,22 @@ class CrossEntropyLoss final : public ChunkLoss {
   float label_smoothing_;
 };
 
+// One chunk of logits as the fused LM head produced it, for read-only observers (streaming
+// metrics): row r is the prediction at token positions[r] of the batch, whose target is
+// targets[r]. Valid only during the call; an observer keeps what it needs, never the chunk.
+struct LogitsChunk {
+  const float* logits;  // [rows, V]
+  const int32_t* targets;
+  const int32_t* positions;
+  int64_t rows, V;
+};
+
+class ChunkObserver {
+ public:
+  virtual ~ChunkObserver() = default;
+  virtual void observe(const LogitsChunk& chunk) = 0;
+};
+
 // log(sum_v exp(z_v)) of one row in a single streaming pass (block max and sum merged online);
 // also returns sum_v z_v when `sum_out` is given. Shared by losses and metrics.
 float row_logsumexp(const float* z, int64_t V, float* sum_out = nullptr);

@@ -344,7 +344,7 @@ class HeadSlices {
 
 LossSum lm_head_loss(const float* hidden, const int32_t* targets, int64_t N, const void* weight, DType weight_dtype,
                      int64_t V, int64_t D, const ChunkLoss& loss, float* dhidden, float* dweight,
-                     const LmHeadWorkspace& ws, float grad_scale) {
+                     const LmHeadWorkspace& ws, float grad_scale, ChunkObserver* observer) {
   MT_ASSERT(ws.chunk_rows > 0);
   const bool backward = dhidden != nullptr;
   const HeadSlices head(weight, weight_dtype, V, D, ws);
@@ -369,6 +369,7 @@ LossSum lm_head_loss(const float* hidden, const int32_t* targets, int64_t N, con
     }
 
     for (int64_t r = 0; r < m; ++r) ws.row_targets[r] = targets[pos[r]];
+    if (observer) observer->observe({ws.logits, ws.row_targets, pos, m, V});
     const double chunk_loss = loss.chunk(ws.logits, ws.row_targets, m, V, backward);
     total += chunk_loss;
     if (!backward) continue;

@@ -106,9 +106,10 @@ struct LossSum {
   int64_t count = 0;
 };
 constexpr int32_t kIgnoreIndex = -100;
-// grad_scale multiplies every gradient it produces (dynamic loss scaling); 1 for none.
+// grad_scale multiplies every gradient it produces (dynamic loss scaling); 1 for none. An
+// observer (streaming metrics) sees each chunk's logits before the loss touches them.
 LossSum lm_head_loss(const float* hidden, const int32_t* targets, int64_t N, const void* weight, DType weight_dtype,
                      int64_t V, int64_t D, const ChunkLoss& loss, float* dhidden, float* dweight,
-                     const LmHeadWorkspace& ws, float grad_scale = 1.0f);
+                     const LmHeadWorkspace& ws, float grad_scale = 1.0f, ChunkObserver* observer = nullptr);
 
 }  // namespace memtune::cpu

@@ -1,0 +1,95 @@
+// `memtune eval`: streaming evaluation of a model (optionally with a LoRA adapter) on a JSONL
+// dataset. Forward only, logits only as the fused LM head's chunk workspace, so memory is the
+// forward plan whatever the eval set size.
+#include <fmt/format.h>
+
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <memory>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.h"
+#include "core/error.h"
+#include "data/batcher.h"
+#include "data/dataset.h"
+#include "io/checkpoint.h"
+#include "model/qwen2.h"
+#include "tokenizer/tokenizer.h"
+#include "train/metrics.h"
+
+namespace memtune::cli {
+
+Action add_eval(CLI::App& app) {
+  struct Args {
+    std::string model, adapter, eval_file, tokenizer, metrics = "eval_loss,perplexity,token_accuracy", templ, system;
+    std::string truncation_strategy = "delete";
+    int64_t batch_size = 8, max_length = 2048, eval_accumulation_steps = 0;
+    bool json = false, batch_eval_metrics = false;
+  };
+  auto a = std::make_shared<Args>();
+  app.add_option("--model_name_or_path", a->model, "Hugging Face model directory")->required();
+  app.add_option("--adapter", a->adapter, "PEFT LoRA adapter directory");
+  app.add_option("--eval_file", a->eval_file, "evaluation data, JSONL")->required();
+  app.add_option("--tokenizer", a->tokenizer, "tokenizer directory (default: the model directory)");
+  app.add_option("--metrics", a->metrics, "comma-separated: eval_loss, perplexity, token_accuracy, top{k}_accuracy")
+      ->capture_default_str();
+  app.add_option("--per_device_eval_batch_size", a->batch_size)->capture_default_str();
+  app.add_option("--max_length", a->max_length)->capture_default_str();
+  app.add_option("--truncation_strategy", a->truncation_strategy, "delete | left | right")->capture_default_str();
+  app.add_option("--template", a->templ, "qwen2_5 | chatml | plain (default: from the tokenizer)");
+  app.add_option("--system", a->system, "system message for records without one");
+  app.add_option("--eval_accumulation_steps", a->eval_accumulation_steps,
+                 "accepted for compatibility: metrics stream, nothing accumulates");
+  app.add_flag("--batch_eval_metrics", a->batch_eval_metrics, "accepted for compatibility: metrics always stream");
+  app.add_flag("--json", a->json, "print the results as one JSON object");
+  return [a] {
+    if (a->batch_size <= 0) throw Error("--per_device_eval_batch_size must be positive");
+    MetricSelection selection = parse_metrics(a->metrics);
+    const Tokenizer tokenizer = Tokenizer::load(a->tokenizer.empty() ? a->model : a->tokenizer);
+    DataOptions d;
+    d.max_length = a->max_length;
+    d.truncation_strategy = parse_truncation_strategy(a->truncation_strategy);
+    d.chat_template = a->templ;
+    if (!a->system.empty()) d.record.system = a->system;
+    const Dataset data = load_dataset(a->eval_file, tokenizer, d);
+    if (data.empty()) throw Error(fmt::format("{}: no example to evaluate", a->eval_file));
+    BatchOptions b;
+    b.per_device_batch_size = a->batch_size;
+    b.shuffle = false;
+    Batcher batcher(data, b);
+    batcher.start_epoch(0);
+
+    const Qwen2Config config = load_qwen2_config((std::filesystem::path(a->model) / "config.json").string());
+    ModelOptions o;
+    o.max_tokens = batcher.max_micro_batch_tokens();
+    o.with_grads = false;
+    if (!a->adapter.empty()) {
+      const std::string path = (std::filesystem::path(a->adapter) / "adapter_config.json").string();
+      std::ifstream in(path);
+      if (!in) throw Error(fmt::format("{}: cannot open file", path));
+      o.lora = parse_lora_adapter_config(nlohmann::json::parse(in, nullptr, false), path);
+    }
+    Qwen2Model model(config, o);
+    model.load(CheckpointReader(a->model));
+    if (!a->adapter.empty()) model.load_adapter(a->adapter);
+    const EvalResult r = evaluate(model, batcher, selection);
+
+    nlohmann::json out = {{"eval_examples", r.num_sequences},
+                          {"eval_tokens", r.num_tokens},
+                          {"planned_peak_bytes", model.plan().peak_bytes()},
+                          {"measured_peak_bytes", model.arena().high_water_bytes()}};
+    for (const auto& [name, value] : r.values) out[name] = value;
+    if (a->json) {
+      std::cout << out.dump() << "\n";
+      return;
+    }
+    std::cout << fmt::format("{}: {} examples, {} target tokens; memory {} planned, {} measured\n", a->eval_file,
+                             r.num_sequences, r.num_tokens, format_bytes(model.plan().peak_bytes()),
+                             format_bytes(model.arena().high_water_bytes()));
+    for (const auto& [name, value] : r.values) std::cout << fmt::format("{:<16} {:.6f}\n", name, value);
+  };
+}
+
+}  // namespace memtune::cli

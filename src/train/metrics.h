@@ -1,0 +1,64 @@
+// Streaming evaluation. A metric sees each logits chunk of the fused LM head once (only
+// positions that have a target), reduces it to a small state (counts), and never keeps the
+// chunk, so evaluation memory is the model's forward plan and nothing grows with the eval set.
+// States merge (for data-parallel ranks). eval_loss is the global token mean: the sum of every
+// target token's loss over the whole eval set divided by their count (Hugging Face Trainer's
+// eval_loss is instead a mean of per-batch means, which weighs short batches more).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "backend/cpu/chunk_loss.h"
+#include "data/batcher.h"
+#include "model/qwen2.h"
+
+namespace memtune {
+
+using MetricValues = std::vector<std::pair<std::string, double>>;
+
+class Metric : public cpu::ChunkObserver {
+ public:
+  virtual void reset() = 0;
+  // Adds the state of another metric of the same kind.
+  virtual void merge(const Metric& other) = 0;
+  virtual MetricValues compute() const = 0;
+};
+
+// Share of target tokens whose rank among the logits is below k; k = 1 is argmax accuracy
+// (ties go to the lower token id, as torch.argmax does). Named token_accuracy or top{k}_accuracy.
+class TopKAccuracy final : public Metric {
+ public:
+  explicit TopKAccuracy(int64_t k) : k_(k) {}
+  void observe(const cpu::LogitsChunk& chunk) override;
+  void reset() override { hits_ = count_ = 0; }
+  void merge(const Metric& other) override;
+  MetricValues compute() const override;
+
+ private:
+  int64_t k_;
+  int64_t hits_ = 0, count_ = 0;
+};
+
+// Parses --metrics (comma-separated): eval_loss, perplexity, token_accuracy, top{k}_accuracy.
+// eval_loss and perplexity come from the loss itself; the others become Metric objects.
+struct MetricSelection {
+  bool eval_loss = false, perplexity = false;
+  std::vector<std::unique_ptr<Metric>> metrics;
+};
+MetricSelection parse_metrics(const std::string& list);
+
+struct EvalResult {
+  double loss_sum = 0;
+  int64_t num_tokens = 0;  // target tokens
+  int64_t num_sequences = 0;
+  MetricValues values;  // in the order requested
+};
+
+// Runs every micro-batch of the batcher's current epoch through the model (forward only when
+// the model was planned without gradients) with the metrics observing the logits chunks.
+EvalResult evaluate(Qwen2Model& model, Batcher& batcher, MetricSelection& selection);
+
+}  // namespace memtune
