@@ -583,6 +583,10 @@ void Qwen2Model::layer_backward(int64_t l, const LayerActs& a, const float* x, f
 }
 
 cpu::LossSum Qwen2Model::forward_backward(const TokenBatch& batch, float* logits_out) {
+  return run_step(batch, logits_out, options_.with_grads);
+}
+
+cpu::LossSum Qwen2Model::run_step(const TokenBatch& batch, float* logits_out, bool backward) {
   Arena& A = *arena_;
   const Qwen2Config& c = config_;
   const int64_t D = c.hidden_size, V = c.vocab_size, L = c.num_hidden_layers;
@@ -619,7 +623,7 @@ cpu::LossSum Qwen2Model::forward_backward(const TokenBatch& batch, float* logits
                                 .chunk_rows = chunk_rows_,
                                 .weight_slice = widen ? A.get<float>(head_slice_) : nullptr,
                                 .slice_rows = head_slice_rows_};
-  const bool grads = options_.with_grads;
+  const bool grads = backward;
   const cpu::LossSum loss =
       cpu::lm_head_loss(normed, A.get<int32_t>(targets_), N, param_data(head_), c.torch_dtype, V, D, *loss_,
                         grads ? A.get<float>(dnormed_) : nullptr, grads ? base_grad_or_null(head_) : nullptr, ws,

@@ -115,6 +115,8 @@ class Qwen2Model {
   // forward, loss and backward of one micro-batch; gradients of the loss SUM are accumulated.
   // If logits_out is given ([N, V] host memory, debugging only) the full logits are written there.
   cpu::LossSum forward_backward(const TokenBatch& batch, float* logits_out = nullptr);
+  // Forward and loss only (evaluation): gradients are neither computed nor touched.
+  cpu::LossSum forward_loss(const TokenBatch& batch) { return run_step(batch, nullptr, false); }
   const StepTimings& last_step_timings() const { return timings_; }
   // The token-level loss the fused LM head applies (cross-entropy by default). Not owned.
   void set_loss(const cpu::ChunkLoss& loss) { loss_ = &loss; }
@@ -145,6 +147,7 @@ class Qwen2Model {
   LayerActs declare_layer_acts(const std::string& prefix, Category category, Phase first, Phase last);
   void declare_buffers();
   void upload_batch(const TokenBatch& batch);
+  cpu::LossSum run_step(const TokenBatch& batch, float* logits_out, bool backward);
   void layer_forward(int64_t l, const LayerActs& a, const float* x, float* x_out);
   void layer_backward(int64_t l, const LayerActs& a, const float* x, float* dstream);
   Linear linear(int64_t l, LinearSite s) const;

@@ -40,6 +40,13 @@ void add_training_arguments(CLI::App& app, TrainingArguments& a) {
   app.add_option("--warmup_steps", a.warmup_steps)->capture_default_str();
   app.add_option("--warmup_ratio", a.warmup_ratio)->capture_default_str();
   app.add_option("--label_smoothing_factor", a.label_smoothing_factor)->capture_default_str();
+  app.add_option("--eval_strategy", a.eval_strategy, "no | steps | epoch")->capture_default_str();
+  app.add_option("--eval_steps", a.eval_steps, "evaluate every N steps (default: logging_steps)");
+  app.add_option("--metrics", a.metrics, "evaluation metrics: eval_loss, perplexity, token_accuracy, top{k}_accuracy")
+      ->capture_default_str();
+  app.add_flag("--load_best_model_at_end", a.load_best_model_at_end, "finish with the best checkpoint's weights");
+  app.add_option("--metric_for_best_model", a.metric_for_best_model)->capture_default_str();
+  app.add_option("--greater_is_better", a.greater_is_better, "default: false for losses, true otherwise");
   app.add_option("--logging_steps", a.logging_steps)->capture_default_str();
   app.add_option("--save_strategy", a.save_strategy, "steps | epoch | no")->capture_default_str();
   app.add_option("--save_steps", a.save_steps)->capture_default_str();
@@ -161,6 +168,20 @@ void validate_training_arguments(const TrainingArguments& a) {
     throw Error(fmt::format("--save_strategy must be steps, epoch or no, got \"{}\"", a.save_strategy));
   if (a.save_strategy == "steps") positive(a.save_steps, "save_steps");
   if (a.warmup_ratio < 0 || a.warmup_ratio >= 1) throw Error("--warmup_ratio must be in [0, 1)");
+  if (a.eval_strategy != "no" && a.eval_strategy != "steps" && a.eval_strategy != "epoch")
+    throw Error(fmt::format("--eval_strategy must be no, steps or epoch, got \"{}\"", a.eval_strategy));
+  if (a.eval_strategy != "no" && a.eval_file.empty())
+    throw Error(fmt::format("--eval_strategy {} needs --eval_file", a.eval_strategy));
+  if (a.load_best_model_at_end) {
+    if (a.eval_strategy == "no") throw Error("--load_best_model_at_end needs --eval_strategy steps or epoch");
+    if (a.save_strategy != a.eval_strategy)
+      throw Error(fmt::format("--load_best_model_at_end needs save_strategy == eval_strategy (got {} and {})",
+                              a.save_strategy, a.eval_strategy));
+    const int64_t eval_every = a.eval_steps > 0 ? a.eval_steps : a.logging_steps;
+    if (a.save_strategy == "steps" && a.save_steps % eval_every != 0)
+      throw Error(fmt::format("--load_best_model_at_end needs save_steps ({}) to be a multiple of eval_steps ({})",
+                              a.save_steps, eval_every));
+  }
   if (a.label_smoothing_factor < 0 || a.label_smoothing_factor >= 1)
     throw Error("--label_smoothing_factor must be in [0, 1)");
   if (a.loss_workspace_bytes <= 0) throw Error("--loss_workspace_bytes must be positive");

@@ -35,6 +35,13 @@ struct TrainingArguments {
   int64_t warmup_steps = 0;
   double warmup_ratio = 0.0;
   double label_smoothing_factor = 0.0;
+  // Evaluation during training.
+  std::string eval_strategy = "no";  // no | steps | epoch
+  int64_t eval_steps = 0;            // 0: logging_steps, as in Hugging Face
+  std::string metrics = "eval_loss,token_accuracy";
+  bool load_best_model_at_end = false;
+  std::string metric_for_best_model = "loss";
+  std::optional<bool> greater_is_better;  // default: false for losses, true otherwise
   // Logging and checkpoints.
   int64_t logging_steps = 500;
   std::string save_strategy = "steps";  // steps | epoch | no

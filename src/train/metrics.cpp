@@ -91,7 +91,7 @@ EvalResult evaluate(Qwen2Model& model, Batcher& batcher, MetricSelection& select
   try {
     while (batcher.next(mb)) {
       if (mb.input_ids.empty()) continue;
-      const cpu::LossSum part = model.forward_backward({mb.input_ids, mb.labels, mb.cu_seqlens});
+      const cpu::LossSum part = model.forward_loss({mb.input_ids, mb.labels, mb.cu_seqlens});
       r.loss_sum += part.sum;
       r.num_tokens += part.count;
       r.num_sequences += mb.num_sequences();

@@ -57,8 +57,8 @@ struct EvalResult {
   MetricValues values;  // in the order requested
 };
 
-// Runs every micro-batch of the batcher's current epoch through the model (forward only when
-// the model was planned without gradients) with the metrics observing the logits chunks.
+// Runs every micro-batch of the batcher's current epoch through the model, forward and loss
+// only (a training model's gradients are not touched), with the metrics observing the chunks.
 EvalResult evaluate(Qwen2Model& model, Batcher& batcher, MetricSelection& selection);
 
 }  // namespace memtune

@@ -26,6 +26,7 @@
 #include "io/safetensors.h"
 #include "model/qwen2.h"
 #include "tokenizer/tokenizer.h"
+#include "train/metrics.h"
 #include "train/trainer.h"
 
 namespace memtune {
@@ -81,6 +82,9 @@ std::vector<std::pair<int64_t, fs::path>> list_checkpoints(const fs::path& outpu
 // Everything that changes as training goes and must survive a resume.
 struct Progress {
   int64_t global_step = 0;
+  std::optional<double> best_metric;
+  std::optional<int64_t> best_global_step;
+  std::string best_model_checkpoint;
   int64_t epoch = 0;             // current epoch index
   int64_t batches_in_epoch = 0;  // micro-batches of the current epoch already consumed
   int64_t num_input_tokens_seen = 0;
@@ -105,6 +109,9 @@ class TrainingRun {
   json memory_report() const;
 
   void show_progress(const StepResult& r, double elapsed);
+  void run_evaluation();
+  bool is_best_step(int64_t step) const { return progress_.best_global_step == step; }
+  int64_t eval_every() const { return args_.eval_steps > 0 ? args_.eval_steps : args_.logging_steps; }
 
   const TrainingArguments& args_;
   std::ostream& out_;
@@ -112,8 +119,11 @@ class TrainingRun {
   fs::path output_dir_;
   std::optional<Tokenizer> tokenizer_;
   fs::path tokenizer_dir_;
-  Dataset train_;
-  std::unique_ptr<Batcher> batcher_;
+  Dataset train_, eval_;
+  std::unique_ptr<Batcher> batcher_, eval_batcher_;
+  MetricSelection metrics_;
+  std::string best_key_;  // the log key metric_for_best_model names, e.g. eval_loss
+  bool greater_is_better_ = false;
   std::unique_ptr<Qwen2Model> model_;
   std::unique_ptr<cpu::CrossEntropyLoss> loss_;
   std::unique_ptr<Trainer> trainer_;
@@ -125,8 +135,11 @@ class TrainingRun {
 
 void TrainingRun::run() {
   validate_training_arguments(args_);
-  if (!args_.eval_file.empty())
-    throw Error("--eval_file: evaluation during training is not available yet (it arrives with streaming evaluation)");
+  metrics_ = parse_metrics(args_.metrics);
+  metrics_.eval_loss = true;  // always reported, as Hugging Face does
+  best_key_ = args_.metric_for_best_model.starts_with("eval_") ? args_.metric_for_best_model
+                                                               : "eval_" + args_.metric_for_best_model;
+  greater_is_better_ = args_.greater_is_better.value_or(!best_key_.ends_with("loss"));
   output_dir_ = args_.output_dir;
   fs::create_directories(output_dir_);
   // A save interrupted by a crash leaves only a tmp-checkpoint-N behind; it was never complete.
@@ -154,6 +167,11 @@ void TrainingRun::run() {
     throw;
   }
   sigaction(SIGINT, &previous, nullptr);
+  // The last epoch ends with the last step, before the loop sees the epoch boundary.
+  if (!g_interrupted && progress_.global_step > 0 && progress_.batches_in_epoch > 0) {
+    if (args_.eval_strategy == "epoch") run_evaluation();
+    if (args_.save_strategy == "epoch") save_checkpoint();
+  }
   if (g_interrupted) {
     save_checkpoint();
     throw Interrupted(fmt::format("interrupted at step {}: saved {}; continue with --resume_from_checkpoint last",
@@ -185,6 +203,16 @@ void TrainingRun::load_data() {
   d.chat_template = args_.template_name;
   if (!args_.system.empty()) d.record.system = args_.system;
   train_ = load_dataset(args_.train_file, *tokenizer_, d);
+  if (!args_.eval_file.empty()) {
+    if (args_.eval_strategy == "no")
+      out_ << "note: --eval_file is evaluated only with --eval_strategy steps or epoch (as in Hugging Face)\n";
+    eval_ = load_dataset(args_.eval_file, *tokenizer_, d);
+    if (eval_.empty()) throw Error(fmt::format("{}: no example to evaluate", args_.eval_file));
+    BatchOptions e;
+    e.per_device_batch_size = args_.per_device_eval_batch_size;
+    e.shuffle = false;
+    eval_batcher_ = std::make_unique<Batcher>(eval_, e);
+  }
   const DatasetCounts& c = train_.counts();
   out_ << fmt::format(
       "data: {} examples, {} tokens, {} target tokens from {} lines ({} dropped without targets, {} truncated, {} "
@@ -216,7 +244,9 @@ void TrainingRun::build_model() {
     throw Error(fmt::format("the tokenizer has {} ids but the model's vocab_size is {}", tokenizer_->vocab_size(),
                             config.vocab_size));
   ModelOptions o;
-  o.max_tokens = batcher_->max_micro_batch_tokens();
+  // One plan serves training and evaluation: the larger micro-batch of the two.
+  o.max_tokens = std::max(batcher_->max_micro_batch_tokens(),
+                          eval_batcher_ ? eval_batcher_->max_micro_batch_tokens() : int64_t{0});
   o.gradient_checkpointing = args_.gradient_checkpointing;
   o.loss_workspace_bytes = static_cast<size_t>(args_.loss_workspace_bytes);
   o.with_optimizer = true;
@@ -272,15 +302,16 @@ json TrainingRun::trainer_state() const {
           {"epoch", static_cast<double>(progress_.global_step) / static_cast<double>(steps_per_epoch_)},
           {"max_steps", total_steps_},
           {"logging_steps", args_.logging_steps},
-          {"eval_steps", nullptr},
+          {"eval_steps", args_.eval_strategy == "steps" ? json(eval_every()) : json(nullptr)},
           {"save_steps", args_.save_steps},
           {"train_batch_size", args_.per_device_train_batch_size},
           {"num_train_epochs", static_cast<int64_t>(std::ceil(static_cast<double>(total_steps_) / steps_per_epoch_))},
           {"num_input_tokens_seen", progress_.num_input_tokens_seen},
           {"log_history", progress_.log_history},
-          {"best_metric", nullptr},
-          {"best_global_step", nullptr},
-          {"best_model_checkpoint", nullptr},
+          {"best_metric", progress_.best_metric ? json(*progress_.best_metric) : json(nullptr)},
+          {"best_global_step", progress_.best_global_step ? json(*progress_.best_global_step) : json(nullptr)},
+          {"best_model_checkpoint",
+           progress_.best_model_checkpoint.empty() ? json(nullptr) : json(progress_.best_model_checkpoint)},
           {"is_local_process_zero", true},
           {"is_world_process_zero", true},
           {"total_flos", 0}};
@@ -331,9 +362,22 @@ void TrainingRun::save_checkpoint() {
   write_file_atomically((tmp / "memtune_state.json").string(), position.dump(2) + "\n");
   fs::remove_all(final_dir);
   fs::rename(tmp, final_dir);
+  if (is_best_step(progress_.global_step)) {
+    progress_.best_model_checkpoint = final_dir.string();
+    write_file_atomically((final_dir / "trainer_state.json").string(), trainer_state().dump(2) + "\n");
+  }
   if (args_.save_total_limit > 0) {
+    // The oldest go first, but never the best checkpoint nor the one just written (with a limit
+    // of 1 and a best that is not the newest, two remain, as in Hugging Face).
     auto all = list_checkpoints(output_dir_);
-    for (size_t i = 0; i + static_cast<size_t>(args_.save_total_limit) < all.size(); ++i) fs::remove_all(all[i].second);
+    size_t excess = all.size() > static_cast<size_t>(args_.save_total_limit)
+                        ? all.size() - static_cast<size_t>(args_.save_total_limit)
+                        : 0;
+    for (size_t i = 0; i + 1 < all.size() && excess > 0; ++i) {
+      if (all[i].second.string() == progress_.best_model_checkpoint) continue;
+      fs::remove_all(all[i].second);
+      --excess;
+    }
   }
   out_ << (terminal_ ? "\r\x1b[2K" : "") << fmt::format("saved {}\n", final_dir.string());
 }
@@ -377,10 +421,36 @@ void TrainingRun::resume() {
   progress_.batches_in_epoch = position.at("batches_in_epoch").get<int64_t>();
   progress_.num_input_tokens_seen = position.at("num_input_tokens_seen").get<int64_t>();
   progress_.log_history = state.value("log_history", json::array());
+  if (state.contains("best_metric") && state["best_metric"].is_number())
+    progress_.best_metric = state["best_metric"].get<double>();
+  if (state.contains("best_global_step") && state["best_global_step"].is_number())
+    progress_.best_global_step = state["best_global_step"].get<int64_t>();
+  if (state.contains("best_model_checkpoint") && state["best_model_checkpoint"].is_string())
+    progress_.best_model_checkpoint = state["best_model_checkpoint"].get<std::string>();
   trainer_->restore_global_step(position.value("optimizer_steps", progress_.global_step));
   trainer_->restore_loss_scale(position.value("loss_scale", trainer_->loss_scale()),
                                position.value("good_steps", int64_t{0}));
   out_ << fmt::format("resumed from {} at step {}\n", dir.string(), progress_.global_step);
+}
+
+void TrainingRun::run_evaluation() {
+  const auto start = std::chrono::steady_clock::now();
+  eval_batcher_->start_epoch(0);
+  const EvalResult r = evaluate(*model_, *eval_batcher_, metrics_);
+  json record = {{"epoch", static_cast<double>(progress_.global_step) / static_cast<double>(steps_per_epoch_)},
+                 {"eval_tokens", r.num_tokens},
+                 {"eval_runtime", std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()}};
+  for (const auto& [name, value] : r.values) record[name.starts_with("eval_") ? name : "eval_" + name] = value;
+  if (!record.contains(best_key_))
+    throw Error(fmt::format("--metric_for_best_model {}: not among the evaluated metrics (--metrics {})",
+                            args_.metric_for_best_model, args_.metrics));
+  const double value = record[best_key_].get<double>();
+  if (!progress_.best_metric ||
+      (greater_is_better_ ? value > *progress_.best_metric : value < *progress_.best_metric)) {
+    progress_.best_metric = value;
+    progress_.best_global_step = progress_.global_step;
+  }
+  log(record);
 }
 
 void TrainingRun::log(json record) {
@@ -420,6 +490,7 @@ void TrainingRun::train_loop() {
       ++progress_.epoch;
       progress_.batches_in_epoch = 0;
       batcher_->start_epoch(progress_.epoch);
+      if (args_.eval_strategy == "epoch" && progress_.global_step > 0) run_evaluation();
       if (args_.save_strategy == "epoch" && progress_.global_step > 0) save_checkpoint();
       continue;
     }
@@ -460,12 +531,22 @@ void TrainingRun::train_loop() {
       window_items = window_steps = window_tokens = 0;
       window_start = Clock::now();
     }
+    if (args_.eval_strategy == "steps" && progress_.global_step % eval_every() == 0) run_evaluation();
     if (args_.save_strategy == "steps" && progress_.global_step % args_.save_steps == 0) save_checkpoint();
   }
 }
 
 void TrainingRun::save_final() {
   if (terminal_) out_ << "\n";
+  if (args_.load_best_model_at_end && !progress_.best_model_checkpoint.empty()) {
+    if (model_->options().lora.enabled()) {
+      model_->load_adapter(progress_.best_model_checkpoint);
+    } else {
+      model_->load(CheckpointReader(progress_.best_model_checkpoint));
+    }
+    out_ << fmt::format("loaded the best checkpoint {} ({} = {})\n", progress_.best_model_checkpoint, best_key_,
+                        *progress_.best_metric);
+  }
   write_model_files(output_dir_);
   write_file_atomically((output_dir_ / "trainer_state.json").string(), trainer_state().dump(2) + "\n");
   const json memory = memory_report();

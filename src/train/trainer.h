@@ -33,10 +33,10 @@ struct TrainerConfig {
 };
 
 struct StepResult {
-  double loss_sum = 0;       // sum of per-token losses over the step
-  int64_t num_items = 0;     // num_items_in_batch: target tokens over all micro-batches
-  double grad_norm = 0;      // global norm of the normalized gradient, before clipping
-  double learning_rate = 0;  // the rate this step used
+  double loss_sum = 0;             // sum of per-token losses over the step
+  int64_t num_items = 0;           // num_items_in_batch: target tokens over all micro-batches
+  double grad_norm = 0;            // global norm of the normalized gradient, before clipping
+  double learning_rate = 0;        // the rate this step used
   bool updated = false;            // false when the step had no target token or was skipped
   bool skipped_nonfinite = false;  // gradients were inf/nan: no update (the loss scale backed off)
   double loss_scale = 1.0;         // the scale this step's gradients were computed with

@@ -217,6 +217,40 @@ TEST_F(TrainCliTest, EvalStreamsMetricsForABaseModelAndAnAdapter) {
   EXPECT_CONTAINS(bad.output, "rouge");
 }
 
+TEST_F(TrainCliTest, EvaluationDuringTrainingTracksAndLoadsTheBestCheckpoint) {
+  // The eval loss falls as training goes; asking for the greatest one makes the best checkpoint
+  // an early one, so keeping and loading it is visible.
+  const Result r = run(base_flags("best") + " --max_steps 8 --learning_rate 0.01 --eval_file " + path("train.jsonl") +
+                       " --eval_strategy steps --eval_steps 2 --save_steps 2 --save_total_limit 1"
+                       " --load_best_model_at_end --greater_is_better true --metrics eval_loss,token_accuracy"
+                       " --per_device_eval_batch_size 3");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const auto logs = read_jsonl(dir_ / "best/log.jsonl");
+  std::vector<std::pair<int64_t, double>> evals;
+  for (const auto& rec : logs)
+    if (rec.contains("eval_loss")) {
+      EXPECT_TRUE(rec.contains("eval_token_accuracy"));
+      evals.emplace_back(rec["step"].get<int64_t>(), rec["eval_loss"].get<double>());
+    }
+  ASSERT_EQ(evals.size(), 4u);
+  const auto best = *std::max_element(evals.begin(), evals.end(), [](auto a, auto b) { return a.second < b.second; });
+  ASSERT_NE(best.first, 8) << "the test needs a best checkpoint other than the last";
+  const json state = json::parse(std::ifstream(dir_ / "best/trainer_state.json"));
+  EXPECT_EQ(state["best_global_step"], best.first);
+  EXPECT_DOUBLE_EQ(state["best_metric"].get<double>(), best.second);
+  const fs::path best_dir = dir_ / "best" / ("checkpoint-" + std::to_string(best.first));
+  EXPECT_EQ(state["best_model_checkpoint"], best_dir.string());
+  EXPECT_TRUE(fs::exists(best_dir)) << "save_total_limit keeps the best checkpoint";
+  EXPECT_TRUE(fs::exists(dir_ / "best/checkpoint-8"));
+  // The final adapter is the best checkpoint's.
+  auto bytes = [](const fs::path& p) {
+    std::ifstream in(p, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  EXPECT_EQ(bytes(dir_ / "best/adapter_model.safetensors"), bytes(best_dir / "adapter_model.safetensors"));
+  EXPECT_CONTAINS(run(base_flags("x") + " --max_steps 2 --load_best_model_at_end").output, "--eval_strategy");
+}
+
 TEST_F(TrainCliTest, SaveTotalLimitKeepsTheNewest) {
   ASSERT_EQ(run(base_flags("rot") + " --max_steps 5 --save_steps 1 --save_total_limit 2").status, 0);
   std::vector<std::string> names;
