@@ -2,6 +2,7 @@
 // dataset. Forward only, logits only as the fused LM head's chunk workspace, so memory is the
 // forward plan whatever the eval set size.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <filesystem>
 #include <fstream>
@@ -17,6 +18,7 @@
 #include "io/checkpoint.h"
 #include "model/qwen2.h"
 #include "tokenizer/tokenizer.h"
+#include "train/classification.h"
 #include "train/metrics.h"
 
 namespace memtune::cli {
@@ -27,14 +29,19 @@ Action add_eval(CLI::App& app) {
     std::string truncation_strategy = "delete";
     int64_t batch_size = 8, max_length = 2048, eval_accumulation_steps = 0;
     bool json = false, batch_eval_metrics = false;
+    std::vector<std::string> labels;
   };
   auto a = std::make_shared<Args>();
   app.add_option("--model_name_or_path", a->model, "Hugging Face model directory")->required();
   app.add_option("--adapter", a->adapter, "PEFT LoRA adapter directory");
   app.add_option("--eval_file", a->eval_file, "evaluation data, JSONL")->required();
   app.add_option("--tokenizer", a->tokenizer, "tokenizer directory (default: the model directory)");
-  app.add_option("--metrics", a->metrics, "comma-separated: eval_loss, perplexity, token_accuracy, top{k}_accuracy")
+  app.add_option("--metrics", a->metrics,
+                 "comma-separated: eval_loss, perplexity, token_accuracy, top{k}_accuracy; or for text+label data "
+                 "label_accuracy, macro_f1 (with eval_loss and the confusion matrix)")
       ->capture_default_str();
+  app.add_option("--labels", a->labels, "classification: the candidate labels (default: the eval file's labels)")
+      ->delimiter(',');
   app.add_option("--per_device_eval_batch_size", a->batch_size)->capture_default_str();
   app.add_option("--max_length", a->max_length)->capture_default_str();
   app.add_option("--truncation_strategy", a->truncation_strategy, "delete | left | right")->capture_default_str();
@@ -46,19 +53,29 @@ Action add_eval(CLI::App& app) {
   app.add_flag("--json", a->json, "print the results as one JSON object");
   return [a] {
     if (a->batch_size <= 0) throw Error("--per_device_eval_batch_size must be positive");
-    MetricSelection selection = parse_metrics(a->metrics);
+    // label_accuracy / macro_f1 select classification scoring; the rest are token metrics.
+    const bool classification =
+        a->metrics.find("label_accuracy") != std::string::npos || a->metrics.find("macro_f1") != std::string::npos;
+    MetricSelection selection;
+    if (!classification) selection = parse_metrics(a->metrics);
     const Tokenizer tokenizer = Tokenizer::load(a->tokenizer.empty() ? a->model : a->tokenizer);
     DataOptions d;
     d.max_length = a->max_length;
     d.truncation_strategy = parse_truncation_strategy(a->truncation_strategy);
     d.chat_template = a->templ;
     if (!a->system.empty()) d.record.system = a->system;
-    const Dataset data = load_dataset(a->eval_file, tokenizer, d);
-    if (data.empty()) throw Error(fmt::format("{}: no example to evaluate", a->eval_file));
+    ClassificationSet set;
+    Dataset data;
+    if (classification) {
+      set = build_classification_set(a->eval_file, tokenizer, d, a->labels);
+    } else {
+      data = load_dataset(a->eval_file, tokenizer, d);
+      if (data.empty()) throw Error(fmt::format("{}: no example to evaluate", a->eval_file));
+    }
     BatchOptions b;
     b.per_device_batch_size = a->batch_size;
     b.shuffle = false;
-    Batcher batcher(data, b);
+    Batcher batcher(classification ? set.candidates : data, b);
     batcher.start_epoch(0);
 
     const Qwen2Config config = load_qwen2_config((std::filesystem::path(a->model) / "config.json").string());
@@ -74,8 +91,26 @@ Action add_eval(CLI::App& app) {
     Qwen2Model model(config, o);
     model.load(CheckpointReader(a->model));
     if (!a->adapter.empty()) model.load_adapter(a->adapter);
+    if (classification) {
+      const ClassificationResult r = evaluate_classification(model, batcher, set);
+      nlohmann::json out = classification_to_json(r, set.labels);
+      out["planned_peak_bytes"] = model.plan().peak_bytes();
+      out["measured_peak_bytes"] = model.arena().high_water_bytes();
+      if (a->json) {
+        std::cout << out.dump() << "\n";
+        return;
+      }
+      std::cout << fmt::format("{}: {} examples x {} candidate labels; memory {} planned, {} measured\n", a->eval_file,
+                               r.examples, set.labels.size(), format_bytes(model.plan().peak_bytes()),
+                               format_bytes(model.arena().high_water_bytes()));
+      std::cout << fmt::format(
+          "{:<16} {:.6f}\n{:<16} {:.6f}\n{:<16} {:.6f}\nconfusion matrix (rows: true, columns: predicted):\n",
+          "label_accuracy", r.label_accuracy, "macro_f1", r.macro_f1, "eval_loss", r.eval_loss);
+      for (size_t i = 0; i < set.labels.size(); ++i)
+        std::cout << fmt::format("  {:<14} {}\n", set.labels[i], fmt::join(r.confusion[i], " "));
+      return;
+    }
     const EvalResult r = evaluate(model, batcher, selection);
-
     nlohmann::json out = {{"eval_examples", r.num_sequences},
                           {"eval_tokens", r.num_tokens},
                           {"planned_peak_bytes", model.plan().peak_bytes()},

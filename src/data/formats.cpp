@@ -144,13 +144,14 @@ std::string replace_all(std::string text, std::string_view from, std::string_vie
   return text;
 }
 
+
+}  // namespace
+
 std::string label_text(const json& label) {
   if (label.is_string()) return label.get<std::string>();
   if (label.is_number() || label.is_boolean()) return label.dump();
   throw Error(fmt::format("field \"label\": expected a string or a number, got {}", label.type_name()));
 }
-
-}  // namespace
 
 DataFormat parse_data_format(std::string_view name) {
   for (const auto& [n, f] : kFormatNames)

@@ -56,6 +56,9 @@ struct Record {
 // validated with validate_conversation(messages, /*require_final_assistant=*/true).
 Record parse_record(const nlohmann::json& record, DataFormat format, const RecordOptions& options);
 
+// The text of a classification record's "label" (a string, or a number written as JSON).
+std::string label_text(const nlohmann::json& label);
+
 // An OpenAI-style messages array ({"role", "content", "loss"?} objects); `field` names it in
 // errors. The conversation is not validated here.
 std::vector<ChatMessage> parse_messages(const nlohmann::json& messages, std::string_view field);
