@@ -17,6 +17,8 @@ Run it with Debian's /usr/bin/python3 (torch + numpy); it has no other dependenc
     qwen2_reference.py train-bench --model DIR --batch B --seq T --steps N [--threads K]
                                    [--tuner full|lora] [--lora_rank R] [--lora_alpha A]
                                    [--target_modules all-linear|NAME...] [--lr LR]
+    qwen2_reference.py eval-bench --model DIR --batch B --seq T --num_sequences S
+                                  [--threads K] [--mode full|argmax]
 """
 
 import argparse
@@ -575,6 +577,85 @@ def train_bench(model_dir, batch, seq, steps, threads, tuner, lora_rank, lora_al
     }))
 
 
+def eval_bench(model_dir, batch, seq, num_sequences, threads, mode):
+    """Eager PyTorch evaluation memory and time, written the way Hugging Face Trainer's
+    evaluation_loop runs with a custom compute_metrics and eval_accumulation_steps=None:
+    `num_sequences` random sequences (fixed seed, labels = input_ids) in batches of `batch` under
+    torch.no_grad(). Per batch (prediction_step) the model computes float32 logits [B, T, V] and
+    its mean causal-LM loss, which is kept as loss.repeat(B) (all_losses).
+      mode "full":   the logits themselves are kept: HF's nested_concat grows one tensor with
+                     torch.cat per batch (old and new copies coexist during each cat), and the
+                     labels likewise. After the loop compute_metrics receives all of them
+                     ([S, T, V] and [S, T], shared with numpy as HF's nested_numpify does) and
+                     computes the token accuracy (argmax vs the labels shifted by one) and the
+                     mean loss over all target tokens; that loss is computed sequence by
+                     sequence, so the metric itself adds no full-size copy. eval_loss is that
+                     compute_metrics loss.
+      mode "argmax": preprocess_logits_for_metrics returns logits.argmax(-1), so only [B, T] ids
+                     are kept; compute_metrics computes the token accuracy from them and
+                     eval_loss is HF's: the mean of all_losses (the per-batch mean losses, each
+                     repeated by its batch size).
+    `seconds` covers the evaluation loop and compute_metrics, not loading the model. A full mode
+    whose logits do not fit in memory fails as PyTorch fails (an allocation error, or the kernel
+    ending the process)."""
+    torch.set_num_threads(threads)
+    cfg, params = load_model(model_dir)
+    for p in params.values():
+        p.requires_grad_(False)
+    gen = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(cfg.vocab_size, (num_sequences, seq), generator=gen)
+
+    def nested_concat(kept, new):
+        # transformers' torch_pad_and_concatenate with equal sequence lengths: torch.cat on dim 0.
+        return new if kept is None else torch.cat((kept, new), dim=0)
+
+    def shifted_accuracy(preds, labels):
+        # preds[:, t] predicts labels[:, t + 1]; IGNORE_INDEX targets are skipped.
+        targets = labels[:, 1:]
+        valid = targets != IGNORE_INDEX
+        correct = (preds[:, :-1] == targets) & valid
+        return correct.sum().item() / max(valid.sum().item(), 1)
+
+    start = time.perf_counter()
+    all_losses = all_preds = all_labels = None
+    with torch.no_grad():
+        for begin in range(0, num_sequences, batch):
+            ids = input_ids[begin:begin + batch]
+            labels = ids.clone()
+            logits = forward(cfg, params, ids)  # [B, T, V] float32
+            loss = hf_causal_lm_loss(logits, labels)  # mean over the batch's target tokens
+            all_losses = nested_concat(all_losses, loss.repeat(ids.shape[0]))
+            if mode == "argmax":
+                logits = logits.argmax(-1)  # preprocess_logits_for_metrics
+            all_preds = nested_concat(all_preds, logits)
+            all_labels = nested_concat(all_labels, labels)
+            del loss, logits, labels
+        # nested_numpify: .numpy() of a CPU tensor shares its memory; compute_metrics gets arrays.
+        predictions, label_ids = all_preds.numpy(), all_labels.numpy()
+        preds_t, labels_t = torch.from_numpy(predictions), torch.from_numpy(label_ids)
+        if mode == "full":
+            accuracy = shifted_accuracy(preds_t.argmax(-1), labels_t)
+            loss_sum, targets = 0.0, 0
+            for i in range(preds_t.shape[0]):
+                row = hf_causal_lm_loss(preds_t[i:i + 1], labels_t[i:i + 1])
+                n = (labels_t[i, 1:] != IGNORE_INDEX).sum().item()
+                loss_sum, targets = loss_sum + row.item() * n, targets + n
+            eval_loss = loss_sum / max(targets, 1)
+        else:
+            accuracy = shifted_accuracy(preds_t, labels_t)
+            eval_loss = all_losses.mean().item()
+    seconds = time.perf_counter() - start
+    print(json.dumps({
+        "mode": mode,
+        "seconds": seconds,
+        "sequences_per_s": num_sequences / seconds,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "token_accuracy": accuracy,
+        "eval_loss": eval_loss,
+        "threads": threads,
+    }))
+
+
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -603,6 +684,14 @@ def main(argv):
     p_train.add_argument("--target_modules", nargs="+", default=["all-linear"],
                          help=f"all-linear, or names among {list(LORA_TARGETS)}")
     p_train.add_argument("--lr", type=float, default=1e-4)
+    p_eval = sub.add_parser("eval-bench", help="time and measure a Trainer-style evaluation loop "
+                            "that keeps full logits or their argmax for compute_metrics")
+    p_eval.add_argument("--model", required=True)
+    p_eval.add_argument("--batch", type=int, required=True)
+    p_eval.add_argument("--seq", type=int, required=True)
+    p_eval.add_argument("--num_sequences", type=int, required=True)
+    p_eval.add_argument("--threads", type=int, default=2)
+    p_eval.add_argument("--mode", choices=("full", "argmax"), default="full")
     args = parser.parse_args(argv)
     timed = args.command in ("bench", "train-bench")
     if timed and min(args.batch, args.seq, args.threads) < 1:
@@ -619,11 +708,18 @@ def main(argv):
             parser.error(f"train-bench: --target_modules must be all-linear or distinct names "
                          f"among {list(LORA_TARGETS)}")
         args.target_modules = tuple(t for t in LORA_TARGETS if t in targets)
+    if args.command == "eval-bench":
+        if min(args.batch, args.num_sequences, args.threads) < 1 or args.seq < 2:
+            parser.error("eval-bench: --batch, --num_sequences and --threads must be positive, "
+                         "--seq at least 2")
     try:
         if args.command == "dump":
             dump(args.model, args.input, args.out, adapter_dir=args.adapter)
         elif args.command == "bench":
             bench(args.model, args.batch, args.seq, args.steps, args.threads)
+        elif args.command == "eval-bench":
+            eval_bench(args.model, args.batch, args.seq, args.num_sequences, args.threads,
+                       args.mode)
         else:
             train_bench(args.model, args.batch, args.seq, args.steps, args.threads, args.tuner,
                         args.lora_rank, args.lora_alpha, args.target_modules, args.lr)

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <iostream>
 #include <memory>
+#include <optional>
 
 #include <nlohmann/json.hpp>
 
@@ -30,6 +31,7 @@ Action add_eval(CLI::App& app) {
     int64_t batch_size = 8, max_length = 2048, eval_accumulation_steps = 0;
     bool json = false, batch_eval_metrics = false;
     std::vector<std::string> labels;
+    std::string save_predictions;
   };
   auto a = std::make_shared<Args>();
   app.add_option("--model_name_or_path", a->model, "Hugging Face model directory")->required();
@@ -51,6 +53,8 @@ Action add_eval(CLI::App& app) {
                  "accepted for compatibility: metrics stream, nothing accumulates");
   app.add_flag("--batch_eval_metrics", a->batch_eval_metrics, "accepted for compatibility: metrics always stream");
   app.add_flag("--json", a->json, "print the results as one JSON object");
+  app.add_option("--save_predictions", a->save_predictions,
+                 "stream per-example results (loss, argmax ids or predicted label) to this JSONL file");
   return [a] {
     if (a->batch_size <= 0) throw Error("--per_device_eval_batch_size must be positive");
     // label_accuracy / macro_f1 select classification scoring; the rest are token metrics.
@@ -91,8 +95,15 @@ Action add_eval(CLI::App& app) {
     Qwen2Model model(config, o);
     model.load(CheckpointReader(a->model));
     if (!a->adapter.empty()) model.load_adapter(a->adapter);
+    std::ofstream predictions_file;
+    if (!a->save_predictions.empty()) {
+      predictions_file.open(a->save_predictions);
+      if (!predictions_file)
+        throw Error(fmt::format("--save_predictions {}: cannot write the file", a->save_predictions));
+    }
     if (classification) {
       const ClassificationResult r = evaluate_classification(model, batcher, set);
+      if (predictions_file.is_open()) write_classification_predictions(predictions_file, r, set);
       nlohmann::json out = classification_to_json(r, set.labels);
       out["planned_peak_bytes"] = model.plan().peak_bytes();
       out["measured_peak_bytes"] = model.arena().high_water_bytes();
@@ -110,7 +121,9 @@ Action add_eval(CLI::App& app) {
         std::cout << fmt::format("  {:<14} {}\n", set.labels[i], fmt::join(r.confusion[i], " "));
       return;
     }
-    const EvalResult r = evaluate(model, batcher, selection);
+    std::optional<PredictionWriter> writer;
+    if (predictions_file.is_open()) writer.emplace(predictions_file);
+    const EvalResult r = evaluate(model, batcher, selection, writer ? &*writer : nullptr);
     nlohmann::json out = {{"eval_examples", r.num_sequences},
                           {"eval_tokens", r.num_tokens},
                           {"planned_peak_bytes", model.plan().peak_bytes()},

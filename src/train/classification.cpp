@@ -141,6 +141,8 @@ ClassificationResult evaluate_classification(Qwen2Model& model, Batcher& batcher
     true_logp += scores.logp()[i * K + set.truth[i]];
     true_tokens += scores.tokens()[i * K + set.truth[i]];
   }
+  r.candidate_logp = scores.logp();
+  r.candidate_tokens = scores.tokens();
   r.label_accuracy = static_cast<double>(correct) / static_cast<double>(N);
   r.eval_loss = -true_logp / static_cast<double>(std::max<int64_t>(1, true_tokens));
   // Macro F1 over the labels that occur as truth or prediction (scikit-learn's default set).
@@ -159,6 +161,22 @@ ClassificationResult evaluate_classification(Qwen2Model& model, Batcher& batcher
   }
   r.macro_f1 = present ? f1_sum / present : 0.0;
   return r;
+}
+
+void write_classification_predictions(std::ostream& out, const ClassificationResult& r, const ClassificationSet& set) {
+  const size_t K = set.labels.size();
+  for (size_t i = 0; i < set.truth.size(); ++i) {
+    json scores = json::object();
+    for (size_t k = 0; k < K; ++k) scores[set.labels[k]] = r.candidate_logp[i * K + k];
+    const size_t t = i * K + static_cast<size_t>(set.truth[i]);
+    out << json{{"index", i},
+                {"label", set.labels[static_cast<size_t>(set.truth[i])]},
+                {"predicted", set.labels[static_cast<size_t>(r.predicted[i])]},
+                {"loss", -r.candidate_logp[t] / static_cast<double>(std::max<int64_t>(1, r.candidate_tokens[t]))},
+                {"scores", scores}}
+               .dump()
+        << "\n";
+  }
 }
 
 json classification_to_json(const ClassificationResult& r, const std::vector<std::string>& labels) {

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -37,10 +38,17 @@ struct ClassificationResult {
   int64_t examples = 0;
   std::vector<int> predicted;                   // per example, index into labels
   std::vector<std::vector<int64_t>> confusion;  // [true][predicted]
+  std::vector<double> candidate_logp;           // [example * num_labels + k]: log p(answer k)
+  std::vector<int64_t> candidate_tokens;        // answer tokens scored for that candidate
 };
 
 // Scores every candidate sequence (the batcher must iterate `set.candidates` in order).
 ClassificationResult evaluate_classification(Qwen2Model& model, Batcher& batcher, const ClassificationSet& set);
+
+// --save_predictions: one JSON line per example {"index", "label", "predicted", "loss",
+// "scores" {label: log-probability}}.
+void write_classification_predictions(std::ostream& out, const ClassificationResult& result,
+                                      const ClassificationSet& set);
 
 nlohmann::json classification_to_json(const ClassificationResult& result, const std::vector<std::string>& labels);
 

@@ -2,6 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <sstream>
@@ -68,30 +71,68 @@ MetricSelection parse_metrics(const std::string& list) {
   return s;
 }
 
+void PredictionWriter::start_batch(std::span<const int32_t> cu_seqlens) {
+  cu_.assign(cu_seqlens.begin(), cu_seqlens.end());
+  argmax_.assign(cu_.size() - 1, {});
+  loss_.assign(cu_.size() - 1, 0.0);
+}
+
+void PredictionWriter::observe(const cpu::LogitsChunk& c) {
+  row_argmax_.resize(static_cast<size_t>(c.rows));
+  row_loss_.resize(static_cast<size_t>(c.rows));
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < c.rows; ++r) {
+    const float* z = c.logits + r * c.V;
+    row_argmax_[r] = static_cast<int32_t>(std::max_element(z, z + c.V) - z);  // first maximum, like torch
+    row_loss_[r] = cpu::row_logsumexp(z, c.V) - z[c.targets[r]];
+  }
+  for (int64_t r = 0; r < c.rows; ++r) {
+    const size_t seq = static_cast<size_t>(std::upper_bound(cu_.begin(), cu_.end(), c.positions[r]) - cu_.begin() - 1);
+    argmax_[seq].push_back(row_argmax_[r]);
+    loss_[seq] += row_loss_[r];
+  }
+}
+
+void PredictionWriter::finish_batch() {
+  for (size_t s = 0; s < argmax_.size(); ++s) {
+    const size_t n = argmax_[s].size();
+    const nlohmann::json line = {{"index", next_index_++},
+                                 {"loss", n ? loss_[s] / static_cast<double>(n) : 0.0},
+                                 {"num_targets", n},
+                                 {"argmax", argmax_[s]}};
+    out_ << line.dump() << "\n";
+  }
+  out_.flush();
+}
+
 namespace {
-// Hands each chunk to every selected metric.
+// Hands each chunk to every selected metric and to the prediction writer.
 class FanOut final : public cpu::ChunkObserver {
  public:
-  explicit FanOut(MetricSelection& s) : s_(s) {}
+  FanOut(MetricSelection& s, PredictionWriter* predictions) : s_(s), predictions_(predictions) {}
   void observe(const cpu::LogitsChunk& chunk) override {
     for (auto& m : s_.metrics) m->observe(chunk);
+    if (predictions_) predictions_->observe(chunk);
   }
 
  private:
   MetricSelection& s_;
+  PredictionWriter* predictions_;
 };
 }  // namespace
 
-EvalResult evaluate(Qwen2Model& model, Batcher& batcher, MetricSelection& selection) {
+EvalResult evaluate(Qwen2Model& model, Batcher& batcher, MetricSelection& selection, PredictionWriter* predictions) {
   for (auto& m : selection.metrics) m->reset();
-  FanOut fan_out(selection);
+  FanOut fan_out(selection, predictions);
   model.set_observer(&fan_out);
   EvalResult r;
   MicroBatch mb;
   try {
     while (batcher.next(mb)) {
       if (mb.input_ids.empty()) continue;
+      if (predictions) predictions->start_batch(mb.cu_seqlens);
       const cpu::LossSum part = model.forward_loss({mb.input_ids, mb.labels, mb.cu_seqlens});
+      if (predictions) predictions->finish_batch();
       r.loss_sum += part.sum;
       r.num_tokens += part.count;
       r.num_sequences += mb.num_sequences();

@@ -7,6 +7,8 @@
 #pragma once
 
 #include <memory>
+#include <ostream>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -50,6 +52,26 @@ struct MetricSelection {
 };
 MetricSelection parse_metrics(const std::string& list);
 
+// --save_predictions: one JSON line per evaluated sequence, written as each micro-batch finishes
+// ({"index", "loss" (mean over its targets), "num_targets", "argmax" (predicted ids at its target
+// positions)}), so host memory is one micro-batch's worth.
+class PredictionWriter final : public cpu::ChunkObserver {
+ public:
+  explicit PredictionWriter(std::ostream& out) : out_(out) {}
+  void start_batch(std::span<const int32_t> cu_seqlens);
+  void observe(const cpu::LogitsChunk& chunk) override;
+  void finish_batch();
+
+ private:
+  std::ostream& out_;
+  std::vector<int32_t> cu_;
+  std::vector<std::vector<int32_t>> argmax_;  // per sequence of the batch
+  std::vector<double> loss_;
+  std::vector<int32_t> row_argmax_;
+  std::vector<double> row_loss_;
+  int64_t next_index_ = 0;
+};
+
 struct EvalResult {
   double loss_sum = 0;
   int64_t num_tokens = 0;  // target tokens
@@ -59,6 +81,7 @@ struct EvalResult {
 
 // Runs every micro-batch of the batcher's current epoch through the model, forward and loss
 // only (a training model's gradients are not touched), with the metrics observing the chunks.
-EvalResult evaluate(Qwen2Model& model, Batcher& batcher, MetricSelection& selection);
+EvalResult evaluate(Qwen2Model& model, Batcher& batcher, MetricSelection& selection,
+                    PredictionWriter* predictions = nullptr);
 
 }  // namespace memtune

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <sstream>
 
 #include <nlohmann/json.hpp>
 
@@ -102,6 +103,14 @@ TEST(Classification, ScoresAndMetricsMatchMaterializedLogits) {
     EXPECT_EQ(r.confusion[k][k], tp);
   }
   EXPECT_NEAR(r.macro_f1, f1 / present, 1e-12);
+  std::stringstream lines;
+  write_classification_predictions(lines, r, set);
+  std::string line;
+  for (size_t i = 0; std::getline(lines, line); ++i) {
+    const auto j = nlohmann::json::parse(line);
+    EXPECT_EQ(j["predicted"], set.labels[static_cast<size_t>(predicted[i])]);
+    EXPECT_EQ(j["scores"].size(), 4u);
+  }
   fs::remove_all(dir);
 }
 

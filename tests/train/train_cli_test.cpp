@@ -203,7 +203,21 @@ TEST_F(TrainCliTest, EvalStreamsMetricsForABaseModelAndAnAdapter) {
     EXPECT_EQ(r.status, 0) << r.output;
     return json::parse(r.output.substr(r.output.find('{')));
   };
-  const json base = eval(""), adapted = eval(" --adapter " + path("ad") + " --per_device_eval_batch_size 1");
+  const json base = eval(" --save_predictions " + path("pred.jsonl")),
+             adapted = eval(" --adapter " + path("ad") + " --per_device_eval_batch_size 1");
+  // Per-example predictions, streamed: their token-weighted loss is the eval loss.
+  const auto preds = read_jsonl(dir_ / "pred.jsonl");
+  ASSERT_EQ(preds.size(), 12u);
+  double weighted = 0;
+  int64_t tokens = 0;
+  for (size_t i = 0; i < preds.size(); ++i) {
+    EXPECT_EQ(preds[i]["index"], i);
+    EXPECT_EQ(preds[i]["argmax"].size(), preds[i]["num_targets"].get<size_t>());
+    weighted += preds[i]["loss"].get<double>() * preds[i]["num_targets"].get<double>();
+    tokens += preds[i]["num_targets"].get<int64_t>();
+  }
+  EXPECT_EQ(tokens, base["eval_tokens"].get<int64_t>());
+  EXPECT_NEAR(weighted / tokens, base["eval_loss"].get<double>(), 1e-6);
   for (const json* j : {&base, &adapted}) {
     for (const char* key : {"eval_loss", "perplexity", "token_accuracy", "top5_accuracy", "eval_tokens"})
       EXPECT_TRUE(j->contains(key)) << key;
