@@ -15,49 +15,13 @@ if ! [[ "$steps" =~ ^[1-9][0-9]*$ ]]; then
   echo "bench-train: steps must be a positive integer, got '$steps'" >&2
   exit 1
 fi
-memtune="${MEMTUNE_BENCH_BIN:-}"
-if [[ -z "$memtune" ]]; then
-  "$root/scripts/install-deps.sh"
-  "$root/scripts/build.sh" "$root/build" > /dev/null
-  memtune="$root/build/memtune"
-fi
-tokenizer="$("$root/scripts/prepare-tokenizer.sh" | tail -n 1)"
-model="$root/out/bench/qwen2-30m"
-if [[ ! -f "$model/model.safetensors" ]]; then
-  "$memtune" init-model --preset tiny --out "$model" --seed 1 \
-    --set vocab_size=151936 --set hidden_size=192 --set intermediate_size=512 \
-    --set num_hidden_layers=4 --set num_attention_heads=3 --set num_key_value_heads=1
-fi
+source "$(dirname "$0")/bench-common.sh"
 
 # 64 examples of 500-509 random common English words, each one token with its leading space;
 # memtune's text format appends the eos token: 501-510 tokens, so max_length 512 deletes none.
 data="$root/out/bench/train-text.jsonl"
 if [[ ! -f "$data" ]]; then
-  /usr/bin/python3 - "$data.tmp" <<'EOF'
-import json, random, sys
-words = """the of and to in is it that was for on are as with his they at be this from have or by
-one had not but what all were when we there can an your which their said if do will each about how
-up out them then she many some so these would other into has more her two like him see time could
-no make than first been its who now people my made over did down only way find use may water long
-little very after words called just where most know get through back much go good new write our me
-man too any day same right look think also around another came come work three word must because
-does part even place well such here take why things help put years different away again off went
-old number great tell men say small every found still between name should home big give air line
-set own under read last never us left end along while might next sound below saw something thought
-both few those always looked show large often together asked house world going want school
-important until form food keep children feet land side without boy once animals life enough took
-sometimes four head above kind began almost live page got earth need far hand high year mother
-light parts country father let night following picture being study second eyes soon times story
-boys since white days ever paper hard near sentence better best across during today others however
-sure means knew try told young miles sun ways thing whole hear example heard several change answer
-room sea against top turned learn point city play toward five using himself usually money seen car
-morning river""".split()
-rng = random.Random(0)
-with open(sys.argv[1], "w") as f:
-    for _ in range(64):
-        text = " ".join(rng.choice(words) for _ in range(rng.randint(500, 509)))
-        f.write(json.dumps({"text": text}) + "\n")
-EOF
+  /usr/bin/python3 "$root/tools/make_bench_text.py" "$data.tmp" 64 0
   mv "$data.tmp" "$data"
 fi
 stats="$("$memtune" data stats --tokenizer "$tokenizer" --file "$data" --json)"

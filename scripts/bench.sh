@@ -6,14 +6,8 @@
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 batch="${1:-4}" seq="${2:-512}" steps="${3:-3}"
-"$root/scripts/install-deps.sh"
-"$root/scripts/build.sh" "$root/build" > /dev/null
-model="$root/out/bench/qwen2-30m"
-if [[ ! -f "$model/model.safetensors" ]]; then
-  "$root/build/memtune" init-model --preset tiny --out "$model" --seed 1 \
-    --set vocab_size=151936 --set hidden_size=192 --set intermediate_size=512 \
-    --set num_hidden_layers=4 --set num_attention_heads=3 --set num_key_value_heads=1
-fi
+unset MEMTUNE_BENCH_BIN  # bench_step comes from the build tree
+source "$(dirname "$0")/bench-common.sh"
 threads="$(nproc)"
 echo "== memtune ($threads threads)"
 mt="$(OMP_NUM_THREADS=$threads "$root/build/bench_step" --model "$model" --batch "$batch" --seq "$seq" --steps "$steps" | tee /dev/stderr | tail -1)"

@@ -9,6 +9,7 @@
 #include <fstream>
 
 #include "io/safetensors.h"
+#include "support/run_command.h"
 #include "support/test_util.h"
 
 namespace memtune {
@@ -16,19 +17,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
-struct Result {
-  int status;
-  std::string output;  // stdout and stderr
-};
-
+using Result = testing_support::CommandResult;
 Result run(const std::string& args) {
-  const std::string cmd = std::string(MEMTUNE_BINARY) + " " + args + " 2>&1";
-  FILE* pipe = popen(cmd.c_str(), "r");
-  std::string out;
-  std::array<char, 4096> buf{};
-  while (size_t n = fread(buf.data(), 1, buf.size(), pipe)) out.append(buf.data(), n);
-  const int status = pclose(pipe);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+  return testing_support::run_memtune(args);
 }
 
 class CliTest : public ::testing::Test {

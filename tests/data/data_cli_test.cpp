@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "data/synthetic_tokenizer.h"
+#include "support/run_command.h"
 #include "support/test_util.h"
 #include "tokenizer/chat_template.h"
 
@@ -17,19 +18,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
-struct Result {
-  int status;
-  std::string out;  // stdout and stderr
-};
-
+using Result = testing_support::CommandResult;
 Result memtune(const std::string& args) {
-  const std::string command = std::string(MEMTUNE_BINARY) + " " + args + " 2>&1";
-  FILE* pipe = popen(command.c_str(), "r");
-  std::string out;
-  std::array<char, 4096> buffer{};
-  while (size_t n = fread(buffer.data(), 1, buffer.size(), pipe)) out.append(buffer.data(), n);
-  const int status = pclose(pipe);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+  return testing_support::run_memtune(args);
 }
 
 std::vector<std::string> lines_of(const std::string& text) {
@@ -55,32 +46,32 @@ class DataCliTest : public ::testing::Test {
 TEST_F(DataCliTest, TokenizeEncodesEachLineAndDecodesBack) {
   write("in.jsonl", "\"hello world\"\n\n\"Hi<|im_end|>\"\n");
   Result r = memtune("tokenize " + tok() + " --input " + path("in.jsonl"));
-  ASSERT_EQ(r.status, 0) << r.out;
+  ASSERT_EQ(r.status, 0) << r.output;
   const Tokenizer tokenizer = testing_support::synthetic_tokenizer();
-  const auto lines = lines_of(r.out);
-  ASSERT_EQ(lines.size(), 2u) << r.out;
+  const auto lines = lines_of(r.output);
+  ASSERT_EQ(lines.size(), 2u) << r.output;
   EXPECT_EQ(lines[0], nlohmann::json(tokenizer.encode("hello world")).dump());
   EXPECT_EQ(lines[1], nlohmann::json(tokenizer.encode("Hi<|im_end|>")).dump());
 
-  write("ids.jsonl", r.out);
+  write("ids.jsonl", r.output);
   r = memtune("tokenize " + tok() + " --decode < " + path("ids.jsonl"));
-  ASSERT_EQ(r.status, 0) << r.out;
-  EXPECT_EQ(r.out, "\"hello world\"\n\"Hi<|im_end|>\"\n");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(r.output, "\"hello world\"\n\"Hi<|im_end|>\"\n");
 }
 
 TEST_F(DataCliTest, TokenizeChatRendersTheTemplateWithAGenerationPrompt) {
   write("chat.jsonl", R"({"messages": [{"role": "user", "content": "Hi"}]})"
                       "\n");
   Result r = memtune("tokenize " + tok() + " --chat --input " + path("chat.jsonl"));
-  ASSERT_EQ(r.status, 0) << r.out;
+  ASSERT_EQ(r.status, 0) << r.output;
   const Tokenizer tokenizer = testing_support::synthetic_tokenizer();
-  const auto ids = nlohmann::json::parse(r.out).get<std::vector<int32_t>>();
+  const auto ids = nlohmann::json::parse(r.output).get<std::vector<int32_t>>();
   EXPECT_EQ(tokenizer.decode(ids),
             "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
             "assistant.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
   r = memtune("tokenize " + tok() + " --chat --template chatml --input " + path("chat.jsonl"));
-  ASSERT_EQ(r.status, 0) << r.out;
-  EXPECT_EQ(tokenizer.decode(nlohmann::json::parse(r.out).get<std::vector<int32_t>>()),
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(tokenizer.decode(nlohmann::json::parse(r.output).get<std::vector<int32_t>>()),
             "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
 }
 
@@ -88,16 +79,16 @@ TEST_F(DataCliTest, TokenizeBadLinesNameFileAndLine) {
   write("in.jsonl", "\"ok\"\n{\"not\": \"a string\"}\n");
   Result r = memtune("tokenize " + tok() + " --input " + path("in.jsonl"));
   EXPECT_EQ(r.status, 1);
-  EXPECT_CONTAINS(r.out, "in.jsonl:2: expected a JSON string, got object");
+  EXPECT_CONTAINS(r.output, "in.jsonl:2: expected a JSON string, got object");
   write("ids.jsonl", "[1, 99999999]\n");
   r = memtune("tokenize " + tok() + " --decode --input " + path("ids.jsonl"));
   EXPECT_EQ(r.status, 1);
-  EXPECT_CONTAINS(r.out, "ids.jsonl:1: token id 99999999 is outside the vocabulary");
+  EXPECT_CONTAINS(r.output, "ids.jsonl:1: token id 99999999 is outside the vocabulary");
   write("chat.jsonl", R"({"messages": [{"role": "assistant", "content": "x"}]})"
                       "\n");
   r = memtune("tokenize " + tok() + " --chat --input " + path("chat.jsonl"));
   EXPECT_EQ(r.status, 1);
-  EXPECT_CONTAINS(r.out, "chat.jsonl:1: message 0: expected the conversation to start with a user message");
+  EXPECT_CONTAINS(r.output, "chat.jsonl:1: message 0: expected the conversation to start with a user message");
   EXPECT_NE(memtune("tokenize " + tok() + " --chat --decode").status, 0);
 }
 
@@ -111,11 +102,11 @@ TEST_F(DataCliTest, DataStatsPrintsATableOrJson) {
   write("train.jsonl", data);
   Result r = memtune("data stats " + tok() + " --file " + path("train.jsonl") + " --max_length 30 --json");
   EXPECT_EQ(r.status, 1);
-  EXPECT_CONTAINS(r.out, "train.jsonl:21: invalid JSON");
+  EXPECT_CONTAINS(r.output, "train.jsonl:21: invalid JSON");
 
   r = memtune("data stats " + tok() + " --file " + path("train.jsonl") + " --max_length 30 --skip_bad_lines --json");
-  ASSERT_EQ(r.status, 0) << r.out;
-  const nlohmann::json j = nlohmann::json::parse(r.out);
+  ASSERT_EQ(r.status, 0) << r.output;
+  const nlohmann::json j = nlohmann::json::parse(r.output);
   EXPECT_EQ(j["examples"], 20);
   EXPECT_EQ(j["format"], "query_response");
   EXPECT_EQ(j["bad_lines"], 1);
@@ -127,10 +118,10 @@ TEST_F(DataCliTest, DataStatsPrintsATableOrJson) {
   EXPECT_TRUE(j["length"].contains("p99"));
 
   r = memtune("data stats " + tok() + " --file " + path("train.jsonl") + " --skip_bad_lines");
-  ASSERT_EQ(r.status, 0) << r.out;
-  EXPECT_CONTAINS(r.out, "20 examples (format query_response)");
-  EXPECT_CONTAINS(r.out, "skipped " + path("train.jsonl") + ":21");
-  EXPECT_CONTAINS(r.out, "suggested max_length: ");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_CONTAINS(r.output, "20 examples (format query_response)");
+  EXPECT_CONTAINS(r.output, "skipped " + path("train.jsonl") + ":21");
+  EXPECT_CONTAINS(r.output, "suggested max_length: ");
 
   r = memtune("data " + tok());
   EXPECT_NE(r.status, 0);

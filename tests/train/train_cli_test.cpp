@@ -14,6 +14,7 @@
 
 #include "data/synthetic_tokenizer.h"
 #include "io/safetensors.h"
+#include "support/run_command.h"
 #include "support/test_util.h"
 
 namespace memtune {
@@ -22,19 +23,9 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-struct Result {
-  int status;
-  std::string output;
-};
-
+using Result = testing_support::CommandResult;
 Result run(const std::string& args) {
-  const std::string cmd = std::string(MEMTUNE_BINARY) + " " + args + " 2>&1";
-  FILE* pipe = popen(cmd.c_str(), "r");
-  std::string out;
-  std::array<char, 4096> buf{};
-  while (size_t n = fread(buf.data(), 1, buf.size(), pipe)) out.append(buf.data(), n);
-  const int status = pclose(pipe);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+  return testing_support::run_memtune(args);
 }
 
 std::vector<json> read_jsonl(const fs::path& path) {
@@ -141,16 +132,7 @@ TEST_F(TrainCliTest, ResumeContinuesBitIdentically) {
   }
 }
 
-// Runs a shell script with the test's directory as working directory.
-Result shell(const fs::path& dir, const std::string& script) {
-  const std::string cmd = "cd '" + dir.string() + "' && sh -c '" + script + "' 2>&1";
-  FILE* pipe = popen(cmd.c_str(), "r");
-  std::string out;
-  std::array<char, 4096> buf{};
-  while (size_t n = fread(buf.data(), 1, buf.size(), pipe)) out.append(buf.data(), n);
-  const int status = pclose(pipe);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
-}
+using testing_support::run_shell;
 
 // The newest checkpoint-N of an output directory (0 if none).
 int64_t newest_checkpoint(const fs::path& dir) {
@@ -165,9 +147,9 @@ int64_t newest_checkpoint(const fs::path& dir) {
 TEST_F(TrainCliTest, CtrlCSavesACheckpointAndResumes) {
   const std::string train =
       std::string(MEMTUNE_BINARY) + " " + base_flags("int") + " --max_steps 100000 --save_steps 100000";
-  const Result r = shell(dir_, train +
-                                   " > int.out 2>&1 & pid=$!; while [ ! -s int/log.jsonl ]; do sleep 0.02; done; "
-                                   "kill -INT $pid; wait $pid; echo rc=$?");
+  const Result r = run_shell(dir_, train +
+                                       " > int.out 2>&1 & pid=$!; while [ ! -s int/log.jsonl ]; do sleep 0.02; done; "
+                                       "kill -INT $pid; wait $pid; echo rc=$?");
   EXPECT_CONTAINS(r.output, "rc=130");
   const int64_t saved = newest_checkpoint(dir_ / "int");
   ASSERT_GT(saved, 0) << "Ctrl-C must leave a checkpoint";
@@ -180,9 +162,9 @@ TEST_F(TrainCliTest, CtrlCSavesACheckpointAndResumes) {
 TEST_F(TrainCliTest, KillDuringSavesLeavesLoadableCheckpoints) {
   const std::string flags = " --save_steps 1 --save_total_limit 3";
   const std::string train = std::string(MEMTUNE_BINARY) + " " + base_flags("kill") + flags + " --max_steps 100000";
-  shell(dir_, train +
-                  " > kill.out 2>&1 & pid=$!; while [ ! -d kill/checkpoint-3 ]; do sleep 0.01; done; kill -9 $pid; "
-                  "wait $pid");
+  run_shell(dir_, train +
+                      " > kill.out 2>&1 & pid=$!; while [ ! -d kill/checkpoint-3 ]; do sleep 0.01; done; kill -9 $pid; "
+                      "wait $pid");
   for (const auto& e : fs::directory_iterator(dir_ / "kill"))
     if (e.path().filename().string().starts_with("checkpoint-")) {
       EXPECT_TRUE(fs::exists(e.path() / "trainer_state.json")) << e.path();

@@ -1,0 +1,38 @@
+// Runs the memtune binary (or a shell script) as a user would and captures what it prints, for
+// the command-line tests.
+#pragma once
+
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+
+namespace memtune::testing_support {
+
+struct CommandResult {
+  int status;          // exit status, -1 if killed by a signal
+  std::string output;  // stdout and stderr together
+};
+
+inline CommandResult run_command(const std::string& command) {
+  FILE* pipe = popen((command + " 2>&1").c_str(), "r");
+  std::string out;
+  std::array<char, 4096> buffer{};
+  while (size_t n = fread(buffer.data(), 1, buffer.size(), pipe)) out.append(buffer.data(), n);
+  const int status = pclose(pipe);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
+}
+
+// `memtune ARGS` with the binary this test suite was built with.
+inline CommandResult run_memtune(const std::string& args) {
+  return run_command(std::string(MEMTUNE_BINARY) + " " + args);
+}
+
+// A POSIX shell script run in `dir`.
+inline CommandResult run_shell(const std::filesystem::path& dir, const std::string& script) {
+  return run_command("cd '" + dir.string() + "' && sh -c '" + script + "'");
+}
+
+}  // namespace memtune::testing_support
