@@ -63,7 +63,7 @@ Qwen2Model::Qwen2Model(const Qwen2Config& config, const ModelOptions& options)
   final_norm_ = i;
   head_ = config.tie_word_embeddings ? embed_ : i + 1;
   declare_buffers();
-  arena_ = std::make_unique<Arena>(*plan_);
+  if (options.allocate) arena_ = std::make_unique<Arena>(*plan_);
 }
 
 Qwen2Model::LayerActs Qwen2Model::declare_layer_acts(const std::string& prefix, Category cat, Phase first, Phase last) {

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "backend/cpu/ops.h"
+#include "core/error.h"
 #include "memory/arena.h"
 #include "memory/plan.h"
 #include "model/config.h"
@@ -46,6 +47,7 @@ struct ModelOptions {
   bool with_grads = true;                                    // declare gradients and backward buffers
   bool with_optimizer = false;  // declare AdamW moments (and fp32 masters for 16-bit storage)
   LoraConfig lora;              // rank > 0: adapters are trained, the base is frozen (no gradients, no optimizer state)
+  bool allocate = true;         // false: declare and plan only (memtune plan for models larger than this machine)
 };
 
 // A micro-batch: a flat stream of tokens holding sequences back to back. labels are unshifted
@@ -69,7 +71,10 @@ class Qwen2Model {
   const ModelOptions& options() const { return options_; }
   const std::vector<ParamSpec>& params() const { return specs_; }
   const MemoryPlan& plan() const { return *plan_; }
-  Arena& arena() { return *arena_; }
+  Arena& arena() {
+    MT_ASSERT(arena_, "this model was built plan-only (allocate = false)");
+    return *arena_;
+  }
   int64_t loss_chunk_rows() const { return chunk_rows_; }
 
   // Deterministic initialization like Hugging Face: N(0, 0.02) for matrices and embeddings,

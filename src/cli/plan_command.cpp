@@ -1,0 +1,162 @@
+// `memtune plan`: the whole memory bill of a training or evaluation run before it starts,
+// computed from the same buffer declarations the run allocates (plan-only: nothing is allocated,
+// so real-size models can be planned anywhere), checked against a device budget, next to what
+// Hugging Face Trainer's evaluation with compute_metrics would hold in logits.
+#include <fmt/format.h>
+
+#include <cmath>
+#include <filesystem>
+#include <iostream>
+#include <memory>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.h"
+#include "core/error.h"
+#include "model/qwen2.h"
+
+namespace memtune::cli {
+
+namespace {
+
+// "24GiB", "24 GB", "1.5e9", "512MiB": binary and decimal units.
+size_t parse_bytes(const std::string& text) {
+  size_t pos = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &pos);
+  } catch (const std::exception&) {
+    throw Error(fmt::format("--device_memory \"{}\": expected a size such as 24GiB or 16GB", text));
+  }
+  std::string unit = text.substr(pos);
+  unit.erase(0, unit.find_first_not_of(' '));
+  const std::pair<const char*, double> units[] = {
+      {"", 1},     {"B", 1},    {"KiB", 1024.0}, {"MiB", 1048576.0}, {"GiB", 1073741824.0}, {"TiB", 1099511627776.0},
+      {"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9},     {"TB", 1e12}};
+  for (const auto& [name, factor] : units)
+    if (unit == name && value >= 0) return static_cast<size_t>(std::llround(value * factor));
+  throw Error(fmt::format("--device_memory \"{}\": unknown unit (use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)", text));
+}
+
+nlohmann::json plan_json(const MemoryPlan& plan) {
+  nlohmann::json categories = nlohmann::json::object(), phases = nlohmann::json::object();
+  for (size_t c = 0; c < kNumCategories; ++c)
+    categories[std::string(category_name(static_cast<Category>(c)))] =
+        plan.live_bytes(plan.peak_phase(), static_cast<Category>(c));
+  for (size_t p = 0; p < kNumPhases; ++p)
+    phases[std::string(phase_name(static_cast<Phase>(p)))] = plan.live_bytes(static_cast<Phase>(p));
+  return {{"peak_bytes", plan.peak_bytes()},
+          {"peak_phase", std::string(phase_name(plan.peak_phase()))},
+          {"categories", categories},
+          {"phases", phases}};
+}
+
+}  // namespace
+
+Action add_plan(CLI::App& app) {
+  struct Args {
+    std::string model, preset, tuner_type = "lora", torch_dtype, device_memory;
+    std::vector<std::string> target_modules = {"all-linear"};
+    int64_t lora_rank = 8, batch = 8, eval_batch = 8, max_length = 2048, eval_sequences = 1000;
+    int64_t loss_workspace_bytes = static_cast<int64_t>(kDefaultLossWorkspaceBytes);
+    bool gradient_checkpointing = false, bf16 = false, json = false;
+  };
+  auto a = std::make_shared<Args>();
+  auto* model = app.add_option("--model", a->model, "model directory (its config.json)");
+  auto* preset = app.add_option("--preset", a->preset, "qwen2.5-0.5b ... qwen2.5-72b, tiny");
+  model->excludes(preset);
+  app.add_option("--tuner_type", a->tuner_type, "lora | full")->capture_default_str();
+  app.add_option("--lora_rank", a->lora_rank)->capture_default_str();
+  app.add_option("--target_modules", a->target_modules, "module names or all-linear")->delimiter(',');
+  app.add_option("--per_device_train_batch_size", a->batch)->capture_default_str();
+  app.add_option("--per_device_eval_batch_size", a->eval_batch)->capture_default_str();
+  app.add_option("--max_length", a->max_length)->capture_default_str();
+  app.add_option("--eval_sequences", a->eval_sequences, "eval set size for the Hugging Face comparison")
+      ->capture_default_str();
+  app.add_option("--torch_dtype", a->torch_dtype, "storage dtype (default: the config's)");
+  app.add_flag("--bf16", a->bf16, "store weights in bfloat16");
+  app.add_flag("--gradient_checkpointing", a->gradient_checkpointing);
+  app.add_option("--loss_workspace_bytes", a->loss_workspace_bytes)->capture_default_str();
+  app.add_option("--device_memory", a->device_memory, "budget to check against, e.g. 24GiB");
+  app.add_flag("--json", a->json, "print one JSON object");
+  return [a] {
+    if (a->model.empty() == a->preset.empty()) throw Error("plan needs exactly one of --model or --preset");
+    if (a->batch <= 0 || a->eval_batch <= 0 || a->max_length <= 0)
+      throw Error("batch sizes and --max_length must be positive");
+    if (a->tuner_type != "lora" && a->tuner_type != "full")
+      throw Error(fmt::format("--tuner_type must be lora or full, got \"{}\"", a->tuner_type));
+    Qwen2Config config = a->preset.empty()
+                             ? load_qwen2_config((std::filesystem::path(a->model) / "config.json").string())
+                             : qwen2_preset(a->preset);
+    if (a->bf16) config.torch_dtype = DType::BF16;
+    if (!a->torch_dtype.empty()) config.torch_dtype = parse_dtype(a->torch_dtype, "--torch_dtype");
+
+    // A micro-batch never holds more than batch x max_length tokens (padding-free or packed).
+    ModelOptions train;
+    train.allocate = false;
+    train.max_tokens = a->batch * a->max_length;
+    train.gradient_checkpointing = a->gradient_checkpointing;
+    train.loss_workspace_bytes = static_cast<size_t>(a->loss_workspace_bytes);
+    train.with_optimizer = true;
+    if (a->tuner_type == "lora") {
+      train.lora.rank = a->lora_rank;
+      set_lora_targets(train.lora, a->target_modules);
+    }
+    ModelOptions eval = train;
+    eval.max_tokens = a->eval_batch * a->max_length;
+    eval.with_grads = eval.with_optimizer = false;
+    eval.gradient_checkpointing = false;
+    const Qwen2Model train_model(config, train), eval_model(config, eval);
+    int64_t trainable = 0;
+    for (size_t i = 0; i < train_model.num_trainable(); ++i) trainable += train_model.trainable_spec(i).numel();
+    const size_t peak = train_model.plan().peak_bytes();
+    // What Hugging Face Trainer's evaluation keeps with a custom compute_metrics: float32 logits
+    // [batch, seq, vocab] per batch, accumulated over the eval set (on device, or on the host
+    // with eval_accumulation_steps).
+    const double hf_batch = 4.0 * static_cast<double>(a->eval_batch * a->max_length * config.vocab_size);
+    const double hf_total = 4.0 * static_cast<double>(a->eval_sequences * a->max_length * config.vocab_size);
+
+    nlohmann::json out = {{"parameters", qwen2_parameter_count(config)},
+                          {"trainable_parameters", trainable},
+                          {"peak_bytes", peak},
+                          {"training", plan_json(train_model.plan())},
+                          {"evaluation", plan_json(eval_model.plan())},
+                          {"hf_eval_logits_bytes_per_batch", hf_batch},
+                          {"hf_eval_logits_bytes_accumulated", hf_total}};
+    out["categories"] = out["training"]["categories"];
+    out["phases"] = out["training"]["phases"];
+    std::optional<size_t> budget;
+    if (!a->device_memory.empty()) {
+      budget = parse_bytes(a->device_memory);
+      out["device_memory_bytes"] = *budget;
+      out["fits"] = std::max(peak, eval_model.plan().peak_bytes()) <= *budget;
+    }
+    if (a->json) {
+      std::cout << out.dump() << "\n";
+      return;
+    }
+    std::cout << fmt::format(
+        "{}: {} parameters, {} trainable ({}), {} storage; micro-batch {} x {} tokens{}\n",
+        a->preset.empty() ? a->model : a->preset, qwen2_parameter_count(config), trainable,
+        a->tuner_type == "lora" ? fmt::format("LoRA r={}", a->lora_rank) : std::string("full fine-tuning"),
+        dtype_torch_name(config.torch_dtype), a->batch, a->max_length,
+        a->gradient_checkpointing ? ", gradient checkpointing" : "");
+    std::cout << "training plan (bytes live per phase):\n" << train_model.plan().summary();
+    std::cout << fmt::format("evaluation plan at per_device_eval_batch_size {}: peak {}\n", a->eval_batch,
+                             format_bytes(eval_model.plan().peak_bytes()));
+    if (budget) {
+      const size_t need = std::max(peak, eval_model.plan().peak_bytes());
+      std::cout << (need <= *budget
+                        ? fmt::format("fits in {}: {} to spare\n", format_bytes(*budget), format_bytes(*budget - need))
+                        : fmt::format("does NOT fit in {}: {} over\n", format_bytes(*budget),
+                                      format_bytes(need - *budget)));
+    }
+    std::cout << fmt::format(
+        "Hugging Face Trainer evaluation with compute_metrics would hold {} of float32 logits per eval batch "
+        "({} x {} x {}), {} accumulated over {} sequences; memtune's evaluation holds a {}-row logits chunk.\n",
+        format_bytes(static_cast<size_t>(hf_batch)), a->eval_batch, a->max_length, config.vocab_size,
+        format_bytes(static_cast<size_t>(hf_total)), a->eval_sequences, eval_model.loss_chunk_rows());
+  };
+}
+
+}  // namespace memtune::cli

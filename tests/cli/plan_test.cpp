@@ -1,0 +1,77 @@
+// `memtune plan`: published parameter counts of real-size presets planned without allocating,
+// the budget check, and the plan's peak equal to what a run of the same configuration measures.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "model/qwen2.h"
+#include "support/run_command.h"
+#include "support/test_util.h"
+
+namespace memtune {
+namespace {
+
+using nlohmann::json;
+
+json plan(const std::string& args) {
+  const auto r = testing_support::run_memtune("plan --json " + args);
+  EXPECT_EQ(r.status, 0) << r.output;
+  return json::parse(r.output);
+}
+
+TEST(PlanCommand, RealSizePresetsArePlannedWithTheirPublishedParameterCounts) {
+  EXPECT_EQ(plan("--preset qwen2.5-0.5b")["parameters"], 494032768);
+  EXPECT_EQ(plan("--preset qwen2.5-7b")["parameters"], 7615616512);
+  const json p72 = plan("--preset qwen2.5-72b --tuner_type full --bf16 --per_device_train_batch_size 1");
+  EXPECT_EQ(p72["parameters"], 72706203648);
+  EXPECT_EQ(p72["trainable_parameters"], 72706203648);
+  // Full fine-tuning in bf16 storage: weights 2 bytes, masters + grads + two moments 16 bytes each.
+  EXPECT_GT(p72["categories"]["optimizer_state"].get<double>(), 2 * 4 * 72e9);
+  for (const char* key : {"peak_bytes", "categories", "phases", "training", "evaluation"})
+    EXPECT_TRUE(p72.contains(key)) << key;
+}
+
+TEST(PlanCommand, BudgetCheckAndCheckpointingLever) {
+  const std::string base =
+      "--preset qwen2.5-7b --bf16 --per_device_train_batch_size 1 --max_length 2048 "
+      "--per_device_eval_batch_size 1 --device_memory 24GiB";
+  const json plain = plan(base), ckpt = plan(base + " --gradient_checkpointing");
+  EXPECT_FALSE(plain["fits"].get<bool>());
+  EXPECT_TRUE(ckpt["fits"].get<bool>());
+  EXPECT_LT(ckpt["categories"]["saved_activations"].get<double>(),
+            plain["categories"]["saved_activations"].get<double>() / 10);
+  // HF evaluation logits: batch x seq x vocab x 4 bytes.
+  EXPECT_DOUBLE_EQ(plain["hf_eval_logits_bytes_per_batch"].get<double>(), 1.0 * 2048 * 152064 * 4);
+  const auto bad = testing_support::run_memtune("plan --preset qwen2.5-7b --device_memory '24 parsecs'");
+  EXPECT_EQ(bad.status, 1);
+  EXPECT_CONTAINS(bad.output, "parsecs");
+}
+
+TEST(PlanCommand, ThePlanIsWhatARunOfTheSameConfigurationMeasures) {
+  for (const char* tuner : {"full", "lora"})
+    for (bool checkpointing : {false, true}) {
+      const json p = plan(std::string("--preset tiny --tuner_type ") + tuner +
+                          " --per_device_train_batch_size 2 --max_length 32 --lora_rank 4" +
+                          (checkpointing ? " --gradient_checkpointing" : ""));
+      ModelOptions o;
+      o.max_tokens = 64;
+      o.with_optimizer = true;
+      o.gradient_checkpointing = checkpointing;
+      if (std::string(tuner) == "lora") {
+        o.lora.rank = 4;
+        set_lora_targets(o.lora, {"all-linear"});
+      }
+      Qwen2Model m(qwen2_preset("tiny"), o);
+      m.init_random(1);
+      std::vector<int32_t> ids(64), cu = {0, 32, 64};
+      for (int i = 0; i < 64; ++i) ids[i] = (i * 7) % 512;
+      m.forward_backward({ids, ids, cu});
+      m.arena().enter_phase(Phase::Optimizer);
+      for (size_t i = 0; i < m.num_trainable(); ++i) m.adam_m(i), m.adam_v(i);
+      EXPECT_EQ(p["peak_bytes"].get<size_t>(), m.plan().peak_bytes()) << tuner;
+      EXPECT_EQ(m.arena().high_water_bytes(), m.plan().peak_bytes()) << tuner << " checkpointing " << checkpointing;
+    }
+}
+
+}  // namespace
+}  // namespace memtune
