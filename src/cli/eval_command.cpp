@@ -58,8 +58,7 @@ Action add_eval(CLI::App& app) {
   return [a] {
     if (a->batch_size <= 0) throw Error("--per_device_eval_batch_size must be positive");
     // label_accuracy / macro_f1 select classification scoring; the rest are token metrics.
-    const bool classification =
-        a->metrics.find("label_accuracy") != std::string::npos || a->metrics.find("macro_f1") != std::string::npos;
+    const bool classification = wants_classification_metrics(a->metrics);
     MetricSelection selection;
     if (!classification) selection = parse_metrics(a->metrics);
     const Tokenizer tokenizer = Tokenizer::load(a->tokenizer.empty() ? a->model : a->tokenizer);

@@ -20,6 +20,10 @@ namespace memtune {
 
 using nlohmann::json;
 
+bool wants_classification_metrics(const std::string& metrics) {
+  return metrics.find("label_accuracy") != std::string::npos || metrics.find("macro_f1") != std::string::npos;
+}
+
 ClassificationSet build_classification_set(const std::string& path, const Tokenizer& tokenizer,
                                            const DataOptions& options, std::vector<std::string> labels) {
   std::ifstream in(path);

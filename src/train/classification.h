@@ -29,6 +29,9 @@ struct ClassificationSet {
   Dataset candidates;
 };
 
+// True when a --metrics list asks for classification metrics (label_accuracy, macro_f1).
+bool wants_classification_metrics(const std::string& metrics);
+
 ClassificationSet build_classification_set(const std::string& path, const Tokenizer& tokenizer,
                                            const DataOptions& options, std::vector<std::string> labels);
 

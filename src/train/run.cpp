@@ -26,6 +26,7 @@
 #include "io/safetensors.h"
 #include "model/qwen2.h"
 #include "tokenizer/tokenizer.h"
+#include "train/classification.h"
 #include "train/metrics.h"
 #include "train/trainer.h"
 
@@ -122,6 +123,8 @@ class TrainingRun {
   Dataset train_, eval_;
   std::unique_ptr<Batcher> batcher_, eval_batcher_;
   MetricSelection metrics_;
+  bool classification_ = false;  // --metrics label_accuracy/macro_f1: score candidate labels
+  ClassificationSet class_set_;
   std::string best_key_;  // the log key metric_for_best_model names, e.g. eval_loss
   bool greater_is_better_ = false;
   std::unique_ptr<Qwen2Model> model_;
@@ -135,7 +138,8 @@ class TrainingRun {
 
 void TrainingRun::run() {
   validate_training_arguments(args_);
-  metrics_ = parse_metrics(args_.metrics);
+  classification_ = wants_classification_metrics(args_.metrics);
+  if (!classification_) metrics_ = parse_metrics(args_.metrics);
   metrics_.eval_loss = true;  // always reported, as Hugging Face does
   best_key_ = args_.metric_for_best_model.starts_with("eval_") ? args_.metric_for_best_model
                                                                : "eval_" + args_.metric_for_best_model;
@@ -206,12 +210,16 @@ void TrainingRun::load_data() {
   if (!args_.eval_file.empty()) {
     if (args_.eval_strategy == "no")
       out_ << "note: --eval_file is evaluated only with --eval_strategy steps or epoch (as in Hugging Face)\n";
-    eval_ = load_dataset(args_.eval_file, *tokenizer_, d);
-    if (eval_.empty()) throw Error(fmt::format("{}: no example to evaluate", args_.eval_file));
+    if (classification_) {
+      class_set_ = build_classification_set(args_.eval_file, *tokenizer_, d, {});
+    } else {
+      eval_ = load_dataset(args_.eval_file, *tokenizer_, d);
+      if (eval_.empty()) throw Error(fmt::format("{}: no example to evaluate", args_.eval_file));
+    }
     BatchOptions e;
     e.per_device_batch_size = args_.per_device_eval_batch_size;
     e.shuffle = false;
-    eval_batcher_ = std::make_unique<Batcher>(eval_, e);
+    eval_batcher_ = std::make_unique<Batcher>(classification_ ? class_set_.candidates : eval_, e);
   }
   const DatasetCounts& c = train_.counts();
   out_ << fmt::format(
@@ -436,11 +444,19 @@ void TrainingRun::resume() {
 void TrainingRun::run_evaluation() {
   const auto start = std::chrono::steady_clock::now();
   eval_batcher_->start_epoch(0);
-  const EvalResult r = evaluate(*model_, *eval_batcher_, metrics_);
-  json record = {{"epoch", static_cast<double>(progress_.global_step) / static_cast<double>(steps_per_epoch_)},
-                 {"eval_tokens", r.num_tokens},
-                 {"eval_runtime", std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()}};
-  for (const auto& [name, value] : r.values) record[name.starts_with("eval_") ? name : "eval_" + name] = value;
+  json record = {{"epoch", static_cast<double>(progress_.global_step) / static_cast<double>(steps_per_epoch_)}};
+  if (classification_) {
+    const ClassificationResult r = evaluate_classification(*model_, *eval_batcher_, class_set_);
+    record["eval_loss"] = r.eval_loss;
+    record["eval_label_accuracy"] = r.label_accuracy;
+    record["eval_macro_f1"] = r.macro_f1;
+    record["eval_examples"] = r.examples;
+  } else {
+    const EvalResult r = evaluate(*model_, *eval_batcher_, metrics_);
+    record["eval_tokens"] = r.num_tokens;
+    for (const auto& [name, value] : r.values) record[name.starts_with("eval_") ? name : "eval_" + name] = value;
+  }
+  record["eval_runtime"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (!record.contains(best_key_))
     throw Error(fmt::format("--metric_for_best_model {}: not among the evaluated metrics (--metrics {})",
                             args_.metric_for_best_model, args_.metrics));

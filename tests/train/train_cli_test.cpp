@@ -247,6 +247,36 @@ TEST_F(TrainCliTest, EvaluationDuringTrainingTracksAndLoadsTheBestCheckpoint) {
   EXPECT_CONTAINS(run(base_flags("x") + " --max_steps 2 --load_best_model_at_end").output, "--eval_strategy");
 }
 
+TEST_F(TrainCliTest, ClassificationMetricsDuringTraining) {
+  {
+    std::ofstream data(dir_ / "cls.jsonl");
+    const char* texts[] = {"apple", "banana split", "car", "truck bed", "pear", "bus"};
+    const char* labels[] = {"fruit", "fruit", "vehicle", "vehicle", "fruit", "vehicle"};
+    for (int i = 0; i < 6; ++i) data << json{{"text", texts[i]}, {"label", labels[i]}}.dump() << "\n";
+  }
+  const Result r = run("train --model_name_or_path " + path("model") + " --train_file " + path("cls.jsonl") +
+                       " --eval_file " + path("cls.jsonl") + " --output_dir " + path("cls") +
+                       " --tuner_type full --learning_rate 3e-3 --lr_scheduler_type constant --max_steps 24"
+                       " --per_device_train_batch_size 6 --logging_steps 8 --eval_strategy steps --eval_steps 8"
+                       " --save_steps 8 --metrics label_accuracy,macro_f1 --metric_for_best_model label_accuracy");
+  ASSERT_EQ(r.status, 0) << r.output;
+  std::vector<json> evals;
+  for (const auto& rec : read_jsonl(dir_ / "cls/log.jsonl"))
+    if (rec.contains("eval_label_accuracy")) evals.push_back(rec);
+  ASSERT_EQ(evals.size(), 3u);
+  for (const auto& e : evals) {
+    EXPECT_TRUE(e.contains("eval_macro_f1"));
+    EXPECT_TRUE(e.contains("eval_loss"));
+    EXPECT_EQ(e["eval_examples"], 6);
+  }
+  EXPECT_LT(evals.back()["eval_loss"].get<double>(), evals.front()["eval_loss"].get<double>())
+      << "it trained on these six examples";
+  double best = 0;
+  for (const auto& e : evals) best = std::max(best, e["eval_label_accuracy"].get<double>());
+  const json state = json::parse(std::ifstream(dir_ / "cls/trainer_state.json"));
+  EXPECT_DOUBLE_EQ(state["best_metric"].get<double>(), best) << "label_accuracy: greater is better";
+}
+
 TEST_F(TrainCliTest, SaveTotalLimitKeepsTheNewest) {
   ASSERT_EQ(run(base_flags("rot") + " --max_steps 5 --save_steps 1 --save_total_limit 2").status, 0);
   std::vector<std::string> names;
