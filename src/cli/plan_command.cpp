@@ -4,10 +4,12 @@
 // Hugging Face Trainer's evaluation with compute_metrics would hold in logits.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <iostream>
 #include <memory>
+#include <optional>
 
 #include <nlohmann/json.hpp>
 
@@ -51,6 +53,44 @@ nlohmann::json plan_json(const MemoryPlan& plan) {
           {"phases", phases}};
 }
 
+// One configuration the --fit search considers, with the levers users know.
+struct Candidate {
+  int64_t batch, accumulation, max_length, lora_rank;
+  bool checkpointing, bf16;
+  size_t workspace;
+  size_t peak = 0;
+  double cost = 0;  // estimated step time, arbitrary units
+  std::string flags() const {
+    std::string f = fmt::format("--per_device_train_batch_size {} --gradient_accumulation_steps {} --max_length {}",
+                                batch, accumulation, max_length);
+    if (lora_rank > 0) f += fmt::format(" --lora_rank {}", lora_rank);
+    if (checkpointing) f += " --gradient_checkpointing";
+    if (bf16) f += " --bf16";
+    f += fmt::format(" --loss_workspace_bytes {}", workspace);
+    return f;
+  }
+};
+
+// Estimated step time: the step's matmul and attention FLOPs, each divided by an efficiency
+// that falls for small GEMMs (few tokens per micro-batch, few logits rows per chunk). Only the
+// ranking is used; the constants are rough fits to this project's CPU benchmarks.
+double estimate_cost(const Qwen2Config& c, const Candidate& k, int64_t chunk_rows) {
+  const double tokens = static_cast<double>(k.batch * k.accumulation * k.max_length);
+  const double D = static_cast<double>(c.hidden_size), I = static_cast<double>(c.intermediate_size);
+  const double layer_params = D * (c.q_dim() + 2.0 * c.kv_dim()) + c.q_dim() * D + 3.0 * D * I;
+  const double attention = 2.0 * c.head_dim() * c.num_attention_heads * static_cast<double>(k.max_length);
+  const double layer_fwd = c.num_hidden_layers * (2.0 * layer_params + attention);
+  const double head_fwd = 2.0 * static_cast<double>(c.vocab_size) * D;
+  const bool full = k.lora_rank == 0;
+  // Backward: input gradients always, weight gradients only when the base is trained.
+  const double layer = layer_fwd * ((full ? 3.0 : 2.0) + (k.checkpointing ? 1.0 : 0.0));
+  const double head = head_fwd * (full ? 3.0 : 2.0);
+  const double micro_tokens = static_cast<double>(k.batch * k.max_length);
+  const double layer_eff = micro_tokens / (micro_tokens + 256.0);
+  const double head_eff = static_cast<double>(chunk_rows) / (static_cast<double>(chunk_rows) + 64.0);
+  return tokens * (layer / layer_eff + head / head_eff);
+}
+
 }  // namespace
 
 Action add_plan(CLI::App& app) {
@@ -59,7 +99,8 @@ Action add_plan(CLI::App& app) {
     std::vector<std::string> target_modules = {"all-linear"};
     int64_t lora_rank = 8, batch = 8, eval_batch = 8, max_length = 2048, eval_sequences = 1000;
     int64_t loss_workspace_bytes = static_cast<int64_t>(kDefaultLossWorkspaceBytes);
-    bool gradient_checkpointing = false, bf16 = false, json = false;
+    bool gradient_checkpointing = false, bf16 = false, json = false, fit = false, allow_shorter_max_length = false;
+    int64_t gradient_accumulation_steps = 1;
   };
   auto a = std::make_shared<Args>();
   auto* model = app.add_option("--model", a->model, "model directory (its config.json)");
@@ -79,6 +120,11 @@ Action add_plan(CLI::App& app) {
   app.add_option("--loss_workspace_bytes", a->loss_workspace_bytes)->capture_default_str();
   app.add_option("--device_memory", a->device_memory, "budget to check against, e.g. 24GiB");
   app.add_flag("--json", a->json, "print one JSON object");
+  app.add_option("--gradient_accumulation_steps", a->gradient_accumulation_steps)->capture_default_str();
+  app.add_flag("--fit", a->fit,
+               "search the levers (micro-batch with accumulation keeping the effective batch, gradient "
+               "checkpointing, logits chunk, LoRA rank, bfloat16 storage) for configurations within --device_memory");
+  app.add_flag("--allow_shorter_max_length", a->allow_shorter_max_length, "let --fit also halve max_length");
   return [a] {
     if (a->model.empty() == a->preset.empty()) throw Error("plan needs exactly one of --model or --preset");
     if (a->batch <= 0 || a->eval_batch <= 0 || a->max_length <= 0)
@@ -131,6 +177,51 @@ Action add_plan(CLI::App& app) {
       out["device_memory_bytes"] = *budget;
       out["fits"] = std::max(peak, eval_model.plan().peak_bytes()) <= *budget;
     }
+    std::vector<Candidate> fitting;
+    std::optional<Candidate> smallest;
+    if (a->fit) {
+      if (!budget) throw Error("--fit needs --device_memory");
+      const bool lora = a->tuner_type == "lora";
+      std::vector<int64_t> batches, ranks = {lora ? a->lora_rank : 0}, lengths = {a->max_length};
+      for (int64_t b = a->batch; b >= 1; b /= 2) batches.push_back(b);
+      if (lora && a->lora_rank > 1) ranks.push_back(a->lora_rank / 2);
+      if (a->allow_shorter_max_length && a->max_length > 1) lengths.push_back(a->max_length / 2);
+      std::vector<size_t> workspaces = {static_cast<size_t>(a->loss_workspace_bytes)};
+      if (static_cast<size_t>(a->loss_workspace_bytes) > (size_t{32} << 20)) workspaces.push_back(size_t{32} << 20);
+      std::vector<bool> dtypes = {a->bf16};
+      if (!a->bf16 && config.torch_dtype == DType::F32) dtypes.push_back(true);
+      const int64_t effective = a->batch * a->gradient_accumulation_steps;
+      for (int64_t b : batches)
+        for (bool ckpt : {false, true})
+          for (size_t ws : workspaces)
+            for (bool bf16 : dtypes)
+              for (int64_t rank : ranks)
+                for (int64_t length : lengths) {
+                  Candidate k{b, (effective + b - 1) / b, length, rank, ckpt, bf16, ws};
+                  Qwen2Config cc = config;
+                  if (bf16) cc.torch_dtype = DType::BF16;
+                  ModelOptions t = train;
+                  t.max_tokens = b * length;
+                  t.gradient_checkpointing = ckpt;
+                  t.loss_workspace_bytes = ws;
+                  if (rank > 0) t.lora.rank = rank;
+                  ModelOptions e = eval;
+                  e.max_tokens = std::min(a->eval_batch, b) * length;
+                  e.loss_workspace_bytes = ws;
+                  if (rank > 0) e.lora.rank = rank;
+                  const Qwen2Model tm(cc, t), em(cc, e);
+                  k.peak = std::max(tm.plan().peak_bytes(), em.plan().peak_bytes());
+                  k.cost = estimate_cost(cc, k, tm.loss_chunk_rows());
+                  if (!smallest || k.peak < smallest->peak) smallest = k;
+                  if (k.peak <= *budget) fitting.push_back(k);
+                }
+      std::sort(fitting.begin(), fitting.end(), [](const Candidate& x, const Candidate& y) { return x.cost < y.cost; });
+      nlohmann::json fit = nlohmann::json::array();
+      for (const Candidate& k : fitting)
+        fit.push_back({{"flags", k.flags()}, {"peak_bytes", k.peak}, {"relative_step_time", k.cost / fitting[0].cost}});
+      out["fit"] = fit;
+      out["smallest_peak_bytes"] = smallest->peak;
+    }
     if (a->json) {
       std::cout << out.dump() << "\n";
       return;
@@ -150,6 +241,20 @@ Action add_plan(CLI::App& app) {
                         ? fmt::format("fits in {}: {} to spare\n", format_bytes(*budget), format_bytes(*budget - need))
                         : fmt::format("does NOT fit in {}: {} over\n", format_bytes(*budget),
                                       format_bytes(need - *budget)));
+    }
+    if (a->fit) {
+      if (fitting.empty()) {
+        std::cout << fmt::format(
+            "--fit: nothing fits in {}. The smallest footprint found is {} ({}), of which the weights alone are {}.\n",
+            format_bytes(*budget), format_bytes(smallest->peak), smallest->flags(),
+            format_bytes(train_model.plan().live_bytes(Phase::Forward, Category::Weights)));
+      } else {
+        std::cout << fmt::format("--fit: {} configurations fit in {}; the fastest (estimated step time, relative):\n",
+                                 fitting.size(), format_bytes(*budget));
+        for (size_t i = 0; i < std::min<size_t>(8, fitting.size()); ++i)
+          std::cout << fmt::format("  {:.2f}x  {:>12}  {}\n", fitting[i].cost / fitting[0].cost,
+                                   format_bytes(fitting[i].peak), fitting[i].flags());
+      }
     }
     std::cout << fmt::format(
         "Hugging Face Trainer evaluation with compute_metrics would hold {} of float32 logits per eval batch "

@@ -47,6 +47,34 @@ TEST(PlanCommand, BudgetCheckAndCheckpointingLever) {
   EXPECT_CONTAINS(bad.output, "parsecs");
 }
 
+TEST(PlanCommand, FitSearchFindsConfigurationsWithinTheBudget) {
+  const std::string base =
+      "--preset qwen2.5-7b --bf16 --per_device_train_batch_size 4 --gradient_accumulation_steps 4 "
+      "--max_length 2048 --per_device_eval_batch_size 1";
+  const json asked = plan(base);
+  const json fit = plan(base + " --fit --device_memory 24GiB");
+  EXPECT_GT(asked["peak_bytes"].get<double>(), 24.0 * (1 << 30)) << "the configuration as asked must not fit";
+  ASSERT_FALSE(fit["fit"].empty());
+  double previous = 0;
+  for (const auto& k : fit["fit"]) {
+    EXPECT_LE(k["peak_bytes"].get<double>(), 24.0 * (1 << 30));
+    EXPECT_GE(k["relative_step_time"].get<double>(), previous) << "ranked by estimated step time";
+    previous = k["relative_step_time"].get<double>();
+    // The effective batch (micro-batch x accumulation) stays 16.
+    const std::string flags = k["flags"];
+    const auto b = std::stoi(flags.substr(flags.find("batch_size ") + 11));
+    const auto ga = std::stoi(flags.substr(flags.find("accumulation_steps ") + 19));
+    EXPECT_EQ(b * ga, 16) << flags;
+  }
+  // A budget below the weights: nothing fits, and the smallest footprint is reported.
+  const json none = plan(base + " --fit --device_memory 8GiB");
+  EXPECT_TRUE(none["fit"].empty());
+  EXPECT_GT(none["smallest_peak_bytes"].get<double>(), 8.0 * (1 << 30));
+  const auto text = testing_support::run_memtune("plan " + base + " --fit --device_memory 8GiB");
+  EXPECT_CONTAINS(text.output, "nothing fits");
+  EXPECT_EQ(testing_support::run_memtune("plan --preset tiny --fit").status, 1);
+}
+
 TEST(PlanCommand, ThePlanIsWhatARunOfTheSameConfigurationMeasures) {
   for (const char* tuner : {"full", "lora"})
     for (bool checkpointing : {false, true}) {
