@@ -85,12 +85,7 @@ Action add_eval(CLI::App& app) {
     ModelOptions o;
     o.max_tokens = batcher.max_micro_batch_tokens();
     o.with_grads = false;
-    if (!a->adapter.empty()) {
-      const std::string path = (std::filesystem::path(a->adapter) / "adapter_config.json").string();
-      std::ifstream in(path);
-      if (!in) throw Error(fmt::format("{}: cannot open file", path));
-      o.lora = parse_lora_adapter_config(nlohmann::json::parse(in, nullptr, false), path);
-    }
+    if (!a->adapter.empty()) o.lora = load_lora_adapter_config(a->adapter);
     Qwen2Model model(config, o);
     model.load(CheckpointReader(a->model));
     if (!a->adapter.empty()) model.load_adapter(a->adapter);

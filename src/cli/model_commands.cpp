@@ -124,10 +124,7 @@ Action add_dump(CLI::App& app) {
     options.max_tokens = static_cast<int64_t>(B * T);
     options.gradient_checkpointing = args->gradient_checkpointing;
     options.loss_workspace_bytes = args->loss_workspace_bytes;
-    if (!args->adapter.empty()) {
-      const std::string path = (std::filesystem::path(args->adapter) / "adapter_config.json").string();
-      options.lora = parse_lora_adapter_config(read_json_file(path), path);
-    }
+    if (!args->adapter.empty()) options.lora = load_lora_adapter_config(args->adapter);
     Qwen2Model model(cfg, options);
     model.load(CheckpointReader(args->model));
     if (!args->adapter.empty()) model.load_adapter(args->adapter);
@@ -169,12 +166,11 @@ Action add_merge(CLI::App& app) {
   app.add_option("--out", args->out, "where the merged checkpoint goes")->required();
   return [args] {
     const Qwen2Config cfg = load_qwen2_config((std::filesystem::path(args->model) / "config.json").string());
-    const std::string adapter_config = (std::filesystem::path(args->adapter) / "adapter_config.json").string();
     ModelOptions options;
     options.max_tokens = 1;
     options.with_grads = false;
     options.loss_workspace_bytes = 0;
-    options.lora = parse_lora_adapter_config(read_json_file(adapter_config), adapter_config);
+    options.lora = load_lora_adapter_config(args->adapter);
     Qwen2Model model(cfg, options);
     model.load(CheckpointReader(args->model));
     model.load_adapter(args->adapter);

@@ -1,6 +1,8 @@
 #include "model/lora.h"
 
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -124,6 +126,15 @@ LoraConfig parse_lora_adapter_config(const nlohmann::json& doc, const std::strin
   }
   set_lora_targets(c, names);
   return c;
+}
+
+LoraConfig load_lora_adapter_config(const std::string& dir) {
+  const std::string path = (std::filesystem::path(dir) / "adapter_config.json").string();
+  std::ifstream in(path);
+  if (!in) throw Error(fmt::format("{}: cannot open file", path));
+  nlohmann::json doc = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (doc.is_discarded()) throw Error(fmt::format("{}: invalid JSON", path));
+  return parse_lora_adapter_config(doc, path);
 }
 
 }  // namespace memtune

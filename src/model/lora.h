@@ -46,5 +46,7 @@ std::string lora_tensor_name(int64_t layer, LinearSite site, bool is_b);
 // adapter_config.json as PEFT writes it, and the reverse (validated; `source` names the file).
 nlohmann::json lora_adapter_config_json(const LoraConfig& config, const std::string& base_model_name_or_path);
 LoraConfig parse_lora_adapter_config(const nlohmann::json& doc, const std::string& source);
+// Reads dir/adapter_config.json (errors name the file).
+LoraConfig load_lora_adapter_config(const std::string& dir);
 
 }  // namespace memtune
