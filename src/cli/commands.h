@@ -5,6 +5,7 @@
 #include <functional>
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json_fwd.hpp>
 
 namespace memtune::cli {
 
@@ -18,5 +19,10 @@ Action add_eval(CLI::App& app);
 Action add_plan(CLI::App& app);
 Action add_tokenize(CLI::App& app);
 Action add_data_stats(CLI::App& app);
+Action add_report(CLI::App& app);
+
+// The options of a parsed subcommand as a JSON object (name -> value as given, or the default),
+// written to output_dir/run_args.json for the run report.
+nlohmann::json arguments_json(const CLI::App& app);
 
 }  // namespace memtune::cli

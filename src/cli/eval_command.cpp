@@ -17,7 +17,10 @@
 #include "data/batcher.h"
 #include "data/dataset.h"
 #include "io/checkpoint.h"
+#include "io/safetensors.h"
+#include "memory/memory_files.h"
 #include "model/qwen2.h"
+#include "report/report.h"
 #include "tokenizer/tokenizer.h"
 #include "train/classification.h"
 #include "train/metrics.h"
@@ -31,7 +34,7 @@ Action add_eval(CLI::App& app) {
     int64_t batch_size = 8, max_length = 2048, eval_accumulation_steps = 0;
     bool json = false, batch_eval_metrics = false;
     std::vector<std::string> labels;
-    std::string save_predictions;
+    std::string save_predictions, output_dir;
   };
   auto a = std::make_shared<Args>();
   app.add_option("--model_name_or_path", a->model, "Hugging Face model directory")->required();
@@ -55,7 +58,9 @@ Action add_eval(CLI::App& app) {
   app.add_flag("--json", a->json, "print the results as one JSON object");
   app.add_option("--save_predictions", a->save_predictions,
                  "stream per-example results (loss, argmax ids or predicted label) to this JSONL file");
-  return [a] {
+  app.add_option("--output_dir", a->output_dir,
+                 "write eval_results.json, memory.json, memory.jsonl, run_args.json and report.html here");
+  return [a, &app] {
     if (a->batch_size <= 0) throw Error("--per_device_eval_batch_size must be positive");
     // label_accuracy / macro_f1 select classification scoring; the rest are token metrics.
     const bool classification = wants_classification_metrics(a->metrics);
@@ -89,6 +94,24 @@ Action add_eval(CLI::App& app) {
     Qwen2Model model(config, o);
     model.load(CheckpointReader(a->model));
     if (!a->adapter.empty()) model.load_adapter(a->adapter);
+    const std::filesystem::path out_dir(a->output_dir);
+    MemoryTimeline timeline;
+    if (!a->output_dir.empty()) {
+      std::filesystem::create_directories(out_dir);
+      write_file_atomically((out_dir / "run_args.json").string(), arguments_json(app).dump(2) + "\n");
+      std::filesystem::remove(out_dir / "memory.jsonl");
+      timeline.open((out_dir / "memory.jsonl").string());
+    }
+    // Written once the metrics are known: the results, the memory record and the report.
+    auto write_outputs = [&](const nlohmann::json& results) {
+      if (a->output_dir.empty()) return;
+      static constexpr Phase kEvalPhases[] = {Phase::Forward, Phase::Loss};
+      timeline.record(model.arena(), 0, "eval", kEvalPhases);
+      write_file_atomically((out_dir / "eval_results.json").string(), results.dump(2) + "\n");
+      write_file_atomically((out_dir / "memory.json").string(),
+                            memory_json(model.plan(), model.arena(), model.host_plan()).dump(2) + "\n");
+      write_report(out_dir);
+    };
     std::ofstream predictions_file;
     if (!a->save_predictions.empty()) {
       predictions_file.open(a->save_predictions);
@@ -101,6 +124,7 @@ Action add_eval(CLI::App& app) {
       nlohmann::json out = classification_to_json(r, set.labels);
       out["planned_peak_bytes"] = model.plan().peak_bytes();
       out["measured_peak_bytes"] = model.arena().high_water_bytes();
+      write_outputs(out);
       if (a->json) {
         std::cout << out.dump() << "\n";
         return;
@@ -123,6 +147,7 @@ Action add_eval(CLI::App& app) {
                           {"planned_peak_bytes", model.plan().peak_bytes()},
                           {"measured_peak_bytes", model.arena().high_water_bytes()}};
     for (const auto& [name, value] : r.values) out[name] = value;
+    write_outputs(out);
     if (a->json) {
       std::cout << out.dump() << "\n";
       return;

@@ -24,6 +24,8 @@ int main(int argc, char** argv) {
   add("eval", "streaming evaluation: loss, perplexity, token accuracy without ever holding logits",
       memtune::cli::add_eval);
   add("plan", "the memory bill of a run before it starts, against a device budget", memtune::cli::add_plan);
+  add("report", "regenerate report.html (charts, memory timeline, plan, arguments) from a run's output_dir",
+      memtune::cli::add_report);
   add("tokenize", "encode JSONL text (or chat messages) to token ids, or decode ids", memtune::cli::add_tokenize);
   // `data` groups dataset tools; its sub-subcommands are dispatched like the others.
   CLI::App* data = app.add_subcommand("data", "dataset tools");

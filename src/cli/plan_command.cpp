@@ -15,6 +15,7 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "memory/memory_files.h"
 #include "model/qwen2.h"
 
 namespace memtune::cli {
@@ -40,23 +41,10 @@ size_t parse_bytes(const std::string& text) {
   throw Error(fmt::format("--device_memory \"{}\": unknown unit (use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)", text));
 }
 
-nlohmann::json plan_json(const MemoryPlan& plan) {
-  nlohmann::json categories = nlohmann::json::object(), phases = nlohmann::json::object();
-  for (size_t c = 0; c < kNumCategories; ++c)
-    categories[std::string(category_name(static_cast<Category>(c)))] =
-        plan.live_bytes(plan.peak_phase(), static_cast<Category>(c));
-  for (size_t p = 0; p < kNumPhases; ++p)
-    phases[std::string(phase_name(static_cast<Phase>(p)))] = plan.live_bytes(static_cast<Phase>(p));
-  return {{"peak_bytes", plan.peak_bytes()},
-          {"peak_phase", std::string(phase_name(plan.peak_phase()))},
-          {"categories", categories},
-          {"phases", phases}};
-}
-
 // One configuration the --fit search considers, with the levers users know.
 struct Candidate {
   int64_t batch, accumulation, max_length, lora_rank;
-  bool checkpointing, bf16;
+  bool checkpointing, bf16, offload;
   size_t workspace;
   size_t peak = 0;
   double cost = 0;  // estimated step time, arbitrary units
@@ -66,6 +54,7 @@ struct Candidate {
     if (lora_rank > 0) f += fmt::format(" --lora_rank {}", lora_rank);
     if (checkpointing) f += " --gradient_checkpointing";
     if (bf16) f += " --bf16";
+    if (offload) f += " --optim_offload";
     f += fmt::format(" --loss_workspace_bytes {}", workspace);
     return f;
   }
@@ -74,7 +63,7 @@ struct Candidate {
 // Estimated step time: the step's matmul and attention FLOPs, each divided by an efficiency
 // that falls for small GEMMs (few tokens per micro-batch, few logits rows per chunk). Only the
 // ranking is used; the constants are rough fits to this project's CPU benchmarks.
-double estimate_cost(const Qwen2Config& c, const Candidate& k, int64_t chunk_rows) {
+double estimate_cost(const Qwen2Config& c, const Candidate& k, int64_t chunk_rows, int64_t trainable) {
   const double tokens = static_cast<double>(k.batch * k.accumulation * k.max_length);
   const double D = static_cast<double>(c.hidden_size), I = static_cast<double>(c.intermediate_size);
   const double layer_params = D * (c.q_dim() + 2.0 * c.kv_dim()) + c.q_dim() * D + 3.0 * D * I;
@@ -88,7 +77,12 @@ double estimate_cost(const Qwen2Config& c, const Candidate& k, int64_t chunk_row
   const double micro_tokens = static_cast<double>(k.batch * k.max_length);
   const double layer_eff = micro_tokens / (micro_tokens + 256.0);
   const double head_eff = static_cast<double>(chunk_rows) / (static_cast<double>(chunk_rows) + 64.0);
-  return tokens * (layer / layer_eff + head / head_eff);
+  // Optimizer offload moves each float32 gradient to the host and the updated parameter back
+  // every optimizer step, and runs AdamW there: counted as FLOP-equivalents per byte moved (a
+  // device does a few hundred FLOPs in the time a host link moves one byte).
+  constexpr double kFlopsPerHostByte = 300.0;
+  const double offload = k.offload ? kFlopsPerHostByte * 8.0 * static_cast<double>(trainable) : 0.0;
+  return tokens * (layer / layer_eff + head / head_eff) + offload;
 }
 
 }  // namespace
@@ -100,6 +94,8 @@ Action add_plan(CLI::App& app) {
     int64_t lora_rank = 8, batch = 8, eval_batch = 8, max_length = 2048, eval_sequences = 1000;
     int64_t loss_workspace_bytes = static_cast<int64_t>(kDefaultLossWorkspaceBytes);
     bool gradient_checkpointing = false, bf16 = false, json = false, fit = false, allow_shorter_max_length = false;
+    bool optim_offload = false;
+    std::string train_file;
     int64_t gradient_accumulation_steps = 1;
   };
   auto a = std::make_shared<Args>();
@@ -119,11 +115,15 @@ Action add_plan(CLI::App& app) {
   app.add_flag("--gradient_checkpointing", a->gradient_checkpointing);
   app.add_option("--loss_workspace_bytes", a->loss_workspace_bytes)->capture_default_str();
   app.add_option("--device_memory", a->device_memory, "budget to check against, e.g. 24GiB");
+  app.add_flag("--optim_offload", a->optim_offload, "AdamW state and float32 masters in host memory");
+  app.add_option("--train_file", a->train_file, "the training data, for the host-memory estimate of its token ids")
+      ->check(CLI::ExistingFile);
   app.add_flag("--json", a->json, "print one JSON object");
   app.add_option("--gradient_accumulation_steps", a->gradient_accumulation_steps)->capture_default_str();
   app.add_flag("--fit", a->fit,
                "search the levers (micro-batch with accumulation keeping the effective batch, gradient "
-               "checkpointing, logits chunk, LoRA rank, bfloat16 storage) for configurations within --device_memory");
+               "checkpointing, logits chunk, LoRA rank, bfloat16 storage, optimizer offload) for configurations "
+               "within --device_memory");
   app.add_flag("--allow_shorter_max_length", a->allow_shorter_max_length, "let --fit also halve max_length");
   return [a] {
     if (a->model.empty() == a->preset.empty()) throw Error("plan needs exactly one of --model or --preset");
@@ -134,6 +134,7 @@ Action add_plan(CLI::App& app) {
     Qwen2Config config = a->preset.empty()
                              ? load_qwen2_config((std::filesystem::path(a->model) / "config.json").string())
                              : qwen2_preset(a->preset);
+    const DType checkpoint_dtype = config.torch_dtype;  // what the safetensors files hold
     if (a->bf16) config.torch_dtype = DType::BF16;
     if (!a->torch_dtype.empty()) config.torch_dtype = parse_dtype(a->torch_dtype, "--torch_dtype");
 
@@ -144,13 +145,14 @@ Action add_plan(CLI::App& app) {
     train.gradient_checkpointing = a->gradient_checkpointing;
     train.loss_workspace_bytes = static_cast<size_t>(a->loss_workspace_bytes);
     train.with_optimizer = true;
+    train.optim_offload = a->optim_offload;
     if (a->tuner_type == "lora") {
       train.lora.rank = a->lora_rank;
       set_lora_targets(train.lora, a->target_modules);
     }
     ModelOptions eval = train;
     eval.max_tokens = a->eval_batch * a->max_length;
-    eval.with_grads = eval.with_optimizer = false;
+    eval.with_grads = eval.with_optimizer = eval.optim_offload = false;
     eval.gradient_checkpointing = false;
     const Qwen2Model train_model(config, train), eval_model(config, eval);
     int64_t trainable = 0;
@@ -165,12 +167,23 @@ Action add_plan(CLI::App& app) {
     nlohmann::json out = {{"parameters", qwen2_parameter_count(config)},
                           {"trainable_parameters", trainable},
                           {"peak_bytes", peak},
-                          {"training", plan_json(train_model.plan())},
-                          {"evaluation", plan_json(eval_model.plan())},
+                          {"training", plan_to_json(train_model.plan())},
+                          {"evaluation", plan_to_json(eval_model.plan())},
                           {"hf_eval_logits_bytes_per_batch", hf_batch},
                           {"hf_eval_logits_bytes_accumulated", hf_total}};
     out["categories"] = out["training"]["categories"];
     out["phases"] = out["training"]["phases"];
+    // Host memory: the checkpoint's files are mmap'd while loading (page cache, reclaimable);
+    // offloaded optimizer state is planned; the dataset keeps int32 ids and labels per token,
+    // estimated from the file at one token per 3 bytes of JSONL.
+    const size_t host_weights = static_cast<size_t>(qwen2_parameter_count(config)) * dtype_size(checkpoint_dtype);
+    const size_t host_optimizer = train_model.host_plan().peak_bytes();
+    const size_t host_dataset =
+        a->train_file.empty() ? 0 : static_cast<size_t>(std::filesystem::file_size(a->train_file)) / 3 * 8;
+    out["host"] = {{"mmapped_weights_bytes", host_weights},
+                   {"optimizer_state_bytes", host_optimizer},
+                   {"dataset_bytes", host_dataset},
+                   {"total_bytes", host_weights + host_optimizer + host_dataset}};
     std::optional<size_t> budget;
     if (!a->device_memory.empty()) {
       budget = parse_bytes(a->device_memory);
@@ -188,33 +201,38 @@ Action add_plan(CLI::App& app) {
       if (a->allow_shorter_max_length && a->max_length > 1) lengths.push_back(a->max_length / 2);
       std::vector<size_t> workspaces = {static_cast<size_t>(a->loss_workspace_bytes)};
       if (static_cast<size_t>(a->loss_workspace_bytes) > (size_t{32} << 20)) workspaces.push_back(size_t{32} << 20);
-      std::vector<bool> dtypes = {a->bf16};
+      std::vector<bool> dtypes = {a->bf16}, offloads = {a->optim_offload};
+      if (!a->optim_offload) offloads.push_back(true);
       if (!a->bf16 && config.torch_dtype == DType::F32) dtypes.push_back(true);
       const int64_t effective = a->batch * a->gradient_accumulation_steps;
       for (int64_t b : batches)
         for (bool ckpt : {false, true})
           for (size_t ws : workspaces)
             for (bool bf16 : dtypes)
-              for (int64_t rank : ranks)
-                for (int64_t length : lengths) {
-                  Candidate k{b, (effective + b - 1) / b, length, rank, ckpt, bf16, ws};
-                  Qwen2Config cc = config;
-                  if (bf16) cc.torch_dtype = DType::BF16;
-                  ModelOptions t = train;
-                  t.max_tokens = b * length;
-                  t.gradient_checkpointing = ckpt;
-                  t.loss_workspace_bytes = ws;
-                  if (rank > 0) t.lora.rank = rank;
-                  ModelOptions e = eval;
-                  e.max_tokens = std::min(a->eval_batch, b) * length;
-                  e.loss_workspace_bytes = ws;
-                  if (rank > 0) e.lora.rank = rank;
-                  const Qwen2Model tm(cc, t), em(cc, e);
-                  k.peak = std::max(tm.plan().peak_bytes(), em.plan().peak_bytes());
-                  k.cost = estimate_cost(cc, k, tm.loss_chunk_rows());
-                  if (!smallest || k.peak < smallest->peak) smallest = k;
-                  if (k.peak <= *budget) fitting.push_back(k);
-                }
+              for (bool offload : offloads)
+                for (int64_t rank : ranks)
+                  for (int64_t length : lengths) {
+                    Candidate k{b, (effective + b - 1) / b, length, rank, ckpt, bf16, offload, ws};
+                    Qwen2Config cc = config;
+                    if (bf16) cc.torch_dtype = DType::BF16;
+                    ModelOptions t = train;
+                    t.max_tokens = b * length;
+                    t.gradient_checkpointing = ckpt;
+                    t.loss_workspace_bytes = ws;
+                    t.optim_offload = offload;
+                    if (rank > 0) t.lora.rank = rank;
+                    ModelOptions e = eval;
+                    e.max_tokens = std::min(a->eval_batch, b) * length;
+                    e.loss_workspace_bytes = ws;
+                    if (rank > 0) e.lora.rank = rank;
+                    const Qwen2Model tm(cc, t), em(cc, e);
+                    k.peak = std::max(tm.plan().peak_bytes(), em.plan().peak_bytes());
+                    int64_t k_trainable = 0;
+                    for (size_t i = 0; i < tm.num_trainable(); ++i) k_trainable += tm.trainable_spec(i).numel();
+                    k.cost = estimate_cost(cc, k, tm.loss_chunk_rows(), k_trainable);
+                    if (!smallest || k.peak < smallest->peak) smallest = k;
+                    if (k.peak <= *budget) fitting.push_back(k);
+                  }
       std::sort(fitting.begin(), fitting.end(), [](const Candidate& x, const Candidate& y) { return x.cost < y.cost; });
       nlohmann::json fit = nlohmann::json::array();
       for (const Candidate& k : fitting)
@@ -227,14 +245,19 @@ Action add_plan(CLI::App& app) {
       return;
     }
     std::cout << fmt::format(
-        "{}: {} parameters, {} trainable ({}), {} storage; micro-batch {} x {} tokens{}\n",
+        "{}: {} parameters, {} trainable ({}), {} storage; micro-batch {} x {} tokens{}{}\n",
         a->preset.empty() ? a->model : a->preset, qwen2_parameter_count(config), trainable,
         a->tuner_type == "lora" ? fmt::format("LoRA r={}", a->lora_rank) : std::string("full fine-tuning"),
         dtype_torch_name(config.torch_dtype), a->batch, a->max_length,
-        a->gradient_checkpointing ? ", gradient checkpointing" : "");
+        a->gradient_checkpointing ? ", gradient checkpointing" : "", a->optim_offload ? ", optimizer offloaded" : "");
     std::cout << "training plan (bytes live per phase):\n" << train_model.plan().summary();
     std::cout << fmt::format("evaluation plan at per_device_eval_batch_size {}: peak {}\n", a->eval_batch,
                              format_bytes(eval_model.plan().peak_bytes()));
+    std::cout << fmt::format("host memory: {} checkpoint mmap'd while loading, {} offloaded optimizer state, {}\n",
+                             format_bytes(host_weights), format_bytes(host_optimizer),
+                             a->train_file.empty()
+                                 ? std::string("dataset not given (--train_file)")
+                                 : fmt::format("about {} of dataset token ids", format_bytes(host_dataset)));
     if (budget) {
       const size_t need = std::max(peak, eval_model.plan().peak_bytes());
       std::cout << (need <= *budget

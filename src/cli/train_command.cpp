@@ -2,6 +2,8 @@
 #include <iostream>
 #include <memory>
 
+#include <nlohmann/json.hpp>
+
 #include "cli/commands.h"
 #include "train/arguments.h"
 #include "train/run.h"
@@ -11,7 +13,7 @@ namespace memtune::cli {
 Action add_train(CLI::App& app) {
   auto args = std::make_shared<TrainingArguments>();
   add_training_arguments(app, *args);
-  return [args] { run_training(*args, std::cout); };
+  return [args, &app] { run_training(*args, std::cout, arguments_json(app)); };
 }
 
 }  // namespace memtune::cli

@@ -13,6 +13,7 @@ namespace memtune {
 Arena::Arena(const MemoryPlan& plan) : plan_(plan) {
   MT_ASSERT(plan.finalized(), "arena needs a finalized plan");
   capacity_ = plan.peak_bytes();
+  used_.assign(plan.buffers().size(), 0);
   if (capacity_ == 0) return;
   // Anonymous mapping: page aligned, zero filled, and pages cost nothing until touched.
   void* p = mmap(nullptr, capacity_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -38,7 +39,16 @@ void* Arena::raw(BufferId id) {
   MT_ASSERT(b.live_in(phase_), fmt::format("buffer {} used in phase {} outside its lifetime {}..{}", b.name,
                                            phase_name(phase_), phase_name(b.first), phase_name(b.last)));
   high_water_ = std::max(high_water_, b.offset + b.padded_bytes);
+  used_[id] = 1;
   return base_ + b.offset;
+}
+
+std::array<size_t, kNumCategories> Arena::used_bytes(Phase p) const {
+  std::array<size_t, kNumCategories> out{};
+  const auto& buffers = plan_.buffers();
+  for (size_t i = 0; i < buffers.size(); ++i)
+    if (used_[i] && buffers[i].live_in(p)) out[static_cast<size_t>(buffers[i].category)] += buffers[i].padded_bytes;
+  return out;
 }
 
 }  // namespace memtune

@@ -5,8 +5,11 @@
 // pointer used later shows up as NaN instead of silently reading reused memory.
 #pragma once
 
+#include <array>
 #include <cstddef>
+#include <cstdint>
 #include <span>
+#include <vector>
 
 #include "memory/plan.h"
 
@@ -38,6 +41,10 @@ class Arena {
   size_t capacity_bytes() const { return capacity_; }
   // Largest end offset of any buffer handed out so far.
   size_t high_water_bytes() const { return high_water_; }
+  // Usage for the memory timeline: which buffers were handed out since the last reset_usage()
+  // (a step, an evaluation), and their bytes per category that are live in phase p.
+  void reset_usage() { std::fill(used_.begin(), used_.end(), uint8_t{0}); }
+  std::array<size_t, kNumCategories> used_bytes(Phase p) const;
   const MemoryPlan& plan() const { return plan_; }
 
  private:
@@ -47,6 +54,7 @@ class Arena {
   size_t high_water_ = 0;
   Phase phase_ = Phase::Forward;
   bool poison_ = false;
+  std::vector<uint8_t> used_;  // per buffer: handed out since reset_usage()
 };
 
 }  // namespace memtune

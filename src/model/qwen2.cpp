@@ -63,7 +63,10 @@ Qwen2Model::Qwen2Model(const Qwen2Config& config, const ModelOptions& options)
   final_norm_ = i;
   head_ = config.tie_word_embeddings ? embed_ : i + 1;
   declare_buffers();
-  if (options.allocate) arena_ = std::make_unique<Arena>(*plan_);
+  if (options.allocate) {
+    arena_ = std::make_unique<Arena>(*plan_);
+    if (host_plan_->peak_bytes() > 0) host_arena_ = std::make_unique<Arena>(*host_plan_);
+  }
 }
 
 Qwen2Model::LayerActs Qwen2Model::declare_layer_acts(const std::string& prefix, Category cat, Phase first, Phase last) {
@@ -90,6 +93,7 @@ Qwen2Model::LayerActs Qwen2Model::declare_layer_acts(const std::string& prefix, 
 //   backward     activation gradients; checkpointing: one recomputed layer; weight conversion
 void Qwen2Model::declare_buffers() {
   plan_ = std::make_unique<MemoryPlan>();
+  host_plan_ = std::make_unique<MemoryPlan>();
   const Qwen2Config& c = config_;
   const size_t N = static_cast<size_t>(options_.max_tokens);
   const size_t D = c.hidden_size, I = c.intermediate_size, V = c.vocab_size, qd = c.q_dim(), kvd = c.kv_dim();
@@ -183,6 +187,7 @@ void Qwen2Model::declare_buffers() {
     }
   }
   plan_->finalize();
+  host_plan_->finalize();
 }
 
 // Base parameters get gradients (and optimizer state) only when they are trained; with LoRA the
@@ -191,13 +196,22 @@ void Qwen2Model::declare_trainables() {
   const DType dt = config_.torch_dtype;
   const bool optimizer = options_.with_optimizer;
   if (optimizer && !options_.with_grads) throw Error("an optimizer needs gradients (with_grads)");
+  if (options_.optim_offload && !optimizer) throw Error("optim_offload needs an optimizer");
+  const bool offload = options_.optim_offload;
+  MemoryPlan& state_plan = offload ? *host_plan_ : *plan_;
   auto add = [&](const ParamSpec& spec, BufferId value, std::optional<size_t> widen_into) {
     const size_t bytes = static_cast<size_t>(spec.numel()) * 4;
-    Trainable t{spec, value, plan_->declare_persistent("grad." + spec.name, Category::Gradients, bytes),
-                {},   {},    widen_into};
+    Trainable t{spec,
+                value,
+                plan_->declare_persistent("grad." + spec.name, Category::Gradients, bytes),
+                {},
+                {},
+                widen_into && offload,
+                optimizer && offload,
+                widen_into};
     if (optimizer) {
-      t.m = plan_->declare_persistent("adam_m." + spec.name, Category::OptimizerState, bytes);
-      t.v = plan_->declare_persistent("adam_v." + spec.name, Category::OptimizerState, bytes);
+      t.m = state_plan.declare_persistent("adam_m." + spec.name, Category::OptimizerState, bytes);
+      t.v = state_plan.declare_persistent("adam_v." + spec.name, Category::OptimizerState, bytes);
     }
     trainables_.push_back(std::move(t));
   };
@@ -205,7 +219,8 @@ void Qwen2Model::declare_trainables() {
     for (size_t i = 0; i < specs_.size(); ++i) {
       const ParamSpec& s = specs_[i];
       if (optimizer && dt != DType::F32) {
-        const BufferId master = plan_->declare_persistent("master." + s.name, Category::TrainableParams, s.numel() * 4);
+        const BufferId master =
+            state_plan.declare_persistent("master." + s.name, Category::TrainableParams, s.numel() * 4);
         add(s, master, i);
       } else {
         add(s, weight_ids_[i], std::nullopt);
@@ -230,7 +245,7 @@ void Qwen2Model::declare_trainables() {
         if (options_.with_grads) {
           add(spec, value, std::nullopt);
         } else {
-          trainables_.push_back({spec, value, {}, {}, {}, std::nullopt});  // inference: values only
+          trainables_.push_back({spec, value, {}, {}, {}, false, false, std::nullopt});  // inference: values only
         }
       }
     }
@@ -276,16 +291,19 @@ float* Qwen2Model::grad_data(size_t i) const {
 }
 
 float* Qwen2Model::trainable_value(size_t i) const {
-  return arena_->get<float>(trainables_.at(i).value);
+  const Trainable& t = trainables_.at(i);
+  return (t.value_on_host ? host_arena_ : arena_)->get<float>(t.value);
 }
 float* Qwen2Model::trainable_grad(size_t i) const {
   return arena_->get<float>(trainables_.at(i).grad);
 }
 float* Qwen2Model::adam_m(size_t i) const {
-  return arena_->get<float>(trainables_.at(i).m);
+  const Trainable& t = trainables_.at(i);
+  return (t.state_on_host ? host_arena_ : arena_)->get<float>(t.m);
 }
 float* Qwen2Model::adam_v(size_t i) const {
-  return arena_->get<float>(trainables_.at(i).v);
+  const Trainable& t = trainables_.at(i);
+  return (t.state_on_host ? host_arena_ : arena_)->get<float>(t.v);
 }
 
 void Qwen2Model::store_trainable(size_t i) {
@@ -624,10 +642,9 @@ cpu::LossSum Qwen2Model::run_step(const TokenBatch& batch, float* logits_out, bo
                                 .weight_slice = widen ? A.get<float>(head_slice_) : nullptr,
                                 .slice_rows = head_slice_rows_};
   const bool grads = backward;
-  const cpu::LossSum loss =
-      cpu::lm_head_loss(normed, A.get<int32_t>(targets_), N, param_data(head_), c.torch_dtype, V, D, *loss_,
-                        grads ? A.get<float>(dnormed_) : nullptr, grads ? base_grad_or_null(head_) : nullptr, ws,
-                        grad_scale_, observer_);
+  const cpu::LossSum loss = cpu::lm_head_loss(normed, A.get<int32_t>(targets_), N, param_data(head_), c.torch_dtype, V,
+                                              D, *loss_, grads ? A.get<float>(dnormed_) : nullptr,
+                                              grads ? base_grad_or_null(head_) : nullptr, ws, grad_scale_, observer_);
   timings_.loss = seconds_since(t0);
   if (!grads) return loss;
 

@@ -48,6 +48,10 @@ struct ModelOptions {
   bool with_optimizer = false;  // declare AdamW moments (and fp32 masters for 16-bit storage)
   LoraConfig lora;              // rank > 0: adapters are trained, the base is frozen (no gradients, no optimizer state)
   bool allocate = true;         // false: declare and plan only (memtune plan for models larger than this machine)
+  // AdamW moments and the float32 masters of 16-bit weights live in host memory (the host plan)
+  // instead of the device plan; the optimizer step runs on the host for them (ZeRO-Offload's
+  // split). On the CPU backend host and device are the same memory, so only the accounting moves.
+  bool optim_offload = false;
 };
 
 // A micro-batch: a flat stream of tokens holding sequences back to back. labels are unshifted
@@ -71,6 +75,8 @@ class Qwen2Model {
   const ModelOptions& options() const { return options_; }
   const std::vector<ParamSpec>& params() const { return specs_; }
   const MemoryPlan& plan() const { return *plan_; }
+  // Host-side buffers (optimizer state offloaded with optim_offload); empty otherwise.
+  const MemoryPlan& host_plan() const { return *host_plan_; }
   Arena& arena() {
     MT_ASSERT(arena_, "this model was built plan-only (allocate = false)");
     return *arena_;
@@ -141,7 +147,8 @@ class Qwen2Model {
   struct Trainable {
     ParamSpec spec;
     BufferId value, grad, m{}, v{};
-    std::optional<size_t> widen_into;  // base parameter stored in 16 bits that value is the master of
+    bool value_on_host = false, state_on_host = false;  // in host_plan_ (optim_offload)
+    std::optional<size_t> widen_into;                   // base parameter stored in 16 bits that value is the master of
   };
   struct Linear {  // one linear layer of a decoder layer
     size_t weight;
@@ -181,6 +188,8 @@ class Qwen2Model {
   std::optional<uint64_t> dropout_seed_;
   std::unique_ptr<MemoryPlan> plan_;
   std::unique_ptr<Arena> arena_;
+  std::unique_ptr<MemoryPlan> host_plan_;
+  std::unique_ptr<Arena> host_arena_;
   int64_t chunk_rows_ = 1;
   int64_t num_tokens_ = 0, num_seqs_ = 0;
   StepTimings timings_;

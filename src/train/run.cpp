@@ -3,7 +3,6 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <malloc.h>
-#include <sys/resource.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -24,7 +23,9 @@
 #include "data/dataset.h"
 #include "io/checkpoint.h"
 #include "io/safetensors.h"
+#include "memory/memory_files.h"
 #include "model/qwen2.h"
+#include "report/report.h"
 #include "tokenizer/tokenizer.h"
 #include "train/classification.h"
 #include "train/metrics.h"
@@ -46,12 +47,6 @@ extern "C" void on_sigint(int) {
 std::string format_duration(double seconds) {
   const auto s = static_cast<int64_t>(seconds);
   return s >= 3600 ? fmt::format("{}h{:02}m", s / 3600, s / 60 % 60) : fmt::format("{}m{:02}s", s / 60, s % 60);
-}
-
-size_t peak_rss_bytes() {
-  rusage ru{};
-  getrusage(RUSAGE_SELF, &ru);
-  return static_cast<size_t>(ru.ru_maxrss) * 1024;
 }
 
 json read_json(const fs::path& path) {
@@ -94,7 +89,8 @@ struct Progress {
 
 class TrainingRun {
  public:
-  TrainingRun(const TrainingArguments& args, std::ostream& out) : args_(args), out_(out) {}
+  TrainingRun(const TrainingArguments& args, std::ostream& out, const json& arguments)
+      : args_(args), out_(out), arguments_(arguments) {}
   void run();
 
  private:
@@ -107,15 +103,17 @@ class TrainingRun {
   void save_final();
   void write_model_files(const fs::path& dir) const;
   json trainer_state() const;
-  json memory_report() const;
 
   void show_progress(const StepResult& r, double elapsed);
   void run_evaluation();
   bool is_best_step(int64_t step) const { return progress_.best_global_step == step; }
   int64_t eval_every() const { return args_.eval_steps > 0 ? args_.eval_steps : args_.logging_steps; }
 
+  void write_memory_and_report() const;
+
   const TrainingArguments& args_;
   std::ostream& out_;
+  const json& arguments_;
   bool terminal_ = false;  // a live progress line on a terminal, plain log lines otherwise
   fs::path output_dir_;
   std::optional<Tokenizer> tokenizer_;
@@ -134,6 +132,7 @@ class TrainingRun {
   Progress progress_;
   int64_t first_step_ = 0, first_tokens_ = 0;  // where this process started (after a resume)
   std::ofstream log_file_;
+  MemoryTimeline timeline_;
 };
 
 void TrainingRun::run() {
@@ -149,6 +148,7 @@ void TrainingRun::run() {
   // A save interrupted by a crash leaves only a tmp-checkpoint-N behind; it was never complete.
   for (const auto& e : fs::directory_iterator(output_dir_))
     if (e.path().filename().string().starts_with("tmp-checkpoint-")) fs::remove_all(e.path());
+  write_file_atomically((output_dir_ / "run_args.json").string(), arguments_.dump(2) + "\n");
   load_data();
   build_model();
   // The tokenizer (vocabulary, merges, caches) is not needed once the data is tokenized; give
@@ -158,6 +158,7 @@ void TrainingRun::run() {
   if (!args_.resume_from_checkpoint.empty()) resume();
   log_file_.open(output_dir_ / "log.jsonl", std::ios::app);
   if (!log_file_) throw Error(fmt::format("{}: cannot write log.jsonl", output_dir_.string()));
+  timeline_.open((output_dir_ / "memory.jsonl").string());
   terminal_ = &out_ == &std::cout && isatty(STDOUT_FILENO);
   g_interrupted = false;
   struct sigaction action {
@@ -258,6 +259,7 @@ void TrainingRun::build_model() {
   o.gradient_checkpointing = args_.gradient_checkpointing;
   o.loss_workspace_bytes = static_cast<size_t>(args_.loss_workspace_bytes);
   o.with_optimizer = true;
+  o.optim_offload = args_.optim_offload;
   if (args_.tuner_type == "lora") {
     o.lora.rank = args_.lora_rank;
     o.lora.alpha = args_.lora_alpha;
@@ -323,19 +325,6 @@ json TrainingRun::trainer_state() const {
           {"is_local_process_zero", true},
           {"is_world_process_zero", true},
           {"total_flos", 0}};
-}
-
-json TrainingRun::memory_report() const {
-  const MemoryPlan& plan = model_->plan();
-  json categories = json::object();
-  for (size_t c = 0; c < kNumCategories; ++c)
-    categories[std::string(category_name(static_cast<Category>(c)))] =
-        plan.live_bytes(plan.peak_phase(), static_cast<Category>(c));
-  return {{"planned_peak_bytes", plan.peak_bytes()},
-          {"measured_peak_bytes", model_->arena().high_water_bytes()},
-          {"peak_phase", std::string(phase_name(plan.peak_phase()))},
-          {"categories", categories},
-          {"process_peak_rss_bytes", peak_rss_bytes()}};
 }
 
 void TrainingRun::save_checkpoint() {
@@ -445,6 +434,7 @@ void TrainingRun::run_evaluation() {
   const auto start = std::chrono::steady_clock::now();
   eval_batcher_->start_epoch(0);
   json record = {{"epoch", static_cast<double>(progress_.global_step) / static_cast<double>(steps_per_epoch_)}};
+  model_->arena().reset_usage();
   if (classification_) {
     const ClassificationResult r = evaluate_classification(*model_, *eval_batcher_, class_set_);
     record["eval_loss"] = r.eval_loss;
@@ -457,6 +447,8 @@ void TrainingRun::run_evaluation() {
     for (const auto& [name, value] : r.values) record[name.starts_with("eval_") ? name : "eval_" + name] = value;
   }
   record["eval_runtime"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  static constexpr Phase kEvalPhases[] = {Phase::Forward, Phase::Loss};
+  timeline_.record(model_->arena(), progress_.global_step, "eval", kEvalPhases);
   if (!record.contains(best_key_))
     throw Error(fmt::format("--metric_for_best_model {}: not among the evaluated metrics (--metrics {})",
                             args_.metric_for_best_model, args_.metrics));
@@ -467,6 +459,7 @@ void TrainingRun::run_evaluation() {
     progress_.best_global_step = progress_.global_step;
   }
   log(record);
+  write_memory_and_report();
 }
 
 void TrainingRun::log(json record) {
@@ -512,9 +505,12 @@ void TrainingRun::train_loop() {
     }
     // LoRA dropout masks: a function of the seed and the step, so a resumed run draws the same.
     model_->set_dropout_seed(args_.seed * 0x100000001b3ull + static_cast<uint64_t>(progress_.global_step));
+    model_->arena().reset_usage();
     const StepResult r = trainer_->step(views);
     if (!r.updated && !r.skipped_nonfinite) continue;  // no target token at all: not a step
     ++progress_.global_step;
+    static constexpr Phase kStepPhases[] = {Phase::Forward, Phase::Loss, Phase::Backward, Phase::Optimizer};
+    timeline_.record(model_->arena(), progress_.global_step, "train", kStepPhases);
     if (r.skipped_nonfinite) {
       // Counted as a step like Hugging Face does, but nothing was updated.
       log({{"skipped", "non-finite gradients"},
@@ -565,17 +561,23 @@ void TrainingRun::save_final() {
   }
   write_model_files(output_dir_);
   write_file_atomically((output_dir_ / "trainer_state.json").string(), trainer_state().dump(2) + "\n");
-  const json memory = memory_report();
+  write_memory_and_report();
+  out_ << fmt::format("done: {} steps; planned peak {}, measured peak {}; wrote {} (report: {})\n",
+                      progress_.global_step, format_bytes(model_->plan().peak_bytes()),
+                      format_bytes(model_->arena().high_water_bytes()), output_dir_.string(),
+                      (output_dir_ / "report.html").string());
+}
+
+void TrainingRun::write_memory_and_report() const {
+  const json memory = memory_json(model_->plan(), model_->arena(), model_->host_plan());
   write_file_atomically((output_dir_ / "memory.json").string(), memory.dump(2) + "\n");
-  out_ << fmt::format("done: {} steps; planned peak {}, measured peak {}; wrote {}\n", progress_.global_step,
-                      format_bytes(memory["planned_peak_bytes"].get<size_t>()),
-                      format_bytes(memory["measured_peak_bytes"].get<size_t>()), output_dir_.string());
+  write_report(output_dir_);
 }
 
 }  // namespace
 
-void run_training(const TrainingArguments& args, std::ostream& out) {
-  TrainingRun(args, out).run();
+void run_training(const TrainingArguments& args, std::ostream& out, const json& arguments) {
+  TrainingRun(args, out, arguments).run();
 }
 
 }  // namespace memtune

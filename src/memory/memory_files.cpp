@@ -1,0 +1,70 @@
+#include "memory/memory_files.h"
+
+#include <sys/resource.h>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+
+namespace memtune {
+
+using nlohmann::json;
+
+json plan_to_json(const MemoryPlan& plan) {
+  json categories = json::object(), phases = json::object(), table = json::object();
+  for (size_t c = 0; c < kNumCategories; ++c)
+    categories[std::string(category_name(static_cast<Category>(c)))] =
+        plan.live_bytes(plan.peak_phase(), static_cast<Category>(c));
+  for (size_t p = 0; p < kNumPhases; ++p) {
+    const Phase phase = static_cast<Phase>(p);
+    phases[std::string(phase_name(phase))] = plan.live_bytes(phase);
+    json row = json::object();
+    for (size_t c = 0; c < kNumCategories; ++c)
+      row[std::string(category_name(static_cast<Category>(c)))] = plan.live_bytes(phase, static_cast<Category>(c));
+    table[std::string(phase_name(phase))] = row;
+  }
+  return {{"peak_bytes", plan.peak_bytes()},
+          {"peak_phase", std::string(phase_name(plan.peak_phase()))},
+          {"categories", categories},
+          {"phases", phases},
+          {"table", table}};
+}
+
+size_t process_peak_rss_bytes() {
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<size_t>(ru.ru_maxrss) * 1024;
+}
+
+json memory_json(const MemoryPlan& plan, const Arena& arena, const MemoryPlan& host_plan) {
+  json out = plan_to_json(plan);
+  json result = {{"planned_peak_bytes", plan.peak_bytes()}, {"measured_peak_bytes", arena.high_water_bytes()}};
+  for (const char* key : {"peak_phase", "categories", "phases", "table"}) result[key] = out[key];
+  result["host_planned_bytes"] = host_plan.peak_bytes();
+  result["process_peak_rss_bytes"] = process_peak_rss_bytes();
+  return result;
+}
+
+void MemoryTimeline::open(const std::string& path) {
+  path_ = path;
+  out_.open(path, std::ios::app);
+  if (!out_) throw Error(fmt::format("{}: cannot write the memory timeline", path));
+}
+
+void MemoryTimeline::record(const Arena& arena, int64_t step, std::string_view stage, std::span<const Phase> phases) {
+  if (!out_.is_open()) return;
+  for (Phase p : phases) {
+    const auto used = arena.used_bytes(p);
+    json bytes = json::object();
+    size_t total = 0;
+    for (size_t c = 0; c < kNumCategories; ++c) {
+      bytes[std::string(category_name(static_cast<Category>(c)))] = used[c];
+      total += used[c];
+    }
+    out_ << json{{"step", step}, {"stage", stage}, {"phase", phase_name(p)}, {"bytes", bytes}, {"total", total}}.dump()
+         << "\n";
+  }
+  out_.flush();
+}
+
+}  // namespace memtune
