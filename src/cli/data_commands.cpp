@@ -173,6 +173,12 @@ Action add_data_stats(CLI::App& app) {
       doc["dropped_no_targets"] = counts.dropped_no_targets;
       doc["bad_lines"] = counts.bad_lines;
       doc["bad_line_reasons"] = counts.bad_line_reasons;
+      if (format == "classification") {
+        const LabelCounts labels = count_labels(args->file);
+        doc["labels"] = labels.counts;
+        doc["majority_label"] = labels.majority;
+        doc["majority_baseline"] = labels.majority_share;
+      }
       std::cout << doc.dump(2, ' ', false, json::error_handler_t::replace) << '\n';
       return;
     }
@@ -199,6 +205,13 @@ Action add_data_stats(CLI::App& app) {
           stats.max_length, stats.over_max_length, 100.0 * stats.over_max_length / stats.num_examples);
     std::cout << fmt::format("suggested max_length: {} (p99 rounded up to a multiple of 64)\n",
                              stats.suggested_max_length);
+    if (format == "classification") {
+      const LabelCounts labels = count_labels(args->file);
+      std::string list;
+      for (const auto& [label, n] : labels.counts) list += fmt::format("{}{} {}", list.empty() ? "" : ", ", label, n);
+      std::cout << fmt::format("labels: {} classes ({})\nmajority-class baseline accuracy: {:.4f} (always \"{}\")\n",
+                               labels.counts.size(), list, labels.majority_share, labels.majority);
+    }
   };
 }
 

@@ -2,8 +2,12 @@
 #include "data/stats.h"
 
 #include <algorithm>
+#include <fstream>
+
+#include <fmt/format.h>
 
 #include "core/error.h"
+#include "data/formats.h"
 
 namespace memtune {
 
@@ -73,6 +77,23 @@ nlohmann::json length_stats_to_json(const LengthStats& s) {
       {"over_max_length", s.over_max_length},
       {"suggested_max_length", s.suggested_max_length},
   };
+}
+
+LabelCounts count_labels(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw Error(fmt::format("{}: cannot open file", path));
+  LabelCounts out;
+  int64_t total = 0;
+  for (std::string line; std::getline(in, line);) {
+    const nlohmann::json record = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (record.is_discarded() || !record.is_object() || !record.contains("label")) continue;
+    ++out.counts[label_text(record["label"])];
+    ++total;
+  }
+  for (const auto& [label, n] : out.counts)
+    if (out.majority.empty() || n > out.counts[out.majority]) out.majority = label;
+  if (total > 0) out.majority_share = static_cast<double>(out.counts[out.majority]) / static_cast<double>(total);
+  return out;
 }
 
 }  // namespace memtune

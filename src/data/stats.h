@@ -4,6 +4,8 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -44,5 +46,14 @@ LengthStats compute_length_stats(const Dataset& dataset, int64_t max_length, int
 //  "histogram": [{"lo", "hi", "count"}, ...], "max_length" (null when not given),
 //  "over_max_length", "suggested_max_length"}
 nlohmann::json length_stats_to_json(const LengthStats& stats);
+
+// Classification data: examples per label (lines without a "label" or that do not parse are not
+// counted), and the majority-class baseline accuracy: the share of the most common label.
+struct LabelCounts {
+  std::map<std::string, int64_t> counts;
+  std::string majority;
+  double majority_share = 0;
+};
+LabelCounts count_labels(const std::string& path);
 
 }  // namespace memtune

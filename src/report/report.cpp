@@ -170,10 +170,17 @@ std::string bytes_text(double b) {
 // drawn across.
 std::string memory_chart(const std::vector<json>& timeline, std::optional<double> planned_peak) {
   if (timeline.empty()) return "";
-  // At most ~1200 samples: every k-th record keeps the chart light for long runs.
+  // Long runs keep every k-th step (or evaluation) whole, all its phases, for ~1200 samples at most.
+  std::vector<std::vector<const json*>> groups;
+  for (const json& r : timeline) {
+    const bool same =
+        !groups.empty() && (*groups.back()[0])["step"] == r["step"] && (*groups.back()[0])["stage"] == r["stage"];
+    if (!same) groups.emplace_back();
+    groups.back().push_back(&r);
+  }
   const size_t stride = (timeline.size() + 1199) / 1200;
   std::vector<const json*> samples;
-  for (size_t i = 0; i < timeline.size(); i += stride) samples.push_back(&timeline[i]);
+  for (size_t g = 0; g < groups.size(); g += stride) samples.insert(samples.end(), groups[g].begin(), groups[g].end());
   std::vector<std::string> categories;
   for (size_t c = 0; c < kNumCategories; ++c) {
     const std::string name(category_name(static_cast<Category>(c)));
@@ -235,20 +242,25 @@ std::string plan_table(const json& memory) {
                      bytes_text(memory["host_planned_bytes"].get<double>()));
   s += ".</p>";
   if (!memory.contains("table")) return s;
+  // Phases in step order (JSON objects come back sorted by name).
   const json& table = memory["table"];
+  std::vector<std::string> phases;
+  for (size_t p = 0; p < kNumPhases; ++p)
+    if (table.contains(std::string(phase_name(static_cast<Phase>(p)))))
+      phases.emplace_back(phase_name(static_cast<Phase>(p)));
   s += "<table class=\"plan\"><tr><th>category</th>";
-  for (const auto& [phase, row] : table.items()) s += fmt::format("<th>{}</th>", escape(phase));
+  for (const std::string& phase : phases) s += fmt::format("<th>{}</th>", escape(phase));
   s += "</tr>";
   for (size_t c = 0; c < kNumCategories; ++c) {
     const std::string name(category_name(static_cast<Category>(c)));
     s += fmt::format("<tr><th>{}</th>", escape(name));
-    for (const auto& [phase, row] : table.items()) s += fmt::format("<td>{}</td>", bytes_text(row.value(name, 0.0)));
+    for (const std::string& phase : phases) s += fmt::format("<td>{}</td>", bytes_text(table[phase].value(name, 0.0)));
     s += "</tr>";
   }
   s += "<tr><th>total</th>";
-  for (const auto& [phase, row] : table.items()) {
+  for (const std::string& phase : phases) {
     double total = 0;
-    for (const auto& [name, bytes] : row.items()) total += bytes.get<double>();
+    for (const auto& [name, bytes] : table[phase].items()) total += bytes.get<double>();
     s += fmt::format("<td><b>{}</b></td>", bytes_text(total));
   }
   return s + "</tr></table>";

@@ -543,8 +543,11 @@ void TrainingRun::train_loop() {
       window_items = window_steps = window_tokens = 0;
       window_start = Clock::now();
     }
+    // Evaluation and checkpoint time is not training time: the throughput window skips it.
+    const auto pause = Clock::now();
     if (args_.eval_strategy == "steps" && progress_.global_step % eval_every() == 0) run_evaluation();
     if (args_.save_strategy == "steps" && progress_.global_step % args_.save_steps == 0) save_checkpoint();
+    window_start += Clock::now() - pause;
   }
 }
 

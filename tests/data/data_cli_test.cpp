@@ -127,5 +127,25 @@ TEST_F(DataCliTest, DataStatsPrintsATableOrJson) {
   EXPECT_NE(r.status, 0);
 }
 
+TEST_F(DataCliTest, DataStatsCountsClassificationLabelsAndTheMajorityBaseline) {
+  std::string data;
+  const char* labels[] = {"net", "libs", "net", "doc", "net", "libs", "7"};
+  for (const char* label : labels) data += nlohmann::json{{"text", "some text"}, {"label", label}}.dump() + "\n";
+  data += R"({"text": "numeric label", "label": 7})"
+          "\n";
+  write("cls.jsonl", data);
+  Result r = memtune("data stats " + tok() + " --file " + path("cls.jsonl") + " --json");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const nlohmann::json j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["format"], "classification");
+  EXPECT_EQ(j["labels"], (nlohmann::json{{"net", 3}, {"libs", 2}, {"doc", 1}, {"7", 2}}));
+  EXPECT_EQ(j["majority_label"], "net");
+  EXPECT_DOUBLE_EQ(j["majority_baseline"].get<double>(), 3.0 / 8.0);
+  r = memtune("data stats " + tok() + " --file " + path("cls.jsonl"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_CONTAINS(r.output, "labels: 4 classes (7 2, doc 1, libs 2, net 3)");
+  EXPECT_CONTAINS(r.output, "majority-class baseline accuracy: 0.3750 (always \"net\")");
+}
+
 }  // namespace
 }  // namespace memtune

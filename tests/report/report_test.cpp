@@ -98,6 +98,25 @@ TEST(Report, RendersChartsTablesAndArgumentsFromTheRunFiles) {
   EXPECT_EQ(html.find("https://"), std::string::npos);
   EXPECT_EQ(html.find("src="), std::string::npos);
 
+  // A long run is thinned by whole steps: every phase of a kept step stays, so the loss phase's
+  // workspace (only live there) is still drawn.
+  {
+    std::ofstream timeline(dir / "memory.jsonl");
+    for (int step = 1; step <= 1000; ++step)
+      for (const char* phase : {"forward", "loss", "backward", "optimizer"}) {
+        json bytes = {{"weights", 1000}};
+        if (std::string(phase) == "loss") bytes["loss_workspace"] = 700;
+        timeline << json{{"step", step}, {"stage", "train"}, {"phase", phase}, {"bytes", bytes}}.dump() << "\n";
+      }
+  }
+  const std::string thinned = render_report(dir);
+  EXPECT_CONTAINS(thinned, "loss_workspace");
+  EXPECT_EQ(count(thinned, "class=\"series area\""), 2u);
+  // The plan table lists phases in step order.
+  const size_t plan = thinned.find("class=\"plan\"");
+  ASSERT_NE(plan, std::string::npos);
+  EXPECT_LT(thinned.find("<th>forward</th>", plan), thinned.find("<th>loss</th>", plan));
+
   const fs::path empty = testing_support::make_temp_dir("report_empty");
   EXPECT_CONTAINS(testing_support::error_of([&] { render_report(empty); }), "no run files");
   const Result r = run("report " + empty.string());
