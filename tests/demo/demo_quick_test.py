@@ -45,7 +45,7 @@ def main():
     eval_lines = [json.loads(line) for line in (work / "eval.jsonl").read_text().splitlines()]
     labels = [r["label"] for r in eval_lines]
     baseline = max(labels.count(label) for label in set(labels)) / len(labels)
-    assert results["examples"] == 120, results
+    assert results["eval_examples"] == 120, results
     # The stated bar for the shortened run: more than twice the majority-class baseline.
     assert results["label_accuracy"] > 2 * baseline, (results["label_accuracy"], baseline)
     assert 0 < results["macro_f1"] <= 1 and results["eval_loss"] > 0, results
