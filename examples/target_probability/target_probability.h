@@ -2,8 +2,8 @@
 // token (a calibration-flavoured companion to accuracy). Copy this file, change observe() and
 // compute(), and add an instance to MetricSelection::metrics before calling evaluate(). The
 // contract (src/train/metrics.h): observe() sees each logits chunk once and keeps only a small
-// state; merge() adds another rank's state; compute() returns named values. Its test against a
-// direct computation on materialized logits is tests/examples/target_probability_test.cpp.
+// state, exposed as additive numbers by state()/set_state() so ranks can sum it; compute() returns named values. Its
+// test against a direct computation on materialized logits is tests/examples/target_probability_test.cpp.
 #pragma once
 
 #include <cmath>
@@ -29,10 +29,12 @@ class TargetProbability final : public Metric {
   void reset() override {
     sum_ = 0, count_ = 0;
   }
-  void merge(const Metric& other) override {
-    const auto& o = dynamic_cast<const TargetProbability&>(other);
-    sum_ += o.sum_;
-    count_ += o.count_;
+  std::vector<double> state() const override {
+    return {sum_, static_cast<double>(count_)};
+  }
+  void set_state(std::span<const double> s) override {
+    sum_ = s[0];
+    count_ = static_cast<int64_t>(s[1]);
   }
   MetricValues compute() const override {
     return {

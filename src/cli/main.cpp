@@ -6,7 +6,26 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "dist/communicator.h"
 #include "train/arguments.h"
+
+namespace {
+
+// A failing rank of a data-parallel job names itself and stops the whole job (MPI_Abort), so
+// the other ranks do not wait forever in their next collective.
+int fail(int code, const char* kind, const char* what) {
+  memtune::Communicator& comm = memtune::world();
+  if (comm.world_size() > 1) {
+    std::fprintf(stderr, "memtune: %s on rank %d of %d: %s; stopping all ranks\n", kind, comm.rank(), comm.world_size(),
+                 what);
+    std::fflush(stderr);
+    comm.abort(code);
+  }
+  std::fprintf(stderr, "memtune: %s: %s\n", kind, what);
+  return code;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"memtune: fine-tune and evaluate Qwen2.5-family models with planned memory"};
@@ -51,11 +70,9 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "memtune: %s\n", e.what());
     return 130;
   } catch (const memtune::Error& e) {
-    std::fprintf(stderr, "memtune: error: %s\n", e.what());
-    return 1;
+    return fail(1, "error", e.what());
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "memtune: internal error: %s\n", e.what());
-    return 2;
+    return fail(2, "internal error", e.what());
   }
   return 0;
 }

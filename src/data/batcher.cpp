@@ -108,6 +108,7 @@ bool Batcher::next(MicroBatch& out) {
   out.labels.clear();
   out.cu_seqlens.assign(1, 0);
   out.num_targets = 0;
+  out.first_sequence = unit_offsets_[begin];
   for (int64_t i = unit_offsets_[begin]; i < unit_offsets_[end]; ++i) {
     const uint32_t example = order_[i];
     const auto ids = dataset_.input_ids(example);

@@ -41,6 +41,9 @@ struct MicroBatch {
   std::vector<int32_t> input_ids, labels;
   std::vector<int32_t> cu_seqlens;  // num_sequences + 1 offsets: 0, ..., input_ids.size()
   int64_t num_targets = 0;          // labels that are loss targets (see Dataset::num_targets)
+  // Position of its first sequence in the epoch's order (all ranks' shares together); without
+  // shuffle or packing, the dataset index of that example.
+  int64_t first_sequence = 0;
   int64_t num_sequences() const { return static_cast<int64_t>(cu_seqlens.size()) - 1; }
 };
 

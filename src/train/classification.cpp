@@ -14,6 +14,7 @@
 #include "backend/cpu/chunk_loss.h"
 #include "core/error.h"
 #include "data/formats.h"
+#include "dist/communicator.h"
 #include "tokenizer/tokenizer.h"
 
 namespace memtune {
@@ -72,14 +73,19 @@ ClassificationSet build_classification_set(const std::string& path, const Tokeni
 
 namespace {
 
-// Sums log p(target) per sequence over the whole run; sequences are numbered in batch order.
+// Sums log p(target) per sequence over the whole run; a batch's sequences are numbered from its
+// first_sequence (its position among all ranks' sequences).
 class SequenceScores final : public cpu::ChunkObserver {
  public:
   explicit SequenceScores(size_t sequences) : logp_(sequences, 0.0), tokens_(sequences, 0) {}
-  void start_batch(std::span<const int32_t> cu_seqlens) {
+  void start_batch(std::span<const int32_t> cu_seqlens, int64_t first_sequence) {
     cu_.assign(cu_seqlens.begin(), cu_seqlens.end());
-    first_ = next_;
-    next_ += cu_.size() - 1;
+    first_ = static_cast<size_t>(first_sequence);
+  }
+  // Data parallel: each rank scored its own sequences; the sums make every rank see all.
+  void allreduce(Communicator& comm) {
+    comm.allreduce_sum(logp_);
+    comm.allreduce_sum(tokens_);
   }
   void observe(const cpu::LogitsChunk& c) override {
     row_logp_.resize(static_cast<size_t>(c.rows));
@@ -107,12 +113,13 @@ class SequenceScores final : public cpu::ChunkObserver {
   std::vector<int64_t> tokens_;
   std::vector<int32_t> cu_;
   std::vector<double> row_logp_;
-  size_t first_ = 0, next_ = 0;
+  size_t first_ = 0;
 };
 
 }  // namespace
 
-ClassificationResult evaluate_classification(Qwen2Model& model, Batcher& batcher, const ClassificationSet& set) {
+ClassificationResult evaluate_classification(Qwen2Model& model, Batcher& batcher, const ClassificationSet& set,
+                                             Communicator* comm) {
   const size_t K = set.labels.size(), N = set.truth.size();
   SequenceScores scores(set.candidates.size());
   model.set_observer(&scores);
@@ -121,7 +128,7 @@ ClassificationResult evaluate_classification(Qwen2Model& model, Batcher& batcher
     batcher.start_epoch(0);
     while (batcher.next(mb)) {
       if (mb.input_ids.empty()) continue;
-      scores.start_batch(mb.cu_seqlens);
+      scores.start_batch(mb.cu_seqlens, mb.first_sequence);
       model.forward_loss({mb.input_ids, mb.labels, mb.cu_seqlens});
     }
   } catch (...) {
@@ -129,6 +136,7 @@ ClassificationResult evaluate_classification(Qwen2Model& model, Batcher& batcher
     throw;
   }
   model.set_observer(nullptr);
+  if (comm && comm->world_size() > 1) scores.allreduce(*comm);
 
   ClassificationResult r;
   r.examples = static_cast<int64_t>(N);

@@ -19,6 +19,7 @@
 
 namespace memtune {
 
+class Communicator;
 class Tokenizer;
 
 // The eval file's examples, each written once per candidate label, in file order:
@@ -46,7 +47,10 @@ struct ClassificationResult {
 };
 
 // Scores every candidate sequence (the batcher must iterate `set.candidates` in order).
-ClassificationResult evaluate_classification(Qwen2Model& model, Batcher& batcher, const ClassificationSet& set);
+// With a communicator, each rank scores its share (the batcher's rank split) and the scores are
+// summed over ranks, so every rank returns the whole result.
+ClassificationResult evaluate_classification(Qwen2Model& model, Batcher& batcher, const ClassificationSet& set,
+                                             Communicator* comm = nullptr);
 
 // --save_predictions: one JSON line per example {"index", "label", "predicted", "loss",
 // "scores" {label: log-probability}}.

@@ -8,8 +8,10 @@
 #include <cmath>
 #include <limits>
 #include <sstream>
+#include <typeinfo>
 
 #include "core/error.h"
+#include "dist/communicator.h"
 
 namespace memtune {
 
@@ -30,11 +32,19 @@ void TopKAccuracy::observe(const cpu::LogitsChunk& c) {
   count_ += c.rows;
 }
 
-void TopKAccuracy::merge(const Metric& other) {
-  const auto& o = dynamic_cast<const TopKAccuracy&>(other);
-  MT_ASSERT(o.k_ == k_);
-  hits_ += o.hits_;
-  count_ += o.count_;
+void Metric::merge(const Metric& other) {
+  MT_ASSERT(typeid(*this) == typeid(other), "merging metrics of different kinds");
+  std::vector<double> mine = state();
+  const std::vector<double> theirs = other.state();
+  MT_ASSERT(mine.size() == theirs.size());
+  for (size_t i = 0; i < mine.size(); ++i) mine[i] += theirs[i];
+  set_state(mine);
+}
+
+void TopKAccuracy::set_state(std::span<const double> s) {
+  MT_ASSERT(s.size() == 2);
+  hits_ = static_cast<int64_t>(s[0]);
+  count_ = static_cast<int64_t>(s[1]);
 }
 
 MetricValues TopKAccuracy::compute() const {
@@ -121,7 +131,8 @@ class FanOut final : public cpu::ChunkObserver {
 };
 }  // namespace
 
-EvalResult evaluate(Qwen2Model& model, Batcher& batcher, MetricSelection& selection, PredictionWriter* predictions) {
+EvalResult evaluate(Qwen2Model& model, Batcher& batcher, MetricSelection& selection, PredictionWriter* predictions,
+                    Communicator* comm) {
   for (auto& m : selection.metrics) m->reset();
   FanOut fan_out(selection, predictions);
   model.set_observer(&fan_out);
@@ -142,6 +153,23 @@ EvalResult evaluate(Qwen2Model& model, Batcher& batcher, MetricSelection& select
     throw;
   }
   model.set_observer(nullptr);
+  if (comm && comm->world_size() > 1) {
+    std::vector<double> totals = {r.loss_sum, static_cast<double>(r.num_tokens), static_cast<double>(r.num_sequences)};
+    for (const auto& m : selection.metrics) {
+      const std::vector<double> s = m->state();
+      totals.insert(totals.end(), s.begin(), s.end());
+    }
+    comm->allreduce_sum(totals);
+    r.loss_sum = totals[0];
+    r.num_tokens = static_cast<int64_t>(totals[1]);
+    r.num_sequences = static_cast<int64_t>(totals[2]);
+    size_t at = 3;
+    for (const auto& m : selection.metrics) {
+      const size_t n = m->state().size();
+      m->set_state(std::span<const double>(totals).subspan(at, n));
+      at += n;
+    }
+  }
   const double mean =
       r.num_tokens ? r.loss_sum / static_cast<double>(r.num_tokens) : std::numeric_limits<double>::quiet_NaN();
   if (selection.eval_loss) r.values.emplace_back("eval_loss", mean);

@@ -19,13 +19,19 @@
 
 namespace memtune {
 
+class Communicator;
+
 using MetricValues = std::vector<std::pair<std::string, double>>;
 
 class Metric : public cpu::ChunkObserver {
  public:
   virtual void reset() = 0;
+  // The state as numbers that add up across ranks (counts, sums); set_state() replaces it.
+  // Data-parallel evaluation sums the states of all ranks, then compute() runs on the total.
+  virtual std::vector<double> state() const = 0;
+  virtual void set_state(std::span<const double> state) = 0;
   // Adds the state of another metric of the same kind.
-  virtual void merge(const Metric& other) = 0;
+  void merge(const Metric& other);
   virtual MetricValues compute() const = 0;
 };
 
@@ -36,7 +42,8 @@ class TopKAccuracy final : public Metric {
   explicit TopKAccuracy(int64_t k) : k_(k) {}
   void observe(const cpu::LogitsChunk& chunk) override;
   void reset() override { hits_ = count_ = 0; }
-  void merge(const Metric& other) override;
+  std::vector<double> state() const override { return {static_cast<double>(hits_), static_cast<double>(count_)}; }
+  void set_state(std::span<const double> s) override;
   MetricValues compute() const override;
 
  private:
@@ -81,7 +88,9 @@ struct EvalResult {
 
 // Runs every micro-batch of the batcher's current epoch through the model, forward and loss
 // only (a training model's gradients are not touched), with the metrics observing the chunks.
+// With a communicator each rank evaluates its share and the loss sums, counts and metric states
+// are summed over ranks before the values are computed: every rank returns the global result.
 EvalResult evaluate(Qwen2Model& model, Batcher& batcher, MetricSelection& selection,
-                    PredictionWriter* predictions = nullptr);
+                    PredictionWriter* predictions = nullptr, Communicator* comm = nullptr);
 
 }  // namespace memtune

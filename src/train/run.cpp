@@ -9,6 +9,7 @@
 #include <csignal>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -21,6 +22,7 @@
 #include "core/error.h"
 #include "data/batcher.h"
 #include "data/dataset.h"
+#include "dist/communicator.h"
 #include "io/checkpoint.h"
 #include "io/safetensors.h"
 #include "memory/memory_files.h"
@@ -89,8 +91,8 @@ struct Progress {
 
 class TrainingRun {
  public:
-  TrainingRun(const TrainingArguments& args, std::ostream& out, const json& arguments)
-      : args_(args), out_(out), arguments_(arguments) {}
+  TrainingRun(const TrainingArguments& args, std::ostream& out, const json& arguments, Communicator& comm)
+      : args_(args), out_(out), arguments_(arguments), comm_(comm), root_(comm.is_root()) {}
   void run();
 
  private:
@@ -114,6 +116,8 @@ class TrainingRun {
   const TrainingArguments& args_;
   std::ostream& out_;
   const json& arguments_;
+  Communicator& comm_;
+  const bool root_;        // rank 0 alone prints, logs and writes files
   bool terminal_ = false;  // a live progress line on a terminal, plain log lines otherwise
   fs::path output_dir_;
   std::optional<Tokenizer> tokenizer_;
@@ -133,6 +137,7 @@ class TrainingRun {
   int64_t first_step_ = 0, first_tokens_ = 0;  // where this process started (after a resume)
   std::ofstream log_file_;
   MemoryTimeline timeline_;
+  json rank_peaks_;  // per rank: planned and measured peak (filled at the end)
 };
 
 void TrainingRun::run() {
@@ -144,11 +149,16 @@ void TrainingRun::run() {
                                                                : "eval_" + args_.metric_for_best_model;
   greater_is_better_ = args_.greater_is_better.value_or(!best_key_.ends_with("loss"));
   output_dir_ = args_.output_dir;
-  fs::create_directories(output_dir_);
-  // A save interrupted by a crash leaves only a tmp-checkpoint-N behind; it was never complete.
-  for (const auto& e : fs::directory_iterator(output_dir_))
-    if (e.path().filename().string().starts_with("tmp-checkpoint-")) fs::remove_all(e.path());
-  write_file_atomically((output_dir_ / "run_args.json").string(), arguments_.dump(2) + "\n");
+  if (root_) {
+    fs::create_directories(output_dir_);
+    // A save interrupted by a crash leaves only a tmp-checkpoint-N behind; it was never complete.
+    for (const auto& e : fs::directory_iterator(output_dir_))
+      if (e.path().filename().string().starts_with("tmp-checkpoint-")) fs::remove_all(e.path());
+    json recorded = arguments_;
+    recorded["world_size"] = comm_.world_size();
+    write_file_atomically((output_dir_ / "run_args.json").string(), recorded.dump(2) + "\n");
+  }
+  comm_.barrier();  // the output directory exists before any rank looks at it
   load_data();
   build_model();
   // The tokenizer (vocabulary, merges, caches) is not needed once the data is tokenized; give
@@ -156,10 +166,12 @@ void TrainingRun::run() {
   tokenizer_.reset();
   malloc_trim(0);
   if (!args_.resume_from_checkpoint.empty()) resume();
-  log_file_.open(output_dir_ / "log.jsonl", std::ios::app);
-  if (!log_file_) throw Error(fmt::format("{}: cannot write log.jsonl", output_dir_.string()));
-  timeline_.open((output_dir_ / "memory.jsonl").string());
-  terminal_ = &out_ == &std::cout && isatty(STDOUT_FILENO);
+  if (root_) {
+    log_file_.open(output_dir_ / "log.jsonl", std::ios::app);
+    if (!log_file_) throw Error(fmt::format("{}: cannot write log.jsonl", output_dir_.string()));
+    timeline_.open((output_dir_ / "memory.jsonl").string());
+  }
+  terminal_ = root_ && &out_ == &std::cout && isatty(STDOUT_FILENO);
   g_interrupted = false;
   struct sigaction action {
   }, previous{};
@@ -220,6 +232,8 @@ void TrainingRun::load_data() {
     BatchOptions e;
     e.per_device_batch_size = args_.per_device_eval_batch_size;
     e.shuffle = false;
+    e.rank = comm_.rank();
+    e.world_size = comm_.world_size();
     eval_batcher_ = std::make_unique<Batcher>(classification_ ? class_set_.candidates : eval_, e);
   }
   const DatasetCounts& c = train_.counts();
@@ -235,6 +249,8 @@ void TrainingRun::load_data() {
   b.packing = args_.packing;
   b.max_length = args_.max_length;
   b.seed = args_.data_seed.value_or(args_.seed);
+  b.rank = comm_.rank();
+  b.world_size = comm_.world_size();
   batcher_ = std::make_unique<Batcher>(train_, b);
   batcher_->start_epoch(0);
   // Hugging Face: the last accumulation step of an epoch takes the micro-batches that are left.
@@ -283,7 +299,7 @@ void TrainingRun::build_model() {
   tc.schedule.total_steps = total_steps_;
   tc.schedule.warmup_steps = warmup_steps_for(args_.warmup_steps, args_.warmup_ratio, total_steps_);
   tc.schedule.min_lr_rate = args_.min_lr_rate;
-  trainer_ = std::make_unique<Trainer>(*model_, tc);
+  trainer_ = std::make_unique<Trainer>(*model_, tc, &comm_);
 
   int64_t trainable = 0;
   for (size_t i = 0; i < model_->num_trainable(); ++i) trainable += model_->trainable_spec(i).numel();
@@ -328,6 +344,9 @@ json TrainingRun::trainer_state() const {
 }
 
 void TrainingRun::save_checkpoint() {
+  // Every rank holds the same model and optimizer state: rank 0 writes it, independent of the
+  // world size.
+  if (!root_) return;
   const fs::path final_dir = output_dir_ / fmt::format("checkpoint-{}", progress_.global_step);
   const fs::path tmp = output_dir_ / fmt::format("tmp-checkpoint-{}", progress_.global_step);
   fs::remove_all(tmp);
@@ -436,13 +455,13 @@ void TrainingRun::run_evaluation() {
   json record = {{"epoch", static_cast<double>(progress_.global_step) / static_cast<double>(steps_per_epoch_)}};
   model_->arena().reset_usage();
   if (classification_) {
-    const ClassificationResult r = evaluate_classification(*model_, *eval_batcher_, class_set_);
+    const ClassificationResult r = evaluate_classification(*model_, *eval_batcher_, class_set_, &comm_);
     record["eval_loss"] = r.eval_loss;
     record["eval_label_accuracy"] = r.label_accuracy;
     record["eval_macro_f1"] = r.macro_f1;
     record["eval_examples"] = r.examples;
   } else {
-    const EvalResult r = evaluate(*model_, *eval_batcher_, metrics_);
+    const EvalResult r = evaluate(*model_, *eval_batcher_, metrics_, nullptr, &comm_);
     record["eval_tokens"] = r.num_tokens;
     for (const auto& [name, value] : r.values) record[name.starts_with("eval_") ? name : "eval_" + name] = value;
   }
@@ -459,14 +478,15 @@ void TrainingRun::run_evaluation() {
     progress_.best_global_step = progress_.global_step;
   }
   log(record);
-  write_memory_and_report();
+  if (root_) write_memory_and_report();
 }
 
 void TrainingRun::log(json record) {
   record["step"] = progress_.global_step;
+  progress_.log_history.push_back(record);
+  if (!root_) return;
   log_file_ << record.dump() << "\n";
   log_file_.flush();
-  progress_.log_history.push_back(record);
   out_ << (terminal_ ? "\r\x1b[2K" : "") << record.dump() << "\n";
 }
 
@@ -484,18 +504,26 @@ void TrainingRun::train_loop() {
   first_step_ = progress_.global_step;
   first_tokens_ = progress_.num_input_tokens_seen;
 
-  while (progress_.global_step < total_steps_ && !g_interrupted) {
+  while (progress_.global_step < total_steps_) {
+    // Ctrl-C reaches every rank at a slightly different moment: they agree to stop together.
+    if (comm_.allreduce_max(g_interrupted ? 1 : 0) != 0) {
+      g_interrupted = true;
+      break;
+    }
     views.clear();
-    int64_t tokens = 0;
+    int64_t tokens = 0, global_batches = 0;
     for (int64_t k = 0; k < ga; ++k) {
+      // next() is false for every rank at once (global micro-batches); a rank's share of the
+      // last one may be empty, and that rank still takes part in the step.
       if (!batcher_->next(micro[static_cast<size_t>(k)])) break;
       ++progress_.batches_in_epoch;
+      ++global_batches;
       const MicroBatch& mb = micro[static_cast<size_t>(k)];
       if (mb.input_ids.empty()) continue;
       views.push_back({mb.input_ids, mb.labels, mb.cu_seqlens});
       tokens += static_cast<int64_t>(mb.input_ids.size());
     }
-    if (views.empty()) {  // the epoch is over
+    if (global_batches == 0) {  // the epoch is over
       ++progress_.epoch;
       progress_.batches_in_epoch = 0;
       batcher_->start_epoch(progress_.epoch);
@@ -507,6 +535,11 @@ void TrainingRun::train_loop() {
     model_->set_dropout_seed(args_.seed * 0x100000001b3ull + static_cast<uint64_t>(progress_.global_step));
     model_->arena().reset_usage();
     const StepResult r = trainer_->step(views);
+    if (comm_.world_size() > 1) {  // tokens of every rank
+      std::array<int64_t, 1> t{tokens};
+      comm_.allreduce_sum(t);
+      tokens = t[0];
+    }
     if (!r.updated && !r.skipped_nonfinite) continue;  // no target token at all: not a step
     ++progress_.global_step;
     static constexpr Phase kStepPhases[] = {Phase::Forward, Phase::Loss, Phase::Backward, Phase::Optimizer};
@@ -552,6 +585,17 @@ void TrainingRun::train_loop() {
 }
 
 void TrainingRun::save_final() {
+  // Each rank's own plan and measured peak (ranks plan for their own micro-batches).
+  const size_t W = static_cast<size_t>(comm_.world_size()), me = static_cast<size_t>(comm_.rank());
+  std::vector<int64_t> peaks(2 * W, 0);
+  peaks[2 * me] = static_cast<int64_t>(model_->plan().peak_bytes());
+  peaks[2 * me + 1] = static_cast<int64_t>(model_->arena().high_water_bytes());
+  comm_.allreduce_sum(peaks);
+  rank_peaks_ = json::array();
+  for (size_t r = 0; r < W; ++r)
+    rank_peaks_.push_back(
+        {{"rank", r}, {"planned_peak_bytes", peaks[2 * r]}, {"measured_peak_bytes", peaks[2 * r + 1]}});
+  if (!root_) return;
   if (terminal_) out_ << "\n";
   if (args_.load_best_model_at_end && !progress_.best_model_checkpoint.empty()) {
     if (model_->options().lora.enabled()) {
@@ -572,7 +616,9 @@ void TrainingRun::save_final() {
 }
 
 void TrainingRun::write_memory_and_report() const {
-  const json memory = memory_json(model_->plan(), model_->arena(), model_->host_plan());
+  json memory = memory_json(model_->plan(), model_->arena(), model_->host_plan());
+  memory["world_size"] = comm_.world_size();
+  if (!rank_peaks_.empty()) memory["ranks"] = rank_peaks_;
   write_file_atomically((output_dir_ / "memory.json").string(), memory.dump(2) + "\n");
   write_report(output_dir_);
 }
@@ -580,7 +626,13 @@ void TrainingRun::write_memory_and_report() const {
 }  // namespace
 
 void run_training(const TrainingArguments& args, std::ostream& out, const json& arguments) {
-  TrainingRun(args, out, arguments).run();
+  Communicator& comm = world();
+  if (comm.is_root()) {
+    TrainingRun(args, out, arguments, comm).run();
+    return;
+  }
+  std::ostream silent(nullptr);  // other ranks print nothing
+  TrainingRun(args, silent, arguments, comm).run();
 }
 
 }  // namespace memtune

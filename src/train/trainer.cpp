@@ -1,14 +1,20 @@
 #include "train/trainer.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 
 #include "core/error.h"
+#include "dist/communicator.h"
 
 namespace memtune {
 
-Trainer::Trainer(Qwen2Model& model, const TrainerConfig& config)
-    : model_(model), config_(config), scale_(config.loss_scaling.enabled ? config.loss_scaling.init_scale : 1.0) {
+Trainer::Trainer(Qwen2Model& model, const TrainerConfig& config, Communicator* comm)
+    : model_(model),
+      config_(config),
+      own_comm_(comm ? nullptr : make_single_process_communicator()),
+      comm_(comm ? comm : own_comm_.get()),
+      scale_(config.loss_scaling.enabled ? config.loss_scaling.init_scale : 1.0) {
   MT_ASSERT(model.options().with_optimizer, "the trainer needs a model planned with optimizer state");
   model_.arena().enter_phase(Phase::Optimizer);
   for (size_t i = 0; i < model_.num_trainable(); ++i) {
@@ -19,6 +25,8 @@ Trainer::Trainer(Qwen2Model& model, const TrainerConfig& config)
   model_.load_masters();
   model_.arena().enter_phase(Phase::Forward);
 }
+
+Trainer::~Trainer() = default;
 
 StepResult Trainer::step(std::span<const TokenBatch> micro_batches) {
   StepResult r;
@@ -31,11 +39,24 @@ StepResult Trainer::step(std::span<const TokenBatch> micro_batches) {
     r.num_items += part.count;
   }
   r.learning_rate = config_.learning_rate * config_.schedule.multiplier(step_);
+  const size_t P = model_.num_trainable();
+  Arena& arena = model_.arena();
+  if (comm_->world_size() > 1) {
+    // num_items_in_batch and the logged loss are global: summed over ranks before the division.
+    std::array<double, 2> totals{r.loss_sum, static_cast<double>(r.num_items)};
+    comm_->allreduce_sum(totals);
+    r.loss_sum = totals[0];
+    r.num_items = static_cast<int64_t>(totals[1]);
+    if (r.num_items == 0) return r;
+    // Gradient SUMS over ranks, each tensor in place, last layers first (the order backward
+    // finished them in).
+    arena.enter_phase(Phase::Optimizer);
+    for (size_t i = P; i-- > 0;)
+      comm_->allreduce_sum({model_.trainable_grad(i), static_cast<size_t>(model_.trainable_spec(i).numel())});
+  }
   if (r.num_items == 0) return r;  // nothing to learn from: no update, the step is not counted
 
-  Arena& arena = model_.arena();
   arena.enter_phase(Phase::Optimizer);
-  const size_t P = model_.num_trainable();
   // The one division by num_items_in_batch (and by the loss scale), and the global norm.
   const float inv_items = static_cast<float>(1.0 / (static_cast<double>(r.num_items) * scale_));
   double sumsq = 0.0;

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <span>
 
 #include "model/qwen2.h"
@@ -14,6 +15,8 @@
 #include "train/schedule.h"
 
 namespace memtune {
+
+class Communicator;
 
 // Dynamic loss scaling as torch.cuda.amp.GradScaler does it: gradients are computed scaled by
 // `scale`; a step whose gradients are not finite is skipped and the scale backs off; after
@@ -47,7 +50,10 @@ class Trainer {
  public:
   // The model must be built with_optimizer. Masters are initialized from the weights and the
   // moments zeroed.
-  Trainer(Qwen2Model& model, const TrainerConfig& config);
+  // With a communicator of N ranks each rank passes its own micro-batches; gradients and item
+  // counts are summed over ranks before the one division, so every rank makes the same update.
+  Trainer(Qwen2Model& model, const TrainerConfig& config, Communicator* comm = nullptr);
+  ~Trainer();
 
   // One optimizer step over the micro-batches of a gradient-accumulation cycle.
   StepResult step(std::span<const TokenBatch> micro_batches);
@@ -65,6 +71,8 @@ class Trainer {
  private:
   Qwen2Model& model_;
   TrainerConfig config_;
+  std::unique_ptr<Communicator> own_comm_;  // a single process when none is given
+  Communicator* comm_;
   int64_t step_ = 0;  // optimizer updates made (AdamW's t, the schedule's step)
   double scale_ = 1.0;
   int64_t good_steps_ = 0;

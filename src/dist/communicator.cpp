@@ -1,0 +1,128 @@
+#include "dist/communicator.h"
+
+// The C API only (Open MPI's header would otherwise pull in its deprecated C++ bindings).
+#define OMPI_SKIP_MPICXX 1
+#include <mpi.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+
+namespace memtune {
+
+namespace {
+
+class SingleProcess final : public Communicator {
+ public:
+  int rank() const override { return 0; }
+  int world_size() const override { return 1; }
+  void allreduce_sum(std::span<float>) override {}
+  void allreduce_sum(std::span<double>) override {}
+  void allreduce_sum(std::span<int64_t>) override {}
+  int64_t allreduce_max(int64_t value) override { return value; }
+  void reduce_scatter_sum(std::span<const float> in, std::span<float> out) override {
+    MT_ASSERT(in.size() == out.size());
+    std::memcpy(out.data(), in.data(), in.size_bytes());
+  }
+  void allgather(std::span<const float> in, std::span<float> out) override {
+    MT_ASSERT(in.size() == out.size());
+    std::memcpy(out.data(), in.data(), in.size_bytes());
+  }
+  void broadcast(std::span<std::byte>, int) override {}
+  void barrier() override {}
+  void abort(int) override {}
+};
+
+void check(int code, const char* what) {
+  if (code == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  MPI_Error_string(code, text, &length);
+  throw Error(fmt::format("MPI {} failed: {}", what, std::string(text, static_cast<size_t>(length))));
+}
+
+// Large buffers go in pieces: MPI counts are int.
+constexpr size_t kMaxCount = size_t{1} << 30;
+
+class Mpi final : public Communicator {
+ public:
+  Mpi() {
+    int provided = 0;
+    check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided), "MPI_Init_thread");
+    // Errors come back as codes (turned into memtune errors) instead of aborting inside MPI.
+    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
+    MPI_Comm_size(MPI_COMM_WORLD, &size_);
+  }
+  ~Mpi() override {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized) MPI_Finalize();
+  }
+  int rank() const override { return rank_; }
+  int world_size() const override { return size_; }
+  void allreduce_sum(std::span<float> data) override { allreduce(data.data(), data.size(), MPI_FLOAT, 4); }
+  void allreduce_sum(std::span<double> data) override { allreduce(data.data(), data.size(), MPI_DOUBLE, 8); }
+  void allreduce_sum(std::span<int64_t> data) override { allreduce(data.data(), data.size(), MPI_INT64_T, 8); }
+  int64_t allreduce_max(int64_t value) override {
+    payload_bytes_ += 8;
+    check(MPI_Allreduce(MPI_IN_PLACE, &value, 1, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD), "allreduce");
+    return value;
+  }
+  void reduce_scatter_sum(std::span<const float> in, std::span<float> out) override {
+    MT_ASSERT(in.size() == out.size() * static_cast<size_t>(size_) && out.size() < kMaxCount);
+    payload_bytes_ += in.size_bytes();
+    check(MPI_Reduce_scatter_block(in.data(), out.data(), static_cast<int>(out.size()), MPI_FLOAT, MPI_SUM,
+                                   MPI_COMM_WORLD),
+          "reduce_scatter");
+  }
+  void allgather(std::span<const float> in, std::span<float> out) override {
+    MT_ASSERT(out.size() == in.size() * static_cast<size_t>(size_) && in.size() < kMaxCount);
+    payload_bytes_ += out.size_bytes();
+    check(MPI_Allgather(in.data(), static_cast<int>(in.size()), MPI_FLOAT, out.data(), static_cast<int>(in.size()),
+                        MPI_FLOAT, MPI_COMM_WORLD),
+          "allgather");
+  }
+  void broadcast(std::span<std::byte> data, int root) override {
+    payload_bytes_ += data.size();
+    for (size_t at = 0; at < data.size(); at += kMaxCount)
+      check(MPI_Bcast(data.data() + at, static_cast<int>(std::min(kMaxCount, data.size() - at)), MPI_BYTE, root,
+                      MPI_COMM_WORLD),
+            "broadcast");
+  }
+  void barrier() override { check(MPI_Barrier(MPI_COMM_WORLD), "barrier"); }
+  void abort(int code) override { MPI_Abort(MPI_COMM_WORLD, code); }
+
+ private:
+  void allreduce(void* data, size_t count, MPI_Datatype type, size_t elem) {
+    payload_bytes_ += count * elem;
+    for (size_t at = 0; at < count; at += kMaxCount)
+      check(MPI_Allreduce(MPI_IN_PLACE, static_cast<char*>(data) + at * elem,
+                          static_cast<int>(std::min(kMaxCount, count - at)), type, MPI_SUM, MPI_COMM_WORLD),
+            "allreduce");
+  }
+  int rank_ = 0, size_ = 1;
+};
+
+bool launched_by_mpi() {
+  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_SIZE"})
+    if (std::getenv(var)) return true;
+  return false;
+}
+
+}  // namespace
+
+Communicator& world() {
+  static const std::unique_ptr<Communicator> instance =
+      launched_by_mpi() ? std::unique_ptr<Communicator>(new Mpi()) : make_single_process_communicator();
+  return *instance;
+}
+
+std::unique_ptr<Communicator> make_single_process_communicator() {
+  return std::make_unique<SingleProcess>();
+}
+
+}  // namespace memtune
