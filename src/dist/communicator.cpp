@@ -6,10 +6,12 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "core/shard.h"
 
 namespace memtune {
 
@@ -23,13 +25,11 @@ class SingleProcess final : public Communicator {
   void allreduce_sum(std::span<double>) override {}
   void allreduce_sum(std::span<int64_t>) override {}
   int64_t allreduce_max(int64_t value) override { return value; }
-  void reduce_scatter_sum(std::span<const float> in, std::span<float> out) override {
-    MT_ASSERT(in.size() == out.size());
-    std::memcpy(out.data(), in.data(), in.size_bytes());
-  }
-  void allgather(std::span<const float> in, std::span<float> out) override {
-    MT_ASSERT(in.size() == out.size());
-    std::memcpy(out.data(), in.data(), in.size_bytes());
+  void reduce_scatter_sum(std::span<float>) override {}
+  void allgather(std::span<std::byte>, size_t) override {}
+  void gather_to_root(std::span<const float> block, size_t n, float* whole) override {
+    MT_ASSERT(block.size() == n);
+    std::memcpy(whole, block.data(), block.size_bytes());
   }
   void broadcast(std::span<std::byte>, int) override {}
   void barrier() override {}
@@ -72,19 +72,33 @@ class Mpi final : public Communicator {
     check(MPI_Allreduce(MPI_IN_PLACE, &value, 1, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD), "allreduce");
     return value;
   }
-  void reduce_scatter_sum(std::span<const float> in, std::span<float> out) override {
-    MT_ASSERT(in.size() == out.size() * static_cast<size_t>(size_) && out.size() < kMaxCount);
-    payload_bytes_ += in.size_bytes();
-    check(MPI_Reduce_scatter_block(in.data(), out.data(), static_cast<int>(out.size()), MPI_FLOAT, MPI_SUM,
-                                   MPI_COMM_WORLD),
+  void reduce_scatter_sum(std::span<float> data) override {
+    blocks(data.size());
+    payload_bytes_ += data.size_bytes();
+    // In place, MPI leaves this rank's result at the start of the buffer: move it to its block.
+    check(MPI_Reduce_scatter(MPI_IN_PLACE, data.data(), counts_.data(), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD),
           "reduce_scatter");
+    std::memmove(data.data() + displs_[rank_], data.data(), static_cast<size_t>(counts_[rank_]) * sizeof(float));
   }
-  void allgather(std::span<const float> in, std::span<float> out) override {
-    MT_ASSERT(out.size() == in.size() * static_cast<size_t>(size_) && in.size() < kMaxCount);
-    payload_bytes_ += out.size_bytes();
-    check(MPI_Allgather(in.data(), static_cast<int>(in.size()), MPI_FLOAT, out.data(), static_cast<int>(in.size()),
-                        MPI_FLOAT, MPI_COMM_WORLD),
-          "allgather");
+  void allgather(std::span<std::byte> data, size_t elem_size) override {
+    MT_ASSERT(data.size() % elem_size == 0);
+    blocks(data.size() / elem_size);
+    payload_bytes_ += data.size();
+    MPI_Datatype element;
+    check(MPI_Type_contiguous(static_cast<int>(elem_size), MPI_BYTE, &element), "type");
+    MPI_Type_commit(&element);
+    const int code = MPI_Allgatherv(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, data.data(), counts_.data(), displs_.data(),
+                                    element, MPI_COMM_WORLD);
+    MPI_Type_free(&element);
+    check(code, "allgather");
+  }
+  void gather_to_root(std::span<const float> block, size_t n, float* whole) override {
+    blocks(n);
+    MT_ASSERT(static_cast<int>(block.size()) == counts_[rank_]);
+    payload_bytes_ += block.size_bytes();
+    check(MPI_Gatherv(block.data(), counts_[rank_], MPI_FLOAT, whole, counts_.data(), displs_.data(), MPI_FLOAT, 0,
+                      MPI_COMM_WORLD),
+          "gather");
   }
   void broadcast(std::span<std::byte> data, int root) override {
     payload_bytes_ += data.size();
@@ -104,7 +118,19 @@ class Mpi final : public Communicator {
                           static_cast<int>(std::min(kMaxCount, count - at)), type, MPI_SUM, MPI_COMM_WORLD),
             "allreduce");
   }
+  // counts_ and displs_ of the blocks of n elements (see Communicator::reduce_scatter_sum).
+  void blocks(size_t n) {
+    MT_ASSERT(n < (size_t{1} << 31), "a tensor of 2^31 or more elements");
+    counts_.resize(static_cast<size_t>(size_));
+    displs_.resize(static_cast<size_t>(size_));
+    for (int r = 0; r < size_; ++r) {
+      const Shard s = shard_of(n, r, size_);
+      displs_[r] = static_cast<int>(s.begin);
+      counts_[r] = static_cast<int>(s.size());
+    }
+  }
   int rank_ = 0, size_ = 1;
+  std::vector<int> counts_, displs_;
 };
 
 bool launched_by_mpi() {

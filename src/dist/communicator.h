@@ -26,10 +26,15 @@ class Communicator {
   virtual void allreduce_sum(std::span<double> data) = 0;
   virtual void allreduce_sum(std::span<int64_t> data) = 0;
   virtual int64_t allreduce_max(int64_t value) = 0;
-  // `in` holds world_size blocks of out.size() elements; rank r receives the sum of block r.
-  virtual void reduce_scatter_sum(std::span<const float> in, std::span<float> out) = 0;
-  // `out` receives world_size blocks of in.size() elements, block r from rank r.
-  virtual void allgather(std::span<const float> in, std::span<float> out) = 0;
+  // Blocks: element range r of n is shard_of(n, r, world_size) (core/shard.h), i.e.
+  // [n r / W, n (r+1) / W). In place: this rank's block of `data` ends as the sum over ranks
+  // of that block; the other blocks are left unspecified.
+  virtual void reduce_scatter_sum(std::span<float> data) = 0;
+  // In place: each rank contributes its block of `data` (elements of elem_size bytes); every
+  // rank ends with all blocks.
+  virtual void allgather(std::span<std::byte> data, size_t elem_size) = 0;
+  // Rank 0 receives every rank's block of n elements into `whole` (n floats; ignored elsewhere).
+  virtual void gather_to_root(std::span<const float> block, size_t n, float* whole) = 0;
   virtual void broadcast(std::span<std::byte> data, int root) = 0;
   virtual void barrier() = 0;
   // Stops every rank: the job ends with `code` (MPI_Abort); returns only for a single process.

@@ -198,7 +198,16 @@ void Qwen2Model::declare_trainables() {
   if (optimizer && !options_.with_grads) throw Error("an optimizer needs gradients (with_grads)");
   if (options_.optim_offload && !optimizer) throw Error("optim_offload needs an optimizer");
   const bool offload = options_.optim_offload;
+  if (options_.zero_stage < 0 || options_.zero_stage > 1)
+    throw Error(fmt::format("zero_stage must be 0 or 1, got {}", options_.zero_stage));
+  if (options_.world_size < 1 || options_.rank < 0 || options_.rank >= options_.world_size)
+    throw Error(fmt::format("rank {} of world size {}: impossible", options_.rank, options_.world_size));
   MemoryPlan& state_plan = offload ? *host_plan_ : *plan_;
+  // Optimizer state (moments, masters) covers this rank's shard of each tensor.
+  auto shard_bytes = [&](const ParamSpec& spec) {
+    const size_t n = static_cast<size_t>(spec.numel());
+    return (options_.shards_optimizer() ? shard_of(n, options_.rank, options_.world_size).size() : n) * 4;
+  };
   auto add = [&](const ParamSpec& spec, BufferId value, std::optional<size_t> widen_into) {
     const size_t bytes = static_cast<size_t>(spec.numel()) * 4;
     Trainable t{spec,
@@ -210,8 +219,8 @@ void Qwen2Model::declare_trainables() {
                 optimizer && offload,
                 widen_into};
     if (optimizer) {
-      t.m = state_plan.declare_persistent("adam_m." + spec.name, Category::OptimizerState, bytes);
-      t.v = state_plan.declare_persistent("adam_v." + spec.name, Category::OptimizerState, bytes);
+      t.m = state_plan.declare_persistent("adam_m." + spec.name, Category::OptimizerState, shard_bytes(spec));
+      t.v = state_plan.declare_persistent("adam_v." + spec.name, Category::OptimizerState, shard_bytes(spec));
     }
     trainables_.push_back(std::move(t));
   };
@@ -220,7 +229,7 @@ void Qwen2Model::declare_trainables() {
       const ParamSpec& s = specs_[i];
       if (optimizer && dt != DType::F32) {
         const BufferId master =
-            state_plan.declare_persistent("master." + s.name, Category::TrainableParams, s.numel() * 4);
+            state_plan.declare_persistent("master." + s.name, Category::TrainableParams, shard_bytes(s));
         add(s, master, i);
       } else {
         add(s, weight_ids_[i], std::nullopt);
@@ -297,6 +306,23 @@ float* Qwen2Model::trainable_value(size_t i) const {
 float* Qwen2Model::trainable_grad(size_t i) const {
   return arena_->get<float>(trainables_.at(i).grad);
 }
+Shard Qwen2Model::optimizer_shard(size_t i) const {
+  const size_t n = static_cast<size_t>(trainables_.at(i).spec.numel());
+  return options_.shards_optimizer() ? shard_of(n, options_.rank, options_.world_size) : Shard{0, n};
+}
+
+float* Qwen2Model::shard_value(size_t i) const {
+  // A master covers the shard only; any other value is the whole tensor.
+  return trainables_.at(i).widen_into ? trainable_value(i) : trainable_value(i) + optimizer_shard(i).begin;
+}
+
+std::span<std::byte> Qwen2Model::trainable_storage(size_t i) const {
+  const Trainable& t = trainables_.at(i);
+  const size_t n = static_cast<size_t>(t.spec.numel());
+  if (t.widen_into) return {static_cast<std::byte*>(param_data(*t.widen_into)), n * dtype_size(config_.torch_dtype)};
+  return {reinterpret_cast<std::byte*>(trainable_value(i)), n * 4};
+}
+
 float* Qwen2Model::adam_m(size_t i) const {
   const Trainable& t = trainables_.at(i);
   return (t.state_on_host ? host_arena_ : arena_)->get<float>(t.m);
@@ -308,17 +334,21 @@ float* Qwen2Model::adam_v(size_t i) const {
 
 void Qwen2Model::store_trainable(size_t i) {
   const Trainable& t = trainables_.at(i);
-  if (t.widen_into)
-    convert_from_f32(trainable_value(i), param_data(*t.widen_into), config_.torch_dtype,
-                     static_cast<size_t>(t.spec.numel()));
+  if (!t.widen_into) return;
+  const Shard s = optimizer_shard(i);
+  const size_t element = dtype_size(config_.torch_dtype);
+  convert_from_f32(trainable_value(i), static_cast<std::byte*>(param_data(*t.widen_into)) + s.begin * element,
+                   config_.torch_dtype, s.size());
 }
 
 void Qwen2Model::load_masters() {
   for (size_t i = 0; i < trainables_.size(); ++i) {
     const Trainable& t = trainables_[i];
-    if (t.widen_into)
-      convert_to_f32(param_data(*t.widen_into), config_.torch_dtype, trainable_value(i),
-                     static_cast<size_t>(t.spec.numel()));
+    if (!t.widen_into) continue;
+    const Shard s = optimizer_shard(i);
+    const size_t element = dtype_size(config_.torch_dtype);
+    convert_to_f32(static_cast<const std::byte*>(param_data(*t.widen_into)) + s.begin * element, config_.torch_dtype,
+                   trainable_value(i), s.size());
   }
 }
 

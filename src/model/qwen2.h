@@ -18,6 +18,7 @@
 
 #include "backend/cpu/ops.h"
 #include "core/error.h"
+#include "core/shard.h"
 #include "memory/arena.h"
 #include "memory/plan.h"
 #include "model/config.h"
@@ -52,7 +53,14 @@ struct ModelOptions {
   // instead of the device plan; the optimizer step runs on the host for them (ZeRO-Offload's
   // split). On the CPU backend host and device are the same memory, so only the accounting moves.
   bool optim_offload = false;
+  // ZeRO stage 1 over data-parallel ranks: this rank holds the AdamW moments (and float32
+  // masters) of its block of every trainable tensor only (block r of n elements is
+  // [n r / W, n (r+1) / W)); 0 keeps the whole optimizer state on every rank.
+  int zero_stage = 0;
+  int rank = 0, world_size = 1;
+  bool shards_optimizer() const { return zero_stage >= 1 && world_size > 1; }
 };
+
 
 // A micro-batch: a flat stream of tokens holding sequences back to back. labels are unshifted
 // (Hugging Face convention: the target of token t is labels[t+1] of the same sequence; -100 ignored).
@@ -104,11 +112,20 @@ class Qwen2Model {
   const ParamSpec& trainable_spec(size_t i) const { return trainables_.at(i).spec; }
   float* trainable_value(size_t i) const;
   float* trainable_grad(size_t i) const;
+  // The elements of trainable i whose optimizer state this rank holds: all of them, or with
+  // ZeRO-1 the rank's block. adam_m, adam_v and shard_value are arrays of shard.size() floats,
+  // element k standing for element shard.begin + k of the tensor.
+  Shard optimizer_shard(size_t i) const;
   float* adam_m(size_t i) const;  // with_optimizer
   float* adam_v(size_t i) const;
+  float* shard_value(size_t i) const;  // the float32 values the optimizer updates
+  // Rounds the shard's float32 master into the 16-bit weight (nothing for float32 values).
   void store_trainable(size_t i);
   // True when trainable i is the float32 master of a 16-bit base weight (checkpoints keep it).
   bool trainable_is_master(size_t i) const { return trainables_.at(i).widen_into.has_value(); }
+  // The storage every rank must hold whole after an update: the 16-bit weight a master rounds
+  // into, or the float32 value itself; and its element size (for the ZeRO-1 allgather).
+  std::span<std::byte> trainable_storage(size_t i) const;
   // Sets every float32 master from its 16-bit weight (after loading or initializing weights).
   void load_masters();
   void zero_grads();

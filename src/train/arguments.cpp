@@ -58,6 +58,10 @@ void add_training_arguments(CLI::App& app, TrainingArguments& a) {
   app.add_flag("--bf16", a.bf16, "store weights in bfloat16 (compute stays float32)");
   app.add_flag("--fp16", a.fp16, "store weights in float16 (with dynamic loss scaling)");
   app.add_flag("--gradient_checkpointing", a.gradient_checkpointing, "keep layer inputs only, recompute in backward");
+  app.add_option("--zero_stage", a.zero_stage,
+                 "1: shard the AdamW state (and float32 masters) over the data-parallel ranks (ZeRO-1); 0: replicate")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1));
   app.add_flag("--optim_offload", a.optim_offload,
                "keep AdamW moments and float32 master weights in host memory; the optimizer step runs on the host");
   app.add_option("--loss_workspace_bytes", a.loss_workspace_bytes, "budget of the LM head's logits chunk")

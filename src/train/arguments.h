@@ -55,6 +55,7 @@ struct TrainingArguments {
   bool bf16 = false, fp16 = false;
   bool gradient_checkpointing = false;
   bool optim_offload = false;  // AdamW state (and float32 masters) in host memory
+  int64_t zero_stage = 0;      // 1: optimizer state sharded over data-parallel ranks
   int64_t loss_workspace_bytes = static_cast<int64_t>(kDefaultLossWorkspaceBytes);
   // Tuning.
   std::string tuner_type = "lora";  // lora | full (ms-swift's default is lora)

@@ -7,7 +7,7 @@
 namespace memtune {
 
 void adamw_update(std::span<float> param, std::span<const float> grad, std::span<float> m, std::span<float> v,
-                  int64_t t, double lr, const AdamWConfig& c, bool decay) {
+                  int64_t t, double lr, const AdamWConfig& c, bool decay, float grad_scale) {
   MT_ASSERT(param.size() == grad.size() && m.size() == param.size() && v.size() == param.size() && t >= 1);
   const float b1 = static_cast<float>(c.beta1), b2 = static_cast<float>(c.beta2);
   const double bias1 = 1.0 - std::pow(c.beta1, static_cast<double>(t));
@@ -19,7 +19,7 @@ void adamw_update(std::span<float> param, std::span<const float> grad, std::span
   const int64_t n = static_cast<int64_t>(param.size());
 #pragma omp parallel for simd schedule(static) if (n > 32768)
   for (int64_t i = 0; i < n; ++i) {
-    const float g = grad[i];
+    const float g = grad[i] * grad_scale;
     m[i] = b1 * m[i] + (1.0f - b1) * g;
     v[i] = b2 * v[i] + (1.0f - b2) * g * g;
     const float denom = std::sqrt(v[i]) * inv_sqrt_bias2 + eps;

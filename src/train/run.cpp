@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <ostream>
@@ -276,6 +277,9 @@ void TrainingRun::build_model() {
   o.loss_workspace_bytes = static_cast<size_t>(args_.loss_workspace_bytes);
   o.with_optimizer = true;
   o.optim_offload = args_.optim_offload;
+  o.zero_stage = static_cast<int>(args_.zero_stage);
+  o.rank = comm_.rank();
+  o.world_size = comm_.world_size();
   if (args_.tuner_type == "lora") {
     o.lora.rank = args_.lora_rank;
     o.lora.alpha = args_.lora_alpha;
@@ -344,25 +348,37 @@ json TrainingRun::trainer_state() const {
 }
 
 void TrainingRun::save_checkpoint() {
-  // Every rank holds the same model and optimizer state: rank 0 writes it, independent of the
-  // world size.
+  // Checkpoints do not depend on the world size: the optimizer state is saved whole. Every rank
+  // holds the same model; with ZeRO-1 each rank's shards of the moments and masters are gathered
+  // on rank 0 first (every rank takes part), otherwise rank 0 writes its own copy.
+  Arena& arena = model_->arena();
+  arena.enter_phase(Phase::Optimizer);
+  const bool sharded = model_->options().shards_optimizer();
+  std::deque<std::vector<float>> gathered;  // host staging for the sharded state (rank 0)
+  auto whole = [&](float* shard, size_t i) -> const float* {
+    if (!sharded) return shard;
+    const size_t n = static_cast<size_t>(model_->trainable_spec(i).numel());
+    gathered.emplace_back(root_ ? n : 0);
+    comm_.gather_to_root({shard, model_->optimizer_shard(i).size()}, n, gathered.back().data());
+    return gathered.back().data();
+  };
+  // AdamW moments, and float32 masters of 16-bit weights (the weights alone would round them).
+  std::vector<TensorToWrite> tensors;
+  for (size_t i = 0; i < model_->num_trainable(); ++i) {
+    const ParamSpec& s = model_->trainable_spec(i);
+    tensors.push_back({"exp_avg." + s.name, DType::F32, s.shape, whole(model_->adam_m(i), i)});
+    tensors.push_back({"exp_avg_sq." + s.name, DType::F32, s.shape, whole(model_->adam_v(i), i)});
+    if (model_->trainable_is_master(i))
+      tensors.push_back({"master." + s.name, DType::F32, s.shape, whole(model_->shard_value(i), i)});
+  }
+  arena.enter_phase(Phase::Forward);
   if (!root_) return;
   const fs::path final_dir = output_dir_ / fmt::format("checkpoint-{}", progress_.global_step);
   const fs::path tmp = output_dir_ / fmt::format("tmp-checkpoint-{}", progress_.global_step);
   fs::remove_all(tmp);
   fs::create_directories(tmp);
   write_model_files(tmp);
-  // AdamW moments, and float32 masters of 16-bit weights (the weights alone would round them).
-  Arena& arena = model_->arena();
   arena.enter_phase(Phase::Optimizer);
-  std::vector<TensorToWrite> tensors;
-  for (size_t i = 0; i < model_->num_trainable(); ++i) {
-    const ParamSpec& s = model_->trainable_spec(i);
-    tensors.push_back({"exp_avg." + s.name, DType::F32, s.shape, model_->adam_m(i)});
-    tensors.push_back({"exp_avg_sq." + s.name, DType::F32, s.shape, model_->adam_v(i)});
-    if (model_->trainable_is_master(i))
-      tensors.push_back({"master." + s.name, DType::F32, s.shape, model_->trainable_value(i)});
-  }
   write_safetensors((tmp / "optimizer.safetensors").string(), tensors, {{"format", "pt"}});
   arena.enter_phase(Phase::Forward);
   write_file_atomically((tmp / "trainer_state.json").string(), trainer_state().dump(2) + "\n");
@@ -418,18 +434,21 @@ void TrainingRun::resume() {
   Arena& arena = model_->arena();
   arena.enter_phase(Phase::Optimizer);
   model_->load_masters();
-  auto restore = [&](const std::string& name, float* dst, const ParamSpec& s) {
+  // The file holds whole tensors; each rank takes the part it keeps (all, or its ZeRO-1 shard),
+  // whatever the world size that saved it.
+  auto restore = [&](const std::string& name, float* dst, size_t i) {
+    const ParamSpec& s = model_->trainable_spec(i);
     const TensorInfo* t = opt.find(name);
     if (!t || t->dtype != DType::F32 || t->shape != s.shape)
       throw Error(fmt::format("{}: tensor \"{}\" missing or not F32 {}", opt_path, name, shape_string(s.shape)));
-    const auto bytes = opt.data(*t);
-    std::memcpy(dst, bytes.data(), bytes.size());
+    const Shard shard = model_->optimizer_shard(i);
+    std::memcpy(dst, opt.data(*t).data() + shard.begin * 4, shard.size() * 4);
   };
   for (size_t i = 0; i < model_->num_trainable(); ++i) {
     const ParamSpec& s = model_->trainable_spec(i);
-    restore("exp_avg." + s.name, model_->adam_m(i), s);
-    restore("exp_avg_sq." + s.name, model_->adam_v(i), s);
-    if (model_->trainable_is_master(i)) restore("master." + s.name, model_->trainable_value(i), s);
+    restore("exp_avg." + s.name, model_->adam_m(i), i);
+    restore("exp_avg_sq." + s.name, model_->adam_v(i), i);
+    if (model_->trainable_is_master(i)) restore("master." + s.name, model_->shard_value(i), i);
   }
   arena.enter_phase(Phase::Forward);
   progress_.global_step = position.at("global_step").get<int64_t>();

@@ -183,6 +183,62 @@ TEST_F(DataParallelTest, CheckpointsResumeAcrossWorldSizes) {
   EXPECT_LT(max_relative_difference(dir_ / "b" / "model.safetensors", dir_ / "ref" / "model.safetensors"), 2e-5);
 }
 
+// ZeRO-1: the AdamW state (and float32 masters of 16-bit weights) is sharded over the ranks, the
+// gradients reduce-scattered and the parameters allgathered; the training is the same.
+TEST_F(DataParallelTest, ZeroStage1EqualsZeroStage0) {
+  ASSERT_EQ(
+      testing_support::run_memtune("init-model --preset tiny --seed 1 --torch_dtype bfloat16 --out " + path("model16"))
+          .status,
+      0);
+  testing_support::write_synthetic_tokenizer(dir_ / "model16");
+  for (const std::string model : {"model", "model16"}) {
+    for (const std::string tuner : {"full", "lora"}) {
+      std::string flags =
+          "--per_device_train_batch_size 1 --gradient_accumulation_steps 2 --max_steps 4 --tuner_type " + tuner +
+          " --save_strategy steps --save_steps 2";
+      if (tuner == "lora") flags += " --lora_dropout 0";
+      const std::string args = train_args("z", flags) + " --model_name_or_path " + path(model);
+      const std::string name = model + "_" + tuner;
+      const Result z0 = mpirun(2, train_args(name + "_z0", flags) + " --model_name_or_path " + path(model));
+      const Result z1 =
+          mpirun(2, train_args(name + "_z1", flags) + " --model_name_or_path " + path(model) + " --zero_stage 1");
+      ASSERT_EQ(z0.status, 0) << z0.output;
+      ASSERT_EQ(z1.status, 0) << z1.output;
+      const std::string weights = tuner == "lora" ? "adapter_model.safetensors" : "model.safetensors";
+      if (model == "model") {
+        EXPECT_LT(max_relative_difference(dir_ / (name + "_z1") / weights, dir_ / (name + "_z0") / weights), 2e-5)
+            << name;
+      } else {
+        // 16-bit weights: the same float32 masters round to the same bfloat16 values (compared
+        // through the checkpoints' float32 masters, which the optimizer state keeps).
+        EXPECT_LT(max_relative_difference(dir_ / (name + "_z1") / "checkpoint-4" / "optimizer.safetensors",
+                                          dir_ / (name + "_z0") / "checkpoint-4" / "optimizer.safetensors"),
+                  2e-5)
+            << name;
+      }
+      // Per rank: the plan is what was measured, and the optimizer state is halved.
+      const json m0 = json::parse(std::ifstream(dir_ / (name + "_z0") / "memory.json"));
+      const json m1 = json::parse(std::ifstream(dir_ / (name + "_z1") / "memory.json"));
+      for (const json& r : m1["ranks"]) EXPECT_EQ(r["planned_peak_bytes"], r["measured_peak_bytes"]) << r.dump();
+      const double state0 = m0["categories"]["optimizer_state"].get<double>();
+      const double state1 = m1["categories"]["optimizer_state"].get<double>();
+      EXPECT_NEAR(state1, state0 / 2, 64.0 * 200) << name;  // alignment padding of ~200 buffers
+      EXPECT_LT(m1["planned_peak_bytes"].get<size_t>(), m0["planned_peak_bytes"].get<size_t>()) << name;
+    }
+  }
+  // A ZeRO-1 checkpoint holds the whole state: one process resumes it and ends where the ZeRO-0
+  // run did.
+  const Result resumed = testing_support::run_memtune(
+      train_args("model_full_z1",
+                 "--per_device_train_batch_size 2 --gradient_accumulation_steps 2 --max_steps 4 "
+                 "--tuner_type full --resume_from_checkpoint " +
+                     path("model_full_z1/checkpoint-2")));
+  ASSERT_EQ(resumed.status, 0) << resumed.output;
+  EXPECT_LT(max_relative_difference(dir_ / "model_full_z1" / "model.safetensors",
+                                    dir_ / "model_full_z0" / "model.safetensors"),
+            2e-5);
+}
+
 // The pid of the memtune process that is rank `rank` of the job writing to `output_dir`.
 pid_t find_rank(int rank, const std::string& output_dir) {
   for (const auto& e : fs::directory_iterator("/proc")) {
