@@ -45,6 +45,7 @@ size_t parse_bytes(const std::string& text) {
 struct Candidate {
   int64_t batch, accumulation, max_length, lora_rank;
   bool checkpointing, bf16, offload;
+  int zero_stage;
   size_t workspace;
   size_t peak = 0;
   double cost = 0;  // estimated step time, arbitrary units
@@ -55,6 +56,7 @@ struct Candidate {
     if (checkpointing) f += " --gradient_checkpointing";
     if (bf16) f += " --bf16";
     if (offload) f += " --optim_offload";
+    if (zero_stage > 0) f += fmt::format(" --zero_stage {}", zero_stage);
     f += fmt::format(" --loss_workspace_bytes {}", workspace);
     return f;
   }
@@ -95,6 +97,7 @@ Action add_plan(CLI::App& app) {
     int64_t loss_workspace_bytes = static_cast<int64_t>(kDefaultLossWorkspaceBytes);
     bool gradient_checkpointing = false, bf16 = false, json = false, fit = false, allow_shorter_max_length = false;
     bool optim_offload = false;
+    int world_size = 1, zero_stage = 0;
     std::string train_file;
     int64_t gradient_accumulation_steps = 1;
   };
@@ -116,6 +119,12 @@ Action add_plan(CLI::App& app) {
   app.add_option("--loss_workspace_bytes", a->loss_workspace_bytes)->capture_default_str();
   app.add_option("--device_memory", a->device_memory, "budget to check against, e.g. 24GiB");
   app.add_flag("--optim_offload", a->optim_offload, "AdamW state and float32 masters in host memory");
+  app.add_option("--world_size", a->world_size, "data-parallel ranks (mpirun -np N): the plan is per rank")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--zero_stage", a->zero_stage, "1: optimizer state sharded over the ranks (ZeRO-1)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1));
   app.add_option("--train_file", a->train_file, "the training data, for the host-memory estimate of its token ids")
       ->check(CLI::ExistingFile);
   app.add_flag("--json", a->json, "print one JSON object");
@@ -146,6 +155,8 @@ Action add_plan(CLI::App& app) {
     train.loss_workspace_bytes = static_cast<size_t>(a->loss_workspace_bytes);
     train.with_optimizer = true;
     train.optim_offload = a->optim_offload;
+    train.zero_stage = a->zero_stage;
+    train.world_size = a->world_size;  // planned for rank 0, whose shards are the smallest or equal
     if (a->tuner_type == "lora") {
       train.lora.rank = a->lora_rank;
       set_lora_targets(train.lora, a->target_modules);
@@ -153,6 +164,7 @@ Action add_plan(CLI::App& app) {
     ModelOptions eval = train;
     eval.max_tokens = a->eval_batch * a->max_length;
     eval.with_grads = eval.with_optimizer = eval.optim_offload = false;
+    eval.zero_stage = 0;
     eval.gradient_checkpointing = false;
     const Qwen2Model train_model(config, train), eval_model(config, eval);
     int64_t trainable = 0;
@@ -167,6 +179,8 @@ Action add_plan(CLI::App& app) {
     nlohmann::json out = {{"parameters", qwen2_parameter_count(config)},
                           {"trainable_parameters", trainable},
                           {"peak_bytes", peak},
+                          {"world_size", a->world_size},
+                          {"zero_stage", a->zero_stage},
                           {"training", plan_to_json(train_model.plan())},
                           {"evaluation", plan_to_json(eval_model.plan())},
                           {"hf_eval_logits_bytes_per_batch", hf_batch},
@@ -203,6 +217,8 @@ Action add_plan(CLI::App& app) {
       if (static_cast<size_t>(a->loss_workspace_bytes) > (size_t{32} << 20)) workspaces.push_back(size_t{32} << 20);
       std::vector<bool> dtypes = {a->bf16}, offloads = {a->optim_offload};
       if (!a->optim_offload) offloads.push_back(true);
+      std::vector<int> zeros = {a->zero_stage};
+      if (a->world_size > 1 && a->zero_stage == 0) zeros.push_back(1);
       if (!a->bf16 && config.torch_dtype == DType::F32) dtypes.push_back(true);
       const int64_t effective = a->batch * a->gradient_accumulation_steps;
       for (int64_t b : batches)
@@ -210,30 +226,35 @@ Action add_plan(CLI::App& app) {
           for (size_t ws : workspaces)
             for (bool bf16 : dtypes)
               for (bool offload : offloads)
-                for (int64_t rank : ranks)
-                  for (int64_t length : lengths) {
-                    Candidate k{b, (effective + b - 1) / b, length, rank, ckpt, bf16, offload, ws};
-                    Qwen2Config cc = config;
-                    if (bf16) cc.torch_dtype = DType::BF16;
-                    ModelOptions t = train;
-                    t.max_tokens = b * length;
-                    t.gradient_checkpointing = ckpt;
-                    t.loss_workspace_bytes = ws;
-                    t.optim_offload = offload;
-                    if (rank > 0) t.lora.rank = rank;
-                    ModelOptions e = eval;
-                    e.max_tokens = std::min(a->eval_batch, b) * length;
-                    e.loss_workspace_bytes = ws;
-                    if (rank > 0) e.lora.rank = rank;
-                    const Qwen2Model tm(cc, t), em(cc, e);
-                    k.peak = std::max(tm.plan().peak_bytes(), em.plan().peak_bytes());
-                    int64_t k_trainable = 0;
-                    for (size_t i = 0; i < tm.num_trainable(); ++i) k_trainable += tm.trainable_spec(i).numel();
-                    k.cost = estimate_cost(cc, k, tm.loss_chunk_rows(), k_trainable);
-                    if (!smallest || k.peak < smallest->peak) smallest = k;
-                    if (k.peak <= *budget) fitting.push_back(k);
-                  }
-      std::sort(fitting.begin(), fitting.end(), [](const Candidate& x, const Candidate& y) { return x.cost < y.cost; });
+                for (int zero : zeros)
+                  for (int64_t rank : ranks)
+                    for (int64_t length : lengths) {
+                      Candidate k{b, (effective + b - 1) / b, length, rank, ckpt, bf16, offload, zero, ws};
+                      Qwen2Config cc = config;
+                      if (bf16) cc.torch_dtype = DType::BF16;
+                      ModelOptions t = train;
+                      t.max_tokens = b * length;
+                      t.gradient_checkpointing = ckpt;
+                      t.loss_workspace_bytes = ws;
+                      t.optim_offload = offload;
+                      t.zero_stage = zero;
+                      if (rank > 0) t.lora.rank = rank;
+                      ModelOptions e = eval;
+                      e.max_tokens = std::min(a->eval_batch, b) * length;
+                      e.loss_workspace_bytes = ws;
+                      if (rank > 0) e.lora.rank = rank;
+                      const Qwen2Model tm(cc, t), em(cc, e);
+                      k.peak = std::max(tm.plan().peak_bytes(), em.plan().peak_bytes());
+                      int64_t k_trainable = 0;
+                      for (size_t i = 0; i < tm.num_trainable(); ++i) k_trainable += tm.trainable_spec(i).numel();
+                      k.cost = estimate_cost(cc, k, tm.loss_chunk_rows(), k_trainable);
+                      if (!smallest || k.peak < smallest->peak) smallest = k;
+                      if (k.peak <= *budget) fitting.push_back(k);
+                    }
+      // Equal estimated times (ZeRO-1 moves as many bytes as ZeRO-0's allreduce): smaller first.
+      std::sort(fitting.begin(), fitting.end(), [](const Candidate& x, const Candidate& y) {
+        return x.cost != y.cost ? x.cost < y.cost : x.peak < y.peak;
+      });
       nlohmann::json fit = nlohmann::json::array();
       for (const Candidate& k : fitting)
         fit.push_back({{"flags", k.flags()}, {"peak_bytes", k.peak}, {"relative_step_time", k.cost / fitting[0].cost}});
@@ -245,11 +266,13 @@ Action add_plan(CLI::App& app) {
       return;
     }
     std::cout << fmt::format(
-        "{}: {} parameters, {} trainable ({}), {} storage; micro-batch {} x {} tokens{}{}\n",
+        "{}: {} parameters, {} trainable ({}), {} storage; micro-batch {} x {} tokens{}{}{}\n",
         a->preset.empty() ? a->model : a->preset, qwen2_parameter_count(config), trainable,
         a->tuner_type == "lora" ? fmt::format("LoRA r={}", a->lora_rank) : std::string("full fine-tuning"),
         dtype_torch_name(config.torch_dtype), a->batch, a->max_length,
-        a->gradient_checkpointing ? ", gradient checkpointing" : "", a->optim_offload ? ", optimizer offloaded" : "");
+        a->gradient_checkpointing ? ", gradient checkpointing" : "", a->optim_offload ? ", optimizer offloaded" : "",
+        a->world_size > 1 ? fmt::format("; per rank of {}{}", a->world_size, a->zero_stage ? " with ZeRO-1" : "")
+                          : std::string());
     std::cout << "training plan (bytes live per phase):\n" << train_model.plan().summary();
     std::cout << fmt::format("evaluation plan at per_device_eval_batch_size {}: peak {}\n", a->eval_batch,
                              format_bytes(eval_model.plan().peak_bytes()));

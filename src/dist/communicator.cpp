@@ -25,6 +25,9 @@ class SingleProcess final : public Communicator {
   void allreduce_sum(std::span<double>) override {}
   void allreduce_sum(std::span<int64_t>) override {}
   int64_t allreduce_max(int64_t value) override { return value; }
+  void start_allreduce_sum(std::span<float>) override {}
+  void progress() override {}
+  void wait_all() override {}
   void reduce_scatter_sum(std::span<float>) override {}
   void allgather(std::span<std::byte>, size_t) override {}
   void gather_to_root(std::span<const float> block, size_t n, float* whole) override {
@@ -71,6 +74,25 @@ class Mpi final : public Communicator {
     payload_bytes_ += 8;
     check(MPI_Allreduce(MPI_IN_PLACE, &value, 1, MPI_INT64_T, MPI_MAX, MPI_COMM_WORLD), "allreduce");
     return value;
+  }
+  void start_allreduce_sum(std::span<float> data) override {
+    payload_bytes_ += data.size_bytes();
+    for (size_t at = 0; at < data.size(); at += kMaxCount) {
+      pending_.emplace_back();
+      check(MPI_Iallreduce(MPI_IN_PLACE, data.data() + at, static_cast<int>(std::min(kMaxCount, data.size() - at)),
+                           MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD, &pending_.back()),
+            "allreduce");
+    }
+  }
+  void progress() override {
+    if (pending_.empty()) return;
+    int done = 0;
+    check(MPI_Testall(static_cast<int>(pending_.size()), pending_.data(), &done, MPI_STATUSES_IGNORE), "test");
+  }
+  void wait_all() override {
+    if (pending_.empty()) return;
+    check(MPI_Waitall(static_cast<int>(pending_.size()), pending_.data(), MPI_STATUSES_IGNORE), "wait");
+    pending_.clear();
   }
   void reduce_scatter_sum(std::span<float> data) override {
     blocks(data.size());
@@ -131,6 +153,7 @@ class Mpi final : public Communicator {
   }
   int rank_ = 0, size_ = 1;
   std::vector<int> counts_, displs_;
+  std::vector<MPI_Request> pending_;
 };
 
 bool launched_by_mpi() {

@@ -26,6 +26,12 @@ class Communicator {
   virtual void allreduce_sum(std::span<double> data) = 0;
   virtual void allreduce_sum(std::span<int64_t> data) = 0;
   virtual int64_t allreduce_max(int64_t value) = 0;
+  // Non-blocking in-place sum: starts the reduction and returns; the data must not be touched
+  // until wait_all(). progress() lets pending reductions advance (MPI progresses them only
+  // inside MPI calls); wait_all() completes every started one.
+  virtual void start_allreduce_sum(std::span<float> data) = 0;
+  virtual void progress() = 0;
+  virtual void wait_all() = 0;
   // Blocks: element range r of n is shard_of(n, r, world_size) (core/shard.h), i.e.
   // [n r / W, n (r+1) / W). In place: this rank's block of `data` ends as the sum over ranks
   // of that block; the other blocks are left unspecified.

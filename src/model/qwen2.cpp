@@ -693,6 +693,7 @@ cpu::LossSum Qwen2Model::run_step(const TokenBatch& batch, float* logits_out, bo
     } else {
       layer_backward(l, saved_[l], x, dstream);
     }
+    if (layer_grads_ready_) layer_grads_ready_(l);
   }
   if (base_trainable()) cpu::embedding_backward(grad_data(embed_), dstream, A.get<int32_t>(ids_), N, D);
   timings_.backward = seconds_since(t0);

@@ -11,6 +11,7 @@
 #include <array>
 #include <cstdint>
 #include <memory>
+#include <functional>
 #include <optional>
 #include <span>
 #include <string>
@@ -152,6 +153,9 @@ class Qwen2Model {
   void set_grad_scale(float scale) { grad_scale_ = scale; }
   // Sees every logits chunk of the following steps (streaming metrics); nullptr for none. Not owned.
   void set_observer(cpu::ChunkObserver* observer) { observer_ = observer; }
+  // Called in backward as soon as decoder layer l's gradients are complete for this micro-batch
+  // (l = L-1 down to 0), so data-parallel ranks can start reducing them while backward goes on.
+  void set_layer_grads_ready(std::function<void(int64_t layer)> callback) { layer_grads_ready_ = std::move(callback); }
 
  private:
   struct LayerParams {
@@ -214,6 +218,7 @@ class Qwen2Model {
   const cpu::ChunkLoss* loss_ = &kCrossEntropy;
   float grad_scale_ = 1.0f;
   cpu::ChunkObserver* observer_ = nullptr;
+  std::function<void(int64_t)> layer_grads_ready_;
 
   // Buffer ids (see declare_buffers for lifetimes).
   BufferId ids_, positions_, targets_, cu_seqlens_;

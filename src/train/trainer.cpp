@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <string>
 #include <cmath>
 
 #include "core/error.h"
@@ -24,6 +25,22 @@ Trainer::Trainer(Qwen2Model& model, const TrainerConfig& config, Communicator* c
   }
   model_.load_masters();
   model_.arena().enter_phase(Phase::Forward);
+  // Buckets by name: "...layers.{l}." belongs to layer l (base weights and LoRA adapters alike).
+  layer_buckets_.resize(static_cast<size_t>(model_.config().num_hidden_layers));
+  for (size_t i = 0; i < model_.num_trainable(); ++i) {
+    const std::string& name = model_.trainable_spec(i).name;
+    const size_t at = name.find(".layers.");
+    if (at == std::string::npos) {
+      rest_bucket_.push_back(i);
+      continue;
+    }
+    layer_buckets_.at(std::stoul(name.substr(at + 8))).push_back(i);
+  }
+}
+
+void Trainer::start_bucket(const std::vector<size_t>& bucket) {
+  for (size_t i : bucket)
+    comm_->start_allreduce_sum({model_.trainable_grad(i), static_cast<size_t>(model_.trainable_spec(i).numel())});
 }
 
 Trainer::~Trainer() = default;
@@ -33,33 +50,50 @@ StepResult Trainer::step(std::span<const TokenBatch> micro_batches) {
   r.loss_scale = scale_;
   model_.set_grad_scale(static_cast<float>(scale_));
   model_.zero_grads();
-  for (const TokenBatch& mb : micro_batches) {
-    const cpu::LossSum part = model_.forward_backward(mb);
+  const bool sharded = model_.options().shards_optimizer();
+  // Data parallel without sharding: each layer's gradients are summed over ranks as soon as the
+  // rank's last backward has finished them, while backward continues with the layers below.
+  // Every rank starts the same reductions in the same order; a rank without data this step
+  // starts them all at once (its gradients are zero).
+  const bool overlap = comm_->world_size() > 1 && !sharded;
+  for (size_t k = 0; k < micro_batches.size(); ++k) {
+    if (overlap && k + 1 == micro_batches.size())
+      model_.set_layer_grads_ready([this](int64_t l) {
+        start_bucket(layer_buckets_[static_cast<size_t>(l)]);
+        comm_->progress();
+      });
+    cpu::LossSum part;
+    try {
+      part = model_.forward_backward(micro_batches[k]);
+    } catch (...) {
+      model_.set_layer_grads_ready(nullptr);
+      throw;
+    }
+    model_.set_layer_grads_ready(nullptr);
     r.loss_sum += part.sum;
     r.num_items += part.count;
+  }
+  if (overlap) {
+    if (micro_batches.empty())
+      for (size_t l = layer_buckets_.size(); l-- > 0;) start_bucket(layer_buckets_[l]);
+    start_bucket(rest_bucket_);
   }
   r.learning_rate = config_.learning_rate * config_.schedule.multiplier(step_);
   const size_t P = model_.num_trainable();
   Arena& arena = model_.arena();
-  const bool sharded = model_.options().shards_optimizer();
   if (comm_->world_size() > 1) {
     // num_items_in_batch and the logged loss are global: summed over ranks before the division.
     std::array<double, 2> totals{r.loss_sum, static_cast<double>(r.num_items)};
     comm_->allreduce_sum(totals);
     r.loss_sum = totals[0];
     r.num_items = static_cast<int64_t>(totals[1]);
+    comm_->wait_all();  // the gradient sums started during backward
     if (r.num_items == 0) return r;
-    // Gradient SUMS over ranks, each tensor in place, last layers first (the order backward
-    // finished them in). ZeRO-1 needs only this rank's block of each: a reduce-scatter.
+    // ZeRO-1 needs only this rank's block of each gradient: a reduce-scatter per tensor.
     arena.enter_phase(Phase::Optimizer);
-    for (size_t i = P; i-- > 0;) {
-      const std::span<float> g{model_.trainable_grad(i), static_cast<size_t>(model_.trainable_spec(i).numel())};
-      if (sharded) {
-        comm_->reduce_scatter_sum(g);
-      } else {
-        comm_->allreduce_sum(g);
-      }
-    }
+    if (sharded)
+      for (size_t i = P; i-- > 0;)
+        comm_->reduce_scatter_sum({model_.trainable_grad(i), static_cast<size_t>(model_.trainable_spec(i).numel())});
   }
   if (r.num_items == 0) return r;  // nothing to learn from: no update, the step is not counted
 

@@ -73,6 +73,11 @@ class Trainer {
   TrainerConfig config_;
   std::unique_ptr<Communicator> own_comm_;  // a single process when none is given
   Communicator* comm_;
+  // Gradient reduction buckets: the trainables of each decoder layer, then the rest (embedding,
+  // final norm, untied head), in the order backward completes them.
+  std::vector<std::vector<size_t>> layer_buckets_;
+  std::vector<size_t> rest_bucket_;
+  void start_bucket(const std::vector<size_t>& bucket);
   int64_t step_ = 0;  // optimizer updates made (AdamW's t, the schedule's step)
   double scale_ = 1.0;
   int64_t good_steps_ = 0;

@@ -224,6 +224,16 @@ TEST_F(DataParallelTest, ZeroStage1EqualsZeroStage0) {
       const double state1 = m1["categories"]["optimizer_state"].get<double>();
       EXPECT_NEAR(state1, state0 / 2, 64.0 * 200) << name;  // alignment padding of ~200 buffers
       EXPECT_LT(m1["planned_peak_bytes"].get<size_t>(), m0["planned_peak_bytes"].get<size_t>()) << name;
+      // `memtune plan --world_size 2` accounts the same per-rank state as the run had.
+      for (const std::string zero : {"0", "1"}) {
+        const Result plan = testing_support::run_memtune("plan --json --model " + path(model) + " --tuner_type " +
+                                                         tuner + " --world_size 2 --zero_stage " + zero);
+        ASSERT_EQ(plan.status, 0) << plan.output;
+        const json p = json::parse(plan.output);
+        const json& run = zero == "1" ? m1 : m0;
+        for (const char* category : {"weights", "trainable_params", "gradients", "optimizer_state"})
+          EXPECT_EQ(p["categories"][category], run["categories"][category]) << name << " zero " << zero << category;
+      }
     }
   }
   // A ZeRO-1 checkpoint holds the whole state: one process resumes it and ends where the ZeRO-0
