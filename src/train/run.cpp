@@ -313,6 +313,11 @@ void TrainingRun::build_model() {
       o.lora.enabled() ? fmt::format("LoRA r={} on {}", o.lora.rank, fmt::join(o.lora.target_names(), ","))
                        : std::string("full fine-tuning"),
       o.max_tokens, total_steps_, steps_per_epoch_);
+  if (comm_.world_size() > 1)
+    out_ << fmt::format("data parallel: {} ranks{}, {} sequences per optimizer step ({} per rank x {} accumulation)\n",
+                        comm_.world_size(), o.shards_optimizer() ? " with ZeRO-1" : "",
+                        args_.per_device_train_batch_size * args_.gradient_accumulation_steps * comm_.world_size(),
+                        args_.per_device_train_batch_size, args_.gradient_accumulation_steps);
   out_ << "memory plan:\n" << model_->plan().summary();
 }
 
@@ -590,7 +595,9 @@ void TrainingRun::train_loop() {
            {"memory_planned_bytes", model_->plan().peak_bytes()},
            {"memory_peak_bytes", model_->arena().high_water_bytes()},
            {"elapsed_seconds", std::chrono::duration<double>(Clock::now() - run_start).count()},
-           {"loss_scale", r.loss_scale}});
+           {"loss_scale", r.loss_scale},
+           {"world_size", comm_.world_size()},
+           {"comm_payload_bytes", comm_.payload_bytes()}});
       window_loss = window_grad_norm = 0;
       window_items = window_steps = window_tokens = 0;
       window_start = Clock::now();
