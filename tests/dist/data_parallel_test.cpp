@@ -62,13 +62,7 @@ double max_relative_difference(const fs::path& a, const fs::path& b) {
   return worst;
 }
 
-std::vector<json> read_jsonl(const fs::path& path) {
-  std::vector<json> out;
-  std::ifstream in(path);
-  for (std::string line; std::getline(in, line);) out.push_back(json::parse(line));
-  return out;
-}
-
+using testing_support::read_jsonl;
 class DataParallelTest : public ::testing::Test {
  protected:
   void SetUp() override {

@@ -30,21 +30,9 @@ Result run(const std::string& args) {
   return testing_support::run_memtune(args);
 }
 
-std::vector<json> read_jsonl(const fs::path& path) {
-  std::vector<json> out;
-  std::ifstream in(path);
-  for (std::string line; std::getline(in, line);) out.push_back(json::parse(line));
-  return out;
-}
-
-json read_json(const fs::path& path) {
-  return json::parse(std::ifstream(path));
-}
-
-std::string read_text(const fs::path& path) {
-  std::ifstream in(path);
-  return {std::istreambuf_iterator<char>(in), {}};
-}
+using testing_support::read_json;
+using testing_support::read_jsonl;
+using testing_support::read_text;
 
 size_t count(const std::string& text, const std::string& part) {
   size_t n = 0;

@@ -1,4 +1,5 @@
-// Small helpers shared by the test suites: error-message assertions and temporary directories.
+// Small helpers shared by the test suites: error-message assertions, temporary directories, and
+// reading the JSON files a run writes.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -6,8 +7,13 @@
 
 #include <atomic>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <string_view>
+#include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "core/error.h"
 
@@ -35,6 +41,23 @@ inline std::filesystem::path make_temp_dir(std::string_view tag) {
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   return dir;
+}
+
+// Every line of a JSONL file, parsed.
+inline std::vector<nlohmann::json> read_jsonl(const std::filesystem::path& path) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+inline nlohmann::json read_json(const std::filesystem::path& path) {
+  return nlohmann::json::parse(std::ifstream(path));
+}
+
+inline std::string read_text(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), {}};
 }
 
 }  // namespace memtune::testing_support

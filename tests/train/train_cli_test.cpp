@@ -28,13 +28,7 @@ Result run(const std::string& args) {
   return testing_support::run_memtune(args);
 }
 
-std::vector<json> read_jsonl(const fs::path& path) {
-  std::vector<json> out;
-  std::ifstream in(path);
-  for (std::string line; std::getline(in, line);) out.push_back(json::parse(line));
-  return out;
-}
-
+using testing_support::read_jsonl;
 class TrainCliTest : public ::testing::Test {
  protected:
   void SetUp() override {
