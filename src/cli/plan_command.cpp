@@ -273,9 +273,14 @@ Action add_plan(CLI::App& app) {
         a->gradient_checkpointing ? ", gradient checkpointing" : "", a->optim_offload ? ", optimizer offloaded" : "",
         a->world_size > 1 ? fmt::format("; per rank of {}{}", a->world_size, a->zero_stage ? " with ZeRO-1" : "")
                           : std::string());
-    std::cout << "training plan (bytes live per phase):\n" << train_model.plan().summary();
-    std::cout << fmt::format("evaluation plan at per_device_eval_batch_size {}: peak {}\n", a->eval_batch,
-                             format_bytes(eval_model.plan().peak_bytes()));
+    std::cout << fmt::format(
+        "bytes live per phase of a training step, and in evaluation (per_device_eval_batch_size {}, its peak):\n",
+        a->eval_batch);
+    std::cout << train_model.plan().summary(&eval_model.plan());
+    std::cout << fmt::format("evaluation plan: peak {}\n", format_bytes(eval_model.plan().peak_bytes()));
+    if (a->world_size > 1)
+      std::cout << "communication buffers: none planned (gradients are reduced in place; MPI's internal buffers "
+                   "are outside the plan)\n";
     std::cout << fmt::format("host memory: {} checkpoint mmap'd while loading, {} offloaded optimizer state, {}\n",
                              format_bytes(host_weights), format_bytes(host_optimizer),
                              a->train_file.empty()

@@ -114,22 +114,26 @@ std::string format_bytes(size_t bytes) {
   return u == 0 ? fmt::format("{} B", bytes) : fmt::format("{:.2f} {}", v, units[u]);
 }
 
-std::string MemoryPlan::summary() const {
+std::string MemoryPlan::summary(const MemoryPlan* evaluation) const {
   std::string out = fmt::format("{:<20}", "category");
   for (size_t p = 0; p < kNumPhases; ++p) out += fmt::format("{:>14}", phase_name(static_cast<Phase>(p)));
+  if (evaluation) out += fmt::format("{:>14}", "evaluation");
   out += "\n";
+  const Phase eval_peak = evaluation ? evaluation->peak_phase() : Phase::Forward;
   for (size_t c = 0; c < kNumCategories; ++c) {
     auto cat = static_cast<Category>(c);
-    size_t any = 0;
+    size_t any = evaluation ? evaluation->live_bytes(eval_peak, cat) : 0;
     for (size_t p = 0; p < kNumPhases; ++p) any += live_bytes(static_cast<Phase>(p), cat);
     if (any == 0) continue;
     out += fmt::format("{:<20}", category_name(cat));
     for (size_t p = 0; p < kNumPhases; ++p)
       out += fmt::format("{:>14}", format_bytes(live_bytes(static_cast<Phase>(p), cat)));
+    if (evaluation) out += fmt::format("{:>14}", format_bytes(evaluation->live_bytes(eval_peak, cat)));
     out += "\n";
   }
   out += fmt::format("{:<20}", "total");
   for (size_t p = 0; p < kNumPhases; ++p) out += fmt::format("{:>14}", format_bytes(live_bytes(static_cast<Phase>(p))));
+  if (evaluation) out += fmt::format("{:>14}", format_bytes(evaluation->peak_bytes()));
   out += fmt::format("\npeak {} ({} bytes) in phase {}, {} buffers\n", format_bytes(peak_bytes_), peak_bytes_,
                      phase_name(peak_phase_), buffers_.size());
   return out;

@@ -74,8 +74,9 @@ class MemoryPlan {
   size_t peak_bytes() const { return peak_bytes_; }
   Phase peak_phase() const { return peak_phase_; }
 
-  // A human-readable table: bytes per category and phase, and the peak.
-  std::string summary() const;
+  // A human-readable table: bytes per category and phase, and the peak; with `evaluation`, one
+  // more column: that (evaluation-only) plan's bytes per category at its own peak.
+  std::string summary(const MemoryPlan* evaluation = nullptr) const;
 
  private:
   std::vector<BufferDecl> buffers_;

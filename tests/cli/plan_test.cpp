@@ -4,6 +4,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "memory/plan.h"
 #include "model/qwen2.h"
 #include "support/run_command.h"
 #include "support/test_util.h"
@@ -42,6 +43,15 @@ TEST(PlanCommand, BudgetCheckAndCheckpointingLever) {
             plain["categories"]["saved_activations"].get<double>() / 10);
   // HF evaluation logits: batch x seq x vocab x 4 bytes.
   EXPECT_DOUBLE_EQ(plain["hf_eval_logits_bytes_per_batch"].get<double>(), 1.0 * 2048 * 152064 * 4);
+  // The table: a column per training phase and one for evaluation, whose total is the
+  // evaluation plan's peak.
+  const auto text = testing_support::run_memtune("plan " + base);
+  ASSERT_EQ(text.status, 0) << text.output;
+  EXPECT_CONTAINS(text.output, "forward          loss      backward     optimizer    evaluation");
+  const size_t total = text.output.find("\ntotal");
+  ASSERT_NE(total, std::string::npos);
+  const std::string total_line = text.output.substr(total + 1, text.output.find('\n', total + 1) - total - 1);
+  EXPECT_TRUE(total_line.ends_with(format_bytes(plain["evaluation"]["peak_bytes"].get<size_t>()))) << total_line;
   const auto bad = testing_support::run_memtune("plan --preset qwen2.5-7b --device_memory '24 parsecs'");
   EXPECT_EQ(bad.status, 1);
   EXPECT_CONTAINS(bad.output, "parsecs");
