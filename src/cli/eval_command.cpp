@@ -97,7 +97,7 @@ Action add_eval(CLI::App& app) {
     const std::filesystem::path out_dir(a->output_dir);
     MemoryTimeline timeline;
     if (!a->output_dir.empty()) {
-      std::filesystem::create_directories(out_dir);
+      create_directory(out_dir.string(), "--output_dir");
       write_file_atomically((out_dir / "run_args.json").string(), arguments_json(app).dump(2) + "\n");
       std::filesystem::remove(out_dir / "memory.jsonl");
       timeline.open((out_dir / "memory.jsonl").string());

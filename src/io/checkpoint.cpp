@@ -224,9 +224,7 @@ void write_checkpoint(const std::string& dir, const std::vector<TensorToWrite>& 
     if (std::any_of(t.shape.begin(), t.shape.end(), [](int64_t d) { return d < 0; }))
       throw Error(dir + ": tensor \"" + t.name + "\": negative dimension in shape " + shape_string(t.shape));
   }
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec) throw Error(dir + ": cannot create checkpoint directory: " + ec.message());
+  create_directory(dir, "checkpoint");
 
   std::vector<std::vector<TensorToWrite>> shards(1);
   size_t shard_bytes = 0;

@@ -77,6 +77,10 @@ void write_safetensors(const std::string& path, const std::vector<TensorToWrite>
 // Writes `contents` to `path` with the same temp-file-and-rename atomicity.
 void write_file_atomically(const std::string& path, std::string_view contents);
 
+// Creates `dir` and its parents; an Error naming `what` (e.g. "--output_dir") and the reason
+// when it cannot.
+void create_directory(const std::string& dir, std::string_view what);
+
 // A shape as error messages show it: "[2, 3]", "[]" for a scalar.
 std::string shape_string(std::span<const int64_t> shape);
 

@@ -151,7 +151,7 @@ void TrainingRun::run() {
   greater_is_better_ = args_.greater_is_better.value_or(!best_key_.ends_with("loss"));
   output_dir_ = args_.output_dir;
   if (root_) {
-    fs::create_directories(output_dir_);
+    create_directory(output_dir_.string(), "--output_dir");
     // A save interrupted by a crash leaves only a tmp-checkpoint-N behind; it was never complete.
     for (const auto& e : fs::directory_iterator(output_dir_))
       if (e.path().filename().string().starts_with("tmp-checkpoint-")) fs::remove_all(e.path());

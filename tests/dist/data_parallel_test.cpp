@@ -243,6 +243,20 @@ TEST_F(DataParallelTest, ZeroStage1EqualsZeroStage0) {
             2e-5);
 }
 
+// An error on one rank only (rank 0 alone creates the output directory; here it cannot) stops
+// the whole job with that rank's message instead of leaving the others waiting.
+TEST_F(DataParallelTest, AnErrorOnOneRankStopsTheJob) {
+  std::ofstream(dir_ / "a_file") << "not a directory";
+  const auto start = std::chrono::steady_clock::now();
+  const Result r =
+      testing_support::run_command(kMpirun + "2 " + MEMTUNE_BINARY + " " + train_args("a_file/out", "--max_steps 2"));
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_NE(r.status, 0);
+  EXPECT_CONTAINS(r.output, "memtune: error on rank 0 of 2: --output_dir");
+  EXPECT_CONTAINS(r.output, "a_file/out: cannot create the directory");
+  EXPECT_LT(seconds, 60.0);
+}
+
 // The pid of the memtune process that is rank `rank` of the job writing to `output_dir`.
 pid_t find_rank(int rank, const std::string& output_dir) {
   for (const auto& e : fs::directory_iterator("/proc")) {
