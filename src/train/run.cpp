@@ -172,7 +172,9 @@ void TrainingRun::run() {
     if (!log_file_) throw Error(fmt::format("{}: cannot write log.jsonl", output_dir_.string()));
     timeline_.open((output_dir_ / "memory.jsonl").string());
   }
-  terminal_ = root_ && &out_ == &std::cout && isatty(STDOUT_FILENO);
+  // Under mpirun stdout is a pseudo-terminal even when the job's output goes to a file: plain
+  // log lines there.
+  terminal_ = comm_.world_size() == 1 && &out_ == &std::cout && isatty(STDOUT_FILENO);
   g_interrupted = false;
   struct sigaction action {
   }, previous{};
