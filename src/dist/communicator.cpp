@@ -21,7 +21,6 @@ class SingleProcess final : public Communicator {
  public:
   int rank() const override { return 0; }
   int world_size() const override { return 1; }
-  void allreduce_sum(std::span<float>) override {}
   void allreduce_sum(std::span<double>) override {}
   void allreduce_sum(std::span<int64_t>) override {}
   int64_t allreduce_max(int64_t value) override { return value; }
@@ -67,7 +66,6 @@ class Mpi final : public Communicator {
   }
   int rank() const override { return rank_; }
   int world_size() const override { return size_; }
-  void allreduce_sum(std::span<float> data) override { allreduce(data.data(), data.size(), MPI_FLOAT, 4); }
   void allreduce_sum(std::span<double> data) override { allreduce(data.data(), data.size(), MPI_DOUBLE, 8); }
   void allreduce_sum(std::span<int64_t> data) override { allreduce(data.data(), data.size(), MPI_INT64_T, 8); }
   int64_t allreduce_max(int64_t value) override {

@@ -22,7 +22,6 @@ class Communicator {
   bool is_root() const { return rank() == 0; }
 
   // In place: every rank ends with the elementwise sum over ranks.
-  virtual void allreduce_sum(std::span<float> data) = 0;
   virtual void allreduce_sum(std::span<double> data) = 0;
   virtual void allreduce_sum(std::span<int64_t> data) = 0;
   virtual int64_t allreduce_max(int64_t value) = 0;

@@ -46,7 +46,6 @@ json memory_json(const MemoryPlan& plan, const Arena& arena, const MemoryPlan& h
 }
 
 void MemoryTimeline::open(const std::string& path) {
-  path_ = path;
   out_.open(path, std::ios::app);
   if (!out_) throw Error(fmt::format("{}: cannot write the memory timeline", path));
 }

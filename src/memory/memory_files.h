@@ -35,12 +35,11 @@ nlohmann::json memory_json(const MemoryPlan& plan, const Arena& arena, const Mem
 class MemoryTimeline {
  public:
   void open(const std::string& path);
-  bool is_open() const { return out_.is_open(); }
+  // Does nothing until opened (ranks other than 0 never open it).
   void record(const Arena& arena, int64_t step, std::string_view stage, std::span<const Phase> phases);
 
  private:
   std::ofstream out_;
-  std::string path_;
 };
 
 }  // namespace memtune

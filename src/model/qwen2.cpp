@@ -197,27 +197,19 @@ void Qwen2Model::declare_trainables() {
   const bool optimizer = options_.with_optimizer;
   if (optimizer && !options_.with_grads) throw Error("an optimizer needs gradients (with_grads)");
   if (options_.optim_offload && !optimizer) throw Error("optim_offload needs an optimizer");
-  const bool offload = options_.optim_offload;
   if (options_.zero_stage < 0 || options_.zero_stage > 1)
     throw Error(fmt::format("zero_stage must be 0 or 1, got {}", options_.zero_stage));
   if (options_.world_size < 1 || options_.rank < 0 || options_.rank >= options_.world_size)
     throw Error(fmt::format("rank {} of world size {}: impossible", options_.rank, options_.world_size));
-  MemoryPlan& state_plan = offload ? *host_plan_ : *plan_;
+  MemoryPlan& state_plan = options_.optim_offload ? *host_plan_ : *plan_;
   // Optimizer state (moments, masters) covers this rank's shard of each tensor.
   auto shard_bytes = [&](const ParamSpec& spec) {
-    const size_t n = static_cast<size_t>(spec.numel());
-    return (options_.shards_optimizer() ? shard_of(n, options_.rank, options_.world_size).size() : n) * 4;
+    return shard_of_tensor(static_cast<size_t>(spec.numel())).size() * 4;
   };
   auto add = [&](const ParamSpec& spec, BufferId value, std::optional<size_t> widen_into) {
     const size_t bytes = static_cast<size_t>(spec.numel()) * 4;
-    Trainable t{spec,
-                value,
-                plan_->declare_persistent("grad." + spec.name, Category::Gradients, bytes),
-                {},
-                {},
-                widen_into && offload,
-                optimizer && offload,
-                widen_into};
+    Trainable t{spec, value, plan_->declare_persistent("grad." + spec.name, Category::Gradients, bytes),
+                {},   {},    widen_into};
     if (optimizer) {
       t.m = state_plan.declare_persistent("adam_m." + spec.name, Category::OptimizerState, shard_bytes(spec));
       t.v = state_plan.declare_persistent("adam_v." + spec.name, Category::OptimizerState, shard_bytes(spec));
@@ -254,7 +246,7 @@ void Qwen2Model::declare_trainables() {
         if (options_.with_grads) {
           add(spec, value, std::nullopt);
         } else {
-          trainables_.push_back({spec, value, {}, {}, {}, false, false, std::nullopt});  // inference: values only
+          trainables_.push_back({spec, value, {}, {}, {}, std::nullopt});  // inference: values only
         }
       }
     }
@@ -300,15 +292,19 @@ float* Qwen2Model::grad_data(size_t i) const {
 }
 
 float* Qwen2Model::trainable_value(size_t i) const {
+  // A master is optimizer state; any other value is the parameter itself.
   const Trainable& t = trainables_.at(i);
-  return (t.value_on_host ? host_arena_ : arena_)->get<float>(t.value);
+  return (t.widen_into ? state_arena() : *arena_).get<float>(t.value);
 }
 float* Qwen2Model::trainable_grad(size_t i) const {
   return arena_->get<float>(trainables_.at(i).grad);
 }
-Shard Qwen2Model::optimizer_shard(size_t i) const {
-  const size_t n = static_cast<size_t>(trainables_.at(i).spec.numel());
+Shard Qwen2Model::shard_of_tensor(size_t n) const {
   return options_.shards_optimizer() ? shard_of(n, options_.rank, options_.world_size) : Shard{0, n};
+}
+
+Shard Qwen2Model::optimizer_shard(size_t i) const {
+  return shard_of_tensor(static_cast<size_t>(trainables_.at(i).spec.numel()));
 }
 
 float* Qwen2Model::shard_value(size_t i) const {
@@ -324,12 +320,10 @@ std::span<std::byte> Qwen2Model::trainable_storage(size_t i) const {
 }
 
 float* Qwen2Model::adam_m(size_t i) const {
-  const Trainable& t = trainables_.at(i);
-  return (t.state_on_host ? host_arena_ : arena_)->get<float>(t.m);
+  return state_arena().get<float>(trainables_.at(i).m);
 }
 float* Qwen2Model::adam_v(size_t i) const {
-  const Trainable& t = trainables_.at(i);
-  return (t.state_on_host ? host_arena_ : arena_)->get<float>(t.v);
+  return state_arena().get<float>(trainables_.at(i).v);
 }
 
 void Qwen2Model::store_trainable(size_t i) {

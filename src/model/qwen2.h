@@ -10,8 +10,8 @@
 
 #include <array>
 #include <cstdint>
-#include <memory>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -61,7 +61,6 @@ struct ModelOptions {
   int rank = 0, world_size = 1;
   bool shards_optimizer() const { return zero_stage >= 1 && world_size > 1; }
 };
-
 
 // A micro-batch: a flat stream of tokens holding sequences back to back. labels are unshifted
 // (Hugging Face convention: the target of token t is labels[t+1] of the same sequence; -100 ignored).
@@ -124,8 +123,8 @@ class Qwen2Model {
   void store_trainable(size_t i);
   // True when trainable i is the float32 master of a 16-bit base weight (checkpoints keep it).
   bool trainable_is_master(size_t i) const { return trainables_.at(i).widen_into.has_value(); }
-  // The storage every rank must hold whole after an update: the 16-bit weight a master rounds
-  // into, or the float32 value itself; and its element size (for the ZeRO-1 allgather).
+  // The storage every rank must hold whole after an update (the ZeRO-1 allgather): the 16-bit
+  // weight a master rounds into, or the float32 value itself.
   std::span<std::byte> trainable_storage(size_t i) const;
   // Sets every float32 master from its 16-bit weight (after loading or initializing weights).
   void load_masters();
@@ -168,8 +167,7 @@ class Qwen2Model {
   struct Trainable {
     ParamSpec spec;
     BufferId value, grad, m{}, v{};
-    bool value_on_host = false, state_on_host = false;  // in host_plan_ (optim_offload)
-    std::optional<size_t> widen_into;                   // base parameter stored in 16 bits that value is the master of
+    std::optional<size_t> widen_into;  // base parameter stored in 16 bits that value is the master of
   };
   struct Linear {  // one linear layer of a decoder layer
     size_t weight;
@@ -211,6 +209,10 @@ class Qwen2Model {
   std::unique_ptr<Arena> arena_;
   std::unique_ptr<MemoryPlan> host_plan_;
   std::unique_ptr<Arena> host_arena_;
+  // This rank's block of a tensor of n elements: all of it, or its ZeRO-1 shard.
+  Shard shard_of_tensor(size_t n) const;
+  // Where optimizer state (moments, masters) lives: the host arena with optim_offload.
+  Arena& state_arena() const { return options_.optim_offload ? *host_arena_ : *arena_; }
   int64_t chunk_rows_ = 1;
   int64_t num_tokens_ = 0, num_seqs_ = 0;
   StepTimings timings_;

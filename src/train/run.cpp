@@ -9,7 +9,6 @@
 #include <csignal>
 
 #include <algorithm>
-#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -537,7 +536,7 @@ void TrainingRun::train_loop() {
       break;
     }
     views.clear();
-    int64_t tokens = 0, global_batches = 0;
+    int64_t global_batches = 0;
     for (int64_t k = 0; k < ga; ++k) {
       // next() is false for every rank at once (global micro-batches); a rank's share of the
       // last one may be empty, and that rank still takes part in the step.
@@ -547,7 +546,6 @@ void TrainingRun::train_loop() {
       const MicroBatch& mb = micro[static_cast<size_t>(k)];
       if (mb.input_ids.empty()) continue;
       views.push_back({mb.input_ids, mb.labels, mb.cu_seqlens});
-      tokens += static_cast<int64_t>(mb.input_ids.size());
     }
     if (global_batches == 0) {  // the epoch is over
       ++progress_.epoch;
@@ -561,11 +559,6 @@ void TrainingRun::train_loop() {
     model_->set_dropout_seed(args_.seed * 0x100000001b3ull + static_cast<uint64_t>(progress_.global_step));
     model_->arena().reset_usage();
     const StepResult r = trainer_->step(views);
-    if (comm_.world_size() > 1) {  // tokens of every rank
-      std::array<int64_t, 1> t{tokens};
-      comm_.allreduce_sum(t);
-      tokens = t[0];
-    }
     if (!r.updated && !r.skipped_nonfinite) continue;  // no target token at all: not a step
     ++progress_.global_step;
     static constexpr Phase kStepPhases[] = {Phase::Forward, Phase::Loss, Phase::Backward, Phase::Optimizer};
@@ -575,14 +568,14 @@ void TrainingRun::train_loop() {
       log({{"skipped", "non-finite gradients"},
            {"loss_scale", r.loss_scale},
            {"next_loss_scale", trainer_->loss_scale()}});
-      progress_.num_input_tokens_seen += tokens;
+      progress_.num_input_tokens_seen += r.num_tokens;
       continue;
     }
-    progress_.num_input_tokens_seen += tokens;
+    progress_.num_input_tokens_seen += r.num_tokens;
     window_loss += r.loss_sum;
     window_items += r.num_items;
     window_grad_norm += r.grad_norm;
-    window_tokens += tokens;
+    window_tokens += r.num_tokens;
     ++window_steps;
     show_progress(r, std::chrono::duration<double>(Clock::now() - run_start).count());
     const bool last = progress_.global_step == total_steps_;

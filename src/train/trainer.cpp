@@ -2,8 +2,8 @@
 
 #include <algorithm>
 #include <array>
-#include <string>
 #include <cmath>
+#include <string>
 
 #include "core/error.h"
 #include "dist/communicator.h"
@@ -72,6 +72,7 @@ StepResult Trainer::step(std::span<const TokenBatch> micro_batches) {
     model_.set_layer_grads_ready(nullptr);
     r.loss_sum += part.sum;
     r.num_items += part.count;
+    r.num_tokens += static_cast<int64_t>(micro_batches[k].input_ids.size());
   }
   if (overlap) {
     if (micro_batches.empty())
@@ -82,22 +83,22 @@ StepResult Trainer::step(std::span<const TokenBatch> micro_batches) {
   const size_t P = model_.num_trainable();
   Arena& arena = model_.arena();
   if (comm_->world_size() > 1) {
-    // num_items_in_batch and the logged loss are global: summed over ranks before the division.
-    std::array<double, 2> totals{r.loss_sum, static_cast<double>(r.num_items)};
+    // num_items_in_batch, the logged loss and the token count are global: summed over ranks
+    // before the division.
+    std::array<double, 3> totals{r.loss_sum, static_cast<double>(r.num_items), static_cast<double>(r.num_tokens)};
     comm_->allreduce_sum(totals);
     r.loss_sum = totals[0];
     r.num_items = static_cast<int64_t>(totals[1]);
+    r.num_tokens = static_cast<int64_t>(totals[2]);
     comm_->wait_all();  // the gradient sums started during backward
-    if (r.num_items == 0) return r;
-    // ZeRO-1 needs only this rank's block of each gradient: a reduce-scatter per tensor.
-    arena.enter_phase(Phase::Optimizer);
-    if (sharded)
-      for (size_t i = P; i-- > 0;)
-        comm_->reduce_scatter_sum({model_.trainable_grad(i), static_cast<size_t>(model_.trainable_spec(i).numel())});
   }
   if (r.num_items == 0) return r;  // nothing to learn from: no update, the step is not counted
 
   arena.enter_phase(Phase::Optimizer);
+  // ZeRO-1 needs only this rank's block of each gradient: a reduce-scatter per tensor.
+  if (sharded)
+    for (size_t i = P; i-- > 0;)
+      comm_->reduce_scatter_sum({model_.trainable_grad(i), static_cast<size_t>(model_.trainable_spec(i).numel())});
   // The one division by num_items_in_batch (and by the loss scale), and the global norm. Each
   // rank normalizes the elements it updates (all, or its ZeRO-1 shard); with shards the squared
   // norm is summed over ranks.

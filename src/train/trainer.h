@@ -38,6 +38,7 @@ struct TrainerConfig {
 struct StepResult {
   double loss_sum = 0;             // sum of per-token losses over the step
   int64_t num_items = 0;           // num_items_in_batch: target tokens over all micro-batches
+  int64_t num_tokens = 0;          // input tokens over all micro-batches (and ranks)
   double grad_norm = 0;            // global norm of the normalized gradient, before clipping
   double learning_rate = 0;        // the rate this step used
   bool updated = false;            // false when the step had no target token or was skipped

@@ -191,7 +191,6 @@ TEST_F(DataParallelTest, ZeroStage1EqualsZeroStage0) {
           "--per_device_train_batch_size 1 --gradient_accumulation_steps 2 --max_steps 4 --tuner_type " + tuner +
           " --save_strategy steps --save_steps 2";
       if (tuner == "lora") flags += " --lora_dropout 0";
-      const std::string args = train_args("z", flags) + " --model_name_or_path " + path(model);
       const std::string name = model + "_" + tuner;
       const Result z0 = mpirun(2, train_args(name + "_z0", flags) + " --model_name_or_path " + path(model));
       const Result z1 =
