@@ -149,7 +149,7 @@ class ExampleBuilder {
       out.truncated = true;
     }
     if (std::none_of(out.labels.begin() + std::min<size_t>(1, out.labels.size()), out.labels.end(),
-                     [](int32_t l) { return l != kIgnoreLabel; }))
+                     [](int32_t l) { return l != kIgnoreIndex; }))
       out.kind = LineResult::Kind::NoTargets;
   }
 
@@ -230,7 +230,7 @@ std::string_view truncation_strategy_name(TruncationStrategy strategy) {
 int64_t Dataset::num_targets(size_t i) const {
   const std::span<const int32_t> l = labels(i);
   if (l.empty()) return 0;
-  return std::count_if(l.begin() + 1, l.end(), [](int32_t v) { return v != kIgnoreLabel; });
+  return std::count_if(l.begin() + 1, l.end(), [](int32_t v) { return v != kIgnoreIndex; });
 }
 
 int64_t Dataset::num_targets() const {

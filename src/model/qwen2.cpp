@@ -495,8 +495,8 @@ void Qwen2Model::upload_batch(const TokenBatch& batch) {
             fmt::format("token id {} at position {} is outside the vocabulary [0, {})", id, t, config_.vocab_size));
       ids[t] = id;
       pos[t] = t - begin;
-      const int32_t label = t + 1 < end ? batch.labels[t + 1] : cpu::kIgnoreIndex;
-      if (label != cpu::kIgnoreIndex && (label < 0 || label >= config_.vocab_size))
+      const int32_t label = t + 1 < end ? batch.labels[t + 1] : kIgnoreIndex;
+      if (label != kIgnoreIndex && (label < 0 || label >= config_.vocab_size))
         throw Error(fmt::format("label {} at position {} is outside the vocabulary [0, {}) and is not -100", label,
                                 t + 1, config_.vocab_size));
       tgt[t] = label;

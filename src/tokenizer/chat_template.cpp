@@ -172,7 +172,7 @@ void encode_segments(const Tokenizer& tokenizer, std::span<const ChatSegment> se
     if (s.trainable)
       labels.insert(labels.end(), ids.begin() + static_cast<std::ptrdiff_t>(begin), ids.end());
     else
-      labels.resize(ids.size(), kIgnoreLabel);
+      labels.resize(ids.size(), kIgnoreIndex);
   }
 }
 

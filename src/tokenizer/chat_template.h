@@ -11,6 +11,8 @@
 #include <string_view>
 #include <vector>
 
+#include "core/labels.h"
+
 namespace memtune {
 
 class Tokenizer;
@@ -80,7 +82,5 @@ std::vector<ChatSegment> render_chat(ChatTemplate chat_template, std::span<const
 // trainable token and -100 otherwise (unshifted labels, the Hugging Face convention).
 void encode_segments(const Tokenizer& tokenizer, std::span<const ChatSegment> segments, std::vector<int32_t>& ids,
                      std::vector<int32_t>& labels);
-
-inline constexpr int32_t kIgnoreLabel = -100;
 
 }  // namespace memtune

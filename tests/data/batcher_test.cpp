@@ -23,7 +23,7 @@ Dataset make_dataset(const std::vector<int>& lengths) {
   for (size_t i = 0; i < lengths.size(); ++i) {
     std::vector<int32_t> ids(static_cast<size_t>(lengths[i]), static_cast<int32_t>(i));
     std::vector<int32_t> labels = ids;
-    labels[0] = kIgnoreLabel;
+    labels[0] = kIgnoreIndex;
     d.add(ids, labels);
   }
   return d;
@@ -49,7 +49,7 @@ std::vector<int32_t> examples_of(const MicroBatch& b, const Dataset& d) {
     const int32_t example = b.input_ids[begin];
     EXPECT_EQ(static_cast<size_t>(end - begin), d.length(example)) << "a sequence is exactly one whole example";
     for (int32_t t = begin; t < end; ++t) EXPECT_EQ(b.input_ids[t], example);
-    EXPECT_EQ(b.labels[begin], kIgnoreLabel);
+    EXPECT_EQ(b.labels[begin], kIgnoreIndex);
     examples.push_back(example);
     targets += d.num_targets(example);
   }

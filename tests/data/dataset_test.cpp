@@ -34,7 +34,7 @@ class DatasetTest : public ::testing::Test {
     std::vector<int32_t> run;
     const auto labels = d.labels(i);
     for (size_t t = 0; t <= labels.size(); ++t) {
-      if (t < labels.size() && labels[t] != kIgnoreLabel) {
+      if (t < labels.size() && labels[t] != kIgnoreIndex) {
         EXPECT_EQ(labels[t], d.input_ids(i)[t]);
         run.push_back(labels[t]);
       } else if (!run.empty()) {
@@ -334,9 +334,9 @@ TEST(DatasetRealTokenizer, Qwen2_5MessagesIdsAndLabels) {
   const std::vector<int32_t> prompt = {151644, 8948,   198, 2610, 525,   1207,   16948, 11,     3465,  553,
                                        54364,  14817,  13,  1446, 525,   264,    10950, 17847,  13,    151645,
                                        198,    151644, 872, 198,  13048, 151645, 198,   151644, 77091, 198};
-  std::vector<int32_t> ids = prompt, labels(prompt.size(), kIgnoreLabel);
+  std::vector<int32_t> ids = prompt, labels(prompt.size(), kIgnoreIndex);
   ids.insert(ids.end(), {9707, 151645, 198});
-  labels.insert(labels.end(), {9707, 151645, kIgnoreLabel});
+  labels.insert(labels.end(), {9707, 151645, kIgnoreIndex});
   EXPECT_TRUE(std::ranges::equal(d.input_ids(0), ids));
   EXPECT_TRUE(std::ranges::equal(d.labels(0), labels));
 }

@@ -13,7 +13,7 @@ Dataset with_lengths(const std::vector<int>& lengths) {
   for (int n : lengths) {
     std::vector<int32_t> ids(static_cast<size_t>(n), 7);
     std::vector<int32_t> labels = ids;
-    labels[0] = kIgnoreLabel;
+    labels[0] = kIgnoreIndex;
     d.add(ids, labels);
   }
   return d;

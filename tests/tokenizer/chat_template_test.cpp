@@ -128,14 +128,14 @@ TEST(ChatTemplate, EncodeSegmentsMasksUntrainableTokens) {
   ASSERT_EQ(ids.size(), labels.size());
   std::vector<int32_t> trained;
   for (size_t i = 0; i < ids.size(); ++i) {
-    if (labels[i] == kIgnoreLabel) continue;
+    if (labels[i] == kIgnoreIndex) continue;
     EXPECT_EQ(labels[i], ids[i]);
     trained.push_back(ids[i]);
   }
   EXPECT_EQ(tokenizer.decode(trained), "Hello<|im_end|>");
   EXPECT_EQ(tokenizer.decode(ids), "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n");
   EXPECT_EQ(ids.back(), tokenizer.token_to_id("\xC4\x8A"));  // "\n" after <|im_end|>, untrained
-  EXPECT_EQ(labels.back(), kIgnoreLabel);
+  EXPECT_EQ(labels.back(), kIgnoreIndex);
 }
 
 // The ids Hugging Face's apply_chat_template gives for Qwen2.5-Instruct.

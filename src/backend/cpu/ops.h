@@ -13,6 +13,7 @@
 
 #include "backend/cpu/chunk_loss.h"
 #include "core/dtype.h"
+#include "core/labels.h"
 
 namespace memtune::cpu {
 
@@ -105,7 +106,6 @@ struct LossSum {
   double sum = 0;
   int64_t count = 0;
 };
-constexpr int32_t kIgnoreIndex = -100;
 // grad_scale multiplies every gradient it produces (dynamic loss scaling); 1 for none. An
 // observer (streaming metrics) sees each chunk's logits before the loss touches them.
 LossSum lm_head_loss(const float* hidden, const int32_t* targets, int64_t N, const void* weight, DType weight_dtype,
