@@ -1,7 +1,7 @@
 // Example of a user-written token-level loss: focal loss (Lin et al., 2017) for language
 // modelling, FL = -(1 - p_t)^gamma * log p_t, which down-weights tokens the model already
 // predicts well. Copy this file, change chunk(), and hand an instance to the model with
-// Qwen2Model::set_loss. The contract (see src/backend/cpu/chunk_loss.h): return the SUM over the
+// Qwen2Model::set_loss. The contract (see src/backend/chunk_loss.h): return the SUM over the
 // chunk's rows and, when asked, overwrite the logits with d(sum)/d(logits). Never divide by a
 // count: the trainer normalizes once by num_items_in_batch. Its gradient is checked against
 // finite differences in tests/examples/focal_loss_test.cpp.
@@ -9,12 +9,11 @@
 
 #include <cmath>
 
-#include "backend/cpu/chunk_loss.h"
-#include "backend/cpu/ops.h"
+#include "backend/chunk_loss.h"
 
 namespace memtune::examples {
 
-class FocalLoss final : public cpu::ChunkLoss {
+class FocalLoss final : public ChunkLoss {
  public:
   explicit FocalLoss(float gamma) : gamma_(gamma) {}
 
@@ -24,7 +23,7 @@ class FocalLoss final : public cpu::ChunkLoss {
     for (int64_t r = 0; r < rows; ++r) {
       float* z = logits + r * V;
       const int32_t t = targets[r];
-      const float lse = cpu::row_logsumexp(z, V);
+      const float lse = row_logsumexp(z, V);
       const float log_pt = z[t] - lse;
       const float pt = std::exp(log_pt);
       const float one_minus = 1.0f - pt;
@@ -32,7 +31,7 @@ class FocalLoss final : public cpu::ChunkLoss {
       if (gradient) {
         // dFL/dz_v = g * ([v == t] - p_v) with g = gamma p_t (1-p_t)^(gamma-1) log p_t - (1-p_t)^gamma
         const float g = gamma_ * pt * std::pow(one_minus, gamma_ - 1.0f) * log_pt - std::pow(one_minus, gamma_);
-        for (int64_t v = 0; v < V; ++v) z[v] = -g * cpu::fast_exp(z[v] - lse);
+        for (int64_t v = 0; v < V; ++v) z[v] = -g * fast_exp(z[v] - lse);
         z[t] += g;
       }
     }

@@ -9,19 +9,19 @@
 #include <cmath>
 #include <limits>
 
-#include "backend/cpu/chunk_loss.h"
+#include "backend/chunk_loss.h"
 #include "train/metrics.h"
 
 namespace memtune::examples {
 
 class TargetProbability final : public Metric {
  public:
-  void observe(const cpu::LogitsChunk& c) override {
+  void observe(const LogitsChunk& c) override {
     double sum = 0;
 #pragma omp parallel for schedule(static) reduction(+ : sum)
     for (int64_t r = 0; r < c.rows; ++r) {
       const float* z = c.logits + r * c.V;
-      sum += std::exp(static_cast<double>(z[c.targets[r]] - cpu::row_logsumexp(z, c.V)));
+      sum += std::exp(static_cast<double>(z[c.targets[r]] - row_logsumexp(z, c.V)));
     }
     sum_ += sum;
     count_ += c.rows;

@@ -34,11 +34,12 @@ Action add_eval(CLI::App& app) {
     int64_t batch_size = 8, max_length = 2048, eval_accumulation_steps = 0;
     bool json = false, batch_eval_metrics = false;
     std::vector<std::string> labels;
-    std::string save_predictions, output_dir;
+    std::string save_predictions, output_dir, backend = "cpu";
   };
   auto a = std::make_shared<Args>();
   app.add_option("--model_name_or_path", a->model, "Hugging Face model directory")->required();
   app.add_option("--adapter", a->adapter, "PEFT LoRA adapter directory");
+  add_backend_option(app, a->backend);
   app.add_option("--eval_file", a->eval_file, "evaluation data, JSONL")->required();
   app.add_option("--tokenizer", a->tokenizer, "tokenizer directory (default: the model directory)");
   app.add_option("--metrics", a->metrics,
@@ -90,6 +91,7 @@ Action add_eval(CLI::App& app) {
     ModelOptions o;
     o.max_tokens = batcher.max_micro_batch_tokens();
     o.with_grads = false;
+    o.backend = &backend_named(a->backend);
     if (!a->adapter.empty()) o.lora = load_lora_adapter_config(a->adapter);
     Qwen2Model model(config, o);
     model.load(CheckpointReader(a->model));

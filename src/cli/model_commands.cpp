@@ -42,7 +42,7 @@ void apply_override(nlohmann::json& doc, const std::string& assignment) {
 
 Action add_init_model(CLI::App& app) {
   struct Args {
-    std::string preset, config, out, torch_dtype;
+    std::string preset, config, out, torch_dtype, backend = "cpu";
     uint64_t seed = 42;
     std::vector<std::string> overrides;
   };
@@ -54,6 +54,7 @@ Action add_init_model(CLI::App& app) {
   app.add_option("--seed", args->seed, "initialization seed")->capture_default_str();
   app.add_option("--torch_dtype", args->torch_dtype, "storage dtype: float32 | bfloat16 | float16");
   app.add_option("--set", args->overrides, "override a config field, key=value (repeatable)");
+  add_backend_option(app, args->backend);
   return [args] {
     if (args->preset.empty() == args->config.empty())
       throw Error("init-model needs exactly one of --preset or --config");
@@ -69,6 +70,7 @@ Action add_init_model(CLI::App& app) {
     options.max_tokens = 1;
     options.with_grads = false;
     options.loss_workspace_bytes = 0;
+    options.backend = &backend_named(args->backend);
     Qwen2Model model(cfg, options);
     model.init_random(args->seed);
     model.save(args->out);
@@ -79,7 +81,7 @@ Action add_init_model(CLI::App& app) {
 
 Action add_dump(CLI::App& app) {
   struct Args {
-    std::string model, input, out, adapter;
+    std::string model, input, out, adapter, backend = "cpu";
     bool gradient_checkpointing = false;
     size_t loss_workspace_bytes = kDefaultLossWorkspaceBytes;
   };
@@ -92,6 +94,7 @@ Action add_dump(CLI::App& app) {
   app.add_flag("--gradient_checkpointing", args->gradient_checkpointing, "recompute layer activations in backward");
   app.add_option("--loss_workspace_bytes", args->loss_workspace_bytes, "budget for the LM head's logits chunk")
       ->capture_default_str();
+  add_backend_option(app, args->backend);
   return [args] {
     const nlohmann::json doc = read_json_file(args->input);
     auto rows_of = [&](const char* key) {
@@ -124,13 +127,14 @@ Action add_dump(CLI::App& app) {
     options.max_tokens = static_cast<int64_t>(B * T);
     options.gradient_checkpointing = args->gradient_checkpointing;
     options.loss_workspace_bytes = args->loss_workspace_bytes;
+    options.backend = &backend_named(args->backend);
     if (!args->adapter.empty()) options.lora = load_lora_adapter_config(args->adapter);
     Qwen2Model model(cfg, options);
     model.load(CheckpointReader(args->model));
     if (!args->adapter.empty()) model.load_adapter(args->adapter);
     model.zero_grads();
     std::vector<float> logits(B * T * static_cast<size_t>(cfg.vocab_size));
-    const cpu::LossSum loss = model.forward_backward({flat_ids, flat_labels, cu}, logits.data());
+    const LossSum loss = model.forward_backward({flat_ids, flat_labels, cu}, logits.data());
     // The HF mean; an all-ignored batch gives NaN exactly like torch's mean over nothing.
     const float mean = static_cast<float>(loss.sum / static_cast<double>(loss.count));
     const float inv_count = 1.0f / static_cast<float>(loss.count);
@@ -141,8 +145,7 @@ Action add_dump(CLI::App& app) {
     std::vector<std::vector<float>> grads;
     for (size_t i = 0; i < model.num_trainable(); ++i) {
       const auto& p = model.trainable_spec(i);
-      const float* g = model.trainable_grad(i);
-      grads.emplace_back(g, g + p.numel());
+      grads.push_back(download_f32(model.backend(), model.trainable_grad(i)));
       for (float& v : grads.back()) v *= inv_count;
       tensors.push_back({"grad." + p.name, DType::F32, p.shape, grads.back().data()});
     }
@@ -158,12 +161,13 @@ Action add_dump(CLI::App& app) {
 
 Action add_merge(CLI::App& app) {
   struct Args {
-    std::string model, adapter, out;
+    std::string model, adapter, out, backend = "cpu";
   };
   auto args = std::make_shared<Args>();
   app.add_option("--model", args->model, "base model directory")->required();
   app.add_option("--adapter", args->adapter, "PEFT LoRA adapter directory")->required();
   app.add_option("--out", args->out, "where the merged checkpoint goes")->required();
+  add_backend_option(app, args->backend);
   return [args] {
     const Qwen2Config cfg = load_qwen2_config((std::filesystem::path(args->model) / "config.json").string());
     ModelOptions options;
@@ -171,6 +175,7 @@ Action add_merge(CLI::App& app) {
     options.with_grads = false;
     options.loss_workspace_bytes = 0;
     options.lora = load_lora_adapter_config(args->adapter);
+    options.backend = &backend_named(args->backend);
     Qwen2Model model(cfg, options);
     model.load(CheckpointReader(args->model));
     model.load_adapter(args->adapter);

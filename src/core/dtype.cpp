@@ -10,7 +10,7 @@
 namespace memtune {
 
 size_t dtype_size(DType dtype) {
-  return dtype == DType::F32 ? 4 : 2;
+  return dtype == DType::F32 || dtype == DType::I32 ? 4 : 2;
 }
 
 std::string_view dtype_safetensors_name(DType dtype) {
@@ -21,6 +21,8 @@ std::string_view dtype_safetensors_name(DType dtype) {
       return "BF16";
     case DType::F16:
       return "F16";
+    case DType::I32:
+      return "I32";
   }
   return "?";
 }
@@ -33,6 +35,8 @@ std::string_view dtype_torch_name(DType dtype) {
       return "bfloat16";
     case DType::F16:
       return "float16";
+    case DType::I32:
+      return "int32";
   }
   return "?";
 }
@@ -98,7 +102,10 @@ void convert_to_f32(const void* src, DType src_dtype, float* dst, size_t n) {
       for (size_t i = 0; i < n; ++i) dst[i] = f16_to_f32(s[i]);
       return;
     }
+    case DType::I32:
+      break;
   }
+  MT_ASSERT(false, "int32 is not a floating storage dtype");
 }
 
 void convert_from_f32(const float* src, void* dst, DType dst_dtype, size_t n) {
@@ -117,7 +124,10 @@ void convert_from_f32(const float* src, void* dst, DType dst_dtype, size_t n) {
       for (size_t i = 0; i < n; ++i) d[i] = f32_to_f16(src[i]);
       return;
     }
+    case DType::I32:
+      break;
   }
+  MT_ASSERT(false, "int32 is not a floating storage dtype");
 }
 
 }  // namespace memtune

@@ -1,5 +1,7 @@
 // Storage dtypes. Compute is always float32; parameters may be stored as float32, bfloat16 or
 // float16 (as the checkpoint's torch_dtype says). bf16 rounds to nearest even like torch.
+// I32 is the element type of token ids, positions and sequence offsets (never a parameter's
+// storage: parse_dtype refuses it, and the float conversions do not take it).
 #pragma once
 
 #include <bit>
@@ -10,7 +12,7 @@
 
 namespace memtune {
 
-enum class DType { F32, BF16, F16 };
+enum class DType { F32, BF16, F16, I32 };
 
 size_t dtype_size(DType dtype);
 // safetensors spelling: "F32", "BF16", "F16".

@@ -179,13 +179,16 @@ const SafetensorsFile& CheckpointReader::file_of(const std::string& name) const 
 }
 
 void CheckpointReader::read_into(const std::string& name, std::span<const int64_t> expected_shape, void* dst,
-                                 DType dst_dtype) const {
+                                 DType dst_dtype, size_t begin, size_t count) const {
   const Entry& e = entry(name);
   const TensorInfo& t = *e.info;
   if (!std::equal(t.shape.begin(), t.shape.end(), expected_shape.begin(), expected_shape.end()))
     throw Error(dir_ + ": tensor \"" + name + "\" in " + e.file->path() + " has shape " + shape_string(t.shape) +
                 ", expected " + shape_string(expected_shape));
-  std::span<const std::byte> src = e.file->data(t);
+  const size_t numel = static_cast<size_t>(t.numel());
+  MT_ASSERT(begin <= numel, "read_into range starts past the tensor");
+  count = std::min(count, numel - begin);
+  std::span<const std::byte> src = e.file->data(t).subspan(begin * dtype_size(t.dtype), count * dtype_size(t.dtype));
   if (src.empty()) return;
   if (t.dtype == dst_dtype) {
     std::memcpy(dst, src.data(), src.size());
@@ -196,7 +199,7 @@ void CheckpointReader::read_into(const std::string& name, std::span<const int64_
   // The conversion routines read elements through typed pointers, so source bytes that the
   // file did not align are first copied to an aligned buffer; BF16<->F16 goes through F32.
   const bool src_aligned = reinterpret_cast<uintptr_t>(src.data()) % src_size == 0;
-  const size_t n = static_cast<size_t>(t.numel());
+  const size_t n = count;
   const size_t chunk = std::min<size_t>(n, size_t{1} << 20);
   std::vector<float> aligned_src(src_aligned ? 0 : chunk);
   std::vector<float> f32(dst_dtype != DType::F32 && t.dtype != DType::F32 ? chunk : 0);

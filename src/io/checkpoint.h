@@ -27,9 +27,11 @@ class CheckpointReader {
   bool contains(const std::string& name) const;
   const TensorInfo& info(const std::string& name) const;  // Error naming dir + tensor if absent
   const SafetensorsFile& file_of(const std::string& name) const;
-  // Copies the tensor into dst (dst_dtype, row-major, numel elements), converting the dtype if
-  // needed. Error if the stored shape differs from expected_shape.
-  void read_into(const std::string& name, std::span<const int64_t> expected_shape, void* dst, DType dst_dtype) const;
+  // Copies elements [begin, begin + count) of the tensor (all of them by default) into dst
+  // (dst_dtype, row-major), converting the dtype if needed. Error if the stored shape differs
+  // from expected_shape.
+  void read_into(const std::string& name, std::span<const int64_t> expected_shape, void* dst, DType dst_dtype,
+                 size_t begin = 0, size_t count = SIZE_MAX) const;
 
  private:
   struct Entry {

@@ -298,7 +298,7 @@ void write_safetensors(const std::string& path, const std::vector<TensorToWrite>
     for (int64_t d : t.shape)
       if (d < 0) throw Error(where + "negative dimension in shape " + shape_string(t.shape));
     size_t n = t.nbytes();
-    if (n > 0 && t.data == nullptr) throw Error(where + "no data");
+    if (n > 0 && t.data == nullptr && !t.fetch) throw Error(where + "no data");
     header[t.name] = {
         {"dtype", dtype_safetensors_name(t.dtype)}, {"shape", t.shape}, {"data_offsets", {offset, offset + n}}};
     offset += n;
@@ -318,7 +318,20 @@ void write_safetensors(const std::string& path, const std::vector<TensorToWrite>
   AtomicFileWriter out(path);
   out.write(len, sizeof len);
   out.write(text.data(), text.size());
-  for (const TensorToWrite& t : tensors) out.write(t.data, t.nbytes());
+  std::vector<std::byte> slice;
+  for (const TensorToWrite& t : tensors) {
+    if (t.data) {
+      out.write(t.data, t.nbytes());
+      continue;
+    }
+    constexpr size_t kSliceBytes = size_t{8} << 20;
+    slice.resize(std::min(kSliceBytes, t.nbytes()));
+    for (size_t offset = 0; offset < t.nbytes(); offset += slice.size()) {
+      const std::span<std::byte> part(slice.data(), std::min(slice.size(), t.nbytes() - offset));
+      t.fetch(offset, part);
+      out.write(part.data(), part.size());
+    }
+  }
   out.commit();
 }
 

@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <span>
 #include <string>
@@ -63,6 +64,9 @@ struct TensorToWrite {
   DType dtype = DType::F32;
   std::vector<int64_t> shape;
   const void* data = nullptr;  // numel() * dtype_size(dtype) bytes, in dtype
+  // Instead of data: fills `out` with the bytes at `offset` of the tensor's data, called slice by
+  // slice while the file is written (tensors in memory the writer cannot read directly).
+  std::function<void(size_t offset, std::span<std::byte> out)> fetch;
 
   int64_t numel() const;
   size_t nbytes() const;

@@ -10,26 +10,40 @@
 
 namespace memtune {
 
-Arena::Arena(const MemoryPlan& plan) : plan_(plan) {
+Arena::Arena(const MemoryPlan& plan, Backend* backend) : plan_(plan), backend_(backend) {
   MT_ASSERT(plan.finalized(), "arena needs a finalized plan");
   capacity_ = plan.peak_bytes();
   used_.assign(plan.buffers().size(), 0);
   if (capacity_ == 0) return;
+  if (backend_) {
+    base_ = static_cast<std::byte*>(backend_->allocate(capacity_));
+    return;
+  }
   // Anonymous mapping: page aligned, zero filled, and pages cost nothing until touched.
   void* p = mmap(nullptr, capacity_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED)
-    throw Error(fmt::format("cannot reserve the planned {} ({} bytes) of memory", format_bytes(capacity_), capacity_));
+    throw Error(fmt::format("cannot reserve the planned {} ({} bytes) of host memory", format_bytes(capacity_),
+                            capacity_));
   base_ = static_cast<std::byte*>(p);
 }
 
 Arena::~Arena() {
-  if (base_) munmap(base_, capacity_);
+  if (!base_) return;
+  if (backend_)
+    backend_->deallocate(base_, capacity_);
+  else
+    munmap(base_, capacity_);
 }
 
 void Arena::enter_phase(Phase p) {
   if (poison_) {
-    for (const auto& b : plan_.buffers())
-      if (b.live_in(phase_) && !b.live_in(p)) std::memset(base_ + b.offset, 0xff, b.padded_bytes);  // NaN
+    for (const auto& b : plan_.buffers()) {
+      if (!b.live_in(phase_) || b.live_in(p)) continue;
+      if (backend_)
+        backend_->fill_bytes(base_ + b.offset, 0xff, b.padded_bytes);  // NaN
+      else
+        std::memset(base_ + b.offset, 0xff, b.padded_bytes);
+    }
   }
   phase_ = p;
 }
@@ -41,6 +55,14 @@ void* Arena::raw(BufferId id) {
   high_water_ = std::max(high_water_, b.offset + b.padded_bytes);
   used_[id] = 1;
   return base_ + b.offset;
+}
+
+Tensor Arena::view(BufferId id, DType dtype, std::initializer_list<int64_t> shape) {
+  Tensor t(raw(id), dtype, shape, space());
+  MT_ASSERT(t.bytes() <= plan_.buffer(id).bytes,
+            fmt::format("a view of {} bytes of buffer {} ({} bytes)", t.bytes(), plan_.buffer(id).name,
+                        plan_.buffer(id).bytes));
+  return t;
 }
 
 std::array<size_t, kNumCategories> Arena::used_bytes(Phase p) const {

@@ -1,6 +1,5 @@
 #include "model/qwen2.h"
 
-#include <cblas.h>
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -12,11 +11,25 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/labels.h"
 #include "core/rng.h"
 #include "io/checkpoint.h"
 #include "io/safetensors.h"
 
 namespace memtune {
+
+TensorToWrite device_tensor_to_write(Backend& backend, const std::string& name, const std::vector<int64_t>& shape,
+                                     const Tensor& tensor) {
+  TensorToWrite t{name, tensor.dtype, shape, nullptr, {}};
+  const Tensor flat = tensor.flat_range(0, tensor.numel());
+  t.fetch = [&backend, flat](size_t offset, std::span<std::byte> out) {
+    const size_t element = dtype_size(flat.dtype);
+    MT_ASSERT(offset % element == 0 && out.size() % element == 0, "fetch of a partial element");
+    backend.copy_to_host(out.data(), flat.flat_range(static_cast<int64_t>(offset / element),
+                                                     static_cast<int64_t>(out.size() / element)));
+  };
+  return t;
+}
 
 int64_t ParamSpec::numel() const {
   int64_t n = 1;
@@ -55,7 +68,10 @@ int64_t qwen2_parameter_count(const Qwen2Config& config) {
 }
 
 Qwen2Model::Qwen2Model(const Qwen2Config& config, const ModelOptions& options)
-    : config_(config), options_(options), specs_(qwen2_parameter_specs(config)) {
+    : config_(config),
+      options_(options),
+      specs_(qwen2_parameter_specs(config)),
+      backend_(options.backend ? options.backend : &default_backend()) {
   if (options.max_tokens <= 0) throw Error(fmt::format("max_tokens must be positive, got {}", options.max_tokens));
   size_t i = 1;  // specs_[0] is the embedding
   for (int64_t l = 0; l < config.num_hidden_layers; ++l, i += 12)
@@ -63,9 +79,11 @@ Qwen2Model::Qwen2Model(const Qwen2Config& config, const ModelOptions& options)
   final_norm_ = i;
   head_ = config.tie_word_embeddings ? embed_ : i + 1;
   declare_buffers();
+  batch_positions_.reserve(static_cast<size_t>(options.max_tokens));
+  batch_targets_.reserve(static_cast<size_t>(options.max_tokens));
   if (options.allocate) {
-    arena_ = std::make_unique<Arena>(*plan_);
-    if (host_plan_->peak_bytes() > 0) host_arena_ = std::make_unique<Arena>(*host_plan_);
+    arena_ = std::make_unique<Arena>(*plan_, backend_);
+    if (host_plan_->peak_bytes() > 0) host_arena_ = std::make_unique<Arena>(*host_plan_, nullptr);
   }
 }
 
@@ -147,6 +165,14 @@ void Qwen2Model::declare_buffers() {
   drows_ = plan_->declare("loss.dhidden_rows", Category::LossWorkspace, chunk * D * 4, L, L);
   loss_positions_ = plan_->declare("loss.target_positions", Category::LossWorkspace, N * 4, L, L);
   row_targets_ = plan_->declare("loss.row_targets", Category::LossWorkspace, chunk * 4, L, L);
+  // Host losses and observers read the chunk from host memory: a staged copy when the backend's
+  // memory is not the host's.
+  stages_chunks_ = !backend_->host_addressable();
+  if (stages_chunks_) {
+    staging_logits_ = host_plan_->declare_persistent("staging.logits_chunk", Category::LossWorkspace, chunk * V * 4);
+    staging_targets_ = host_plan_->declare_persistent("staging.row_targets", Category::LossWorkspace, chunk * 4);
+    staging_positions_ = host_plan_->declare_persistent("staging.row_positions", Category::LossWorkspace, chunk * 4);
+  }
   if (widen) {
     // The final norm's weight, and the LM head widened a vocabulary slice at a time.
     vector_f32_[static_cast<size_t>(L)] =
@@ -282,22 +308,29 @@ Qwen2Model::Linear Qwen2Model::linear(int64_t l, LinearSite s) const {
   return {};
 }
 
-void* Qwen2Model::param_data(size_t i) const {
-  return arena_->raw(weight_ids_.at(i));
+Tensor Qwen2Model::param(size_t i) const {
+  const ParamSpec& p = specs_.at(i);
+  void* data = arena_->raw(weight_ids_.at(i));
+  if (p.shape.size() == 1) return Tensor(data, config_.torch_dtype, {p.shape[0]});
+  return Tensor(data, config_.torch_dtype, {p.shape[0], p.shape[1]});
 }
 
-float* Qwen2Model::grad_data(size_t i) const {
+Tensor Qwen2Model::grad(size_t i) const {
   MT_ASSERT(base_trainable(), "base parameters are not trainable in this model");
-  return arena_->get<float>(grad_ids_.at(i));
+  const ParamSpec& p = specs_.at(i);
+  void* data = arena_->raw(grad_ids_.at(i));
+  if (p.shape.size() == 1) return Tensor(data, DType::F32, {p.shape[0]});
+  return Tensor(data, DType::F32, {p.shape[0], p.shape[1]});
 }
 
-float* Qwen2Model::trainable_value(size_t i) const {
-  // A master is optimizer state; any other value is the parameter itself.
+Tensor Qwen2Model::trainable_value(size_t i) const {
+  // A master is optimizer state (a shard with ZeRO-1); any other value is the parameter itself.
   const Trainable& t = trainables_.at(i);
-  return (t.widen_into ? state_arena() : *arena_).get<float>(t.value);
+  if (t.widen_into) return state_arena().f32(t.value, {static_cast<int64_t>(optimizer_shard(i).size())});
+  return arena_->f32(t.value, {t.spec.numel()});
 }
-float* Qwen2Model::trainable_grad(size_t i) const {
-  return arena_->get<float>(trainables_.at(i).grad);
+Tensor Qwen2Model::trainable_grad(size_t i) const {
+  return arena_->f32(trainables_.at(i).grad, {trainables_.at(i).spec.numel()});
 }
 Shard Qwen2Model::shard_of_tensor(size_t n) const {
   return options_.shards_optimizer() ? shard_of(n, options_.rank, options_.world_size) : Shard{0, n};
@@ -307,32 +340,36 @@ Shard Qwen2Model::optimizer_shard(size_t i) const {
   return shard_of_tensor(static_cast<size_t>(trainables_.at(i).spec.numel()));
 }
 
-float* Qwen2Model::shard_value(size_t i) const {
+Tensor Qwen2Model::shard_value(size_t i) const {
   // A master covers the shard only; any other value is the whole tensor.
-  return trainables_.at(i).widen_into ? trainable_value(i) : trainable_value(i) + optimizer_shard(i).begin;
+  const Shard s = optimizer_shard(i);
+  if (trainables_.at(i).widen_into) return trainable_value(i);
+  return trainable_value(i).flat_range(static_cast<int64_t>(s.begin), static_cast<int64_t>(s.size()));
+}
+Tensor Qwen2Model::shard_grad(size_t i) const {
+  const Shard s = optimizer_shard(i);
+  return trainable_grad(i).flat_range(static_cast<int64_t>(s.begin), static_cast<int64_t>(s.size()));
 }
 
-std::span<std::byte> Qwen2Model::trainable_storage(size_t i) const {
+Tensor Qwen2Model::trainable_storage(size_t i) const {
   const Trainable& t = trainables_.at(i);
-  const size_t n = static_cast<size_t>(t.spec.numel());
-  if (t.widen_into) return {static_cast<std::byte*>(param_data(*t.widen_into)), n * dtype_size(config_.torch_dtype)};
-  return {reinterpret_cast<std::byte*>(trainable_value(i)), n * 4};
+  const Tensor storage = t.widen_into ? param(*t.widen_into) : arena_->f32(t.value, {t.spec.numel()});
+  return storage.flat_range(0, storage.numel());
 }
 
-float* Qwen2Model::adam_m(size_t i) const {
-  return state_arena().get<float>(trainables_.at(i).m);
+Tensor Qwen2Model::adam_m(size_t i) const {
+  return state_arena().f32(trainables_.at(i).m, {static_cast<int64_t>(optimizer_shard(i).size())});
 }
-float* Qwen2Model::adam_v(size_t i) const {
-  return state_arena().get<float>(trainables_.at(i).v);
+Tensor Qwen2Model::adam_v(size_t i) const {
+  return state_arena().f32(trainables_.at(i).v, {static_cast<int64_t>(optimizer_shard(i).size())});
 }
 
 void Qwen2Model::store_trainable(size_t i) {
   const Trainable& t = trainables_.at(i);
   if (!t.widen_into) return;
   const Shard s = optimizer_shard(i);
-  const size_t element = dtype_size(config_.torch_dtype);
-  convert_from_f32(trainable_value(i), static_cast<std::byte*>(param_data(*t.widen_into)) + s.begin * element,
-                   config_.torch_dtype, s.size());
+  backend_->convert(param(*t.widen_into).flat_range(static_cast<int64_t>(s.begin), static_cast<int64_t>(s.size())),
+                    trainable_value(i));
 }
 
 void Qwen2Model::load_masters() {
@@ -340,31 +377,30 @@ void Qwen2Model::load_masters() {
     const Trainable& t = trainables_[i];
     if (!t.widen_into) continue;
     const Shard s = optimizer_shard(i);
-    const size_t element = dtype_size(config_.torch_dtype);
-    convert_to_f32(static_cast<const std::byte*>(param_data(*t.widen_into)) + s.begin * element, config_.torch_dtype,
-                   trainable_value(i), s.size());
+    backend_->convert(trainable_value(i), param(*t.widen_into)
+                                              .flat_range(static_cast<int64_t>(s.begin), static_cast<int64_t>(s.size())));
   }
 }
 
 void Qwen2Model::zero_grads() {
-  for (size_t i = 0; i < trainables_.size(); ++i)
-    if (options_.with_grads) std::fill_n(trainable_grad(i), trainables_[i].spec.numel(), 0.0f);
+  if (!options_.with_grads) return;
+  for (size_t i = 0; i < trainables_.size(); ++i) backend_->fill(trainable_grad(i), 0.0f);
 }
 
 void Qwen2Model::init_lora(uint64_t seed) {
   MT_ASSERT(options_.lora.enabled());
+  std::vector<float> values;
   for (size_t i = 0; i < trainables_.size(); ++i) {
     const ParamSpec& s = trainables_[i].spec;
     if (!s.name.ends_with(".lora_A.weight") && !s.name.ends_with(".lora_B.weight")) continue;
-    float* v = trainable_value(i);
-    if (s.name.ends_with(".lora_B.weight")) {
-      std::fill_n(v, s.numel(), 0.0f);
-      continue;
+    values.assign(static_cast<size_t>(s.numel()), 0.0f);
+    if (s.name.ends_with(".lora_A.weight")) {
+      // PEFT: kaiming_uniform_(a=sqrt(5)) on [r, in] -> bound = 1/sqrt(in)
+      const double bound = 1.0 / std::sqrt(static_cast<double>(s.shape[1]));
+      Rng rng(seed, s.name);
+      for (float& v : values) v = static_cast<float>((2.0 * rng.uniform() - 1.0) * bound);
     }
-    // PEFT: kaiming_uniform_(a=sqrt(5)) on [r, in] -> bound = 1/sqrt(in)
-    const double bound = 1.0 / std::sqrt(static_cast<double>(s.shape[1]));
-    Rng rng(seed, s.name);
-    for (int64_t j = 0; j < s.numel(); ++j) v[j] = static_cast<float>((2.0 * rng.uniform() - 1.0) * bound);
+    upload_f32(*backend_, trainable_value(i), values);
   }
 }
 
@@ -373,6 +409,7 @@ void Qwen2Model::load_adapter(const std::string& dir) {
   const std::string path = (std::filesystem::path(dir) / "adapter_model.safetensors").string();
   const SafetensorsFile file(path);
   size_t expected = 0;
+  std::vector<float> values;
   for (size_t i = 0; i < trainables_.size(); ++i) {
     const ParamSpec& s = trainables_[i].spec;
     if (!s.name.starts_with("base_model.")) continue;
@@ -384,7 +421,9 @@ void Qwen2Model::load_adapter(const std::string& dir) {
                               shape_string(t->shape), shape_string(s.shape)));
     const auto bytes = file.data(*t);
     std::vector<std::byte> aligned(bytes.begin(), bytes.end());  // the mapping may be unaligned
-    convert_to_f32(aligned.data(), t->dtype, trainable_value(i), static_cast<size_t>(s.numel()));
+    values.resize(static_cast<size_t>(s.numel()));
+    convert_to_f32(aligned.data(), t->dtype, values.data(), values.size());
+    upload_f32(*backend_, trainable_value(i), values);
   }
   if (file.tensors().size() != expected)
     throw Error(
@@ -396,27 +435,34 @@ void Qwen2Model::save_adapter(const std::string& dir, const std::string& base_mo
   std::filesystem::create_directories(dir);
   std::vector<TensorToWrite> tensors;
   for (size_t i = 0; i < trainables_.size(); ++i)
-    tensors.push_back({trainables_[i].spec.name, DType::F32, trainables_[i].spec.shape, trainable_value(i)});
+    tensors.push_back(device_tensor_to_write(*backend_, trainables_[i].spec.name, trainables_[i].spec.shape,
+                                             trainable_value(i)));
   write_safetensors((std::filesystem::path(dir) / "adapter_model.safetensors").string(), tensors, {{"format", "pt"}});
   write_file_atomically((std::filesystem::path(dir) / "adapter_config.json").string(),
                         lora_adapter_config_json(options_.lora, base_model_name_or_path).dump(2) + "\n");
 }
 
+// Merging is a one-off host computation: W, A and B come to host memory, W += scaling B A is
+// formed there in float64, and W goes back.
 void Qwen2Model::merge_lora() {
   MT_ASSERT(options_.lora.enabled());
-  const float scaling = static_cast<float>(options_.lora.scaling());
+  const double scaling = options_.lora.scaling();
   const int64_t r = options_.lora.rank;
-  std::vector<float> w;
   for (int64_t l = 0; l < config_.num_hidden_layers; ++l)
     for (size_t s = 0; s < kNumLinearSites; ++s) {
       const Linear lin = linear(l, static_cast<LinearSite>(s));
       if (lin.lora < 0) continue;
-      w.resize(static_cast<size_t>(lin.out * lin.in));
-      convert_to_f32(param_data(lin.weight), config_.torch_dtype, w.data(), w.size());
+      std::vector<float> w = download_f32(*backend_, param(lin.weight));
+      const std::vector<float> a = download_f32(*backend_, trainable_value(lin.lora));
+      const std::vector<float> b = download_f32(*backend_, trainable_value(lin.lora + 1));
       // W [out, in] += scaling * B [out, r] A [r, in]
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, lin.out, lin.in, r, scaling, trainable_value(lin.lora + 1),
-                  r, trainable_value(lin.lora), lin.in, 1.0f, w.data(), lin.in);
-      convert_from_f32(w.data(), param_data(lin.weight), config_.torch_dtype, w.size());
+      for (int64_t o = 0; o < lin.out; ++o)
+        for (int64_t i = 0; i < lin.in; ++i) {
+          double sum = 0.0;
+          for (int64_t k = 0; k < r; ++k) sum += double(b[o * r + k]) * a[k * lin.in + i];
+          w[o * lin.in + i] = static_cast<float>(w[o * lin.in + i] + scaling * sum);
+        }
+      upload_f32(*backend_, param(lin.weight), w);
     }
 }
 
@@ -431,18 +477,29 @@ void Qwen2Model::init_random(uint64_t seed) {
       Rng rng(seed, s.name);
       for (float& v : values) v = static_cast<float>(0.02 * rng.normal());
     }
-    convert_from_f32(values.data(), param_data(i), config_.torch_dtype, values.size());
+    upload_f32(*backend_, param(i), values);
   }
 }
 
 void Qwen2Model::load(const CheckpointReader& checkpoint) {
   std::set<std::string> expected;
+  std::vector<std::byte> staging;
   for (size_t i = 0; i < specs_.size(); ++i) {
     const auto& s = specs_[i];
     expected.insert(s.name);
     if (!checkpoint.contains(s.name))
       throw Error(fmt::format("checkpoint is missing tensor \"{}\" required by the config", s.name));
-    checkpoint.read_into(s.name, s.shape, param_data(i), config_.torch_dtype);
+    // Through host staging in bounded slices: the file's bytes, converted, then copied over.
+    const Tensor dst = param(i);
+    const int64_t n = dst.numel();
+    const int64_t slice = std::max<int64_t>(1, static_cast<int64_t>(kTransferBytes / dtype_size(dst.dtype)));
+    staging.resize(static_cast<size_t>(std::min(n, slice)) * dtype_size(dst.dtype));
+    for (int64_t begin = 0; begin < n; begin += slice) {
+      const int64_t count = std::min(slice, n - begin);
+      checkpoint.read_into(s.name, s.shape, staging.data(), dst.dtype, static_cast<size_t>(begin),
+                           static_cast<size_t>(count));
+      backend_->copy_to_device(dst.flat_range(begin, count), staging.data());
+    }
   }
   for (const auto& name : checkpoint.tensor_names()) {
     if (expected.contains(name)) continue;
@@ -458,17 +515,20 @@ void Qwen2Model::load(const CheckpointReader& checkpoint) {
 void Qwen2Model::save(const std::string& dir) const {
   std::vector<TensorToWrite> tensors;
   for (size_t i = 0; i < specs_.size(); ++i)
-    tensors.push_back({specs_[i].name, config_.torch_dtype, specs_[i].shape, param_data(i)});
+    tensors.push_back(device_tensor_to_write(*backend_, specs_[i].name, specs_[i].shape, param(i)));
   write_checkpoint(dir, tensors);
   write_file_atomically((std::filesystem::path(dir) / "config.json").string(),
                         qwen2_config_to_json(config_).dump(2) + "\n");
 }
 
-const float* Qwen2Model::weight_f32(size_t param) {
-  if (config_.torch_dtype == DType::F32) return static_cast<const float*>(param_data(param));
+Tensor Qwen2Model::weight_f32(size_t p) {
+  const Tensor w = param(p);
+  if (w.dtype == DType::F32) return w;
   const size_t phase = static_cast<size_t>(arena_->phase());
-  float* out = arena_->get<float>(specs_[param].shape.size() == 1 ? vector_f32_[phase] : matrix_f32_[phase]);
-  convert_to_f32(param_data(param), config_.torch_dtype, out, static_cast<size_t>(specs_[param].numel()));
+  const bool vector = specs_[p].shape.size() == 1;
+  Tensor out = vector ? arena_->f32(vector_f32_[phase], {w.numel()})
+                      : arena_->f32(matrix_f32_[phase], {w.rows(), w.cols()});
+  backend_->convert(out, w);
   return out;
 }
 
@@ -481,20 +541,23 @@ void Qwen2Model::upload_batch(const TokenBatch& batch) {
   if (batch.cu_seqlens.size() < 2 || batch.cu_seqlens.front() != 0 || batch.cu_seqlens.back() != N)
     throw Error("cu_seqlens must start at 0 and end at the number of tokens");
   const int64_t S = static_cast<int64_t>(batch.cu_seqlens.size()) - 1;
-  int32_t* ids = arena_->get<int32_t>(ids_);
-  int32_t* pos = arena_->get<int32_t>(positions_);
-  int32_t* tgt = arena_->get<int32_t>(targets_);
-  int32_t* cu = arena_->get<int32_t>(cu_seqlens_);
+  if (!batch.position_offsets.empty() && static_cast<int64_t>(batch.position_offsets.size()) != S)
+    throw Error(fmt::format("position_offsets has {} entries for {} sequences", batch.position_offsets.size(), S));
+  // Built in host staging (the batch's own planned size, reused every step), then copied over.
+  std::vector<int32_t>& pos = batch_positions_;
+  std::vector<int32_t>& tgt = batch_targets_;
+  pos.resize(static_cast<size_t>(N));
+  tgt.resize(static_cast<size_t>(N));
   for (int64_t s = 0; s < S; ++s) {
     const int32_t begin = batch.cu_seqlens[s], end = batch.cu_seqlens[s + 1];
     if (end <= begin) throw Error(fmt::format("sequence {} is empty or cu_seqlens is not increasing", s));
+    const int32_t offset = batch.position_offsets.empty() ? 0 : batch.position_offsets[s];
     for (int32_t t = begin; t < end; ++t) {
       const int32_t id = batch.input_ids[t];
       if (id < 0 || id >= config_.vocab_size)
         throw Error(
             fmt::format("token id {} at position {} is outside the vocabulary [0, {})", id, t, config_.vocab_size));
-      ids[t] = id;
-      pos[t] = t - begin;
+      pos[t] = offset + t - begin;
       const int32_t label = t + 1 < end ? batch.labels[t + 1] : kIgnoreIndex;
       if (label != kIgnoreIndex && (label < 0 || label >= config_.vocab_size))
         throw Error(fmt::format("label {} at position {} is outside the vocabulary [0, {}) and is not -100", label,
@@ -502,9 +565,12 @@ void Qwen2Model::upload_batch(const TokenBatch& batch) {
       tgt[t] = label;
     }
   }
-  std::copy(batch.cu_seqlens.begin(), batch.cu_seqlens.end(), cu);
   num_tokens_ = N;
   num_seqs_ = S;
+  backend_->copy_to_device(arena_->i32(ids_, {N}), batch.input_ids.data());
+  backend_->copy_to_device(arena_->i32(positions_, {N}), pos.data());
+  backend_->copy_to_device(arena_->i32(targets_, {N}), tgt.data());
+  backend_->copy_to_device(arena_->i32(cu_seqlens_, {S + 1}), batch.cu_seqlens.data());
 }
 
 uint64_t Qwen2Model::dropout_key(int64_t l, LinearSite s) const {
@@ -512,184 +578,202 @@ uint64_t Qwen2Model::dropout_key(int64_t l, LinearSite s) const {
          (static_cast<uint64_t>(l) * kNumLinearSites + static_cast<uint64_t>(s) + 1) * 0x9e3779b97f4a7c15ull;
 }
 
-const float* Qwen2Model::lora_input(int64_t l, LinearSite s, const float* x, int64_t n) {
+Tensor Qwen2Model::lora_input(int64_t l, LinearSite s, const Tensor& x) {
   const float p = static_cast<float>(options_.lora.dropout);
   if (p <= 0.0f || !dropout_seed_) return x;
-  float* out = arena_->get<float>(lora_xd_[static_cast<size_t>(arena_->phase())]);
-  cpu::dropout_forward(out, x, num_tokens_ * n, dropout_key(l, s), p);
+  const Tensor out = act(lora_xd_[static_cast<size_t>(arena_->phase())], x.cols());
+  backend_->dropout_forward(out, x, dropout_key(l, s), p);
   return out;
 }
 
-void Qwen2Model::linear_forward(int64_t l, LinearSite s, const LayerActs& a, const float* x, float* y) {
+void Qwen2Model::linear_forward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& x, const Tensor& y) {
   const Linear lin = linear(l, s);
-  const int64_t N = num_tokens_;
+  Backend& be = *backend_;
   // The weight and the bias widen into different scratch buffers (matrix / vector).
-  cpu::matmul_forward(y, x, weight_f32(lin.weight), lin.bias ? weight_f32(*lin.bias) : nullptr, N, lin.in, lin.out);
+  be.matmul_forward(y, x, weight_f32(lin.weight), lin.bias ? weight_f32(*lin.bias) : Tensor{});
   if (lin.lora < 0) return;
   const int64_t r = options_.lora.rank;
-  float* u = arena_->get<float>(a.lora_u[static_cast<size_t>(s)]);
-  cpu::matmul_forward(u, lora_input(l, s, x, lin.in), trainable_value(lin.lora), nullptr, N, lin.in, r);
-  cpu::matmul_accumulate(y, u, trainable_value(lin.lora + 1), N, r, lin.out,
-                         static_cast<float>(options_.lora.scaling()));
+  const Tensor u = act(a.lora_u[static_cast<size_t>(s)], r);
+  const Tensor A = trainable_value(lin.lora), B = trainable_value(lin.lora + 1);
+  be.matmul_forward(u, lora_input(l, s, x), Tensor(A.data, DType::F32, {r, lin.in}), Tensor{});
+  be.matmul_accumulate(y, u, Tensor(B.data, DType::F32, {lin.out, r}), static_cast<float>(options_.lora.scaling()));
 }
 
-void Qwen2Model::linear_backward(int64_t l, LinearSite s, const LayerActs& a, const float* dy, const float* x,
-                                 float* dx) {
+void Qwen2Model::linear_backward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& dy, const Tensor& x,
+                                 const Tensor& dx) {
   const Linear lin = linear(l, s);
-  const int64_t N = num_tokens_;
-  cpu::matmul_backward(dx, base_grad_or_null(lin.weight), lin.bias ? base_grad_or_null(*lin.bias) : nullptr, dy, x,
-                       weight_f32(lin.weight), N, lin.in, lin.out);
+  Backend& be = *backend_;
+  be.matmul_backward(dx, base_grad_or_none(lin.weight), lin.bias ? base_grad_or_none(*lin.bias) : Tensor{}, dy, x,
+                     weight_f32(lin.weight), 1.0f);
   if (lin.lora < 0) return;
   // y += s * u B^T, u = xd A^T:  du = s dy B, dB += s dy^T u, dA += du^T xd, dxd = du A.
   const int64_t r = options_.lora.rank;
-  float* du = arena_->get<float>(lora_du_);
-  std::fill_n(du, N * r, 0.0f);
-  cpu::matmul_backward(du, trainable_grad(lin.lora + 1), nullptr, dy,
-                       arena_->get<float>(a.lora_u[static_cast<size_t>(s)]), trainable_value(lin.lora + 1), N, r,
-                       lin.out, static_cast<float>(options_.lora.scaling()));
-  const float* xd = lora_input(l, s, x, lin.in);
-  if (xd == x) {
-    cpu::matmul_backward(dx, trainable_grad(lin.lora), nullptr, du, x, trainable_value(lin.lora), N, lin.in, r);
+  const Tensor A(trainable_value(lin.lora).data, DType::F32, {r, lin.in});
+  const Tensor B(trainable_value(lin.lora + 1).data, DType::F32, {lin.out, r});
+  const Tensor dA(trainable_grad(lin.lora).data, DType::F32, {r, lin.in});
+  const Tensor dB(trainable_grad(lin.lora + 1).data, DType::F32, {lin.out, r});
+  const Tensor du = act(lora_du_, r);
+  be.fill(du, 0.0f);
+  be.matmul_backward(du, dB, Tensor{}, dy, act(a.lora_u[static_cast<size_t>(s)], r), B,
+                     static_cast<float>(options_.lora.scaling()));
+  const Tensor xd = lora_input(l, s, x);
+  if (xd.data == x.data) {
+    be.matmul_backward(dx, dA, Tensor{}, du, x, A, 1.0f);
     return;
   }
   // Dropout: the same mask (regenerated from the key) routes the gradient back to x.
-  float* dxd = arena_->get<float>(lora_dxd_);
-  std::fill_n(dxd, N * lin.in, 0.0f);
-  cpu::matmul_backward(dxd, trainable_grad(lin.lora), nullptr, du, xd, trainable_value(lin.lora), N, lin.in, r);
-  cpu::dropout_forward(dxd, dxd, N * lin.in, dropout_key(l, s), static_cast<float>(options_.lora.dropout));
-  cpu::add_inplace(dx, dxd, N * lin.in);
+  const Tensor dxd = act(lora_dxd_, lin.in);
+  be.fill(dxd, 0.0f);
+  be.matmul_backward(dxd, dA, Tensor{}, du, xd, A, 1.0f);
+  be.dropout_forward(dxd, dxd, dropout_key(l, s), static_cast<float>(options_.lora.dropout));
+  be.add_inplace(dx, dxd);
 }
 
-void Qwen2Model::layer_forward(int64_t l, const LayerActs& a, const float* x, float* x_out) {
+void Qwen2Model::layer_forward(int64_t l, const LayerActs& a, const Tensor& x, const Tensor& x_out) {
   const auto& p = layer_params_[l];
   const Qwen2Config& c = config_;
-  const int64_t N = num_tokens_, D = c.hidden_size, I = c.intermediate_size;
-  const int64_t Hq = c.num_attention_heads, Hkv = c.num_key_value_heads, hd = c.head_dim();
+  const int64_t D = c.hidden_size, I = c.intermediate_size, qd = c.q_dim(), kvd = c.kv_dim();
+  const int64_t Hq = c.num_attention_heads, hd = c.head_dim();
   const float theta = static_cast<float>(c.rope_theta), eps = static_cast<float>(c.rms_norm_eps);
-  Arena& A = *arena_;
-  auto f = [&](BufferId id) { return A.get<float>(id); };
-  const int32_t* pos = A.get<int32_t>(positions_);
+  Backend& be = *backend_;
+  const Tensor pos = arena_->i32(positions_, {num_tokens_});
+  const Tensor ln1 = act(a.ln1, D), q = act(a.q, qd), k = act(a.k, kvd), v = act(a.v, kvd), att = act(a.att, qd);
+  const Tensor res1 = act(a.res1, D), ln2 = act(a.ln2, D), gate = act(a.gate, I), up = act(a.up, I), h = act(a.h, I);
 
-  cpu::rmsnorm_forward(f(a.ln1), f(a.rstd1), x, weight_f32(p.ln1), N, D, eps);
-  linear_forward(l, LinearSite::Q, a, f(a.ln1), f(a.q));
-  linear_forward(l, LinearSite::K, a, f(a.ln1), f(a.k));
-  linear_forward(l, LinearSite::V, a, f(a.ln1), f(a.v));
-  cpu::rope_forward(f(a.q), pos, N, Hq, hd, theta);
-  cpu::rope_forward(f(a.k), pos, N, Hkv, hd, theta);
-  cpu::attention_forward(f(a.att), f(a.lse), f(a.q), f(a.k), f(a.v), A.get<int32_t>(cu_seqlens_), num_seqs_, Hq, Hkv,
-                         hd);
-  linear_forward(l, LinearSite::O, a, f(a.att), f(a.res1));
-  cpu::add_inplace(f(a.res1), x, N * D);
-  cpu::rmsnorm_forward(f(a.ln2), f(a.rstd2), f(a.res1), weight_f32(p.ln2), N, D, eps);
-  linear_forward(l, LinearSite::Gate, a, f(a.ln2), f(a.gate));
-  linear_forward(l, LinearSite::Up, a, f(a.ln2), f(a.up));
-  cpu::swiglu_forward(f(a.h), f(a.gate), f(a.up), N * I);
-  linear_forward(l, LinearSite::Down, a, f(a.h), x_out);
-  cpu::add_inplace(x_out, f(a.res1), N * D);
+  be.rmsnorm_forward(ln1, act(a.rstd1, 1), x, weight_f32(p.ln1), eps);
+  linear_forward(l, LinearSite::Q, a, ln1, q);
+  linear_forward(l, LinearSite::K, a, ln1, k);
+  linear_forward(l, LinearSite::V, a, ln1, v);
+  be.rope_forward(q, pos, hd, theta);
+  be.rope_forward(k, pos, hd, theta);
+  be.attention_forward(att, act(a.lse, Hq), q, k, v, arena_->i32(cu_seqlens_, {num_seqs_ + 1}), hd);
+  linear_forward(l, LinearSite::O, a, att, res1);
+  be.add_inplace(res1, x);
+  be.rmsnorm_forward(ln2, act(a.rstd2, 1), res1, weight_f32(p.ln2), eps);
+  linear_forward(l, LinearSite::Gate, a, ln2, gate);
+  linear_forward(l, LinearSite::Up, a, ln2, up);
+  be.swiglu_forward(h, gate, up);
+  linear_forward(l, LinearSite::Down, a, h, x_out);
+  be.add_inplace(x_out, res1);
 }
 
 // Gradient of layer l. On entry dstream holds d(loss)/d(layer output); on exit d(loss)/d(x).
-void Qwen2Model::layer_backward(int64_t l, const LayerActs& a, const float* x, float* dstream) {
+void Qwen2Model::layer_backward(int64_t l, const LayerActs& a, const Tensor& x, const Tensor& dstream) {
   const auto& p = layer_params_[l];
   const Qwen2Config& c = config_;
-  const int64_t N = num_tokens_, D = c.hidden_size, I = c.intermediate_size, qd = c.q_dim();
-  const int64_t Hq = c.num_attention_heads, Hkv = c.num_key_value_heads, hd = c.head_dim();
+  const int64_t D = c.hidden_size, I = c.intermediate_size, qd = c.q_dim(), kvd = c.kv_dim();
+  const int64_t Hq = c.num_attention_heads, hd = c.head_dim();
   const float theta = static_cast<float>(c.rope_theta);
-  Arena& A = *arena_;
-  auto f = [&](BufferId id) { return A.get<float>(id); };
-  auto zero = [&](BufferId id, int64_t n) { std::fill_n(f(id), n, 0.0f); };
-  const int32_t* pos = A.get<int32_t>(positions_);
+  Backend& be = *backend_;
+  const Tensor pos = arena_->i32(positions_, {num_tokens_});
+  const Tensor dh = act(dh_, I), dgate = act(dgate_, I), dup = act(dup_, I), dln = act(dln_, D);
+  const Tensor datt = act(datt_, qd), dq = act(dq_, qd), dk = act(dk_, kvd), dv = act(dv_, kvd);
 
   // MLP: x_out = res1 + down(silu(gate(ln2)) * up(ln2))
-  zero(dh_, N * I);
-  linear_backward(l, LinearSite::Down, a, dstream, f(a.h), f(dh_));
-  zero(dgate_, N * I);
-  zero(dup_, N * I);
-  cpu::swiglu_backward(f(dgate_), f(dup_), f(dh_), f(a.gate), f(a.up), N * I);
-  zero(dln_, N * D);
-  linear_backward(l, LinearSite::Gate, a, f(dgate_), f(a.ln2), f(dln_));
-  linear_backward(l, LinearSite::Up, a, f(dup_), f(a.ln2), f(dln_));
-  cpu::rmsnorm_backward(dstream, base_grad_or_null(p.ln2), f(dln_), f(a.res1), weight_f32(p.ln2), f(a.rstd2), N, D);
+  be.fill(dh, 0.0f);
+  linear_backward(l, LinearSite::Down, a, dstream, act(a.h, I), dh);
+  be.fill(dgate, 0.0f);
+  be.fill(dup, 0.0f);
+  be.swiglu_backward(dgate, dup, dh, act(a.gate, I), act(a.up, I));
+  be.fill(dln, 0.0f);
+  linear_backward(l, LinearSite::Gate, a, dgate, act(a.ln2, D), dln);
+  linear_backward(l, LinearSite::Up, a, dup, act(a.ln2, D), dln);
+  be.rmsnorm_backward(dstream, base_grad_or_none(p.ln2), dln, act(a.res1, D), weight_f32(p.ln2), act(a.rstd2, 1));
   // Attention: res1 = x + o(attn(rope(q(ln1)), rope(k(ln1)), v(ln1)))
-  zero(datt_, N * qd);
-  linear_backward(l, LinearSite::O, a, dstream, f(a.att), f(datt_));
-  cpu::attention_backward(f(dq_), f(dk_), f(dv_), f(datt_), f(a.att), f(a.lse), f(a.q), f(a.k), f(a.v),
-                          A.get<int32_t>(cu_seqlens_), num_seqs_, Hq, Hkv, hd);
-  cpu::rope_backward(f(dq_), pos, N, Hq, hd, theta);
-  cpu::rope_backward(f(dk_), pos, N, Hkv, hd, theta);
-  zero(dln_, N * D);
-  linear_backward(l, LinearSite::Q, a, f(dq_), f(a.ln1), f(dln_));
-  linear_backward(l, LinearSite::K, a, f(dk_), f(a.ln1), f(dln_));
-  linear_backward(l, LinearSite::V, a, f(dv_), f(a.ln1), f(dln_));
-  cpu::rmsnorm_backward(dstream, base_grad_or_null(p.ln1), f(dln_), x, weight_f32(p.ln1), f(a.rstd1), N, D);
+  be.fill(datt, 0.0f);
+  linear_backward(l, LinearSite::O, a, dstream, act(a.att, qd), datt);
+  be.attention_backward(dq, dk, dv, datt, act(a.att, qd), act(a.lse, Hq), act(a.q, qd), act(a.k, kvd), act(a.v, kvd),
+                        arena_->i32(cu_seqlens_, {num_seqs_ + 1}), hd);
+  be.rope_backward(dq, pos, hd, theta);
+  be.rope_backward(dk, pos, hd, theta);
+  be.fill(dln, 0.0f);
+  linear_backward(l, LinearSite::Q, a, dq, act(a.ln1, D), dln);
+  linear_backward(l, LinearSite::K, a, dk, act(a.ln1, D), dln);
+  linear_backward(l, LinearSite::V, a, dv, act(a.ln1, D), dln);
+  be.rmsnorm_backward(dstream, base_grad_or_none(p.ln1), dln, x, weight_f32(p.ln1), act(a.rstd1, 1));
 }
 
-cpu::LossSum Qwen2Model::forward_backward(const TokenBatch& batch, float* logits_out) {
+LossSum Qwen2Model::forward_backward(const TokenBatch& batch, float* logits_out) {
   return run_step(batch, logits_out, options_.with_grads);
 }
 
-cpu::LossSum Qwen2Model::run_step(const TokenBatch& batch, float* logits_out, bool backward) {
+LossSum Qwen2Model::run_step(const TokenBatch& batch, float* logits_out, bool backward) {
   Arena& A = *arena_;
+  Backend& be = *backend_;
   const Qwen2Config& c = config_;
   const int64_t D = c.hidden_size, V = c.vocab_size, L = c.num_hidden_layers;
   const bool ckpt = options_.gradient_checkpointing || !options_.with_grads;
 
   using Clock = std::chrono::steady_clock;
-  auto seconds_since = [](Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); };
+  auto seconds_since = [](Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); };
   timings_ = {};
   auto t0 = Clock::now();
   A.enter_phase(Phase::Forward);
   upload_batch(batch);
   const int64_t N = num_tokens_;
-  cpu::embedding_forward(A.get<float>(residual_[0]), A.get<int32_t>(ids_), param_data(embed_), c.torch_dtype, N, D);
+  be.embedding_forward(act(residual_[0], D), A.i32(ids_, {N}), param(embed_));
   for (int64_t l = 0; l < L; ++l)
-    layer_forward(l, ckpt ? fwd_scratch_ : saved_[l], A.get<float>(residual_[l]), A.get<float>(residual_[l + 1]));
+    layer_forward(l, ckpt ? fwd_scratch_ : saved_[l], act(residual_[l], D), act(residual_[l + 1], D));
 
   timings_.forward = seconds_since(t0);
   t0 = Clock::now();
   A.enter_phase(Phase::Loss);
-  float* normed = A.get<float>(normed_);
-  cpu::rmsnorm_forward(normed, A.get<float>(rstd_final_), A.get<float>(residual_[L]), weight_f32(final_norm_), N, D,
-                       static_cast<float>(c.rms_norm_eps));
-  if (logits_out) {  // debugging only: the caller's memory, widened weight built there too
-    std::vector<float> head(static_cast<size_t>(V * D));
-    convert_to_f32(param_data(head_), c.torch_dtype, head.data(), head.size());
-    cpu::matmul_forward(logits_out, normed, head.data(), nullptr, N, D, V);
+  const Tensor normed = act(normed_, D);
+  be.rmsnorm_forward(normed, act(rstd_final_, 1), act(residual_[L], D), weight_f32(final_norm_),
+                     static_cast<float>(c.rms_norm_eps));
+  if (logits_out) {  // debugging only: computed on the host from copies, in the caller's memory
+    const std::vector<float> hidden = download_f32(be, normed), head = download_f32(be, param(head_));
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t v = 0; v < V; ++v) {
+        double s = 0.0;
+        for (int64_t d = 0; d < D; ++d) s += double(hidden[n * D + d]) * head[v * D + d];
+        logits_out[n * V + v] = static_cast<float>(s);
+      }
   }
-  const bool widen = c.torch_dtype != DType::F32;
-  const cpu::LmHeadWorkspace ws{.logits = A.get<float>(logits_chunk_),
-                                .rows = A.get<float>(rows_),
-                                .drows = A.get<float>(drows_),
-                                .positions = A.get<int32_t>(loss_positions_),
-                                .row_targets = A.get<int32_t>(row_targets_),
-                                .chunk_rows = chunk_rows_,
-                                .weight_slice = widen ? A.get<float>(head_slice_) : nullptr,
-                                .slice_rows = head_slice_rows_};
   const bool grads = backward;
-  const cpu::LossSum loss = cpu::lm_head_loss(normed, A.get<int32_t>(targets_), N, param_data(head_), c.torch_dtype, V,
-                                              D, *loss_, grads ? A.get<float>(dnormed_) : nullptr,
-                                              grads ? base_grad_or_null(head_) : nullptr, ws, grad_scale_, observer_);
+  const int64_t chunk = chunk_rows_;
+  LmHeadArgs head{.hidden = normed,
+                  .targets = A.i32(targets_, {N}),
+                  .weight = param(head_),
+                  .loss = loss_,
+                  .dhidden = grads ? act(dnormed_, D) : Tensor{},
+                  .dweight = grads ? base_grad_or_none(head_) : Tensor{},
+                  .grad_scale = grad_scale_,
+                  .observer = observer_,
+                  .logits = A.f32(logits_chunk_, {chunk, V}),
+                  .rows = A.f32(rows_, {chunk, D}),
+                  .drows = A.f32(drows_, {chunk, D}),
+                  .positions = A.i32(loss_positions_, {N}),
+                  .row_targets = A.i32(row_targets_, {chunk}),
+                  .weight_slice = head_slice_rows_ ? A.f32(head_slice_, {head_slice_rows_, D}) : Tensor{},
+                  .staging = {}};
+  if (stages_chunks_)
+    head.staging = {host_arena_->f32(staging_logits_, {chunk, V}).as<float>(),
+                    host_arena_->i32(staging_targets_, {chunk}).as<int32_t>(),
+                    host_arena_->i32(staging_positions_, {chunk}).as<int32_t>()};
+  const LossSum loss = be.lm_head_loss(head);
   timings_.loss = seconds_since(t0);
   if (!grads) return loss;
 
   t0 = Clock::now();
   A.enter_phase(Phase::Backward);
-  float* dstream = A.get<float>(dstream_);
-  std::fill_n(dstream, N * D, 0.0f);
-  cpu::rmsnorm_backward(dstream, base_grad_or_null(final_norm_), A.get<float>(dnormed_), A.get<float>(residual_[L]),
-                        weight_f32(final_norm_), A.get<float>(rstd_final_), N, D);
+  const Tensor dstream = act(dstream_, D);
+  be.fill(dstream, 0.0f);
+  be.rmsnorm_backward(dstream, base_grad_or_none(final_norm_), act(dnormed_, D), act(residual_[L], D),
+                      weight_f32(final_norm_), act(rstd_final_, 1));
   for (int64_t l = L - 1; l >= 0; --l) {
-    const float* x = A.get<float>(residual_[l]);
+    const Tensor x = act(residual_[l], D);
     if (options_.gradient_checkpointing) {
       // Rebuild this layer's activations from its saved input; its output is not needed again.
-      layer_forward(l, recompute_, x, A.get<float>(dln_));
+      layer_forward(l, recompute_, x, act(dln_, D));
       layer_backward(l, recompute_, x, dstream);
     } else {
       layer_backward(l, saved_[l], x, dstream);
     }
     if (layer_grads_ready_) layer_grads_ready_(l);
   }
-  if (base_trainable()) cpu::embedding_backward(grad_data(embed_), dstream, A.get<int32_t>(ids_), N, D);
+  if (base_trainable())
+    be.embedding_backward(grad(embed_), dstream, A.i32(ids_, {N}));
   timings_.backward = seconds_since(t0);
   A.enter_phase(Phase::Forward);
   return loss;

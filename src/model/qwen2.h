@@ -1,7 +1,9 @@
-// The Qwen2 decoder on the CPU backend: parameters with Hugging Face names, an explicit forward
-// and backward, gradient checkpointing as a choice of saved buffers, and the fused chunked
-// LM-head loss. Every byte it touches is declared in its MemoryPlan at construction and served
-// by its Arena; a training step performs no other allocation.
+// The Qwen2 decoder, written once against the backend interface (backend/backend.h):
+// parameters with Hugging Face names, an explicit forward and backward, gradient checkpointing as
+// a choice of saved buffers, and the fused chunked LM-head loss. Every byte it touches on the
+// device is declared in its MemoryPlan at construction and served by its Arena (the backend's
+// memory, which host code never dereferences: values cross through the backend's copies); a
+// training step performs no other allocation.
 //
 // Phases of one step: Forward (embedding + layers, residual stream saved per layer), Loss
 // (final norm + fused LM head/cross-entropy, which also yields d(normed hidden) and the head's
@@ -17,9 +19,10 @@
 #include <string>
 #include <vector>
 
-#include "backend/cpu/ops.h"
+#include "backend/backend.h"
 #include "core/error.h"
 #include "core/shard.h"
+#include "io/safetensors.h"
 #include "memory/arena.h"
 #include "memory/plan.h"
 #include "model/config.h"
@@ -37,6 +40,11 @@ struct ParamSpec {
 // All parameters of a Qwen2ForCausalLM in Hugging Face order (lm_head.weight only when untied).
 std::vector<ParamSpec> qwen2_parameter_specs(const Qwen2Config& config);
 int64_t qwen2_parameter_count(const Qwen2Config& config);
+
+// A tensor in backend memory for the safetensors writer: fetched through the backend slice by
+// slice while the file is written, so no host copy of the whole tensor exists.
+TensorToWrite device_tensor_to_write(Backend& backend, const std::string& name, const std::vector<int64_t>& shape,
+                                     const Tensor& tensor);
 
 // Default budget of the fused LM head's logits chunk: large enough that the chunk's GEMMs run
 // near the machine's sgemm ceiling (measured in docs/benchmarks.md), small next to the model.
@@ -59,6 +67,7 @@ struct ModelOptions {
   // [n r / W, n (r+1) / W)); 0 keeps the whole optimizer state on every rank.
   int zero_stage = 0;
   int rank = 0, world_size = 1;
+  Backend* backend = nullptr;  // where the arena lives and the ops run; null: the cpu backend
   bool shards_optimizer() const { return zero_stage >= 1 && world_size > 1; }
 };
 
@@ -68,6 +77,9 @@ struct TokenBatch {
   std::span<const int32_t> input_ids;
   std::span<const int32_t> labels;
   std::span<const int32_t> cu_seqlens;  // num_seqs + 1 offsets, starting at 0, ending at N
+  // Optional, one per sequence: the position of its first token (the length of what a KV cache
+  // already holds for it); empty means every sequence starts at position 0.
+  std::span<const int32_t> position_offsets = {};
 };
 
 // Wall-clock seconds spent in each phase of the last forward_backward.
@@ -89,6 +101,7 @@ class Qwen2Model {
     MT_ASSERT(arena_, "this model was built plan-only (allocate = false)");
     return *arena_;
   }
+  Backend& backend() const { return *backend_; }
   int64_t loss_chunk_rows() const { return chunk_rows_; }
 
   // Deterministic initialization like Hugging Face: N(0, 0.02) for matrices and embeddings,
@@ -100,9 +113,10 @@ class Qwen2Model {
   // Writes config.json and model.safetensors (sharded when large) into dir.
   void save(const std::string& dir) const;
 
-  void* param_data(size_t i) const;
-  // Gradient of base parameter i (only when the base is trainable, i.e. no LoRA).
-  float* grad_data(size_t i) const;
+  // Views (device memory) of base parameter i in its storage dtype, and of its float32 gradient
+  // (only when the base is trainable, i.e. no LoRA).
+  Tensor param(size_t i) const;
+  Tensor grad(size_t i) const;
   bool base_trainable() const { return options_.with_grads && !options_.lora.enabled(); }
 
   // What the optimizer updates: the base parameters (full fine-tuning) or the LoRA adapters.
@@ -110,22 +124,24 @@ class Qwen2Model {
   // adapter matrix. After updating a value, store_trainable(i) rounds it into 16-bit storage.
   size_t num_trainable() const { return trainables_.size(); }
   const ParamSpec& trainable_spec(size_t i) const { return trainables_.at(i).spec; }
-  float* trainable_value(size_t i) const;
-  float* trainable_grad(size_t i) const;
+  Tensor trainable_value(size_t i) const;
+  Tensor trainable_grad(size_t i) const;
   // The elements of trainable i whose optimizer state this rank holds: all of them, or with
-  // ZeRO-1 the rank's block. adam_m, adam_v and shard_value are arrays of shard.size() floats,
-  // element k standing for element shard.begin + k of the tensor.
+  // ZeRO-1 the rank's block. adam_m, adam_v, shard_value and shard_grad are views of
+  // shard.size() floats, element k standing for element shard.begin + k of the tensor; moments
+  // and masters are host memory with optim_offload.
   Shard optimizer_shard(size_t i) const;
-  float* adam_m(size_t i) const;  // with_optimizer
-  float* adam_v(size_t i) const;
-  float* shard_value(size_t i) const;  // the float32 values the optimizer updates
+  Tensor adam_m(size_t i) const;  // with_optimizer
+  Tensor adam_v(size_t i) const;
+  Tensor shard_value(size_t i) const;  // the float32 values the optimizer updates
+  Tensor shard_grad(size_t i) const;
   // Rounds the shard's float32 master into the 16-bit weight (nothing for float32 values).
   void store_trainable(size_t i);
   // True when trainable i is the float32 master of a 16-bit base weight (checkpoints keep it).
   bool trainable_is_master(size_t i) const { return trainables_.at(i).widen_into.has_value(); }
   // The storage every rank must hold whole after an update (the ZeRO-1 allgather): the 16-bit
   // weight a master rounds into, or the float32 value itself.
-  std::span<std::byte> trainable_storage(size_t i) const;
+  Tensor trainable_storage(size_t i) const;
   // Sets every float32 master from its 16-bit weight (after loading or initializing weights).
   void load_masters();
   void zero_grads();
@@ -142,16 +158,16 @@ class Qwen2Model {
 
   // forward, loss and backward of one micro-batch; gradients of the loss SUM are accumulated.
   // If logits_out is given ([N, V] host memory, debugging only) the full logits are written there.
-  cpu::LossSum forward_backward(const TokenBatch& batch, float* logits_out = nullptr);
+  LossSum forward_backward(const TokenBatch& batch, float* logits_out = nullptr);
   // Forward and loss only (evaluation): gradients are neither computed nor touched.
-  cpu::LossSum forward_loss(const TokenBatch& batch) { return run_step(batch, nullptr, false); }
+  LossSum forward_loss(const TokenBatch& batch) { return run_step(batch, nullptr, false); }
   const StepTimings& last_step_timings() const { return timings_; }
   // The token-level loss the fused LM head applies (cross-entropy by default). Not owned.
-  void set_loss(const cpu::ChunkLoss& loss) { loss_ = &loss; }
+  void set_loss(const ChunkLoss& loss) { loss_ = &loss; }
   // Multiplies all gradients of the following steps (dynamic loss scaling); the trainer unscales.
   void set_grad_scale(float scale) { grad_scale_ = scale; }
   // Sees every logits chunk of the following steps (streaming metrics); nullptr for none. Not owned.
-  void set_observer(cpu::ChunkObserver* observer) { observer_ = observer; }
+  void set_observer(ChunkObserver* observer) { observer_ = observer; }
   // Called in backward as soon as decoder layer l's gradients are complete for this micro-batch
   // (l = L-1 down to 0), so data-parallel ranks can start reducing them while backward goes on.
   void set_layer_grads_ready(std::function<void(int64_t layer)> callback) { layer_grads_ready_ = std::move(callback); }
@@ -178,23 +194,26 @@ class Qwen2Model {
   LayerActs declare_layer_acts(const std::string& prefix, Category category, Phase first, Phase last);
   void declare_buffers();
   void upload_batch(const TokenBatch& batch);
-  cpu::LossSum run_step(const TokenBatch& batch, float* logits_out, bool backward);
-  void layer_forward(int64_t l, const LayerActs& a, const float* x, float* x_out);
-  void layer_backward(int64_t l, const LayerActs& a, const float* x, float* dstream);
+  LossSum run_step(const TokenBatch& batch, float* logits_out, bool backward);
+  void layer_forward(int64_t l, const LayerActs& a, const Tensor& x, const Tensor& x_out);
+  void layer_backward(int64_t l, const LayerActs& a, const Tensor& x, const Tensor& dstream);
   Linear linear(int64_t l, LinearSite s) const;
   // y = x W^T + b (+ scaling * dropout(x) A^T B^T)
-  void linear_forward(int64_t l, LinearSite s, const LayerActs& a, const float* x, float* y);
+  void linear_forward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& x, const Tensor& y);
   // dx += dy W (+ the adapter's path); accumulates the gradients of whatever is trainable.
-  void linear_backward(int64_t l, LinearSite s, const LayerActs& a, const float* dy, const float* x, float* dx);
+  void linear_backward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& dy, const Tensor& x,
+                       const Tensor& dx);
   // x itself, or dropout(x) in scratch when LoRA dropout is active.
-  const float* lora_input(int64_t l, LinearSite s, const float* x, int64_t n);
+  Tensor lora_input(int64_t l, LinearSite s, const Tensor& x);
   uint64_t dropout_key(int64_t l, LinearSite s) const;
   void declare_trainables();
-  float* base_grad_or_null(size_t param) const { return base_trainable() ? grad_data(param) : nullptr; }
+  Tensor base_grad_or_none(size_t param) const { return base_trainable() ? grad(param) : Tensor{}; }
   // The parameter as float32: its own storage, or, when stored in 16 bits, converted into the
   // current phase's conversion scratch (one for matrices, one for vectors, so a matmul's weight
   // and bias can be live together). Valid until the next call for a parameter of the same rank.
-  const float* weight_f32(size_t param);
+  Tensor weight_f32(size_t param);
+  // A float32 activation of the current micro-batch: [tokens, cols].
+  Tensor act(BufferId id, int64_t cols) const { return arena_->f32(id, {num_tokens_, cols}); }
 
   Qwen2Config config_;
   ModelOptions options_;
@@ -215,11 +234,14 @@ class Qwen2Model {
   Arena& state_arena() const { return options_.optim_offload ? *host_arena_ : *arena_; }
   int64_t chunk_rows_ = 1;
   int64_t num_tokens_ = 0, num_seqs_ = 0;
+  // Host staging of the batch's positions and targets (reserved for max_tokens).
+  std::vector<int32_t> batch_positions_, batch_targets_;
   StepTimings timings_;
-  static inline const cpu::CrossEntropyLoss kCrossEntropy{};
-  const cpu::ChunkLoss* loss_ = &kCrossEntropy;
+  static inline const CrossEntropyLoss kCrossEntropy{};
+  const ChunkLoss* loss_ = &kCrossEntropy;
   float grad_scale_ = 1.0f;
-  cpu::ChunkObserver* observer_ = nullptr;
+  ChunkObserver* observer_ = nullptr;
+  Backend* backend_;
   std::function<void(int64_t)> layer_grads_ready_;
 
   // Buffer ids (see declare_buffers for lifetimes).
@@ -230,6 +252,10 @@ class Qwen2Model {
   std::array<BufferId, kNumPhases> matrix_f32_{}, vector_f32_{};
   BufferId normed_, rstd_final_, dnormed_;
   BufferId logits_chunk_, rows_, drows_, loss_positions_, row_targets_, head_slice_{};
+  // Host staging of the logits chunk for host losses and observers (backends whose memory the
+  // host cannot address); in the host plan.
+  BufferId staging_logits_{}, staging_targets_{}, staging_positions_{};
+  bool stages_chunks_ = false;
   static constexpr int64_t kHeadSliceRows = 4096;  // vocabulary rows of a 16-bit head widened at once
   int64_t head_slice_rows_ = 0;
   BufferId dstream_, dln_, datt_, dq_, dk_, dv_, dh_, dgate_, dup_;

@@ -18,6 +18,7 @@ namespace memtune {
 struct TrainingArguments {
   // Where things are.
   std::string model_name_or_path, train_file, eval_file, output_dir, tokenizer;
+  std::string backend = "cpu";  // where the model's memory lives and its ops run
   // Batches and steps.
   int64_t per_device_train_batch_size = 8;
   int64_t per_device_eval_batch_size = 8;

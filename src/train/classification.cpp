@@ -11,7 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "backend/cpu/chunk_loss.h"
+#include "backend/chunk_loss.h"
 #include "core/error.h"
 #include "data/formats.h"
 #include "dist/communicator.h"
@@ -75,7 +75,7 @@ namespace {
 
 // Sums log p(target) per sequence over the whole run; a batch's sequences are numbered from its
 // first_sequence (its position among all ranks' sequences).
-class SequenceScores final : public cpu::ChunkObserver {
+class SequenceScores final : public ChunkObserver {
  public:
   explicit SequenceScores(size_t sequences) : logp_(sequences, 0.0), tokens_(sequences, 0) {}
   void start_batch(std::span<const int32_t> cu_seqlens, int64_t first_sequence) {
@@ -87,12 +87,12 @@ class SequenceScores final : public cpu::ChunkObserver {
     comm.allreduce_sum(logp_);
     comm.allreduce_sum(tokens_);
   }
-  void observe(const cpu::LogitsChunk& c) override {
+  void observe(const LogitsChunk& c) override {
     row_logp_.resize(static_cast<size_t>(c.rows));
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < c.rows; ++r) {
       const float* z = c.logits + r * c.V;
-      row_logp_[r] = z[c.targets[r]] - cpu::row_logsumexp(z, c.V);
+      row_logp_[r] = z[c.targets[r]] - row_logsumexp(z, c.V);
     }
     for (int64_t r = 0; r < c.rows; ++r) {
       const size_t seq =

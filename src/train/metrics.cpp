@@ -15,7 +15,7 @@
 
 namespace memtune {
 
-void TopKAccuracy::observe(const cpu::LogitsChunk& c) {
+void TopKAccuracy::observe(const LogitsChunk& c) {
   int64_t hits = 0;
 #pragma omp parallel for schedule(static) reduction(+ : hits)
   for (int64_t r = 0; r < c.rows; ++r) {
@@ -87,14 +87,14 @@ void PredictionWriter::start_batch(std::span<const int32_t> cu_seqlens) {
   loss_.assign(cu_.size() - 1, 0.0);
 }
 
-void PredictionWriter::observe(const cpu::LogitsChunk& c) {
+void PredictionWriter::observe(const LogitsChunk& c) {
   row_argmax_.resize(static_cast<size_t>(c.rows));
   row_loss_.resize(static_cast<size_t>(c.rows));
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < c.rows; ++r) {
     const float* z = c.logits + r * c.V;
     row_argmax_[r] = static_cast<int32_t>(std::max_element(z, z + c.V) - z);  // first maximum, like torch
-    row_loss_[r] = cpu::row_logsumexp(z, c.V) - z[c.targets[r]];
+    row_loss_[r] = row_logsumexp(z, c.V) - z[c.targets[r]];
   }
   for (int64_t r = 0; r < c.rows; ++r) {
     const size_t seq = static_cast<size_t>(std::upper_bound(cu_.begin(), cu_.end(), c.positions[r]) - cu_.begin() - 1);
@@ -117,10 +117,10 @@ void PredictionWriter::finish_batch() {
 
 namespace {
 // Hands each chunk to every selected metric and to the prediction writer.
-class FanOut final : public cpu::ChunkObserver {
+class FanOut final : public ChunkObserver {
  public:
   FanOut(MetricSelection& s, PredictionWriter* predictions) : s_(s), predictions_(predictions) {}
-  void observe(const cpu::LogitsChunk& chunk) override {
+  void observe(const LogitsChunk& chunk) override {
     for (auto& m : s_.metrics) m->observe(chunk);
     if (predictions_) predictions_->observe(chunk);
   }
@@ -142,7 +142,7 @@ EvalResult evaluate(Qwen2Model& model, Batcher& batcher, MetricSelection& select
     while (batcher.next(mb)) {
       if (mb.input_ids.empty()) continue;
       if (predictions) predictions->start_batch(mb.cu_seqlens);
-      const cpu::LossSum part = model.forward_loss({mb.input_ids, mb.labels, mb.cu_seqlens});
+      const LossSum part = model.forward_loss({mb.input_ids, mb.labels, mb.cu_seqlens});
       if (predictions) predictions->finish_batch();
       r.loss_sum += part.sum;
       r.num_tokens += part.count;

@@ -13,7 +13,7 @@
 #include <utility>
 #include <vector>
 
-#include "backend/cpu/chunk_loss.h"
+#include "backend/chunk_loss.h"
 #include "data/batcher.h"
 #include "model/qwen2.h"
 
@@ -23,7 +23,7 @@ class Communicator;
 
 using MetricValues = std::vector<std::pair<std::string, double>>;
 
-class Metric : public cpu::ChunkObserver {
+class Metric : public ChunkObserver {
  public:
   virtual void reset() = 0;
   // The state as numbers that add up across ranks (counts, sums); set_state() replaces it.
@@ -40,7 +40,7 @@ class Metric : public cpu::ChunkObserver {
 class TopKAccuracy final : public Metric {
  public:
   explicit TopKAccuracy(int64_t k) : k_(k) {}
-  void observe(const cpu::LogitsChunk& chunk) override;
+  void observe(const LogitsChunk& chunk) override;
   void reset() override { hits_ = count_ = 0; }
   std::vector<double> state() const override { return {static_cast<double>(hits_), static_cast<double>(count_)}; }
   void set_state(std::span<const double> s) override;
@@ -62,11 +62,11 @@ MetricSelection parse_metrics(const std::string& list);
 // --save_predictions: one JSON line per evaluated sequence, written as each micro-batch finishes
 // ({"index", "loss" (mean over its targets), "num_targets", "argmax" (predicted ids at its target
 // positions)}), so host memory is one micro-batch's worth.
-class PredictionWriter final : public cpu::ChunkObserver {
+class PredictionWriter final : public ChunkObserver {
  public:
   explicit PredictionWriter(std::ostream& out) : out_(out) {}
   void start_batch(std::span<const int32_t> cu_seqlens);
-  void observe(const cpu::LogitsChunk& chunk) override;
+  void observe(const LogitsChunk& chunk) override;
   void finish_batch();
 
  private:

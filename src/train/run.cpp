@@ -130,7 +130,7 @@ class TrainingRun {
   std::string best_key_;  // the log key metric_for_best_model names, e.g. eval_loss
   bool greater_is_better_ = false;
   std::unique_ptr<Qwen2Model> model_;
-  std::unique_ptr<cpu::CrossEntropyLoss> loss_;
+  std::unique_ptr<CrossEntropyLoss> loss_;
   std::unique_ptr<Trainer> trainer_;
   int64_t steps_per_epoch_ = 0, total_steps_ = 0;
   Progress progress_;
@@ -281,6 +281,7 @@ void TrainingRun::build_model() {
   o.zero_stage = static_cast<int>(args_.zero_stage);
   o.rank = comm_.rank();
   o.world_size = comm_.world_size();
+  o.backend = &backend_named(args_.backend);
   if (args_.tuner_type == "lora") {
     o.lora.rank = args_.lora_rank;
     o.lora.alpha = args_.lora_alpha;
@@ -291,7 +292,7 @@ void TrainingRun::build_model() {
   model_ = std::make_unique<Qwen2Model>(config, o);
   model_->load(CheckpointReader(args_.model_name_or_path));
   if (o.lora.enabled()) model_->init_lora(args_.seed);
-  loss_ = std::make_unique<cpu::CrossEntropyLoss>(static_cast<float>(args_.label_smoothing_factor));
+  loss_ = std::make_unique<CrossEntropyLoss>(static_cast<float>(args_.label_smoothing_factor));
   model_->set_loss(*loss_);
 
   TrainerConfig tc;
@@ -361,21 +362,23 @@ void TrainingRun::save_checkpoint() {
   arena.enter_phase(Phase::Optimizer);
   const bool sharded = model_->options().shards_optimizer();
   std::deque<std::vector<float>> gathered;  // host staging for the sharded state (rank 0)
-  auto whole = [&](float* shard, size_t i) -> const float* {
-    if (!sharded) return shard;
-    const size_t n = static_cast<size_t>(model_->trainable_spec(i).numel());
+  Backend& backend = model_->backend();
+  auto whole = [&](const std::string& name, const Tensor& shard, size_t i) -> TensorToWrite {
+    const ParamSpec& s = model_->trainable_spec(i);
+    if (!sharded) return device_tensor_to_write(backend, name, s.shape, shard);
+    const size_t n = static_cast<size_t>(s.numel());
+    const std::vector<float> block = download_f32(backend, shard);
     gathered.emplace_back(root_ ? n : 0);
-    comm_.gather_to_root({shard, model_->optimizer_shard(i).size()}, n, gathered.back().data());
-    return gathered.back().data();
+    comm_.gather_to_root(block, n, gathered.back().data());
+    return {name, DType::F32, s.shape, gathered.back().data(), {}};
   };
   // AdamW moments, and float32 masters of 16-bit weights (the weights alone would round them).
   std::vector<TensorToWrite> tensors;
   for (size_t i = 0; i < model_->num_trainable(); ++i) {
     const ParamSpec& s = model_->trainable_spec(i);
-    tensors.push_back({"exp_avg." + s.name, DType::F32, s.shape, whole(model_->adam_m(i), i)});
-    tensors.push_back({"exp_avg_sq." + s.name, DType::F32, s.shape, whole(model_->adam_v(i), i)});
-    if (model_->trainable_is_master(i))
-      tensors.push_back({"master." + s.name, DType::F32, s.shape, whole(model_->shard_value(i), i)});
+    tensors.push_back(whole("exp_avg." + s.name, model_->adam_m(i), i));
+    tensors.push_back(whole("exp_avg_sq." + s.name, model_->adam_v(i), i));
+    if (model_->trainable_is_master(i)) tensors.push_back(whole("master." + s.name, model_->shard_value(i), i));
   }
   arena.enter_phase(Phase::Forward);
   if (!root_) return;
@@ -442,13 +445,12 @@ void TrainingRun::resume() {
   model_->load_masters();
   // The file holds whole tensors; each rank takes the part it keeps (all, or its ZeRO-1 shard),
   // whatever the world size that saved it.
-  auto restore = [&](const std::string& name, float* dst, size_t i) {
+  auto restore = [&](const std::string& name, const Tensor& dst, size_t i) {
     const ParamSpec& s = model_->trainable_spec(i);
     const TensorInfo* t = opt.find(name);
     if (!t || t->dtype != DType::F32 || t->shape != s.shape)
       throw Error(fmt::format("{}: tensor \"{}\" missing or not F32 {}", opt_path, name, shape_string(s.shape)));
-    const Shard shard = model_->optimizer_shard(i);
-    std::memcpy(dst, opt.data(*t).data() + shard.begin * 4, shard.size() * 4);
+    model_->backend().copy_to_device(dst, opt.data(*t).data() + model_->optimizer_shard(i).begin * 4);
   };
   for (size_t i = 0; i < model_->num_trainable(); ++i) {
     const ParamSpec& s = model_->trainable_spec(i);

@@ -12,6 +12,7 @@ namespace memtune {
 
 Trainer::Trainer(Qwen2Model& model, const TrainerConfig& config, Communicator* comm)
     : model_(model),
+      backend_(model.backend()),
       config_(config),
       own_comm_(comm ? nullptr : make_single_process_communicator()),
       comm_(comm ? comm : own_comm_.get()),
@@ -19,9 +20,8 @@ Trainer::Trainer(Qwen2Model& model, const TrainerConfig& config, Communicator* c
   MT_ASSERT(model.options().with_optimizer, "the trainer needs a model planned with optimizer state");
   model_.arena().enter_phase(Phase::Optimizer);
   for (size_t i = 0; i < model_.num_trainable(); ++i) {
-    const size_t n = model_.optimizer_shard(i).size();
-    std::fill_n(model_.adam_m(i), n, 0.0f);
-    std::fill_n(model_.adam_v(i), n, 0.0f);
+    backend_.fill(model_.adam_m(i), 0.0f);
+    backend_.fill(model_.adam_v(i), 0.0f);
   }
   model_.load_masters();
   model_.arena().enter_phase(Phase::Forward);
@@ -39,8 +39,12 @@ Trainer::Trainer(Qwen2Model& model, const TrainerConfig& config, Communicator* c
 }
 
 void Trainer::start_bucket(const std::vector<size_t>& bucket) {
-  for (size_t i : bucket)
-    comm_->start_allreduce_sum({model_.trainable_grad(i), static_cast<size_t>(model_.trainable_spec(i).numel())});
+  backend_.collective([&] {
+    for (size_t i : bucket) {
+      const Tensor g = model_.trainable_grad(i);
+      comm_->start_allreduce_sum({g.as<float>(), static_cast<size_t>(g.numel())});
+    }
+  });
 }
 
 Trainer::~Trainer() = default;
@@ -56,13 +60,15 @@ StepResult Trainer::step(std::span<const TokenBatch> micro_batches) {
   // Every rank starts the same reductions in the same order; a rank without data this step
   // starts them all at once (its gradients are zero).
   const bool overlap = comm_->world_size() > 1 && !sharded;
+  // Backends that cannot leave a collective in flight while they compute reduce after backward.
+  const bool during_backward = overlap && backend_.overlaps_collectives();
   for (size_t k = 0; k < micro_batches.size(); ++k) {
-    if (overlap && k + 1 == micro_batches.size())
+    if (during_backward && k + 1 == micro_batches.size())
       model_.set_layer_grads_ready([this](int64_t l) {
         start_bucket(layer_buckets_[static_cast<size_t>(l)]);
-        comm_->progress();
+        backend_.collective([&] { comm_->progress(); });
       });
-    cpu::LossSum part;
+    LossSum part;
     try {
       part = model_.forward_backward(micro_batches[k]);
     } catch (...) {
@@ -74,11 +80,13 @@ StepResult Trainer::step(std::span<const TokenBatch> micro_batches) {
     r.num_items += part.count;
     r.num_tokens += static_cast<int64_t>(micro_batches[k].input_ids.size());
   }
-  if (overlap) {
-    if (micro_batches.empty())
-      for (size_t l = layer_buckets_.size(); l-- > 0;) start_bucket(layer_buckets_[l]);
-    start_bucket(rest_bucket_);
-  }
+  if (overlap)
+    backend_.collective([&] {
+      if (micro_batches.empty() || !during_backward)
+        for (size_t l = layer_buckets_.size(); l-- > 0;) start_bucket(layer_buckets_[l]);
+      start_bucket(rest_bucket_);
+      if (!during_backward) comm_->wait_all();  // nothing stays in flight outside collective()
+    });
   r.learning_rate = config_.learning_rate * config_.schedule.multiplier(step_);
   const size_t P = model_.num_trainable();
   Arena& arena = model_.arena();
@@ -90,32 +98,25 @@ StepResult Trainer::step(std::span<const TokenBatch> micro_batches) {
     r.loss_sum = totals[0];
     r.num_items = static_cast<int64_t>(totals[1]);
     r.num_tokens = static_cast<int64_t>(totals[2]);
-    comm_->wait_all();  // the gradient sums started during backward
+    backend_.collective([&] { comm_->wait_all(); });  // the gradient sums started during backward
   }
   if (r.num_items == 0) return r;  // nothing to learn from: no update, the step is not counted
 
   arena.enter_phase(Phase::Optimizer);
   // ZeRO-1 needs only this rank's block of each gradient: a reduce-scatter per tensor.
   if (sharded)
-    for (size_t i = P; i-- > 0;)
-      comm_->reduce_scatter_sum({model_.trainable_grad(i), static_cast<size_t>(model_.trainable_spec(i).numel())});
+    backend_.collective([&] {
+      for (size_t i = P; i-- > 0;) {
+        const Tensor g = model_.trainable_grad(i);
+        comm_->reduce_scatter_sum({g.as<float>(), static_cast<size_t>(g.numel())});
+      }
+    });
   // The one division by num_items_in_batch (and by the loss scale), and the global norm. Each
   // rank normalizes the elements it updates (all, or its ZeRO-1 shard); with shards the squared
   // norm is summed over ranks.
   const float inv_items = static_cast<float>(1.0 / (static_cast<double>(r.num_items) * scale_));
   double sumsq = 0.0;
-  for (size_t i = 0; i < P; ++i) {
-    const Shard shard = model_.optimizer_shard(i);
-    float* g = model_.trainable_grad(i) + shard.begin;
-    const int64_t n = static_cast<int64_t>(shard.size());
-    double local = 0.0;
-#pragma omp parallel for simd reduction(+ : local) schedule(static) if (n > 32768)
-    for (int64_t j = 0; j < n; ++j) {
-      g[j] *= inv_items;
-      local += static_cast<double>(g[j]) * g[j];
-    }
-    sumsq += local;
-  }
+  for (size_t i = 0; i < P; ++i) sumsq += backend_.scale_and_sum_squares(model_.shard_grad(i), inv_items);
   if (sharded) {
     std::array<double, 1> total{sumsq};
     comm_->allreduce_sum(total);
@@ -140,16 +141,19 @@ StepResult Trainer::step(std::span<const TokenBatch> micro_batches) {
   ++step_;
   for (size_t i = 0; i < P; ++i) {
     const auto& spec = model_.trainable_spec(i);
-    const Shard shard = model_.optimizer_shard(i);
-    const size_t n = shard.size();
-    adamw_update({model_.shard_value(i), n}, {model_.trainable_grad(i) + shard.begin, n}, {model_.adam_m(i), n},
-                 {model_.adam_v(i), n}, step_, r.learning_rate, config_.adam, takes_weight_decay(spec.name),
-                 static_cast<float>(clip));
+    backend_.adamw_update(model_.shard_value(i), model_.shard_grad(i), model_.adam_m(i), model_.adam_v(i),
+                          {.t = step_,
+                           .learning_rate = r.learning_rate,
+                           .config = config_.adam,
+                           .decay = takes_weight_decay(spec.name),
+                           .grad_scale = static_cast<float>(clip)});
     model_.store_trainable(i);
     // ZeRO-1: every rank updated its block; all of them get the whole tensor back.
     if (sharded) {
-      const std::span<std::byte> storage = model_.trainable_storage(i);
-      comm_->allgather(storage, storage.size() / static_cast<size_t>(spec.numel()));
+      const Tensor storage = model_.trainable_storage(i);
+      backend_.collective([&] {
+        comm_->allgather({storage.as<std::byte>(), storage.bytes()}, dtype_size(storage.dtype));
+      });
     }
   }
   arena.enter_phase(Phase::Forward);

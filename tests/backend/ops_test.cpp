@@ -1,296 +1,507 @@
-// Per-op checks of the CPU backend: every backward against central finite differences of its
-// forward (in the spirit of ggml's test-backend-ops), and forwards against direct formulas.
+// The op harness (ggml's test-backend-ops is the model): a table of ops, each run on every
+// backend of the build with the same inputs and compared with the `reference` backend, and
+// every backward checked against central finite differences of its forward, including the
+// accumulate contract: gradient buffers start NON-zero, and an accumulating backward must add
+// exactly the gradient to what was there (an overwriting one must ignore it). Inputs and
+// outputs live in each backend's own device memory and cross through its copy functions, so
+// this also runs the reference backend's memory locking. A new backend joins kBackends; no new
+// test code.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
-#include <numeric>
+#include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
-#include "backend/cpu/ops.h"
+#include "backend/backend.h"
+#include "core/labels.h"
 #include "core/rng.h"
 
-namespace memtune::cpu {
+#include <fmt/format.h>
+
+namespace memtune {
 namespace {
 
-std::vector<float> randn(size_t n, uint64_t seed, float scale = 1.0f) {
+const char* const kBackends[] = {"cpu", "reference"};
+
+struct Input {
+  std::string name;
+  std::vector<int64_t> shape;
+  DType dtype = DType::F32;
+  bool differentiable = false;
+  std::vector<float> values;   // floating inputs (converted to dtype on upload)
+  std::vector<int32_t> ints;   // int32 inputs
+};
+struct Output {
+  std::string name;
+  std::vector<int64_t> shape;
+  bool primary = true;  // part of the differentiated function (saved tensors such as rstd are not)
+};
+
+using Views = std::map<std::string, Tensor>;
+
+struct OpCase {
+  std::string name;
+  std::vector<Input> inputs;
+  std::vector<Output> outputs;
+  // Computes the outputs; may return a host scalar (a loss, a norm), compared across backends.
+  std::function<double(Backend&, const Views& in, const Views& out)> forward;
+  // With dout (the gradient of sum(r * primary outputs)), adds (or writes) d/d(input) into
+  // din[name] for every differentiable input. Absent: forward only.
+  std::function<void(Backend&, const Views& in, const Views& out, const Views& dout, const Views& din)> backward;
+  // Inputs whose gradient the backward OVERWRITES (the others are accumulated into).
+  std::vector<std::string> overwrites = {};
+  // The forward's scalar is itself the function to differentiate (a loss), not sum(r * out).
+  bool scalar_is_loss = false;
+  double tolerance = 1e-5;  // max |backend - reference| / (max |reference| + 1e-6), per tensor
+};
+
+std::vector<float> randn(int64_t n, uint64_t seed, float scale = 1.0f) {
   Rng rng(seed);
-  std::vector<float> v(n);
+  std::vector<float> v(static_cast<size_t>(n));
   for (float& x : v) x = scale * static_cast<float>(rng.normal());
   return v;
 }
+int64_t numel(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+Tensor make_view(void* data, DType dtype, const std::vector<int64_t>& shape) {
+  if (shape.size() == 1) return Tensor(data, dtype, {shape[0]});
+  if (shape.size() == 2) return Tensor(data, dtype, {shape[0], shape[1]});
+  return Tensor(data, dtype, {shape[0], shape[1], shape[2]});
+}
 
-double weighted_sum(const std::vector<float>& out, const std::vector<float>& r) {
+// Device memory of one backend for one run of a case: every tensor carved from one allocation.
+class DeviceTensors {
+ public:
+  explicit DeviceTensors(Backend& be) : be_(be) {}
+  ~DeviceTensors() {
+    for (auto [p, n] : allocations_) be_.deallocate(p, n);
+  }
+  Tensor make(DType dtype, const std::vector<int64_t>& shape) {
+    const size_t bytes = static_cast<size_t>(numel(shape)) * dtype_size(dtype);
+    void* p = be_.allocate(std::max<size_t>(bytes, 64));
+    allocations_.push_back({p, std::max<size_t>(bytes, 64)});
+    return make_view(p, dtype, shape);
+  }
+  Tensor upload(const Input& in) {
+    Tensor t = make(in.dtype, in.shape);
+    if (in.dtype == DType::I32)
+      be_.copy_to_device(t, in.ints.data());
+    else
+      upload_f32(be_, t, in.values);
+    return t;
+  }
+
+ private:
+  Backend& be_;
+  std::vector<std::pair<void*, size_t>> allocations_;
+};
+
+struct RunResult {
+  double scalar = 0;
+  std::map<std::string, std::vector<float>> outputs, grads;
+};
+
+// Upload, forward, and (when the case has one) backward with the given dout and prior gradients.
+RunResult run_case(Backend& be, const OpCase& c, const std::map<std::string, std::vector<float>>& dout_values,
+                   const std::map<std::string, std::vector<float>>& prior_grads, const std::vector<Input>& inputs) {
+  DeviceTensors mem(be);
+  Views in, out, dout, din;
+  for (const Input& i : inputs) in[i.name] = mem.upload(i);
+  for (const Output& o : c.outputs) {
+    out[o.name] = mem.make(DType::F32, o.shape);
+    be.fill(out[o.name], 0.25f);  // an accumulating forward adds to this
+  }
+  RunResult r;
+  r.scalar = c.forward(be, in, out);
+  for (const Output& o : c.outputs) r.outputs[o.name] = download_f32(be, out[o.name]);
+  if (!c.backward) return r;
+  for (const Output& o : c.outputs) {
+    if (!o.primary || c.scalar_is_loss) continue;
+    dout[o.name] = mem.make(DType::F32, o.shape);
+    upload_f32(be, dout[o.name], dout_values.at(o.name));
+  }
+  for (const Input& i : inputs) {
+    if (!i.differentiable) continue;
+    din[i.name] = mem.make(DType::F32, i.shape);
+    upload_f32(be, din[i.name], prior_grads.at(i.name));
+  }
+  c.backward(be, in, out, dout, din);
+  for (const auto& [name, t] : din) r.grads[name] = download_f32(be, t);
+  return r;
+}
+
+double relative_difference(const std::vector<float>& a, const std::vector<float>& ref) {
+  double diff = 0, scale = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    diff = std::max(diff, std::abs(double(a[i]) - ref[i]));
+    scale = std::max(scale, std::abs(double(ref[i])));
+  }
+  return diff / (scale + 1e-6);
+}
+
+// The function the finite differences differentiate: the scalar, or sum(r * primary outputs).
+double objective(const OpCase& c, const RunResult& r, const std::map<std::string, std::vector<float>>& dout_values) {
+  if (c.scalar_is_loss) return r.scalar;
   double s = 0;
-  for (size_t i = 0; i < out.size(); ++i) s += double(out[i]) * r[i];
+  for (const Output& o : c.outputs) {
+    if (!o.primary) continue;
+    const auto& v = r.outputs.at(o.name);
+    const auto& w = dout_values.at(o.name);
+    for (size_t i = 0; i < v.size(); ++i) s += double(v[i]) * w[i];
+  }
   return s;
 }
 
-// Compares `analytic` = dL/dx with central differences of L over every element of x.
-// The error is measured as ||fd - analytic|| / max(||fd||, tiny) so tiny gradients don't dominate.
-void expect_grad_matches(const char* what, std::vector<float>& x, const std::function<double()>& loss,
-                         const std::vector<float>& analytic, size_t stride = 1, float h = 1e-2f, double tol = 2e-3) {
-  ASSERT_EQ(x.size(), analytic.size()) << what;
-  double diff2 = 0, ref2 = 0;
-  for (size_t i = 0; i < x.size(); i += stride) {
-    const float saved = x[i];
-    x[i] = saved + h;
-    const double lp = loss();
-    x[i] = saved - h;
-    const double lm = loss();
-    x[i] = saved;
-    const double fd = (lp - lm) / (2.0 * h);
-    diff2 += (fd - analytic[i]) * (fd - analytic[i]);
-    ref2 += fd * fd;
+void check_case(const OpCase& c) {
+  SCOPED_TRACE(c.name);
+  std::map<std::string, std::vector<float>> dout_values, prior;
+  uint64_t seed = 1000;
+  for (const Output& o : c.outputs) dout_values[o.name] = randn(numel(o.shape), ++seed);
+  for (const Input& i : c.inputs)
+    if (i.differentiable) prior[i.name] = randn(numel(i.shape), ++seed, 0.5f);
+
+  Backend& ref = backend_named("reference");
+  const RunResult expected = run_case(ref, c, dout_values, prior, c.inputs);
+  for (const char* name : kBackends) {
+    SCOPED_TRACE(name);
+    Backend& be = backend_named(name);
+    const RunResult got = run_case(be, c, dout_values, prior, c.inputs);
+    EXPECT_NEAR(got.scalar, expected.scalar, c.tolerance * (std::abs(expected.scalar) + 1e-6));
+    for (const auto& [out, values] : expected.outputs)
+      EXPECT_LT(relative_difference(got.outputs.at(out), values), c.tolerance) << "output " << out;
+    for (const auto& [in, values] : expected.grads)
+      EXPECT_LT(relative_difference(got.grads.at(in), values), c.tolerance) << "gradient " << in;
+    if (!c.backward) continue;
+
+    // Finite differences of the reference forward (float64 inside) against this backend's
+    // gradient, minus the prior for accumulating ops.
+    for (const Input& input : c.inputs) {
+      if (!input.differentiable) continue;
+      std::vector<float> analytic = got.grads.at(input.name);
+      if (std::find(c.overwrites.begin(), c.overwrites.end(), input.name) == c.overwrites.end())
+        for (size_t k = 0; k < analytic.size(); ++k) analytic[k] -= prior.at(input.name)[k];
+      std::vector<Input> perturbed = c.inputs;
+      Input* x = nullptr;
+      for (Input& p : perturbed)
+        if (p.name == input.name) x = &p;
+      const float h = 1e-2f;
+      double diff2 = 0, ref2 = 0;
+      const size_t stride = std::max<size_t>(1, x->values.size() / 64);
+      for (size_t k = 0; k < x->values.size(); k += stride) {
+        const float saved = x->values[k];
+        x->values[k] = saved + h;
+        const double lp = objective(c, run_case(ref, c, dout_values, prior, perturbed), dout_values);
+        x->values[k] = saved - h;
+        const double lm = objective(c, run_case(ref, c, dout_values, prior, perturbed), dout_values);
+        x->values[k] = saved;
+        const double fd = (lp - lm) / (2.0 * h);
+        diff2 += (fd - analytic[k]) * (fd - analytic[k]);
+        ref2 += fd * fd;
+      }
+      ASSERT_GT(ref2, 0.0) << input.name << ": the gradient is zero, the check would prove nothing";
+      EXPECT_LT(std::sqrt(diff2 / ref2), 3e-3) << "d" << input.name << " against finite differences";
+    }
   }
-  ASSERT_GT(ref2, 0.0) << what << ": gradient is identically zero, the check would prove nothing";
-  EXPECT_LT(std::sqrt(diff2 / ref2), tol) << what;
 }
 
-TEST(Ops, FastExpIsAccurate) {
-  for (float x = -80.0f; x < 80.0f; x += 0.37f) {
-    const double ref = std::exp(double(x));
-    EXPECT_NEAR(fast_exp(x) / ref, 1.0, 5e-7) << x;
-  }
-  EXPECT_EQ(fast_exp(-1000.0f) < 1e-37f, true);
+Input f32_input(std::string name, std::vector<int64_t> shape, uint64_t seed, bool differentiable = true,
+                float scale = 1.0f) {
+  return {std::move(name), shape, DType::F32, differentiable, randn(numel(shape), seed, scale), {}};
+}
+Input i32_input(std::string name, std::vector<int32_t> values) {
+  return {std::move(name), {static_cast<int64_t>(values.size())}, DType::I32, false, {}, std::move(values)};
 }
 
-TEST(Ops, MatmulBackward) {
+TEST(BackendOps, Matmul) {
   const int64_t N = 5, C = 7, OC = 3;
-  auto x = randn(N * C, 1), w = randn(OC * C, 2), b = randn(OC, 3), r = randn(N * OC, 4);
-  std::vector<float> out(N * OC);
-  auto loss = [&] {
-    matmul_forward(out.data(), x.data(), w.data(), b.data(), N, C, OC);
-    return weighted_sum(out, r);
-  };
-  loss();
-  // forward against the definition
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t o = 0; o < OC; ++o) {
-      double s = b[o];
-      for (int64_t c = 0; c < C; ++c) s += double(x[n * C + c]) * w[o * C + c];
-      EXPECT_NEAR(out[n * OC + o], s, 1e-5);
-    }
-  std::vector<float> dx(N * C, 0.0f), dw(OC * C, 0.0f), db(OC, 0.0f);
-  matmul_backward(dx.data(), dw.data(), db.data(), r.data(), x.data(), w.data(), N, C, OC);
-  expect_grad_matches("dx", x, loss, dx);
-  expect_grad_matches("dweight", w, loss, dw);
-  expect_grad_matches("dbias", b, loss, db);
+  check_case({.name = "matmul",
+              .inputs = {f32_input("x", {N, C}, 1), f32_input("w", {OC, C}, 2), f32_input("b", {OC}, 3)},
+              .outputs = {{"out", {N, OC}}},
+              .forward = [](Backend& be, const Views& in, const Views& out) {
+                be.matmul_forward(out.at("out"), in.at("x"), in.at("w"), in.at("b"));
+                return 0.0;
+              },
+              .backward = [](Backend& be, const Views& in, const Views&, const Views& dout, const Views& din) {
+                be.matmul_backward(din.at("x"), din.at("w"), din.at("b"), dout.at("out"), in.at("x"), in.at("w"),
+                                   1.0f);
+              }});
 }
 
-TEST(Ops, RmsnormBackward) {
+TEST(BackendOps, MatmulScaledAccumulate) {
+  const int64_t N = 4, C = 6, OC = 5;
+  const float scale = 0.75f;
+  check_case({.name = "matmul_accumulate",
+              .inputs = {f32_input("x", {N, C}, 4), f32_input("w", {OC, C}, 5)},
+              .outputs = {{"out", {N, OC}}},
+              .forward = [=](Backend& be, const Views& in, const Views& out) {
+                be.matmul_accumulate(out.at("out"), in.at("x"), in.at("w"), scale);
+                return 0.0;
+              },
+              .backward = [=](Backend& be, const Views& in, const Views&, const Views& dout, const Views& din) {
+                be.matmul_backward(din.at("x"), din.at("w"), Tensor{}, dout.at("out"), in.at("x"), in.at("w"), scale);
+              }});
+}
+
+TEST(BackendOps, Rmsnorm) {
   const int64_t N = 4, C = 16;
-  auto x = randn(N * C, 5), w = randn(C, 6), r = randn(N * C, 7);
-  std::vector<float> out(N * C), rstd(N);
-  auto loss = [&] {
-    rmsnorm_forward(out.data(), rstd.data(), x.data(), w.data(), N, C, 1e-6f);
-    return weighted_sum(out, r);
-  };
-  loss();
-  double ms = 0;
-  for (int64_t c = 0; c < C; ++c) ms += double(x[c]) * x[c] / C;
-  EXPECT_NEAR(out[3], x[3] / std::sqrt(ms + 1e-6) * w[3], 1e-5);
-  std::vector<float> dx(N * C, 0.0f), dw(C, 0.0f);
-  rmsnorm_backward(dx.data(), dw.data(), r.data(), x.data(), w.data(), rstd.data(), N, C);
-  expect_grad_matches("dx", x, loss, dx);
-  expect_grad_matches("dweight", w, loss, dw);
+  check_case({.name = "rmsnorm",
+              .inputs = {f32_input("x", {N, C}, 6), f32_input("w", {C}, 7)},
+              .outputs = {{"out", {N, C}}, {"rstd", {N}, false}},
+              .forward = [](Backend& be, const Views& in, const Views& out) {
+                be.rmsnorm_forward(out.at("out"), out.at("rstd"), in.at("x"), in.at("w"), 1e-6f);
+                return 0.0;
+              },
+              .backward = [](Backend& be, const Views& in, const Views& out, const Views& dout, const Views& din) {
+                be.rmsnorm_backward(din.at("x"), din.at("w"), dout.at("out"), in.at("x"), in.at("w"),
+                                    out.at("rstd"));
+              }});
 }
 
-TEST(Ops, RopeMatchesRotateHalfAndBackward) {
-  const int64_t N = 6, H = 2, hd = 8;
-  const float theta = 10000.0f;
-  std::vector<int32_t> pos = {0, 1, 2, 0, 1, 7};  // two sequences: positions restart
-  auto x = randn(N * H * hd, 8), r = randn(N * H * hd, 9);
-  std::vector<float> out;
-  auto loss = [&] {
-    out = x;
-    rope_forward(out.data(), pos.data(), N, H, hd, theta);
-    return weighted_sum(out, r);
-  };
-  loss();
-  // rotate-half definition: out = x*cos + rotate_half(x)*sin, rotate_half(x) = [-x2, x1]
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t i = 0; i < hd; ++i) {
-        const int64_t f = i % (hd / 2);
-        const double angle = pos[n] / std::pow(double(theta), 2.0 * f / hd);
-        const float* xs = x.data() + (n * H + h) * hd;
-        const double rot = i < hd / 2 ? -xs[i + hd / 2] : xs[i - hd / 2];
-        EXPECT_NEAR(out[(n * H + h) * hd + i], xs[i] * std::cos(angle) + rot * std::sin(angle), 1e-4);
-      }
-  std::vector<float> dx = r;
-  rope_backward(dx.data(), pos.data(), N, H, hd, theta);
-  expect_grad_matches("dx", x, loss, dx);
+TEST(BackendOps, RopeAtAnOffset) {
+  // Positions continue after 37 cached tokens: what a decode step after a KV cache feeds.
+  const int64_t N = 5, heads = 2, hd = 8;
+  std::vector<int32_t> pos;
+  for (int32_t t = 0; t < N; ++t) pos.push_back(37 + t);
+  check_case({.name = "rope",
+              .inputs = {f32_input("x", {N, heads * hd}, 8), i32_input("pos", pos)},
+              .outputs = {{"out", {N, heads * hd}}},
+              .forward = [](Backend& be, const Views& in, const Views& out) {
+                be.copy(out.at("out"), in.at("x"));
+                be.rope_forward(out.at("out"), in.at("pos"), 8, 10000.0f);
+                return 0.0;
+              },
+              .backward = [](Backend& be, const Views& in, const Views&, const Views& dout, const Views& din) {
+                be.copy(din.at("x"), dout.at("out"));
+                be.rope_backward(din.at("x"), in.at("pos"), 8, 10000.0f);
+              },
+              .overwrites = {"x"}});
 }
 
-// Causal softmax attention computed the direct way (full score rows, double precision).
-std::vector<float> naive_attention(const std::vector<float>& q, const std::vector<float>& k,
-                                   const std::vector<float>& v, const std::vector<int32_t>& cu, int64_t Hq, int64_t Hkv,
-                                   int64_t hd) {
-  const int64_t N = cu.back(), qd = Hq * hd, kvd = Hkv * hd;
-  std::vector<float> out(N * qd);
-  for (size_t s = 0; s + 1 < cu.size(); ++s)
-    for (int64_t h = 0; h < Hq; ++h) {
-      const int64_t g = h / (Hq / Hkv);
-      for (int64_t i = cu[s]; i < cu[s + 1]; ++i) {
-        std::vector<double> p;
-        double mx = -1e300;
-        for (int64_t j = cu[s]; j <= i; ++j) {
-          double d = 0;
-          for (int64_t e = 0; e < hd; ++e) d += double(q[i * qd + h * hd + e]) * k[j * kvd + g * hd + e];
-          p.push_back(d / std::sqrt(double(hd)));
-          mx = std::max(mx, p.back());
-        }
-        double z = 0;
-        for (double& x : p) z += (x = std::exp(x - mx));
-        for (int64_t e = 0; e < hd; ++e) {
-          double o = 0;
-          for (int64_t j = cu[s]; j <= i; ++j) o += p[j - cu[s]] / z * v[j * kvd + g * hd + e];
-          out[i * qd + h * hd + e] = static_cast<float>(o);
-        }
+TEST(BackendOps, AttentionGqaOverPackedSequences) {
+  const int64_t N = 7, Hq = 4, Hkv = 2, hd = 8;
+  check_case({.name = "attention",
+              .inputs = {f32_input("q", {N, Hq * hd}, 9), f32_input("k", {N, Hkv * hd}, 10),
+                         f32_input("v", {N, Hkv * hd}, 11), i32_input("cu", {0, 3, 7})},
+              .outputs = {{"out", {N, Hq * hd}}, {"lse", {N, Hq}, false}},
+              .forward = [](Backend& be, const Views& in, const Views& out) {
+                be.attention_forward(out.at("out"), out.at("lse"), in.at("q"), in.at("k"), in.at("v"), in.at("cu"),
+                                     8);
+                return 0.0;
+              },
+              .backward = [](Backend& be, const Views& in, const Views& out, const Views& dout, const Views& din) {
+                be.attention_backward(din.at("q"), din.at("k"), din.at("v"), dout.at("out"), out.at("out"),
+                                      out.at("lse"), in.at("q"), in.at("k"), in.at("v"), in.at("cu"), 8);
+              },
+              .overwrites = {"q", "k", "v"},
+              .tolerance = 2e-5});
+}
+
+TEST(BackendOps, Swiglu) {
+  const int64_t n = 24;
+  check_case({.name = "swiglu",
+              .inputs = {f32_input("gate", {n}, 12), f32_input("up", {n}, 13)},
+              .outputs = {{"h", {n}}},
+              .forward = [](Backend& be, const Views& in, const Views& out) {
+                be.swiglu_forward(out.at("h"), in.at("gate"), in.at("up"));
+                return 0.0;
+              },
+              .backward = [](Backend& be, const Views& in, const Views&, const Views& dout, const Views& din) {
+                be.swiglu_backward(din.at("gate"), din.at("up"), dout.at("h"), in.at("gate"), in.at("up"));
+              }});
+}
+
+TEST(BackendOps, EmbeddingWithRepeatedIds) {
+  const int64_t V = 9, D = 6;
+  for (DType dt : {DType::F32, DType::BF16}) {
+    Input table = f32_input("table", {V, D}, 14, dt == DType::F32);
+    table.dtype = dt;
+    check_case({.name = std::string("embedding ") + std::string(dtype_torch_name(dt)),
+                .inputs = {table, i32_input("ids", {3, 1, 3, 8, 0, 3})},
+                .outputs = {{"out", {6, D}}},
+                .forward = [](Backend& be, const Views& in, const Views& out) {
+                  be.embedding_forward(out.at("out"), in.at("ids"), in.at("table"));
+                  return 0.0;
+                },
+                .backward = dt == DType::F32 ? std::function([](Backend& be, const Views& in, const Views&,
+                                                               const Views& dout, const Views& din) {
+                  be.embedding_backward(din.at("table"), dout.at("out"), in.at("ids"));
+                })
+                                             : nullptr});
+  }
+}
+
+TEST(BackendOps, DropoutMasksAreIdenticalAcrossBackends) {
+  const int64_t n = 4096;
+  check_case({.name = "dropout",
+              .inputs = {f32_input("x", {n}, 15)},
+              .outputs = {{"out", {n}}},
+              .forward = [](Backend& be, const Views& in, const Views& out) {
+                be.dropout_forward(out.at("out"), in.at("x"), 0xfeedull, 0.3f);
+                return 0.0;
+              },
+              .backward = [](Backend& be, const Views&, const Views&, const Views& dout, const Views& din) {
+                be.dropout_forward(din.at("x"), dout.at("out"), 0xfeedull, 0.3f);
+              },
+              .overwrites = {"x"}});
+}
+
+TEST(BackendOps, AddInplace) {
+  const int64_t n = 33;
+  check_case({.name = "add_inplace",
+              .inputs = {f32_input("x", {n}, 16)},
+              .outputs = {{"y", {n}}},
+              .forward = [](Backend& be, const Views& in, const Views& out) {
+                be.add_inplace(out.at("y"), in.at("x"));
+                return 0.0;
+              },
+              .backward = [](Backend& be, const Views&, const Views&, const Views& dout, const Views& din) {
+                be.add_inplace(din.at("x"), dout.at("y"));
+              }});
+}
+
+// The fused LM head: loss SUM, d(hidden) (overwritten) and d(weight) (accumulated), with
+// ignored targets, chunks smaller than the number of targets, label smoothing, and a 16-bit
+// weight widened a slice at a time.
+void check_lm_head(DType weight_dtype, float label_smoothing) {
+  const int64_t N = 7, D = 6, V = 11, chunk = 3, slice = 4;
+  const std::vector<int32_t> targets = {2, kIgnoreIndex, 10, 0, kIgnoreIndex, 7, 7};
+  Input weight = f32_input("weight", {V, D}, 18, weight_dtype == DType::F32);
+  weight.dtype = weight_dtype;
+  const auto loss = std::make_shared<CrossEntropyLoss>(label_smoothing);
+  // One call with its own workspace (device) and staging (host); contents of the workspace
+  // legitimately differ between backends, so only the loss and the gradients are compared.
+  auto run = [=](Backend& be, const Views& in, Tensor dhidden, Tensor dweight) {
+    DeviceTensors ws(be);
+    std::vector<float> host_logits(chunk * V);
+    std::vector<int32_t> host_ints(2 * chunk);
+    LmHeadArgs a{.hidden = in.at("hidden"),
+                 .targets = in.at("targets"),
+                 .weight = in.at("weight"),
+                 .loss = loss.get(),
+                 .dhidden = dhidden,
+                 .dweight = dweight,
+                 .logits = ws.make(DType::F32, {chunk, V}),
+                 .rows = ws.make(DType::F32, {chunk, D}),
+                 .drows = ws.make(DType::F32, {chunk, D}),
+                 .positions = ws.make(DType::I32, {N}),
+                 .row_targets = ws.make(DType::I32, {chunk}),
+                 .weight_slice = weight_dtype == DType::F32 ? Tensor{} : ws.make(DType::F32, {slice, D})};
+    if (!be.host_addressable()) a.staging = {host_logits.data(), host_ints.data(), host_ints.data() + chunk};
+    return be.lm_head_loss(a);
+  };
+  check_case({.name = fmt::format("lm_head_loss {} smoothing {}", dtype_torch_name(weight_dtype), label_smoothing),
+              .inputs = {f32_input("hidden", {N, D}, 17), i32_input("targets", targets), weight},
+              .outputs = {},
+              .forward = [=](Backend& be, const Views& in, const Views&) { return run(be, in, {}, {}).sum; },
+              .backward =
+                  [=](Backend& be, const Views& in, const Views&, const Views&, const Views& din) {
+                    const Tensor dw = din.count("weight") ? din.at("weight") : Tensor{};
+                    EXPECT_EQ(run(be, in, din.at("hidden"), dw).count, 5);
+                  },
+              .overwrites = {"hidden"},
+              .scalar_is_loss = true});
+}
+
+TEST(BackendOps, LmHeadLossFloat32) { check_lm_head(DType::F32, 0.0f); }
+TEST(BackendOps, LmHeadLossLabelSmoothing) { check_lm_head(DType::F32, 0.1f); }
+TEST(BackendOps, LmHeadLossBfloat16Head) { check_lm_head(DType::BF16, 0.0f); }
+
+TEST(BackendOps, ScaleAndSumSquares) {
+  const int64_t n = 50;
+  check_case({.name = "scale_and_sum_squares",
+              .inputs = {f32_input("x", {n}, 19, false)},
+              .outputs = {{"x_scaled", {n}}},
+              .forward = [](Backend& be, const Views& in, const Views& out) {
+                be.copy(out.at("x_scaled"), in.at("x"));
+                return be.scale_and_sum_squares(out.at("x_scaled"), 0.5f);
+              }});
+}
+
+TEST(BackendOps, ConvertRoundsLikeTheHostConversion) {
+  for (const char* name : kBackends) {
+    Backend& be = backend_named(name);
+    DeviceTensors mem(be);
+    const std::vector<float> x = randn(100, 20);
+    const Tensor f = mem.make(DType::F32, {100}), b = mem.make(DType::BF16, {100}), h = mem.make(DType::F16, {100});
+    upload_f32(be, f, x);
+    be.convert(b, f);
+    be.convert(h, f);
+    std::vector<uint16_t> bits(100);
+    be.copy_to_host(bits.data(), b);
+    for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(bits[i], f32_to_bf16(x[i])) << name;
+    be.copy_to_host(bits.data(), h);
+    for (size_t i = 0; i < x.size(); ++i) ASSERT_EQ(bits[i], f32_to_f16(x[i])) << name;
+  }
+}
+
+TEST(BackendOps, AdamWMatchesTheTorchAlgorithmInDouble) {
+  // torch.optim.AdamW, written out from its documentation in double precision, on every backend.
+  const AdamWConfig c{0.9, 0.95, 1e-6, 0.1};
+  const double lr = 1e-2;
+  for (const char* name : kBackends) {
+    Backend& be = backend_named(name);
+    DeviceTensors mem(be);
+    const Tensor p = mem.make(DType::F32, {3}), g = mem.make(DType::F32, {3}), m = mem.make(DType::F32, {3}),
+                 v = mem.make(DType::F32, {3});
+    upload_f32(be, p, std::vector<float>{0.5f, -1.0f, 2.0f});
+    be.fill(m, 0.0f);
+    be.fill(v, 0.0f);
+    std::vector<double> pd = {0.5, -1.0, 2.0}, md(3, 0.0), vd(3, 0.0);
+    Rng rng(3);
+    for (int t = 1; t <= 5; ++t) {
+      std::vector<float> gh(3);
+      for (auto& x : gh) x = static_cast<float>(rng.normal());
+      upload_f32(be, g, gh);
+      be.adamw_update(p, g, m, v, {.t = t, .learning_rate = lr, .config = c, .decay = true, .grad_scale = 0.5f});
+      for (int i = 0; i < 3; ++i) {
+        const double gi = 0.5 * gh[i];
+        pd[i] *= 1 - lr * c.weight_decay;
+        md[i] = c.beta1 * md[i] + (1 - c.beta1) * gi;
+        vd[i] = c.beta2 * vd[i] + (1 - c.beta2) * gi * gi;
+        const double mhat = md[i] / (1 - std::pow(c.beta1, t)), vhat = vd[i] / (1 - std::pow(c.beta2, t));
+        pd[i] -= lr * mhat / (std::sqrt(vhat) + c.eps);
       }
     }
-  return out;
-}
-
-TEST(Ops, AttentionGqaWithSequenceBoundaries) {
-  const int64_t Hq = 4, Hkv = 2, hd = 8;
-  // Three sequences, one of length 1, one longer than a key block would need for the online
-  // softmax to rescale (the block is 64, so use 70 tokens there).
-  const std::vector<int32_t> cu = {0, 5, 6, 76};
-  const int64_t N = cu.back(), S = 3;
-  auto q = randn(N * Hq * hd, 10), k = randn(N * Hkv * hd, 11), v = randn(N * Hkv * hd, 12);
-  auto r = randn(N * Hq * hd, 13);
-  std::vector<float> out(N * Hq * hd), lse(N * Hq);
-  auto loss = [&] {
-    attention_forward(out.data(), lse.data(), q.data(), k.data(), v.data(), cu.data(), S, Hq, Hkv, hd);
-    return weighted_sum(out, r);
-  };
-  loss();
-  const auto ref = naive_attention(q, k, v, cu, Hq, Hkv, hd);
-  for (size_t i = 0; i < out.size(); ++i) ASSERT_NEAR(out[i], ref[i], 2e-5) << i;
-  std::vector<float> dq(q.size(), 7.0f), dk(k.size(), 7.0f), dv(v.size(), 7.0f);  // overwritten, not accumulated
-  attention_backward(dq.data(), dk.data(), dv.data(), r.data(), out.data(), lse.data(), q.data(), k.data(), v.data(),
-                     cu.data(), S, Hq, Hkv, hd);
-  // Every 5th element (the loss is O(N^2) to evaluate); 5 is odd, so all heads and dims are hit.
-  expect_grad_matches("dq", q, loss, dq, 5);
-  expect_grad_matches("dk", k, loss, dk, 5);
-  expect_grad_matches("dv", v, loss, dv, 5);
-}
-
-TEST(Ops, SwigluBackward) {
-  const int64_t n = 40;
-  auto g = randn(n, 14, 2.0f), u = randn(n, 15), r = randn(n, 16);
-  std::vector<float> h(n);
-  auto loss = [&] {
-    swiglu_forward(h.data(), g.data(), u.data(), n);
-    return weighted_sum(h, r);
-  };
-  loss();
-  EXPECT_NEAR(h[0], g[0] / (1 + std::exp(-g[0])) * u[0], 1e-5);
-  std::vector<float> dg(n, 0.0f), du(n, 0.0f);
-  swiglu_backward(dg.data(), du.data(), r.data(), g.data(), u.data(), n);
-  expect_grad_matches("dgate", g, loss, dg);
-  expect_grad_matches("dup", u, loss, du);
-}
-
-TEST(Ops, EmbeddingBackwardWithRepeatedIds) {
-  const int64_t V = 5, D = 70, N = 6;  // D above one column block
-  const std::vector<int32_t> ids = {3, 1, 3, 0, 3, 4};
-  auto table = randn(V * D, 17), r = randn(N * D, 18);
-  std::vector<float> out(N * D);
-  auto loss = [&] {
-    embedding_forward(out.data(), ids.data(), table.data(), DType::F32, N, D);
-    return weighted_sum(out, r);
-  };
-  loss();
-  std::vector<float> dt(V * D, 0.0f);
-  embedding_backward(dt.data(), r.data(), ids.data(), N, D);
-  expect_grad_matches("dtable", table, loss, dt);
-}
-
-struct LmHeadCase {
-  int64_t chunk_rows;
-  float label_smoothing;
-  DType weight_dtype = DType::F32;
-  int64_t slice_rows = 0;
-};
-
-class LmHeadTest : public ::testing::TestWithParam<LmHeadCase> {};
-
-TEST_P(LmHeadTest, MatchesMaterializedLogitsAndFiniteDifferences) {
-  const auto [chunk, eps, wdtype, slice] = GetParam();
-  const int64_t N = 9, D = 6, V = 37;
-  const std::vector<int32_t> targets = {4, -100, 0, 36, -100, -100, 17, 4, 2};
-  auto h = randn(N * D, 19), w = randn(V * D, 20);
-  std::vector<float> logits(chunk * V), rows(chunk * D), drows(chunk * D), wslice(slice * D);
-  std::vector<int32_t> positions(N), row_targets(chunk);
-  const LmHeadWorkspace ws{logits.data(),      rows.data(), drows.data(),  positions.data(),
-                           row_targets.data(), chunk,       wslice.data(), slice};
-  const CrossEntropyLoss ce(eps);
-  // A 16-bit weight holds the rounded values; the reference below uses the same rounded values.
-  std::vector<uint16_t> w16(V * D);
-  auto stored_weight = [&]() -> const void* {
-    if (wdtype == DType::F32) return w.data();
-    convert_from_f32(w.data(), w16.data(), wdtype, w.size());
-    return w16.data();
-  };
-  if (wdtype != DType::F32) {
-    convert_from_f32(w.data(), w16.data(), wdtype, w.size());
-    convert_to_f32(w16.data(), wdtype, w.data(), w.size());
-  }
-  auto loss = [&] {
-    return lm_head_loss(h.data(), targets.data(), N, stored_weight(), wdtype, V, D, ce, nullptr, nullptr, ws).sum;
-  };
-
-  // Direct computation over materialized logits, in double.
-  double ref = 0;
-  int64_t count = 0;
-  for (int64_t n = 0; n < N; ++n) {
-    if (targets[n] == -100) continue;
-    ++count;
-    std::vector<double> z(V);
-    double mx = -1e300;
-    for (int64_t v = 0; v < V; ++v) {
-      for (int64_t d = 0; d < D; ++d) z[v] += double(h[n * D + d]) * w[v * D + d];
-      mx = std::max(mx, z[v]);
-    }
-    double se = 0, mean_logp = 0;
-    for (double x : z) se += std::exp(x - mx);
-    const double lse = mx + std::log(se);
-    for (double x : z) mean_logp += (x - lse) / V;
-    ref += (1 - eps) * (lse - z[targets[n]]) - eps * mean_logp;
-  }
-  std::vector<float> dh(N * D, 5.0f), dw(V * D, 0.0f);
-  const LossSum got =
-      lm_head_loss(h.data(), targets.data(), N, stored_weight(), wdtype, V, D, ce, dh.data(), dw.data(), ws);
-  EXPECT_EQ(got.count, count);
-  EXPECT_NEAR(got.sum, ref, 1e-4 * std::abs(ref));
-  EXPECT_NEAR(loss(), ref, 1e-4 * std::abs(ref));
-  for (int64_t d = 0; d < D; ++d) EXPECT_EQ(dh[1 * D + d], 0.0f) << "ignored position must get zero gradient";
-  expect_grad_matches("dhidden", h, loss, dh);
-  // Finite differences need a weight that can move by h; a 16-bit one cannot, so the weight
-  // gradient is checked in float32 storage (the slicing path is the same code for dhidden).
-  if (wdtype == DType::F32) {
-    expect_grad_matches("dweight", w, loss, dw);
-  } else {
-    std::vector<float> dh32(N * D), dw32(V * D, 0.0f);
-    lm_head_loss(h.data(), targets.data(), N, w.data(), DType::F32, V, D, ce, dh32.data(), dw32.data(), ws);
-    for (size_t i = 0; i < dw.size(); ++i) ASSERT_NEAR(dw[i], dw32[i], 1e-5) << i;
+    const std::vector<float> got = download_f32(be, p);
+    for (int i = 0; i < 3; ++i) EXPECT_NEAR(got[i], pd[i], 1e-6) << name;
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(ChunkSizes, LmHeadTest,
-                         ::testing::Values(LmHeadCase{1, 0.0f}, LmHeadCase{4, 0.0f}, LmHeadCase{1000, 0.0f},
-                                           LmHeadCase{3, 0.1f}, LmHeadCase{4, 0.0f, DType::BF16, 5},
-                                           LmHeadCase{2, 0.1f, DType::F16, 37}, LmHeadCase{3, 0.0f, DType::BF16, 64}),
-                         [](const ::testing::TestParamInfo<LmHeadCase>& info) {
-                           const LmHeadCase& p = info.param;
-                           return "chunk" + std::to_string(p.chunk_rows) + (p.label_smoothing > 0 ? "_smoothing" : "") +
-                                  "_" + std::string(dtype_safetensors_name(p.weight_dtype)) +
-                                  (p.slice_rows ? "_slice" + std::to_string(p.slice_rows) : "");
-                         });
+TEST(BackendOps, FastExpIsAccurate) {
+  for (float x = -80.0f; x < 80.0f; x += 0.37f) EXPECT_NEAR(fast_exp(x) / std::exp(double(x)), 1.0, 5e-7) << x;
+  EXPECT_LT(fast_exp(-1000.0f), 1e-37f);
+}
+
+// The reference backend's memory is device memory in earnest: the process cannot touch it
+// outside the backend's own calls.
+TEST(ReferenceBackendDeathTest, HostAccessToItsMemoryCrashes) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  Backend& be = backend_named("reference");
+  float* p = static_cast<float*>(be.allocate(4096));
+  be.fill(Tensor(p, DType::F32, {16}), 1.0f);  // through the backend: fine
+  std::vector<float> back(16);
+  be.copy_to_host(back.data(), Tensor(p, DType::F32, {16}));
+  EXPECT_EQ(back[3], 1.0f);
+  EXPECT_DEATH({ [[maybe_unused]] volatile float x = p[3]; }, "");
+  EXPECT_DEATH({ p[0] = 2.0f; }, "");
+  be.deallocate(p, 4096);
+}
+
+TEST(Backends, UnknownNameIsRefusedWithTheChoices) {
+  try {
+    backend_named("tpu");
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("cpu, reference"), std::string::npos) << e.what();
+  }
+}
 
 }  // namespace
-}  // namespace memtune::cpu
+}  // namespace memtune

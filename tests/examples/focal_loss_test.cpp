@@ -41,7 +41,7 @@ TEST(FocalLossExample, GammaZeroIsCrossEntropy) {
   for (size_t i = 0; i < a.size(); ++i) a[i] = std::sin(static_cast<float>(i));
   b = a;
   const double f = examples::FocalLoss(0.0f).chunk(a.data(), targets.data(), rows, V, true);
-  const double c = cpu::CrossEntropyLoss().chunk(b.data(), targets.data(), rows, V, true);
+  const double c = CrossEntropyLoss().chunk(b.data(), targets.data(), rows, V, true);
   EXPECT_NEAR(f, c, 1e-5);
   for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-6);
 }
@@ -58,7 +58,7 @@ TEST(FocalLossExample, PlugsIntoTheModel) {
   const examples::FocalLoss focal(2.0f);
   m.set_loss(focal);
   m.zero_grads();
-  const cpu::LossSum fl = m.forward_backward({ids, ids, cu});
+  const LossSum fl = m.forward_backward({ids, ids, cu});
   EXPECT_EQ(fl.count, 15);
   // At initialization p_t ~ 1/512, so (1-p_t)^2 ~ 1: focal loss is just below cross-entropy.
   EXPECT_LT(fl.sum, ce);

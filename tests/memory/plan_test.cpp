@@ -54,16 +54,16 @@ TEST(Arena, RefusesBuffersOutsideTheirLifetimeAndTracksHighWater) {
   const BufferId f = plan.declare("f", Category::Working, 256, Phase::Forward, Phase::Forward);
   const BufferId l = plan.declare("l", Category::LossWorkspace, 64, Phase::Loss, Phase::Loss);
   plan.finalize();
-  Arena arena(plan);
+  Arena arena(plan, nullptr);
   EXPECT_EQ(arena.capacity_bytes(), 384u);
-  arena.get<float>(w);
+  arena.raw(w);
   EXPECT_EQ(arena.high_water_bytes(), 128u);
-  arena.get<float>(f);
+  arena.raw(f);
   EXPECT_EQ(arena.high_water_bytes(), 384u);
-  EXPECT_THROW(arena.get<float>(l), InternalError);
+  EXPECT_THROW(arena.raw(l), InternalError);
   arena.enter_phase(Phase::Loss);
-  EXPECT_THROW(arena.get<float>(f), InternalError);
-  EXPECT_NO_THROW(arena.get<float>(l));
+  EXPECT_THROW(arena.raw(f), InternalError);
+  EXPECT_NO_THROW(arena.raw(l));
 }
 
 TEST(Arena, PoisonsBuffersWhenTheirLifetimeEnds) {
@@ -71,15 +71,29 @@ TEST(Arena, PoisonsBuffersWhenTheirLifetimeEnds) {
   const BufferId f = plan.declare("f", Category::Working, 16, Phase::Forward, Phase::Forward);
   const BufferId keep = plan.declare_persistent("keep", Category::Weights, 16);
   plan.finalize();
-  Arena arena(plan);
+  Arena arena(plan, nullptr);
   arena.set_poison_on_release(true);
-  float* stale = arena.get<float>(f);
-  float* kept = arena.get<float>(keep);
+  float* stale = static_cast<float*>(arena.raw(f));
+  float* kept = static_cast<float*>(arena.raw(keep));
   stale[0] = 1.0f;
   kept[0] = 2.0f;
   arena.enter_phase(Phase::Loss);
   EXPECT_TRUE(std::isnan(stale[0]));
   EXPECT_EQ(kept[0], 2.0f);
+}
+
+TEST(Arena, DeviceArenaPoisonsThroughItsBackend) {
+  MemoryPlan plan;
+  const BufferId f = plan.declare("f", Category::Working, 16, Phase::Forward, Phase::Forward);
+  plan.finalize();
+  Backend& be = backend_named("reference");
+  Arena arena(plan, &be);
+  EXPECT_EQ(arena.space(), MemorySpace::Device);
+  arena.set_poison_on_release(true);
+  const Tensor t = arena.f32(f, {4});
+  be.fill(t, 1.0f);
+  arena.enter_phase(Phase::Loss);
+  EXPECT_TRUE(std::isnan(download_f32(be, t)[0]));
 }
 
 }  // namespace

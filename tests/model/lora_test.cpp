@@ -45,9 +45,11 @@ Batch make_batch(uint64_t seed) {
 // Random, nonzero adapters (PEFT's B = 0 would make A's gradient vanish and hide bugs).
 void randomize_adapters(Qwen2Model& m, uint64_t seed) {
   Rng rng(seed);
-  for (size_t i = 0; i < m.num_trainable(); ++i)
-    for (int64_t j = 0; j < m.trainable_spec(i).numel(); ++j)
-      m.trainable_value(i)[j] = static_cast<float>(0.1 * rng.normal());
+  for (size_t i = 0; i < m.num_trainable(); ++i) {
+    std::vector<float> v(static_cast<size_t>(m.trainable_spec(i).numel()));
+    for (float& x : v) x = static_cast<float>(0.1 * rng.normal());
+    upload_f32(m.backend(), m.trainable_value(i), v);
+  }
 }
 
 TEST(LoraConfig, TargetsNamesAndAdapterConfig) {
@@ -111,12 +113,12 @@ TEST_P(LoraGradTest, AdapterGradientsMatchFiniteDifferences) {
   m.forward_backward(b.view());
   std::vector<std::vector<float>> grads;
   for (size_t i = 0; i < m.num_trainable(); ++i)
-    grads.emplace_back(m.trainable_grad(i), m.trainable_grad(i) + m.trainable_spec(i).numel());
+    grads.push_back(download_f32(m.backend(), m.trainable_grad(i)));
   // Directional derivative along a random direction per adapter tensor, against central differences.
   Rng rng(8);
   for (size_t i = 0; i < m.num_trainable(); ++i) {
     const int64_t n = m.trainable_spec(i).numel();
-    std::vector<float> dir(n), saved(m.trainable_value(i), m.trainable_value(i) + n);
+    std::vector<float> dir(n), saved = download_f32(m.backend(), m.trainable_value(i));
     double norm = 0, analytic = 0;
     for (int64_t j = 0; j < n; ++j) {
       dir[j] = static_cast<float>(rng.normal());
@@ -128,7 +130,9 @@ TEST_P(LoraGradTest, AdapterGradientsMatchFiniteDifferences) {
     }
     const float h = 1e-2f;
     auto loss_at = [&](float t) {
-      for (int64_t j = 0; j < n; ++j) m.trainable_value(i)[j] = saved[j] + t * dir[j];
+      std::vector<float> moved(n);
+      for (int64_t j = 0; j < n; ++j) moved[j] = saved[j] + t * dir[j];
+      upload_f32(m.backend(), m.trainable_value(i), moved);
       return m.forward_backward(b.view()).sum;
     };
     const double fd = (loss_at(h) - loss_at(-h)) / (2 * h);
@@ -208,8 +212,7 @@ TEST(Lora, MergedWeightsEqualTheAdapterAndFilesRoundTrip) {
   plain.max_tokens = 30;
   Qwen2Model merged(qwen2_preset("tiny"), plain);
   for (size_t i = 0; i < m.params().size(); ++i)
-    std::copy_n(static_cast<const float*>(m.param_data(i)), m.params()[i].numel(),
-                static_cast<float*>(merged.param_data(i)));
+    upload_f32(merged.backend(), merged.param(i), download_f32(m.backend(), m.param(i)));
   EXPECT_NEAR(merged.forward_backward(b.view()).sum, with_adapter, 1e-5 * std::abs(with_adapter));
 }
 

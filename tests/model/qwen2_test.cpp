@@ -50,7 +50,7 @@ Qwen2Config tiny(DType dtype = DType::F32, bool tied = true) {
 std::vector<std::vector<float>> grads_of(const Qwen2Model& m) {
   std::vector<std::vector<float>> out;
   for (size_t i = 0; i < m.params().size(); ++i)
-    out.emplace_back(m.grad_data(i), m.grad_data(i) + m.params()[i].numel());
+    out.push_back(download_f32(m.backend(), m.grad(i)));
   return out;
 }
 
@@ -83,7 +83,7 @@ TEST_P(PlanTest, ArenaHighWaterEqualsPlannedPeakAndNoHeapAllocationInAStep) {
   model.forward_backward(s.batch());  // warm-up: thread pools, BLAS buffers
 
   testing_support::start_counting_allocations();
-  const cpu::LossSum loss = model.forward_backward(s.batch());
+  const LossSum loss = model.forward_backward(s.batch());
   EXPECT_EQ(testing_support::stop_counting_allocations(), 0) << "a forward/backward allocated outside the arena";
 
   EXPECT_TRUE(std::isfinite(loss.sum));
@@ -96,8 +96,8 @@ TEST_P(PlanTest, ArenaHighWaterEqualsPlannedPeakAndNoHeapAllocationInAStep) {
   // 16-bit storage is not silently widened: weights take 2 bytes per parameter.
   EXPECT_EQ(model.plan().live_bytes(Phase::Forward, Category::Weights) / 64,
             static_cast<size_t>(qwen2_parameter_count(model.config())) * dtype_size(dtype) / 64);
-  for (size_t i = 0; i < model.params().size(); ++i)
-    for (int64_t j = 0; j < model.params()[i].numel(); ++j) ASSERT_TRUE(std::isfinite(model.grad_data(i)[j]));
+  for (const auto& g : grads_of(model))
+    for (float x : g) ASSERT_TRUE(std::isfinite(x));
 }
 
 INSTANTIATE_TEST_SUITE_P(Configs, PlanTest,
@@ -163,7 +163,7 @@ TEST(Qwen2, PackedSequencesAreIndependent) {
   Qwen2Model m(tiny(), opt);
   m.init_random(8);
   m.zero_grads();
-  const cpu::LossSum whole = m.forward_backward(packed.batch());
+  const LossSum whole = m.forward_backward(packed.batch());
   const auto g_whole = grads_of(m);
   m.zero_grads();
   double sum = 0;
@@ -174,7 +174,7 @@ TEST(Qwen2, PackedSequencesAreIndependent) {
     one.ids.assign(packed.ids.begin() + b, packed.ids.begin() + e);
     one.labels.assign(packed.labels.begin() + b, packed.labels.begin() + e);
     one.cu = {0, e - b};
-    const cpu::LossSum part = m.forward_backward(one.batch());
+    const LossSum part = m.forward_backward(one.batch());
     sum += part.sum;
     count += part.count;
   }
@@ -211,8 +211,12 @@ TEST(Qwen2, SaveLoadRoundTripAndLoadErrors) {
   EXPECT_FALSE(loaded.tie_word_embeddings);
   Qwen2Model b(loaded, opt);
   b.load(CheckpointReader(dir.string()));
-  for (size_t i = 0; i < a.params().size(); ++i)
-    EXPECT_EQ(std::memcmp(a.param_data(i), b.param_data(i), a.params()[i].numel() * 2), 0) << a.params()[i].name;
+  for (size_t i = 0; i < a.params().size(); ++i) {
+    std::vector<uint16_t> wa(a.params()[i].numel()), wb(wa.size());
+    a.backend().copy_to_host(wa.data(), a.param(i));
+    b.backend().copy_to_host(wb.data(), b.param(i));
+    EXPECT_EQ(wa, wb) << a.params()[i].name;
+  }
 
   // A config with one more layer than the checkpoint: the missing tensor is named.
   Qwen2Config deeper = loaded;
@@ -239,7 +243,7 @@ TEST(Qwen2, Bfloat16StorageComputesLikeFloat32OnTheSameValues) {
   Qwen2Model half(tiny(DType::BF16), opt), full(tiny(DType::F32), opt);
   half.init_random(10);
   for (size_t i = 0; i < half.params().size(); ++i)
-    convert_to_f32(half.param_data(i), DType::BF16, static_cast<float*>(full.param_data(i)), half.params()[i].numel());
+    upload_f32(full.backend(), full.param(i), download_f32(half.backend(), half.param(i)));
   const Sample s = make_sample({32}, 512, 11);
   half.zero_grads();
   full.zero_grads();
@@ -247,6 +251,40 @@ TEST(Qwen2, Bfloat16StorageComputesLikeFloat32OnTheSameValues) {
   EXPECT_NEAR(lh, lf, 1e-6 * std::abs(lf));
   expect_close(grads_of(half), grads_of(full), 1e-6, full);
 }
+
+// The whole model on every backend against the reference backend: the same weights give the
+// same loss and the same gradient of every parameter (full fine-tuning, 16-bit storage with
+// gradient checkpointing, packed sequences with ignored labels).
+class BackendModelTest : public ::testing::TestWithParam<std::tuple<DType, bool>> {};
+
+TEST_P(BackendModelTest, LossAndGradientsEqualTheReferenceBackend) {
+  const auto [dtype, checkpointing] = GetParam();
+  const Sample s = make_sample({9, 1, 14}, 512, 12);
+  auto run = [&](const char* backend, std::vector<std::vector<float>>& grads) {
+    ModelOptions opt;
+    opt.max_tokens = 24;
+    opt.gradient_checkpointing = checkpointing;
+    opt.loss_workspace_bytes = 5 * 512 * 4;  // several chunks
+    opt.backend = &backend_named(backend);
+    Qwen2Model m(tiny(dtype, false), opt);
+    m.arena().set_poison_on_release(true);
+    m.init_random(13);
+    m.zero_grads();
+    const LossSum loss = m.forward_backward(s.batch());
+    grads = grads_of(m);
+    return loss;
+  };
+  std::vector<std::vector<float>> ref_grads, cpu_grads;
+  const LossSum ref = run("reference", ref_grads), cpu = run("cpu", cpu_grads);
+  EXPECT_EQ(cpu.count, ref.count);
+  EXPECT_NEAR(cpu.sum, ref.sum, 1e-5 * std::abs(ref.sum));
+  ModelOptions opt;
+  opt.allocate = false;
+  expect_close(cpu_grads, ref_grads, 2e-4, Qwen2Model(tiny(dtype, false), opt));
+}
+
+INSTANTIATE_TEST_SUITE_P(Configs, BackendModelTest,
+                         ::testing::Values(std::tuple{DType::F32, false}, std::tuple{DType::BF16, true}));
 
 }  // namespace
 }  // namespace memtune

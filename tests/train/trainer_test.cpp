@@ -15,27 +15,7 @@
 namespace memtune {
 namespace {
 
-TEST(AdamW, MatchesTheTorchAlgorithmInDouble) {
-  // torch.optim.AdamW, written out from its documentation in double precision.
-  const AdamWConfig c{0.9, 0.95, 1e-6, 0.1};
-  const double lr = 1e-2;
-  std::vector<float> p = {0.5f, -1.0f, 2.0f}, m(3, 0.0f), v(3, 0.0f);
-  std::vector<double> pd = {0.5, -1.0, 2.0}, md(3, 0.0), vd(3, 0.0);
-  Rng rng(3);
-  for (int t = 1; t <= 5; ++t) {
-    std::vector<float> g(3);
-    for (auto& x : g) x = static_cast<float>(rng.normal());
-    adamw_update(p, g, m, v, t, lr, c, true);
-    for (int i = 0; i < 3; ++i) {
-      pd[i] *= 1 - lr * c.weight_decay;
-      md[i] = c.beta1 * md[i] + (1 - c.beta1) * g[i];
-      vd[i] = c.beta2 * vd[i] + (1 - c.beta2) * g[i] * g[i];
-      const double mhat = md[i] / (1 - std::pow(c.beta1, t)), vhat = vd[i] / (1 - std::pow(c.beta2, t));
-      pd[i] -= lr * mhat / (std::sqrt(vhat) + c.eps);
-    }
-  }
-  for (int i = 0; i < 3; ++i) EXPECT_NEAR(p[i], pd[i], 1e-6);
-}
+// AdamW's update against torch's algorithm runs on every backend in tests/backend/ops_test.cpp.
 
 TEST(AdamW, NoWeightDecayForBiasesAndNorms) {
   EXPECT_TRUE(takes_weight_decay("model.layers.0.self_attn.q_proj.weight"));
@@ -110,8 +90,7 @@ ModelOptions train_options(int64_t max_tokens) {
 std::vector<float> flat_params(Qwen2Model& m) {
   std::vector<float> out;
   for (size_t i = 0; i < m.params().size(); ++i) {
-    std::vector<float> p(m.params()[i].numel());
-    convert_to_f32(m.param_data(i), m.config().torch_dtype, p.data(), p.size());
+    const std::vector<float> p = download_f32(m.backend(), m.param(i));
     out.insert(out.end(), p.begin(), p.end());
   }
   return out;
@@ -146,9 +125,11 @@ TEST(Trainer, AccumulationOverUnequalMicroBatchesEqualsOneBigBatch) {
     small.arena().enter_phase(Phase::Optimizer);
     for (size_t i = 0; i < big.params().size(); ++i) {
       double maxref = 0, maxdiff = 0;
-      for (int64_t j = 0; j < big.params()[i].numel(); ++j) {
-        maxref = std::max(maxref, double(std::abs(big.grad_data(i)[j])));
-        maxdiff = std::max(maxdiff, double(std::abs(big.grad_data(i)[j] - small.grad_data(i)[j])));
+      const std::vector<float> gb = download_f32(big.backend(), big.grad(i)),
+                               gs = download_f32(small.backend(), small.grad(i));
+      for (size_t j = 0; j < gb.size(); ++j) {
+        maxref = std::max(maxref, double(std::abs(gb[j])));
+        maxdiff = std::max(maxdiff, double(std::abs(gb[j] - gs[j])));
       }
       EXPECT_LE(maxdiff, tol * maxref + 1e-9) << big.params()[i].name << " at step " << step;
     }
@@ -176,7 +157,7 @@ TEST(Trainer, MeanOfMicroBatchMeansWouldGiveADifferentGradient) {
     const auto r = m.forward_backward(p.view());
     size_t k = 0;
     for (size_t i = 0; i < m.params().size(); ++i)
-      for (int64_t j = 0; j < m.params()[i].numel(); ++j, ++k) acc[k] += m.grad_data(i)[j] * scale / r.count;
+      for (float g : download_f32(m.backend(), m.grad(i))) acc[k++] += g * scale / r.count;
     return r.count;
   };
   const size_t total = static_cast<size_t>(qwen2_parameter_count(cfg));
@@ -205,8 +186,10 @@ TEST(Trainer, Bfloat16WeightsFollowTheirFloat32Masters) {
   for (int i = 0; i < 3; ++i) EXPECT_TRUE(t.step(mb).updated);
   m.arena().enter_phase(Phase::Optimizer);
   for (size_t i = 0; i < m.params().size(); ++i) {
-    const auto* w = static_cast<const uint16_t*>(m.param_data(i));
-    for (int64_t j = 0; j < m.params()[i].numel(); ++j) ASSERT_EQ(w[j], f32_to_bf16(m.trainable_value(i)[j]));
+    std::vector<uint16_t> w(m.params()[i].numel());
+    m.backend().copy_to_host(w.data(), m.param(i));
+    const std::vector<float> master = download_f32(m.backend(), m.trainable_value(i));
+    for (size_t j = 0; j < w.size(); ++j) ASSERT_EQ(w[j], f32_to_bf16(master[j]));
   }
   m.arena().enter_phase(Phase::Forward);
   EXPECT_GT(m.plan().live_bytes(Phase::Optimizer, Category::TrainableParams), 0u);

@@ -305,14 +305,34 @@ void add_inplace(float* y, const float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += x[i];
 }
 
-void add(float* out, const float* a, const float* b, int64_t n) {
-#pragma omp parallel for simd schedule(static)
-  for (int64_t i = 0; i < n; ++i) out[i] = a[i] + b[i];
+double scale_and_sum_squares(float* x, float s, int64_t n) {
+  double sumsq = 0.0;
+#pragma omp parallel for simd reduction(+ : sumsq) schedule(static) if (n > 32768)
+  for (int64_t i = 0; i < n; ++i) {
+    x[i] *= s;
+    sumsq += static_cast<double>(x[i]) * x[i];
+  }
+  return sumsq;
 }
 
-void scale_inplace(float* y, float s, int64_t n) {
-#pragma omp parallel for simd schedule(static)
-  for (int64_t i = 0; i < n; ++i) y[i] *= s;
+void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n, const AdamWStep& step) {
+  const AdamWConfig& c = step.config;
+  const float b1 = static_cast<float>(c.beta1), b2 = static_cast<float>(c.beta2);
+  const double bias1 = 1.0 - std::pow(c.beta1, static_cast<double>(step.t));
+  const double bias2 = 1.0 - std::pow(c.beta2, static_cast<double>(step.t));
+  const float step_size = static_cast<float>(step.learning_rate / bias1);
+  const float inv_sqrt_bias2 = static_cast<float>(1.0 / std::sqrt(bias2));
+  const float eps = static_cast<float>(c.eps);
+  const float keep = step.decay ? static_cast<float>(1.0 - step.learning_rate * c.weight_decay) : 1.0f;
+  const float grad_scale = step.grad_scale;
+#pragma omp parallel for simd schedule(static) if (n > 32768)
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = grad[i] * grad_scale;
+    m[i] = b1 * m[i] + (1.0f - b1) * g;
+    v[i] = b2 * v[i] + (1.0f - b2) * g * g;
+    const float denom = std::sqrt(v[i]) * inv_sqrt_bias2 + eps;
+    param[i] = param[i] * keep - step_size * m[i] / denom;
+  }
 }
 
 namespace {
@@ -321,69 +341,74 @@ namespace {
 // float32, otherwise each slice widened into the workspace right before use.
 class HeadSlices {
  public:
-  HeadSlices(const void* weight, DType dtype, int64_t V, int64_t D, const LmHeadWorkspace& ws)
-      : weight_(weight), dtype_(dtype), V_(V), D_(D), ws_(ws) {
-    MT_ASSERT(dtype == DType::F32 || (ws.weight_slice && ws.slice_rows > 0), "16-bit head needs a slice buffer");
+  explicit HeadSlices(const LmHeadArgs& a) : a_(a), V_(a.weight.rows()), D_(a.weight.cols()) {
+    MT_ASSERT(a.weight.dtype == DType::F32 || (a.weight_slice && a.weight_slice.rows() > 0),
+              "16-bit head needs a slice buffer");
   }
-  int64_t slice_rows() const { return dtype_ == DType::F32 ? V_ : ws_.slice_rows; }
+  int64_t slice_rows() const { return a_.weight.dtype == DType::F32 ? V_ : a_.weight_slice.rows(); }
   const float* slice(int64_t v0, int64_t v1) const {
-    if (dtype_ == DType::F32) return static_cast<const float*>(weight_) + v0 * D_;
-    const auto* bytes = static_cast<const std::byte*>(weight_) + v0 * D_ * dtype_size(dtype_);
-    convert_to_f32(bytes, dtype_, ws_.weight_slice, static_cast<size_t>((v1 - v0) * D_));
-    return ws_.weight_slice;
+    if (a_.weight.dtype == DType::F32) return a_.weight.as<const float>() + v0 * D_;
+    const auto* bytes = a_.weight.as<const std::byte>() + v0 * D_ * dtype_size(a_.weight.dtype);
+    convert_to_f32(bytes, a_.weight.dtype, a_.weight_slice.as<float>(), static_cast<size_t>((v1 - v0) * D_));
+    return a_.weight_slice.as<float>();
   }
 
  private:
-  const void* weight_;
-  DType dtype_;
+  const LmHeadArgs& a_;
   int64_t V_, D_;
-  const LmHeadWorkspace& ws_;
 };
 
 }  // namespace
 
-LossSum lm_head_loss(const float* hidden, const int32_t* targets, int64_t N, const void* weight, DType weight_dtype,
-                     int64_t V, int64_t D, const ChunkLoss& loss, float* dhidden, float* dweight,
-                     const LmHeadWorkspace& ws, float grad_scale, ChunkObserver* observer) {
-  MT_ASSERT(ws.chunk_rows > 0);
-  const bool backward = dhidden != nullptr;
-  const HeadSlices head(weight, weight_dtype, V, D, ws);
+LossSum lm_head_loss(const LmHeadArgs& a) {
+  const int64_t chunk_rows = a.logits.rows(), V = a.weight.rows(), D = a.weight.cols(), N = a.hidden.rows();
+  MT_ASSERT(chunk_rows > 0);
+  const bool backward = static_cast<bool>(a.dhidden);
+  const HeadSlices head(a);
   const int64_t S = head.slice_rows();
+  const float* hidden = a.hidden.as<const float>();
+  const int32_t* targets = a.targets.as<const int32_t>();
+  float* logits = a.logits.as<float>();
+  float* rows = a.rows.as<float>();
+  float* drows = a.drows.as<float>();
+  int32_t* positions = a.positions.as<int32_t>();
+  int32_t* row_targets = a.row_targets.as<int32_t>();
+  float* dhidden = a.dhidden.as<float>();
+  float* dweight = a.dweight.as<float>();
   int64_t count = 0;
   for (int64_t n = 0; n < N; ++n) {
     if (targets[n] == kIgnoreIndex) continue;
     MT_ASSERT(targets[n] >= 0 && targets[n] < V, "target id out of range");
-    ws.positions[count++] = static_cast<int32_t>(n);
+    positions[count++] = static_cast<int32_t>(n);
   }
   if (backward) std::fill(dhidden, dhidden + N * D, 0.0f);
 
   double total = 0.0;
-  for (int64_t c0 = 0; c0 < count; c0 += ws.chunk_rows) {
-    const int64_t m = std::min(ws.chunk_rows, count - c0);
-    const int32_t* pos = ws.positions + c0;
-    for (int64_t r = 0; r < m; ++r) std::copy_n(hidden + pos[r] * D, D, ws.rows + r * D);
+  for (int64_t c0 = 0; c0 < count; c0 += chunk_rows) {
+    const int64_t m = std::min(chunk_rows, count - c0);
+    const int32_t* pos = positions + c0;
+    for (int64_t r = 0; r < m; ++r) std::copy_n(hidden + pos[r] * D, D, rows + r * D);
     for (int64_t v0 = 0; v0 < V; v0 += S) {
       const int64_t v1 = std::min(V, v0 + S);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, v1 - v0, D, 1.0f, ws.rows, D, head.slice(v0, v1), D, 0.0f,
-                  ws.logits + v0, V);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, v1 - v0, D, 1.0f, rows, D, head.slice(v0, v1), D, 0.0f,
+                  logits + v0, V);
     }
 
-    for (int64_t r = 0; r < m; ++r) ws.row_targets[r] = targets[pos[r]];
-    if (observer) observer->observe({ws.logits, ws.row_targets, pos, m, V});
-    const double chunk_loss = loss.chunk(ws.logits, ws.row_targets, m, V, backward);
-    total += chunk_loss;
+    for (int64_t r = 0; r < m; ++r) row_targets[r] = targets[pos[r]];
+    if (a.observer) a.observer->observe({logits, row_targets, pos, m, V});
+    total += a.loss->chunk(logits, row_targets, m, V, backward);
     if (!backward) continue;
     // drows = dlogits @ W and dW += dlogits^T @ rows, one vocabulary slice at a time.
     for (int64_t v0 = 0; v0 < V; v0 += S) {
       const int64_t v1 = std::min(V, v0 + S);
       const float* w = head.slice(v0, v1);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, D, v1 - v0, grad_scale, ws.logits + v0, V, w, D,
-                  v0 == 0 ? 0.0f : 1.0f, ws.drows, D);
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, D, v1 - v0, a.grad_scale, logits + v0, V, w, D,
+                  v0 == 0 ? 0.0f : 1.0f, drows, D);
       if (dweight)
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, v1 - v0, D, m, grad_scale, ws.logits + v0, V, ws.rows, D,
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, v1 - v0, D, m, a.grad_scale, logits + v0, V, rows, D,
                     1.0f, dweight + v0 * D, D);
     }
-    for (int64_t r = 0; r < m; ++r) std::copy_n(ws.drows + r * D, D, dhidden + pos[r] * D);
+    for (int64_t r = 0; r < m; ++r) std::copy_n(drows + r * D, D, dhidden + pos[r] * D);
   }
   return LossSum{total, count};
 }

@@ -1,12 +1,12 @@
-#include "backend/cpu/chunk_loss.h"
+// Cross-entropy and the streaming log-sum-exp behind the extension API (chunk_loss.h): host
+// code over one chunk of logits, shared by every backend that runs losses on host memory.
+#include "backend/chunk_loss.h"
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
 
-#include "backend/cpu/ops.h"
-
-namespace memtune::cpu {
+namespace memtune {
 
 float row_logsumexp(const float* z, int64_t V, float* sum_out) {
   // Each block is reduced to (max, sum of exp) while it sits in L1, and blocks are merged like
@@ -59,4 +59,4 @@ double CrossEntropyLoss::chunk(float* logits, const int32_t* targets, int64_t ro
   return total;
 }
 
-}  // namespace memtune::cpu
+}  // namespace memtune

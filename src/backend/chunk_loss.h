@@ -4,11 +4,41 @@
 // d(sum)/d(logits). It never sees the whole logits matrix, and it never normalizes: the trainer
 // divides once by num_items_in_batch (one item = one target token). To write a custom loss,
 // derive from ChunkLoss (see examples/focal_loss for a complete one with its gradient test).
+//
+// Losses and observers are host code: they read and write host memory. Backends whose memory
+// the host can address (cpu) hand them the chunk in place; the others (reference, and a GPU
+// backend) copy the chunk into a planned host staging buffer, call them there, and copy a
+// loss's gradient back: two transfers of rows x V floats per chunk (docs/architecture.md).
 #pragma once
 
+#include <bit>
 #include <cstdint>
 
-namespace memtune::cpu {
+namespace memtune {
+
+// exp(x) to ~2e-7 relative error, branch-free and inline so loops over it vectorize:
+// exp(x) = 2^n * exp(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-7 Taylor polynomial on r.
+inline float fast_exp(float x) {
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to the nearest integer
+  const float n = (x * 1.44269504088896341f + kRound) - kRound;
+  const float r = x - n * 0.693145751953125f - n * 1.42860682030941723e-6f;
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  return p * std::bit_cast<float>(static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23);
+}
+
+// What a loss returns for a micro-batch: the SUM of its items' losses and the COUNT of items.
+struct LossSum {
+  double sum = 0;
+  int64_t count = 0;
+};
 
 class ChunkLoss {
  public:
@@ -23,6 +53,7 @@ class CrossEntropyLoss final : public ChunkLoss {
  public:
   explicit CrossEntropyLoss(float label_smoothing = 0.0f) : label_smoothing_(label_smoothing) {}
   double chunk(float* logits, const int32_t* targets, int64_t rows, int64_t V, bool gradient) const override;
+  float label_smoothing() const { return label_smoothing_; }
 
  private:
   float label_smoothing_;
@@ -48,4 +79,4 @@ class ChunkObserver {
 // also returns sum_v z_v when `sum_out` is given. Shared by losses and metrics.
 float row_logsumexp(const float* z, int64_t V, float* sum_out = nullptr);
 
-}  // namespace memtune::cpu
+}  // namespace memtune

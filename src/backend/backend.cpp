@@ -1,0 +1,40 @@
+// The backends of this build, by name.
+#include "backend/backend.h"
+
+#include <fmt/format.h>
+
+#include "backend/cpu/cpu_backend.h"
+#include "backend/reference/reference_backend.h"
+
+namespace memtune {
+
+Backend& backend_named(std::string_view name) {
+  if (name == "cpu") return cpu_backend();
+  if (name == "reference") return reference_backend();
+  throw Error(fmt::format("--backend: unknown backend \"{}\" (expected one of: {})", name, backend_names()));
+}
+
+std::vector<float> download_f32(Backend& backend, const Tensor& tensor) {
+  std::vector<std::byte> bytes(tensor.bytes());
+  backend.copy_to_host(bytes.data(), tensor);
+  std::vector<float> values(static_cast<size_t>(tensor.numel()));
+  convert_to_f32(bytes.data(), tensor.dtype, values.data(), values.size());
+  return values;
+}
+
+void upload_f32(Backend& backend, const Tensor& tensor, std::span<const float> values) {
+  MT_ASSERT(values.size() == static_cast<size_t>(tensor.numel()), "upload of a different number of values");
+  std::vector<std::byte> bytes(tensor.bytes());
+  convert_from_f32(values.data(), bytes.data(), tensor.dtype, values.size());
+  backend.copy_to_device(tensor, bytes.data());
+}
+
+Backend& default_backend() {
+  return cpu_backend();
+}
+
+std::string_view backend_names() {
+  return "cpu, reference";
+}
+
+}  // namespace memtune

@@ -1,0 +1,170 @@
+// The backend interface: every operation the model, the trainer, the optimizer and the metrics
+// need, over tensor views (backend/tensor.h). Model, training and evaluation code is written
+// once against it; implementations live in their own folders:
+//   cpu/        OpenBLAS GEMMs and OpenMP loops in float32: the fast one, and the default.
+//   reference/  plain single-threaded loops with float64 accumulation, no BLAS: obviously
+//               correct and slow, the oracle every other backend is tested against, op by op
+//               (tests/backend/ops_test.cpp). It also enforces device-memory discipline: its
+//               memory is inaccessible to the process outside its own calls.
+// A GPU backend is a third folder implementing this class; nothing above it changes.
+//
+// Conventions: activations are [N, C] over a flat token stream holding several sequences back
+// to back (cu_seqlens[s]..cu_seqlens[s+1]); linear weights are [out, in] as in PyTorch; compute
+// views are float32, token ids and offsets int32. Backward ops ACCUMULATE (+=) into parameter
+// and input gradients unless their comment says they overwrite; callers zero what must start
+// at zero (fill). No op allocates: outputs, saved tensors and scratch come from the caller.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "backend/chunk_loss.h"
+#include "backend/tensor.h"
+
+namespace memtune {
+
+// AdamW as torch.optim.AdamW (what Hugging Face Trainer uses): decoupled weight decay applied
+// to the parameter before the moment update, bias-corrected moments, eps added to the
+// bias-corrected square root.
+struct AdamWConfig {
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.0;
+};
+struct AdamWStep {
+  int64_t t = 1;  // 1-based step (bias correction)
+  double learning_rate = 0;
+  AdamWConfig config;
+  bool decay = true;        // weight decay applies to this tensor
+  float grad_scale = 1.0f;  // multiplies the gradient (clipping) inside the update
+};
+
+// Host memory the fused LM head uses to hand chunks to host-side losses and observers when the
+// backend's own memory is not host-addressable (null members otherwise).
+struct HostChunkStaging {
+  float* logits = nullptr;       // [chunk_rows, V]
+  int32_t* targets = nullptr;    // [chunk_rows]
+  int32_t* positions = nullptr;  // [chunk_rows]
+};
+
+// The fused LM head + loss over the positions whose target is not kIgnoreIndex. Logits exist
+// only as a [chunk_rows, V] workspace reused chunk after chunk. Returns the SUM of the loss and
+// the COUNT of targets; gradients are those of the sum times grad_scale. Without dhidden only
+// the loss is computed; dhidden rows are OVERWRITTEN (zero at ignored positions); dweight
+// (float32, may be absent for a frozen head) is accumulated. A 16-bit weight is widened
+// weight_slice.rows() vocabulary rows at a time, so no float32 copy of the head exists.
+struct LmHeadArgs {
+  Tensor hidden;   // [N, D] f32
+  Tensor targets;  // [N] i32
+  Tensor weight;   // [V, D], any floating dtype
+  const ChunkLoss* loss = nullptr;
+  Tensor dhidden;  // [N, D] f32, optional
+  Tensor dweight;  // [V, D] f32, optional
+  float grad_scale = 1.0f;
+  ChunkObserver* observer = nullptr;  // sees each chunk's logits before the loss touches them
+  // Workspace (device memory).
+  Tensor logits;        // [chunk_rows, V] f32
+  Tensor rows;          // [chunk_rows, D] f32, the gathered hidden rows
+  Tensor drows;         // [chunk_rows, D] f32
+  Tensor positions;     // [N] i32, the positions that have a target
+  Tensor row_targets;   // [chunk_rows] i32
+  Tensor weight_slice;  // [slice_rows, D] f32, only for a 16-bit weight
+  HostChunkStaging staging;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string_view name() const = 0;
+
+  // Device memory for an arena: zero-filled, page aligned. Host code must not dereference it.
+  virtual void* allocate(size_t bytes) = 0;
+  virtual void deallocate(void* base, size_t bytes) = 0;
+  // True when host code may read the backend's memory directly (host losses and observers then
+  // run on the chunk in place; no staging is planned).
+  virtual bool host_addressable() const = 0;
+
+  // Transfers between host memory and device views, and within the device.
+  virtual void copy_to_device(const Tensor& dst, const void* src) = 0;  // dst.bytes() from host src
+  virtual void copy_to_host(void* dst, const Tensor& src) = 0;          // src.bytes() to host dst
+  virtual void copy(const Tensor& dst, const Tensor& src) = 0;          // same dtype and size
+  // dst = src converted between floating dtypes (f32 <-> bf16 / f16), elementwise.
+  virtual void convert(const Tensor& dst, const Tensor& src) = 0;
+  virtual void fill(const Tensor& dst, float value) = 0;  // f32 views
+  virtual void fill_bytes(void* device, unsigned char byte, size_t bytes) = 0;
+
+  // out[N,OC] = inp[N,C] @ weight[OC,C]^T (+ bias[OC])
+  virtual void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& bias) = 0;
+  // out[N,OC] += scale * inp[N,C] @ weight[OC,C]^T
+  virtual void matmul_accumulate(const Tensor& out, const Tensor& inp, const Tensor& weight, float scale) = 0;
+  // For out = scale * inp @ weight^T (+ bias): dinp += scale * dout @ weight;
+  // dweight += scale * dout^T @ inp; dbias += colsum(dout) (scale 1). Absent views are skipped.
+  virtual void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
+                               const Tensor& inp, const Tensor& weight, float scale) = 0;
+  // out = x * rsqrt(mean(x^2) + eps) * weight; saves rstd[N].
+  virtual void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, const Tensor& weight,
+                               float eps) = 0;
+  // dweight may be absent (frozen norm).
+  virtual void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
+                                const Tensor& weight, const Tensor& rstd) = 0;
+  // Rotary embedding in place on x[N, heads * head_dim] at positions[N] (Hugging Face's
+  // rotate-half convention). Positions are absolute: a sequence continuing after cached keys
+  // starts at its cache length. backward rotates the gradient back by the same angles.
+  virtual void rope_forward(const Tensor& x, const Tensor& positions, int64_t head_dim, float theta) = 0;
+  virtual void rope_backward(const Tensor& dx, const Tensor& positions, int64_t head_dim, float theta) = 0;
+  // Causal grouped-query attention over packed sequences (cu_seqlens [S+1]), never a [T, T]
+  // score matrix. q[N, Hq*hd], k/v[N, Hkv*hd] -> out[N, Hq*hd]; saves lse[N, Hq].
+  virtual void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
+                                 const Tensor& v, const Tensor& cu_seqlens, int64_t head_dim) = 0;
+  // dq, dk, dv are OVERWRITTEN (every token belongs to one sequence).
+  virtual void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout,
+                                  const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
+                                  const Tensor& v, const Tensor& cu_seqlens, int64_t head_dim) = 0;
+  // h = silu(gate) * up
+  virtual void swiglu_forward(const Tensor& h, const Tensor& gate, const Tensor& up) = 0;
+  virtual void swiglu_backward(const Tensor& dgate, const Tensor& dup, const Tensor& dh, const Tensor& gate,
+                               const Tensor& up) = 0;
+  // out[n] = table[ids[n]], the table in any floating dtype; backward accumulates rows.
+  virtual void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& table) = 0;
+  virtual void embedding_backward(const Tensor& dtable, const Tensor& dout, const Tensor& ids) = 0;
+  // Inverted dropout: out = x * keep / (1 - p), keep drawn from a counter-based hash of
+  // (key, i): the same key reproduces the same mask. out may alias x.
+  virtual void dropout_forward(const Tensor& out, const Tensor& x, uint64_t key, float p) = 0;
+  virtual void add_inplace(const Tensor& y, const Tensor& x) = 0;  // y += x
+  virtual LossSum lm_head_loss(const LmHeadArgs& args) = 0;
+
+  // x *= scale; returns sum(x^2) after scaling (float64), for the gradient norm.
+  virtual double scale_and_sum_squares(const Tensor& x, float scale) = 0;
+  // One AdamW update of param (f32) with grad, moments m and v (all of the same size; each may
+  // be in host or device memory, as optimizer offload places them).
+  virtual void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+                            const AdamWStep& step) = 0;
+
+  // Collectives (dist/) read and write device memory: `op` runs with that memory reachable by
+  // the communicator. overlaps_collectives(): whether a non-blocking collective may stay in
+  // flight while the backend computes (false makes the trainer reduce after backward).
+  virtual void collective(const std::function<void()>& op) { op(); }
+  virtual bool overlaps_collectives() const { return true; }
+};
+
+// Whole tensors cross between host and device in slices of at most this many bytes, through
+// host staging of that size (loading, saving, checkpoints).
+inline constexpr size_t kTransferBytes = size_t{8} << 20;
+
+// Host-side helpers over copy_to_host / copy_to_device: a device view's values as float32 in a
+// host vector (converted on the host), and the reverse (converted to the view's dtype). For
+// loading, saving, merging and tests; never on a step's path.
+std::vector<float> download_f32(Backend& backend, const Tensor& tensor);
+void upload_f32(Backend& backend, const Tensor& tensor, std::span<const float> values);
+
+// The backends of this build by name ("cpu", "reference"); an Error listing them otherwise.
+// Backends are process-wide: one instance each, created on first use.
+Backend& backend_named(std::string_view name);
+Backend& default_backend();  // cpu
+// "cpu, reference": for flag help and error messages.
+std::string_view backend_names();
+
+}  // namespace memtune

@@ -1,0 +1,467 @@
+// Reference implementations of backend.h. Each op opens an Access scope, which makes the
+// backend's memory readable and writable for the duration of the call and inaccessible again
+// when the outermost scope closes.
+#include "backend/reference/reference_backend.h"
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "core/labels.h"
+
+namespace memtune {
+namespace {
+
+double element(const Tensor& t, int64_t i) {
+  switch (t.dtype) {
+    case DType::F32:
+      return t.as<const float>()[i];
+    case DType::BF16:
+      return bf16_to_f32(t.as<const uint16_t>()[i]);
+    case DType::F16:
+      return f16_to_f32(t.as<const uint16_t>()[i]);
+    case DType::I32:
+      return t.as<const int32_t>()[i];
+  }
+  return 0;
+}
+float* f32(const Tensor& t) {
+  MT_ASSERT(!t || t.dtype == DType::F32, "expected a float32 view");
+  return t.as<float>();
+}
+const int32_t* i32(const Tensor& t) {
+  MT_ASSERT(t && t.dtype == DType::I32, "expected an int32 view");
+  return t.as<const int32_t>();
+}
+
+class ReferenceBackend final : public Backend {
+ public:
+  std::string_view name() const override { return "reference"; }
+
+  void* allocate(size_t bytes) override {
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+      throw Error(fmt::format("cannot reserve the planned {:.2f} MiB ({} bytes) of memory", bytes / 1048576.0, bytes));
+    regions_.push_back({p, bytes});
+    if (depth_ == 0) protect(regions_.back(), PROT_NONE);
+    return p;
+  }
+  void deallocate(void* base, size_t bytes) override {
+    munmap(base, bytes);
+    std::erase_if(regions_, [&](const Region& r) { return r.base == base; });
+  }
+  bool host_addressable() const override { return false; }
+
+  void copy_to_device(const Tensor& dst, const void* src) override {
+    Access a(*this);
+    std::memcpy(dst.data, src, dst.bytes());
+  }
+  void copy_to_host(void* dst, const Tensor& src) override {
+    Access a(*this);
+    std::memcpy(dst, src.data, src.bytes());
+  }
+  void copy(const Tensor& dst, const Tensor& src) override {
+    Access a(*this);
+    MT_ASSERT(dst.dtype == src.dtype && dst.numel() == src.numel(), "copy between views of different size or dtype");
+    std::memmove(dst.data, src.data, src.bytes());
+  }
+  void convert(const Tensor& dst, const Tensor& src) override {
+    Access a(*this);
+    MT_ASSERT(dst.numel() == src.numel(), "convert between views of different sizes");
+    for (int64_t i = 0; i < src.numel(); ++i) store(dst, i, element(src, i));
+  }
+  void fill(const Tensor& dst, float value) override {
+    Access a(*this);
+    std::fill_n(f32(dst), dst.numel(), value);
+  }
+  void fill_bytes(void* device, unsigned char byte, size_t bytes) override {
+    Access a(*this);
+    std::memset(device, byte, bytes);
+  }
+
+  void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& w, const Tensor& bias) override {
+    Access a(*this);
+    const int64_t N = inp.rows(), C = inp.cols(), OC = w.rows();
+    MT_ASSERT(w.cols() == C && out.rows() == N && out.cols() == OC);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t o = 0; o < OC; ++o) {
+        double s = bias ? f32(bias)[o] : 0.0;
+        for (int64_t c = 0; c < C; ++c) s += double(f32(inp)[n * C + c]) * f32(w)[o * C + c];
+        f32(out)[n * OC + o] = static_cast<float>(s);
+      }
+  }
+  void matmul_accumulate(const Tensor& out, const Tensor& inp, const Tensor& w, float scale) override {
+    Access a(*this);
+    const int64_t N = inp.rows(), C = inp.cols(), OC = w.rows();
+    MT_ASSERT(w.cols() == C && out.rows() == N && out.cols() == OC);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t o = 0; o < OC; ++o) {
+        double s = 0.0;
+        for (int64_t c = 0; c < C; ++c) s += double(f32(inp)[n * C + c]) * f32(w)[o * C + c];
+        f32(out)[n * OC + o] += static_cast<float>(scale * s);
+      }
+  }
+  void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
+                       const Tensor& inp, const Tensor& w, float scale) override {
+    Access a(*this);
+    const int64_t N = inp.rows(), C = inp.cols(), OC = w.rows();
+    MT_ASSERT(w.cols() == C && dout.rows() == N && dout.cols() == OC);
+    const float* dy = f32(dout);
+    if (dinp)
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t c = 0; c < C; ++c) {
+          double s = 0.0;
+          for (int64_t o = 0; o < OC; ++o) s += double(dy[n * OC + o]) * f32(w)[o * C + c];
+          f32(dinp)[n * C + c] += static_cast<float>(scale * s);
+        }
+    if (dweight)
+      for (int64_t o = 0; o < OC; ++o)
+        for (int64_t c = 0; c < C; ++c) {
+          double s = 0.0;
+          for (int64_t n = 0; n < N; ++n) s += double(dy[n * OC + o]) * f32(inp)[n * C + c];
+          f32(dweight)[o * C + c] += static_cast<float>(scale * s);
+        }
+    if (dbias)
+      for (int64_t o = 0; o < OC; ++o) {
+        double s = 0.0;
+        for (int64_t n = 0; n < N; ++n) s += dy[n * OC + o];
+        f32(dbias)[o] += static_cast<float>(scale * s);
+      }
+  }
+
+  void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, const Tensor& w,
+                       float eps) override {
+    Access a(*this);
+    const int64_t N = inp.rows(), C = inp.cols();
+    for (int64_t n = 0; n < N; ++n) {
+      const float* x = f32(inp) + n * C;
+      double ms = 0.0;
+      for (int64_t c = 0; c < C; ++c) ms += double(x[c]) * x[c];
+      const double r = 1.0 / std::sqrt(ms / double(C) + eps);
+      f32(rstd)[n] = static_cast<float>(r);
+      for (int64_t c = 0; c < C; ++c) f32(out)[n * C + c] = static_cast<float>(x[c] * r * f32(w)[c]);
+    }
+  }
+  void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
+                        const Tensor& w, const Tensor& rstd) override {
+    Access a(*this);
+    const int64_t N = inp.rows(), C = inp.cols();
+    // y_c = w_c x_c r, r = (mean(x^2) + eps)^(-1/2):  dx_c = r (w_c dy_c - x_c r^2 mean_k(w_k dy_k x_k)).
+    for (int64_t n = 0; n < N; ++n) {
+      const float* x = f32(inp) + n * C;
+      const float* dy = f32(dout) + n * C;
+      const double r = f32(rstd)[n];
+      double dot = 0.0;
+      for (int64_t c = 0; c < C; ++c) dot += double(f32(w)[c]) * dy[c] * x[c];
+      for (int64_t c = 0; c < C; ++c)
+        f32(dinp)[n * C + c] += static_cast<float>(r * (f32(w)[c] * dy[c] - x[c] * r * r * dot / double(C)));
+      if (dweight)
+        for (int64_t c = 0; c < C; ++c) f32(dweight)[c] += static_cast<float>(double(dy[c]) * x[c] * r);
+    }
+  }
+
+  void rope_forward(const Tensor& x, const Tensor& positions, int64_t hd, float theta) override { rope(x, positions, hd, theta, 1.0); }
+  void rope_backward(const Tensor& dx, const Tensor& positions, int64_t hd, float theta) override { rope(dx, positions, hd, theta, -1.0); }
+
+  void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
+                         const Tensor& cu_seqlens, int64_t hd) override {
+    Access a(*this);
+    const Heads h(q, k, hd);
+    for_each_query(cu_seqlens, [&](int64_t t, int64_t begin) {
+      for (int64_t head = 0; head < h.q; ++head) {
+        const std::vector<double> s = scores(q, k, h, t, begin, head);
+        const double m = *std::max_element(s.begin(), s.end());
+        double sum = 0.0;
+        for (double x : s) sum += std::exp(x - m);
+        const double l = m + std::log(sum);
+        f32(lse)[t * h.q + head] = static_cast<float>(l);
+        for (int64_t d = 0; d < hd; ++d) {
+          double o = 0.0;
+          for (int64_t j = begin; j <= t; ++j) o += std::exp(s[j - begin] - l) * f32(v)[h.kv_index(j, head, d)];
+          f32(out)[h.q_index(t, head, d)] = static_cast<float>(o);
+        }
+      }
+    });
+  }
+  void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& out,
+                          const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
+                          const Tensor& cu_seqlens, int64_t hd) override {
+    Access a(*this);
+    const Heads h(q, k, hd);
+    // p_j = exp(s_j - lse); ds_j = p_j (dout.v_j - dout.out); dq += ds_j k_j / sqrt(hd); dk_j += ds_j q / sqrt(hd);
+    // dv_j += p_j dout.
+    std::vector<double> gq(dq.numel(), 0.0), gk(dk.numel(), 0.0), gv(dv.numel(), 0.0);
+    const double scale = 1.0 / std::sqrt(double(hd));
+    for_each_query(cu_seqlens, [&](int64_t t, int64_t begin) {
+      for (int64_t head = 0; head < h.q; ++head) {
+        const std::vector<double> s = scores(q, k, h, t, begin, head);
+        double dot_out = 0.0;
+        for (int64_t d = 0; d < hd; ++d) dot_out += double(f32(dout)[h.q_index(t, head, d)]) * f32(out)[h.q_index(t, head, d)];
+        for (int64_t j = begin; j <= t; ++j) {
+          const double p = std::exp(s[j - begin] - f32(lse)[t * h.q + head]);
+          double dp = 0.0;
+          for (int64_t d = 0; d < hd; ++d) dp += double(f32(dout)[h.q_index(t, head, d)]) * f32(v)[h.kv_index(j, head, d)];
+          const double ds = p * (dp - dot_out);
+          for (int64_t d = 0; d < hd; ++d) {
+            gq[h.q_index(t, head, d)] += ds * f32(k)[h.kv_index(j, head, d)] * scale;
+            gk[h.kv_index(j, head, d)] += ds * f32(q)[h.q_index(t, head, d)] * scale;
+            gv[h.kv_index(j, head, d)] += p * f32(dout)[h.q_index(t, head, d)];
+          }
+        }
+      }
+    });
+    for (size_t i = 0; i < gq.size(); ++i) f32(dq)[i] = static_cast<float>(gq[i]);
+    for (size_t i = 0; i < gk.size(); ++i) f32(dk)[i] = static_cast<float>(gk[i]);
+    for (size_t i = 0; i < gv.size(); ++i) f32(dv)[i] = static_cast<float>(gv[i]);
+  }
+
+  void swiglu_forward(const Tensor& h, const Tensor& gate, const Tensor& up) override {
+    Access a(*this);
+    for (int64_t i = 0; i < h.numel(); ++i) {
+      const double g = f32(gate)[i];
+      f32(h)[i] = static_cast<float>(g / (1.0 + std::exp(-g)) * f32(up)[i]);
+    }
+  }
+  void swiglu_backward(const Tensor& dgate, const Tensor& dup, const Tensor& dh, const Tensor& gate,
+                       const Tensor& up) override {
+    Access a(*this);
+    for (int64_t i = 0; i < dh.numel(); ++i) {
+      const double g = f32(gate)[i], sig = 1.0 / (1.0 + std::exp(-g));
+      f32(dgate)[i] += static_cast<float>(f32(dh)[i] * f32(up)[i] * sig * (1.0 + g * (1.0 - sig)));
+      f32(dup)[i] += static_cast<float>(f32(dh)[i] * g * sig);
+    }
+  }
+  void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& table) override {
+    Access a(*this);
+    const int64_t D = table.cols();
+    for (int64_t n = 0; n < ids.numel(); ++n)
+      for (int64_t d = 0; d < D; ++d) f32(out)[n * D + d] = static_cast<float>(element(table, i32(ids)[n] * D + d));
+  }
+  void embedding_backward(const Tensor& dtable, const Tensor& dout, const Tensor& ids) override {
+    Access a(*this);
+    const int64_t D = dtable.cols();
+    for (int64_t n = 0; n < ids.numel(); ++n)
+      for (int64_t d = 0; d < D; ++d) f32(dtable)[i32(ids)[n] * D + d] += f32(dout)[n * D + d];
+  }
+  void dropout_forward(const Tensor& out, const Tensor& x, uint64_t key, float p) override {
+    Access a(*this);
+    // The mask is part of the contract (backward regenerates it from the key): element i is kept
+    // when the top 24 bits of splitmix64(key + i * golden) are at least p * 2^24.
+    const uint64_t threshold = static_cast<uint64_t>(static_cast<double>(p) * 16777216.0);
+    for (int64_t i = 0; i < x.numel(); ++i) {
+      uint64_t z = key + static_cast<uint64_t>(i) * 0x9e3779b97f4a7c15ull;
+      z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+      z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+      z ^= z >> 31;
+      f32(out)[i] = (z >> 40) >= threshold ? static_cast<float>(f32(x)[i] / (1.0 - p)) : 0.0f;
+    }
+  }
+  void add_inplace(const Tensor& y, const Tensor& x) override {
+    Access a(*this);
+    for (int64_t i = 0; i < y.numel(); ++i) f32(y)[i] += f32(x)[i];
+  }
+
+  LossSum lm_head_loss(const LmHeadArgs& args) override {
+    Access a(*this);
+    const Tensor& W = args.weight;
+    const int64_t N = args.hidden.rows(), D = W.cols(), V = W.rows(), chunk_rows = args.logits.rows();
+    MT_ASSERT(args.staging.logits && args.staging.targets && args.staging.positions,
+              "the reference backend hands chunks to host code through staging buffers");
+    int32_t* positions = args.positions.as<int32_t>();
+    int64_t count = 0;
+    for (int64_t n = 0; n < N; ++n) {
+      const int32_t t = i32(args.targets)[n];
+      if (t == kIgnoreIndex) continue;
+      MT_ASSERT(t >= 0 && t < V, "target id out of range");
+      positions[count++] = static_cast<int32_t>(n);
+    }
+    if (args.dhidden) std::fill_n(f32(args.dhidden), N * D, 0.0f);
+    double total = 0.0;
+    float* logits = f32(args.logits);
+    for (int64_t c0 = 0; c0 < count; c0 += chunk_rows) {
+      const int64_t m = std::min(chunk_rows, count - c0);
+      const int32_t* pos = positions + c0;
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t v = 0; v < V; ++v) {
+          double s = 0.0;
+          for (int64_t d = 0; d < D; ++d) s += double(f32(args.hidden)[pos[r] * D + d]) * element(W, v * D + d);
+          logits[r * V + v] = static_cast<float>(s);
+        }
+      // Host code sees the chunk in host memory only, with the device memory locked meanwhile.
+      std::copy_n(logits, m * V, args.staging.logits);
+      for (int64_t r = 0; r < m; ++r) args.staging.targets[r] = i32(args.targets)[pos[r]];
+      std::copy_n(pos, m, args.staging.positions);
+      {
+        Unlocked u(*this);
+        if (args.observer)
+          args.observer->observe({args.staging.logits, args.staging.targets, args.staging.positions, m, V});
+        total += args.loss->chunk(args.staging.logits, args.staging.targets, m, V, static_cast<bool>(args.dhidden));
+      }
+      if (!args.dhidden) continue;
+      const float* dlogits = args.staging.logits;  // d(sum)/d(logits), in host memory
+      for (int64_t r = 0; r < m; ++r)
+        for (int64_t d = 0; d < D; ++d) {
+          double s = 0.0;
+          for (int64_t v = 0; v < V; ++v) s += double(dlogits[r * V + v]) * element(W, v * D + d);
+          f32(args.dhidden)[pos[r] * D + d] = static_cast<float>(args.grad_scale * s);
+        }
+      if (args.dweight)
+        for (int64_t v = 0; v < V; ++v)
+          for (int64_t d = 0; d < D; ++d) {
+            double s = 0.0;
+            for (int64_t r = 0; r < m; ++r) s += double(dlogits[r * V + v]) * f32(args.hidden)[pos[r] * D + d];
+            f32(args.dweight)[v * D + d] += static_cast<float>(args.grad_scale * s);
+          }
+    }
+    return LossSum{total, count};
+  }
+
+  double scale_and_sum_squares(const Tensor& x, float scale) override {
+    Access a(*this);
+    double sumsq = 0.0;
+    for (int64_t i = 0; i < x.numel(); ++i) {
+      f32(x)[i] *= scale;
+      sumsq += double(f32(x)[i]) * f32(x)[i];
+    }
+    return sumsq;
+  }
+  void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+                    const AdamWStep& step) override {
+    Access a(*this);
+    const AdamWConfig& c = step.config;
+    MT_ASSERT(param.numel() == grad.numel() && m.numel() == param.numel() && v.numel() == param.numel() &&
+              step.t >= 1);
+    const double bias1 = 1.0 - std::pow(c.beta1, double(step.t)), bias2 = 1.0 - std::pow(c.beta2, double(step.t));
+    for (int64_t i = 0; i < param.numel(); ++i) {
+      const double g = double(f32(grad)[i]) * step.grad_scale;
+      const double mi = c.beta1 * f32(m)[i] + (1.0 - c.beta1) * g;
+      const double vi = c.beta2 * f32(v)[i] + (1.0 - c.beta2) * g * g;
+      f32(m)[i] = static_cast<float>(mi);
+      f32(v)[i] = static_cast<float>(vi);
+      double p = f32(param)[i];
+      if (step.decay) p *= 1.0 - step.learning_rate * c.weight_decay;
+      p -= step.learning_rate * (mi / bias1) / (std::sqrt(vi / bias2) + c.eps);
+      f32(param)[i] = static_cast<float>(p);
+    }
+  }
+
+  void collective(const std::function<void()>& op) override {
+    Access a(*this);
+    op();
+  }
+  // A non-blocking collective left in flight could be served (by a peer's single-copy read)
+  // while the memory is locked, so collectives complete inside collective().
+  bool overlaps_collectives() const override { return false; }
+
+ private:
+  struct Region {
+    void* base;
+    size_t bytes;
+  };
+  static void protect(const Region& r, int prot) {
+    MT_ASSERT(mprotect(r.base, r.bytes, prot) == 0, "mprotect failed");
+  }
+  void set_access(int prot) {
+    for (const Region& r : regions_) protect(r, prot);
+  }
+  // Nested scopes: the memory opens at the outermost entry and locks at the outermost exit.
+  struct Access {
+    explicit Access(ReferenceBackend& b) : b(b) {
+      if (b.depth_++ == 0) b.set_access(PROT_READ | PROT_WRITE);
+    }
+    ~Access() {
+      if (--b.depth_ == 0) b.set_access(PROT_NONE);
+    }
+    ReferenceBackend& b;
+  };
+  // Locks the memory again for a call into host code made from inside an op.
+  struct Unlocked {
+    explicit Unlocked(ReferenceBackend& b) : b(b), saved(b.depth_) {
+      b.depth_ = 0;
+      b.set_access(PROT_NONE);
+    }
+    ~Unlocked() {
+      b.depth_ = saved;
+      b.set_access(PROT_READ | PROT_WRITE);
+    }
+    ReferenceBackend& b;
+    int saved;
+  };
+
+  static void store(const Tensor& t, int64_t i, double value) {
+    switch (t.dtype) {
+      case DType::F32:
+        t.as<float>()[i] = static_cast<float>(value);
+        return;
+      case DType::BF16:
+        t.as<uint16_t>()[i] = f32_to_bf16(static_cast<float>(value));
+        return;
+      case DType::F16:
+        t.as<uint16_t>()[i] = f32_to_f16(static_cast<float>(value));
+        return;
+      case DType::I32:
+        break;
+    }
+    MT_ASSERT(false, "convert takes floating dtypes");
+  }
+
+  // Hugging Face's rotate-half RoPE; the angle pos * inv_freq is formed in float32 as
+  // transformers forms it, the rotation itself in float64.
+  void rope(const Tensor& x, const Tensor& positions, int64_t hd, float theta, double direction) {
+    Access a(*this);
+    const int64_t N = x.rows(), heads = x.cols() / hd, half = hd / 2;
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t i = 0; i < half; ++i) {
+        const float inv_freq = 1.0f / std::pow(theta, static_cast<float>(2 * i) / static_cast<float>(hd));
+        const double angle = static_cast<float>(static_cast<float>(i32(positions)[n]) * inv_freq);
+        const double c = std::cos(angle), s = direction * std::sin(angle);
+        for (int64_t h = 0; h < heads; ++h) {
+          float* e = f32(x) + n * heads * hd + h * hd;
+          const double x1 = e[i], x2 = e[i + half];
+          e[i] = static_cast<float>(x1 * c - x2 * s);
+          e[i + half] = static_cast<float>(x2 * c + x1 * s);
+        }
+      }
+  }
+
+  struct Heads {
+    Heads(const Tensor& q_, const Tensor& k_, int64_t hd_) : q(q_.cols() / hd_), kv(k_.cols() / hd_), hd(hd_) {}
+    int64_t q, kv, hd;
+    int64_t q_index(int64_t t, int64_t head, int64_t d) const { return (t * q + head) * hd + d; }
+    int64_t kv_index(int64_t t, int64_t head, int64_t d) const { return (t * kv + head / (q / kv)) * hd + d; }
+  };
+  // Calls f(t, begin) for every token t of every sequence starting at begin.
+  template <class F>
+  static void for_each_query(const Tensor& cu_seqlens, F f) {
+    for (int64_t s = 0; s + 1 < cu_seqlens.numel(); ++s)
+      for (int64_t t = i32(cu_seqlens)[s]; t < i32(cu_seqlens)[s + 1]; ++t) f(t, i32(cu_seqlens)[s]);
+  }
+  // q_t . k_j / sqrt(hd) for j = begin..t (causal).
+  static std::vector<double> scores(const Tensor& q, const Tensor& k, const Heads& h, int64_t t, int64_t begin,
+                                    int64_t head) {
+    std::vector<double> s;
+    for (int64_t j = begin; j <= t; ++j) {
+      double dot = 0.0;
+      for (int64_t d = 0; d < h.hd; ++d) dot += double(f32(q)[h.q_index(t, head, d)]) * f32(k)[h.kv_index(j, head, d)];
+      s.push_back(dot / std::sqrt(double(h.hd)));
+    }
+    return s;
+  }
+
+  std::vector<Region> regions_;
+  int depth_ = 0;
+};
+
+}  // namespace
+
+Backend& reference_backend() {
+  static ReferenceBackend backend;
+  return backend;
+}
+
+}  // namespace memtune
