@@ -24,8 +24,9 @@ Action add_report(CLI::App& app);
 
 // --backend NAME on a command that builds a model: where its memory lives and its ops run.
 inline void add_backend_option(CLI::App& app, std::string& name) {
-  app.add_option("--backend", name, "where the model's memory lives and its ops run: cpu (fast) | reference (plain "
-                                    "float64 loops, the correctness oracle; slow)")
+  app.add_option("--backend", name,
+                 "where the model's memory lives and its ops run: cpu (fast) | reference (plain "
+                 "float64 loops, the correctness oracle; slow)")
       ->capture_default_str();
 }
 

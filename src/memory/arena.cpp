@@ -22,8 +22,8 @@ Arena::Arena(const MemoryPlan& plan, Backend* backend) : plan_(plan), backend_(b
   // Anonymous mapping: page aligned, zero filled, and pages cost nothing until touched.
   void* p = mmap(nullptr, capacity_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED)
-    throw Error(fmt::format("cannot reserve the planned {} ({} bytes) of host memory", format_bytes(capacity_),
-                            capacity_));
+    throw Error(
+        fmt::format("cannot reserve the planned {} ({} bytes) of host memory", format_bytes(capacity_), capacity_));
   base_ = static_cast<std::byte*>(p);
 }
 
@@ -59,9 +59,8 @@ void* Arena::raw(BufferId id) {
 
 Tensor Arena::view(BufferId id, DType dtype, std::initializer_list<int64_t> shape) {
   Tensor t(raw(id), dtype, shape, space());
-  MT_ASSERT(t.bytes() <= plan_.buffer(id).bytes,
-            fmt::format("a view of {} bytes of buffer {} ({} bytes)", t.bytes(), plan_.buffer(id).name,
-                        plan_.buffer(id).bytes));
+  MT_ASSERT(t.bytes() <= plan_.buffer(id).bytes, fmt::format("a view of {} bytes of buffer {} ({} bytes)", t.bytes(),
+                                                             plan_.buffer(id).name, plan_.buffer(id).bytes));
   return t;
 }
 

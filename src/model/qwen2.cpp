@@ -377,8 +377,8 @@ void Qwen2Model::load_masters() {
     const Trainable& t = trainables_[i];
     if (!t.widen_into) continue;
     const Shard s = optimizer_shard(i);
-    backend_->convert(trainable_value(i), param(*t.widen_into)
-                                              .flat_range(static_cast<int64_t>(s.begin), static_cast<int64_t>(s.size())));
+    backend_->convert(trainable_value(i),
+                      param(*t.widen_into).flat_range(static_cast<int64_t>(s.begin), static_cast<int64_t>(s.size())));
   }
 }
 
@@ -435,8 +435,8 @@ void Qwen2Model::save_adapter(const std::string& dir, const std::string& base_mo
   std::filesystem::create_directories(dir);
   std::vector<TensorToWrite> tensors;
   for (size_t i = 0; i < trainables_.size(); ++i)
-    tensors.push_back(device_tensor_to_write(*backend_, trainables_[i].spec.name, trainables_[i].spec.shape,
-                                             trainable_value(i)));
+    tensors.push_back(
+        device_tensor_to_write(*backend_, trainables_[i].spec.name, trainables_[i].spec.shape, trainable_value(i)));
   write_safetensors((std::filesystem::path(dir) / "adapter_model.safetensors").string(), tensors, {{"format", "pt"}});
   write_file_atomically((std::filesystem::path(dir) / "adapter_config.json").string(),
                         lora_adapter_config_json(options_.lora, base_model_name_or_path).dump(2) + "\n");
@@ -526,8 +526,8 @@ Tensor Qwen2Model::weight_f32(size_t p) {
   if (w.dtype == DType::F32) return w;
   const size_t phase = static_cast<size_t>(arena_->phase());
   const bool vector = specs_[p].shape.size() == 1;
-  Tensor out = vector ? arena_->f32(vector_f32_[phase], {w.numel()})
-                      : arena_->f32(matrix_f32_[phase], {w.rows(), w.cols()});
+  Tensor out =
+      vector ? arena_->f32(vector_f32_[phase], {w.numel()}) : arena_->f32(matrix_f32_[phase], {w.rows(), w.cols()});
   backend_->convert(out, w);
   return out;
 }
@@ -772,8 +772,7 @@ LossSum Qwen2Model::run_step(const TokenBatch& batch, float* logits_out, bool ba
     }
     if (layer_grads_ready_) layer_grads_ready_(l);
   }
-  if (base_trainable())
-    be.embedding_backward(grad(embed_), dstream, A.i32(ids_, {N}));
+  if (base_trainable()) be.embedding_backward(grad(embed_), dstream, A.i32(ids_, {N}));
   timings_.backward = seconds_since(t0);
   A.enter_phase(Phase::Forward);
   return loss;

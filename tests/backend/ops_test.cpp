@@ -32,8 +32,8 @@ struct Input {
   std::vector<int64_t> shape;
   DType dtype = DType::F32;
   bool differentiable = false;
-  std::vector<float> values;   // floating inputs (converted to dtype on upload)
-  std::vector<int32_t> ints;   // int32 inputs
+  std::vector<float> values;  // floating inputs (converted to dtype on upload)
+  std::vector<int32_t> ints;  // int32 inputs
 };
 struct Output {
   std::string name;
@@ -224,14 +224,16 @@ TEST(BackendOps, Matmul) {
   check_case({.name = "matmul",
               .inputs = {f32_input("x", {N, C}, 1), f32_input("w", {OC, C}, 2), f32_input("b", {OC}, 3)},
               .outputs = {{"out", {N, OC}}},
-              .forward = [](Backend& be, const Views& in, const Views& out) {
-                be.matmul_forward(out.at("out"), in.at("x"), in.at("w"), in.at("b"));
-                return 0.0;
-              },
-              .backward = [](Backend& be, const Views& in, const Views&, const Views& dout, const Views& din) {
-                be.matmul_backward(din.at("x"), din.at("w"), din.at("b"), dout.at("out"), in.at("x"), in.at("w"),
-                                   1.0f);
-              }});
+              .forward =
+                  [](Backend& be, const Views& in, const Views& out) {
+                    be.matmul_forward(out.at("out"), in.at("x"), in.at("w"), in.at("b"));
+                    return 0.0;
+                  },
+              .backward =
+                  [](Backend& be, const Views& in, const Views&, const Views& dout, const Views& din) {
+                    be.matmul_backward(din.at("x"), din.at("w"), din.at("b"), dout.at("out"), in.at("x"), in.at("w"),
+                                       1.0f);
+                  }});
 }
 
 TEST(BackendOps, MatmulScaledAccumulate) {
@@ -240,13 +242,16 @@ TEST(BackendOps, MatmulScaledAccumulate) {
   check_case({.name = "matmul_accumulate",
               .inputs = {f32_input("x", {N, C}, 4), f32_input("w", {OC, C}, 5)},
               .outputs = {{"out", {N, OC}}},
-              .forward = [=](Backend& be, const Views& in, const Views& out) {
-                be.matmul_accumulate(out.at("out"), in.at("x"), in.at("w"), scale);
-                return 0.0;
-              },
-              .backward = [=](Backend& be, const Views& in, const Views&, const Views& dout, const Views& din) {
-                be.matmul_backward(din.at("x"), din.at("w"), Tensor{}, dout.at("out"), in.at("x"), in.at("w"), scale);
-              }});
+              .forward =
+                  [=](Backend& be, const Views& in, const Views& out) {
+                    be.matmul_accumulate(out.at("out"), in.at("x"), in.at("w"), scale);
+                    return 0.0;
+                  },
+              .backward =
+                  [=](Backend& be, const Views& in, const Views&, const Views& dout, const Views& din) {
+                    be.matmul_backward(din.at("x"), din.at("w"), Tensor{}, dout.at("out"), in.at("x"), in.at("w"),
+                                       scale);
+                  }});
 }
 
 TEST(BackendOps, Rmsnorm) {
@@ -254,14 +259,16 @@ TEST(BackendOps, Rmsnorm) {
   check_case({.name = "rmsnorm",
               .inputs = {f32_input("x", {N, C}, 6), f32_input("w", {C}, 7)},
               .outputs = {{"out", {N, C}}, {"rstd", {N}, false}},
-              .forward = [](Backend& be, const Views& in, const Views& out) {
-                be.rmsnorm_forward(out.at("out"), out.at("rstd"), in.at("x"), in.at("w"), 1e-6f);
-                return 0.0;
-              },
-              .backward = [](Backend& be, const Views& in, const Views& out, const Views& dout, const Views& din) {
-                be.rmsnorm_backward(din.at("x"), din.at("w"), dout.at("out"), in.at("x"), in.at("w"),
-                                    out.at("rstd"));
-              }});
+              .forward =
+                  [](Backend& be, const Views& in, const Views& out) {
+                    be.rmsnorm_forward(out.at("out"), out.at("rstd"), in.at("x"), in.at("w"), 1e-6f);
+                    return 0.0;
+                  },
+              .backward =
+                  [](Backend& be, const Views& in, const Views& out, const Views& dout, const Views& din) {
+                    be.rmsnorm_backward(din.at("x"), din.at("w"), dout.at("out"), in.at("x"), in.at("w"),
+                                        out.at("rstd"));
+                  }});
 }
 
 TEST(BackendOps, RopeAtAnOffset) {
@@ -272,15 +279,17 @@ TEST(BackendOps, RopeAtAnOffset) {
   check_case({.name = "rope",
               .inputs = {f32_input("x", {N, heads * hd}, 8), i32_input("pos", pos)},
               .outputs = {{"out", {N, heads * hd}}},
-              .forward = [](Backend& be, const Views& in, const Views& out) {
-                be.copy(out.at("out"), in.at("x"));
-                be.rope_forward(out.at("out"), in.at("pos"), 8, 10000.0f);
-                return 0.0;
-              },
-              .backward = [](Backend& be, const Views& in, const Views&, const Views& dout, const Views& din) {
-                be.copy(din.at("x"), dout.at("out"));
-                be.rope_backward(din.at("x"), in.at("pos"), 8, 10000.0f);
-              },
+              .forward =
+                  [](Backend& be, const Views& in, const Views& out) {
+                    be.copy(out.at("out"), in.at("x"));
+                    be.rope_forward(out.at("out"), in.at("pos"), 8, 10000.0f);
+                    return 0.0;
+                  },
+              .backward =
+                  [](Backend& be, const Views& in, const Views&, const Views& dout, const Views& din) {
+                    be.copy(din.at("x"), dout.at("out"));
+                    be.rope_backward(din.at("x"), in.at("pos"), 8, 10000.0f);
+                  },
               .overwrites = {"x"}});
 }
 
@@ -290,15 +299,17 @@ TEST(BackendOps, AttentionGqaOverPackedSequences) {
               .inputs = {f32_input("q", {N, Hq * hd}, 9), f32_input("k", {N, Hkv * hd}, 10),
                          f32_input("v", {N, Hkv * hd}, 11), i32_input("cu", {0, 3, 7})},
               .outputs = {{"out", {N, Hq * hd}}, {"lse", {N, Hq}, false}},
-              .forward = [](Backend& be, const Views& in, const Views& out) {
-                be.attention_forward(out.at("out"), out.at("lse"), in.at("q"), in.at("k"), in.at("v"), in.at("cu"),
-                                     8);
-                return 0.0;
-              },
-              .backward = [](Backend& be, const Views& in, const Views& out, const Views& dout, const Views& din) {
-                be.attention_backward(din.at("q"), din.at("k"), din.at("v"), dout.at("out"), out.at("out"),
-                                      out.at("lse"), in.at("q"), in.at("k"), in.at("v"), in.at("cu"), 8);
-              },
+              .forward =
+                  [](Backend& be, const Views& in, const Views& out) {
+                    be.attention_forward(out.at("out"), out.at("lse"), in.at("q"), in.at("k"), in.at("v"), in.at("cu"),
+                                         8);
+                    return 0.0;
+                  },
+              .backward =
+                  [](Backend& be, const Views& in, const Views& out, const Views& dout, const Views& din) {
+                    be.attention_backward(din.at("q"), din.at("k"), din.at("v"), dout.at("out"), out.at("out"),
+                                          out.at("lse"), in.at("q"), in.at("k"), in.at("v"), in.at("cu"), 8);
+                  },
               .overwrites = {"q", "k", "v"},
               .tolerance = 2e-5});
 }
@@ -308,13 +319,15 @@ TEST(BackendOps, Swiglu) {
   check_case({.name = "swiglu",
               .inputs = {f32_input("gate", {n}, 12), f32_input("up", {n}, 13)},
               .outputs = {{"h", {n}}},
-              .forward = [](Backend& be, const Views& in, const Views& out) {
-                be.swiglu_forward(out.at("h"), in.at("gate"), in.at("up"));
-                return 0.0;
-              },
-              .backward = [](Backend& be, const Views& in, const Views&, const Views& dout, const Views& din) {
-                be.swiglu_backward(din.at("gate"), din.at("up"), dout.at("h"), in.at("gate"), in.at("up"));
-              }});
+              .forward =
+                  [](Backend& be, const Views& in, const Views& out) {
+                    be.swiglu_forward(out.at("h"), in.at("gate"), in.at("up"));
+                    return 0.0;
+                  },
+              .backward =
+                  [](Backend& be, const Views& in, const Views&, const Views& dout, const Views& din) {
+                    be.swiglu_backward(din.at("gate"), din.at("up"), dout.at("h"), in.at("gate"), in.at("up"));
+                  }});
 }
 
 TEST(BackendOps, EmbeddingWithRepeatedIds) {
@@ -325,12 +338,13 @@ TEST(BackendOps, EmbeddingWithRepeatedIds) {
     check_case({.name = std::string("embedding ") + std::string(dtype_torch_name(dt)),
                 .inputs = {table, i32_input("ids", {3, 1, 3, 8, 0, 3})},
                 .outputs = {{"out", {6, D}}},
-                .forward = [](Backend& be, const Views& in, const Views& out) {
-                  be.embedding_forward(out.at("out"), in.at("ids"), in.at("table"));
-                  return 0.0;
-                },
+                .forward =
+                    [](Backend& be, const Views& in, const Views& out) {
+                      be.embedding_forward(out.at("out"), in.at("ids"), in.at("table"));
+                      return 0.0;
+                    },
                 .backward = dt == DType::F32 ? std::function([](Backend& be, const Views& in, const Views&,
-                                                               const Views& dout, const Views& din) {
+                                                                const Views& dout, const Views& din) {
                   be.embedding_backward(din.at("table"), dout.at("out"), in.at("ids"));
                 })
                                              : nullptr});
@@ -342,13 +356,13 @@ TEST(BackendOps, DropoutMasksAreIdenticalAcrossBackends) {
   check_case({.name = "dropout",
               .inputs = {f32_input("x", {n}, 15)},
               .outputs = {{"out", {n}}},
-              .forward = [](Backend& be, const Views& in, const Views& out) {
-                be.dropout_forward(out.at("out"), in.at("x"), 0xfeedull, 0.3f);
-                return 0.0;
-              },
-              .backward = [](Backend& be, const Views&, const Views&, const Views& dout, const Views& din) {
-                be.dropout_forward(din.at("x"), dout.at("out"), 0xfeedull, 0.3f);
-              },
+              .forward =
+                  [](Backend& be, const Views& in, const Views& out) {
+                    be.dropout_forward(out.at("out"), in.at("x"), 0xfeedull, 0.3f);
+                    return 0.0;
+                  },
+              .backward = [](Backend& be, const Views&, const Views&, const Views& dout,
+                             const Views& din) { be.dropout_forward(din.at("x"), dout.at("out"), 0xfeedull, 0.3f); },
               .overwrites = {"x"}});
 }
 
@@ -357,13 +371,13 @@ TEST(BackendOps, AddInplace) {
   check_case({.name = "add_inplace",
               .inputs = {f32_input("x", {n}, 16)},
               .outputs = {{"y", {n}}},
-              .forward = [](Backend& be, const Views& in, const Views& out) {
-                be.add_inplace(out.at("y"), in.at("x"));
-                return 0.0;
-              },
-              .backward = [](Backend& be, const Views&, const Views&, const Views& dout, const Views& din) {
-                be.add_inplace(din.at("x"), dout.at("y"));
-              }});
+              .forward =
+                  [](Backend& be, const Views& in, const Views& out) {
+                    be.add_inplace(out.at("y"), in.at("x"));
+                    return 0.0;
+                  },
+              .backward = [](Backend& be, const Views&, const Views&, const Views& dout,
+                             const Views& din) { be.add_inplace(din.at("x"), dout.at("y")); }});
 }
 
 // The fused LM head: loss SUM, d(hidden) (overwritten) and d(weight) (accumulated), with
@@ -409,9 +423,15 @@ void check_lm_head(DType weight_dtype, float label_smoothing) {
               .scalar_is_loss = true});
 }
 
-TEST(BackendOps, LmHeadLossFloat32) { check_lm_head(DType::F32, 0.0f); }
-TEST(BackendOps, LmHeadLossLabelSmoothing) { check_lm_head(DType::F32, 0.1f); }
-TEST(BackendOps, LmHeadLossBfloat16Head) { check_lm_head(DType::BF16, 0.0f); }
+TEST(BackendOps, LmHeadLossFloat32) {
+  check_lm_head(DType::F32, 0.0f);
+}
+TEST(BackendOps, LmHeadLossLabelSmoothing) {
+  check_lm_head(DType::F32, 0.1f);
+}
+TEST(BackendOps, LmHeadLossBfloat16Head) {
+  check_lm_head(DType::BF16, 0.0f);
+}
 
 TEST(BackendOps, ScaleAndSumSquares) {
   const int64_t n = 50;

@@ -132,6 +132,26 @@ TEST_F(DataParallelTest, TwoRanksEqualOneProcessWithTheSameGlobalBatch) {
   EXPECT_EQ(json::parse(std::ifstream(dir_ / "two" / "run_args.json"))["world_size"], 2);
 }
 
+// Two ranks on the reference backend (its memory locked outside its calls, collectives inside
+// them; ZeRO-1 for the reduce-scatter and allgather paths) train like one cpu process.
+TEST_F(DataParallelTest, TwoReferenceRanksEqualOneCpuProcess) {
+  const std::string steps = " --max_steps 2";
+  const Result two = mpirun(
+      2, train_args("ref2",
+                    "--backend reference --per_device_train_batch_size 1 --gradient_accumulation_steps 2" + steps));
+  ASSERT_EQ(two.status, 0) << two.output;
+  const Result zero = mpirun(2, train_args("ref2z",
+                                           "--backend reference --zero_stage 1 --per_device_train_batch_size "
+                                           "1 --gradient_accumulation_steps 2" +
+                                               steps));
+  ASSERT_EQ(zero.status, 0) << zero.output;
+  const Result one = testing_support::run_memtune(
+      train_args("cpu1", "--per_device_train_batch_size 2 --gradient_accumulation_steps 2" + steps));
+  ASSERT_EQ(one.status, 0) << one.output;
+  EXPECT_LT(max_relative_difference(dir_ / "ref2" / "model.safetensors", dir_ / "cpu1" / "model.safetensors"), 2e-5);
+  EXPECT_LT(max_relative_difference(dir_ / "ref2z" / "model.safetensors", dir_ / "cpu1" / "model.safetensors"), 2e-5);
+}
+
 TEST_F(DataParallelTest, EvaluationMergesAcrossRanks) {
   const std::string flags = "--per_device_train_batch_size 2 --max_steps 2 --eval_strategy steps --eval_steps 2";
   for (const std::string metrics : {"eval_loss,token_accuracy", "label_accuracy,macro_f1"}) {

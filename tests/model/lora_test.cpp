@@ -112,8 +112,7 @@ TEST_P(LoraGradTest, AdapterGradientsMatchFiniteDifferences) {
   m.zero_grads();
   m.forward_backward(b.view());
   std::vector<std::vector<float>> grads;
-  for (size_t i = 0; i < m.num_trainable(); ++i)
-    grads.push_back(download_f32(m.backend(), m.trainable_grad(i)));
+  for (size_t i = 0; i < m.num_trainable(); ++i) grads.push_back(download_f32(m.backend(), m.trainable_grad(i)));
   // Directional derivative along a random direction per adapter tensor, against central differences.
   Rng rng(8);
   for (size_t i = 0; i < m.num_trainable(); ++i) {

@@ -49,8 +49,7 @@ Qwen2Config tiny(DType dtype = DType::F32, bool tied = true) {
 
 std::vector<std::vector<float>> grads_of(const Qwen2Model& m) {
   std::vector<std::vector<float>> out;
-  for (size_t i = 0; i < m.params().size(); ++i)
-    out.push_back(download_f32(m.backend(), m.grad(i)));
+  for (size_t i = 0; i < m.params().size(); ++i) out.push_back(download_f32(m.backend(), m.grad(i)));
   return out;
 }
 

@@ -171,6 +171,62 @@ TEST_F(TrainCliTest, KillDuringSavesLeavesLoadableCheckpoints) {
   EXPECT_EQ(json::parse(std::ifstream(dir_ / "kill/trainer_state.json"))["global_step"], saved + 2);
 }
 
+// Every command that computes runs on the reference backend (whose memory the process cannot
+// touch outside the backend's calls, so a stray host access would crash) and agrees with cpu.
+TEST_F(TrainCliTest, EveryCommandRunsOnTheReferenceBackendAndAgreesWithCpu) {
+  const std::string eval_flags = " --eval_file " + path("train.jsonl") + " --eval_strategy steps --eval_steps 2";
+  for (const char* backend : {"cpu", "reference"}) {
+    const std::string b = std::string(" --backend ") + backend;
+    const Result full = run(base_flags(std::string("full_") + backend) + b +
+                            " --tuner_type full --max_steps 2 --save_steps 1 --learning_rate 3e-3 --bf16" + eval_flags);
+    ASSERT_EQ(full.status, 0) << full.output;
+    const Result resumed = run(base_flags(std::string("full_") + backend) + b +
+                               " --tuner_type full --max_steps 3 --save_steps 1 --learning_rate 3e-3 --bf16 "
+                               "--resume_from_checkpoint last");
+    ASSERT_EQ(resumed.status, 0) << resumed.output;
+    const Result lora = run(base_flags(std::string("lora_") + backend) + b +
+                            " --max_steps 2 --lora_rank 4 --lora_dropout 0.1 --learning_rate 5e-3");
+    ASSERT_EQ(lora.status, 0) << lora.output;
+    ASSERT_EQ(run("merge" + b + " --model " + path("model") + " --adapter " + path(std::string("lora_") + backend) +
+                  " --out " + path(std::string("merged_") + backend))
+                  .status,
+              0);
+    std::ofstream(dir_ / "in.json") << R"({"input_ids": [[5, 17, 200, 3, 99, 42]]})";
+    ASSERT_EQ(run("dump" + b + " --model " + path(std::string("merged_") + backend) + " --input " + path("in.json") +
+                  " --out " + path(std::string("dump_") + backend + ".safetensors"))
+                  .status,
+              0);
+    const Result eval =
+        run("eval" + b + " --model_name_or_path " + path(std::string("full_") + backend) + " --eval_file " +
+            path("train.jsonl") + " --json --metrics eval_loss,token_accuracy,top5_accuracy");
+    ASSERT_EQ(eval.status, 0) << eval.output;
+    std::ofstream(dir_ / (std::string("eval_") + backend + ".json")) << eval.output.substr(eval.output.find('{'));
+  }
+  auto logs = [&](const std::string& out) { return read_jsonl(dir_ / out / "log.jsonl"); };
+  const auto lc = logs("full_cpu"), lr = logs("full_reference");
+  ASSERT_EQ(lc.size(), lr.size());
+  for (size_t i = 0; i < lc.size(); ++i)
+    for (const char* key : {"loss", "eval_loss"}) {
+      if (!lc[i].contains(key)) continue;
+      EXPECT_NEAR(lr[i][key].get<double>(), lc[i][key].get<double>(), 1e-4 * lc[i][key].get<double>()) << key;
+    }
+  EXPECT_EQ(read_jsonl(dir_ / "lora_reference" / "log.jsonl").size(), 2u);
+  const json ec = json::parse(std::ifstream(dir_ / "eval_cpu.json")),
+             er = json::parse(std::ifstream(dir_ / "eval_reference.json"));
+  EXPECT_NEAR(er["eval_loss"].get<double>(), ec["eval_loss"].get<double>(), 1e-4 * ec["eval_loss"].get<double>());
+  EXPECT_EQ(er["token_accuracy"], ec["token_accuracy"]);
+  auto loss_of = [&](const std::string& file) {
+    SafetensorsFile d(path(file));
+    float v;
+    std::memcpy(&v, d.data(*d.find("loss")).data(), 4);
+    return v;
+  };
+  EXPECT_NEAR(loss_of("dump_reference.safetensors"), loss_of("dump_cpu.safetensors"), 1e-3);
+  const Result bad = run(base_flags("bad") + " --backend tpu --max_steps 1");
+  EXPECT_EQ(bad.status, 1);
+  EXPECT_CONTAINS(bad.output, "--backend");
+}
+
 TEST_F(TrainCliTest, EvalStreamsMetricsForABaseModelAndAnAdapter) {
   ASSERT_EQ(run(base_flags("ad") + " --max_steps 3 --learning_rate 5e-3 --lora_rank 4").status, 0);
   auto eval = [&](const std::string& extra) {

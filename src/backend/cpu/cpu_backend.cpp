@@ -74,8 +74,7 @@ class CpuBackend final : public Backend {
   }
   void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
                         const Tensor& weight, const Tensor& rstd) override {
-    cpu::rmsnorm_backward(f32(dinp), f32(dweight), f32(dout), f32(inp), f32(weight), f32(rstd), inp.rows(),
-                          inp.cols());
+    cpu::rmsnorm_backward(f32(dinp), f32(dweight), f32(dout), f32(inp), f32(weight), f32(rstd), inp.rows(), inp.cols());
   }
   void rope_forward(const Tensor& x, const Tensor& positions, int64_t head_dim, float theta) override {
     cpu::rope_forward(f32(x), i32(positions), x.rows(), x.cols() / head_dim, head_dim, theta);
@@ -118,8 +117,7 @@ class CpuBackend final : public Backend {
   }
   void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                     const AdamWStep& step) override {
-    MT_ASSERT(param.numel() == grad.numel() && m.numel() == param.numel() && v.numel() == param.numel() &&
-              step.t >= 1);
+    MT_ASSERT(param.numel() == grad.numel() && m.numel() == param.numel() && v.numel() == param.numel() && step.t >= 1);
     cpu::adamw_update(f32(param), f32(grad), f32(m), f32(v), param.numel(), step);
   }
 };

@@ -405,8 +405,8 @@ LossSum lm_head_loss(const LmHeadArgs& a) {
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, D, v1 - v0, a.grad_scale, logits + v0, V, w, D,
                   v0 == 0 ? 0.0f : 1.0f, drows, D);
       if (dweight)
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, v1 - v0, D, m, a.grad_scale, logits + v0, V, rows, D,
-                    1.0f, dweight + v0 * D, D);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, v1 - v0, D, m, a.grad_scale, logits + v0, V, rows, D, 1.0f,
+                    dweight + v0 * D, D);
     }
     for (int64_t r = 0; r < m; ++r) std::copy_n(drows + r * D, D, dhidden + pos[r] * D);
   }

@@ -134,8 +134,7 @@ class ReferenceBackend final : public Backend {
       }
   }
 
-  void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, const Tensor& w,
-                       float eps) override {
+  void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, const Tensor& w, float eps) override {
     Access a(*this);
     const int64_t N = inp.rows(), C = inp.cols();
     for (int64_t n = 0; n < N; ++n) {
@@ -165,8 +164,12 @@ class ReferenceBackend final : public Backend {
     }
   }
 
-  void rope_forward(const Tensor& x, const Tensor& positions, int64_t hd, float theta) override { rope(x, positions, hd, theta, 1.0); }
-  void rope_backward(const Tensor& dx, const Tensor& positions, int64_t hd, float theta) override { rope(dx, positions, hd, theta, -1.0); }
+  void rope_forward(const Tensor& x, const Tensor& positions, int64_t hd, float theta) override {
+    rope(x, positions, hd, theta, 1.0);
+  }
+  void rope_backward(const Tensor& dx, const Tensor& positions, int64_t hd, float theta) override {
+    rope(dx, positions, hd, theta, -1.0);
+  }
 
   void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
                          const Tensor& cu_seqlens, int64_t hd) override {
@@ -201,11 +204,13 @@ class ReferenceBackend final : public Backend {
       for (int64_t head = 0; head < h.q; ++head) {
         const std::vector<double> s = scores(q, k, h, t, begin, head);
         double dot_out = 0.0;
-        for (int64_t d = 0; d < hd; ++d) dot_out += double(f32(dout)[h.q_index(t, head, d)]) * f32(out)[h.q_index(t, head, d)];
+        for (int64_t d = 0; d < hd; ++d)
+          dot_out += double(f32(dout)[h.q_index(t, head, d)]) * f32(out)[h.q_index(t, head, d)];
         for (int64_t j = begin; j <= t; ++j) {
           const double p = std::exp(s[j - begin] - f32(lse)[t * h.q + head]);
           double dp = 0.0;
-          for (int64_t d = 0; d < hd; ++d) dp += double(f32(dout)[h.q_index(t, head, d)]) * f32(v)[h.kv_index(j, head, d)];
+          for (int64_t d = 0; d < hd; ++d)
+            dp += double(f32(dout)[h.q_index(t, head, d)]) * f32(v)[h.kv_index(j, head, d)];
           const double ds = p * (dp - dot_out);
           for (int64_t d = 0; d < hd; ++d) {
             gq[h.q_index(t, head, d)] += ds * f32(k)[h.kv_index(j, head, d)] * scale;
@@ -334,8 +339,7 @@ class ReferenceBackend final : public Backend {
                     const AdamWStep& step) override {
     Access a(*this);
     const AdamWConfig& c = step.config;
-    MT_ASSERT(param.numel() == grad.numel() && m.numel() == param.numel() && v.numel() == param.numel() &&
-              step.t >= 1);
+    MT_ASSERT(param.numel() == grad.numel() && m.numel() == param.numel() && v.numel() == param.numel() && step.t >= 1);
     const double bias1 = 1.0 - std::pow(c.beta1, double(step.t)), bias2 = 1.0 - std::pow(c.beta2, double(step.t));
     for (int64_t i = 0; i < param.numel(); ++i) {
       const double g = double(f32(grad)[i]) * step.grad_scale;
@@ -363,9 +367,7 @@ class ReferenceBackend final : public Backend {
     void* base;
     size_t bytes;
   };
-  static void protect(const Region& r, int prot) {
-    MT_ASSERT(mprotect(r.base, r.bytes, prot) == 0, "mprotect failed");
-  }
+  static void protect(const Region& r, int prot) { MT_ASSERT(mprotect(r.base, r.bytes, prot) == 0, "mprotect failed"); }
   void set_access(int prot) {
     for (const Region& r : regions_) protect(r, prot);
   }
