@@ -48,7 +48,9 @@ int main(int argc, char** argv) {
   int64_t batch = 4, seq = 512, steps = 3;
   size_t workspace = kDefaultLossWorkspaceBytes;
   bool checkpointing = false;
+  std::string backend = "cpu";
   app.add_option("--model", model_dir)->required();
+  app.add_option("--backend", backend, "cpu | reference");
   app.add_option("--batch", batch);
   app.add_option("--seq", seq);
   app.add_option("--steps", steps);
@@ -61,13 +63,15 @@ int main(int argc, char** argv) {
     opt.max_tokens = batch * seq;
     opt.loss_workspace_bytes = workspace;
     opt.gradient_checkpointing = checkpointing;
+    opt.backend = &backend_named(backend);
     Qwen2Model model(c, opt);
     model.load(CheckpointReader(model_dir));
     const int64_t N = batch * seq, D = c.hidden_size, V = c.vocab_size, I = c.intermediate_size;
     const int64_t chunk = model.loss_chunk_rows();
 
-    fmt::print("model: {} parameters, hidden {}, layers {}, vocab {}; batch {} x {} tokens; logits chunk {} rows\n",
-               qwen2_parameter_count(c), D, c.num_hidden_layers, V, batch, seq, chunk);
+    fmt::print(
+        "model: {} parameters, hidden {}, layers {}, vocab {}; batch {} x {} tokens; logits chunk {} rows; backend {}\n",
+        qwen2_parameter_count(c), D, c.num_hidden_layers, V, batch, seq, chunk, backend);
     fmt::print("GEMM ceiling (OpenBLAS sgemm at the model's shapes):\n");
     struct Shape {
       const char* what;

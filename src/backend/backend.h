@@ -72,7 +72,7 @@ struct LmHeadArgs {
   Tensor positions;     // [N] i32, the positions that have a target
   Tensor row_targets;   // [chunk_rows] i32
   Tensor weight_slice;  // [slice_rows, D] f32, only for a 16-bit weight
-  HostChunkStaging staging;
+  HostChunkStaging staging = {};
 };
 
 class Backend {

@@ -66,7 +66,7 @@ struct TensorToWrite {
   const void* data = nullptr;  // numel() * dtype_size(dtype) bytes, in dtype
   // Instead of data: fills `out` with the bytes at `offset` of the tensor's data, called slice by
   // slice while the file is written (tensors in memory the writer cannot read directly).
-  std::function<void(size_t offset, std::span<std::byte> out)> fetch;
+  std::function<void(size_t offset, std::span<std::byte> out)> fetch = nullptr;
 
   int64_t numel() const;
   size_t nbytes() const;
