@@ -46,9 +46,13 @@ TEST(FocalLossExample, GammaZeroIsCrossEntropy) {
   for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-6);
 }
 
-TEST(FocalLossExample, PlugsIntoTheModel) {
+class FocalLossOnBackends : public ::testing::TestWithParam<const char*> {};
+
+// On cpu the loss reads the chunk in place; on reference it gets staged host copies.
+TEST_P(FocalLossOnBackends, PlugsIntoTheModel) {
   ModelOptions o;
   o.max_tokens = 16;
+  o.backend = &backend_named(GetParam());
   Qwen2Model m(qwen2_preset("tiny"), o);
   m.init_random(1);
   std::vector<int32_t> ids(16), cu = {0, 16};
@@ -64,6 +68,8 @@ TEST(FocalLossExample, PlugsIntoTheModel) {
   EXPECT_LT(fl.sum, ce);
   EXPECT_GT(fl.sum, 0.99 * ce);
 }
+
+INSTANTIATE_TEST_SUITE_P(Backends, FocalLossOnBackends, ::testing::Values("cpu", "reference"));
 
 }  // namespace
 }  // namespace memtune

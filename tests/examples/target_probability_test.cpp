@@ -10,7 +10,10 @@
 namespace memtune {
 namespace {
 
-TEST(TargetProbabilityExample, MatchesMaterializedLogitsAndMerges) {
+class TargetProbabilityOnBackends : public ::testing::TestWithParam<const char*> {};
+
+// On cpu the observer reads each chunk in place; on reference it gets staged host copies.
+TEST_P(TargetProbabilityOnBackends, MatchesMaterializedLogitsAndMerges) {
   Rng rng(1);
   Dataset data;
   for (int len : {12, 30, 7}) {
@@ -27,6 +30,7 @@ TEST(TargetProbabilityExample, MatchesMaterializedLogitsAndMerges) {
   o.max_tokens = batcher.max_micro_batch_tokens();
   o.with_grads = false;
   o.loss_workspace_bytes = 4 * (512 + 128) * 4;
+  o.backend = &backend_named(GetParam());
   Qwen2Model m(qwen2_preset("tiny"), o);
   m.init_random(5);
   MetricSelection s;
@@ -59,6 +63,8 @@ TEST(TargetProbabilityExample, MatchesMaterializedLogitsAndMerges) {
   a.merge(half);
   EXPECT_NEAR(a.compute()[0].second, sum / count, 1e-6) << "merging equal states keeps the mean";
 }
+
+INSTANTIATE_TEST_SUITE_P(Backends, TargetProbabilityOnBackends, ::testing::Values("cpu", "reference"));
 
 }  // namespace
 }  // namespace memtune
