@@ -65,12 +65,13 @@ int main(int argc, char** argv) {
     opt.gradient_checkpointing = checkpointing;
     opt.backend = &backend_named(backend);
     Qwen2Model model(c, opt);
-    model.load(CheckpointReader(model_dir));
+    model.parameters().load(CheckpointReader(model_dir));
     const int64_t N = batch * seq, D = c.hidden_size, V = c.vocab_size, I = c.intermediate_size;
     const int64_t chunk = model.loss_chunk_rows();
 
     fmt::print(
-        "model: {} parameters, hidden {}, layers {}, vocab {}; batch {} x {} tokens; logits chunk {} rows; backend {}\n",
+        "model: {} parameters, hidden {}, layers {}, vocab {}; batch {} x {} tokens; logits chunk {} rows; backend "
+        "{}\n",
         qwen2_parameter_count(c), D, c.num_hidden_layers, V, batch, seq, chunk, backend);
     fmt::print("GEMM ceiling (OpenBLAS sgemm at the model's shapes):\n");
     struct Shape {
@@ -104,7 +105,7 @@ int main(int argc, char** argv) {
     for (auto& id : ids) id = static_cast<int32_t>(rng.next_u64() % V);
     for (int64_t b = 0; b <= batch; ++b) cu.push_back(static_cast<int32_t>(b * seq));
     const TokenBatch tb{ids, ids, cu};
-    model.zero_grads();
+    model.parameters().zero_grads();
     model.forward_backward(tb);  // warm-up
     auto t0 = Clock::now();
     double loss = 0;

@@ -97,8 +97,8 @@ int main(int argc, char** argv) {
                tokenizer.vocab_size(), load_seconds, corpus, texts.size(), bytes / 1e6);
 
     const Throughput one = measure(tokenizer, texts, bytes, 1);
-    fmt::print("1 thread:   {:8.2f} MB/s ({} tokens per pass, {:.2f} bytes/token)\n", one.mb_per_s,
-               one.tokens_per_pass, static_cast<double>(bytes) / static_cast<double>(one.tokens_per_pass));
+    fmt::print("1 thread:   {:8.2f} MB/s ({} tokens per pass, {:.2f} bytes/token)\n", one.mb_per_s, one.tokens_per_pass,
+               static_cast<double>(bytes) / static_cast<double>(one.tokens_per_pass));
     const Throughput all = measure(tokenizer, texts, bytes, threads);
     fmt::print("{} threads: {:8.2f} MB/s ({:.2f}x)\n", threads, all.mb_per_s, all.mb_per_s / one.mb_per_s);
     if (all.tokens_per_pass != one.tokens_per_pass) throw Error("token counts differ between 1 and N threads");

@@ -10,7 +10,7 @@
 #include <limits>
 
 #include "backend/chunk_loss.h"
-#include "train/metrics.h"
+#include "eval/metrics.h"
 
 namespace memtune::examples {
 

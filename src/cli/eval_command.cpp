@@ -16,14 +16,14 @@
 #include "core/error.h"
 #include "data/batcher.h"
 #include "data/dataset.h"
+#include "eval/classification.h"
+#include "eval/metrics.h"
 #include "io/checkpoint.h"
 #include "io/safetensors.h"
 #include "memory/memory_files.h"
 #include "model/qwen2.h"
 #include "report/report.h"
 #include "tokenizer/tokenizer.h"
-#include "train/classification.h"
-#include "train/metrics.h"
 
 namespace memtune::cli {
 
@@ -94,8 +94,8 @@ Action add_eval(CLI::App& app) {
     o.backend = &backend_named(a->backend);
     if (!a->adapter.empty()) o.lora = load_lora_adapter_config(a->adapter);
     Qwen2Model model(config, o);
-    model.load(CheckpointReader(a->model));
-    if (!a->adapter.empty()) model.load_adapter(a->adapter);
+    model.parameters().load(CheckpointReader(a->model));
+    if (!a->adapter.empty()) model.parameters().load_adapter(a->adapter);
     const std::filesystem::path out_dir(a->output_dir);
     MemoryTimeline timeline;
     if (!a->output_dir.empty()) {

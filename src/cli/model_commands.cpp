@@ -72,8 +72,8 @@ Action add_init_model(CLI::App& app) {
     options.loss_workspace_bytes = 0;
     options.backend = &backend_named(args->backend);
     Qwen2Model model(cfg, options);
-    model.init_random(args->seed);
-    model.save(args->out);
+    model.parameters().init_random(args->seed);
+    model.parameters().save(args->out);
     std::cout << fmt::format("wrote {} ({} parameters, {}, seed {})\n", args->out, qwen2_parameter_count(cfg),
                              dtype_torch_name(cfg.torch_dtype), args->seed);
   };
@@ -130,9 +130,9 @@ Action add_dump(CLI::App& app) {
     options.backend = &backend_named(args->backend);
     if (!args->adapter.empty()) options.lora = load_lora_adapter_config(args->adapter);
     Qwen2Model model(cfg, options);
-    model.load(CheckpointReader(args->model));
-    if (!args->adapter.empty()) model.load_adapter(args->adapter);
-    model.zero_grads();
+    model.parameters().load(CheckpointReader(args->model));
+    if (!args->adapter.empty()) model.parameters().load_adapter(args->adapter);
+    model.parameters().zero_grads();
     std::vector<float> logits(B * T * static_cast<size_t>(cfg.vocab_size));
     const LossSum loss = model.forward_backward({flat_ids, flat_labels, cu}, logits.data());
     // The HF mean; an all-ignored batch gives NaN exactly like torch's mean over nothing.
@@ -143,9 +143,9 @@ Action add_dump(CLI::App& app) {
     tensors.push_back({"logits", DType::F32, {int64_t(B), int64_t(T), cfg.vocab_size}, logits.data()});
     tensors.push_back({"loss", DType::F32, {}, &mean});
     std::vector<std::vector<float>> grads;
-    for (size_t i = 0; i < model.num_trainable(); ++i) {
-      const auto& p = model.trainable_spec(i);
-      grads.push_back(download_f32(model.backend(), model.trainable_grad(i)));
+    for (size_t i = 0; i < model.parameters().num_trainable(); ++i) {
+      const auto& p = model.parameters().trainable_spec(i);
+      grads.push_back(download_f32(model.backend(), model.parameters().trainable_grad(i)));
       for (float& v : grads.back()) v *= inv_count;
       tensors.push_back({"grad." + p.name, DType::F32, p.shape, grads.back().data()});
     }
@@ -177,10 +177,10 @@ Action add_merge(CLI::App& app) {
     options.lora = load_lora_adapter_config(args->adapter);
     options.backend = &backend_named(args->backend);
     Qwen2Model model(cfg, options);
-    model.load(CheckpointReader(args->model));
-    model.load_adapter(args->adapter);
-    model.merge_lora();  // W += scaling * B A, rounded to the base's storage dtype
-    model.save(args->out);
+    model.parameters().load(CheckpointReader(args->model));
+    model.parameters().load_adapter(args->adapter);
+    model.parameters().merge_lora();  // W += scaling * B A, rounded to the base's storage dtype
+    model.parameters().save(args->out);
     for (const char* name : {"tokenizer.json", "tokenizer_config.json"}) {
       const auto from = std::filesystem::path(args->model) / name;
       if (std::filesystem::exists(from))

@@ -168,7 +168,8 @@ Action add_plan(CLI::App& app) {
     eval.gradient_checkpointing = false;
     const Qwen2Model train_model(config, train), eval_model(config, eval);
     int64_t trainable = 0;
-    for (size_t i = 0; i < train_model.num_trainable(); ++i) trainable += train_model.trainable_spec(i).numel();
+    for (size_t i = 0; i < train_model.parameters().num_trainable(); ++i)
+      trainable += train_model.parameters().trainable_spec(i).numel();
     const size_t peak = train_model.plan().peak_bytes();
     // What Hugging Face Trainer's evaluation keeps with a custom compute_metrics: float32 logits
     // [batch, seq, vocab] per batch, accumulated over the eval set (on device, or on the host
@@ -246,7 +247,8 @@ Action add_plan(CLI::App& app) {
                       const Qwen2Model tm(cc, t), em(cc, e);
                       k.peak = std::max(tm.plan().peak_bytes(), em.plan().peak_bytes());
                       int64_t k_trainable = 0;
-                      for (size_t i = 0; i < tm.num_trainable(); ++i) k_trainable += tm.trainable_spec(i).numel();
+                      for (size_t i = 0; i < tm.parameters().num_trainable(); ++i)
+                        k_trainable += tm.parameters().trainable_spec(i).numel();
                       k.cost = estimate_cost(cc, k, tm.loss_chunk_rows(), k_trainable);
                       if (!smallest || k.peak < smallest->peak) smallest = k;
                       if (k.peak <= *budget) fitting.push_back(k);

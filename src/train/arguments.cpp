@@ -20,8 +20,9 @@ void add_training_arguments(CLI::App& app, TrainingArguments& a) {
   app.add_option("--eval_file", a.eval_file, "evaluation data, JSONL");
   app.add_option("--output_dir", a.output_dir, "where checkpoints, logs and the result go")->required();
   app.add_option("--tokenizer", a.tokenizer, "tokenizer directory (default: the model directory)");
-  app.add_option("--backend", a.backend, "where the model's memory lives and its ops run: cpu | reference (the slow "
-                                         "float64 oracle)")
+  app.add_option("--backend", a.backend,
+                 "where the model's memory lives and its ops run: cpu | reference (the slow "
+                 "float64 oracle)")
       ->capture_default_str();
   app.add_option("--per_device_train_batch_size", a.per_device_train_batch_size)->capture_default_str();
   app.add_option("--per_device_eval_batch_size", a.per_device_eval_batch_size)->capture_default_str();

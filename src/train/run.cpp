@@ -23,14 +23,14 @@
 #include "data/batcher.h"
 #include "data/dataset.h"
 #include "dist/communicator.h"
+#include "eval/classification.h"
+#include "eval/metrics.h"
 #include "io/checkpoint.h"
 #include "io/safetensors.h"
 #include "memory/memory_files.h"
 #include "model/qwen2.h"
 #include "report/report.h"
 #include "tokenizer/tokenizer.h"
-#include "train/classification.h"
-#include "train/metrics.h"
 #include "train/trainer.h"
 
 namespace memtune {
@@ -290,8 +290,8 @@ void TrainingRun::build_model() {
     set_lora_targets(o.lora, args_.target_modules);
   }
   model_ = std::make_unique<Qwen2Model>(config, o);
-  model_->load(CheckpointReader(args_.model_name_or_path));
-  if (o.lora.enabled()) model_->init_lora(args_.seed);
+  model_->parameters().load(CheckpointReader(args_.model_name_or_path));
+  if (o.lora.enabled()) model_->parameters().init_lora(args_.seed);
   loss_ = std::make_unique<CrossEntropyLoss>(static_cast<float>(args_.label_smoothing_factor));
   model_->set_loss(*loss_);
 
@@ -308,7 +308,8 @@ void TrainingRun::build_model() {
   trainer_ = std::make_unique<Trainer>(*model_, tc, &comm_);
 
   int64_t trainable = 0;
-  for (size_t i = 0; i < model_->num_trainable(); ++i) trainable += model_->trainable_spec(i).numel();
+  for (size_t i = 0; i < model_->parameters().num_trainable(); ++i)
+    trainable += model_->parameters().trainable_spec(i).numel();
   out_ << fmt::format(
       "model: {} parameters ({}), {} trainable ({}), micro-batch up to {} tokens, {} steps ({} per epoch)\n",
       qwen2_parameter_count(config), dtype_torch_name(config.torch_dtype), trainable,
@@ -325,9 +326,9 @@ void TrainingRun::build_model() {
 
 void TrainingRun::write_model_files(const fs::path& dir) const {
   if (model_->options().lora.enabled()) {
-    model_->save_adapter(dir.string(), args_.model_name_or_path);
+    model_->parameters().save_adapter(dir.string(), args_.model_name_or_path);
   } else {
-    model_->save(dir.string());
+    model_->parameters().save(dir.string());
   }
   for (const char* name : {"tokenizer.json", "tokenizer_config.json"})
     if (fs::exists(tokenizer_dir_ / name))
@@ -364,7 +365,7 @@ void TrainingRun::save_checkpoint() {
   std::deque<std::vector<float>> gathered;  // host staging for the sharded state (rank 0)
   Backend& backend = model_->backend();
   auto whole = [&](const std::string& name, const Tensor& shard, size_t i) -> TensorToWrite {
-    const ParamSpec& s = model_->trainable_spec(i);
+    const ParamSpec& s = model_->parameters().trainable_spec(i);
     if (!sharded) return device_tensor_to_write(backend, name, s.shape, shard);
     const size_t n = static_cast<size_t>(s.numel());
     const std::vector<float> block = download_f32(backend, shard);
@@ -374,11 +375,12 @@ void TrainingRun::save_checkpoint() {
   };
   // AdamW moments, and float32 masters of 16-bit weights (the weights alone would round them).
   std::vector<TensorToWrite> tensors;
-  for (size_t i = 0; i < model_->num_trainable(); ++i) {
-    const ParamSpec& s = model_->trainable_spec(i);
-    tensors.push_back(whole("exp_avg." + s.name, model_->adam_m(i), i));
-    tensors.push_back(whole("exp_avg_sq." + s.name, model_->adam_v(i), i));
-    if (model_->trainable_is_master(i)) tensors.push_back(whole("master." + s.name, model_->shard_value(i), i));
+  for (size_t i = 0; i < model_->parameters().num_trainable(); ++i) {
+    const ParamSpec& s = model_->parameters().trainable_spec(i);
+    tensors.push_back(whole("exp_avg." + s.name, model_->parameters().adam_m(i), i));
+    tensors.push_back(whole("exp_avg_sq." + s.name, model_->parameters().adam_v(i), i));
+    if (model_->parameters().trainable_is_master(i))
+      tensors.push_back(whole("master." + s.name, model_->parameters().shard_value(i), i));
   }
   arena.enter_phase(Phase::Forward);
   if (!root_) return;
@@ -434,29 +436,30 @@ void TrainingRun::resume() {
   const json position = read_json(dir / "memtune_state.json");
   const json state = read_json(dir / "trainer_state.json");
   if (model_->options().lora.enabled()) {
-    model_->load_adapter(dir.string());
+    model_->parameters().load_adapter(dir.string());
   } else {
-    model_->load(CheckpointReader(dir.string()));
+    model_->parameters().load(CheckpointReader(dir.string()));
   }
   const std::string opt_path = (dir / "optimizer.safetensors").string();
   const SafetensorsFile opt(opt_path);
   Arena& arena = model_->arena();
   arena.enter_phase(Phase::Optimizer);
-  model_->load_masters();
+  model_->parameters().load_masters();
   // The file holds whole tensors; each rank takes the part it keeps (all, or its ZeRO-1 shard),
   // whatever the world size that saved it.
   auto restore = [&](const std::string& name, const Tensor& dst, size_t i) {
-    const ParamSpec& s = model_->trainable_spec(i);
+    const ParamSpec& s = model_->parameters().trainable_spec(i);
     const TensorInfo* t = opt.find(name);
     if (!t || t->dtype != DType::F32 || t->shape != s.shape)
       throw Error(fmt::format("{}: tensor \"{}\" missing or not F32 {}", opt_path, name, shape_string(s.shape)));
-    model_->backend().copy_to_device(dst, opt.data(*t).data() + model_->optimizer_shard(i).begin * 4);
+    model_->backend().copy_to_device(dst, opt.data(*t).data() + model_->parameters().optimizer_shard(i).begin * 4);
   };
-  for (size_t i = 0; i < model_->num_trainable(); ++i) {
-    const ParamSpec& s = model_->trainable_spec(i);
-    restore("exp_avg." + s.name, model_->adam_m(i), i);
-    restore("exp_avg_sq." + s.name, model_->adam_v(i), i);
-    if (model_->trainable_is_master(i)) restore("master." + s.name, model_->shard_value(i), i);
+  for (size_t i = 0; i < model_->parameters().num_trainable(); ++i) {
+    const ParamSpec& s = model_->parameters().trainable_spec(i);
+    restore("exp_avg." + s.name, model_->parameters().adam_m(i), i);
+    restore("exp_avg_sq." + s.name, model_->parameters().adam_v(i), i);
+    if (model_->parameters().trainable_is_master(i))
+      restore("master." + s.name, model_->parameters().shard_value(i), i);
   }
   arena.enter_phase(Phase::Forward);
   progress_.global_step = position.at("global_step").get<int64_t>();
@@ -622,9 +625,9 @@ void TrainingRun::save_final() {
   if (terminal_) out_ << "\n";
   if (args_.load_best_model_at_end && !progress_.best_model_checkpoint.empty()) {
     if (model_->options().lora.enabled()) {
-      model_->load_adapter(progress_.best_model_checkpoint);
+      model_->parameters().load_adapter(progress_.best_model_checkpoint);
     } else {
-      model_->load(CheckpointReader(progress_.best_model_checkpoint));
+      model_->parameters().load(CheckpointReader(progress_.best_model_checkpoint));
     }
     out_ << fmt::format("loaded the best checkpoint {} ({} = {})\n", progress_.best_model_checkpoint, best_key_,
                         *progress_.best_metric);

@@ -12,6 +12,7 @@ namespace memtune {
 
 Trainer::Trainer(Qwen2Model& model, const TrainerConfig& config, Communicator* comm)
     : model_(model),
+      params_(model.parameters()),
       backend_(model.backend()),
       config_(config),
       own_comm_(comm ? nullptr : make_single_process_communicator()),
@@ -19,16 +20,16 @@ Trainer::Trainer(Qwen2Model& model, const TrainerConfig& config, Communicator* c
       scale_(config.loss_scaling.enabled ? config.loss_scaling.init_scale : 1.0) {
   MT_ASSERT(model.options().with_optimizer, "the trainer needs a model planned with optimizer state");
   model_.arena().enter_phase(Phase::Optimizer);
-  for (size_t i = 0; i < model_.num_trainable(); ++i) {
-    backend_.fill(model_.adam_m(i), 0.0f);
-    backend_.fill(model_.adam_v(i), 0.0f);
+  for (size_t i = 0; i < params_.num_trainable(); ++i) {
+    backend_.fill(params_.adam_m(i), 0.0f);
+    backend_.fill(params_.adam_v(i), 0.0f);
   }
-  model_.load_masters();
+  params_.load_masters();
   model_.arena().enter_phase(Phase::Forward);
   // Buckets by name: "...layers.{l}." belongs to layer l (base weights and LoRA adapters alike).
   layer_buckets_.resize(static_cast<size_t>(model_.config().num_hidden_layers));
-  for (size_t i = 0; i < model_.num_trainable(); ++i) {
-    const std::string& name = model_.trainable_spec(i).name;
+  for (size_t i = 0; i < params_.num_trainable(); ++i) {
+    const std::string& name = params_.trainable_spec(i).name;
     const size_t at = name.find(".layers.");
     if (at == std::string::npos) {
       rest_bucket_.push_back(i);
@@ -41,7 +42,7 @@ Trainer::Trainer(Qwen2Model& model, const TrainerConfig& config, Communicator* c
 void Trainer::start_bucket(const std::vector<size_t>& bucket) {
   backend_.collective([&] {
     for (size_t i : bucket) {
-      const Tensor g = model_.trainable_grad(i);
+      const Tensor g = params_.trainable_grad(i);
       comm_->start_allreduce_sum({g.as<float>(), static_cast<size_t>(g.numel())});
     }
   });
@@ -53,7 +54,7 @@ StepResult Trainer::step(std::span<const TokenBatch> micro_batches) {
   StepResult r;
   r.loss_scale = scale_;
   model_.set_grad_scale(static_cast<float>(scale_));
-  model_.zero_grads();
+  params_.zero_grads();
   const bool sharded = model_.options().shards_optimizer();
   // Data parallel without sharding: each layer's gradients are summed over ranks as soon as the
   // rank's last backward has finished them, while backward continues with the layers below.
@@ -88,7 +89,7 @@ StepResult Trainer::step(std::span<const TokenBatch> micro_batches) {
       if (!during_backward) comm_->wait_all();  // nothing stays in flight outside collective()
     });
   r.learning_rate = config_.learning_rate * config_.schedule.multiplier(step_);
-  const size_t P = model_.num_trainable();
+  const size_t P = params_.num_trainable();
   Arena& arena = model_.arena();
   if (comm_->world_size() > 1) {
     // num_items_in_batch, the logged loss and the token count are global: summed over ranks
@@ -107,7 +108,7 @@ StepResult Trainer::step(std::span<const TokenBatch> micro_batches) {
   if (sharded)
     backend_.collective([&] {
       for (size_t i = P; i-- > 0;) {
-        const Tensor g = model_.trainable_grad(i);
+        const Tensor g = params_.trainable_grad(i);
         comm_->reduce_scatter_sum({g.as<float>(), static_cast<size_t>(g.numel())});
       }
     });
@@ -116,7 +117,7 @@ StepResult Trainer::step(std::span<const TokenBatch> micro_batches) {
   // norm is summed over ranks.
   const float inv_items = static_cast<float>(1.0 / (static_cast<double>(r.num_items) * scale_));
   double sumsq = 0.0;
-  for (size_t i = 0; i < P; ++i) sumsq += backend_.scale_and_sum_squares(model_.shard_grad(i), inv_items);
+  for (size_t i = 0; i < P; ++i) sumsq += backend_.scale_and_sum_squares(params_.shard_grad(i), inv_items);
   if (sharded) {
     std::array<double, 1> total{sumsq};
     comm_->allreduce_sum(total);
@@ -140,17 +141,18 @@ StepResult Trainer::step(std::span<const TokenBatch> micro_batches) {
 
   ++step_;
   for (size_t i = 0; i < P; ++i) {
-    const auto& spec = model_.trainable_spec(i);
-    backend_.adamw_update(model_.shard_value(i), model_.shard_grad(i), model_.adam_m(i), model_.adam_v(i),
+    const auto& spec = params_.trainable_spec(i);
+    backend_.adamw_update(params_.shard_value(i), params_.shard_grad(i),
+                          params_.adam_m(i), params_.adam_v(i),
                           {.t = step_,
                            .learning_rate = r.learning_rate,
                            .config = config_.adam,
                            .decay = takes_weight_decay(spec.name),
                            .grad_scale = static_cast<float>(clip)});
-    model_.store_trainable(i);
+    params_.store_trainable(i);
     // ZeRO-1: every rank updated its block; all of them get the whole tensor back.
     if (sharded) {
-      const Tensor storage = model_.trainable_storage(i);
+      const Tensor storage = params_.trainable_storage(i);
       backend_.collective([&] {
         comm_->allgather({storage.as<std::byte>(), storage.bytes()}, dtype_size(storage.dtype));
       });

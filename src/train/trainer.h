@@ -71,6 +71,7 @@ class Trainer {
 
  private:
   Qwen2Model& model_;
+  ModelParameters& params_;
   Backend& backend_;
   TrainerConfig config_;
   std::unique_ptr<Communicator> own_comm_;  // a single process when none is given

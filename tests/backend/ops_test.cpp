@@ -51,7 +51,8 @@ struct OpCase {
   std::function<double(Backend&, const Views& in, const Views& out)> forward;
   // With dout (the gradient of sum(r * primary outputs)), adds (or writes) d/d(input) into
   // din[name] for every differentiable input. Absent: forward only.
-  std::function<void(Backend&, const Views& in, const Views& out, const Views& dout, const Views& din)> backward = nullptr;
+  std::function<void(Backend&, const Views& in, const Views& out, const Views& dout, const Views& din)> backward =
+      nullptr;
   // Inputs whose gradient the backward OVERWRITES (the others are accumulated into).
   std::vector<std::string> overwrites = {};
   // The forward's scalar is itself the function to differentiate (a loss), not sum(r * out).

@@ -100,12 +100,12 @@ TEST(PlanCommand, ThePlanIsWhatARunOfTheSameConfigurationMeasures) {
         set_lora_targets(o.lora, {"all-linear"});
       }
       Qwen2Model m(qwen2_preset("tiny"), o);
-      m.init_random(1);
+      m.parameters().init_random(1);
       std::vector<int32_t> ids(64), cu = {0, 32, 64};
       for (int i = 0; i < 64; ++i) ids[i] = (i * 7) % 512;
       m.forward_backward({ids, ids, cu});
       m.arena().enter_phase(Phase::Optimizer);
-      for (size_t i = 0; i < m.num_trainable(); ++i) m.adam_m(i), m.adam_v(i);
+      for (size_t i = 0; i < m.parameters().num_trainable(); ++i) m.parameters().adam_m(i), m.parameters().adam_v(i);
       EXPECT_EQ(p["peak_bytes"].get<size_t>(), m.plan().peak_bytes()) << tuner;
       EXPECT_EQ(m.arena().high_water_bytes(), m.plan().peak_bytes()) << tuner << " checkpointing " << checkpointing;
     }

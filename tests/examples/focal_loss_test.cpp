@@ -54,14 +54,14 @@ TEST_P(FocalLossOnBackends, PlugsIntoTheModel) {
   o.max_tokens = 16;
   o.backend = &backend_named(GetParam());
   Qwen2Model m(qwen2_preset("tiny"), o);
-  m.init_random(1);
+  m.parameters().init_random(1);
   std::vector<int32_t> ids(16), cu = {0, 16};
   for (int i = 0; i < 16; ++i) ids[i] = (i * 37) % 512;
-  m.zero_grads();
+  m.parameters().zero_grads();
   const double ce = m.forward_backward({ids, ids, cu}).sum;
   const examples::FocalLoss focal(2.0f);
   m.set_loss(focal);
-  m.zero_grads();
+  m.parameters().zero_grads();
   const LossSum fl = m.forward_backward({ids, ids, cu});
   EXPECT_EQ(fl.count, 15);
   // At initialization p_t ~ 1/512, so (1-p_t)^2 ~ 1: focal loss is just below cross-entropy.

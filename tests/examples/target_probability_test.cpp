@@ -32,7 +32,7 @@ TEST_P(TargetProbabilityOnBackends, MatchesMaterializedLogitsAndMerges) {
   o.loss_workspace_bytes = 4 * (512 + 128) * 4;
   o.backend = &backend_named(GetParam());
   Qwen2Model m(qwen2_preset("tiny"), o);
-  m.init_random(5);
+  m.parameters().init_random(5);
   MetricSelection s;
   s.metrics.push_back(std::make_unique<examples::TargetProbability>());
   const EvalResult r = evaluate(m, batcher, s);

@@ -45,10 +45,10 @@ Batch make_batch(uint64_t seed) {
 // Random, nonzero adapters (PEFT's B = 0 would make A's gradient vanish and hide bugs).
 void randomize_adapters(Qwen2Model& m, uint64_t seed) {
   Rng rng(seed);
-  for (size_t i = 0; i < m.num_trainable(); ++i) {
-    std::vector<float> v(static_cast<size_t>(m.trainable_spec(i).numel()));
+  for (size_t i = 0; i < m.parameters().num_trainable(); ++i) {
+    std::vector<float> v(static_cast<size_t>(m.parameters().trainable_spec(i).numel()));
     for (float& x : v) x = static_cast<float>(0.1 * rng.normal());
-    upload_f32(m.backend(), m.trainable_value(i), v);
+    upload_f32(m.backend(), m.parameters().trainable_value(i), v);
   }
 }
 
@@ -81,9 +81,9 @@ TEST(Lora, FreshAdaptersLeaveTheBaseModelUnchanged) {
   base_opt.max_tokens = lora_opt.max_tokens = 30;
   lora_opt.lora = lora(4, {"all-linear"});
   Qwen2Model base(qwen2_preset("tiny"), base_opt), adapted(qwen2_preset("tiny"), lora_opt);
-  base.init_random(1);
-  adapted.init_random(1);
-  adapted.init_lora(2);
+  base.parameters().init_random(1);
+  adapted.parameters().init_random(1);
+  adapted.parameters().init_lora(2);
   const Batch b = make_batch(3);
   EXPECT_EQ(base.forward_backward(b.view()).sum, adapted.forward_backward(b.view()).sum);
 }
@@ -105,19 +105,20 @@ TEST_P(LoraGradTest, AdapterGradientsMatchFiniteDifferences) {
   o.lora = lora(3, {"q_proj", "k_proj", "o_proj", "up_proj", "down_proj"}, dropout);
   Qwen2Model m(cfg, o);
   m.arena().set_poison_on_release(true);
-  m.init_random(4);
+  m.parameters().init_random(4);
   randomize_adapters(m, 5);
   m.set_dropout_seed(dropout > 0 ? std::optional<uint64_t>(77) : std::nullopt);
   const Batch b = make_batch(6);
-  m.zero_grads();
+  m.parameters().zero_grads();
   m.forward_backward(b.view());
   std::vector<std::vector<float>> grads;
-  for (size_t i = 0; i < m.num_trainable(); ++i) grads.push_back(download_f32(m.backend(), m.trainable_grad(i)));
+  for (size_t i = 0; i < m.parameters().num_trainable(); ++i)
+    grads.push_back(download_f32(m.backend(), m.parameters().trainable_grad(i)));
   // Directional derivative along a random direction per adapter tensor, against central differences.
   Rng rng(8);
-  for (size_t i = 0; i < m.num_trainable(); ++i) {
-    const int64_t n = m.trainable_spec(i).numel();
-    std::vector<float> dir(n), saved = download_f32(m.backend(), m.trainable_value(i));
+  for (size_t i = 0; i < m.parameters().num_trainable(); ++i) {
+    const int64_t n = m.parameters().trainable_spec(i).numel();
+    std::vector<float> dir(n), saved = download_f32(m.backend(), m.parameters().trainable_value(i));
     double norm = 0, analytic = 0;
     for (int64_t j = 0; j < n; ++j) {
       dir[j] = static_cast<float>(rng.normal());
@@ -131,12 +132,12 @@ TEST_P(LoraGradTest, AdapterGradientsMatchFiniteDifferences) {
     auto loss_at = [&](float t) {
       std::vector<float> moved(n);
       for (int64_t j = 0; j < n; ++j) moved[j] = saved[j] + t * dir[j];
-      upload_f32(m.backend(), m.trainable_value(i), moved);
+      upload_f32(m.backend(), m.parameters().trainable_value(i), moved);
       return m.forward_backward(b.view()).sum;
     };
     const double fd = (loss_at(h) - loss_at(-h)) / (2 * h);
     loss_at(0);
-    EXPECT_NEAR(analytic, fd, 0.01 * std::abs(fd) + 5e-3) << m.trainable_spec(i).name;
+    EXPECT_NEAR(analytic, fd, 0.01 * std::abs(fd) + 5e-3) << m.parameters().trainable_spec(i).name;
   }
 }
 
@@ -157,23 +158,23 @@ TEST(Lora, FrozenBaseHasNoGradientOrOptimizerMemoryAndStaysInThePlan) {
   o.with_optimizer = true;
   o.lora = lora(4, {"all-linear"}, 0.1);
   Qwen2Model m(cfg, o);
-  m.init_random(1);
-  m.init_lora(2);
+  m.parameters().init_random(1);
+  m.parameters().init_lora(2);
   m.set_dropout_seed(9);
-  EXPECT_FALSE(m.base_trainable());
+  EXPECT_FALSE(m.parameters().base_trainable());
   // Gradients and moments exist only for the adapters: 2 layers x 7 sites x (A + B).
-  EXPECT_EQ(m.num_trainable(), 28u);
+  EXPECT_EQ(m.parameters().num_trainable(), 28u);
   int64_t adapter_elems = 0;
-  for (size_t i = 0; i < m.num_trainable(); ++i) adapter_elems += m.trainable_spec(i).numel();
+  for (size_t i = 0; i < m.parameters().num_trainable(); ++i) adapter_elems += m.parameters().trainable_spec(i).numel();
   const size_t grad_bytes = m.plan().live_bytes(Phase::Optimizer, Category::Gradients);
   EXPECT_GE(grad_bytes, static_cast<size_t>(adapter_elems) * 4);
   EXPECT_LT(grad_bytes, static_cast<size_t>(adapter_elems) * 4 + 28 * 64);
   EXPECT_EQ(m.plan().live_bytes(Phase::Optimizer, Category::OptimizerState), 2 * grad_bytes);
   // The base stays bfloat16.
   EXPECT_LT(m.plan().live_bytes(Phase::Forward, Category::Weights),
-            static_cast<size_t>(qwen2_parameter_count(cfg)) * 2 + 64 * m.params().size());
+            static_cast<size_t>(qwen2_parameter_count(cfg)) * 2 + 64 * m.parameters().specs().size());
   const Batch b = make_batch(3);
-  m.zero_grads();
+  m.parameters().zero_grads();
   m.forward_backward(b.view());
   testing_support::start_counting_allocations();
   m.forward_backward(b.view());
@@ -186,32 +187,32 @@ TEST(Lora, MergedWeightsEqualTheAdapterAndFilesRoundTrip) {
   o.max_tokens = 30;
   o.lora = lora(4, {"v_proj", "o_proj", "gate_proj"}, 0.0, true);
   Qwen2Model m(qwen2_preset("tiny"), o);
-  m.init_random(1);
+  m.parameters().init_random(1);
   randomize_adapters(m, 2);
   const Batch b = make_batch(3);
   const double with_adapter = m.forward_backward(b.view()).sum;
 
   const auto dir = testing_support::make_temp_dir("lora_test");
-  m.save_adapter(dir.string(), "tiny-base");
+  m.parameters().save_adapter(dir.string(), "tiny-base");
   const auto cfg = nlohmann::json::parse(std::ifstream(dir / "adapter_config.json"));
   EXPECT_EQ(cfg["base_model_name_or_path"], "tiny-base");
   Qwen2Model reloaded(qwen2_preset("tiny"), o);
-  reloaded.init_random(1);
-  reloaded.load_adapter(dir.string());
+  reloaded.parameters().init_random(1);
+  reloaded.parameters().load_adapter(dir.string());
   EXPECT_EQ(reloaded.forward_backward(b.view()).sum, with_adapter);
   // A model planned for other targets refuses the file by tensor name.
   ModelOptions other = o;
   other.lora = lora(4, {"q_proj"});
   Qwen2Model wrong(qwen2_preset("tiny"), other);
-  EXPECT_CONTAINS(testing_support::error_of([&] { wrong.load_adapter(dir.string()); }), "q_proj.lora_A");
+  EXPECT_CONTAINS(testing_support::error_of([&] { wrong.parameters().load_adapter(dir.string()); }), "q_proj.lora_A");
   std::filesystem::remove_all(dir);
 
-  m.merge_lora();
+  m.parameters().merge_lora();
   ModelOptions plain;
   plain.max_tokens = 30;
   Qwen2Model merged(qwen2_preset("tiny"), plain);
-  for (size_t i = 0; i < m.params().size(); ++i)
-    upload_f32(merged.backend(), merged.param(i), download_f32(m.backend(), m.param(i)));
+  for (size_t i = 0; i < m.parameters().specs().size(); ++i)
+    upload_f32(merged.backend(), merged.parameters().param(i), download_f32(m.backend(), m.parameters().param(i)));
   EXPECT_NEAR(merged.forward_backward(b.view()).sum, with_adapter, 1e-5 * std::abs(with_adapter));
 }
 

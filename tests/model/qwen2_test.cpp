@@ -49,7 +49,8 @@ Qwen2Config tiny(DType dtype = DType::F32, bool tied = true) {
 
 std::vector<std::vector<float>> grads_of(const Qwen2Model& m) {
   std::vector<std::vector<float>> out;
-  for (size_t i = 0; i < m.params().size(); ++i) out.push_back(download_f32(m.backend(), m.grad(i)));
+  for (size_t i = 0; i < m.parameters().specs().size(); ++i)
+    out.push_back(download_f32(m.backend(), m.parameters().grad(i)));
   return out;
 }
 
@@ -62,7 +63,7 @@ void expect_close(const std::vector<std::vector<float>>& a, const std::vector<st
       maxref = std::max(maxref, std::abs(double(b[i][j])));
       maxdiff = std::max(maxdiff, std::abs(double(a[i][j]) - b[i][j]));
     }
-    EXPECT_LE(maxdiff, rel * maxref + 1e-9) << m.params()[i].name;
+    EXPECT_LE(maxdiff, rel * maxref + 1e-9) << m.parameters().specs()[i].name;
   }
 }
 
@@ -76,8 +77,8 @@ TEST_P(PlanTest, ArenaHighWaterEqualsPlannedPeakAndNoHeapAllocationInAStep) {
   opt.loss_workspace_bytes = 16 * 512 * 4;
   Qwen2Model model(tiny(dtype, tied), opt);
   model.arena().set_poison_on_release(true);
-  model.init_random(1);
-  model.zero_grads();
+  model.parameters().init_random(1);
+  model.parameters().zero_grads();
   const Sample s = make_sample({20, 1, 27}, 512, 2);
   model.forward_backward(s.batch());  // warm-up: thread pools, BLAS buffers
 
@@ -115,8 +116,8 @@ TEST(Qwen2, CheckpointingSavesActivationMemoryAndGivesTheSameGradients) {
     opt.max_tokens = 48;
     opt.gradient_checkpointing = ckpt;
     Qwen2Model m(tiny(), opt);
-    m.init_random(4);
-    m.zero_grads();
+    m.parameters().init_random(4);
+    m.parameters().zero_grads();
     const double loss = m.forward_backward(s.batch()).sum;
     grads = grads_of(m);
     saved = m.plan().live_bytes(Phase::Backward, Category::SavedActivations);
@@ -143,8 +144,8 @@ TEST(Qwen2, LossChunkSizeDoesNotChangeResults) {
     opt.loss_workspace_bytes = budgets[i];
     Qwen2Model m(tiny(DType::F32, false), opt);
     EXPECT_EQ(m.loss_chunk_rows(), i == 0 ? 1 : 40);
-    m.init_random(6);
-    m.zero_grads();
+    m.parameters().init_random(6);
+    m.parameters().zero_grads();
     losses[i] = m.forward_backward(s.batch()).sum;
     grads[i] = grads_of(m);
   }
@@ -160,11 +161,11 @@ TEST(Qwen2, PackedSequencesAreIndependent) {
   ModelOptions opt;
   opt.max_tokens = 48;
   Qwen2Model m(tiny(), opt);
-  m.init_random(8);
-  m.zero_grads();
+  m.parameters().init_random(8);
+  m.parameters().zero_grads();
   const LossSum whole = m.forward_backward(packed.batch());
   const auto g_whole = grads_of(m);
-  m.zero_grads();
+  m.parameters().zero_grads();
   double sum = 0;
   int64_t count = 0;
   for (size_t s = 0; s + 1 < packed.cu.size(); ++s) {
@@ -186,7 +187,7 @@ TEST(Qwen2, RejectsBadBatches) {
   ModelOptions opt;
   opt.max_tokens = 8;
   Qwen2Model m(tiny(), opt);
-  m.init_random(1);
+  m.parameters().init_random(1);
   Sample s = make_sample({9}, 512, 1);
   EXPECT_THROW(m.forward_backward(s.batch()), Error);  // more tokens than planned
   s = make_sample({4}, 512, 1);
@@ -203,36 +204,38 @@ TEST(Qwen2, SaveLoadRoundTripAndLoadErrors) {
   ModelOptions opt;
   opt.max_tokens = 4;
   Qwen2Model a(tiny(DType::BF16, false), opt);
-  a.init_random(9);
-  a.save(dir.string());
+  a.parameters().init_random(9);
+  a.parameters().save(dir.string());
   const Qwen2Config loaded = load_qwen2_config(dir.string() + "/config.json");
   EXPECT_EQ(loaded.torch_dtype, DType::BF16);
   EXPECT_FALSE(loaded.tie_word_embeddings);
   Qwen2Model b(loaded, opt);
-  b.load(CheckpointReader(dir.string()));
-  for (size_t i = 0; i < a.params().size(); ++i) {
-    std::vector<uint16_t> wa(a.params()[i].numel()), wb(wa.size());
-    a.backend().copy_to_host(wa.data(), a.param(i));
-    b.backend().copy_to_host(wb.data(), b.param(i));
-    EXPECT_EQ(wa, wb) << a.params()[i].name;
+  b.parameters().load(CheckpointReader(dir.string()));
+  for (size_t i = 0; i < a.parameters().specs().size(); ++i) {
+    std::vector<uint16_t> wa(a.parameters().specs()[i].numel()), wb(wa.size());
+    a.backend().copy_to_host(wa.data(), a.parameters().param(i));
+    b.backend().copy_to_host(wb.data(), b.parameters().param(i));
+    EXPECT_EQ(wa, wb) << a.parameters().specs()[i].name;
   }
 
   // A config with one more layer than the checkpoint: the missing tensor is named.
   Qwen2Config deeper = loaded;
   deeper.num_hidden_layers = 3;
   Qwen2Model c(deeper, opt);
-  EXPECT_CONTAINS(testing_support::error_of([&] { c.load(CheckpointReader(dir.string())); }),
+  EXPECT_CONTAINS(testing_support::error_of([&] { c.parameters().load(CheckpointReader(dir.string())); }),
                   "model.layers.2.input_layernorm.weight");
   // A tied config reading an untied checkpoint is fine (lm_head ignored), a shallower one is not.
   Qwen2Config shallower = loaded;
   shallower.num_hidden_layers = 1;
   Qwen2Model d(shallower, opt);
-  EXPECT_CONTAINS(testing_support::error_of([&] { d.load(CheckpointReader(dir.string())); }), "model.layers.1.");
+  EXPECT_CONTAINS(testing_support::error_of([&] { d.parameters().load(CheckpointReader(dir.string())); }),
+                  "model.layers.1.");
   // Another hidden size: the shape mismatch names the tensor.
   Qwen2Config wider = loaded;
   wider.intermediate_size = 180;
   Qwen2Model w(wider, opt);
-  EXPECT_CONTAINS(testing_support::error_of([&] { w.load(CheckpointReader(dir.string())); }), "mlp.gate_proj.weight");
+  EXPECT_CONTAINS(testing_support::error_of([&] { w.parameters().load(CheckpointReader(dir.string())); }),
+                  "mlp.gate_proj.weight");
 }
 
 TEST(Qwen2, Bfloat16StorageComputesLikeFloat32OnTheSameValues) {
@@ -240,12 +243,12 @@ TEST(Qwen2, Bfloat16StorageComputesLikeFloat32OnTheSameValues) {
   ModelOptions opt;
   opt.max_tokens = 32;
   Qwen2Model half(tiny(DType::BF16), opt), full(tiny(DType::F32), opt);
-  half.init_random(10);
-  for (size_t i = 0; i < half.params().size(); ++i)
-    upload_f32(full.backend(), full.param(i), download_f32(half.backend(), half.param(i)));
+  half.parameters().init_random(10);
+  for (size_t i = 0; i < half.parameters().specs().size(); ++i)
+    upload_f32(full.backend(), full.parameters().param(i), download_f32(half.backend(), half.parameters().param(i)));
   const Sample s = make_sample({32}, 512, 11);
-  half.zero_grads();
-  full.zero_grads();
+  half.parameters().zero_grads();
+  full.parameters().zero_grads();
   const double lh = half.forward_backward(s.batch()).sum, lf = full.forward_backward(s.batch()).sum;
   EXPECT_NEAR(lh, lf, 1e-6 * std::abs(lf));
   expect_close(grads_of(half), grads_of(full), 1e-6, full);
@@ -267,8 +270,8 @@ TEST_P(BackendModelTest, LossAndGradientsEqualTheReferenceBackend) {
     opt.backend = &backend_named(backend);
     Qwen2Model m(tiny(dtype, false), opt);
     m.arena().set_poison_on_release(true);
-    m.init_random(13);
-    m.zero_grads();
+    m.parameters().init_random(13);
+    m.parameters().zero_grads();
     const LossSum loss = m.forward_backward(s.batch());
     grads = grads_of(m);
     return loss;

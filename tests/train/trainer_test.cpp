@@ -89,8 +89,8 @@ ModelOptions train_options(int64_t max_tokens) {
 
 std::vector<float> flat_params(Qwen2Model& m) {
   std::vector<float> out;
-  for (size_t i = 0; i < m.params().size(); ++i) {
-    const std::vector<float> p = download_f32(m.backend(), m.param(i));
+  for (size_t i = 0; i < m.parameters().specs().size(); ++i) {
+    const std::vector<float> p = download_f32(m.backend(), m.parameters().param(i));
     out.insert(out.end(), p.begin(), p.end());
   }
   return out;
@@ -105,8 +105,8 @@ TEST(Trainer, AccumulationOverUnequalMicroBatchesEqualsOneBigBatch) {
   const Qwen2Config cfg = qwen2_preset("tiny");
 
   Qwen2Model big(cfg, train_options(77)), small(cfg, train_options(41));
-  big.init_random(5);
-  small.init_random(5);
+  big.parameters().init_random(5);
+  small.parameters().init_random(5);
   Trainer tb(big, tc), ts(small, tc);
   const Packed all = pack(data, 0, 4);
   std::vector<Packed> parts;
@@ -123,15 +123,15 @@ TEST(Trainer, AccumulationOverUnequalMicroBatchesEqualsOneBigBatch) {
     const double tol = step == 0 ? 1e-5 : 2e-4;
     big.arena().enter_phase(Phase::Optimizer);
     small.arena().enter_phase(Phase::Optimizer);
-    for (size_t i = 0; i < big.params().size(); ++i) {
+    for (size_t i = 0; i < big.parameters().specs().size(); ++i) {
       double maxref = 0, maxdiff = 0;
-      const std::vector<float> gb = download_f32(big.backend(), big.grad(i)),
-                               gs = download_f32(small.backend(), small.grad(i));
+      const std::vector<float> gb = download_f32(big.backend(), big.parameters().grad(i)),
+                               gs = download_f32(small.backend(), small.parameters().grad(i));
       for (size_t j = 0; j < gb.size(); ++j) {
         maxref = std::max(maxref, double(std::abs(gb[j])));
         maxdiff = std::max(maxdiff, double(std::abs(gb[j] - gs[j])));
       }
-      EXPECT_LE(maxdiff, tol * maxref + 1e-9) << big.params()[i].name << " at step " << step;
+      EXPECT_LE(maxdiff, tol * maxref + 1e-9) << big.parameters().specs()[i].name << " at step " << step;
     }
     big.arena().enter_phase(Phase::Forward);
     small.arena().enter_phase(Phase::Forward);
@@ -151,13 +151,13 @@ TEST(Trainer, MeanOfMicroBatchMeansWouldGiveADifferentGradient) {
   ModelOptions o;
   o.max_tokens = 77;
   Qwen2Model m(cfg, o);
-  m.init_random(5);
+  m.parameters().init_random(5);
   auto grads = [&](const Packed& p, double scale, std::vector<double>& acc) {
-    m.zero_grads();
+    m.parameters().zero_grads();
     const auto r = m.forward_backward(p.view());
     size_t k = 0;
-    for (size_t i = 0; i < m.params().size(); ++i)
-      for (float g : download_f32(m.backend(), m.grad(i))) acc[k++] += g * scale / r.count;
+    for (size_t i = 0; i < m.parameters().specs().size(); ++i)
+      for (float g : download_f32(m.backend(), m.parameters().grad(i))) acc[k++] += g * scale / r.count;
     return r.count;
   };
   const size_t total = static_cast<size_t>(qwen2_parameter_count(cfg));
@@ -176,7 +176,7 @@ TEST(Trainer, Bfloat16WeightsFollowTheirFloat32Masters) {
   Qwen2Config cfg = qwen2_preset("tiny");
   cfg.torch_dtype = DType::BF16;
   Qwen2Model m(cfg, train_options(32));
-  m.init_random(2);
+  m.parameters().init_random(2);
   TrainerConfig tc;
   tc.learning_rate = 1e-3;
   tc.schedule.type = LrScheduleType::Constant;
@@ -185,10 +185,10 @@ TEST(Trainer, Bfloat16WeightsFollowTheirFloat32Masters) {
   const TokenBatch mb[] = {p.view()};
   for (int i = 0; i < 3; ++i) EXPECT_TRUE(t.step(mb).updated);
   m.arena().enter_phase(Phase::Optimizer);
-  for (size_t i = 0; i < m.params().size(); ++i) {
-    std::vector<uint16_t> w(m.params()[i].numel());
-    m.backend().copy_to_host(w.data(), m.param(i));
-    const std::vector<float> master = download_f32(m.backend(), m.trainable_value(i));
+  for (size_t i = 0; i < m.parameters().specs().size(); ++i) {
+    std::vector<uint16_t> w(m.parameters().specs()[i].numel());
+    m.backend().copy_to_host(w.data(), m.parameters().param(i));
+    const std::vector<float> master = download_f32(m.backend(), m.parameters().trainable_value(i));
     for (size_t j = 0; j < w.size(); ++j) ASSERT_EQ(w[j], f32_to_bf16(master[j]));
   }
   m.arena().enter_phase(Phase::Forward);
@@ -203,7 +203,7 @@ TEST(Trainer, AStepStaysInsideThePlanAndDoesNotAllocate) {
     o.gradient_checkpointing = true;
     Qwen2Model m(cfg, o);
     m.arena().set_poison_on_release(true);
-    m.init_random(3);
+    m.parameters().init_random(3);
     Trainer t(m, TrainerConfig{});
     const Seqs data = make_seqs({30, 11}, 4);
     const Packed a = pack(data, 0, 1), b = pack(data, 1, 2);
@@ -229,7 +229,7 @@ TEST(Trainer, DynamicLossScalingSkipsOverflowAndBacksOff) {
   tc.schedule.type = LrScheduleType::Constant;
   tc.loss_scaling = {true, 1e38, 2.0, 0.5, 3};  // absurd start: the scaled gradients overflow
   Qwen2Model m(cfg, train_options(29));
-  m.init_random(1);
+  m.parameters().init_random(1);
   Trainer t(m, tc);
   const auto before = flat_params(m);
   int skipped = 0;
@@ -251,8 +251,8 @@ TEST(Trainer, DynamicLossScalingSkipsOverflowAndBacksOff) {
 
   // A finite scale gives the same update as no scaling (the scale divides out).
   Qwen2Model a(cfg, train_options(29)), b(cfg, train_options(29));
-  a.init_random(1);
-  b.init_random(1);
+  a.parameters().init_random(1);
+  b.parameters().init_random(1);
   TrainerConfig scaled = tc, plain = tc;
   scaled.loss_scaling = {true, 1024.0, 2.0, 0.5, 2000};
   plain.loss_scaling.enabled = false;
@@ -269,7 +269,7 @@ TEST(Trainer, TinyModelMemorizesASmallDataset) {
   const Seqs data = make_seqs({16, 12, 20, 9}, 7);
   const Packed all = pack(data, 0, 4);
   Qwen2Model m(qwen2_preset("tiny"), train_options(57));
-  m.init_random(1);
+  m.parameters().init_random(1);
   TrainerConfig tc;
   tc.learning_rate = 1e-2;
   tc.schedule = {LrScheduleType::ConstantWithWarmup, 5, 300, 0.0};

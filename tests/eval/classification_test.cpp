@@ -10,8 +10,8 @@
 #include <nlohmann/json.hpp>
 
 #include "data/synthetic_tokenizer.h"
+#include "eval/classification.h"
 #include "support/test_util.h"
-#include "train/classification.h"
 
 namespace memtune {
 namespace {
@@ -44,14 +44,14 @@ TEST(Classification, ScoresAndMetricsMatchMaterializedLogits) {
   o.with_grads = false;
   o.loss_workspace_bytes = 5 * (512 + 128) * 4;  // 5-row chunks
   Qwen2Model m(qwen2_preset("tiny"), o);
-  m.init_random(3);
+  m.parameters().init_random(3);
   const ClassificationResult r = evaluate_classification(m, batcher, set);
 
   // Reference: each candidate alone, full logits, log-softmax in double.
   ModelOptions one = o;
   one.max_tokens = static_cast<int64_t>(set.candidates.max_length());
   Qwen2Model ref(qwen2_preset("tiny"), one);
-  ref.init_random(3);
+  ref.parameters().init_random(3);
   std::vector<int> predicted;
   double true_logp = 0;
   int64_t true_tokens = 0;

@@ -1,4 +1,4 @@
-#include "train/metrics.h"
+#include "eval/metrics.h"
 
 #include <fmt/format.h>
 

@@ -9,7 +9,7 @@
 #include "core/rng.h"
 #include "data/batcher.h"
 #include "data/dataset.h"
-#include "train/metrics.h"
+#include "eval/metrics.h"
 
 namespace memtune {
 namespace {
@@ -47,7 +47,7 @@ TEST(Metrics, MatchADirectComputationOnMaterializedLogits) {
   // A 3-row logits chunk, so every metric sees many chunks.
   Qwen2Model m(qwen2_preset("tiny"), eval_options(batcher.max_micro_batch_tokens(), 3 * (512 + 128) * 4));
   ASSERT_EQ(m.loss_chunk_rows(), 3);
-  m.init_random(2);
+  m.parameters().init_random(2);
   MetricSelection s = parse_metrics("eval_loss,perplexity,token_accuracy,top50_accuracy");
   const EvalResult r = evaluate(m, batcher, s);
 
@@ -97,7 +97,7 @@ TEST(Metrics, ResultsDoNotDependOnTheEvalBatchSize) {
     Batcher batcher(data, b);
     batcher.start_epoch(0);
     Qwen2Model m(qwen2_preset("tiny"), eval_options(batcher.max_micro_batch_tokens(), 1 << 20));
-    m.init_random(4);
+    m.parameters().init_random(4);
     MetricSelection s = parse_metrics("eval_loss,token_accuracy,top3_accuracy");
     results.push_back(evaluate(m, batcher, s));
   }

@@ -1,4 +1,4 @@
-#include "train/classification.h"
+#include "eval/classification.h"
 
 #include <fmt/format.h>
 

@@ -1,0 +1,139 @@
+// The decoder's buffers: every activation, gradient and workspace of a step declared in the
+// plan with its lifetime (see decoder_plan.h).
+#include "model/decoder_plan.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+namespace memtune {
+
+namespace {
+
+LayerActs declare_layer_acts(const Qwen2Config& config_, const ModelOptions& options_, MemoryPlan& plan,
+                             const std::string& prefix, Category cat, Phase first, Phase last) {
+  const size_t N = static_cast<size_t>(options_.max_tokens);
+  const size_t D = config_.hidden_size, I = config_.intermediate_size, qd = config_.q_dim(), kvd = config_.kv_dim();
+  const size_t Hq = config_.num_attention_heads;
+  auto f32 = [&](const char* name, size_t elems) { return plan.declare(prefix + name, cat, elems * 4, first, last); };
+  LayerActs acts{f32("ln1", N * D),  f32("rstd1", N),    f32("q", N * qd),   f32("k", N * kvd), f32("v", N * kvd),
+                 f32("att", N * qd), f32("lse", N * Hq), f32("res1", N * D), f32("ln2", N * D), f32("rstd2", N),
+                 f32("gate", N * I), f32("up", N * I),   f32("h", N * I)};
+  const LoraConfig& lora = options_.lora;
+  for (size_t s = 0; s < kNumLinearSites; ++s)
+    if (lora.enabled() && lora.targets[s])
+      acts.lora_u[s] = plan.declare(prefix + std::string(linear_site_name(static_cast<LinearSite>(s))) + ".lora_u", cat,
+                                    N * static_cast<size_t>(lora.rank) * 4, first, last);
+  return acts;
+}
+
+// Lifetimes, chosen so they nest (see MemoryPlan):
+//   persistent   weights, gradients, batch, residual stream x_0..x_L (saved for backward)
+//   forward      checkpointing: one layer's activations; weight conversion scratch
+//   loss..bwd    rstd of the final norm, d(normed hidden)
+//   loss         normed hidden, logits chunk, gathered rows, head weight conversion
+//   backward     activation gradients; checkpointing: one recomputed layer; weight conversion
+}  // namespace
+
+DecoderBuffers declare_decoder_buffers(const Qwen2Config& c, const ModelOptions& options_,
+                                       const std::vector<ParamSpec>& specs_, bool stage_chunks, MemoryPlan& plan,
+                                       MemoryPlan& host_plan) {
+  DecoderBuffers b;
+  const size_t N = static_cast<size_t>(options_.max_tokens);
+  const size_t D = c.hidden_size, I = c.intermediate_size, V = c.vocab_size, qd = c.q_dim(), kvd = c.kv_dim();
+  const DType dt = c.torch_dtype;
+
+  b.ids = plan.declare_persistent("batch.input_ids", Category::Batch, N * 4);
+  b.positions = plan.declare_persistent("batch.positions", Category::Batch, N * 4);
+  b.targets = plan.declare_persistent("batch.targets", Category::Batch, N * 4);
+  b.cu_seqlens = plan.declare_persistent("batch.cu_seqlens", Category::Batch, (N + 1) * 4);
+
+  const Phase F = Phase::Forward, L = Phase::Loss, B = Phase::Backward;
+  // Without gradients nothing needs to survive the forward pass except what the loss reads.
+  const Phase keep_until = options_.with_grads ? B : L;
+  for (int64_t l = 0; l <= c.num_hidden_layers; ++l)
+    b.residual.push_back(plan.declare(fmt::format("act.x{}", l), Category::SavedActivations, N * D * 4, F, keep_until));
+  if (options_.gradient_checkpointing || !options_.with_grads) {
+    b.fwd_scratch = declare_layer_acts(c, options_, plan, "fwd.layer.", Category::Working, F, F);
+  } else {
+    for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+      b.saved.push_back(
+          declare_layer_acts(c, options_, plan, fmt::format("act.layer{}.", l), Category::SavedActivations, F, B));
+  }
+
+  // 16-bit storage: weights are widened right before use into per-phase scratch.
+  size_t largest_matrix = 0, largest_vector = 0;
+  for (const auto& s : specs_) {
+    if (s.shape.size() == 1)
+      largest_vector = std::max<size_t>(largest_vector, s.numel());
+    else if (s.name.starts_with("model.layers."))
+      largest_matrix = std::max<size_t>(largest_matrix, s.numel());
+  }
+  const bool widen = dt != DType::F32;
+  auto declare_widening = [&](Phase ph, size_t matrix_elems) {
+    const std::string p{phase_name(ph)};
+    b.matrix_f32[static_cast<size_t>(ph)] =
+        plan.declare(p + ".matrix_f32", Category::Working, matrix_elems * 4, ph, ph);
+    b.vector_f32[static_cast<size_t>(ph)] =
+        plan.declare(p + ".vector_f32", Category::Working, largest_vector * 4, ph, ph);
+  };
+  if (widen) declare_widening(F, largest_matrix);
+
+  b.normed = plan.declare("loss.normed_hidden", Category::LossWorkspace, N * D * 4, L, L);
+  b.chunk_rows = static_cast<int64_t>(std::clamp<size_t>(options_.loss_workspace_bytes / ((V + 2 * D) * 4), 1, N));
+  const size_t chunk = static_cast<size_t>(b.chunk_rows);
+  b.logits_chunk = plan.declare("loss.logits_chunk", Category::LossWorkspace, chunk * V * 4, L, L);
+  b.rows = plan.declare("loss.hidden_rows", Category::LossWorkspace, chunk * D * 4, L, L);
+  b.drows = plan.declare("loss.dhidden_rows", Category::LossWorkspace, chunk * D * 4, L, L);
+  b.loss_positions = plan.declare("loss.target_positions", Category::LossWorkspace, N * 4, L, L);
+  b.row_targets = plan.declare("loss.row_targets", Category::LossWorkspace, chunk * 4, L, L);
+  // Host losses and observers read the chunk from host memory: a staged copy when the backend's
+  // memory is not the host's.
+  b.stages_chunks = stage_chunks;
+  if (stage_chunks) {
+    b.staging_logits = host_plan.declare_persistent("staging.logits_chunk", Category::LossWorkspace, chunk * V * 4);
+    b.staging_targets = host_plan.declare_persistent("staging.row_targets", Category::LossWorkspace, chunk * 4);
+    b.staging_positions = host_plan.declare_persistent("staging.row_positions", Category::LossWorkspace, chunk * 4);
+  }
+  if (widen) {
+    // The final norm's weight, and the LM head widened a vocabulary slice at a time.
+    b.vector_f32[static_cast<size_t>(L)] = plan.declare("loss.vector_f32", Category::Working, largest_vector * 4, L, L);
+    b.head_slice_rows = std::min<int64_t>(V, DecoderBuffers::kHeadSliceRows);
+    b.head_slice = plan.declare("loss.head_weight_slice_f32", Category::LossWorkspace,
+                                static_cast<size_t>(b.head_slice_rows) * D * 4, L, L);
+  }
+
+  if (options_.with_grads) {
+    b.rstd_final = plan.declare("act.rstd_final", Category::SavedActivations, N * 4, L, B);
+    b.dnormed = plan.declare("grad.normed_hidden", Category::Working, N * D * 4, L, B);
+    b.dstream = plan.declare("bwd.dresidual", Category::Working, N * D * 4, B, B);
+    b.dln = plan.declare("bwd.dnormed", Category::Working, N * D * 4, B, B);
+    b.datt = plan.declare("bwd.dattention", Category::Working, N * qd * 4, B, B);
+    b.dq = plan.declare("bwd.dq", Category::Working, N * qd * 4, B, B);
+    b.dk = plan.declare("bwd.dk", Category::Working, N * kvd * 4, B, B);
+    b.dv = plan.declare("bwd.dv", Category::Working, N * kvd * 4, B, B);
+    b.dh = plan.declare("bwd.dh", Category::Working, N * I * 4, B, B);
+    b.dgate = plan.declare("bwd.dgate", Category::Working, N * I * 4, B, B);
+    b.dup = plan.declare("bwd.dup", Category::Working, N * I * 4, B, B);
+    if (options_.gradient_checkpointing)
+      b.recompute = declare_layer_acts(c, options_, plan, "bwd.recompute.", Category::RecomputeScratch, B, B);
+    if (widen) declare_widening(B, largest_matrix);
+  } else {
+    b.rstd_final = plan.declare("act.rstd_final", Category::LossWorkspace, N * 4, L, L);
+  }
+  if (options_.lora.enabled() && options_.with_grads) {
+    const size_t r = static_cast<size_t>(options_.lora.rank), widest = std::max(D, I);
+    b.lora_du = plan.declare("bwd.lora_du", Category::Working, N * r * 4, B, B);
+    if (options_.lora.dropout > 0) {
+      // Dropout masks are regenerated from a seed; only the dropped input is materialized.
+      b.lora_xd[static_cast<size_t>(F)] =
+          plan.declare("forward.lora_dropped_x", Category::Working, N * widest * 4, F, F);
+      b.lora_xd[static_cast<size_t>(B)] =
+          plan.declare("backward.lora_dropped_x", Category::Working, N * widest * 4, B, B);
+      b.lora_dxd = plan.declare("bwd.lora_ddropped_x", Category::Working, N * widest * 4, B, B);
+    }
+  }
+  return b;
+}
+
+}  // namespace memtune

@@ -1,0 +1,54 @@
+// Planning, one job: the decoder's buffers for one micro-batch of up to max_tokens tokens, each
+// declared with its category and lifetime over the phases of a step (forward, loss, backward,
+// optimizer), and the host staging a backend without host-addressable memory needs. The
+// compute (model/qwen2.h) only looks buffers up here; the parameters declare their own
+// (model/parameters.h).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "memory/plan.h"
+#include "model/config.h"
+#include "model/lora.h"
+#include "model/parameters.h"
+
+namespace memtune {
+
+// One decoder layer's activations.
+struct LayerActs {
+  BufferId ln1, rstd1, q, k, v, att, lse, res1, ln2, rstd2, gate, up, h;
+  std::array<BufferId, kNumLinearSites> lora_u{};  // x A^T of each adapter, [N, r]
+};
+
+struct DecoderBuffers {
+  static constexpr int64_t kHeadSliceRows = 4096;               // vocabulary rows of a 16-bit head widened at once
+  BufferId ids, positions, targets, cu_seqlens;                 // the batch
+  std::vector<BufferId> residual;                               // layer inputs x_0..x_L (x_L feeds the final norm)
+  std::vector<LayerActs> saved;                                 // per layer, without checkpointing
+  LayerActs fwd_scratch{}, recompute{};                         // with checkpointing (or without gradients)
+  std::array<BufferId, kNumPhases> matrix_f32{}, vector_f32{};  // 16-bit weights widened per phase
+  BufferId normed, rstd_final, dnormed;
+  BufferId logits_chunk, rows, drows, loss_positions, row_targets, head_slice{};
+  int64_t chunk_rows = 1, head_slice_rows = 0;
+  // Host staging of the logits chunk for host losses and observers (host plan).
+  bool stages_chunks = false;
+  BufferId staging_logits{}, staging_targets{}, staging_positions{};
+  BufferId dstream, dln, datt, dq, dk, dv, dh, dgate, dup;  // activation gradients
+  BufferId lora_du{}, lora_dxd{};
+  std::array<BufferId, kNumPhases> lora_xd{};
+};
+
+// Lifetimes, chosen so they nest (see MemoryPlan):
+//   persistent   batch, residual stream x_0..x_L (saved for backward)
+//   forward      checkpointing: one layer's activations; weight conversion scratch
+//   loss..bwd    rstd of the final norm, d(normed hidden)
+//   loss         normed hidden, logits chunk, gathered rows, head weight conversion
+//   backward     activation gradients; checkpointing: one recomputed layer; weight conversion
+DecoderBuffers declare_decoder_buffers(const Qwen2Config& config, const ModelOptions& options,
+                                       const std::vector<ParamSpec>& specs, bool stage_chunks, MemoryPlan& plan,
+                                       MemoryPlan& host_plan);
+
+}  // namespace memtune

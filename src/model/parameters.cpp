@@ -1,0 +1,395 @@
+// The model's parameters: specs, plan declarations, views, and their movement between files and
+// the backend (see parameters.h).
+#include "model/parameters.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "core/rng.h"
+#include "io/checkpoint.h"
+#include "io/safetensors.h"
+
+namespace memtune {
+
+TensorToWrite device_tensor_to_write(Backend& backend, const std::string& name, const std::vector<int64_t>& shape,
+                                     const Tensor& tensor) {
+  TensorToWrite t{name, tensor.dtype, shape, nullptr, {}};
+  const Tensor flat = tensor.flat_range(0, tensor.numel());
+  t.fetch = [&backend, flat](size_t offset, std::span<std::byte> out) {
+    const size_t element = dtype_size(flat.dtype);
+    MT_ASSERT(offset % element == 0 && out.size() % element == 0, "fetch of a partial element");
+    backend.copy_to_host(out.data(), flat.flat_range(static_cast<int64_t>(offset / element),
+                                                     static_cast<int64_t>(out.size() / element)));
+  };
+  return t;
+}
+
+int64_t ParamSpec::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+std::vector<ParamSpec> qwen2_parameter_specs(const Qwen2Config& c) {
+  const int64_t D = c.hidden_size, I = c.intermediate_size, qd = c.q_dim(), kvd = c.kv_dim();
+  std::vector<ParamSpec> specs;
+  specs.push_back({"model.embed_tokens.weight", {c.vocab_size, D}});
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    const std::string p = fmt::format("model.layers.{}.", l);
+    specs.push_back({p + "input_layernorm.weight", {D}});
+    specs.push_back({p + "self_attn.q_proj.weight", {qd, D}});
+    specs.push_back({p + "self_attn.q_proj.bias", {qd}});
+    specs.push_back({p + "self_attn.k_proj.weight", {kvd, D}});
+    specs.push_back({p + "self_attn.k_proj.bias", {kvd}});
+    specs.push_back({p + "self_attn.v_proj.weight", {kvd, D}});
+    specs.push_back({p + "self_attn.v_proj.bias", {kvd}});
+    specs.push_back({p + "self_attn.o_proj.weight", {D, qd}});
+    specs.push_back({p + "post_attention_layernorm.weight", {D}});
+    specs.push_back({p + "mlp.gate_proj.weight", {I, D}});
+    specs.push_back({p + "mlp.up_proj.weight", {I, D}});
+    specs.push_back({p + "mlp.down_proj.weight", {D, I}});
+  }
+  specs.push_back({"model.norm.weight", {D}});
+  if (!c.tie_word_embeddings) specs.push_back({"lm_head.weight", {c.vocab_size, D}});
+  return specs;
+}
+
+int64_t qwen2_parameter_count(const Qwen2Config& config) {
+  int64_t total = 0;
+  for (const auto& s : qwen2_parameter_specs(config)) total += s.numel();
+  return total;
+}
+
+ModelParameters::ModelParameters(const Qwen2Config& config, const ModelOptions& options, MemoryPlan& device_plan,
+                                 MemoryPlan& host_plan)
+    : config_(config), options_(options), specs_(qwen2_parameter_specs(config)) {
+  size_t i = 1;  // specs_[0] is the embedding
+  for (int64_t l = 0; l < config.num_hidden_layers; ++l, i += 12)
+    layer_params_.push_back({i, i + 1, i + 2, i + 3, i + 4, i + 5, i + 6, i + 7, i + 8, i + 9, i + 10, i + 11});
+  final_norm_ = i;
+  head_ = config.tie_word_embeddings ? embed_ : i + 1;
+  for (const auto& s : specs_)
+    weight_ids_.push_back(
+        device_plan.declare_persistent(s.name, Category::Weights, s.numel() * dtype_size(config.torch_dtype)));
+  declare_trainables(device_plan, host_plan);
+}
+
+void ModelParameters::bind(Arena* device, Arena* host, Backend& backend) {
+  device_ = device;
+  host_ = host;
+  backend_ = &backend;
+}
+
+// Base parameters get gradients (and optimizer state) only when they are trained; with LoRA the
+// adapters are the only trainable tensors and the base stays frozen in its storage dtype.
+void ModelParameters::declare_trainables(MemoryPlan& device_plan, MemoryPlan& host_plan) {
+  const DType dt = config_.torch_dtype;
+  const bool optimizer = options_.with_optimizer;
+  if (optimizer && !options_.with_grads) throw Error("an optimizer needs gradients (with_grads)");
+  if (options_.optim_offload && !optimizer) throw Error("optim_offload needs an optimizer");
+  if (options_.zero_stage < 0 || options_.zero_stage > 1)
+    throw Error(fmt::format("zero_stage must be 0 or 1, got {}", options_.zero_stage));
+  if (options_.world_size < 1 || options_.rank < 0 || options_.rank >= options_.world_size)
+    throw Error(fmt::format("rank {} of world size {}: impossible", options_.rank, options_.world_size));
+  MemoryPlan& state_plan = options_.optim_offload ? host_plan : device_plan;
+  // Optimizer state (moments, masters) covers this rank's shard of each tensor.
+  auto shard_bytes = [&](const ParamSpec& spec) {
+    return shard_of_tensor(static_cast<size_t>(spec.numel())).size() * 4;
+  };
+  auto add = [&](const ParamSpec& spec, BufferId value, std::optional<size_t> widen_into) {
+    const size_t bytes = static_cast<size_t>(spec.numel()) * 4;
+    Trainable t{spec, value, device_plan.declare_persistent("grad." + spec.name, Category::Gradients, bytes),
+                {},   {},    widen_into};
+    if (optimizer) {
+      t.m = state_plan.declare_persistent("adam_m." + spec.name, Category::OptimizerState, shard_bytes(spec));
+      t.v = state_plan.declare_persistent("adam_v." + spec.name, Category::OptimizerState, shard_bytes(spec));
+    }
+    trainables_.push_back(std::move(t));
+  };
+  if (base_trainable()) {
+    for (size_t i = 0; i < specs_.size(); ++i) {
+      const ParamSpec& s = specs_[i];
+      if (optimizer && dt != DType::F32) {
+        const BufferId master =
+            state_plan.declare_persistent("master." + s.name, Category::TrainableParams, shard_bytes(s));
+        add(s, master, i);
+      } else {
+        add(s, weight_ids_[i], std::nullopt);
+      }
+      grad_ids_.push_back(trainables_.back().grad);
+    }
+  }
+  const LoraConfig& lora = options_.lora;
+  if (!lora.enabled()) return;
+  const Qwen2Config& c = config_;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    std::array<int, kNumLinearSites> index;
+    index.fill(-1);
+    for (size_t s = 0; s < kNumLinearSites; ++s) {
+      if (!lora.targets[s]) continue;
+      const Linear lin = linear(l, static_cast<LinearSite>(s));
+      index[s] = static_cast<int>(trainables_.size());
+      for (bool is_b : {false, true}) {
+        ParamSpec spec{lora_tensor_name(l, static_cast<LinearSite>(s), is_b),
+                       is_b ? std::vector<int64_t>{lin.out, lora.rank} : std::vector<int64_t>{lora.rank, lin.in}};
+        const BufferId value = device_plan.declare_persistent(spec.name, Category::TrainableParams, spec.numel() * 4);
+        if (options_.with_grads) {
+          add(spec, value, std::nullopt);
+        } else {
+          trainables_.push_back({spec, value, {}, {}, {}, std::nullopt});  // inference: values only
+        }
+      }
+    }
+    lora_index_.push_back(index);
+  }
+}
+
+ModelParameters::Linear ModelParameters::linear(int64_t l, LinearSite s) const {
+  const LayerParams& p = layer_params_[l];
+  const Qwen2Config& c = config_;
+  const int64_t D = c.hidden_size, I = c.intermediate_size, qd = c.q_dim(), kvd = c.kv_dim();
+  // While declare_trainables builds lora_index_, later layers have no entry yet.
+  const int lora = static_cast<size_t>(l) < lora_index_.size() ? lora_index_[l][static_cast<size_t>(s)] : -1;
+  switch (s) {
+    case LinearSite::Q:
+      return {p.wq, p.bq, D, qd, lora};
+    case LinearSite::K:
+      return {p.wk, p.bk, D, kvd, lora};
+    case LinearSite::V:
+      return {p.wv, p.bv, D, kvd, lora};
+    case LinearSite::O:
+      return {p.wo, std::nullopt, qd, D, lora};
+    case LinearSite::Gate:
+      return {p.wg, std::nullopt, D, I, lora};
+    case LinearSite::Up:
+      return {p.wu, std::nullopt, D, I, lora};
+    case LinearSite::Down:
+      return {p.wd, std::nullopt, I, D, lora};
+    case LinearSite::kCount:
+      break;
+  }
+  MT_ASSERT(false, "bad linear site");
+  return {};
+}
+
+Tensor ModelParameters::param(size_t i) const {
+  const ParamSpec& p = specs_.at(i);
+  void* data = device().raw(weight_ids_.at(i));
+  if (p.shape.size() == 1) return Tensor(data, config_.torch_dtype, {p.shape[0]});
+  return Tensor(data, config_.torch_dtype, {p.shape[0], p.shape[1]});
+}
+
+Tensor ModelParameters::grad(size_t i) const {
+  MT_ASSERT(base_trainable(), "base parameters are not trainable in this model");
+  const ParamSpec& p = specs_.at(i);
+  void* data = device().raw(grad_ids_.at(i));
+  if (p.shape.size() == 1) return Tensor(data, DType::F32, {p.shape[0]});
+  return Tensor(data, DType::F32, {p.shape[0], p.shape[1]});
+}
+
+Tensor ModelParameters::trainable_value(size_t i) const {
+  // A master is optimizer state (a shard with ZeRO-1); any other value is the parameter itself.
+  const Trainable& t = trainables_.at(i);
+  if (t.widen_into) return state_arena().f32(t.value, {static_cast<int64_t>(optimizer_shard(i).size())});
+  return device().f32(t.value, {t.spec.numel()});
+}
+Tensor ModelParameters::trainable_grad(size_t i) const {
+  return device().f32(trainables_.at(i).grad, {trainables_.at(i).spec.numel()});
+}
+Shard ModelParameters::shard_of_tensor(size_t n) const {
+  return options_.shards_optimizer() ? shard_of(n, options_.rank, options_.world_size) : Shard{0, n};
+}
+
+Shard ModelParameters::optimizer_shard(size_t i) const {
+  return shard_of_tensor(static_cast<size_t>(trainables_.at(i).spec.numel()));
+}
+
+Tensor ModelParameters::shard_value(size_t i) const {
+  // A master covers the shard only; any other value is the whole tensor.
+  const Shard s = optimizer_shard(i);
+  if (trainables_.at(i).widen_into) return trainable_value(i);
+  return trainable_value(i).flat_range(static_cast<int64_t>(s.begin), static_cast<int64_t>(s.size()));
+}
+Tensor ModelParameters::shard_grad(size_t i) const {
+  const Shard s = optimizer_shard(i);
+  return trainable_grad(i).flat_range(static_cast<int64_t>(s.begin), static_cast<int64_t>(s.size()));
+}
+
+Tensor ModelParameters::trainable_storage(size_t i) const {
+  const Trainable& t = trainables_.at(i);
+  const Tensor storage = t.widen_into ? param(*t.widen_into) : device().f32(t.value, {t.spec.numel()});
+  return storage.flat_range(0, storage.numel());
+}
+
+Tensor ModelParameters::adam_m(size_t i) const {
+  return state_arena().f32(trainables_.at(i).m, {static_cast<int64_t>(optimizer_shard(i).size())});
+}
+Tensor ModelParameters::adam_v(size_t i) const {
+  return state_arena().f32(trainables_.at(i).v, {static_cast<int64_t>(optimizer_shard(i).size())});
+}
+
+void ModelParameters::store_trainable(size_t i) {
+  const Trainable& t = trainables_.at(i);
+  if (!t.widen_into) return;
+  const Shard s = optimizer_shard(i);
+  backend_->convert(param(*t.widen_into).flat_range(static_cast<int64_t>(s.begin), static_cast<int64_t>(s.size())),
+                    trainable_value(i));
+}
+
+void ModelParameters::load_masters() {
+  for (size_t i = 0; i < trainables_.size(); ++i) {
+    const Trainable& t = trainables_[i];
+    if (!t.widen_into) continue;
+    const Shard s = optimizer_shard(i);
+    backend_->convert(trainable_value(i),
+                      param(*t.widen_into).flat_range(static_cast<int64_t>(s.begin), static_cast<int64_t>(s.size())));
+  }
+}
+
+void ModelParameters::zero_grads() {
+  if (!options_.with_grads) return;
+  for (size_t i = 0; i < trainables_.size(); ++i) backend_->fill(trainable_grad(i), 0.0f);
+}
+
+void ModelParameters::init_lora(uint64_t seed) {
+  MT_ASSERT(options_.lora.enabled());
+  std::vector<float> values;
+  for (size_t i = 0; i < trainables_.size(); ++i) {
+    const ParamSpec& s = trainables_[i].spec;
+    if (!s.name.ends_with(".lora_A.weight") && !s.name.ends_with(".lora_B.weight")) continue;
+    values.assign(static_cast<size_t>(s.numel()), 0.0f);
+    if (s.name.ends_with(".lora_A.weight")) {
+      // PEFT: kaiming_uniform_(a=sqrt(5)) on [r, in] -> bound = 1/sqrt(in)
+      const double bound = 1.0 / std::sqrt(static_cast<double>(s.shape[1]));
+      Rng rng(seed, s.name);
+      for (float& v : values) v = static_cast<float>((2.0 * rng.uniform() - 1.0) * bound);
+    }
+    upload_f32(*backend_, trainable_value(i), values);
+  }
+}
+
+void ModelParameters::load_adapter(const std::string& dir) {
+  MT_ASSERT(options_.lora.enabled());
+  const std::string path = (std::filesystem::path(dir) / "adapter_model.safetensors").string();
+  const SafetensorsFile file(path);
+  size_t expected = 0;
+  std::vector<float> values;
+  for (size_t i = 0; i < trainables_.size(); ++i) {
+    const ParamSpec& s = trainables_[i].spec;
+    if (!s.name.starts_with("base_model.")) continue;
+    ++expected;
+    const TensorInfo* t = file.find(s.name);
+    if (!t) throw Error(fmt::format("{}: adapter tensor \"{}\" is missing", path, s.name));
+    if (t->shape != s.shape)
+      throw Error(fmt::format("{}: tensor \"{}\" has shape {}, the adapter config needs {}", path, s.name,
+                              shape_string(t->shape), shape_string(s.shape)));
+    const auto bytes = file.data(*t);
+    std::vector<std::byte> aligned(bytes.begin(), bytes.end());  // the mapping may be unaligned
+    values.resize(static_cast<size_t>(s.numel()));
+    convert_to_f32(aligned.data(), t->dtype, values.data(), values.size());
+    upload_f32(*backend_, trainable_value(i), values);
+  }
+  if (file.tensors().size() != expected)
+    throw Error(
+        fmt::format("{}: holds {} tensors, the adapter config describes {}", path, file.tensors().size(), expected));
+}
+
+void ModelParameters::save_adapter(const std::string& dir, const std::string& base_model_name_or_path) const {
+  MT_ASSERT(options_.lora.enabled());
+  std::filesystem::create_directories(dir);
+  std::vector<TensorToWrite> tensors;
+  for (size_t i = 0; i < trainables_.size(); ++i)
+    tensors.push_back(
+        device_tensor_to_write(*backend_, trainables_[i].spec.name, trainables_[i].spec.shape, trainable_value(i)));
+  write_safetensors((std::filesystem::path(dir) / "adapter_model.safetensors").string(), tensors, {{"format", "pt"}});
+  write_file_atomically((std::filesystem::path(dir) / "adapter_config.json").string(),
+                        lora_adapter_config_json(options_.lora, base_model_name_or_path).dump(2) + "\n");
+}
+
+// Merging is a one-off host computation: W, A and B come to host memory, W += scaling B A is
+// formed there in float64, and W goes back.
+void ModelParameters::merge_lora() {
+  MT_ASSERT(options_.lora.enabled());
+  const double scaling = options_.lora.scaling();
+  const int64_t r = options_.lora.rank;
+  for (int64_t l = 0; l < config_.num_hidden_layers; ++l)
+    for (size_t s = 0; s < kNumLinearSites; ++s) {
+      const Linear lin = linear(l, static_cast<LinearSite>(s));
+      if (lin.lora < 0) continue;
+      std::vector<float> w = download_f32(*backend_, param(lin.weight));
+      const std::vector<float> a = download_f32(*backend_, trainable_value(lin.lora));
+      const std::vector<float> b = download_f32(*backend_, trainable_value(lin.lora + 1));
+      // W [out, in] += scaling * B [out, r] A [r, in]
+      for (int64_t o = 0; o < lin.out; ++o)
+        for (int64_t i = 0; i < lin.in; ++i) {
+          double sum = 0.0;
+          for (int64_t k = 0; k < r; ++k) sum += double(b[o * r + k]) * a[k * lin.in + i];
+          w[o * lin.in + i] = static_cast<float>(w[o * lin.in + i] + scaling * sum);
+        }
+      upload_f32(*backend_, param(lin.weight), w);
+    }
+}
+
+void ModelParameters::init_random(uint64_t seed) {
+  std::vector<float> values;
+  for (size_t i = 0; i < specs_.size(); ++i) {
+    const auto& s = specs_[i];
+    values.assign(static_cast<size_t>(s.numel()), 0.0f);
+    if (s.name.ends_with("norm.weight")) {
+      std::fill(values.begin(), values.end(), 1.0f);
+    } else if (s.name.ends_with(".weight")) {
+      Rng rng(seed, s.name);
+      for (float& v : values) v = static_cast<float>(0.02 * rng.normal());
+    }
+    upload_f32(*backend_, param(i), values);
+  }
+}
+
+void ModelParameters::load(const CheckpointReader& checkpoint) {
+  std::set<std::string> expected;
+  std::vector<std::byte> staging;
+  for (size_t i = 0; i < specs_.size(); ++i) {
+    const auto& s = specs_[i];
+    expected.insert(s.name);
+    if (!checkpoint.contains(s.name))
+      throw Error(fmt::format("checkpoint is missing tensor \"{}\" required by the config", s.name));
+    // Through host staging in bounded slices: the file's bytes, converted, then copied over.
+    const Tensor dst = param(i);
+    const int64_t n = dst.numel();
+    const int64_t slice = std::max<int64_t>(1, static_cast<int64_t>(kTransferBytes / dtype_size(dst.dtype)));
+    staging.resize(static_cast<size_t>(std::min(n, slice)) * dtype_size(dst.dtype));
+    for (int64_t begin = 0; begin < n; begin += slice) {
+      const int64_t count = std::min(slice, n - begin);
+      checkpoint.read_into(s.name, s.shape, staging.data(), dst.dtype, static_cast<size_t>(begin),
+                           static_cast<size_t>(count));
+      backend_->copy_to_device(dst.flat_range(begin, count), staging.data());
+    }
+  }
+  for (const auto& name : checkpoint.tensor_names()) {
+    if (expected.contains(name)) continue;
+    // A tied checkpoint may still carry lm_head.weight (transformers ignores it); old ones carry
+    // RoPE's inv_freq buffer. Anything else means the checkpoint does not match the config.
+    if (name.ends_with("rotary_emb.inv_freq")) continue;
+    if (name == "lm_head.weight" && config_.tie_word_embeddings) continue;
+    throw Error(fmt::format("checkpoint tensor \"{}\" (in {}) is not a parameter of this Qwen2 config", name,
+                            checkpoint.file_of(name).path()));
+  }
+}
+
+void ModelParameters::save(const std::string& dir) const {
+  std::vector<TensorToWrite> tensors;
+  for (size_t i = 0; i < specs_.size(); ++i)
+    tensors.push_back(device_tensor_to_write(*backend_, specs_[i].name, specs_[i].shape, param(i)));
+  write_checkpoint(dir, tensors);
+  write_file_atomically((std::filesystem::path(dir) / "config.json").string(),
+                        qwen2_config_to_json(config_).dump(2) + "\n");
+}
+
+}  // namespace memtune

@@ -1,0 +1,169 @@
+// The model's parameters, one job: their specs with Hugging Face names and shapes, where each
+// lives in the plan (weights, gradients, the trainables the optimizer updates, AdamW state, float32
+// masters), the LoRA sites, and everything that moves them between files and the backend's memory
+// (initialization, loading and saving checkpoints, PEFT adapter files, merging). The decoder's
+// compute (model/qwen2.h) reads them through views; it never declares or moves them.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "core/error.h"
+#include "core/shard.h"
+#include "io/safetensors.h"
+#include "memory/arena.h"
+#include "memory/plan.h"
+#include "model/config.h"
+#include "model/lora.h"
+
+namespace memtune {
+
+class CheckpointReader;
+
+struct ParamSpec {
+  std::string name;  // Hugging Face name
+  std::vector<int64_t> shape;
+  int64_t numel() const;
+};
+// All parameters of a Qwen2ForCausalLM in Hugging Face order (lm_head.weight only when untied).
+std::vector<ParamSpec> qwen2_parameter_specs(const Qwen2Config& config);
+int64_t qwen2_parameter_count(const Qwen2Config& config);
+
+// A tensor in backend memory for the safetensors writer: fetched through the backend slice by
+// slice while the file is written, so no host copy of the whole tensor exists.
+TensorToWrite device_tensor_to_write(Backend& backend, const std::string& name, const std::vector<int64_t>& shape,
+                                     const Tensor& tensor);
+
+// Default budget of the fused LM head's logits chunk: large enough that the chunk's GEMMs run
+// near the machine's sgemm ceiling (measured in docs/benchmarks.md), small next to the model.
+constexpr size_t kDefaultLossWorkspaceBytes = size_t{192} << 20;
+
+struct ModelOptions {
+  int64_t max_tokens = 2048;  // capacity of one micro-batch's flat token stream
+  bool gradient_checkpointing = false;
+  size_t loss_workspace_bytes = kDefaultLossWorkspaceBytes;  // budget for the LM head's logits chunk
+  bool with_grads = true;                                    // declare gradients and backward buffers
+  bool with_optimizer = false;  // declare AdamW moments (and fp32 masters for 16-bit storage)
+  LoraConfig lora;              // rank > 0: adapters are trained, the base is frozen (no gradients, no optimizer state)
+  bool allocate = true;         // false: declare and plan only (memtune plan for models larger than this machine)
+  // AdamW moments and the float32 masters of 16-bit weights live in host memory (the host plan)
+  // instead of the device plan; the optimizer step runs on the host for them (ZeRO-Offload's
+  // split). On the CPU backend host and device are the same memory, so only the accounting moves.
+  bool optim_offload = false;
+  // ZeRO stage 1 over data-parallel ranks: this rank holds the AdamW moments (and float32
+  // masters) of its block of every trainable tensor only (block r of n elements is
+  // [n r / W, n (r+1) / W)); 0 keeps the whole optimizer state on every rank.
+  int zero_stage = 0;
+  int rank = 0, world_size = 1;
+  Backend* backend = nullptr;  // where the arena lives and the ops run; null: the cpu backend
+  bool shards_optimizer() const { return zero_stage >= 1 && world_size > 1; }
+};
+
+class ModelParameters {
+ public:
+  // Declares the weights (device plan), their gradients and the trainables with their optimizer
+  // state (device plan, or the host plan with optim_offload).
+  ModelParameters(const Qwen2Config& config, const ModelOptions& options, MemoryPlan& device_plan,
+                  MemoryPlan& host_plan);
+  // Once the plans are allocated: the arenas that hold the buffers and the backend that moves them.
+  void bind(Arena* device, Arena* host, Backend& backend);
+
+  const std::vector<ParamSpec>& specs() const { return specs_; }
+  struct LayerParams {  // indices into specs()
+    size_t ln1, wq, bq, wk, bk, wv, bv, wo, ln2, wg, wu, wd;
+  };
+  struct Linear {  // one linear layer of a decoder layer
+    size_t weight;
+    std::optional<size_t> bias;
+    int64_t in, out;
+    int lora = -1;  // index of the adapter's A among the trainables (B follows), or -1
+  };
+  const LayerParams& layer(int64_t l) const { return layer_params_.at(static_cast<size_t>(l)); }
+  Linear linear(int64_t l, LinearSite s) const;
+  size_t embed() const { return embed_; }
+  size_t final_norm() const { return final_norm_; }
+  size_t head() const { return head_; }
+
+  // Deterministic initialization like Hugging Face: N(0, 0.02) for matrices and embeddings,
+  // zero biases, unit norm weights.
+  void init_random(uint64_t seed);
+  // Loads every parameter from a checkpoint, converting dtype if needed; refuses missing or
+  // unexpected tensors and shape mismatches with the tensor and file named.
+  void load(const CheckpointReader& checkpoint);
+  // Writes config.json and model.safetensors (sharded when large) into dir.
+  void save(const std::string& dir) const;
+
+  // Views (device memory) of base parameter i in its storage dtype, and of its float32 gradient
+  // (only when the base is trainable, i.e. no LoRA).
+  Tensor param(size_t i) const;
+  Tensor grad(size_t i) const;
+  bool base_trainable() const { return options_.with_grads && !options_.lora.enabled(); }
+
+  // What the optimizer updates: the base parameters (full fine-tuning) or the LoRA adapters.
+  // Values are float32: the parameter itself, its float32 master when stored in 16 bits, or the
+  // adapter matrix. After updating a value, store_trainable(i) rounds it into 16-bit storage.
+  size_t num_trainable() const { return trainables_.size(); }
+  const ParamSpec& trainable_spec(size_t i) const { return trainables_.at(i).spec; }
+  Tensor trainable_value(size_t i) const;
+  Tensor trainable_grad(size_t i) const;
+  // The elements of trainable i whose optimizer state this rank holds: all of them, or with
+  // ZeRO-1 the rank's block. adam_m, adam_v, shard_value and shard_grad are views of
+  // shard.size() floats, element k standing for element shard.begin + k of the tensor; moments
+  // and masters are host memory with optim_offload.
+  Shard optimizer_shard(size_t i) const;
+  Tensor adam_m(size_t i) const;  // with_optimizer
+  Tensor adam_v(size_t i) const;
+  Tensor shard_value(size_t i) const;  // the float32 values the optimizer updates
+  Tensor shard_grad(size_t i) const;
+  // Rounds the shard's float32 master into the 16-bit weight (nothing for float32 values).
+  void store_trainable(size_t i);
+  // True when trainable i is the float32 master of a 16-bit base weight (checkpoints keep it).
+  bool trainable_is_master(size_t i) const { return trainables_.at(i).widen_into.has_value(); }
+  // The storage every rank must hold whole after an update (the ZeRO-1 allgather): the 16-bit
+  // weight a master rounds into, or the float32 value itself.
+  Tensor trainable_storage(size_t i) const;
+  // Sets every float32 master from its 16-bit weight (after loading or initializing weights).
+  void load_masters();
+  void zero_grads();
+
+  // LoRA (options.lora enabled): PEFT initialization (A Kaiming-uniform, B zero), adapter files
+  // in PEFT's format, and merging B A into the base weights.
+  void init_lora(uint64_t seed);
+  void load_adapter(const std::string& dir);
+  void save_adapter(const std::string& dir, const std::string& base_model_name_or_path) const;
+  void merge_lora();
+
+ private:
+  struct Trainable {
+    ParamSpec spec;
+    BufferId value, grad, m{}, v{};
+    std::optional<size_t> widen_into;  // base parameter stored in 16 bits that value is the master of
+  };
+  void declare_trainables(MemoryPlan& device_plan, MemoryPlan& host_plan);
+  // This rank's block of a tensor of n elements: all of it, or its ZeRO-1 shard.
+  Shard shard_of_tensor(size_t n) const;
+  // Where optimizer state (moments, masters) lives: the host arena with optim_offload.
+  Arena& state_arena() const { return options_.optim_offload ? *host_ : *device_; }
+  Arena& device() const {
+    MT_ASSERT(device_, "this model was built plan-only (allocate = false)");
+    return *device_;
+  }
+
+  Qwen2Config config_;
+  ModelOptions options_;
+  std::vector<ParamSpec> specs_;
+  std::vector<LayerParams> layer_params_;
+  size_t embed_ = 0, final_norm_ = 0, head_ = 0;
+  std::vector<BufferId> weight_ids_, grad_ids_;
+  std::vector<Trainable> trainables_;
+  std::vector<std::array<int, kNumLinearSites>> lora_index_;  // per layer and site, into trainables_
+  Arena* device_ = nullptr;
+  Arena* host_ = nullptr;
+  Backend* backend_ = nullptr;
+};
+
+}  // namespace memtune
