@@ -383,6 +383,13 @@ void ModelParameters::load(const CheckpointReader& checkpoint) {
   }
 }
 
+void ModelParameters::restore(const std::string& dir) {
+  if (options_.lora.enabled())
+    load_adapter(dir);
+  else
+    load(CheckpointReader(dir));
+}
+
 void ModelParameters::save(const std::string& dir) const {
   std::vector<TensorToWrite> tensors;
   for (size_t i = 0; i < specs_.size(); ++i)

@@ -71,6 +71,9 @@ class ModelParameters {
                   MemoryPlan& host_plan);
   // Once the plans are allocated: the arenas that hold the buffers and the backend that moves them.
   void bind(Arena* device, Arena* host, Backend& backend);
+  Backend& backend() const { return *backend_; }
+  // ZeRO-1: this rank holds only its block of each trainable's optimizer state.
+  bool optimizer_sharded() const { return options_.shards_optimizer(); }
 
   const std::vector<ParamSpec>& specs() const { return specs_; }
   struct LayerParams {  // indices into specs()
@@ -96,6 +99,9 @@ class ModelParameters {
   void load(const CheckpointReader& checkpoint);
   // Writes config.json and model.safetensors (sharded when large) into dir.
   void save(const std::string& dir) const;
+  // Loads what a training checkpoint or output directory holds of this model: the PEFT adapter
+  // with LoRA, the whole model otherwise.
+  void restore(const std::string& dir);
 
   // Views (device memory) of base parameter i in its storage dtype, and of its float32 gradient
   // (only when the base is trainable, i.e. no LoRA).

@@ -3,16 +3,11 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <malloc.h>
-#include <unistd.h>
-
-#include <atomic>
-#include <csignal>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
-#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <ostream>
@@ -31,6 +26,8 @@
 #include "model/qwen2.h"
 #include "report/report.h"
 #include "tokenizer/tokenizer.h"
+#include "train/checkpoint.h"
+#include "train/console.h"
 #include "train/trainer.h"
 
 namespace memtune {
@@ -40,17 +37,6 @@ using nlohmann::json;
 
 namespace {
 
-// Ctrl-C asks the loop to stop after the current step; the loop then saves a checkpoint.
-std::atomic<bool> g_interrupted{false};
-extern "C" void on_sigint(int) {
-  g_interrupted = true;
-}
-
-std::string format_duration(double seconds) {
-  const auto s = static_cast<int64_t>(seconds);
-  return s >= 3600 ? fmt::format("{}h{:02}m", s / 3600, s / 60 % 60) : fmt::format("{}m{:02}s", s / 60, s % 60);
-}
-
 json read_json(const fs::path& path) {
   std::ifstream in(path);
   if (!in) throw Error(fmt::format("{}: cannot open file", path.string()));
@@ -59,22 +45,6 @@ json read_json(const fs::path& path) {
   } catch (const json::parse_error& e) {
     throw Error(fmt::format("{}: invalid JSON: {}", path.string(), e.what()));
   }
-}
-
-// The checkpoint-{N} directories of output_dir, oldest first.
-std::vector<std::pair<int64_t, fs::path>> list_checkpoints(const fs::path& output_dir) {
-  std::vector<std::pair<int64_t, fs::path>> out;
-  if (!fs::exists(output_dir)) return out;
-  for (const auto& e : fs::directory_iterator(output_dir)) {
-    const std::string name = e.path().filename().string();
-    if (!e.is_directory() || !name.starts_with("checkpoint-")) continue;
-    try {
-      out.emplace_back(std::stoll(name.substr(11)), e.path());
-    } catch (const std::exception&) {
-    }
-  }
-  std::sort(out.begin(), out.end());
-  return out;
 }
 
 // Everything that changes as training goes and must survive a resume.
@@ -99,7 +69,8 @@ class TrainingRun {
   void load_data();
   void build_model();
   void resume();
-  void train_loop();
+  // Returns true when Ctrl-C stopped it (on any rank).
+  bool train_loop(InterruptRequests& interrupts);
   void log(json record);
   void save_checkpoint();
   void save_final();
@@ -171,27 +142,18 @@ void TrainingRun::run() {
     if (!log_file_) throw Error(fmt::format("{}: cannot write log.jsonl", output_dir_.string()));
     timeline_.open((output_dir_ / "memory.jsonl").string());
   }
-  // Under mpirun stdout is a pseudo-terminal even when the job's output goes to a file: plain
-  // log lines there.
-  terminal_ = comm_.world_size() == 1 && &out_ == &std::cout && isatty(STDOUT_FILENO);
-  g_interrupted = false;
-  struct sigaction action {
-  }, previous{};
-  action.sa_handler = on_sigint;
-  sigaction(SIGINT, &action, &previous);
-  try {
-    train_loop();
-  } catch (...) {
-    sigaction(SIGINT, &previous, nullptr);
-    throw;
+  terminal_ = progress_line_on_terminal(out_, comm_.world_size());
+  bool interrupted = false;
+  {
+    InterruptRequests interrupts;  // Ctrl-C: stop after the current step and save a checkpoint
+    interrupted = train_loop(interrupts);
   }
-  sigaction(SIGINT, &previous, nullptr);
   // The last epoch ends with the last step, before the loop sees the epoch boundary.
-  if (!g_interrupted && progress_.global_step > 0 && progress_.batches_in_epoch > 0) {
+  if (!interrupted && progress_.global_step > 0 && progress_.batches_in_epoch > 0) {
     if (args_.eval_strategy == "epoch") run_evaluation();
     if (args_.save_strategy == "epoch") save_checkpoint();
   }
-  if (g_interrupted) {
+  if (interrupted) {
     save_checkpoint();
     throw Interrupted(fmt::format("interrupted at step {}: saved {}; continue with --resume_from_checkpoint last",
                                   progress_.global_step,
@@ -359,39 +321,15 @@ void TrainingRun::save_checkpoint() {
   // Checkpoints do not depend on the world size: the optimizer state is saved whole. Every rank
   // holds the same model; with ZeRO-1 each rank's shards of the moments and masters are gathered
   // on rank 0 first (every rank takes part), otherwise rank 0 writes its own copy.
-  Arena& arena = model_->arena();
-  arena.enter_phase(Phase::Optimizer);
-  const bool sharded = model_->options().shards_optimizer();
-  std::deque<std::vector<float>> gathered;  // host staging for the sharded state (rank 0)
-  Backend& backend = model_->backend();
-  auto whole = [&](const std::string& name, const Tensor& shard, size_t i) -> TensorToWrite {
-    const ParamSpec& s = model_->parameters().trainable_spec(i);
-    if (!sharded) return device_tensor_to_write(backend, name, s.shape, shard);
-    const size_t n = static_cast<size_t>(s.numel());
-    const std::vector<float> block = download_f32(backend, shard);
-    gathered.emplace_back(root_ ? n : 0);
-    comm_.gather_to_root(block, n, gathered.back().data());
-    return {name, DType::F32, s.shape, gathered.back().data(), {}};
-  };
-  // AdamW moments, and float32 masters of 16-bit weights (the weights alone would round them).
-  std::vector<TensorToWrite> tensors;
-  for (size_t i = 0; i < model_->parameters().num_trainable(); ++i) {
-    const ParamSpec& s = model_->parameters().trainable_spec(i);
-    tensors.push_back(whole("exp_avg." + s.name, model_->parameters().adam_m(i), i));
-    tensors.push_back(whole("exp_avg_sq." + s.name, model_->parameters().adam_v(i), i));
-    if (model_->parameters().trainable_is_master(i))
-      tensors.push_back(whole("master." + s.name, model_->parameters().shard_value(i), i));
-  }
-  arena.enter_phase(Phase::Forward);
-  if (!root_) return;
   const fs::path final_dir = output_dir_ / fmt::format("checkpoint-{}", progress_.global_step);
   const fs::path tmp = output_dir_ / fmt::format("tmp-checkpoint-{}", progress_.global_step);
-  fs::remove_all(tmp);
-  fs::create_directories(tmp);
-  write_model_files(tmp);
-  arena.enter_phase(Phase::Optimizer);
-  write_safetensors((tmp / "optimizer.safetensors").string(), tensors, {{"format", "pt"}});
-  arena.enter_phase(Phase::Forward);
+  if (root_) {
+    fs::remove_all(tmp);
+    fs::create_directories(tmp);
+    write_model_files(tmp);
+  }
+  write_optimizer_state(model_->parameters(), model_->arena(), comm_, tmp / "optimizer.safetensors");
+  if (!root_) return;
   write_file_atomically((tmp / "trainer_state.json").string(), trainer_state().dump(2) + "\n");
   const json position = {{"global_step", progress_.global_step},
                          {"optimizer_steps", trainer_->global_step()},
@@ -409,19 +347,7 @@ void TrainingRun::save_checkpoint() {
     progress_.best_model_checkpoint = final_dir.string();
     write_file_atomically((final_dir / "trainer_state.json").string(), trainer_state().dump(2) + "\n");
   }
-  if (args_.save_total_limit > 0) {
-    // The oldest go first, but never the best checkpoint nor the one just written (with a limit
-    // of 1 and a best that is not the newest, two remain, as in Hugging Face).
-    auto all = list_checkpoints(output_dir_);
-    size_t excess = all.size() > static_cast<size_t>(args_.save_total_limit)
-                        ? all.size() - static_cast<size_t>(args_.save_total_limit)
-                        : 0;
-    for (size_t i = 0; i + 1 < all.size() && excess > 0; ++i) {
-      if (all[i].second.string() == progress_.best_model_checkpoint) continue;
-      fs::remove_all(all[i].second);
-      --excess;
-    }
-  }
+  rotate_checkpoints(output_dir_, args_.save_total_limit, progress_.best_model_checkpoint);
   out_ << (terminal_ ? "\r\x1b[2K" : "") << fmt::format("saved {}\n", final_dir.string());
 }
 
@@ -435,33 +361,8 @@ void TrainingRun::resume() {
   }
   const json position = read_json(dir / "memtune_state.json");
   const json state = read_json(dir / "trainer_state.json");
-  if (model_->options().lora.enabled()) {
-    model_->parameters().load_adapter(dir.string());
-  } else {
-    model_->parameters().load(CheckpointReader(dir.string()));
-  }
-  const std::string opt_path = (dir / "optimizer.safetensors").string();
-  const SafetensorsFile opt(opt_path);
-  Arena& arena = model_->arena();
-  arena.enter_phase(Phase::Optimizer);
-  model_->parameters().load_masters();
-  // The file holds whole tensors; each rank takes the part it keeps (all, or its ZeRO-1 shard),
-  // whatever the world size that saved it.
-  auto restore = [&](const std::string& name, const Tensor& dst, size_t i) {
-    const ParamSpec& s = model_->parameters().trainable_spec(i);
-    const TensorInfo* t = opt.find(name);
-    if (!t || t->dtype != DType::F32 || t->shape != s.shape)
-      throw Error(fmt::format("{}: tensor \"{}\" missing or not F32 {}", opt_path, name, shape_string(s.shape)));
-    model_->backend().copy_to_device(dst, opt.data(*t).data() + model_->parameters().optimizer_shard(i).begin * 4);
-  };
-  for (size_t i = 0; i < model_->parameters().num_trainable(); ++i) {
-    const ParamSpec& s = model_->parameters().trainable_spec(i);
-    restore("exp_avg." + s.name, model_->parameters().adam_m(i), i);
-    restore("exp_avg_sq." + s.name, model_->parameters().adam_v(i), i);
-    if (model_->parameters().trainable_is_master(i))
-      restore("master." + s.name, model_->parameters().shard_value(i), i);
-  }
-  arena.enter_phase(Phase::Forward);
+  model_->parameters().restore(dir.string());
+  read_optimizer_state(model_->parameters(), model_->arena(), dir / "optimizer.safetensors");
   progress_.global_step = position.at("global_step").get<int64_t>();
   progress_.epoch = position.at("epoch").get<int64_t>();
   progress_.batches_in_epoch = position.at("batches_in_epoch").get<int64_t>();
@@ -520,7 +421,7 @@ void TrainingRun::log(json record) {
   out_ << (terminal_ ? "\r\x1b[2K" : "") << record.dump() << "\n";
 }
 
-void TrainingRun::train_loop() {
+bool TrainingRun::train_loop(InterruptRequests& interrupts) {
   using Clock = std::chrono::steady_clock;
   const int64_t ga = args_.gradient_accumulation_steps;
   std::vector<MicroBatch> micro(static_cast<size_t>(ga));
@@ -536,10 +437,7 @@ void TrainingRun::train_loop() {
 
   while (progress_.global_step < total_steps_) {
     // Ctrl-C reaches every rank at a slightly different moment: they agree to stop together.
-    if (comm_.allreduce_max(g_interrupted ? 1 : 0) != 0) {
-      g_interrupted = true;
-      break;
-    }
+    if (comm_.allreduce_max(interrupts.requested() ? 1 : 0) != 0) return true;
     views.clear();
     int64_t global_batches = 0;
     for (int64_t k = 0; k < ga; ++k) {
@@ -608,6 +506,7 @@ void TrainingRun::train_loop() {
     if (args_.save_strategy == "steps" && progress_.global_step % args_.save_steps == 0) save_checkpoint();
     window_start += Clock::now() - pause;
   }
+  return false;
 }
 
 void TrainingRun::save_final() {
@@ -624,11 +523,7 @@ void TrainingRun::save_final() {
   if (!root_) return;
   if (terminal_) out_ << "\n";
   if (args_.load_best_model_at_end && !progress_.best_model_checkpoint.empty()) {
-    if (model_->options().lora.enabled()) {
-      model_->parameters().load_adapter(progress_.best_model_checkpoint);
-    } else {
-      model_->parameters().load(CheckpointReader(progress_.best_model_checkpoint));
-    }
+    model_->parameters().restore(progress_.best_model_checkpoint);
     out_ << fmt::format("loaded the best checkpoint {} ({} = {})\n", progress_.best_model_checkpoint, best_key_,
                         *progress_.best_metric);
   }

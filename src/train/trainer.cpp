@@ -142,8 +142,7 @@ StepResult Trainer::step(std::span<const TokenBatch> micro_batches) {
   ++step_;
   for (size_t i = 0; i < P; ++i) {
     const auto& spec = params_.trainable_spec(i);
-    backend_.adamw_update(params_.shard_value(i), params_.shard_grad(i),
-                          params_.adam_m(i), params_.adam_v(i),
+    backend_.adamw_update(params_.shard_value(i), params_.shard_grad(i), params_.adam_m(i), params_.adam_v(i),
                           {.t = step_,
                            .learning_rate = r.learning_rate,
                            .config = config_.adam,

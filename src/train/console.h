@@ -1,0 +1,36 @@
+// What a training run needs from the process it runs in, kept apart from the training itself:
+// Ctrl-C as a request to stop after the current step (the run then saves a checkpoint), whether
+// progress can be a live terminal line, and durations for people.
+#pragma once
+
+#include <atomic>
+#include <csignal>
+#include <ostream>
+#include <string>
+
+namespace memtune {
+
+// While alive, SIGINT sets requested() instead of ending the process; the previous handler is
+// restored on destruction. One at a time.
+class InterruptRequests {
+ public:
+  InterruptRequests();
+  ~InterruptRequests();
+  InterruptRequests(const InterruptRequests&) = delete;
+  InterruptRequests& operator=(const InterruptRequests&) = delete;
+  bool requested() const;
+  // Another rank asked: behave as if this process had been interrupted too.
+  void request();
+
+ private:
+  struct sigaction previous_ {};
+};
+
+// A live, rewritten progress line: only on an interactive terminal in a single process (under
+// mpirun stdout is a pseudo-terminal even when the job's output goes to a file).
+bool progress_line_on_terminal(const std::ostream& out, int world_size);
+
+// "1h02m" or "3m05s".
+std::string format_duration(double seconds);
+
+}  // namespace memtune
