@@ -116,7 +116,6 @@ std::string replace_all(std::string text, std::string_view from, std::string_vie
   return text;
 }
 
-
 }  // namespace
 
 std::string label_text(const json& label) {

@@ -205,16 +205,16 @@ std::string read_file(const std::filesystem::path& path) {
 struct Tokenizer::Impl {
   uint64_t instance = g_next_instance.fetch_add(1);
 
-  StringMap<int32_t> vocab;             // vocabulary token (byte-level string) -> id
-  std::vector<AddedToken> added;        // never resized after the matchers point into it
-  StringMap<int32_t> added_by_content;  // added token content -> id
-  AddedTokenMatcher raw_matcher;        // added tokens with normalized = false
-  AddedTokenMatcher normalized_matcher; // added tokens with normalized = true
+  StringMap<int32_t> vocab;              // vocabulary token (byte-level string) -> id
+  std::vector<AddedToken> added;         // never resized after the matchers point into it
+  StringMap<int32_t> added_by_content;   // added token content -> id
+  AddedTokenMatcher raw_matcher;         // added tokens with normalized = false
+  AddedTokenMatcher normalized_matcher;  // added tokens with normalized = true
   bool nfc = false;
   std::vector<SplitRegex> pre_tokenizer;  // applied in order; each splits the previous pieces
   std::optional<BytePairMerger> merger;
   bool ignore_merges = false;
-  StringMap<int32_t> piece_to_id;  // raw bytes of each vocabulary token (only for ignore_merges)
+  StringMap<int32_t> piece_to_id;       // raw bytes of each vocabulary token (only for ignore_merges)
   std::vector<int32_t> prefix, suffix;  // TemplateProcessing around the text's ids
 
   // Decoding: the bytes each id stands for and what kind of token it is.
@@ -298,8 +298,10 @@ void Tokenizer::Impl::parse_model(const JsonReader& model) {
     bool byte_level = is_valid_utf8(token);
     for (size_t i = 0; byte_level && i < token.size();) {
       auto it = to_byte.find(next_code_point(token, i));
-      if (it == to_byte.end()) byte_level = false;
-      else bytes += static_cast<char>(it->second);
+      if (it == to_byte.end())
+        byte_level = false;
+      else
+        bytes += static_cast<char>(it->second);
     }
     id_bytes[static_cast<size_t>(id)] = byte_level ? bytes : token;
     if (ignore_merges && byte_level) piece_to_id.emplace(std::move(bytes), id);
@@ -534,9 +536,8 @@ void Tokenizer::Impl::pre_tokenize(std::string_view text, size_t level, WordCach
     encode_piece(text, cache, out);
     return;
   }
-  pre_tokenizer[level].split(text, [&](size_t begin, size_t end) {
-    pre_tokenize(text.substr(begin, end - begin), level + 1, cache, out);
-  });
+  pre_tokenizer[level].split(
+      text, [&](size_t begin, size_t end) { pre_tokenize(text.substr(begin, end - begin), level + 1, cache, out); });
 }
 
 void Tokenizer::Impl::encode_piece(std::string_view piece, WordCache& cache, std::vector<int32_t>& out) const {

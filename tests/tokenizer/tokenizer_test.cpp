@@ -60,9 +60,9 @@ std::string bl(std::string_view raw) {
 
 std::string nfc(const std::string& s) {
   utf8proc_uint8_t* out = nullptr;
-  const utf8proc_ssize_t n = utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(s.data()),
-                                          static_cast<utf8proc_ssize_t>(s.size()), &out,
-                                          static_cast<utf8proc_option_t>(UTF8PROC_STABLE | UTF8PROC_COMPOSE));
+  const utf8proc_ssize_t n =
+      utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(s.data()), static_cast<utf8proc_ssize_t>(s.size()), &out,
+                   static_cast<utf8proc_option_t>(UTF8PROC_STABLE | UTF8PROC_COMPOSE));
   std::string r = n >= 0 ? std::string(reinterpret_cast<const char*>(out), static_cast<size_t>(n)) : "(NFC failed)";
   std::free(out);
   return r;
@@ -76,14 +76,13 @@ struct Spec {
   std::map<std::string, int> extra_vocab;  // raw bytes -> id, outside the merges
   json added_tokens = json::array();
   json normalizer = {{"type", "NFC"}};
-  json pre_tokenizer = {{"type", "Sequence"},
-                        {"pretokenizers",
-                         {{{"type", "Split"},
-                           {"pattern", {{"Regex", kQwen2Pattern}}},
-                           {"behavior", "Isolated"},
-                           {"invert", false}},
-                          {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}, {"use_regex", false}}}}};
-  json post_processor = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}, {"use_regex", false}};
+  json pre_tokenizer = {
+      {"type", "Sequence"},
+      {"pretokenizers",
+       {{{"type", "Split"}, {"pattern", {{"Regex", kQwen2Pattern}}}, {"behavior", "Isolated"}, {"invert", false}},
+        {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}, {"use_regex", false}}}}};
+  json post_processor = {
+      {"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}, {"use_regex", false}};
   json decoder = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false}, {"use_regex", false}};
   bool ignore_merges = false;
 
@@ -94,8 +93,10 @@ struct Spec {
     int next = 256;
     for (const auto& [l, r] : merges) {
       if (!vocab.contains(bl(l + r))) vocab[bl(l + r)] = next++;
-      if (merges_as_pairs) merge_list.push_back({bl(l), bl(r)});
-      else merge_list.push_back(bl(l) + " " + bl(r));
+      if (merges_as_pairs)
+        merge_list.push_back({bl(l), bl(r)});
+      else
+        merge_list.push_back(bl(l) + " " + bl(r));
     }
     for (const auto& [raw, id] : extra_vocab) vocab[bl(raw)] = id;
     return {{"version", "1.0"},
@@ -118,12 +119,14 @@ struct Spec {
               {"vocab", vocab},
               {"merges", merge_list}}}};
   }
-  Tokenizer build(const std::string& config = "") const { return Tokenizer::from_json(document().dump(), config, "synthetic"); }
+  Tokenizer build(const std::string& config = "") const {
+    return Tokenizer::from_json(document().dump(), config, "synthetic");
+  }
 };
 
 json added(int id, const std::string& content, bool special, bool normalized = false) {
-  return {{"id", id},          {"content", content}, {"single_word", false}, {"lstrip", false},
-          {"rstrip", false},   {"normalized", normalized}, {"special", special}};
+  return {{"id", id},        {"content", content},       {"single_word", false}, {"lstrip", false},
+          {"rstrip", false}, {"normalized", normalized}, {"special", special}};
 }
 
 std::vector<int32_t> bytes_of(std::string_view raw) {
@@ -145,7 +148,8 @@ TEST(Tokenizer, MergesInBothFileFormsGiveTheSameIds) {
   pairs.merges_as_pairs = true;
   const Tokenizer a = strings.build(), b = pairs.build();
   EXPECT_EQ(a.encode("hello world"), (std::vector<int32_t>{259, 262, 'l', 'd'}));
-  for (const char* text : {"hello world", "lll", "hellohello", "or wo"}) EXPECT_EQ(a.encode(text), b.encode(text)) << text;
+  for (const char* text : {"hello world", "lll", "hellohello", "or wo"})
+    EXPECT_EQ(a.encode(text), b.encode(text)) << text;
 }
 
 TEST(Tokenizer, LowestRankMergesFirstAndLeftmostOnTies) {
@@ -190,8 +194,8 @@ TEST(Tokenizer, ShortAndLongWordsMatchTextbookBpe) {
   // Words of one letter run are single pre-tokens; lengths cross the short/long path boundary.
   // Two merges ("ab"+"ab" and "aba"+"b") make the same token.
   Spec spec;
-  spec.merges = {{"a", "b"}, {"b", "a"}, {"ab", "a"}, {"a", "a"}, {"ba", "b"}, {"aa", "aa"}, {"ab", "ab"},
-                 {"c", "a"}, {"aba", "b"}, {"ca", "b"}, {"abab", "abab"}, {"b", "c"}};
+  spec.merges = {{"a", "b"},   {"b", "a"}, {"ab", "a"},  {"a", "a"},  {"ba", "b"},      {"aa", "aa"},
+                 {"ab", "ab"}, {"c", "a"}, {"aba", "b"}, {"ca", "b"}, {"abab", "abab"}, {"b", "c"}};
   const Tokenizer t = spec.build();
   std::mt19937 rng(7);
   for (int trial = 0; trial < 400; ++trial) {
@@ -210,7 +214,7 @@ TEST(Tokenizer, AddedTokensSpecialAndNotAreMatchedBeforeSplitting) {
   const Tokenizer t = spec.build();
   EXPECT_EQ(t.encode("hello<|end|>hello<tool> world"), (std::vector<int32_t>{259, 300, 259, 301, 262, 'l', 'd'}));
   EXPECT_EQ(t.encode("<|a|>xy<|a|>"), (std::vector<int32_t>{303, 'y', 302}));  // longest match first
-  EXPECT_EQ(t.encode("<|end"), bytes_of("<|end"));                              // partial: plain text
+  EXPECT_EQ(t.encode("<|end"), bytes_of("<|end"));                             // partial: plain text
   EXPECT_EQ(t.encode("<|end|><|end|>"), (std::vector<int32_t>{300, 300}));
   const std::vector<int32_t> ids = t.encode("a<|end|>b<tool>c");
   EXPECT_EQ(t.decode(ids), "a<|end|>b<tool>c");
@@ -263,7 +267,8 @@ TEST(Tokenizer, Gpt2ByteLevelRegexSplitsWords) {
   Spec gpt2;
   gpt2.merges = {{"o", " "}, {"'", "s"}, {"i", "t"}};
   gpt2.normalizer = nullptr;
-  gpt2.pre_tokenizer = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", true}};
+  gpt2.pre_tokenizer = {
+      {"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", true}};
   // One piece per word: "o " never occurs inside a piece, "'s" is a piece of its own.
   EXPECT_EQ(gpt2.build().encode("go it's"), (std::vector<int32_t>{'g', 'o', ' ', 258, 257}));
   Spec whole = gpt2;
@@ -278,7 +283,7 @@ TEST(Tokenizer, WhiteSpaceIsUnicodeWhiteSpaceAsInHuggingFace) {
   spec.merges = {{"\xE1", "\xA0"}, {"\xE1\xA0", "\x8E"}, {"\u180E", "\u180E"}, {"\xC2", "\x85"}, {"\u0085", "\u0085"}};
   spec.pre_tokenizer = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", true}};
   const Tokenizer t = spec.build();
-  EXPECT_EQ(t.encode("x\u180E\u180Ey"), (std::vector<int32_t>{'x', 258, 'y'}));  // punctuation-like run
+  EXPECT_EQ(t.encode("x\u180E\u180Ey"), (std::vector<int32_t>{'x', 258, 'y'}));       // punctuation-like run
   EXPECT_EQ(t.encode("a\u0085\u0085b"), (std::vector<int32_t>{'a', 259, 259, 'b'}));  // two whitespace pieces
   const std::string rewritten = tokenizer_detail::with_unicode_white_space(R"([^\s\p{L}]\s+\\s\Q\s\E)", "test");
   EXPECT_EQ(rewritten.find("\\s"), rewritten.find("\\\\s") + 1);  // only the escaped backslash and \Q..\E keep it
@@ -300,7 +305,8 @@ TEST(Tokenizer, Llama3IgnoreMergesAndBosTemplate) {
       {"pair", json::array()},
       {"special_tokens",
        {{"<|begin_of_text|>", {{"id", "<|begin_of_text|>"}, {"ids", {302}}, {"tokens", {"<|begin_of_text|>"}}}}}}};
-  const json byte_level = {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", false}, {"use_regex", true}};
+  const json byte_level = {
+      {"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", false}, {"use_regex", true}};
   spec.post_processor = {{"type", "Sequence"}, {"processors", json::array({byte_level, bos_template})}};
   const Tokenizer t = spec.build();
   EXPECT_EQ(t.encode("abc abc abd"), (std::vector<int32_t>{300, 301, ' ', 256, 'd'}));
@@ -325,18 +331,23 @@ TEST(Tokenizer, RefusesUnsupportedFilesNamingTheField) {
   EXPECT_CONTAINS(refusal([](json& d) { d["model"]["type"] = "Unigram"; }), "model.type");
   EXPECT_CONTAINS(refusal([](json& d) { d["model"]["byte_fallback"] = true; }), "model.byte_fallback");
   EXPECT_CONTAINS(refusal([](json& d) { d["model"]["dropout"] = 0.1; }), "model.dropout");
-  EXPECT_CONTAINS(refusal([](json& d) { d["model"]["continuing_subword_prefix"] = "##"; }), "model.continuing_subword_prefix");
+  EXPECT_CONTAINS(refusal([](json& d) { d["model"]["continuing_subword_prefix"] = "##"; }),
+                  "model.continuing_subword_prefix");
   EXPECT_CONTAINS(refusal([](json& d) { d["model"]["merges"][0] = "h e x"; }), "model.merges[0]");
   EXPECT_CONTAINS(refusal([](json& d) { d["model"]["merges"][1] = "zz q"; }), "model.merges[1]");
   EXPECT_CONTAINS(refusal([](json& d) { d["model"]["vocab"].erase(bl("\n")); }), "model.vocab");
   EXPECT_CONTAINS(refusal([](json& d) { d["normalizer"] = {{"type", "NFKC"}}; }), "normalizer.type");
-  EXPECT_CONTAINS(refusal([](json& d) { d["normalizer"] = {{"type", "Sequence"}, {"normalizers", {{{"type", "Lowercase"}}}}}; }),
+  EXPECT_CONTAINS(refusal([](json& d) {
+                    d["normalizer"] = {{"type", "Sequence"}, {"normalizers", {{{"type", "Lowercase"}}}}};
+                  }),
                   "normalizer.normalizers[0].type");
   EXPECT_CONTAINS(refusal([](json& d) { d["pre_tokenizer"] = {{"type", "Metaspace"}}; }), "pre_tokenizer.type");
   EXPECT_CONTAINS(refusal([](json& d) { d["pre_tokenizer"] = nullptr; }), "pre_tokenizer");
   EXPECT_CONTAINS(refusal([](json& d) { d["pre_tokenizer"]["pretokenizers"][0]["behavior"] = "Removed"; }),
                   "pre_tokenizer.pretokenizers[0].behavior");
-  EXPECT_CONTAINS(refusal([](json& d) { d["pre_tokenizer"]["pretokenizers"][0]["pattern"] = {{"String", " "}}; }),
+  EXPECT_CONTAINS(refusal([](json& d) {
+                    d["pre_tokenizer"]["pretokenizers"][0]["pattern"] = {{"String", " "}};
+                  }),
                   "pre_tokenizer.pretokenizers[0].pattern");
   EXPECT_CONTAINS(refusal([](json& d) { d["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"] = "(unclosed"; }),
                   "pre_tokenizer.pretokenizers[0].pattern.Regex");
@@ -354,14 +365,20 @@ TEST(Tokenizer, InvalidUtf8BecomesReplacementCharacters) {
   // Decoding: each maximal invalid subsequence is one U+FFFD (Python's errors="replace").
   EXPECT_EQ(t.decode(bytes_of("\xE2\x82\xAC")), "\u20AC");
   EXPECT_EQ(t.decode(bytes_of("\xE2\x82")), "\uFFFD");
-  EXPECT_EQ(t.decode(bytes_of("a\xF0\x9F" "b")), "a\uFFFDb");
+  EXPECT_EQ(t.decode(bytes_of("a\xF0\x9F"
+                              "b")),
+            "a\uFFFDb");
   EXPECT_EQ(t.decode(bytes_of("\xFF")), "\uFFFD");
-  EXPECT_EQ(t.decode(bytes_of("\xC0\x80")), "\uFFFD\uFFFD");                    // overlong
-  EXPECT_EQ(t.decode(bytes_of("\xED\xA0\x80")), "\uFFFD\uFFFD\uFFFD");          // surrogate
+  EXPECT_EQ(t.decode(bytes_of("\xC0\x80")), "\uFFFD\uFFFD");                      // overlong
+  EXPECT_EQ(t.decode(bytes_of("\xED\xA0\x80")), "\uFFFD\uFFFD\uFFFD");            // surrogate
   EXPECT_EQ(t.decode(bytes_of("\xF4\x90\x80\x80")), "\uFFFD\uFFFD\uFFFD\uFFFD");  // past U+10FFFF
-  EXPECT_EQ(t.decode(bytes_of("\xE2\x82" "\xE2\x82\xAC")), "\uFFFD\u20AC");
+  EXPECT_EQ(t.decode(bytes_of("\xE2\x82"
+                              "\xE2\x82\xAC")),
+            "\uFFFD\u20AC");
   // Encoding: invalid input is repaired the same way first, as a JavaScript TextDecoder would.
-  EXPECT_EQ(t.encode("a\xFF" "b"), t.encode("a\uFFFDb"));
+  EXPECT_EQ(t.encode("a\xFF"
+                     "b"),
+            t.encode("a\uFFFDb"));
   EXPECT_EQ(t.encode("\xE2\x82"), t.encode("\uFFFD"));
   EXPECT_EQ(t.encode("\xED\xA0\x80x"), t.encode("\uFFFD\uFFFD\uFFFDx"));
   EXPECT_EQ(t.decode(t.encode(std::string("x\xC3", 2))), "x\uFFFD");
@@ -373,11 +390,18 @@ TEST(Tokenizer, DecodeOfEncodeIsNfcOfTheText) {
   Spec spec = hello_spec();
   spec.added_tokens = {added(300, "<|im_start|>", true), added(301, "<|im_end|>", true)};
   const Tokenizer t = spec.build();
-  std::vector<std::string> texts = {
-      "", " ", "hello world", "  \n\n\t \r\n", "e\u0301 cafe\u0301 \u212b", "\u6211\u60f3\u5728apple\u5de5\u4f5c",
-      "\U0001F468\u200D\U0001F469\u200D\U0001F467 \U0001F1EF\U0001F1F5", "<|im_start|>user\nhi<|im_end|>\n<|im_",
-      "I'M here, we'LL see", std::string("nul\0byte", 8), "\u0928\u092e\u0938\u094d\u0924\u0947 \u05e9\u05dc\u05d5\u05dd",
-      "\u1100\u1161\u11a8 \uac00\u11a8"};
+  std::vector<std::string> texts = {"",
+                                    " ",
+                                    "hello world",
+                                    "  \n\n\t \r\n",
+                                    "e\u0301 cafe\u0301 \u212b",
+                                    "\u6211\u60f3\u5728apple\u5de5\u4f5c",
+                                    "\U0001F468\u200D\U0001F469\u200D\U0001F467 \U0001F1EF\U0001F1F5",
+                                    "<|im_start|>user\nhi<|im_end|>\n<|im_",
+                                    "I'M here, we'LL see",
+                                    std::string("nul\0byte", 8),
+                                    "\u0928\u092e\u0938\u094d\u0924\u0947 \u05e9\u05dc\u05d5\u05dd",
+                                    "\u1100\u1161\u11a8 \uac00\u11a8"};
   std::mt19937 rng(11);
   for (int i = 0; i < 300; ++i) {
     std::string s;
@@ -394,7 +418,8 @@ TEST(Tokenizer, DecodeOfEncodeIsNfcOfTheText) {
 TEST(Tokenizer, ConcurrentEncodingMatchesSequential) {
   const Tokenizer t = hello_spec().build();
   std::vector<std::string> texts;
-  for (int i = 0; i < 200; ++i) texts.push_back(fmt::format("hello world {} hellohello {} <|x|> \u00e9\u00e9", i, i * 7));
+  for (int i = 0; i < 200; ++i)
+    texts.push_back(fmt::format("hello world {} hellohello {} <|x|> \u00e9\u00e9", i, i * 7));
   std::vector<std::vector<int32_t>> expected;
   for (const auto& s : texts) expected.push_back(t.encode(s));
   std::vector<std::thread> threads;
@@ -412,7 +437,8 @@ TEST(Tokenizer, ConcurrentEncodingMatchesSequential) {
 TEST(Tokenizer, ConfigGivesEosPadAndChatTemplate) {
   Spec spec = hello_spec();
   spec.added_tokens = {added(300, "<|endoftext|>", true), added(301, "<|im_end|>", true)};
-  const Tokenizer t = spec.build(R"({"eos_token": "<|im_end|>", "pad_token": {"content": "<|endoftext|>", "lstrip": false},
+  const Tokenizer t =
+      spec.build(R"({"eos_token": "<|im_end|>", "pad_token": {"content": "<|endoftext|>", "lstrip": false},
                                      "chat_template": "{{ messages }}"})");
   EXPECT_EQ(t.eos_token_id(), 301);
   EXPECT_EQ(t.pad_token_id(), 300);
@@ -453,10 +479,11 @@ std::optional<std::string> qwen_dir() {
   return std::string(dir);
 }
 
-#define REQUIRE_QWEN_TOKENIZER(dir)                                                                        \
-  const std::optional<std::string> dir = qwen_dir();                                                       \
-  if (!dir) GTEST_SKIP() << "MEMTUNE_TOKENIZER_DIR is not set (scripts/prepare-tokenizer.sh prints the " \
-                            "directory to set it to)"
+#define REQUIRE_QWEN_TOKENIZER(dir)                                                            \
+  const std::optional<std::string> dir = qwen_dir();                                           \
+  if (!dir)                                                                                    \
+  GTEST_SKIP() << "MEMTUNE_TOKENIZER_DIR is not set (scripts/prepare-tokenizer.sh prints the " \
+                  "directory to set it to)"
 
 TEST(QwenTokenizer, ChatPromptHasTheExactIds) {
   REQUIRE_QWEN_TOKENIZER(dir);
@@ -464,9 +491,9 @@ TEST(QwenTokenizer, ChatPromptHasTheExactIds) {
   const std::string prompt =
       "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n"
       "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n";
-  const std::vector<int32_t> expected = {151644, 8948,  198,   2610, 525,    1207,   16948, 11,  3465, 553,
-                                         54364,  14817, 13,    1446, 525,    264,    10950, 17847, 13, 151645,
-                                         198,    151644, 872,  198,  13048,  151645, 198,   151644, 77091, 198};
+  const std::vector<int32_t> expected = {151644, 8948,   198, 2610, 525,   1207,   16948, 11,     3465,  553,
+                                         54364,  14817,  13,  1446, 525,   264,    10950, 17847,  13,    151645,
+                                         198,    151644, 872, 198,  13048, 151645, 198,   151644, 77091, 198};
   EXPECT_EQ(t.encode(prompt), expected);
   EXPECT_EQ(t.encode(prompt, /*add_special_tokens=*/true), expected);  // Qwen2 adds nothing
   EXPECT_EQ(t.decode(expected), prompt);
