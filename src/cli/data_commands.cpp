@@ -11,6 +11,8 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "core/json_reader.h"
+#include "core/jsonl.h"
 #include "data/dataset.h"
 #include "data/formats.h"
 #include "data/stats.h"
@@ -32,14 +34,14 @@ struct TokenizeMode {
   std::string eos_text;              // the plain template's eos
 
   std::string run(const std::string& line) const {
-    json value;
-    try {
-      value = json::parse(line);
-    } catch (const json::exception&) {
-      throw Error(decode ? "invalid JSON: expected an array of token ids"
-                  : chat ? "invalid JSON: expected {\"messages\": [...]}"
-                         : "invalid JSON: expected a JSON string");
-    }
+    std::string error;
+    const std::optional<json> parsed = parse_json_line(line, error);
+    if (!parsed)
+      throw Error(fmt::format("{}; expected {}", error,
+                              decode ? "an array of token ids"
+                              : chat ? "{\"messages\": [...]}"
+                                     : "a JSON string"));
+    const json& value = *parsed;
     if (decode) {
       if (!value.is_array()) throw Error(fmt::format("expected an array of token ids, got {}", value.type_name()));
       std::vector<int32_t> ids;
@@ -56,7 +58,7 @@ struct TokenizeMode {
     if (chat) {
       if (!value.is_object() || !value.contains("messages"))
         throw Error("expected an object {\"messages\": [...]} (--chat)");
-      const std::vector<ChatMessage> messages = parse_messages(value["messages"], "messages");
+      const std::vector<ChatMessage> messages = parse_messages(JsonReader(value, "").get("messages"));
       validate_conversation(messages, /*require_final_assistant=*/false);
       RenderOptions render;
       render.add_generation_prompt = messages.back().role != "assistant";
@@ -115,13 +117,12 @@ Action add_tokenize(CLI::App& app) {
     }
     std::istream& in = args->input.empty() ? std::cin : file;
     const std::string source = args->input.empty() ? "<stdin>" : args->input;
-    std::string line;
-    for (int64_t number = 1; std::getline(in, line); ++number) {
-      if (line.find_first_not_of(" \t\r") == std::string::npos) continue;  // blank lines give no output
+    JsonlReader reader(in, source);
+    for (JsonlLine line; reader.next_line(line);) {  // blank lines give no output
       try {
-        std::cout << mode.run(line) << '\n';
+        std::cout << mode.run(line.text) << '\n';
       } catch (const Error& e) {
-        throw Error(fmt::format("{}:{}: {}", source, number, e.what()));
+        reader.bad_line(line.number, e.what());
       }
     }
     std::cout.flush();

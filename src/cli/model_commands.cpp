@@ -2,7 +2,6 @@
 #include <fmt/format.h>
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
 #include <memory>
 
@@ -11,6 +10,7 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "core/json_reader.h"
 #include "io/checkpoint.h"
 #include "io/safetensors.h"
 #include "model/qwen2.h"
@@ -18,16 +18,6 @@
 namespace memtune::cli {
 
 namespace {
-
-nlohmann::json read_json_file(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw Error(fmt::format("{}: cannot open file", path));
-  try {
-    return nlohmann::json::parse(in);
-  } catch (const nlohmann::json::parse_error& e) {
-    throw Error(fmt::format("{}: invalid JSON: {}", path, e.what()));
-  }
-}
 
 // `key=value`: value is taken as JSON (numbers, booleans, null) or else as a string.
 void apply_override(nlohmann::json& doc, const std::string& assignment) {

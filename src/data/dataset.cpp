@@ -8,10 +8,10 @@
 #include <algorithm>
 #include <array>
 #include <exception>
-#include <fstream>
 #include <istream>
 
 #include "core/error.h"
+#include "core/json_reader.h"
 #include "tokenizer/tokenizer.h"
 
 namespace memtune {
@@ -26,11 +26,6 @@ constexpr std::array<std::pair<std::string_view, TruncationStrategy>, 3> kStrate
     {"right", TruncationStrategy::Right},
 }};
 
-struct Line {
-  int64_t number = 0;  // 1-based
-  std::string text;
-};
-
 // The outcome of one line, computed in parallel and applied in order.
 struct LineResult {
   enum class Kind { Example, Bad, TooLong, NoTargets } kind = Kind::Example;
@@ -40,31 +35,11 @@ struct LineResult {
   std::exception_ptr internal;  // a failure that is not the line's fault, rethrown in order
 };
 
-bool is_blank(std::string_view text) {
-  return std::all_of(text.begin(), text.end(), [](char c) { return c == ' ' || c == '\t' || c == '\r'; });
-}
-
-// nlohmann's messages start with "[json.exception.parse_error.101] "; the tag means nothing to a user.
-std::string json_error_text(const json::exception& e) {
-  std::string_view text = e.what();
-  if (text.starts_with("[json.exception.")) {
-    const size_t end = text.find("] ");
-    if (end != std::string_view::npos) text.remove_prefix(end + 2);
-  }
-  return std::string(text);
-}
-
 // Parses a line as a JSON object, or says what is wrong with it.
 std::optional<json> parse_object(const std::string& text, std::string& error) {
-  json value;
-  try {
-    value = json::parse(text);
-  } catch (const json::exception& e) {
-    error = "invalid JSON: " + json_error_text(e);
-    return std::nullopt;
-  }
-  if (!value.is_object()) {
-    error = fmt::format("expected one JSON object per line (JSON Lines), got {}", value.type_name());
+  std::optional<json> value = parse_json_line(text, error);
+  if (value && !value->is_object()) {
+    error = fmt::format("expected one JSON object per line (JSON Lines), got {}", value->type_name());
     return std::nullopt;
   }
   return value;
@@ -98,7 +73,7 @@ class ExampleBuilder {
     }
   }
 
-  void build(const Line& line, LineResult& out) const {
+  void build(const JsonlLine& line, LineResult& out) const {
     try {
       std::optional<json> object = parse_object(line.text, out.error);
       if (!object) {
@@ -163,14 +138,14 @@ class ExampleBuilder {
 
 // Fixes the format from the first JSON object among the block's lines (or the option). A block
 // without any object leaves it open: its lines are all bad and reported as such.
-void fix_format(ExampleBuilder& builder, const std::vector<Line>& block, const std::string& source,
+void fix_format(ExampleBuilder& builder, const std::vector<JsonlLine>& block, const std::string& source,
                 const DataOptions& options, Dataset& dataset) {
   if (options.format) {
     builder.set_format(*options.format);
     dataset.set_format(*options.format);
     return;
   }
-  for (const Line& line : block) {
+  for (const JsonlLine& line : block) {
     std::string error;
     std::optional<json> object = parse_object(line.text, error);
     if (!object) continue;
@@ -187,19 +162,13 @@ void fix_format(ExampleBuilder& builder, const std::vector<Line>& block, const s
   }
 }
 
-void apply(LineResult& result, const Line& line, const std::string& source, const DataOptions& options,
-           Dataset& dataset) {
+void apply(LineResult& result, const JsonlLine& line, JsonlReader& reader, Dataset& dataset) {
   if (result.internal) std::rethrow_exception(result.internal);
   DatasetCounts& counts = dataset.counts();
   switch (result.kind) {
-    case LineResult::Kind::Bad: {
-      std::string reason = fmt::format("{}:{}: {}", source, line.number, result.error);
-      if (!options.skip_bad_lines) throw Error(reason);
-      ++counts.bad_lines;
-      if (counts.bad_line_reasons.size() < DatasetCounts::kMaxBadLineReasons)
-        counts.bad_line_reasons.push_back(std::move(reason));
+    case LineResult::Kind::Bad:
+      reader.bad_line(line.number, result.error);
       return;
-    }
     case LineResult::Kind::TooLong:
       ++counts.deleted_too_long;
       return;
@@ -211,6 +180,36 @@ void apply(LineResult& result, const Line& line, const std::string& source, cons
       if (result.truncated) ++counts.truncated;
       return;
   }
+}
+
+Dataset read_dataset(JsonlReader& reader, const Tokenizer& tokenizer, const DataOptions& options) {
+  ExampleBuilder builder(tokenizer, options);
+  Dataset dataset;
+  const size_t block_size = std::max<size_t>(options.block_lines, 1);
+  std::vector<JsonlLine> block;
+  std::vector<LineResult> results;
+  JsonlLine line;
+  bool more = true;
+  while (more) {
+    block.clear();
+    while (block.size() < block_size && (more = reader.next_line(line))) block.push_back(std::move(line));
+    if (block.empty()) break;
+    dataset.counts().lines += static_cast<int64_t>(block.size());
+    if (!builder.has_format()) fix_format(builder, block, reader.source(), options, dataset);
+
+    results.assign(block.size(), LineResult{});
+    const int64_t n = static_cast<int64_t>(block.size());
+#pragma omp parallel for schedule(dynamic, 8)
+    for (int64_t i = 0; i < n; ++i) builder.build(block[i], results[i]);
+    for (size_t i = 0; i < block.size(); ++i) apply(results[i], block[i], reader, dataset);
+  }
+  dataset.counts().bad_lines = reader.bad_lines();
+  dataset.counts().bad_line_reasons = reader.bad_line_reasons();
+  return dataset;
+}
+
+BadLines bad_line_policy(const DataOptions& options) {
+  return options.skip_bad_lines ? BadLines::Skip : BadLines::Stop;
 }
 
 }  // namespace
@@ -253,40 +252,14 @@ void Dataset::add(std::span<const int32_t> input_ids, std::span<const int32_t> l
 }
 
 Dataset load_dataset(const std::string& path, const Tokenizer& tokenizer, const DataOptions& options) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(fmt::format("{}: cannot open the data file", path));
-  return load_dataset(in, path, tokenizer, options);
+  JsonlReader reader(path, bad_line_policy(options));
+  return read_dataset(reader, tokenizer, options);
 }
 
 Dataset load_dataset(std::istream& in, const std::string& source, const Tokenizer& tokenizer,
                      const DataOptions& options) {
-  ExampleBuilder builder(tokenizer, options);
-  Dataset dataset;
-  const size_t block_size = std::max<size_t>(options.block_lines, 1);
-  std::vector<Line> block;
-  std::vector<LineResult> results;
-  int64_t line_number = 0;
-  std::string text;
-  bool more = true;
-  while (more) {
-    block.clear();
-    while (block.size() < block_size && (more = static_cast<bool>(std::getline(in, text)))) {
-      ++line_number;
-      if (line_number == 1 && text.starts_with("\xEF\xBB\xBF")) text.erase(0, 3);
-      if (is_blank(text)) continue;
-      block.push_back({line_number, std::move(text)});
-    }
-    if (block.empty()) break;
-    dataset.counts().lines += static_cast<int64_t>(block.size());
-    if (!builder.has_format()) fix_format(builder, block, source, options, dataset);
-
-    results.assign(block.size(), LineResult{});
-    const int64_t n = static_cast<int64_t>(block.size());
-#pragma omp parallel for schedule(dynamic, 8)
-    for (int64_t i = 0; i < n; ++i) builder.build(block[i], results[i]);
-    for (size_t i = 0; i < block.size(); ++i) apply(results[i], block[i], source, options, dataset);
-  }
-  return dataset;
+  JsonlReader reader(in, source, bad_line_policy(options));
+  return read_dataset(reader, tokenizer, options);
 }
 
 }  // namespace memtune

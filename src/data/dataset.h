@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "core/jsonl.h"
 #include "data/formats.h"
 
 namespace memtune {
@@ -51,7 +52,7 @@ struct DatasetCounts {
   int64_t deleted_too_long = 0;               // longer than max_length (strategy delete)
   int64_t bad_lines = 0;                      // skipped with skip_bad_lines
   std::vector<std::string> bad_line_reasons;  // the first kMaxBadLineReasons, "FILE:LINE: what"
-  static constexpr size_t kMaxBadLineReasons = 5;
+  static constexpr size_t kMaxBadLineReasons = JsonlReader::kMaxBadLineReasons;
 };
 
 class Dataset {

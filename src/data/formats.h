@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/json_reader.h"
 #include "tokenizer/chat_template.h"
 
 namespace memtune {
@@ -59,8 +60,8 @@ Record parse_record(const nlohmann::json& record, DataFormat format, const Recor
 // The text of a classification record's "label" (a string, or a number written as JSON).
 std::string label_text(const nlohmann::json& label);
 
-// An OpenAI-style messages array ({"role", "content", "loss"?} objects); `field` names it in
-// errors. The conversation is not validated here.
-std::vector<ChatMessage> parse_messages(const nlohmann::json& messages, std::string_view field);
+// An OpenAI-style messages array ({"role", "content", "loss"?} objects); errors name the field
+// by the reader's path. The conversation is not validated here.
+std::vector<ChatMessage> parse_messages(const JsonReader& messages);
 
 }  // namespace memtune

@@ -2,11 +2,11 @@
 #include "data/stats.h"
 
 #include <algorithm>
-#include <fstream>
 
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "core/jsonl.h"
 #include "data/formats.h"
 
 namespace memtune {
@@ -80,13 +80,11 @@ nlohmann::json length_stats_to_json(const LengthStats& s) {
 }
 
 LabelCounts count_labels(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw Error(fmt::format("{}: cannot open file", path));
+  JsonlReader reader(path, BadLines::Skip);
   LabelCounts out;
   int64_t total = 0;
-  for (std::string line; std::getline(in, line);) {
-    const nlohmann::json record = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (record.is_discarded() || !record.is_object() || !record.contains("label")) continue;
+  for (nlohmann::json record; reader.next(record);) {
+    if (!record.is_object() || !record.contains("label")) continue;
     ++out.counts[label_text(record["label"])];
     ++total;
   }

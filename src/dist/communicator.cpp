@@ -33,7 +33,6 @@ class SingleProcess final : public Communicator {
     MT_ASSERT(block.size() == n);
     std::memcpy(whole, block.data(), block.size_bytes());
   }
-  void broadcast(std::span<std::byte>, int) override {}
   void barrier() override {}
   void abort(int) override {}
 };
@@ -119,13 +118,6 @@ class Mpi final : public Communicator {
     check(MPI_Gatherv(block.data(), counts_[rank_], MPI_FLOAT, whole, counts_.data(), displs_.data(), MPI_FLOAT, 0,
                       MPI_COMM_WORLD),
           "gather");
-  }
-  void broadcast(std::span<std::byte> data, int root) override {
-    payload_bytes_ += data.size();
-    for (size_t at = 0; at < data.size(); at += kMaxCount)
-      check(MPI_Bcast(data.data() + at, static_cast<int>(std::min(kMaxCount, data.size() - at)), MPI_BYTE, root,
-                      MPI_COMM_WORLD),
-            "broadcast");
   }
   void barrier() override { check(MPI_Barrier(MPI_COMM_WORLD), "barrier"); }
   void abort(int code) override { MPI_Abort(MPI_COMM_WORLD, code); }

@@ -40,7 +40,6 @@ class Communicator {
   virtual void allgather(std::span<std::byte> data, size_t elem_size) = 0;
   // Rank 0 receives every rank's block of n elements into `whole` (n floats; ignored elsewhere).
   virtual void gather_to_root(std::span<const float> block, size_t n, float* whole) = 0;
-  virtual void broadcast(std::span<std::byte> data, int root) = 0;
   virtual void barrier() = 0;
   // Stops every rank: the job ends with `code` (MPI_Abort); returns only for a single process.
   virtual void abort(int code) = 0;

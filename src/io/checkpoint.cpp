@@ -12,12 +12,12 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 
 #include "core/error.h"
+#include "core/json_reader.h"
 
 namespace memtune {
 namespace {
@@ -27,11 +27,6 @@ using nlohmann::json;
 
 constexpr const char* kSingleFile = "model.safetensors";
 constexpr const char* kIndexFile = "model.safetensors.index.json";
-
-std::string json_text(const json& v) {
-  std::string s = v.dump(-1, ' ', false, json::error_handler_t::replace);
-  return s.size() > 60 ? s.substr(0, 57) + "..." : s;
-}
 
 std::string join(const std::string& dir, const std::string& name) {
   return (fs::path(dir) / name).string();
@@ -104,53 +99,36 @@ CheckpointReader::CheckpointReader(const std::string& dir) : dir_(dir) {
 }
 
 void CheckpointReader::open_index(const std::string& index_path) {
-  std::ifstream in(index_path, std::ios::binary);
-  if (!in) throw Error(index_path + ": cannot open: " + std::strerror(errno));
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  json doc;
-  try {
-    doc = json::parse(text);
-  } catch (const json::parse_error& e) {
-    throw Error(index_path + ": not valid JSON: " + e.what());
-  }
-  if (!doc.is_object()) throw Error(index_path + ": expected a JSON object with \"weight_map\"");
-  auto weight_map = doc.find("weight_map");
-  if (weight_map == doc.end()) throw Error(index_path + ": missing \"weight_map\"");
-  if (!weight_map->is_object())
-    throw Error(index_path + ": \"weight_map\" must be an object, got " + json_text(*weight_map));
+  const json document = read_json_file(index_path);
+  const JsonReader index(document, index_path);
+  index.as_object();
 
   std::map<std::string, const SafetensorsFile*> shards;
   uint64_t total = 0;
-  for (const auto& [name, file] : weight_map->items()) {
-    const std::string where = index_path + ": weight_map[\"" + name + "\"]: ";
-    if (!file.is_string()) throw Error(where + "expected a shard file name, got " + json_text(file));
-    const std::string& shard = file.get_ref<const std::string&>();
+  index.object("weight_map").for_each_entry([&](const std::string& name, const JsonReader& file) {
+    if (!file.value().is_string()) file.fail("expected a shard file name, got " + json_excerpt(file.value()));
+    const std::string shard = file.as_string();
     if (shard.empty() || shard == "." || shard == ".." || shard.find('/') != std::string::npos)
-      throw Error(where + "\"" + shard + "\" is not a plain file name in the checkpoint directory");
+      file.fail("\"" + shard + "\" is not a plain file name in the checkpoint directory");
     auto it = shards.find(shard);
     if (it == shards.end()) {
       const std::string path = join(dir_, shard);
       std::error_code ec;
-      if (!fs::exists(path, ec)) throw Error(where + "shard " + path + " does not exist");
+      if (!fs::exists(path, ec)) file.fail("shard " + path + " does not exist");
       files_.push_back(std::make_unique<SafetensorsFile>(path));
       it = shards.emplace(shard, files_.back().get()).first;
     }
     const TensorInfo* t = it->second->find(name);
-    if (t == nullptr) throw Error(where + "shard " + it->second->path() + " has no tensor \"" + name + "\"");
+    if (t == nullptr) file.fail("shard " + it->second->path() + " has no tensor \"" + name + "\"");
     tensors_[name] = {it->second, t};
     total += t->nbytes();
-  }
+  });
 
-  auto metadata = doc.find("metadata");
-  if (metadata == doc.end() || metadata->is_null()) return;
-  if (!metadata->is_object()) throw Error(index_path + ": \"metadata\" must be an object, got " + json_text(*metadata));
-  auto total_size = metadata->find("total_size");
-  if (total_size == metadata->end() || total_size->is_null()) return;
-  if (!total_size->is_number_unsigned())
-    throw Error(index_path + ": metadata.total_size must be a non-negative integer, got " + json_text(*total_size));
-  if (total_size->get<uint64_t>() != total)
-    throw Error(index_path + ": metadata.total_size is " + std::to_string(total_size->get<uint64_t>()) +
-                " but the tensors in weight_map hold " + std::to_string(total) + " bytes");
+  const std::optional<JsonReader> metadata = index.optional_object("metadata");
+  const std::optional<int64_t> total_size = metadata ? metadata->optional_integer("total_size", 0) : std::nullopt;
+  if (total_size && static_cast<uint64_t>(*total_size) != total)
+    metadata->fail("total_size is " + std::to_string(*total_size) + " but the tensors in weight_map hold " +
+                   std::to_string(total) + " bytes");
 }
 
 std::vector<std::string> CheckpointReader::tensor_names() const {

@@ -15,9 +15,11 @@
 #include <filesystem>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 
 #include "core/error.h"
+#include "core/json_reader.h"
 
 namespace memtune {
 namespace {
@@ -29,12 +31,6 @@ constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 
 std::string errno_text() {
   return std::strerror(errno);
-}
-
-// Short rendering of a JSON value for error messages.
-std::string json_text(const json& v) {
-  std::string s = v.dump(-1, ' ', false, json::error_handler_t::replace);
-  return s.size() > 60 ? s.substr(0, 57) + "..." : s;
 }
 
 // Element count of a shape, saturating at the uint64 maximum: callers compare it with a byte
@@ -187,35 +183,21 @@ void SafetensorsFile::parse_header(std::string_view header, size_t data_size) {
       duplicate = parsed.get<std::string>();
     return true;
   };
-  json doc;
-  try {
-    doc = json::parse(header.begin(), header.end(), note_keys);
-  } catch (const json::parse_error& e) {
-    throw Error(path_ + ": header is not valid JSON: " + e.what());
-  }
+  const json doc = parse_json(header, path_ + ": header", note_keys);
   if (!duplicate.empty()) throw Error(path_ + ": header lists \"" + duplicate + "\" more than once");
 
-  for (const auto& [name, entry] : doc.items()) {
-    if (name == "__metadata__") {
-      if (entry.is_null()) continue;
-      if (!entry.is_object())
-        throw Error(path_ + ": \"__metadata__\" must be an object of strings, got " + json_text(entry));
-      for (const auto& [key, value] : entry.items()) {
-        if (!value.is_string())
-          throw Error(path_ + ": \"__metadata__\" entry \"" + key + "\" must be a string, got " + json_text(value));
-        metadata_[key] = value.get<std::string>();
-      }
-      continue;
-    }
-    const std::string where = path_ + ": tensor \"" + name + "\": ";
-    if (!entry.is_object()) throw Error(where + "entry must be an object, got " + json_text(entry));
+  if (const std::optional<JsonReader> metadata = JsonReader(doc, path_).optional_object("__metadata__"))
+    metadata->for_each_entry(
+        [&](const std::string& key, const JsonReader& value) { metadata_[key] = value.as_string(); });
+
+  for (const auto& [name, entry_json] : doc.items()) {
+    if (name == "__metadata__") continue;
+    const JsonReader entry(entry_json, path_ + ": tensor \"" + name + "\"");
+    entry.as_object();
 
     TensorInfo t;
     t.name = name;
-    auto dtype = entry.find("dtype");
-    if (dtype == entry.end()) throw Error(where + "missing \"dtype\"");
-    if (!dtype->is_string()) throw Error(where + "\"dtype\" must be a string, got " + json_text(*dtype));
-    const std::string& dt = dtype->get_ref<const std::string&>();
+    const std::string dt = entry.string("dtype");
     if (dt == "F32")
       t.dtype = DType::F32;
     else if (dt == "BF16")
@@ -223,35 +205,24 @@ void SafetensorsFile::parse_header(std::string_view header, size_t data_size) {
     else if (dt == "F16")
       t.dtype = DType::F16;
     else
-      throw Error(where + "dtype " + dt + " not supported (supported: F32, BF16, F16)");
+      entry.fail("dtype", dt + " not supported (supported: F32, BF16, F16)");
 
-    auto shape = entry.find("shape");
-    if (shape == entry.end()) throw Error(where + "missing \"shape\"");
-    if (!shape->is_array()) throw Error(where + "\"shape\" must be an array of integers, got " + json_text(*shape));
-    for (const json& d : *shape) {
-      if (!d.is_number_integer())
-        throw Error(where + "\"shape\" must be an array of integers, got " + json_text(*shape));
-      if (!d.is_number_unsigned()) throw Error(where + "negative dimension in shape " + json_text(*shape));
-      if (d.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
-        throw Error(where + "dimension too large in shape " + json_text(*shape));
-      t.shape.push_back(d.get<int64_t>());
-    }
+    const JsonReader shape = entry.array("shape");
+    for (size_t i = 0; i < shape.size(); ++i) t.shape.push_back(shape[i].as_integer(0));
 
-    auto offsets = entry.find("data_offsets");
-    if (offsets == entry.end()) throw Error(where + "missing \"data_offsets\"");
-    if (!offsets->is_array() || offsets->size() != 2 || !(*offsets)[0].is_number_unsigned() ||
-        !(*offsets)[1].is_number_unsigned())
-      throw Error(where + "\"data_offsets\" must be [begin, end] with non-negative integers, got " +
-                  json_text(*offsets));
-    uint64_t begin = (*offsets)[0].get<uint64_t>(), end = (*offsets)[1].get<uint64_t>();
-    if (begin > end) throw Error(where + "data_offsets " + json_text(*offsets) + " end before they begin");
+    const JsonReader offsets = entry.array("data_offsets");
+    const std::string offsets_text = json_excerpt(offsets.value());
+    if (offsets.size() != 2) offsets.fail("expected [begin, end], got " + offsets_text);
+    const auto begin = static_cast<uint64_t>(offsets[0].as_integer(0));
+    const auto end = static_cast<uint64_t>(offsets[1].as_integer(0));
+    if (begin > end) offsets.fail(offsets_text + " end before they begin");
     if (end > data_size)
-      throw Error(where + "data_offsets " + json_text(*offsets) + " run past the end of the " +
-                  std::to_string(data_size) + "-byte data buffer (truncated file?)");
+      offsets.fail(offsets_text + " run past the end of the " + std::to_string(data_size) +
+                   "-byte data buffer (truncated file?)");
     uint64_t expected = saturating_bytes(saturating_numel(t.shape), t.dtype);
     if (expected != end - begin)
-      throw Error(where + dt + " shape " + shape_string(t.shape) + " needs " + std::to_string(expected) +
-                  " bytes but data_offsets " + json_text(*offsets) + " cover " + std::to_string(end - begin));
+      entry.fail(dt + " shape " + shape_string(t.shape) + " needs " + std::to_string(expected) +
+                 " bytes but data_offsets " + offsets_text + " cover " + std::to_string(end - begin));
     t.begin = static_cast<size_t>(begin);
     t.end = static_cast<size_t>(end);
     tensors_.push_back(std::move(t));

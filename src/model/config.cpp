@@ -4,225 +4,150 @@
 // scaling, sliding-window attention, head counts that do not divide).
 #include "model/config.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cctype>
-#include <cerrno>
-#include <cmath>
-#include <cstring>
-#include <filesystem>
-#include <fstream>
-#include <iterator>
-#include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
 
 #include "core/error.h"
+#include "core/json_reader.h"
 
 namespace memtune {
 namespace {
-
-using nlohmann::json;
 
 // transformers' Qwen2Config defaults for fields a config.json may omit.
 constexpr int64_t kDefaultMaxPositionEmbeddings = 32768;
 constexpr double kDefaultRmsNormEps = 1e-6;
 constexpr double kDefaultRopeTheta = 10000.0;
 
-class Fields {
- public:
-  Fields(const json& doc, const std::string& source) : doc_(doc), source_(source) {}
+// A positive, finite number.
+double positive_number(const JsonReader& value) {
+  const double number = value.as_number();
+  if (!(number > 0)) value.fail(fmt::format("expected a positive number, got {}", json_excerpt(value.value())));
+  return number;
+}
 
-  [[noreturn]] void fail(const std::string& field, const std::string& problem) const {
-    throw Error(source_ + ": field \"" + field + "\" " + problem);
-  }
+std::optional<double> optional_positive_number(const JsonReader& doc, std::string_view key) {
+  const std::optional<JsonReader> value = doc.find(key);
+  return value ? std::optional(positive_number(*value)) : std::nullopt;
+}
 
-  // The value of a top-level field, or nullptr when absent or null (HF writes null for unset).
-  const json* find(const std::string& field) const {
-    auto it = doc_.find(field);
-    return it == doc_.end() || it->is_null() ? nullptr : &*it;
-  }
-
-  int64_t positive_int(const std::string& field, const json& v) const {
-    if (!v.is_number_integer()) fail(field, "must be an integer, got " + text(v));
-    if (v.is_number_unsigned() && v.get<uint64_t>() > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
-      fail(field, "is too large: " + text(v));
-    if (v.get<int64_t>() <= 0) fail(field, "must be positive, got " + text(v));
-    return v.get<int64_t>();
-  }
-  int64_t required_int(const std::string& field) const {
-    const json* v = find(field);
-    if (!v) throw Error(source_ + ": missing required field \"" + field + "\"");
-    return positive_int(field, *v);
-  }
-  int64_t optional_int(const std::string& field, int64_t fallback) const {
-    const json* v = find(field);
-    return v ? positive_int(field, *v) : fallback;
-  }
-
-  double positive_number(const std::string& field, const json& v) const {
-    if (!v.is_number()) fail(field, "must be a number, got " + text(v));
-    double d = v.get<double>();
-    if (!(d > 0) || !std::isfinite(d)) fail(field, "must be a positive number, got " + text(v));
-    return d;
-  }
-  std::optional<double> optional_number(const std::string& field) const {
-    const json* v = find(field);
-    return v ? std::optional<double>(positive_number(field, *v)) : std::nullopt;
-  }
-
-  bool optional_bool(const std::string& field, bool fallback) const {
-    const json* v = find(field);
-    if (!v) return fallback;
-    if (!v->is_boolean()) fail(field, "must be true or false, got " + text(*v));
-    return v->get<bool>();
-  }
-
-  const std::string* optional_string(const std::string& field) const {
-    const json* v = find(field);
-    if (!v) return nullptr;
-    if (!v->is_string()) fail(field, "must be a string, got " + text(*v));
-    return &v->get_ref<const std::string&>();
-  }
-
-  static std::string text(const json& v) {
-    std::string s = v.dump(-1, ' ', false, json::error_handler_t::replace);
-    return s.size() > 60 ? s.substr(0, 57) + "..." : s;
-  }
-
- private:
-  const json& doc_;
-  const std::string& source_;
-};
-
-void check_architecture(const Fields& f, const std::string& source) {
-  const json* arch = f.find("architectures");
+void check_architecture(const JsonReader& doc) {
+  const std::optional<JsonReader> arch = doc.find("architectures");
   if (arch) {
-    if (!arch->is_array() || !std::all_of(arch->begin(), arch->end(), [](const json& a) { return a.is_string(); }))
-      f.fail("architectures", "must be a list of strings, got " + Fields::text(*arch));
-    if (std::find(arch->begin(), arch->end(), json("Qwen2ForCausalLM")) == arch->end())
-      f.fail("architectures", "is " + Fields::text(*arch) + "; only Qwen2ForCausalLM is supported");
+    bool qwen2 = false;
+    for (size_t i = 0; i < arch->size(); ++i) qwen2 = (*arch)[i].as_string() == "Qwen2ForCausalLM" || qwen2;
+    if (!qwen2) arch->fail(fmt::format("is {}; only Qwen2ForCausalLM is supported", json_excerpt(arch->value())));
   }
-  const std::string* model_type = f.optional_string("model_type");
+  const std::optional<std::string> model_type = doc.optional_string("model_type");
   if (model_type && *model_type != "qwen2")
-    f.fail("model_type", "is \"" + *model_type + "\"; only \"qwen2\" is supported");
+    doc.fail("model_type", fmt::format("is \"{}\"; only \"qwen2\" is supported", *model_type));
   if (!arch && !model_type)
-    throw Error(source + ": neither \"architectures\" nor \"model_type\" is set; expected a Qwen2ForCausalLM config");
+    doc.fail("neither \"architectures\" nor \"model_type\" is set; expected a Qwen2ForCausalLM config");
 }
 
 // rope_scaling (transformers 4) or rope_parameters (transformers 5): only the unscaled
-// "default" RoPE is computed by the engine. Returns the rope_theta the object carries, if any.
-std::optional<double> check_rope_object(const Fields& f, const std::string& field) {
-  const json* rope = f.find(field);
+// "default" RoPE is computed by the engine. Returns the object's rope_theta, if it has one.
+std::optional<JsonReader> checked_rope_object_theta(const JsonReader& doc, std::string_view key) {
+  const std::optional<JsonReader> rope = doc.optional_object(key);
   if (!rope) return std::nullopt;
-  if (!rope->is_object()) f.fail(field, "must be an object or null, got " + Fields::text(*rope));
-  auto type = rope->find("rope_type");
-  if (type == rope->end()) type = rope->find("type");
-  if (type == rope->end()) f.fail(field, "has no \"rope_type\"");
-  if (!type->is_string() || type->get_ref<const std::string&>() != "default")
-    f.fail(field,
-           "asks for rope_type " + Fields::text(*type) + "; only the \"default\" RoPE (no scaling) is supported");
-  auto theta = rope->find("rope_theta");
-  if (theta == rope->end() || theta->is_null()) return std::nullopt;
-  return f.positive_number(field + ".rope_theta", *theta);
+  std::optional<JsonReader> type = rope->find("rope_type");
+  if (!type) type = rope->find("type");
+  if (!type) rope->fail("has no \"rope_type\"");
+  if (type->value() != "default")
+    rope->fail(fmt::format("asks for rope_type {}; only the \"default\" RoPE (no scaling) is supported",
+                           json_excerpt(type->value())));
+  return rope->find("rope_theta");
 }
 
-double parse_rope_theta(const Fields& f) {
-  std::optional<double> theta = f.optional_number("rope_theta");
-  for (const char* field : {"rope_scaling", "rope_parameters"}) {
-    std::optional<double> nested = check_rope_object(f, field);
+double parse_rope_theta(const JsonReader& doc) {
+  std::optional<double> theta = optional_positive_number(doc, "rope_theta");
+  for (const char* key : {"rope_scaling", "rope_parameters"}) {
+    const std::optional<JsonReader> nested = checked_rope_object_theta(doc, key);
     if (!nested) continue;
-    if (theta && *theta != *nested)
-      f.fail(std::string(field) + ".rope_theta",
-             "is " + std::to_string(*nested) + " but \"rope_theta\" says " + std::to_string(*theta));
-    theta = nested;
+    const double nested_theta = positive_number(*nested);
+    if (theta && *theta != nested_theta)
+      nested->fail(fmt::format("is {} but \"rope_theta\" says {}", nested_theta, *theta));
+    theta = nested_theta;
   }
   return theta.value_or(kDefaultRopeTheta);
 }
 
-DType parse_torch_dtype(const Fields& f, const std::string& source) {
-  const std::string* torch_dtype = f.optional_string("torch_dtype");
-  const std::string* dtype = f.optional_string("dtype");
+DType parse_torch_dtype(const JsonReader& doc) {
+  const std::optional<JsonReader> torch_dtype = doc.find("torch_dtype");
+  const std::optional<JsonReader> dtype = doc.find("dtype");
   std::optional<DType> a, b;
-  if (torch_dtype) a = parse_dtype(*torch_dtype, source + ": field \"torch_dtype\"");
-  if (dtype) b = parse_dtype(*dtype, source + ": field \"dtype\"");
-  if (a && b && *a != *b) f.fail("dtype", "is \"" + *dtype + "\" but \"torch_dtype\" is \"" + *torch_dtype + "\"");
+  if (torch_dtype) a = parse_dtype(torch_dtype->as_string(), torch_dtype->where());
+  if (dtype) b = parse_dtype(dtype->as_string(), dtype->where());
+  if (a && b && *a != *b)
+    dtype->fail(fmt::format("is \"{}\" but \"torch_dtype\" is \"{}\"", dtype->as_string(), torch_dtype->as_string()));
   return a.value_or(b.value_or(DType::F32));
 }
 
-void check_attention_layout(const Fields& f, int64_t num_hidden_layers) {
-  if (f.optional_bool("use_sliding_window", false))
-    f.fail("use_sliding_window", "is true; sliding-window attention is not supported");
-  const json* window = f.find("sliding_window");
-  if (window && !window->is_number_integer())
-    f.fail("sliding_window", "must be an integer or null, got " + Fields::text(*window));
+void check_attention_layout(const JsonReader& doc, int64_t num_hidden_layers) {
+  if (const std::optional<JsonReader> sliding = doc.find("use_sliding_window"); sliding && sliding->as_bool())
+    sliding->fail("is true; sliding-window attention is not supported");
+  doc.optional_integer("sliding_window");  // only checked: no window applies while use_sliding_window is false
 
-  const json* layer_types = f.find("layer_types");
+  const std::optional<JsonReader> layer_types = doc.optional_array("layer_types");
   if (!layer_types) return;
-  if (!layer_types->is_array()) f.fail("layer_types", "must be a list, got " + Fields::text(*layer_types));
   if (static_cast<int64_t>(layer_types->size()) != num_hidden_layers)
-    f.fail("layer_types", "has " + std::to_string(layer_types->size()) + " entries but num_hidden_layers is " +
-                              std::to_string(num_hidden_layers));
+    layer_types->fail(
+        fmt::format("has {} entries but num_hidden_layers is {}", layer_types->size(), num_hidden_layers));
   // With use_sliding_window false, transformers gives "sliding_attention" layers no window,
   // so both kinds compute full attention.
   for (size_t i = 0; i < layer_types->size(); ++i) {
-    const json& t = (*layer_types)[i];
-    if (t != "full_attention" && t != "sliding_attention")
-      f.fail("layer_types[" + std::to_string(i) + "]", "is " + Fields::text(t) + "; expected \"full_attention\"");
+    const JsonReader type = (*layer_types)[i];
+    if (type.value() != "full_attention" && type.value() != "sliding_attention")
+      type.fail(fmt::format("is {}; expected \"full_attention\"", json_excerpt(type.value())));
   }
 }
 
 }  // namespace
 
-Qwen2Config parse_qwen2_config(const nlohmann::json& doc, const std::string& source) {
-  if (!doc.is_object()) throw Error(source + ": expected a JSON object, got " + Fields::text(doc));
-  const Fields f(doc, source);
-  check_architecture(f, source);
-  const std::string* act = f.optional_string("hidden_act");
-  if (act && *act != "silu") f.fail("hidden_act", "is \"" + *act + "\"; Qwen2 uses \"silu\"");
+Qwen2Config parse_qwen2_config(const nlohmann::json& document, const std::string& source) {
+  const JsonReader doc(document, source);
+  doc.as_object();
+  check_architecture(doc);
+  if (const std::optional<std::string> act = doc.optional_string("hidden_act"); act && *act != "silu")
+    doc.fail("hidden_act", fmt::format("is \"{}\"; Qwen2 uses \"silu\"", *act));
 
   Qwen2Config c;
-  c.hidden_size = f.required_int("hidden_size");
-  c.intermediate_size = f.required_int("intermediate_size");
-  c.num_hidden_layers = f.required_int("num_hidden_layers");
-  c.num_attention_heads = f.required_int("num_attention_heads");
-  c.vocab_size = f.required_int("vocab_size");
-  c.num_key_value_heads = f.optional_int("num_key_value_heads", c.num_attention_heads);
-  c.max_position_embeddings = f.optional_int("max_position_embeddings", kDefaultMaxPositionEmbeddings);
-  c.rms_norm_eps = f.optional_number("rms_norm_eps").value_or(kDefaultRmsNormEps);
-  c.rope_theta = parse_rope_theta(f);
-  c.tie_word_embeddings = f.optional_bool("tie_word_embeddings", false);
-  c.torch_dtype = parse_torch_dtype(f, source);
-  check_attention_layout(f, c.num_hidden_layers);
+  c.hidden_size = doc.integer("hidden_size", 1);
+  c.intermediate_size = doc.integer("intermediate_size", 1);
+  c.num_hidden_layers = doc.integer("num_hidden_layers", 1);
+  c.num_attention_heads = doc.integer("num_attention_heads", 1);
+  c.vocab_size = doc.integer("vocab_size", 1);
+  c.num_key_value_heads = doc.optional_integer("num_key_value_heads", 1).value_or(c.num_attention_heads);
+  c.max_position_embeddings =
+      doc.optional_integer("max_position_embeddings", 1).value_or(kDefaultMaxPositionEmbeddings);
+  c.rms_norm_eps = optional_positive_number(doc, "rms_norm_eps").value_or(kDefaultRmsNormEps);
+  c.rope_theta = parse_rope_theta(doc);
+  c.tie_word_embeddings = doc.optional_bool("tie_word_embeddings").value_or(false);
+  c.torch_dtype = parse_torch_dtype(doc);
+  check_attention_layout(doc, c.num_hidden_layers);
 
   if (c.hidden_size % c.num_attention_heads != 0)
-    f.fail("hidden_size", "(" + std::to_string(c.hidden_size) + ") is not divisible by num_attention_heads (" +
-                              std::to_string(c.num_attention_heads) + ")");
+    doc.fail("hidden_size",
+             fmt::format("{} is not divisible by num_attention_heads ({})", c.hidden_size, c.num_attention_heads));
   if (c.num_attention_heads % c.num_key_value_heads != 0)
-    f.fail("num_attention_heads", "(" + std::to_string(c.num_attention_heads) +
-                                      ") is not divisible by num_key_value_heads (" +
-                                      std::to_string(c.num_key_value_heads) + ")");
+    doc.fail("num_attention_heads", fmt::format("{} is not divisible by num_key_value_heads ({})",
+                                                c.num_attention_heads, c.num_key_value_heads));
   if (c.head_dim() % 2 != 0)
-    f.fail("hidden_size", "/ num_attention_heads gives head_dim " + std::to_string(c.head_dim()) +
-                              ", which must be even for rotary embeddings");
-  if (const json* head_dim = f.find("head_dim"); head_dim && f.positive_int("head_dim", *head_dim) != c.head_dim())
-    f.fail("head_dim", "is " + Fields::text(*head_dim) + " but hidden_size / num_attention_heads is " +
-                           std::to_string(c.head_dim()));
+    doc.fail("hidden_size",
+             fmt::format("{} / num_attention_heads ({}) gives head_dim {}, which must be even for rotary embeddings",
+                         c.hidden_size, c.num_attention_heads, c.head_dim()));
+  if (const std::optional<JsonReader> head_dim = doc.find("head_dim");
+      head_dim && head_dim->as_integer(1) != c.head_dim())
+    head_dim->fail(
+        fmt::format("is {} but hidden_size / num_attention_heads is {}", head_dim->as_integer(1), c.head_dim()));
   return c;
 }
 
 Qwen2Config load_qwen2_config(const std::string& path) {
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec)) throw Error(path + ": is a directory, expected a config.json file");
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(path + ": cannot open model config: " + std::strerror(errno));
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  json doc;
-  try {
-    doc = json::parse(text);
-  } catch (const json::parse_error& e) {
-    throw Error(path + ": not valid JSON: " + e.what());
-  }
-  return parse_qwen2_config(doc, path);
+  return parse_qwen2_config(read_json_file(path), path);
 }
 
 nlohmann::json qwen2_config_to_json(const Qwen2Config& c) {

@@ -2,12 +2,12 @@
 
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/json_reader.h"
 
 namespace memtune {
 
@@ -84,45 +84,32 @@ nlohmann::json lora_adapter_config_json(const LoraConfig& c, const std::string& 
           {"use_rslora", c.use_rslora}};
 }
 
-LoraConfig parse_lora_adapter_config(const nlohmann::json& doc, const std::string& source) {
-  auto fail = [&](const std::string& field, const std::string& what) -> Error {
-    return Error(fmt::format("{}: \"{}\" {}", source, field, what));
-  };
-  if (!doc.is_object()) throw Error(fmt::format("{}: expected a JSON object", source));
-  if (doc.value("peft_type", std::string("LORA")) != "LORA") throw fail("peft_type", "must be LORA");
-  if (!doc.contains("r") || !doc["r"].is_number_integer() || doc["r"].get<int64_t>() <= 0)
-    throw fail("r", "must be a positive integer");
+LoraConfig parse_lora_adapter_config(const nlohmann::json& document, const std::string& source) {
+  const JsonReader doc(document, source);
+  doc.as_object();
+  if (const std::string peft_type = doc.optional_string("peft_type").value_or("LORA"); peft_type != "LORA")
+    doc.fail("peft_type", fmt::format("expected \"LORA\", got \"{}\"", peft_type));
   LoraConfig c;
-  c.rank = doc["r"].get<int64_t>();
-  if (doc.contains("lora_alpha")) {
-    if (!doc["lora_alpha"].is_number()) throw fail("lora_alpha", "must be a number");
-    c.alpha = doc["lora_alpha"].get<double>();
-  } else {
-    c.alpha = 8.0;  // PEFT's default
-  }
-  if (doc.contains("lora_dropout") && doc["lora_dropout"].is_number()) c.dropout = doc["lora_dropout"].get<double>();
-  if (doc.contains("use_rslora") && doc["use_rslora"].is_boolean()) c.use_rslora = doc["use_rslora"].get<bool>();
-  if (doc.value("bias", std::string("none")) != "none") throw fail("bias", "only \"none\" is supported");
-  if (doc.contains("use_dora") && doc["use_dora"].is_boolean() && doc["use_dora"].get<bool>())
-    throw fail("use_dora", "DoRA is not supported");
-  if (doc.contains("fan_in_fan_out") && doc["fan_in_fan_out"].is_boolean() && doc["fan_in_fan_out"].get<bool>())
-    throw fail("fan_in_fan_out", "must be false for Qwen2");
+  c.rank = doc.integer("r", 1);
+  c.alpha = doc.optional_number("lora_alpha").value_or(8.0);  // PEFT's default
+  c.dropout = doc.optional_number("lora_dropout").value_or(c.dropout);
+  c.use_rslora = doc.optional_bool("use_rslora").value_or(c.use_rslora);
+  if (doc.optional_string("bias").value_or("none") != "none") doc.fail("bias", "only \"none\" is supported");
+  if (doc.optional_bool("use_dora").value_or(false)) doc.fail("use_dora", "DoRA is not supported");
+  if (doc.optional_bool("fan_in_fan_out").value_or(false)) doc.fail("fan_in_fan_out", "must be false for Qwen2");
   for (const char* key : {"rank_pattern", "alpha_pattern"})
-    if (doc.contains(key) && doc[key].is_object() && !doc[key].empty())
-      throw fail(key, "per-module patterns are not supported");
-  if (doc.contains("modules_to_save") && !doc["modules_to_save"].is_null() && !doc["modules_to_save"].empty())
-    throw fail("modules_to_save", "is not supported");
-  if (!doc.contains("target_modules")) throw fail("target_modules", "is required");
+    if (const std::optional<JsonReader> pattern = doc.optional_object(key); pattern && !pattern->value().empty())
+      pattern->fail("per-module patterns are not supported");
+  if (const std::optional<JsonReader> modules = doc.find("modules_to_save"); modules && !modules->value().empty())
+    modules->fail("is not supported");
+  const JsonReader targets = doc.get("target_modules");
   std::vector<std::string> names;
-  if (doc["target_modules"].is_string()) {
-    names.push_back(doc["target_modules"].get<std::string>());
-  } else if (doc["target_modules"].is_array()) {
-    for (const auto& n : doc["target_modules"]) {
-      if (!n.is_string()) throw fail("target_modules", "must hold module names");
-      names.push_back(n.get<std::string>());
-    }
+  if (targets.value().is_string()) {
+    names.push_back(targets.as_string());
+  } else if (targets.value().is_array()) {
+    for (size_t i = 0; i < targets.size(); ++i) names.push_back(targets[i].as_string());
   } else {
-    throw fail("target_modules", "must be a list of module names");
+    targets.fail(fmt::format("expected a module name or a list of them, got {}", json_excerpt(targets.value())));
   }
   set_lora_targets(c, names);
   return c;
@@ -130,11 +117,7 @@ LoraConfig parse_lora_adapter_config(const nlohmann::json& doc, const std::strin
 
 LoraConfig load_lora_adapter_config(const std::string& dir) {
   const std::string path = (std::filesystem::path(dir) / "adapter_config.json").string();
-  std::ifstream in(path);
-  if (!in) throw Error(fmt::format("{}: cannot open file", path));
-  nlohmann::json doc = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
-  if (doc.is_discarded()) throw Error(fmt::format("{}: invalid JSON", path));
-  return parse_lora_adapter_config(doc, path);
+  return parse_lora_adapter_config(read_json_file(path), path);
 }
 
 }  // namespace memtune

@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <fstream>
 #include <functional>
 #include <limits>
 #include <optional>
@@ -14,6 +13,8 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/json_reader.h"
+#include "core/jsonl.h"
 #include "io/safetensors.h"
 #include "memory/plan.h"
 
@@ -47,26 +48,21 @@ std::string escape(std::string_view text) {
   return out;
 }
 
-std::optional<json> read_json_file(const fs::path& path) {
-  std::ifstream in(path);
-  if (!in) return std::nullopt;
-  try {
-    return json::parse(in);
-  } catch (const json::parse_error& e) {
-    throw Error(fmt::format("{}: invalid JSON: {}", path.string(), e.what()));
-  }
+// A run file's JSON, or nullopt when the run did not write it.
+std::optional<json> read_json_file_if_present(const fs::path& path) {
+  std::error_code ec;
+  if (!fs::exists(path, ec)) return std::nullopt;
+  return read_json_file(path);
 }
 
-// Every JSON line of a .jsonl file (a torn last line from a killed run is skipped).
+// Every JSON line of a .jsonl file; lines that do not parse (a torn last line from a killed run)
+// are skipped.
 std::vector<json> read_json_lines(const fs::path& path) {
   std::vector<json> out;
-  std::ifstream in(path);
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.empty()) continue;
-    json j = json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (!j.is_discarded()) out.push_back(std::move(j));
-  }
+  std::error_code ec;
+  if (!fs::exists(path, ec)) return out;
+  JsonlReader reader(path, BadLines::Skip);
+  for (json record; reader.next(record);) out.push_back(std::move(record));
   return out;
 }
 
@@ -301,9 +297,9 @@ constexpr const char* kCheckScript = R"(
 std::string render_report(const fs::path& dir) {
   const std::vector<json> log = read_json_lines(dir / "log.jsonl");
   const std::vector<json> timeline = read_json_lines(dir / "memory.jsonl");
-  const std::optional<json> memory = read_json_file(dir / "memory.json");
-  const std::optional<json> arguments = read_json_file(dir / "run_args.json");
-  const std::optional<json> eval_results = read_json_file(dir / "eval_results.json");
+  const std::optional<json> memory = read_json_file_if_present(dir / "memory.json");
+  const std::optional<json> arguments = read_json_file_if_present(dir / "run_args.json");
+  const std::optional<json> eval_results = read_json_file_if_present(dir / "eval_results.json");
   if (log.empty() && timeline.empty() && !memory && !arguments && !eval_results)
     throw Error(fmt::format("{}: no run files (log.jsonl, memory.json, memory.jsonl, run_args.json, eval_results.json)",
                             dir.string()));

@@ -27,6 +27,7 @@
 #include <unordered_map>
 
 #include "core/error.h"
+#include "core/json_reader.h"
 #include "tokenizer/bpe.h"
 #include "tokenizer/split_regex.h"
 #include "tokenizer/unicode.h"
@@ -178,79 +179,17 @@ WordCache& word_cache(uint64_t owner) {
 
 std::atomic<uint64_t> g_next_instance{1};
 
-// Short rendering of a JSON value for error messages.
-std::string show(const json& v) {
-  std::string s = v.dump(-1, ' ', false, json::error_handler_t::replace);
-  return s.size() > 80 ? s.substr(0, 77) + "..." : s;
+// Token ids are int32 and one id past the largest must still fit (vocab_size).
+constexpr int64_t kMaxTokenId = (int64_t{1} << 31) - 2;
+
+int32_t token_id(const JsonReader& value) {
+  return static_cast<int32_t>(value.as_integer(0, kMaxTokenId));
 }
 
-// Typed access to a parsed JSON file with errors that name the file and field.
-class Reader {
- public:
-  explicit Reader(std::string file) : file_(std::move(file)) {}
-
-  [[noreturn]] void fail(const std::string& path, const std::string& message) const {
-    throw Error(fmt::format("{}: {}: {}", file_, path, message));
-  }
-
-  json parse(const std::string& text) const {
-    try {
-      return json::parse(text);
-    } catch (const json::parse_error& e) {
-      throw Error(fmt::format("{}: not valid JSON: {}", file_, e.what()));
-    }
-  }
-
-  // The member, or nullptr when it is absent.
-  static const json* member(const json& object, const char* key) {
-    auto it = object.find(key);
-    return it == object.end() ? nullptr : &*it;
-  }
-  // The member when present and not null.
-  static const json* non_null(const json& object, const char* key) {
-    const json* v = member(object, key);
-    return v && !v->is_null() ? v : nullptr;
-  }
-
-  const json& require(const json& object, const char* key, const std::string& path) const {
-    const json* v = member(object, key);
-    if (!v) fail(path, "missing");
-    return *v;
-  }
-  std::string string(const json& v, const std::string& path) const {
-    if (!v.is_string()) fail(path, fmt::format("expected a string, got {}", show(v)));
-    return v.get<std::string>();
-  }
-  std::string string_member(const json& object, const char* key, const std::string& path) const {
-    return string(require(object, key, path), path);
-  }
-  bool bool_member(const json& object, const char* key, bool fallback, const std::string& path) const {
-    const json* v = non_null(object, key);
-    if (!v) return fallback;
-    if (!v->is_boolean()) fail(path, fmt::format("expected true or false, got {}", show(*v)));
-    return v->get<bool>();
-  }
-  int32_t id(const json& v, const std::string& path) const {
-    if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() >= (int64_t{1} << 31) - 1)
-      fail(path, fmt::format("expected a token id (integer >= 0), got {}", show(v)));
-    return static_cast<int32_t>(v.get<int64_t>());
-  }
-  const json& array(const json& v, const std::string& path) const {
-    if (!v.is_array()) fail(path, fmt::format("expected an array, got {}", show(v)));
-    return v;
-  }
-  const json& object(const json& v, const std::string& path) const {
-    if (!v.is_object()) fail(path, fmt::format("expected an object, got {}", show(v)));
-    return v;
-  }
-  // The "type" member of a component object.
-  std::string type_of(const json& v, const std::string& path) const {
-    return string_member(object(v, path), "type", path + ".type");
-  }
-
- private:
-  std::string file_;
-};
+// The "type" member of a component object.
+std::string type_of(const JsonReader& component) {
+  return component.as_object().string("type");
+}
 
 std::string read_file(const std::filesystem::path& path) {
   std::ifstream in(path, std::ios::binary);
@@ -266,16 +205,16 @@ std::string read_file(const std::filesystem::path& path) {
 struct Tokenizer::Impl {
   uint64_t instance = g_next_instance.fetch_add(1);
 
-  StringMap<int32_t> vocab;             // vocabulary token (byte-level string) -> id
-  std::vector<AddedToken> added;        // never resized after the matchers point into it
-  StringMap<int32_t> added_by_content;  // added token content -> id
-  AddedTokenMatcher raw_matcher;        // added tokens with normalized = false
-  AddedTokenMatcher normalized_matcher; // added tokens with normalized = true
+  StringMap<int32_t> vocab;              // vocabulary token (byte-level string) -> id
+  std::vector<AddedToken> added;         // never resized after the matchers point into it
+  StringMap<int32_t> added_by_content;   // added token content -> id
+  AddedTokenMatcher raw_matcher;         // added tokens with normalized = false
+  AddedTokenMatcher normalized_matcher;  // added tokens with normalized = true
   bool nfc = false;
   std::vector<SplitRegex> pre_tokenizer;  // applied in order; each splits the previous pieces
   std::optional<BytePairMerger> merger;
   bool ignore_merges = false;
-  StringMap<int32_t> piece_to_id;  // raw bytes of each vocabulary token (only for ignore_merges)
+  StringMap<int32_t> piece_to_id;       // raw bytes of each vocabulary token (only for ignore_merges)
   std::vector<int32_t> prefix, suffix;  // TemplateProcessing around the text's ids
 
   // Decoding: the bytes each id stands for and what kind of token it is.
@@ -286,15 +225,15 @@ struct Tokenizer::Impl {
   std::optional<int32_t> eos, pad;
   std::string chat_template;
 
-  void parse_model(const Reader& r, const json& model);
-  void parse_added_tokens(const Reader& r, const json* tokens);
-  void parse_normalizer(const Reader& r, const json* normalizer);
-  void parse_pre_tokenizer(const Reader& r, const json* pre_tokenizer);
-  void parse_byte_level(const Reader& r, const json& v, const std::string& path);
-  void parse_post_processor(const Reader& r, const json* post_processor);
-  void parse_template(const Reader& r, const json& v, const std::string& path);
-  void parse_config(const Reader& r, const json& config);
-  std::optional<int32_t> config_token(const Reader& r, const json& config, const char* key) const;
+  void parse_model(const JsonReader& model);
+  void parse_added_tokens(const std::optional<JsonReader>& tokens);
+  void parse_normalizer(const std::optional<JsonReader>& normalizer);
+  void parse_pre_tokenizer(const JsonReader& root);
+  void parse_byte_level(const JsonReader& byte_level);
+  void parse_post_processor(const std::optional<JsonReader>& post_processor);
+  void parse_template(const JsonReader& processor);
+  void parse_config(const JsonReader& config);
+  std::optional<int32_t> config_token(const JsonReader& config, std::string_view key) const;
 
   bool known(int32_t id) const {
     return id >= 0 && static_cast<size_t>(id) < id_kind.size() && id_kind[static_cast<size_t>(id)] != kUnused;
@@ -312,34 +251,31 @@ struct Tokenizer::Impl {
   void encode_piece(std::string_view piece, WordCache& cache, std::vector<int32_t>& out) const;
 };
 
-void Tokenizer::Impl::parse_model(const Reader& r, const json& model) {
-  r.object(model, "model");
-  const std::string type = r.string_member(model, "type", "model.type");
-  if (type != "BPE") r.fail("model.type", fmt::format("\"{}\" is not supported (expected \"BPE\")", type));
-  if (Reader::non_null(model, "dropout"))
-    r.fail("model.dropout", "BPE dropout is not supported (expected null)");
-  if (r.bool_member(model, "byte_fallback", false, "model.byte_fallback"))
-    r.fail("model.byte_fallback", "byte fallback is not supported (expected false)");
+void Tokenizer::Impl::parse_model(const JsonReader& model) {
+  const std::string type = model.string("type");
+  if (type != "BPE") model.fail("type", fmt::format("\"{}\" is not supported (expected \"BPE\")", type));
+  if (model.has("dropout")) model.fail("dropout", "BPE dropout is not supported (expected null)");
+  if (model.optional_bool("byte_fallback").value_or(false))
+    model.fail("byte_fallback", "byte fallback is not supported (expected false)");
   for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"}) {
-    const json* v = Reader::non_null(model, key);
-    if (v && !(v->is_string() && v->get<std::string>().empty()))
-      r.fail(fmt::format("model.{}", key), fmt::format("{} is not supported (expected null)", show(*v)));
+    const std::optional<JsonReader> affix = model.find(key);
+    if (affix && affix->value() != "")
+      affix->fail(fmt::format("{} is not supported (expected null)", json_excerpt(affix->value())));
   }
-  ignore_merges = r.bool_member(model, "ignore_merges", false, "model.ignore_merges");
+  ignore_merges = model.optional_bool("ignore_merges").value_or(false);
 
-  const json& vocab_json = r.object(r.require(model, "vocab", "model.vocab"), "model.vocab");
-  vocab.reserve(vocab_json.size());
-  for (const auto& [token, id_json] : vocab_json.items()) {
-    const int32_t id = r.id(id_json, fmt::format("model.vocab[\"{}\"]", token));
+  const JsonReader vocab_json = model.object("vocab");
+  vocab.reserve(vocab_json.value().size());
+  vocab_json.for_each_entry([&](const std::string& token, const JsonReader& id_json) {
+    const int32_t id = token_id(id_json);
     vocab.emplace(token, id);
     if (static_cast<size_t>(id) >= id_kind.size()) {
       id_kind.resize(static_cast<size_t>(id) + 1, kUnused);
       id_bytes.resize(static_cast<size_t>(id) + 1);
     }
-    if (id_kind[static_cast<size_t>(id)] != kUnused)
-      r.fail(fmt::format("model.vocab[\"{}\"]", token), fmt::format("id {} is used by two tokens", id));
+    if (id_kind[static_cast<size_t>(id)] != kUnused) id_json.fail(fmt::format("id {} is used by two tokens", id));
     id_kind[static_cast<size_t>(id)] = kVocab;
-  }
+  });
 
   // Byte-level: every byte has a one-character token; decoding maps characters back to bytes.
   const std::array<char32_t, 256> to_unicode = byte_to_unicode();
@@ -351,8 +287,8 @@ void Tokenizer::Impl::parse_model(const Reader& r, const json& model) {
     append_utf8(to_unicode[static_cast<size_t>(b)], symbol);
     auto it = vocab.find(symbol);
     if (it == vocab.end())
-      r.fail("model.vocab", fmt::format("no token \"{}\" for byte 0x{:02X}; a byte-level vocabulary needs all 256",
-                                        symbol, b));
+      vocab_json.fail(
+          fmt::format("no token \"{}\" for byte 0x{:02X}; a byte-level vocabulary needs all 256", symbol, b));
     byte_ids[static_cast<size_t>(b)] = it->second;
   }
   for (const auto& [token, id] : vocab) {
@@ -362,218 +298,213 @@ void Tokenizer::Impl::parse_model(const Reader& r, const json& model) {
     bool byte_level = is_valid_utf8(token);
     for (size_t i = 0; byte_level && i < token.size();) {
       auto it = to_byte.find(next_code_point(token, i));
-      if (it == to_byte.end()) byte_level = false;
-      else bytes += static_cast<char>(it->second);
+      if (it == to_byte.end())
+        byte_level = false;
+      else
+        bytes += static_cast<char>(it->second);
     }
     id_bytes[static_cast<size_t>(id)] = byte_level ? bytes : token;
     if (ignore_merges && byte_level) piece_to_id.emplace(std::move(bytes), id);
   }
 
   merger.emplace(byte_ids);
-  const json& merges = r.array(r.require(model, "merges", "model.merges"), "model.merges");
+  const JsonReader merges = model.array("merges");
   for (size_t rank = 0; rank < merges.size(); ++rank) {
-    const std::string path = fmt::format("model.merges[{}]", rank);
-    const json& m = merges[rank];
+    const JsonReader merge = merges[rank];
+    const json& m = merge.value();
     std::string left, right;
     if (m.is_string()) {
       const std::string s = m.get<std::string>();
       const size_t space = s.find(' ');
       if (space == std::string::npos || s.find(' ', space + 1) != std::string::npos)
-        r.fail(path, fmt::format("expected \"left right\" with exactly one space, got {}", show(m)));
+        merge.fail(fmt::format("expected \"left right\" with exactly one space, got {}", json_excerpt(m)));
       left = s.substr(0, space);
       right = s.substr(space + 1);
     } else if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string()) {
       left = m[0].get<std::string>();
       right = m[1].get<std::string>();
     } else {
-      r.fail(path, fmt::format("expected \"left right\" or [\"left\", \"right\"], got {}", show(m)));
+      merge.fail(fmt::format("expected \"left right\" or [\"left\", \"right\"], got {}", json_excerpt(m)));
     }
     const auto l = vocab.find(left), rt = vocab.find(right), merged = vocab.find(left + right);
     if (l == vocab.end() || rt == vocab.end() || merged == vocab.end())
-      r.fail(path, fmt::format("\"{}\", \"{}\" or their concatenation is not in model.vocab", left, right));
+      merge.fail(fmt::format("\"{}\", \"{}\" or their concatenation is not in model.vocab", left, right));
     merger->add_merge(l->second, rt->second, static_cast<int32_t>(rank), merged->second);
   }
 }
 
-void Tokenizer::Impl::parse_added_tokens(const Reader& r, const json* tokens) {
-  if (!tokens || tokens->is_null()) return;
-  r.array(*tokens, "added_tokens");
+void Tokenizer::Impl::parse_added_tokens(const std::optional<JsonReader>& tokens) {
+  if (!tokens) return;
   added.reserve(tokens->size());
   for (size_t i = 0; i < tokens->size(); ++i) {
-    const std::string path = fmt::format("added_tokens[{}]", i);
-    const json& t = r.object((*tokens)[i], path);
+    const JsonReader t = (*tokens)[i];
+    t.as_object();
     AddedToken a;
-    a.id = r.id(r.require(t, "id", path + ".id"), path + ".id");
-    a.content = r.string_member(t, "content", path + ".content");
-    if (a.content.empty()) r.fail(path + ".content", "empty");
-    if (!is_valid_utf8(a.content)) r.fail(path + ".content", "not valid UTF-8");
-    a.special = r.bool_member(t, "special", false, path + ".special");
-    a.normalized = r.bool_member(t, "normalized", !a.special, path + ".normalized");
-    a.lstrip = r.bool_member(t, "lstrip", false, path + ".lstrip");
-    a.rstrip = r.bool_member(t, "rstrip", false, path + ".rstrip");
-    a.single_word = r.bool_member(t, "single_word", false, path + ".single_word");
+    a.id = token_id(t.get("id"));
+    a.content = t.string("content");
+    if (a.content.empty()) t.fail("content", "empty");
+    if (!is_valid_utf8(a.content)) t.fail("content", "not valid UTF-8");
+    a.special = t.optional_bool("special").value_or(false);
+    a.normalized = t.optional_bool("normalized").value_or(!a.special);
+    a.lstrip = t.optional_bool("lstrip").value_or(false);
+    a.rstrip = t.optional_bool("rstrip").value_or(false);
+    a.single_word = t.optional_bool("single_word").value_or(false);
     if (!added_by_content.emplace(a.content, a.id).second)
-      r.fail(path + ".content", fmt::format("\"{}\" is listed twice", a.content));
+      t.fail("content", fmt::format("\"{}\" is listed twice", a.content));
     if (auto it = vocab.find(a.content); it != vocab.end() && it->second != a.id)
-      r.fail(path, fmt::format("\"{}\" has id {} but model.vocab gives it id {}", a.content, a.id, it->second));
+      t.fail(fmt::format("\"{}\" has id {} but model.vocab gives it id {}", a.content, a.id, it->second));
     const auto slot = static_cast<size_t>(a.id);
     if (slot >= id_kind.size()) {
       id_kind.resize(slot + 1, kUnused);
       id_bytes.resize(slot + 1);
     }
     if (id_kind[slot] == kAdded || id_kind[slot] == kSpecial)
-      r.fail(path + ".id", fmt::format("id {} is used by two added tokens", a.id));
+      t.fail("id", fmt::format("id {} is used by two added tokens", a.id));
     if (id_kind[slot] == kVocab && !vocab.contains(a.content))
-      r.fail(path + ".id", fmt::format("id {} already belongs to another model.vocab token", a.id));
+      t.fail("id", fmt::format("id {} already belongs to another model.vocab token", a.id));
     id_kind[slot] = a.special ? kSpecial : kAdded;
     id_bytes[slot] = a.content;
     added.push_back(std::move(a));
   }
 }
 
-void Tokenizer::Impl::parse_normalizer(const Reader& r, const json* normalizer) {
-  if (!normalizer || normalizer->is_null()) return;
-  const std::string type = r.type_of(*normalizer, "normalizer");
+void Tokenizer::Impl::parse_normalizer(const std::optional<JsonReader>& normalizer) {
+  if (!normalizer) return;
+  const std::string type = type_of(*normalizer);
   if (type == "NFC") {
     nfc = true;
   } else if (type == "Sequence") {
-    const json& list = r.array(r.require(*normalizer, "normalizers", "normalizer.normalizers"), "normalizer.normalizers");
+    const JsonReader list = normalizer->array("normalizers");
     for (size_t i = 0; i < list.size(); ++i) {
-      const std::string path = fmt::format("normalizer.normalizers[{}]", i);
-      const std::string t = r.type_of(list[i], path);
-      if (t != "NFC") r.fail(path + ".type", fmt::format("\"{}\" is not supported (expected \"NFC\")", t));
+      const std::string t = type_of(list[i]);
+      if (t != "NFC") list[i].fail("type", fmt::format("\"{}\" is not supported (expected \"NFC\")", t));
       nfc = true;
     }
   } else {
-    r.fail("normalizer.type", fmt::format("\"{}\" is not supported (expected null, \"NFC\" or a Sequence of NFC)", type));
+    normalizer->fail("type",
+                     fmt::format("\"{}\" is not supported (expected null, \"NFC\" or a Sequence of NFC)", type));
   }
 }
 
-void Tokenizer::Impl::parse_byte_level(const Reader& r, const json& v, const std::string& path) {
+void Tokenizer::Impl::parse_byte_level(const JsonReader& byte_level) {
   // Hugging Face's default for add_prefix_space is true, so an absent field counts as true.
-  if (r.bool_member(v, "add_prefix_space", true, path + ".add_prefix_space"))
-    r.fail(path + ".add_prefix_space", "true (or absent) is not supported (expected false)");
-  if (r.bool_member(v, "use_regex", true, path + ".use_regex"))
-    pre_tokenizer.emplace_back(kGpt2Pattern, path + " (GPT-2 regex)");
+  if (byte_level.optional_bool("add_prefix_space").value_or(true))
+    byte_level.fail("add_prefix_space", "true (or absent) is not supported (expected false)");
+  if (byte_level.optional_bool("use_regex").value_or(true))
+    pre_tokenizer.emplace_back(kGpt2Pattern, byte_level.where() + " (GPT-2 regex)");
 }
 
-void Tokenizer::Impl::parse_pre_tokenizer(const Reader& r, const json* pre) {
-  if (!pre || pre->is_null()) r.fail("pre_tokenizer", "null is not supported (expected ByteLevel or a Sequence ending in ByteLevel)");
-  const std::string type = r.type_of(*pre, "pre_tokenizer");
+void Tokenizer::Impl::parse_pre_tokenizer(const JsonReader& root) {
+  const std::optional<JsonReader> pre = root.find("pre_tokenizer");
+  if (!pre) root.fail("pre_tokenizer", "null is not supported (expected ByteLevel or a Sequence ending in ByteLevel)");
+  const std::string type = type_of(*pre);
   if (type == "ByteLevel") {
-    parse_byte_level(r, *pre, "pre_tokenizer");
+    parse_byte_level(*pre);
     return;
   }
   if (type != "Sequence")
-    r.fail("pre_tokenizer.type", fmt::format("\"{}\" is not supported (expected \"ByteLevel\" or \"Sequence\")", type));
-  const json& list =
-      r.array(r.require(*pre, "pretokenizers", "pre_tokenizer.pretokenizers"), "pre_tokenizer.pretokenizers");
+    pre->fail("type", fmt::format("\"{}\" is not supported (expected \"ByteLevel\" or \"Sequence\")", type));
+  const JsonReader list = pre->array("pretokenizers");
   bool byte_level = false;
   for (size_t i = 0; i < list.size(); ++i) {
-    const std::string path = fmt::format("pre_tokenizer.pretokenizers[{}]", i);
-    const std::string t = r.type_of(list[i], path);
-    if (byte_level) r.fail(path, "ByteLevel must be the last pre-tokenizer of the Sequence");
+    const JsonReader item = list[i];
+    const std::string t = type_of(item);
+    if (byte_level) item.fail("ByteLevel must be the last pre-tokenizer of the Sequence");
     if (t == "ByteLevel") {
-      parse_byte_level(r, list[i], path);
+      parse_byte_level(item);
       byte_level = true;
     } else if (t == "Split") {
-      const json& pattern = r.object(r.require(list[i], "pattern", path + ".pattern"), path + ".pattern");
-      if (!Reader::member(pattern, "Regex"))
-        r.fail(path + ".pattern", fmt::format("{} is not supported (expected {{\"Regex\": ...}})", show(pattern)));
-      const std::string regex = r.string_member(pattern, "Regex", path + ".pattern.Regex");
-      const std::string behavior = r.string_member(list[i], "behavior", path + ".behavior");
+      const JsonReader pattern = item.object("pattern");
+      if (!pattern.has("Regex"))
+        pattern.fail(fmt::format("{} is not supported (expected {{\"Regex\": ...}})", json_excerpt(pattern.value())));
+      const JsonReader regex = pattern.get("Regex");
+      const std::string behavior = item.string("behavior");
       if (behavior != "Isolated")
-        r.fail(path + ".behavior", fmt::format("\"{}\" is not supported (expected \"Isolated\")", behavior));
-      if (r.bool_member(list[i], "invert", false, path + ".invert"))
-        r.fail(path + ".invert", "true is not supported (expected false)");
-      pre_tokenizer.emplace_back(regex, path + ".pattern.Regex");
+        item.fail("behavior", fmt::format("\"{}\" is not supported (expected \"Isolated\")", behavior));
+      if (item.optional_bool("invert").value_or(false)) item.fail("invert", "true is not supported (expected false)");
+      pre_tokenizer.emplace_back(regex.as_string(), regex.where());
     } else {
-      r.fail(path + ".type", fmt::format("\"{}\" is not supported (expected \"Split\" or \"ByteLevel\")", t));
+      item.fail("type", fmt::format("\"{}\" is not supported (expected \"Split\" or \"ByteLevel\")", t));
     }
   }
-  if (!byte_level) r.fail("pre_tokenizer.pretokenizers", "no ByteLevel pre-tokenizer (required last)");
+  if (!byte_level) list.fail("no ByteLevel pre-tokenizer (required last)");
 }
 
-void Tokenizer::Impl::parse_template(const Reader& r, const json& v, const std::string& path) {
-  const json& single = r.array(r.require(v, "single", path + ".single"), path + ".single");
-  const json* specials = Reader::member(v, "special_tokens");
+void Tokenizer::Impl::parse_template(const JsonReader& processor) {
+  const JsonReader single = processor.array("single");
+  const std::optional<JsonReader> specials = processor.optional_object("special_tokens");
   bool seen_sequence = false;
   for (size_t i = 0; i < single.size(); ++i) {
-    const std::string item_path = fmt::format("{}.single[{}]", path, i);
-    const json& item = r.object(single[i], item_path);
-    if (const json* seq = Reader::member(item, "Sequence")) {
-      const std::string id = r.string_member(r.object(*seq, item_path + ".Sequence"), "id", item_path + ".Sequence.id");
-      if (id != "A") r.fail(item_path + ".Sequence.id", fmt::format("\"{}\" is not supported (expected \"A\")", id));
-      if (seen_sequence) r.fail(item_path, "sequence A appears twice");
+    const JsonReader item = single[i];
+    item.as_object();
+    if (const std::optional<JsonReader> sequence = item.find("Sequence")) {
+      const std::string id = sequence->string("id");
+      if (id != "A") sequence->fail("id", fmt::format("\"{}\" is not supported (expected \"A\")", id));
+      if (seen_sequence) item.fail("sequence A appears twice");
       seen_sequence = true;
-    } else if (const json* special = Reader::member(item, "SpecialToken")) {
-      const std::string name =
-          r.string_member(r.object(*special, item_path + ".SpecialToken"), "id", item_path + ".SpecialToken.id");
-      const json* entry = specials && specials->is_object() ? Reader::member(*specials, name.c_str()) : nullptr;
-      if (!entry) r.fail(path + ".special_tokens", fmt::format("no entry for \"{}\" used by {}", name, item_path));
-      const std::string ids_path = fmt::format("{}.special_tokens[\"{}\"].ids", path, name);
-      for (const json& id : r.array(r.require(r.object(*entry, ids_path), "ids", ids_path), ids_path))
-        (seen_sequence ? suffix : prefix).push_back(r.id(id, ids_path));
+    } else if (const std::optional<JsonReader> special = item.find("SpecialToken")) {
+      const std::string name = special->string("id");
+      const std::optional<JsonReader> entry = specials ? specials->find(name) : std::nullopt;
+      if (!entry) processor.fail("special_tokens", fmt::format("no entry for \"{}\" used by {}", name, item.path()));
+      const JsonReader ids = entry->array("ids");
+      for (size_t k = 0; k < ids.size(); ++k) (seen_sequence ? suffix : prefix).push_back(token_id(ids[k]));
     } else {
-      r.fail(item_path, fmt::format("{} is not supported (expected Sequence or SpecialToken)", show(item)));
+      item.fail(fmt::format("{} is not supported (expected Sequence or SpecialToken)", json_excerpt(item.value())));
     }
   }
-  if (!seen_sequence) r.fail(path + ".single", "has no Sequence A");
+  if (!seen_sequence) single.fail("has no Sequence A");
 }
 
-void Tokenizer::Impl::parse_post_processor(const Reader& r, const json* post) {
-  if (!post || post->is_null()) return;
-  auto one = [&](const json& v, const std::string& path) {
-    const std::string type = r.type_of(v, path);
+void Tokenizer::Impl::parse_post_processor(const std::optional<JsonReader>& post) {
+  if (!post) return;
+  auto one = [&](const JsonReader& processor) {
+    const std::string type = type_of(processor);
     if (type == "TemplateProcessing") {
-      if (!prefix.empty() || !suffix.empty()) r.fail(path, "a second TemplateProcessing is not supported");
-      parse_template(r, v, path);
+      if (!prefix.empty() || !suffix.empty()) processor.fail("a second TemplateProcessing is not supported");
+      parse_template(processor);
     } else if (type != "ByteLevel") {
-      r.fail(path + ".type",
-             fmt::format("\"{}\" is not supported (expected \"ByteLevel\", \"TemplateProcessing\" or a Sequence of them)", type));
+      processor.fail("type", fmt::format("\"{}\" is not supported (expected \"ByteLevel\", \"TemplateProcessing\" or "
+                                         "a Sequence of them)",
+                                         type));
     }
   };
-  if (r.type_of(*post, "post_processor") == "Sequence") {
-    const json& list =
-        r.array(r.require(*post, "processors", "post_processor.processors"), "post_processor.processors");
-    for (size_t i = 0; i < list.size(); ++i) one(list[i], fmt::format("post_processor.processors[{}]", i));
+  if (type_of(*post) == "Sequence") {
+    const JsonReader list = post->array("processors");
+    for (size_t i = 0; i < list.size(); ++i) one(list[i]);
   } else {
-    one(*post, "post_processor");
+    one(*post);
   }
 }
 
-std::optional<int32_t> Tokenizer::Impl::config_token(const Reader& r, const json& config, const char* key) const {
-  const json* v = Reader::non_null(config, key);
-  if (!v) return std::nullopt;
+std::optional<int32_t> Tokenizer::Impl::config_token(const JsonReader& config, std::string_view key) const {
+  const std::optional<JsonReader> token = config.find(key);
+  if (!token) return std::nullopt;
   // Either the token's text or an AddedToken object {"content": ..., ...}.
-  const std::string content =
-      v->is_object() ? r.string_member(*v, "content", fmt::format("{}.content", key)) : r.string(*v, key);
+  const std::string content = token->value().is_object() ? token->string("content") : token->as_string();
   const std::optional<int32_t> id = find_id(content);
-  if (!id) r.fail(key, fmt::format("\"{}\" is not a token of tokenizer.json", content));
+  if (!id) token->fail(fmt::format("\"{}\" is not a token of tokenizer.json", content));
   return id;
 }
 
-void Tokenizer::Impl::parse_config(const Reader& r, const json& config) {
-  r.object(config, "(top level)");
-  eos = config_token(r, config, "eos_token");
-  pad = config_token(r, config, "pad_token");
-  const json* t = Reader::non_null(config, "chat_template");
+void Tokenizer::Impl::parse_config(const JsonReader& config) {
+  config.as_object();
+  eos = config_token(config, "eos_token");
+  pad = config_token(config, "pad_token");
+  const std::optional<JsonReader> t = config.find("chat_template");
   if (!t) return;
-  if (t->is_string()) {
-    chat_template = t->get<std::string>();
+  if (t->value().is_string()) {
+    chat_template = t->as_string();
     return;
   }
   // A list of named templates: the one named "default" is the chat template.
-  const json& list = r.array(*t, "chat_template");
-  for (size_t i = 0; i < list.size(); ++i) {
-    const std::string path = fmt::format("chat_template[{}]", i);
-    const json& entry = r.object(list[i], path);
-    if (r.string_member(entry, "name", path + ".name") == "default") {
-      chat_template = r.string_member(entry, "template", path + ".template");
+  for (size_t i = 0; i < t->size(); ++i) {
+    const JsonReader entry = (*t)[i];
+    if (entry.string("name") == "default") {
+      chat_template = entry.string("template");
       return;
     }
   }
-  r.fail("chat_template", "a list of templates without one named \"default\"");
+  t->fail("a list of templates without one named \"default\"");
 }
 
 void Tokenizer::Impl::encode(std::string_view text, std::vector<int32_t>& out, bool add_special_tokens) const {
@@ -605,9 +536,8 @@ void Tokenizer::Impl::pre_tokenize(std::string_view text, size_t level, WordCach
     encode_piece(text, cache, out);
     return;
   }
-  pre_tokenizer[level].split(text, [&](size_t begin, size_t end) {
-    pre_tokenize(text.substr(begin, end - begin), level + 1, cache, out);
-  });
+  pre_tokenizer[level].split(
+      text, [&](size_t begin, size_t end) { pre_tokenize(text.substr(begin, end - begin), level + 1, cache, out); });
 }
 
 void Tokenizer::Impl::encode_piece(std::string_view piece, WordCache& cache, std::vector<int32_t>& out) const {
@@ -643,22 +573,23 @@ Tokenizer::~Tokenizer() = default;
 Tokenizer Tokenizer::from_json(const std::string& tokenizer_json, const std::string& config_json,
                                const std::string& source) {
   auto impl = std::make_unique<Impl>();
-  const Reader r(source + "/tokenizer.json");
-  const json root = r.parse(tokenizer_json);
-  r.object(root, "(top level)");
-  impl->parse_model(r, r.require(root, "model", "model"));
-  impl->parse_added_tokens(r, Reader::member(root, "added_tokens"));
-  impl->parse_normalizer(r, Reader::member(root, "normalizer"));
-  impl->parse_pre_tokenizer(r, Reader::member(root, "pre_tokenizer"));
-  impl->parse_post_processor(r, Reader::member(root, "post_processor"));
-  const json* decoder = Reader::non_null(root, "decoder");
-  if (!decoder) r.fail("decoder", "missing or null (expected ByteLevel)");
-  if (const std::string type = r.type_of(*decoder, "decoder"); type != "ByteLevel")
-    r.fail("decoder.type", fmt::format("\"{}\" is not supported (expected \"ByteLevel\")", type));
+  const std::string file = source + "/tokenizer.json";
+  const json document = parse_json(tokenizer_json, file);
+  const JsonReader root(document, file);
+  root.as_object();
+  impl->parse_model(root.object("model"));
+  impl->parse_added_tokens(root.optional_array("added_tokens"));
+  impl->parse_normalizer(root.find("normalizer"));
+  impl->parse_pre_tokenizer(root);
+  impl->parse_post_processor(root.find("post_processor"));
+  const std::optional<JsonReader> decoder = root.find("decoder");
+  if (!decoder) root.fail("decoder", "missing or null (expected ByteLevel)");
+  if (const std::string type = type_of(*decoder); type != "ByteLevel")
+    decoder->fail("type", fmt::format("\"{}\" is not supported (expected \"ByteLevel\")", type));
 
   for (const auto* ids : {&impl->prefix, &impl->suffix})
     for (const int32_t id : *ids)
-      if (!impl->known(id)) r.fail("post_processor", fmt::format("template id {} is not a token", id));
+      if (!impl->known(id)) root.fail("post_processor", fmt::format("template id {} is not a token", id));
 
   // The matchers point into `added`, which is complete now.
   for (const AddedToken& t : impl->added) {
@@ -671,8 +602,9 @@ Tokenizer Tokenizer::from_json(const std::string& tokenizer_json, const std::str
   }
 
   if (!config_json.empty()) {
-    const Reader c(source + "/tokenizer_config.json");
-    impl->parse_config(c, c.parse(config_json));
+    const std::string config_file = source + "/tokenizer_config.json";
+    const json config = parse_json(config_json, config_file);
+    impl->parse_config(JsonReader(config, config_file));
   }
   return Tokenizer(std::move(impl));
 }

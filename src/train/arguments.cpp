@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/json_reader.h"
 
 namespace memtune {
 
@@ -141,11 +142,7 @@ std::vector<std::string> expand_config_file(const std::vector<std::string>& argv
   const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
   nlohmann::json doc;
   if (path.ends_with(".json")) {
-    try {
-      doc = nlohmann::json::parse(text);
-    } catch (const nlohmann::json::parse_error& e) {
-      throw Error(fmt::format("{}: invalid JSON: {}", path, e.what()));
-    }
+    doc = parse_json(text, path);
     if (!doc.is_object()) throw Error(fmt::format("{}: expected a JSON object of argument names", path));
   } else {
     doc = parse_flat_yaml(text, path);

@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/json_reader.h"
 #include "data/batcher.h"
 #include "data/dataset.h"
 #include "dist/communicator.h"
@@ -36,16 +37,6 @@ namespace fs = std::filesystem;
 using nlohmann::json;
 
 namespace {
-
-json read_json(const fs::path& path) {
-  std::ifstream in(path);
-  if (!in) throw Error(fmt::format("{}: cannot open file", path.string()));
-  try {
-    return json::parse(in);
-  } catch (const json::parse_error& e) {
-    throw Error(fmt::format("{}: invalid JSON: {}", path.string(), e.what()));
-  }
-}
 
 // Everything that changes as training goes and must survive a resume.
 struct Progress {
@@ -359,24 +350,24 @@ void TrainingRun::resume() {
       throw Error(fmt::format("--resume_from_checkpoint last: no checkpoint-* in {}", output_dir_.string()));
     dir = all.back().second;
   }
-  const json position = read_json(dir / "memtune_state.json");
-  const json state = read_json(dir / "trainer_state.json");
+  const json position_json = read_json_file(dir / "memtune_state.json");
+  const json state_json = read_json_file(dir / "trainer_state.json");
+  const JsonReader position(position_json, (dir / "memtune_state.json").string());
+  const JsonReader state(state_json, (dir / "trainer_state.json").string());
   model_->parameters().restore(dir.string());
   read_optimizer_state(model_->parameters(), model_->arena(), dir / "optimizer.safetensors");
-  progress_.global_step = position.at("global_step").get<int64_t>();
-  progress_.epoch = position.at("epoch").get<int64_t>();
-  progress_.batches_in_epoch = position.at("batches_in_epoch").get<int64_t>();
-  progress_.num_input_tokens_seen = position.at("num_input_tokens_seen").get<int64_t>();
-  progress_.log_history = state.value("log_history", json::array());
-  if (state.contains("best_metric") && state["best_metric"].is_number())
-    progress_.best_metric = state["best_metric"].get<double>();
-  if (state.contains("best_global_step") && state["best_global_step"].is_number())
-    progress_.best_global_step = state["best_global_step"].get<int64_t>();
-  if (state.contains("best_model_checkpoint") && state["best_model_checkpoint"].is_string())
-    progress_.best_model_checkpoint = state["best_model_checkpoint"].get<std::string>();
-  trainer_->restore_global_step(position.value("optimizer_steps", progress_.global_step));
-  trainer_->restore_loss_scale(position.value("loss_scale", trainer_->loss_scale()),
-                               position.value("good_steps", int64_t{0}));
+  progress_.global_step = position.integer("global_step", 0);
+  progress_.epoch = position.integer("epoch", 0);
+  progress_.batches_in_epoch = position.integer("batches_in_epoch", 0);
+  progress_.num_input_tokens_seen = position.integer("num_input_tokens_seen", 0);
+  if (const std::optional<JsonReader> history = state.optional_array("log_history"))
+    progress_.log_history = history->value();
+  progress_.best_metric = state.optional_number("best_metric");
+  progress_.best_global_step = state.optional_integer("best_global_step", 0);
+  progress_.best_model_checkpoint = state.optional_string("best_model_checkpoint").value_or("");
+  trainer_->restore_global_step(position.optional_integer("optimizer_steps", 0).value_or(progress_.global_step));
+  trainer_->restore_loss_scale(position.optional_number("loss_scale").value_or(trainer_->loss_scale()),
+                               position.optional_integer("good_steps", 0).value_or(0));
   out_ << fmt::format("resumed from {} at step {}\n", dir.string(), progress_.global_step);
 }
 

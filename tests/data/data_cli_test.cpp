@@ -90,6 +90,20 @@ TEST_F(DataCliTest, TokenizeBadLinesNameFileAndLine) {
   EXPECT_EQ(r.status, 1);
   EXPECT_CONTAINS(r.output, "chat.jsonl:1: message 0: expected the conversation to start with a user message");
   EXPECT_NE(memtune("tokenize " + tok() + " --chat --decode").status, 0);
+  write("broken.jsonl", "\"ok\"\n\n{broken\n");
+  r = memtune("tokenize " + tok() + " --input " + path("broken.jsonl"));
+  EXPECT_EQ(r.status, 1);
+  EXPECT_CONTAINS(r.output, "broken.jsonl:3: invalid JSON: parse error at line 1");
+  EXPECT_CONTAINS(r.output, "; expected a JSON string");
+}
+
+TEST_F(DataCliTest, TokenizeDropsAByteOrderMarkOnItsOwnLine) {
+  // The byte order mark is dropped before the blank-line check, as for every JSONL file, so a
+  // first line holding only the mark is blank, not invalid JSON.
+  write("bom.jsonl", "\xEF\xBB\xBF\n\"hello world\"\n");
+  const Result r = memtune("tokenize " + tok() + " --input " + path("bom.jsonl"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_EQ(r.output, nlohmann::json(testing_support::synthetic_tokenizer().encode("hello world")).dump() + "\n");
 }
 
 TEST_F(DataCliTest, DataStatsPrintsATableOrJson) {

@@ -240,7 +240,7 @@ TEST_F(DatasetTest, BadLinesNameFileAndLine) {
   EXPECT_CONTAINS(at_line_3(R"({"messages": []})"), "data.jsonl:3: empty conversation");
   EXPECT_CONTAINS(at_line_3("[1, 2]"), "data.jsonl:3: expected one JSON object per line");
   EXPECT_CONTAINS(at_line_3(R"({"messages": [{"role": "user", "content": 5}]})"),
-                  "data.jsonl:3: field \"messages[0].content\": expected a string, got number");
+                  "data.jsonl:3: field \"messages[0].content\": expected a string, got 5");
   EXPECT_CONTAINS(load_error(R"({"instruction": "x"})"), "data.jsonl:1: missing field \"output\" (alpaca format)");
   EXPECT_CONTAINS(load_error(R"({"query": "x"})"), "missing field \"response\" or \"answer\" or \"completion\"");
   EXPECT_CONTAINS(load_error(R"({"conversations": [{"from": "bot", "value": "x"}]})"), "unknown speaker \"bot\"");

@@ -227,14 +227,14 @@ TEST_F(CheckpointTest, MalformedIndexIsRefused) {
     const char* expect;
   };
   const Case cases[] = {
-      {"{\"weight_map\": ", "not valid JSON"},
+      {"{\"weight_map\": ", "invalid JSON"},
       {"[]", "expected a JSON object"},
-      {R"({"metadata": {"total_size": 96}})", "missing \"weight_map\""},
-      {R"({"weight_map": ["t0"]})", "\"weight_map\" must be an object"},
-      {R"({"weight_map": {"t0": 1}})", "weight_map[\"t0\"]: expected a shard file name"},
+      {R"({"metadata": {"total_size": 96}})", "missing required field \"weight_map\""},
+      {R"({"weight_map": ["t0"]})", "field \"weight_map\": expected a JSON object"},
+      {R"({"weight_map": {"t0": 1}})", "field \"weight_map[\"t0\"]\": expected a shard file name"},
       {R"({"weight_map": {"t0": "../model-00001-of-00003.safetensors"}})", "not a plain file name"},
       {R"({"weight_map": {"t0": "model-00001-of-00003.safetensors"}, "metadata": {"total_size": "16"}})",
-       "total_size must be a non-negative integer"},
+       "field \"metadata.total_size\": expected a non-negative integer"},
   };
   for (const Case& c : cases) {
     write_text("model.safetensors.index.json", c.text);

@@ -260,7 +260,7 @@ TEST_F(Qwen2ConfigFileTest, MissingFileAndInvalidJson) {
   std::string p = write("{\n  \"hidden_size\": 896,\n  \"vocab_size\": }");
   msg = error_of([&] { load_qwen2_config(p); });
   EXPECT_CONTAINS(msg, p);
-  EXPECT_CONTAINS(msg, "not valid JSON");
+  EXPECT_CONTAINS(msg, "invalid JSON");
   EXPECT_CONTAINS(msg, "line 3");
 
   msg = error_of([&] { load_qwen2_config(dir_.string()); });

@@ -74,6 +74,19 @@ TEST(LoraConfig, TargetsNamesAndAdapterConfig) {
   nlohmann::json bad = doc;
   bad["bias"] = "all";
   EXPECT_CONTAINS(testing_support::error_of([&] { parse_lora_adapter_config(bad, "x.json"); }), "bias");
+  // Every field is type-checked, the optional ones too.
+  bad = doc;
+  bad["lora_dropout"] = "0.05";
+  EXPECT_EQ(testing_support::error_of([&] { parse_lora_adapter_config(bad, "x.json"); }),
+            "x.json: field \"lora_dropout\": expected a number, got \"0.05\"");
+  bad = doc;
+  bad["use_rslora"] = "yes";
+  EXPECT_EQ(testing_support::error_of([&] { parse_lora_adapter_config(bad, "x.json"); }),
+            "x.json: field \"use_rslora\": expected true or false, got \"yes\"");
+  bad = doc;
+  bad["r"] = 0;
+  EXPECT_EQ(testing_support::error_of([&] { parse_lora_adapter_config(bad, "x.json"); }),
+            "x.json: field \"r\": expected a positive integer, got 0");
 }
 
 TEST(Lora, FreshAdaptersLeaveTheBaseModelUnchanged) {

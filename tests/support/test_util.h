@@ -16,6 +16,8 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/json_reader.h"
+#include "core/jsonl.h"
 
 #define EXPECT_CONTAINS(text, part) EXPECT_NE((text).find(part), std::string::npos) << "in: " << (text)
 
@@ -43,16 +45,16 @@ inline std::filesystem::path make_temp_dir(std::string_view tag) {
   return dir;
 }
 
-// Every line of a JSONL file, parsed.
+// Every record of a JSONL file, read with the engine's JSONL rules (a bad line is an Error).
 inline std::vector<nlohmann::json> read_jsonl(const std::filesystem::path& path) {
   std::vector<nlohmann::json> out;
-  std::ifstream in(path);
-  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
+  JsonlReader reader(path);
+  for (nlohmann::json record; reader.next(record);) out.push_back(std::move(record));
   return out;
 }
 
 inline nlohmann::json read_json(const std::filesystem::path& path) {
-  return nlohmann::json::parse(std::ifstream(path));
+  return read_json_file(path);
 }
 
 inline std::string read_text(const std::filesystem::path& path) {

@@ -357,7 +357,7 @@ TEST(Tokenizer, RefusesUnsupportedFilesNamingTheField) {
   EXPECT_CONTAINS(refusal([](json& d) { d["post_processor"] = {{"type", "BertProcessing"}}; }), "post_processor.type");
   EXPECT_CONTAINS(refusal([](json& d) { d["decoder"] = {{"type", "WordPiece"}}; }), "decoder.type");
   EXPECT_CONTAINS(refusal([](json& d) { d["added_tokens"] = {added(5, "<x>", true)}; }), "added_tokens[0].id");
-  EXPECT_CONTAINS(error_of([] { Tokenizer::from_json("{not json", "", "dir"); }), "not valid JSON");
+  EXPECT_CONTAINS(error_of([] { Tokenizer::from_json("{not json", "", "dir"); }), "invalid JSON");
 }
 
 TEST(Tokenizer, InvalidUtf8BecomesReplacementCharacters) {
