@@ -3,7 +3,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <fstream>
 #include <limits>
 #include <map>
 #include <set>
@@ -13,6 +12,7 @@
 
 #include "backend/chunk_loss.h"
 #include "core/error.h"
+#include "core/jsonl.h"
 #include "data/formats.h"
 #include "dist/communicator.h"
 #include "tokenizer/tokenizer.h"
@@ -27,16 +27,15 @@ bool wants_classification_metrics(const std::string& metrics) {
 
 ClassificationSet build_classification_set(const std::string& path, const Tokenizer& tokenizer,
                                            const DataOptions& options, std::vector<std::string> labels) {
-  std::ifstream in(path);
-  if (!in) throw Error(fmt::format("{}: cannot open file", path));
+  JsonlReader reader{std::filesystem::path(path)};
   std::vector<json> records;
-  std::string line;
-  for (int64_t n = 1; std::getline(in, line); ++n) {
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    json record = json::parse(line, nullptr, false);
-    if (record.is_discarded() || !record.is_object() || !record.contains("text") || !record.contains("label"))
-      throw Error(fmt::format("{}:{}: expected a classification record {{\"text\": ..., \"label\": ...}}", path, n));
-    records.push_back(std::move(record));
+  JsonlLine line;
+  while (reader.next_line(line)) {
+    std::string problem;
+    std::optional<json> record = parse_json_line(line.text, problem);
+    if (!record || !record->is_object() || !record->contains("text") || !record->contains("label"))
+      reader.bad_line(line.number, "expected a classification record {\"text\": ..., \"label\": ...}");
+    records.push_back(std::move(*record));
   }
   if (records.empty()) throw Error(fmt::format("{}: no example to evaluate", path));
   if (labels.empty()) {

@@ -128,6 +128,14 @@ TEST(Classification, UnknownLabelsAndNonClassificationFilesAreRefused) {
   EXPECT_CONTAINS(
       testing_support::error_of([&] { build_classification_set((dir / "b.jsonl").string(), tok, DataOptions{}, {}); }),
       "b.jsonl:1");
+  // The JSONL rules every reader shares: a BOM and blank lines are fine, the bad line is named.
+  std::ofstream(dir / "c.jsonl") << "\xEF\xBB\xBF" << R"({"text": "x", "label": "red"})"
+                                 << "\n\n"
+                                 << R"({"text": "y"})"
+                                 << "\n";
+  EXPECT_CONTAINS(
+      testing_support::error_of([&] { build_classification_set((dir / "c.jsonl").string(), tok, DataOptions{}, {}); }),
+      "c.jsonl:3: expected a classification record");
   fs::remove_all(dir);
 }
 
