@@ -16,7 +16,7 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "io/checkpoint.h"
-#include "model/qwen2.h"
+#include "model/load.h"
 
 using namespace memtune;
 using Clock = std::chrono::steady_clock;
@@ -58,14 +58,14 @@ int main(int argc, char** argv) {
   app.add_flag("--gradient_checkpointing", checkpointing);
   CLI11_PARSE(app, argc, argv);
   try {
-    const Qwen2Config c = load_qwen2_config((std::filesystem::path(model_dir) / "config.json").string());
     ModelOptions opt;
     opt.max_tokens = batch * seq;
     opt.loss_workspace_bytes = workspace;
     opt.gradient_checkpointing = checkpointing;
     opt.backend = &backend_named(backend);
-    Qwen2Model model(c, opt);
-    model.parameters().load(CheckpointReader(model_dir));
+    const std::unique_ptr<Qwen2Model> loaded = load_model(model_dir, opt);
+    Qwen2Model& model = *loaded;
+    const Qwen2Config& c = model.config();
     const int64_t N = batch * seq, D = c.hidden_size, V = c.vocab_size, I = c.intermediate_size;
     const int64_t chunk = model.loss_chunk_rows();
 

@@ -17,11 +17,12 @@
 #include "data/batcher.h"
 #include "data/dataset.h"
 #include "eval/classification.h"
+#include "eval/eval_data.h"
 #include "eval/metrics.h"
 #include "io/checkpoint.h"
 #include "io/safetensors.h"
 #include "memory/memory_files.h"
-#include "model/qwen2.h"
+#include "model/load.h"
 #include "report/report.h"
 #include "tokenizer/tokenizer.h"
 
@@ -73,29 +74,17 @@ Action add_eval(CLI::App& app) {
     d.truncation_strategy = parse_truncation_strategy(a->truncation_strategy);
     d.chat_template = a->templ;
     if (!a->system.empty()) d.record.system = a->system;
-    ClassificationSet set;
-    Dataset data;
-    if (classification) {
-      set = build_classification_set(a->eval_file, tokenizer, d, a->labels);
-    } else {
-      data = load_dataset(a->eval_file, tokenizer, d);
-      if (data.empty()) throw Error(fmt::format("{}: no example to evaluate", a->eval_file));
-    }
     BatchOptions b;
     b.per_device_batch_size = a->batch_size;
-    b.shuffle = false;
-    Batcher batcher(classification ? set.candidates : data, b);
-    batcher.start_epoch(0);
+    EvalData eval(a->eval_file, tokenizer, d, classification, a->labels, b);
+    Batcher& batcher = eval.batcher();
+    const ClassificationSet& set = eval.classification_set();
 
-    const Qwen2Config config = load_qwen2_config((std::filesystem::path(a->model) / "config.json").string());
     ModelOptions o;
     o.max_tokens = batcher.max_micro_batch_tokens();
     o.with_grads = false;
     o.backend = &backend_named(a->backend);
-    if (!a->adapter.empty()) o.lora = load_lora_adapter_config(a->adapter);
-    Qwen2Model model(config, o);
-    model.parameters().load(CheckpointReader(a->model));
-    if (!a->adapter.empty()) model.parameters().load_adapter(a->adapter);
+    const std::unique_ptr<Qwen2Model> model = load_model(a->model, o, a->adapter);
     const std::filesystem::path out_dir(a->output_dir);
     MemoryTimeline timeline;
     if (!a->output_dir.empty()) {
@@ -108,10 +97,10 @@ Action add_eval(CLI::App& app) {
     auto write_outputs = [&](const nlohmann::json& results) {
       if (a->output_dir.empty()) return;
       static constexpr Phase kEvalPhases[] = {Phase::Forward, Phase::Loss};
-      timeline.record(model.arena(), 0, "eval", kEvalPhases);
+      timeline.record(model->arena(), 0, "eval", kEvalPhases);
       write_file_atomically((out_dir / "eval_results.json").string(), results.dump(2) + "\n");
       write_file_atomically((out_dir / "memory.json").string(),
-                            memory_json(model.plan(), model.arena(), model.host_plan()).dump(2) + "\n");
+                            memory_json(model->plan(), model->arena(), model->host_plan()).dump(2) + "\n");
       write_report(out_dir);
     };
     std::ofstream predictions_file;
@@ -121,19 +110,19 @@ Action add_eval(CLI::App& app) {
         throw Error(fmt::format("--save_predictions {}: cannot write the file", a->save_predictions));
     }
     if (classification) {
-      const ClassificationResult r = evaluate_classification(model, batcher, set);
+      const ClassificationResult r = evaluate_classification(*model, batcher, set);
       if (predictions_file.is_open()) write_classification_predictions(predictions_file, r, set);
       nlohmann::json out = classification_to_json(r, set.labels);
-      out["planned_peak_bytes"] = model.plan().peak_bytes();
-      out["measured_peak_bytes"] = model.arena().high_water_bytes();
+      out["planned_peak_bytes"] = model->plan().peak_bytes();
+      out["measured_peak_bytes"] = model->arena().high_water_bytes();
       write_outputs(out);
       if (a->json) {
         std::cout << out.dump() << "\n";
         return;
       }
       std::cout << fmt::format("{}: {} examples x {} candidate labels; memory {} planned, {} measured\n", a->eval_file,
-                               r.examples, set.labels.size(), format_bytes(model.plan().peak_bytes()),
-                               format_bytes(model.arena().high_water_bytes()));
+                               r.examples, set.labels.size(), format_bytes(model->plan().peak_bytes()),
+                               format_bytes(model->arena().high_water_bytes()));
       std::cout << fmt::format(
           "{:<16} {:.6f}\n{:<16} {:.6f}\n{:<16} {:.6f}\nconfusion matrix (rows: true, columns: predicted):\n",
           "label_accuracy", r.label_accuracy, "macro_f1", r.macro_f1, "eval_loss", r.eval_loss);
@@ -143,11 +132,11 @@ Action add_eval(CLI::App& app) {
     }
     std::optional<PredictionWriter> writer;
     if (predictions_file.is_open()) writer.emplace(predictions_file);
-    const EvalResult r = evaluate(model, batcher, selection, writer ? &*writer : nullptr);
+    const EvalResult r = evaluate(*model, batcher, selection, writer ? &*writer : nullptr);
     nlohmann::json out = {{"eval_examples", r.num_sequences},
                           {"eval_tokens", r.num_tokens},
-                          {"planned_peak_bytes", model.plan().peak_bytes()},
-                          {"measured_peak_bytes", model.arena().high_water_bytes()}};
+                          {"planned_peak_bytes", model->plan().peak_bytes()},
+                          {"measured_peak_bytes", model->arena().high_water_bytes()}};
     for (const auto& [name, value] : r.values) out[name] = value;
     write_outputs(out);
     if (a->json) {
@@ -155,8 +144,8 @@ Action add_eval(CLI::App& app) {
       return;
     }
     std::cout << fmt::format("{}: {} examples, {} target tokens; memory {} planned, {} measured\n", a->eval_file,
-                             r.num_sequences, r.num_tokens, format_bytes(model.plan().peak_bytes()),
-                             format_bytes(model.arena().high_water_bytes()));
+                             r.num_sequences, r.num_tokens, format_bytes(model->plan().peak_bytes()),
+                             format_bytes(model->arena().high_water_bytes()));
     for (const auto& [name, value] : r.values) std::cout << fmt::format("{:<16} {:.6f}\n", name, value);
   };
 }

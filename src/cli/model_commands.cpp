@@ -13,7 +13,7 @@
 #include "core/json_reader.h"
 #include "io/checkpoint.h"
 #include "io/safetensors.h"
-#include "model/qwen2.h"
+#include "model/load.h"
 
 namespace memtune::cli {
 
@@ -112,19 +112,16 @@ Action add_dump(CLI::App& app) {
       cu.push_back(static_cast<int32_t>(flat_ids.size()));
     }
 
-    const Qwen2Config cfg = load_qwen2_config((std::filesystem::path(args->model) / "config.json").string());
     ModelOptions options;
     options.max_tokens = static_cast<int64_t>(B * T);
     options.gradient_checkpointing = args->gradient_checkpointing;
     options.loss_workspace_bytes = args->loss_workspace_bytes;
     options.backend = &backend_named(args->backend);
-    if (!args->adapter.empty()) options.lora = load_lora_adapter_config(args->adapter);
-    Qwen2Model model(cfg, options);
-    model.parameters().load(CheckpointReader(args->model));
-    if (!args->adapter.empty()) model.parameters().load_adapter(args->adapter);
-    model.parameters().zero_grads();
+    const std::unique_ptr<Qwen2Model> model = load_model(args->model, options, args->adapter);
+    const Qwen2Config& cfg = model->config();
+    model->parameters().zero_grads();
     std::vector<float> logits(B * T * static_cast<size_t>(cfg.vocab_size));
-    const LossSum loss = model.forward_backward({flat_ids, flat_labels, cu}, logits.data());
+    const LossSum loss = model->forward_backward({flat_ids, flat_labels, cu}, logits.data());
     // The HF mean; an all-ignored batch gives NaN exactly like torch's mean over nothing.
     const float mean = static_cast<float>(loss.sum / static_cast<double>(loss.count));
     const float inv_count = 1.0f / static_cast<float>(loss.count);
@@ -133,18 +130,18 @@ Action add_dump(CLI::App& app) {
     tensors.push_back({"logits", DType::F32, {int64_t(B), int64_t(T), cfg.vocab_size}, logits.data()});
     tensors.push_back({"loss", DType::F32, {}, &mean});
     std::vector<std::vector<float>> grads;
-    for (size_t i = 0; i < model.parameters().num_trainable(); ++i) {
-      const auto& p = model.parameters().trainable_spec(i);
-      grads.push_back(download_f32(model.backend(), model.parameters().trainable_grad(i)));
+    for (size_t i = 0; i < model->parameters().num_trainable(); ++i) {
+      const auto& p = model->parameters().trainable_spec(i);
+      grads.push_back(download_f32(model->backend(), model->parameters().trainable_grad(i)));
       for (float& v : grads.back()) v *= inv_count;
       tensors.push_back({"grad." + p.name, DType::F32, p.shape, grads.back().data()});
     }
     write_safetensors(args->out, tensors);
     std::cout << fmt::format("loss {:.6f} over {} target tokens ({} sequences x {} tokens)\n", mean, loss.count, B, T);
     std::cout << fmt::format("memory plan: peak {} planned, {} arena high-water, logits chunk {} rows\n",
-                             format_bytes(model.plan().peak_bytes()), format_bytes(model.arena().high_water_bytes()),
-                             model.loss_chunk_rows());
-    std::cout << model.plan().summary();
+                             format_bytes(model->plan().peak_bytes()), format_bytes(model->arena().high_water_bytes()),
+                             model->loss_chunk_rows());
+    std::cout << model->plan().summary();
     std::cout << "wrote " << args->out << "\n";
   };
 }
@@ -159,26 +156,23 @@ Action add_merge(CLI::App& app) {
   app.add_option("--out", args->out, "where the merged checkpoint goes")->required();
   add_backend_option(app, args->backend);
   return [args] {
-    const Qwen2Config cfg = load_qwen2_config((std::filesystem::path(args->model) / "config.json").string());
     ModelOptions options;
     options.max_tokens = 1;
     options.with_grads = false;
     options.loss_workspace_bytes = 0;
-    options.lora = load_lora_adapter_config(args->adapter);
     options.backend = &backend_named(args->backend);
-    Qwen2Model model(cfg, options);
-    model.parameters().load(CheckpointReader(args->model));
-    model.parameters().load_adapter(args->adapter);
-    model.parameters().merge_lora();  // W += scaling * B A, rounded to the base's storage dtype
-    model.parameters().save(args->out);
+    const std::unique_ptr<Qwen2Model> model = load_model(args->model, options, args->adapter);
+    model->parameters().merge_lora();  // W += scaling * B A, rounded to the base's storage dtype
+    model->parameters().save(args->out);
     for (const char* name : {"tokenizer.json", "tokenizer_config.json"}) {
       const auto from = std::filesystem::path(args->model) / name;
       if (std::filesystem::exists(from))
         std::filesystem::copy_file(from, std::filesystem::path(args->out) / name,
                                    std::filesystem::copy_options::overwrite_existing);
     }
-    std::cout << fmt::format("merged {} (r={}, {}) into {}: wrote {}\n", args->adapter, options.lora.rank,
-                             fmt::join(options.lora.target_names(), ","), args->model, args->out);
+    const LoraConfig& lora = model->options().lora;
+    std::cout << fmt::format("merged {} (r={}, {}) into {}: wrote {}\n", args->adapter, lora.rank,
+                             fmt::join(lora.target_names(), ","), args->model, args->out);
   };
 }
 

@@ -20,11 +20,12 @@
 #include "data/dataset.h"
 #include "dist/communicator.h"
 #include "eval/classification.h"
+#include "eval/eval_data.h"
 #include "eval/metrics.h"
 #include "io/checkpoint.h"
 #include "io/safetensors.h"
 #include "memory/memory_files.h"
-#include "model/qwen2.h"
+#include "model/load.h"
 #include "report/report.h"
 #include "tokenizer/tokenizer.h"
 #include "train/checkpoint.h"
@@ -84,12 +85,12 @@ class TrainingRun {
   fs::path output_dir_;
   std::optional<Tokenizer> tokenizer_;
   fs::path tokenizer_dir_;
-  Dataset train_, eval_;
-  std::unique_ptr<Batcher> batcher_, eval_batcher_;
+  Dataset train_;
+  std::unique_ptr<Batcher> batcher_;
+  std::unique_ptr<EvalData> eval_;
   MetricSelection metrics_;
   bool classification_ = false;  // --metrics label_accuracy/macro_f1: score candidate labels
-  ClassificationSet class_set_;
-  std::string best_key_;  // the log key metric_for_best_model names, e.g. eval_loss
+  std::string best_key_;         // the log key metric_for_best_model names, e.g. eval_loss
   bool greater_is_better_ = false;
   std::unique_ptr<Qwen2Model> model_;
   std::unique_ptr<CrossEntropyLoss> loss_;
@@ -178,18 +179,11 @@ void TrainingRun::load_data() {
   if (!args_.eval_file.empty()) {
     if (args_.eval_strategy == "no")
       out_ << "note: --eval_file is evaluated only with --eval_strategy steps or epoch (as in Hugging Face)\n";
-    if (classification_) {
-      class_set_ = build_classification_set(args_.eval_file, *tokenizer_, d, {});
-    } else {
-      eval_ = load_dataset(args_.eval_file, *tokenizer_, d);
-      if (eval_.empty()) throw Error(fmt::format("{}: no example to evaluate", args_.eval_file));
-    }
     BatchOptions e;
     e.per_device_batch_size = args_.per_device_eval_batch_size;
-    e.shuffle = false;
     e.rank = comm_.rank();
     e.world_size = comm_.world_size();
-    eval_batcher_ = std::make_unique<Batcher>(classification_ ? class_set_.candidates : eval_, e);
+    eval_ = std::make_unique<EvalData>(args_.eval_file, *tokenizer_, d, classification_, std::vector<std::string>{}, e);
   }
   const DatasetCounts& c = train_.counts();
   out_ << fmt::format(
@@ -216,17 +210,18 @@ void TrainingRun::load_data() {
 }
 
 void TrainingRun::build_model() {
-  Qwen2Config config = load_qwen2_config((fs::path(args_.model_name_or_path) / "config.json").string());
-  if (args_.bf16) config.torch_dtype = DType::BF16;
-  if (args_.fp16) config.torch_dtype = DType::F16;
-  if (!args_.torch_dtype.empty()) config.torch_dtype = parse_dtype(args_.torch_dtype, "--torch_dtype");
+  std::optional<DType> dtype;
+  if (args_.bf16) dtype = DType::BF16;
+  if (args_.fp16) dtype = DType::F16;
+  if (!args_.torch_dtype.empty()) dtype = parse_dtype(args_.torch_dtype, "--torch_dtype");
+  const Qwen2Config config = load_model_config(args_.model_name_or_path, dtype);
   if (tokenizer_->vocab_size() > config.vocab_size)
     throw Error(fmt::format("the tokenizer has {} ids but the model's vocab_size is {}", tokenizer_->vocab_size(),
                             config.vocab_size));
   ModelOptions o;
   // One plan serves training and evaluation: the larger micro-batch of the two.
-  o.max_tokens = std::max(batcher_->max_micro_batch_tokens(),
-                          eval_batcher_ ? eval_batcher_->max_micro_batch_tokens() : int64_t{0});
+  o.max_tokens =
+      std::max(batcher_->max_micro_batch_tokens(), eval_ ? eval_->batcher().max_micro_batch_tokens() : int64_t{0});
   o.gradient_checkpointing = args_.gradient_checkpointing;
   o.loss_workspace_bytes = static_cast<size_t>(args_.loss_workspace_bytes);
   o.with_optimizer = true;
@@ -242,8 +237,7 @@ void TrainingRun::build_model() {
     o.lora.use_rslora = args_.use_rslora;
     set_lora_targets(o.lora, args_.target_modules);
   }
-  model_ = std::make_unique<Qwen2Model>(config, o);
-  model_->parameters().load(CheckpointReader(args_.model_name_or_path));
+  model_ = load_model(args_.model_name_or_path, o, "", dtype);
   if (o.lora.enabled()) model_->parameters().init_lora(args_.seed);
   loss_ = std::make_unique<CrossEntropyLoss>(static_cast<float>(args_.label_smoothing_factor));
   model_->set_loss(*loss_);
@@ -373,17 +367,18 @@ void TrainingRun::resume() {
 
 void TrainingRun::run_evaluation() {
   const auto start = std::chrono::steady_clock::now();
-  eval_batcher_->start_epoch(0);
+  eval_->batcher().start_epoch(0);
   json record = {{"epoch", static_cast<double>(progress_.global_step) / static_cast<double>(steps_per_epoch_)}};
   model_->arena().reset_usage();
   if (classification_) {
-    const ClassificationResult r = evaluate_classification(*model_, *eval_batcher_, class_set_, &comm_);
+    const ClassificationResult r =
+        evaluate_classification(*model_, eval_->batcher(), eval_->classification_set(), &comm_);
     record["eval_loss"] = r.eval_loss;
     record["eval_label_accuracy"] = r.label_accuracy;
     record["eval_macro_f1"] = r.macro_f1;
     record["eval_examples"] = r.examples;
   } else {
-    const EvalResult r = evaluate(*model_, *eval_batcher_, metrics_, nullptr, &comm_);
+    const EvalResult r = evaluate(*model_, eval_->batcher(), metrics_, nullptr, &comm_);
     record["eval_tokens"] = r.num_tokens;
     for (const auto& [name, value] : r.values) record[name.starts_with("eval_") ? name : "eval_" + name] = value;
   }

@@ -1,0 +1,20 @@
+// Opening a model, the one way every command does it: config.json from a Hugging Face directory
+// (its torch_dtype replaced when the command says so), the plan for the command's options, the
+// weights, and a PEFT adapter when one is given (its adapter_config.json sets options.lora).
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "model/qwen2.h"
+
+namespace memtune {
+
+std::unique_ptr<Qwen2Model> load_model(const std::string& dir, ModelOptions options, const std::string& adapter = "",
+                                       std::optional<DType> dtype = std::nullopt);
+
+// The config of a model directory, with an optional storage dtype override.
+Qwen2Config load_model_config(const std::string& dir, std::optional<DType> dtype = std::nullopt);
+
+}  // namespace memtune
