@@ -2,6 +2,7 @@
 #include "backend/backend.h"
 
 #include <fmt/format.h>
+#include <sys/mman.h>
 
 #include "backend/cpu/cpu_backend.h"
 #include "backend/reference/reference_backend.h"
@@ -27,6 +28,13 @@ void upload_f32(Backend& backend, const Tensor& tensor, std::span<const float> v
   std::vector<std::byte> bytes(tensor.bytes());
   convert_from_f32(values.data(), bytes.data(), tensor.dtype, values.size());
   backend.copy_to_device(tensor, bytes.data());
+}
+
+void* map_host_pages(size_t bytes) {
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED)
+    throw Error(fmt::format("cannot reserve the planned {:.2f} MiB ({} bytes) of memory", bytes / 1048576.0, bytes));
+  return p;
 }
 
 Backend& default_backend() {

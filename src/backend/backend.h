@@ -160,6 +160,10 @@ inline constexpr size_t kTransferBytes = size_t{8} << 20;
 std::vector<float> download_f32(Backend& backend, const Tensor& tensor);
 void upload_f32(Backend& backend, const Tensor& tensor, std::span<const float> values);
 
+// Page-aligned, zero-filled anonymous host memory whose pages cost nothing until touched: the
+// arena of the host backends. An Error naming the size when the system refuses it.
+void* map_host_pages(size_t bytes);
+
 // The backends of this build by name ("cpu", "reference"); an Error listing them otherwise.
 // Backends are process-wide: one instance each, created on first use.
 Backend& backend_named(std::string_view name);

@@ -46,6 +46,15 @@ struct Tensor {
   T* as() const {
     return static_cast<T*>(data);
   }
+  // Checked element pointers for the kernels: a float32 view (or none), an int32 view.
+  float* f32() const {
+    MT_ASSERT(!data || dtype == DType::F32, "expected a float32 view");
+    return as<float>();
+  }
+  const int32_t* i32() const {
+    MT_ASSERT(data && dtype == DType::I32, "expected an int32 view");
+    return as<const int32_t>();
+  }
   // Elements [begin, begin + n) as a flat view.
   Tensor flat_range(int64_t begin, int64_t n) const {
     MT_ASSERT(begin >= 0 && begin + n <= numel(), "range outside the tensor");

@@ -5,33 +5,16 @@
 
 #include <cstring>
 
-#include <fmt/format.h>
-
 #include "backend/cpu/ops.h"
 
 namespace memtune {
 namespace {
 
-float* f32(const Tensor& t) {
-  MT_ASSERT(!t || t.dtype == DType::F32, "expected a float32 view");
-  return t.as<float>();
-}
-const int32_t* i32(const Tensor& t) {
-  MT_ASSERT(t && t.dtype == DType::I32, "expected an int32 view");
-  return t.as<const int32_t>();
-}
-
 class CpuBackend final : public Backend {
  public:
   std::string_view name() const override { return "cpu"; }
 
-  void* allocate(size_t bytes) override {
-    // Anonymous mapping: page aligned, zero filled, and pages cost nothing until touched.
-    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED)
-      throw Error(fmt::format("cannot reserve the planned {:.2f} MiB ({} bytes) of memory", bytes / 1048576.0, bytes));
-    return p;
-  }
+  void* allocate(size_t bytes) override { return map_host_pages(bytes); }
   void deallocate(void* base, size_t bytes) override { munmap(base, bytes); }
   bool host_addressable() const override { return true; }
 
@@ -51,74 +34,74 @@ class CpuBackend final : public Backend {
       convert_from_f32(src.as<const float>(), dst.data, dst.dtype, n);
     }
   }
-  void fill(const Tensor& dst, float value) override { std::fill_n(f32(dst), dst.numel(), value); }
+  void fill(const Tensor& dst, float value) override { std::fill_n(dst.f32(), dst.numel(), value); }
   void fill_bytes(void* device, unsigned char byte, size_t bytes) override { std::memset(device, byte, bytes); }
 
   void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& bias) override {
     MT_ASSERT(inp.cols() == weight.cols() && out.cols() == weight.rows() && out.rows() == inp.rows());
-    cpu::matmul_forward(f32(out), f32(inp), f32(weight), f32(bias), inp.rows(), inp.cols(), weight.rows());
+    cpu::matmul_forward(out.f32(), inp.f32(), weight.f32(), bias.f32(), inp.rows(), inp.cols(), weight.rows());
   }
   void matmul_accumulate(const Tensor& out, const Tensor& inp, const Tensor& weight, float scale) override {
     MT_ASSERT(inp.cols() == weight.cols() && out.cols() == weight.rows() && out.rows() == inp.rows());
-    cpu::matmul_accumulate(f32(out), f32(inp), f32(weight), inp.rows(), inp.cols(), weight.rows(), scale);
+    cpu::matmul_accumulate(out.f32(), inp.f32(), weight.f32(), inp.rows(), inp.cols(), weight.rows(), scale);
   }
   void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
                        const Tensor& inp, const Tensor& weight, float scale) override {
     MT_ASSERT(inp.cols() == weight.cols() && dout.cols() == weight.rows() && dout.rows() == inp.rows());
-    cpu::matmul_backward(f32(dinp), f32(dweight), f32(dbias), f32(dout), f32(inp), f32(weight), inp.rows(), inp.cols(),
+    cpu::matmul_backward(dinp.f32(), dweight.f32(), dbias.f32(), dout.f32(), inp.f32(), weight.f32(), inp.rows(), inp.cols(),
                          weight.rows(), scale);
   }
   void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, const Tensor& weight,
                        float eps) override {
-    cpu::rmsnorm_forward(f32(out), f32(rstd), f32(inp), f32(weight), inp.rows(), inp.cols(), eps);
+    cpu::rmsnorm_forward(out.f32(), rstd.f32(), inp.f32(), weight.f32(), inp.rows(), inp.cols(), eps);
   }
   void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
                         const Tensor& weight, const Tensor& rstd) override {
-    cpu::rmsnorm_backward(f32(dinp), f32(dweight), f32(dout), f32(inp), f32(weight), f32(rstd), inp.rows(), inp.cols());
+    cpu::rmsnorm_backward(dinp.f32(), dweight.f32(), dout.f32(), inp.f32(), weight.f32(), rstd.f32(), inp.rows(), inp.cols());
   }
   void rope_forward(const Tensor& x, const Tensor& positions, int64_t head_dim, float theta) override {
-    cpu::rope_forward(f32(x), i32(positions), x.rows(), x.cols() / head_dim, head_dim, theta);
+    cpu::rope_forward(x.f32(), positions.i32(), x.rows(), x.cols() / head_dim, head_dim, theta);
   }
   void rope_backward(const Tensor& dx, const Tensor& positions, int64_t head_dim, float theta) override {
-    cpu::rope_backward(f32(dx), i32(positions), dx.rows(), dx.cols() / head_dim, head_dim, theta);
+    cpu::rope_backward(dx.f32(), positions.i32(), dx.rows(), dx.cols() / head_dim, head_dim, theta);
   }
   void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
                          const Tensor& cu_seqlens, int64_t hd) override {
-    cpu::attention_forward(f32(out), f32(lse), f32(q), f32(k), f32(v), i32(cu_seqlens), cu_seqlens.numel() - 1,
+    cpu::attention_forward(out.f32(), lse.f32(), q.f32(), k.f32(), v.f32(), cu_seqlens.i32(), cu_seqlens.numel() - 1,
                            q.cols() / hd, k.cols() / hd, hd);
   }
   void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& out,
                           const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
                           const Tensor& cu_seqlens, int64_t hd) override {
-    cpu::attention_backward(f32(dq), f32(dk), f32(dv), f32(dout), f32(out), f32(lse), f32(q), f32(k), f32(v),
-                            i32(cu_seqlens), cu_seqlens.numel() - 1, q.cols() / hd, k.cols() / hd, hd);
+    cpu::attention_backward(dq.f32(), dk.f32(), dv.f32(), dout.f32(), out.f32(), lse.f32(), q.f32(), k.f32(), v.f32(),
+                            cu_seqlens.i32(), cu_seqlens.numel() - 1, q.cols() / hd, k.cols() / hd, hd);
   }
   void swiglu_forward(const Tensor& h, const Tensor& gate, const Tensor& up) override {
-    cpu::swiglu_forward(f32(h), f32(gate), f32(up), h.numel());
+    cpu::swiglu_forward(h.f32(), gate.f32(), up.f32(), h.numel());
   }
   void swiglu_backward(const Tensor& dgate, const Tensor& dup, const Tensor& dh, const Tensor& gate,
                        const Tensor& up) override {
-    cpu::swiglu_backward(f32(dgate), f32(dup), f32(dh), f32(gate), f32(up), dh.numel());
+    cpu::swiglu_backward(dgate.f32(), dup.f32(), dh.f32(), gate.f32(), up.f32(), dh.numel());
   }
   void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& table) override {
-    cpu::embedding_forward(f32(out), i32(ids), table.data, table.dtype, ids.numel(), table.cols());
+    cpu::embedding_forward(out.f32(), ids.i32(), table.data, table.dtype, ids.numel(), table.cols());
   }
   void embedding_backward(const Tensor& dtable, const Tensor& dout, const Tensor& ids) override {
-    cpu::embedding_backward(f32(dtable), f32(dout), i32(ids), ids.numel(), dtable.cols());
+    cpu::embedding_backward(dtable.f32(), dout.f32(), ids.i32(), ids.numel(), dtable.cols());
   }
   void dropout_forward(const Tensor& out, const Tensor& x, uint64_t key, float p) override {
-    cpu::dropout_forward(f32(out), f32(x), x.numel(), key, p);
+    cpu::dropout_forward(out.f32(), x.f32(), x.numel(), key, p);
   }
-  void add_inplace(const Tensor& y, const Tensor& x) override { cpu::add_inplace(f32(y), f32(x), y.numel()); }
+  void add_inplace(const Tensor& y, const Tensor& x) override { cpu::add_inplace(y.f32(), x.f32(), y.numel()); }
   LossSum lm_head_loss(const LmHeadArgs& args) override { return cpu::lm_head_loss(args); }
 
   double scale_and_sum_squares(const Tensor& x, float scale) override {
-    return cpu::scale_and_sum_squares(f32(x), scale, x.numel());
+    return cpu::scale_and_sum_squares(x.f32(), scale, x.numel());
   }
   void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                     const AdamWStep& step) override {
     MT_ASSERT(param.numel() == grad.numel() && m.numel() == param.numel() && v.numel() == param.numel() && step.t >= 1);
-    cpu::adamw_update(f32(param), f32(grad), f32(m), f32(v), param.numel(), step);
+    cpu::adamw_update(param.f32(), grad.f32(), m.f32(), v.f32(), param.numel(), step);
   }
 };
 

@@ -30,23 +30,13 @@ double element(const Tensor& t, int64_t i) {
   }
   return 0;
 }
-float* f32(const Tensor& t) {
-  MT_ASSERT(!t || t.dtype == DType::F32, "expected a float32 view");
-  return t.as<float>();
-}
-const int32_t* i32(const Tensor& t) {
-  MT_ASSERT(t && t.dtype == DType::I32, "expected an int32 view");
-  return t.as<const int32_t>();
-}
 
 class ReferenceBackend final : public Backend {
  public:
   std::string_view name() const override { return "reference"; }
 
   void* allocate(size_t bytes) override {
-    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED)
-      throw Error(fmt::format("cannot reserve the planned {:.2f} MiB ({} bytes) of memory", bytes / 1048576.0, bytes));
+    void* p = map_host_pages(bytes);
     regions_.push_back({p, bytes});
     if (depth_ == 0) protect(regions_.back(), PROT_NONE);
     return p;
@@ -77,7 +67,7 @@ class ReferenceBackend final : public Backend {
   }
   void fill(const Tensor& dst, float value) override {
     Access a(*this);
-    std::fill_n(f32(dst), dst.numel(), value);
+    std::fill_n(dst.f32(), dst.numel(), value);
   }
   void fill_bytes(void* device, unsigned char byte, size_t bytes) override {
     Access a(*this);
@@ -90,9 +80,9 @@ class ReferenceBackend final : public Backend {
     MT_ASSERT(w.cols() == C && out.rows() == N && out.cols() == OC);
     for (int64_t n = 0; n < N; ++n)
       for (int64_t o = 0; o < OC; ++o) {
-        double s = bias ? f32(bias)[o] : 0.0;
-        for (int64_t c = 0; c < C; ++c) s += double(f32(inp)[n * C + c]) * f32(w)[o * C + c];
-        f32(out)[n * OC + o] = static_cast<float>(s);
+        double s = bias ? bias.f32()[o] : 0.0;
+        for (int64_t c = 0; c < C; ++c) s += double(inp.f32()[n * C + c]) * w.f32()[o * C + c];
+        out.f32()[n * OC + o] = static_cast<float>(s);
       }
   }
   void matmul_accumulate(const Tensor& out, const Tensor& inp, const Tensor& w, float scale) override {
@@ -102,8 +92,8 @@ class ReferenceBackend final : public Backend {
     for (int64_t n = 0; n < N; ++n)
       for (int64_t o = 0; o < OC; ++o) {
         double s = 0.0;
-        for (int64_t c = 0; c < C; ++c) s += double(f32(inp)[n * C + c]) * f32(w)[o * C + c];
-        f32(out)[n * OC + o] += static_cast<float>(scale * s);
+        for (int64_t c = 0; c < C; ++c) s += double(inp.f32()[n * C + c]) * w.f32()[o * C + c];
+        out.f32()[n * OC + o] += static_cast<float>(scale * s);
       }
   }
   void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
@@ -111,26 +101,26 @@ class ReferenceBackend final : public Backend {
     Access a(*this);
     const int64_t N = inp.rows(), C = inp.cols(), OC = w.rows();
     MT_ASSERT(w.cols() == C && dout.rows() == N && dout.cols() == OC);
-    const float* dy = f32(dout);
+    const float* dy = dout.f32();
     if (dinp)
       for (int64_t n = 0; n < N; ++n)
         for (int64_t c = 0; c < C; ++c) {
           double s = 0.0;
-          for (int64_t o = 0; o < OC; ++o) s += double(dy[n * OC + o]) * f32(w)[o * C + c];
-          f32(dinp)[n * C + c] += static_cast<float>(scale * s);
+          for (int64_t o = 0; o < OC; ++o) s += double(dy[n * OC + o]) * w.f32()[o * C + c];
+          dinp.f32()[n * C + c] += static_cast<float>(scale * s);
         }
     if (dweight)
       for (int64_t o = 0; o < OC; ++o)
         for (int64_t c = 0; c < C; ++c) {
           double s = 0.0;
-          for (int64_t n = 0; n < N; ++n) s += double(dy[n * OC + o]) * f32(inp)[n * C + c];
-          f32(dweight)[o * C + c] += static_cast<float>(scale * s);
+          for (int64_t n = 0; n < N; ++n) s += double(dy[n * OC + o]) * inp.f32()[n * C + c];
+          dweight.f32()[o * C + c] += static_cast<float>(scale * s);
         }
     if (dbias)
       for (int64_t o = 0; o < OC; ++o) {
         double s = 0.0;
         for (int64_t n = 0; n < N; ++n) s += dy[n * OC + o];
-        f32(dbias)[o] += static_cast<float>(scale * s);
+        dbias.f32()[o] += static_cast<float>(scale * s);
       }
   }
 
@@ -138,12 +128,12 @@ class ReferenceBackend final : public Backend {
     Access a(*this);
     const int64_t N = inp.rows(), C = inp.cols();
     for (int64_t n = 0; n < N; ++n) {
-      const float* x = f32(inp) + n * C;
+      const float* x = inp.f32() + n * C;
       double ms = 0.0;
       for (int64_t c = 0; c < C; ++c) ms += double(x[c]) * x[c];
       const double r = 1.0 / std::sqrt(ms / double(C) + eps);
-      f32(rstd)[n] = static_cast<float>(r);
-      for (int64_t c = 0; c < C; ++c) f32(out)[n * C + c] = static_cast<float>(x[c] * r * f32(w)[c]);
+      rstd.f32()[n] = static_cast<float>(r);
+      for (int64_t c = 0; c < C; ++c) out.f32()[n * C + c] = static_cast<float>(x[c] * r * w.f32()[c]);
     }
   }
   void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
@@ -152,15 +142,15 @@ class ReferenceBackend final : public Backend {
     const int64_t N = inp.rows(), C = inp.cols();
     // y_c = w_c x_c r, r = (mean(x^2) + eps)^(-1/2):  dx_c = r (w_c dy_c - x_c r^2 mean_k(w_k dy_k x_k)).
     for (int64_t n = 0; n < N; ++n) {
-      const float* x = f32(inp) + n * C;
-      const float* dy = f32(dout) + n * C;
-      const double r = f32(rstd)[n];
+      const float* x = inp.f32() + n * C;
+      const float* dy = dout.f32() + n * C;
+      const double r = rstd.f32()[n];
       double dot = 0.0;
-      for (int64_t c = 0; c < C; ++c) dot += double(f32(w)[c]) * dy[c] * x[c];
+      for (int64_t c = 0; c < C; ++c) dot += double(w.f32()[c]) * dy[c] * x[c];
       for (int64_t c = 0; c < C; ++c)
-        f32(dinp)[n * C + c] += static_cast<float>(r * (f32(w)[c] * dy[c] - x[c] * r * r * dot / double(C)));
+        dinp.f32()[n * C + c] += static_cast<float>(r * (w.f32()[c] * dy[c] - x[c] * r * r * dot / double(C)));
       if (dweight)
-        for (int64_t c = 0; c < C; ++c) f32(dweight)[c] += static_cast<float>(double(dy[c]) * x[c] * r);
+        for (int64_t c = 0; c < C; ++c) dweight.f32()[c] += static_cast<float>(double(dy[c]) * x[c] * r);
     }
   }
 
@@ -182,11 +172,11 @@ class ReferenceBackend final : public Backend {
         double sum = 0.0;
         for (double x : s) sum += std::exp(x - m);
         const double l = m + std::log(sum);
-        f32(lse)[t * h.q + head] = static_cast<float>(l);
+        lse.f32()[t * h.q + head] = static_cast<float>(l);
         for (int64_t d = 0; d < hd; ++d) {
           double o = 0.0;
-          for (int64_t j = begin; j <= t; ++j) o += std::exp(s[j - begin] - l) * f32(v)[h.kv_index(j, head, d)];
-          f32(out)[h.q_index(t, head, d)] = static_cast<float>(o);
+          for (int64_t j = begin; j <= t; ++j) o += std::exp(s[j - begin] - l) * v.f32()[h.kv_index(j, head, d)];
+          out.f32()[h.q_index(t, head, d)] = static_cast<float>(o);
         }
       }
     });
@@ -205,53 +195,53 @@ class ReferenceBackend final : public Backend {
         const std::vector<double> s = scores(q, k, h, t, begin, head);
         double dot_out = 0.0;
         for (int64_t d = 0; d < hd; ++d)
-          dot_out += double(f32(dout)[h.q_index(t, head, d)]) * f32(out)[h.q_index(t, head, d)];
+          dot_out += double(dout.f32()[h.q_index(t, head, d)]) * out.f32()[h.q_index(t, head, d)];
         for (int64_t j = begin; j <= t; ++j) {
-          const double p = std::exp(s[j - begin] - f32(lse)[t * h.q + head]);
+          const double p = std::exp(s[j - begin] - lse.f32()[t * h.q + head]);
           double dp = 0.0;
           for (int64_t d = 0; d < hd; ++d)
-            dp += double(f32(dout)[h.q_index(t, head, d)]) * f32(v)[h.kv_index(j, head, d)];
+            dp += double(dout.f32()[h.q_index(t, head, d)]) * v.f32()[h.kv_index(j, head, d)];
           const double ds = p * (dp - dot_out);
           for (int64_t d = 0; d < hd; ++d) {
-            gq[h.q_index(t, head, d)] += ds * f32(k)[h.kv_index(j, head, d)] * scale;
-            gk[h.kv_index(j, head, d)] += ds * f32(q)[h.q_index(t, head, d)] * scale;
-            gv[h.kv_index(j, head, d)] += p * f32(dout)[h.q_index(t, head, d)];
+            gq[h.q_index(t, head, d)] += ds * k.f32()[h.kv_index(j, head, d)] * scale;
+            gk[h.kv_index(j, head, d)] += ds * q.f32()[h.q_index(t, head, d)] * scale;
+            gv[h.kv_index(j, head, d)] += p * dout.f32()[h.q_index(t, head, d)];
           }
         }
       }
     });
-    for (size_t i = 0; i < gq.size(); ++i) f32(dq)[i] = static_cast<float>(gq[i]);
-    for (size_t i = 0; i < gk.size(); ++i) f32(dk)[i] = static_cast<float>(gk[i]);
-    for (size_t i = 0; i < gv.size(); ++i) f32(dv)[i] = static_cast<float>(gv[i]);
+    for (size_t i = 0; i < gq.size(); ++i) dq.f32()[i] = static_cast<float>(gq[i]);
+    for (size_t i = 0; i < gk.size(); ++i) dk.f32()[i] = static_cast<float>(gk[i]);
+    for (size_t i = 0; i < gv.size(); ++i) dv.f32()[i] = static_cast<float>(gv[i]);
   }
 
   void swiglu_forward(const Tensor& h, const Tensor& gate, const Tensor& up) override {
     Access a(*this);
     for (int64_t i = 0; i < h.numel(); ++i) {
-      const double g = f32(gate)[i];
-      f32(h)[i] = static_cast<float>(g / (1.0 + std::exp(-g)) * f32(up)[i]);
+      const double g = gate.f32()[i];
+      h.f32()[i] = static_cast<float>(g / (1.0 + std::exp(-g)) * up.f32()[i]);
     }
   }
   void swiglu_backward(const Tensor& dgate, const Tensor& dup, const Tensor& dh, const Tensor& gate,
                        const Tensor& up) override {
     Access a(*this);
     for (int64_t i = 0; i < dh.numel(); ++i) {
-      const double g = f32(gate)[i], sig = 1.0 / (1.0 + std::exp(-g));
-      f32(dgate)[i] += static_cast<float>(f32(dh)[i] * f32(up)[i] * sig * (1.0 + g * (1.0 - sig)));
-      f32(dup)[i] += static_cast<float>(f32(dh)[i] * g * sig);
+      const double g = gate.f32()[i], sig = 1.0 / (1.0 + std::exp(-g));
+      dgate.f32()[i] += static_cast<float>(dh.f32()[i] * up.f32()[i] * sig * (1.0 + g * (1.0 - sig)));
+      dup.f32()[i] += static_cast<float>(dh.f32()[i] * g * sig);
     }
   }
   void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& table) override {
     Access a(*this);
     const int64_t D = table.cols();
     for (int64_t n = 0; n < ids.numel(); ++n)
-      for (int64_t d = 0; d < D; ++d) f32(out)[n * D + d] = static_cast<float>(element(table, i32(ids)[n] * D + d));
+      for (int64_t d = 0; d < D; ++d) out.f32()[n * D + d] = static_cast<float>(element(table, ids.i32()[n] * D + d));
   }
   void embedding_backward(const Tensor& dtable, const Tensor& dout, const Tensor& ids) override {
     Access a(*this);
     const int64_t D = dtable.cols();
     for (int64_t n = 0; n < ids.numel(); ++n)
-      for (int64_t d = 0; d < D; ++d) f32(dtable)[i32(ids)[n] * D + d] += f32(dout)[n * D + d];
+      for (int64_t d = 0; d < D; ++d) dtable.f32()[ids.i32()[n] * D + d] += dout.f32()[n * D + d];
   }
   void dropout_forward(const Tensor& out, const Tensor& x, uint64_t key, float p) override {
     Access a(*this);
@@ -263,12 +253,12 @@ class ReferenceBackend final : public Backend {
       z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
       z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
       z ^= z >> 31;
-      f32(out)[i] = (z >> 40) >= threshold ? static_cast<float>(f32(x)[i] / (1.0 - p)) : 0.0f;
+      out.f32()[i] = (z >> 40) >= threshold ? static_cast<float>(x.f32()[i] / (1.0 - p)) : 0.0f;
     }
   }
   void add_inplace(const Tensor& y, const Tensor& x) override {
     Access a(*this);
-    for (int64_t i = 0; i < y.numel(); ++i) f32(y)[i] += f32(x)[i];
+    for (int64_t i = 0; i < y.numel(); ++i) y.f32()[i] += x.f32()[i];
   }
 
   LossSum lm_head_loss(const LmHeadArgs& args) override {
@@ -280,26 +270,26 @@ class ReferenceBackend final : public Backend {
     int32_t* positions = args.positions.as<int32_t>();
     int64_t count = 0;
     for (int64_t n = 0; n < N; ++n) {
-      const int32_t t = i32(args.targets)[n];
+      const int32_t t = args.targets.i32()[n];
       if (t == kIgnoreIndex) continue;
       MT_ASSERT(t >= 0 && t < V, "target id out of range");
       positions[count++] = static_cast<int32_t>(n);
     }
-    if (args.dhidden) std::fill_n(f32(args.dhidden), N * D, 0.0f);
+    if (args.dhidden) std::fill_n(args.dhidden.f32(), N * D, 0.0f);
     double total = 0.0;
-    float* logits = f32(args.logits);
+    float* logits = args.logits.f32();
     for (int64_t c0 = 0; c0 < count; c0 += chunk_rows) {
       const int64_t m = std::min(chunk_rows, count - c0);
       const int32_t* pos = positions + c0;
       for (int64_t r = 0; r < m; ++r)
         for (int64_t v = 0; v < V; ++v) {
           double s = 0.0;
-          for (int64_t d = 0; d < D; ++d) s += double(f32(args.hidden)[pos[r] * D + d]) * element(W, v * D + d);
+          for (int64_t d = 0; d < D; ++d) s += double(args.hidden.f32()[pos[r] * D + d]) * element(W, v * D + d);
           logits[r * V + v] = static_cast<float>(s);
         }
       // Host code sees the chunk in host memory only, with the device memory locked meanwhile.
       std::copy_n(logits, m * V, args.staging.logits);
-      for (int64_t r = 0; r < m; ++r) args.staging.targets[r] = i32(args.targets)[pos[r]];
+      for (int64_t r = 0; r < m; ++r) args.staging.targets[r] = args.targets.i32()[pos[r]];
       std::copy_n(pos, m, args.staging.positions);
       {
         Unlocked u(*this);
@@ -313,14 +303,14 @@ class ReferenceBackend final : public Backend {
         for (int64_t d = 0; d < D; ++d) {
           double s = 0.0;
           for (int64_t v = 0; v < V; ++v) s += double(dlogits[r * V + v]) * element(W, v * D + d);
-          f32(args.dhidden)[pos[r] * D + d] = static_cast<float>(args.grad_scale * s);
+          args.dhidden.f32()[pos[r] * D + d] = static_cast<float>(args.grad_scale * s);
         }
       if (args.dweight)
         for (int64_t v = 0; v < V; ++v)
           for (int64_t d = 0; d < D; ++d) {
             double s = 0.0;
-            for (int64_t r = 0; r < m; ++r) s += double(dlogits[r * V + v]) * f32(args.hidden)[pos[r] * D + d];
-            f32(args.dweight)[v * D + d] += static_cast<float>(args.grad_scale * s);
+            for (int64_t r = 0; r < m; ++r) s += double(dlogits[r * V + v]) * args.hidden.f32()[pos[r] * D + d];
+            args.dweight.f32()[v * D + d] += static_cast<float>(args.grad_scale * s);
           }
     }
     return LossSum{total, count};
@@ -330,8 +320,8 @@ class ReferenceBackend final : public Backend {
     Access a(*this);
     double sumsq = 0.0;
     for (int64_t i = 0; i < x.numel(); ++i) {
-      f32(x)[i] *= scale;
-      sumsq += double(f32(x)[i]) * f32(x)[i];
+      x.f32()[i] *= scale;
+      sumsq += double(x.f32()[i]) * x.f32()[i];
     }
     return sumsq;
   }
@@ -342,15 +332,15 @@ class ReferenceBackend final : public Backend {
     MT_ASSERT(param.numel() == grad.numel() && m.numel() == param.numel() && v.numel() == param.numel() && step.t >= 1);
     const double bias1 = 1.0 - std::pow(c.beta1, double(step.t)), bias2 = 1.0 - std::pow(c.beta2, double(step.t));
     for (int64_t i = 0; i < param.numel(); ++i) {
-      const double g = double(f32(grad)[i]) * step.grad_scale;
-      const double mi = c.beta1 * f32(m)[i] + (1.0 - c.beta1) * g;
-      const double vi = c.beta2 * f32(v)[i] + (1.0 - c.beta2) * g * g;
-      f32(m)[i] = static_cast<float>(mi);
-      f32(v)[i] = static_cast<float>(vi);
-      double p = f32(param)[i];
+      const double g = double(grad.f32()[i]) * step.grad_scale;
+      const double mi = c.beta1 * m.f32()[i] + (1.0 - c.beta1) * g;
+      const double vi = c.beta2 * v.f32()[i] + (1.0 - c.beta2) * g * g;
+      m.f32()[i] = static_cast<float>(mi);
+      v.f32()[i] = static_cast<float>(vi);
+      double p = param.f32()[i];
       if (step.decay) p *= 1.0 - step.learning_rate * c.weight_decay;
       p -= step.learning_rate * (mi / bias1) / (std::sqrt(vi / bias2) + c.eps);
-      f32(param)[i] = static_cast<float>(p);
+      param.f32()[i] = static_cast<float>(p);
     }
   }
 
@@ -420,10 +410,10 @@ class ReferenceBackend final : public Backend {
     for (int64_t n = 0; n < N; ++n)
       for (int64_t i = 0; i < half; ++i) {
         const float inv_freq = 1.0f / std::pow(theta, static_cast<float>(2 * i) / static_cast<float>(hd));
-        const double angle = static_cast<float>(static_cast<float>(i32(positions)[n]) * inv_freq);
+        const double angle = static_cast<float>(static_cast<float>(positions.i32()[n]) * inv_freq);
         const double c = std::cos(angle), s = direction * std::sin(angle);
         for (int64_t h = 0; h < heads; ++h) {
-          float* e = f32(x) + n * heads * hd + h * hd;
+          float* e = x.f32() + n * heads * hd + h * hd;
           const double x1 = e[i], x2 = e[i + half];
           e[i] = static_cast<float>(x1 * c - x2 * s);
           e[i + half] = static_cast<float>(x2 * c + x1 * s);
@@ -441,7 +431,7 @@ class ReferenceBackend final : public Backend {
   template <class F>
   static void for_each_query(const Tensor& cu_seqlens, F f) {
     for (int64_t s = 0; s + 1 < cu_seqlens.numel(); ++s)
-      for (int64_t t = i32(cu_seqlens)[s]; t < i32(cu_seqlens)[s + 1]; ++t) f(t, i32(cu_seqlens)[s]);
+      for (int64_t t = cu_seqlens.i32()[s]; t < cu_seqlens.i32()[s + 1]; ++t) f(t, cu_seqlens.i32()[s]);
   }
   // q_t . k_j / sqrt(hd) for j = begin..t (causal).
   static std::vector<double> scores(const Tensor& q, const Tensor& k, const Heads& h, int64_t t, int64_t begin,
@@ -449,7 +439,7 @@ class ReferenceBackend final : public Backend {
     std::vector<double> s;
     for (int64_t j = begin; j <= t; ++j) {
       double dot = 0.0;
-      for (int64_t d = 0; d < h.hd; ++d) dot += double(f32(q)[h.q_index(t, head, d)]) * f32(k)[h.kv_index(j, head, d)];
+      for (int64_t d = 0; d < h.hd; ++d) dot += double(q.f32()[h.q_index(t, head, d)]) * k.f32()[h.kv_index(j, head, d)];
       s.push_back(dot / std::sqrt(double(h.hd)));
     }
     return s;
