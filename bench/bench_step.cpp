@@ -124,13 +124,12 @@ int main(int argc, char** argv) {
         sec, tokens_per_s, gflops, 100.0 * gflops / ceiling, ceiling, loss);
     fmt::print("phases of the last step: forward {:.3f} s, loss (LM head) {:.3f} s, backward {:.3f} s\n", pt.forward,
                pt.loss, pt.backward);
-    fmt::print("memory: planned peak {} (arena high-water {}), process peak RSS {}\n",
-               format_bytes(model.plan().peak_bytes()), format_bytes(model.arena().high_water_bytes()),
+    fmt::print("memory: arena {} (planned), process peak RSS {} (measured)\n", format_bytes(model.plan().peak_bytes()),
                format_bytes(size_t(ru.ru_maxrss) * 1024));
     fmt::print(
         "{{\"tokens_per_s\": {:.1f}, \"seconds_per_step\": {:.4f}, \"gflops\": {:.2f}, \"gemm_ceiling_gflops\": "
         "{:.2f}, "
-        "\"planned_peak_bytes\": {}, \"peak_rss_bytes\": {}, \"loss\": {:.5f}}}\n",
+        "\"arena_bytes\": {}, \"peak_rss_bytes\": {}, \"loss\": {:.5f}}}\n",
         tokens_per_s, sec, gflops, ceiling, model.plan().peak_bytes(), size_t(ru.ru_maxrss) * 1024, loss);
   } catch (const Error& e) {
     fmt::print(stderr, "bench_step: error: {}\n", e.what());

@@ -152,6 +152,6 @@ for name, pt, mem_target in (("full", full, 1 / 20), ("argmax", argmax, 1 / 5)):
           f"{'met' if mem <= mem_target else 'MISSED'})   time {time_ratio:.3f}x (target < 1x, faster: "
           f"{'met' if time_ratio < 1 else 'MISSED'})")
 print(f"memtune: {r['eval_examples']} examples, {r['eval_tokens']} target tokens, whole-process time and "
-      f"RSS (measured_peak_bytes {mib(r['measured_peak_bytes'])}); PyTorch: {num} x 512 random tokens, "
+      f"RSS (arena {mib(r['arena_bytes'])}); PyTorch: {num} x 512 random tokens, "
       f"time of the evaluation loop and compute_metrics only")
 EOF

@@ -103,8 +103,9 @@ results, baseline = json.load(open(sys.argv[1])), float(sys.argv[2])
 memory = json.load(open(sys.argv[3]))
 print(f"label_accuracy {results['label_accuracy']:.4f}, macro_f1 {results['macro_f1']:.4f}, "
       f"eval_loss {results['eval_loss']:.4f}; majority-class baseline {baseline:.4f}")
-print(f"training memory: planned {memory['planned_peak_bytes'] / 2**20:.2f} MiB, "
-      f"measured {memory['measured_peak_bytes'] / 2**20:.2f} MiB (budget {sys.argv[4]})")
+print(f"training memory: arena {memory['arena_bytes'] / 2**20:.2f} MiB planned (budget {sys.argv[4]}); "
+      f"measured: process peak RSS {memory['process_peak_rss_bytes'] / 2**20:.2f} MiB, "
+      f"arena resident {memory['arena_resident_bytes'] / 2**20:.2f} MiB")
 assert results["label_accuracy"] > 2 * baseline, "the trained model is not clearly above the majority baseline"
 PY
 

@@ -86,6 +86,9 @@ class Backend {
   // True when host code may read the backend's memory directly (host losses and observers then
   // run on the chunk in place; no staging is planned).
   virtual bool host_addressable() const = 0;
+  // True when allocate() hands out pages of this process's own memory (map_host_pages), so
+  // the process's resident set holds them and mincore can say which are resident.
+  virtual bool memory_in_host_pages() const = 0;
 
   // Transfers between host memory and device views, and within the device.
   virtual void copy_to_device(const Tensor& dst, const void* src) = 0;  // dst.bytes() from host src

@@ -94,13 +94,16 @@ Action add_eval(CLI::App& app) {
       timeline.open((out_dir / "memory.jsonl").string());
     }
     // Written once the metrics are known: the results, the memory record and the report.
-    auto write_outputs = [&](const nlohmann::json& results) {
+    auto write_outputs = [&](nlohmann::json& results, const HeapAllocations& heap) {
+      model->arena().sample();
+      results["arena_bytes"] = model->plan().peak_bytes();
+      results["process_peak_rss_bytes"] = process_peak_rss_bytes(model->arena());
       if (a->output_dir.empty()) return;
       static constexpr Phase kEvalPhases[] = {Phase::Forward, Phase::Loss};
       timeline.record(model->arena(), 0, "eval", kEvalPhases);
       write_file_atomically((out_dir / "eval_results.json").string(), results.dump(2) + "\n");
       write_file_atomically((out_dir / "memory.json").string(),
-                            memory_json(model->plan(), model->arena(), model->host_plan()).dump(2) + "\n");
+                            memory_json(model->plan(), model->arena(), model->host_plan(), heap).dump(2) + "\n");
       write_report(out_dir);
     };
     std::ofstream predictions_file;
@@ -113,16 +116,14 @@ Action add_eval(CLI::App& app) {
       const ClassificationResult r = evaluate_classification(*model, batcher, set);
       if (predictions_file.is_open()) write_classification_predictions(predictions_file, r, set);
       nlohmann::json out = classification_to_json(r, set.labels);
-      out["planned_peak_bytes"] = model->plan().peak_bytes();
-      out["measured_peak_bytes"] = model->arena().high_water_bytes();
-      write_outputs(out);
+      write_outputs(out, r.heap_during_batches);
       if (a->json) {
         std::cout << out.dump() << "\n";
         return;
       }
-      std::cout << fmt::format("{}: {} examples x {} candidate labels; memory {} planned, {} measured\n", a->eval_file,
-                               r.examples, set.labels.size(), format_bytes(model->plan().peak_bytes()),
-                               format_bytes(model->arena().high_water_bytes()));
+      std::cout << fmt::format("{}: {} examples x {} candidate labels; arena {} (planned), process peak {} (measured)\n",
+                               a->eval_file, r.examples, set.labels.size(), format_bytes(model->plan().peak_bytes()),
+                               format_bytes(process_peak_rss_bytes(model->arena())));
       std::cout << fmt::format(
           "{:<16} {:.6f}\n{:<16} {:.6f}\n{:<16} {:.6f}\nconfusion matrix (rows: true, columns: predicted):\n",
           "label_accuracy", r.label_accuracy, "macro_f1", r.macro_f1, "eval_loss", r.eval_loss);
@@ -133,19 +134,16 @@ Action add_eval(CLI::App& app) {
     std::optional<PredictionWriter> writer;
     if (predictions_file.is_open()) writer.emplace(predictions_file);
     const EvalResult r = evaluate(*model, batcher, selection, writer ? &*writer : nullptr);
-    nlohmann::json out = {{"eval_examples", r.num_sequences},
-                          {"eval_tokens", r.num_tokens},
-                          {"planned_peak_bytes", model->plan().peak_bytes()},
-                          {"measured_peak_bytes", model->arena().high_water_bytes()}};
+    nlohmann::json out = {{"eval_examples", r.num_sequences}, {"eval_tokens", r.num_tokens}};
     for (const auto& [name, value] : r.values) out[name] = value;
-    write_outputs(out);
+    write_outputs(out, r.heap_during_batches);
     if (a->json) {
       std::cout << out.dump() << "\n";
       return;
     }
-    std::cout << fmt::format("{}: {} examples, {} target tokens; memory {} planned, {} measured\n", a->eval_file,
-                             r.num_sequences, r.num_tokens, format_bytes(model->plan().peak_bytes()),
-                             format_bytes(model->arena().high_water_bytes()));
+    std::cout << fmt::format("{}: {} examples, {} target tokens; arena {} (planned), process peak {} (measured)\n",
+                             a->eval_file, r.num_sequences, r.num_tokens, format_bytes(model->plan().peak_bytes()),
+                             format_bytes(process_peak_rss_bytes(model->arena())));
     for (const auto& [name, value] : r.values) std::cout << fmt::format("{:<16} {:.6f}\n", name, value);
   };
 }

@@ -138,7 +138,7 @@ Action add_dump(CLI::App& app) {
     }
     write_safetensors(args->out, tensors);
     std::cout << fmt::format("loss {:.6f} over {} target tokens ({} sequences x {} tokens)\n", mean, loss.count, B, T);
-    std::cout << fmt::format("memory plan: peak {} planned, {} arena high-water, logits chunk {} rows\n",
+    std::cout << fmt::format("memory plan: arena {}, {} of it handed out, logits chunk {} rows\n",
                              format_bytes(model->plan().peak_bytes()), format_bytes(model->arena().high_water_bytes()),
                              model->loss_chunk_rows());
     std::cout << model->plan().summary();

@@ -80,6 +80,8 @@ class SequenceScores final : public ChunkObserver {
   void start_batch(std::span<const int32_t> cu_seqlens, int64_t first_sequence) {
     cu_.assign(cu_seqlens.begin(), cu_seqlens.end());
     first_ = static_cast<size_t>(first_sequence);
+    // A chunk never has more rows than the batch has tokens: observing allocates nothing.
+    if (!cu_seqlens.empty()) row_logp_.reserve(static_cast<size_t>(cu_seqlens.back()));
   }
   // Data parallel: each rank scored its own sequences; the sums make every rank see all.
   void allreduce(Communicator& comm) {
@@ -123,12 +125,15 @@ ClassificationResult evaluate_classification(Qwen2Model& model, Batcher& batcher
   SequenceScores scores(set.candidates.size());
   model.set_observer(&scores);
   MicroBatch mb;
+  StepAllocations heap;
   try {
     batcher.start_epoch(0);
     while (batcher.next(mb)) {
       if (mb.input_ids.empty()) continue;
       scores.start_batch(mb.cu_seqlens, mb.first_sequence);
+      heap.begin();
       model.forward_loss({mb.input_ids, mb.labels, mb.cu_seqlens});
+      heap.end();
     }
   } catch (...) {
     model.set_observer(nullptr);
@@ -138,6 +143,7 @@ ClassificationResult evaluate_classification(Qwen2Model& model, Batcher& batcher
   if (comm && comm->world_size() > 1) scores.allreduce(*comm);
 
   ClassificationResult r;
+  r.heap_during_batches = heap.total();
   r.examples = static_cast<int64_t>(N);
   r.confusion.assign(K, std::vector<int64_t>(K, 0));
   double true_logp = 0;

@@ -15,6 +15,7 @@
 
 #include "data/batcher.h"
 #include "data/dataset.h"
+#include "memory/process_memory.h"
 #include "model/qwen2.h"
 
 namespace memtune {
@@ -44,6 +45,7 @@ struct ClassificationResult {
   std::vector<std::vector<int64_t>> confusion;  // [true][predicted]
   std::vector<double> candidate_logp;           // [example * num_labels + k]: log p(answer k)
   std::vector<int64_t> candidate_tokens;        // answer tokens scored for that candidate
+  HeapAllocations heap_during_batches;          // measured, batches after the first: should be none
 };
 
 // Scores every candidate sequence (the batcher must iterate `set.candidates` in order).

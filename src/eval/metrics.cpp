@@ -138,11 +138,14 @@ EvalResult evaluate(Qwen2Model& model, Batcher& batcher, MetricSelection& select
   model.set_observer(&fan_out);
   EvalResult r;
   MicroBatch mb;
+  StepAllocations heap;
   try {
     while (batcher.next(mb)) {
       if (mb.input_ids.empty()) continue;
       if (predictions) predictions->start_batch(mb.cu_seqlens);
+      heap.begin();
       const LossSum part = model.forward_loss({mb.input_ids, mb.labels, mb.cu_seqlens});
+      heap.end();
       if (predictions) predictions->finish_batch();
       r.loss_sum += part.sum;
       r.num_tokens += part.count;
@@ -153,6 +156,7 @@ EvalResult evaluate(Qwen2Model& model, Batcher& batcher, MetricSelection& select
     throw;
   }
   model.set_observer(nullptr);
+  r.heap_during_batches = heap.total();
   if (comm && comm->world_size() > 1) {
     std::vector<double> totals = {r.loss_sum, static_cast<double>(r.num_tokens), static_cast<double>(r.num_sequences)};
     for (const auto& m : selection.metrics) {

@@ -15,6 +15,7 @@
 
 #include "backend/chunk_loss.h"
 #include "data/batcher.h"
+#include "memory/process_memory.h"
 #include "model/qwen2.h"
 
 namespace memtune {
@@ -84,6 +85,7 @@ struct EvalResult {
   int64_t num_tokens = 0;  // target tokens
   int64_t num_sequences = 0;
   MetricValues values;  // in the order requested
+  HeapAllocations heap_during_batches;  // measured, batches after the first: should be none
 };
 
 // Runs every micro-batch of the batcher's current epoch through the model, forward and loss

@@ -15,16 +15,8 @@ Arena::Arena(const MemoryPlan& plan, Backend* backend) : plan_(plan), backend_(b
   capacity_ = plan.peak_bytes();
   used_.assign(plan.buffers().size(), 0);
   if (capacity_ == 0) return;
-  if (backend_) {
-    base_ = static_cast<std::byte*>(backend_->allocate(capacity_));
-    return;
-  }
-  // Anonymous mapping: page aligned, zero filled, and pages cost nothing until touched.
-  void* p = mmap(nullptr, capacity_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED)
-    throw Error(
-        fmt::format("cannot reserve the planned {} ({} bytes) of host memory", format_bytes(capacity_), capacity_));
-  base_ = static_cast<std::byte*>(p);
+  base_ = static_cast<std::byte*>(backend_ ? backend_->allocate(capacity_) : map_host_pages(capacity_));
+  if (!backend_ || backend_->memory_in_host_pages()) meter_ = ResidencyMeter(base_, capacity_);
 }
 
 Arena::~Arena() {
@@ -35,7 +27,20 @@ Arena::~Arena() {
     munmap(base_, capacity_);
 }
 
+void Arena::sample() {
+  const ResidentSample now{current_rss_bytes(), meter_.resident_bytes()};
+  samples_[static_cast<size_t>(phase_)].merge(now);
+  if (now.arena_resident_bytes > peak_.arena_resident_bytes) peak_phase_ = phase_;
+  peak_.merge(now);
+}
+
+void Arena::reset_usage() {
+  std::fill(used_.begin(), used_.end(), uint8_t{0});
+  samples_.fill({});
+}
+
 void Arena::enter_phase(Phase p) {
+  sample();
   if (poison_) {
     for (const auto& b : plan_.buffers()) {
       if (!b.live_in(phase_) || b.live_in(p)) continue;

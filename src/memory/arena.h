@@ -3,11 +3,14 @@
 // never dereferences it, it only passes views of it to the backend), or, for host plans such
 // as offloaded optimizer state, from the process itself. It tracks the current phase, refuses
 // to hand out a buffer outside its declared lifetime, records the high-water mark of the bytes
-// handed out (the plan's arithmetic, not a measurement), and (optionally, in tests) poisons a
+// handed out (the plan's arithmetic, not a measurement), samples at every phase change what
+// the kernel says (the process's resident set, and the arena's resident pages when its memory
+// is host pages: measurements from outside the plan), and (optionally, in tests) poisons a
 // buffer with NaN when its lifetime ends so that a stale view used later shows up as NaN
 // instead of silently reading reused memory.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -16,8 +19,19 @@
 
 #include "backend/backend.h"
 #include "memory/plan.h"
+#include "memory/process_memory.h"
 
 namespace memtune {
+
+// What the kernel reported while the arena was in a phase (the largest of the samples).
+struct ResidentSample {
+  size_t process_rss_bytes = 0;     // the whole process (current RSS)
+  size_t arena_resident_bytes = 0;  // the arena's pages that are resident (mincore)
+  void merge(const ResidentSample& o) {
+    process_rss_bytes = std::max(process_rss_bytes, o.process_rss_bytes);
+    arena_resident_bytes = std::max(arena_resident_bytes, o.arena_resident_bytes);
+  }
+};
 
 class Arena {
  public:
@@ -27,7 +41,10 @@ class Arena {
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;
 
+  // Samples the phase being left, then enters p.
   void enter_phase(Phase p);
+  // Samples the current phase now (a step's end: nothing enters a phase after its last one).
+  void sample();
   Phase phase() const { return phase_; }
   void set_poison_on_release(bool on) { poison_ = on; }
   MemorySpace space() const { return backend_ ? MemorySpace::Device : MemorySpace::Host; }
@@ -41,12 +58,17 @@ class Arena {
   Tensor i32(BufferId id, std::initializer_list<int64_t> shape) { return view(id, DType::I32, shape); }
 
   size_t capacity_bytes() const { return capacity_; }
-  // Largest end offset of any buffer handed out so far.
+  // Largest end offset of any buffer handed out so far (the plan's arithmetic).
   size_t high_water_bytes() const { return high_water_; }
   // Usage for the memory timeline: which buffers were handed out since the last reset_usage()
-  // (a step, an evaluation), and their bytes per category that are live in phase p.
-  void reset_usage() { std::fill(used_.begin(), used_.end(), uint8_t{0}); }
+  // (a step, an evaluation), their bytes per category that are live in phase p, and the
+  // kernel's figures sampled in phase p since then.
+  void reset_usage();
   std::array<size_t, kNumCategories> used_bytes(Phase p) const;
+  const ResidentSample& resident(Phase p) const { return samples_[static_cast<size_t>(p)]; }
+  // The largest samples since the arena was made, and the phase of the largest arena residency.
+  const ResidentSample& resident_peak() const { return peak_; }
+  Phase resident_peak_phase() const { return peak_phase_; }
   const MemoryPlan& plan() const { return plan_; }
 
  private:
@@ -58,6 +80,10 @@ class Arena {
   Phase phase_ = Phase::Forward;
   bool poison_ = false;
   std::vector<uint8_t> used_;  // per buffer: handed out since reset_usage()
+  ResidencyMeter meter_;       // over the arena when its memory is host pages
+  std::array<ResidentSample, kNumPhases> samples_{};
+  ResidentSample peak_;
+  Phase peak_phase_ = Phase::Forward;
 };
 
 }  // namespace memtune

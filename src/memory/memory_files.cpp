@@ -1,7 +1,5 @@
 #include "memory/memory_files.h"
 
-#include <sys/resource.h>
-
 #include <fmt/format.h>
 
 #include "core/error.h"
@@ -30,18 +28,20 @@ json plan_to_json(const MemoryPlan& plan) {
           {"table", table}};
 }
 
-size_t process_peak_rss_bytes() {
-  rusage ru{};
-  getrusage(RUSAGE_SELF, &ru);
-  return static_cast<size_t>(ru.ru_maxrss) * 1024;
+size_t process_peak_rss_bytes(const Arena& arena) {
+  return std::max(peak_rss_bytes(), arena.resident_peak().process_rss_bytes);
 }
 
-json memory_json(const MemoryPlan& plan, const Arena& arena, const MemoryPlan& host_plan) {
+json memory_json(const MemoryPlan& plan, const Arena& arena, const MemoryPlan& host_plan,
+                 const HeapAllocations& during_steps) {
   json out = plan_to_json(plan);
-  json result = {{"planned_peak_bytes", plan.peak_bytes()}, {"measured_peak_bytes", arena.high_water_bytes()}};
+  json result = {{"arena_bytes", plan.peak_bytes()}, {"arena_high_water_bytes", arena.high_water_bytes()}};
   for (const char* key : {"peak_phase", "categories", "phases", "table"}) result[key] = out[key];
-  result["host_planned_bytes"] = host_plan.peak_bytes();
-  result["process_peak_rss_bytes"] = process_peak_rss_bytes();
+  result["host_arena_bytes"] = host_plan.peak_bytes();
+  result["process_peak_rss_bytes"] = process_peak_rss_bytes(arena);
+  result["arena_resident_bytes"] = arena.resident_peak().arena_resident_bytes;
+  result["arena_resident_phase"] = phase_name(arena.resident_peak_phase());
+  result["heap_allocations_during_steps"] = {{"count", during_steps.count}, {"bytes", during_steps.bytes}};
   return result;
 }
 
@@ -60,7 +60,15 @@ void MemoryTimeline::record(const Arena& arena, int64_t step, std::string_view s
       bytes[std::string(category_name(static_cast<Category>(c)))] = used[c];
       total += used[c];
     }
-    out_ << json{{"step", step}, {"stage", stage}, {"phase", phase_name(p)}, {"bytes", bytes}, {"total", total}}.dump()
+    const ResidentSample& r = arena.resident(p);
+    out_ << json{{"step", step},
+                 {"stage", stage},
+                 {"phase", phase_name(p)},
+                 {"bytes", bytes},
+                 {"arena_used_bytes", total},
+                 {"rss_bytes", r.process_rss_bytes},
+                 {"arena_resident_bytes", r.arena_resident_bytes}}
+                .dump()
          << "\n";
   }
   out_.flush();

@@ -195,7 +195,7 @@ std::string memory_chart(const std::vector<json>& timeline, std::optional<double
       acc += (*samples[i])["bytes"].value(categories[k], 0.0);
       top[k][i] = acc;
     }
-    ymax = std::max(ymax, acc);
+    ymax = std::max({ymax, acc, (*samples[i]).value("rss_bytes", 0.0)});
   }
   Frame f{0, static_cast<double>(std::max<size_t>(n, 2) - 1), 0, ymax * 1.05};
   std::string body =
@@ -209,13 +209,23 @@ std::string memory_chart(const std::vector<json>& timeline, std::optional<double
     body += fmt::format(R"(<path class="series area" data-points="{}" d="{} Z" fill="{}" fill-opacity="0.8"/>)", n, d,
                         kPalette[k % 10]);
   }
+  // The process's resident memory sampled in each phase (measured, not planned).
+  std::string rss;
+  for (size_t i = 0; i < n; ++i)
+    if (const double v = samples[i]->value("rss_bytes", 0.0); v > 0)
+      rss += fmt::format("{}{:.1f},{:.1f}", rss.empty() ? "M" : " L", f.sx(static_cast<double>(i)), f.sy(v));
+  if (!rss.empty())
+    body += fmt::format(R"(<path class="rss" d="{}" fill="none" stroke="{}" stroke-width="1.5"/>)", rss,
+                        kPalette[categories.size() % 10]);
   if (planned_peak) {
     body += fmt::format(
-        R"(<line class="planned" x1="{}" y1="{:.1f}" x2="{}" y2="{:.1f}"/><text class="label" x="{}" y="{:.1f}" text-anchor="end">planned peak {}</text>)",
+        R"(<line class="planned" x1="{}" y1="{:.1f}" x2="{}" y2="{:.1f}"/><text class="label" x="{}" y="{:.1f}" text-anchor="end">arena (planned) {}</text>)",
         Frame::left, f.sy(*planned_peak), Frame::W - Frame::right, f.sy(*planned_peak), Frame::W - Frame::right - 4,
         f.sy(*planned_peak) - 4, escape(bytes_text(*planned_peak)));
   }
-  return figure("memory", "Memory timeline (bytes in use by category)", body, categories);
+  if (!rss.empty()) categories.push_back("process RSS (measured)");
+  return figure("memory", "Memory timeline (arena bytes in use by category; process RSS measured per phase)", body,
+                categories);
 }
 
 std::string key_value_table(const json& object) {
@@ -227,15 +237,20 @@ std::string key_value_table(const json& object) {
 
 std::string plan_table(const json& memory) {
   std::string s;
-  if (memory.contains("planned_peak_bytes"))
-    s += fmt::format("<p>Planned peak <b>{}</b> ({} bytes, phase {}); measured peak (arena high-water) <b>{}</b>",
-                     bytes_text(memory["planned_peak_bytes"].get<double>()), memory["planned_peak_bytes"].get<size_t>(),
-                     escape(memory.value("peak_phase", "")), bytes_text(memory.value("measured_peak_bytes", 0.0)));
+  if (memory.contains("arena_bytes"))
+    s += fmt::format("<p>Arena (planned) <b>{}</b> ({} bytes, peak phase {})", bytes_text(memory["arena_bytes"].get<double>()),
+                     memory["arena_bytes"].get<size_t>(), escape(memory.value("peak_phase", "")));
   if (memory.contains("process_peak_rss_bytes"))
-    s += fmt::format("; process peak resident memory {}", bytes_text(memory["process_peak_rss_bytes"].get<double>()));
-  if (memory.value("host_planned_bytes", 0.0) > 0)
-    s += fmt::format("; offloaded optimizer state in host memory {}",
-                     bytes_text(memory["host_planned_bytes"].get<double>()));
+    s += fmt::format("; measured: process peak resident memory <b>{}</b>, arena pages resident {} (phase {})",
+                     bytes_text(memory["process_peak_rss_bytes"].get<double>()),
+                     bytes_text(memory.value("arena_resident_bytes", 0.0)), escape(memory.value("arena_resident_phase", "")));
+  if (memory.contains("heap_allocations_during_steps"))
+    s += fmt::format(", heap allocations inside steps after the first: {}",
+                     memory["heap_allocations_during_steps"].value("count", 0));
+  if (memory.value("host_arena_bytes", 0.0) > 0)
+    s += fmt::format("; offloaded optimizer state in host memory {} (on the cpu backend host and device are the "
+                     "same RAM: offload moves bytes between two accounts of it)",
+                     bytes_text(memory["host_arena_bytes"].get<double>()));
   s += ".</p>";
   if (!memory.contains("table")) return s;
   // Phases in step order (JSON objects come back sorted by name).
@@ -337,7 +352,7 @@ std::string render_report(const fs::path& dir) {
   charts += line_chart("grad_norm", "Gradient norm (before clipping)", "step", {grad});
   charts += line_chart("tokens_per_second", "Throughput (tokens/s)", "step", {speed});
   std::optional<double> planned;
-  if (memory && memory->contains("planned_peak_bytes")) planned = (*memory)["planned_peak_bytes"].get<double>();
+  if (memory && memory->contains("arena_bytes")) planned = (*memory)["arena_bytes"].get<double>();
   charts += memory_chart(timeline, planned);
 
   std::string html = fmt::format(

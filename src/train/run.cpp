@@ -100,7 +100,9 @@ class TrainingRun {
   int64_t first_step_ = 0, first_tokens_ = 0;  // where this process started (after a resume)
   std::ofstream log_file_;
   MemoryTimeline timeline_;
-  json rank_peaks_;  // per rank: planned and measured peak (filled at the end)
+  json rank_peaks_;         // per rank: the arena and the measured peak RSS (filled at the end)
+  StepAllocations heap_;    // heap allocations inside training steps
+  HeapAllocations eval_heap_;  // and inside evaluation batches
 };
 
 void TrainingRun::run() {
@@ -377,11 +379,14 @@ void TrainingRun::run_evaluation() {
     record["eval_label_accuracy"] = r.label_accuracy;
     record["eval_macro_f1"] = r.macro_f1;
     record["eval_examples"] = r.examples;
+    eval_heap_ += r.heap_during_batches;
   } else {
     const EvalResult r = evaluate(*model_, eval_->batcher(), metrics_, nullptr, &comm_);
     record["eval_tokens"] = r.num_tokens;
+    eval_heap_ += r.heap_during_batches;
     for (const auto& [name, value] : r.values) record[name.starts_with("eval_") ? name : "eval_" + name] = value;
   }
+  model_->arena().sample();
   record["eval_runtime"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   static constexpr Phase kEvalPhases[] = {Phase::Forward, Phase::Loss};
   timeline_.record(model_->arena(), progress_.global_step, "eval", kEvalPhases);
@@ -447,7 +452,10 @@ bool TrainingRun::train_loop(InterruptRequests& interrupts) {
     // LoRA dropout masks: a function of the seed and the step, so a resumed run draws the same.
     model_->set_dropout_seed(args_.seed * 0x100000001b3ull + static_cast<uint64_t>(progress_.global_step));
     model_->arena().reset_usage();
+    heap_.begin();
     const StepResult r = trainer_->step(views);
+    heap_.end();
+    model_->arena().sample();
     if (!r.updated && !r.skipped_nonfinite) continue;  // no target token at all: not a step
     ++progress_.global_step;
     static constexpr Phase kStepPhases[] = {Phase::Forward, Phase::Loss, Phase::Backward, Phase::Optimizer};
@@ -476,8 +484,8 @@ bool TrainingRun::train_loop(InterruptRequests& interrupts) {
            {"epoch", static_cast<double>(progress_.global_step) / static_cast<double>(steps_per_epoch_)},
            {"num_input_tokens_seen", progress_.num_input_tokens_seen},
            {"tokens_per_second", static_cast<double>(window_tokens) / std::max(seconds, 1e-9)},
-           {"memory_planned_bytes", model_->plan().peak_bytes()},
-           {"memory_peak_bytes", model_->arena().high_water_bytes()},
+           {"memory_arena_bytes", model_->plan().peak_bytes()},
+           {"memory_rss_bytes", current_rss_bytes()},
            {"elapsed_seconds", std::chrono::duration<double>(Clock::now() - run_start).count()},
            {"loss_scale", r.loss_scale},
            {"world_size", comm_.world_size()},
@@ -496,16 +504,19 @@ bool TrainingRun::train_loop(InterruptRequests& interrupts) {
 }
 
 void TrainingRun::save_final() {
-  // Each rank's own plan and measured peak (ranks plan for their own micro-batches).
+  // Each rank's own arena (ranks plan for their own micro-batches and shards) and measured peak.
   const size_t W = static_cast<size_t>(comm_.world_size()), me = static_cast<size_t>(comm_.rank());
-  std::vector<int64_t> peaks(2 * W, 0);
-  peaks[2 * me] = static_cast<int64_t>(model_->plan().peak_bytes());
-  peaks[2 * me + 1] = static_cast<int64_t>(model_->arena().high_water_bytes());
+  std::vector<int64_t> peaks(3 * W, 0);
+  peaks[3 * me] = static_cast<int64_t>(model_->plan().peak_bytes());
+  peaks[3 * me + 1] = static_cast<int64_t>(model_->arena().high_water_bytes());
+  peaks[3 * me + 2] = static_cast<int64_t>(process_peak_rss_bytes(model_->arena()));
   comm_.allreduce_sum(peaks);
   rank_peaks_ = json::array();
   for (size_t r = 0; r < W; ++r)
-    rank_peaks_.push_back(
-        {{"rank", r}, {"planned_peak_bytes", peaks[2 * r]}, {"measured_peak_bytes", peaks[2 * r + 1]}});
+    rank_peaks_.push_back({{"rank", r},
+                           {"arena_bytes", peaks[3 * r]},
+                           {"arena_high_water_bytes", peaks[3 * r + 1]},
+                           {"process_peak_rss_bytes", peaks[3 * r + 2]}});
   if (!root_) return;
   if (terminal_) out_ << "\n";
   if (args_.load_best_model_at_end && !progress_.best_model_checkpoint.empty()) {
@@ -516,14 +527,16 @@ void TrainingRun::save_final() {
   write_model_files(output_dir_);
   write_file_atomically((output_dir_ / "trainer_state.json").string(), trainer_state().dump(2) + "\n");
   write_memory_and_report();
-  out_ << fmt::format("done: {} steps; planned peak {}, measured peak {}; wrote {} (report: {})\n",
+  out_ << fmt::format("done: {} steps; arena {} (planned), process peak {} (measured); wrote {} (report: {})\n",
                       progress_.global_step, format_bytes(model_->plan().peak_bytes()),
-                      format_bytes(model_->arena().high_water_bytes()), output_dir_.string(),
-                      (output_dir_ / "report.html").string());
+                      format_bytes(process_peak_rss_bytes(model_->arena())),
+                      output_dir_.string(), (output_dir_ / "report.html").string());
 }
 
 void TrainingRun::write_memory_and_report() const {
-  json memory = memory_json(model_->plan(), model_->arena(), model_->host_plan());
+  HeapAllocations during_steps = heap_.total();
+  during_steps += eval_heap_;
+  json memory = memory_json(model_->plan(), model_->arena(), model_->host_plan(), during_steps);
   memory["world_size"] = comm_.world_size();
   if (!rank_peaks_.empty()) memory["ranks"] = rank_peaks_;
   write_file_atomically((output_dir_ / "memory.json").string(), memory.dump(2) + "\n");

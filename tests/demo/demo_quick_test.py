@@ -57,7 +57,7 @@ def main():
     assert train[-1]["loss"] < train[0]["loss"] / 2, (train[0]["loss"], train[-1]["loss"])
 
     memory = json.loads((work / "run" / "memory.json").read_text())
-    assert memory["planned_peak_bytes"] == memory["measured_peak_bytes"] <= 512 << 20, memory
+    assert memory["arena_bytes"] == memory["arena_high_water_bytes"] <= 512 << 20, memory
     for report in [work / "run" / "report.html", work / "eval" / "report.html"]:
         html = report.read_text()
         assert 'data-chart="memory"' in html, report

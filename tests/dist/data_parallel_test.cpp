@@ -128,7 +128,7 @@ TEST_F(DataParallelTest, TwoRanksEqualOneProcessWithTheSameGlobalBatch) {
   const json memory = json::parse(std::ifstream(dir_ / "two" / "memory.json"));
   EXPECT_EQ(memory["world_size"], 2);
   ASSERT_EQ(memory["ranks"].size(), 2u);
-  for (const json& r : memory["ranks"]) EXPECT_EQ(r["planned_peak_bytes"], r["measured_peak_bytes"]) << r.dump();
+  for (const json& r : memory["ranks"]) EXPECT_EQ(r["arena_bytes"], r["arena_high_water_bytes"]) << r.dump();
   EXPECT_EQ(json::parse(std::ifstream(dir_ / "two" / "run_args.json"))["world_size"], 2);
 }
 
@@ -232,11 +232,11 @@ TEST_F(DataParallelTest, ZeroStage1EqualsZeroStage0) {
       // Per rank: the plan is what was measured, and the optimizer state is halved.
       const json m0 = json::parse(std::ifstream(dir_ / (name + "_z0") / "memory.json"));
       const json m1 = json::parse(std::ifstream(dir_ / (name + "_z1") / "memory.json"));
-      for (const json& r : m1["ranks"]) EXPECT_EQ(r["planned_peak_bytes"], r["measured_peak_bytes"]) << r.dump();
+      for (const json& r : m1["ranks"]) EXPECT_EQ(r["arena_bytes"], r["arena_high_water_bytes"]) << r.dump();
       const double state0 = m0["categories"]["optimizer_state"].get<double>();
       const double state1 = m1["categories"]["optimizer_state"].get<double>();
       EXPECT_NEAR(state1, state0 / 2, 64.0 * 200) << name;  // alignment padding of ~200 buffers
-      EXPECT_LT(m1["planned_peak_bytes"].get<size_t>(), m0["planned_peak_bytes"].get<size_t>()) << name;
+      EXPECT_LT(m1["arena_bytes"].get<size_t>(), m0["arena_bytes"].get<size_t>()) << name;
       // `memtune plan --world_size 2` accounts the same per-rank state as the run had.
       for (const std::string zero : {"0", "1"}) {
         const Result plan = testing_support::run_memtune("plan --json --model " + path(model) + " --tuner_type " +

@@ -10,7 +10,7 @@
 
 #include "core/rng.h"
 #include "model/qwen2.h"
-#include "support/allocation_counter.h"
+#include "memory/process_memory.h"
 #include "support/test_util.h"
 
 namespace memtune {
@@ -189,9 +189,9 @@ TEST(Lora, FrozenBaseHasNoGradientOrOptimizerMemoryAndStaysInThePlan) {
   const Batch b = make_batch(3);
   m.parameters().zero_grads();
   m.forward_backward(b.view());
-  testing_support::start_counting_allocations();
+  const HeapAllocations heap_before = heap_allocations();
   m.forward_backward(b.view());
-  EXPECT_EQ(testing_support::stop_counting_allocations(), 0);
+  EXPECT_EQ((heap_allocations() - heap_before).count, 0);
   EXPECT_EQ(m.arena().high_water_bytes(), m.plan().peak_bytes());
 }
 

@@ -14,7 +14,7 @@
 #include "io/checkpoint.h"
 #include "io/safetensors.h"
 #include "model/qwen2.h"
-#include "support/allocation_counter.h"
+#include "memory/process_memory.h"
 #include "support/test_util.h"
 
 namespace memtune {
@@ -82,9 +82,9 @@ TEST_P(PlanTest, ArenaHighWaterEqualsPlannedPeakAndNoHeapAllocationInAStep) {
   const Sample s = make_sample({20, 1, 27}, 512, 2);
   model.forward_backward(s.batch());  // warm-up: thread pools, BLAS buffers
 
-  testing_support::start_counting_allocations();
+  const HeapAllocations heap_before = heap_allocations();
   const LossSum loss = model.forward_backward(s.batch());
-  EXPECT_EQ(testing_support::stop_counting_allocations(), 0) << "a forward/backward allocated outside the arena";
+  EXPECT_EQ((heap_allocations() - heap_before).count, 0) << "a forward/backward allocated outside the arena";
 
   EXPECT_TRUE(std::isfinite(loss.sum));
   EXPECT_GT(loss.count, 0);

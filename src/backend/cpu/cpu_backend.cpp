@@ -17,6 +17,7 @@ class CpuBackend final : public Backend {
   void* allocate(size_t bytes) override { return map_host_pages(bytes); }
   void deallocate(void* base, size_t bytes) override { munmap(base, bytes); }
   bool host_addressable() const override { return true; }
+  bool memory_in_host_pages() const override { return true; }
 
   void copy_to_device(const Tensor& dst, const void* src) override { std::memcpy(dst.data, src, dst.bytes()); }
   void copy_to_host(void* dst, const Tensor& src) override { std::memcpy(dst, src.data, src.bytes()); }

@@ -46,6 +46,7 @@ class ReferenceBackend final : public Backend {
     std::erase_if(regions_, [&](const Region& r) { return r.base == base; });
   }
   bool host_addressable() const override { return false; }
+  bool memory_in_host_pages() const override { return true; }
 
   void copy_to_device(const Tensor& dst, const void* src) override {
     Access a(*this);
