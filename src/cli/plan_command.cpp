@@ -156,7 +156,10 @@ Action add_plan(CLI::App& app) {
     train.with_optimizer = true;
     train.optim_offload = a->optim_offload;
     train.zero_stage = a->zero_stage;
-    train.world_size = a->world_size;  // planned for rank 0, whose shards are the smallest or equal
+    // With ZeRO-1 rank r holds [n r / W, n (r + 1) / W) of each tensor: the last rank's block is
+    // ceil(n / W) of every one, the largest, so its plan bounds every rank's.
+    train.world_size = a->world_size;
+    train.rank = a->world_size - 1;
     if (a->tuner_type == "lora") {
       train.lora.rank = a->lora_rank;
       set_lora_targets(train.lora, a->target_modules);

@@ -2,6 +2,9 @@
 // the budget check, and the plan's peak equal to what a run of the same configuration measures.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <filesystem>
+
 #include <nlohmann/json.hpp>
 
 #include "memory/plan.h"
@@ -55,6 +58,34 @@ TEST(PlanCommand, BudgetCheckAndCheckpointingLever) {
   const auto bad = testing_support::run_memtune("plan --preset qwen2.5-7b --device_memory '24 parsecs'");
   EXPECT_EQ(bad.status, 1);
   EXPECT_CONTAINS(bad.output, "parsecs");
+}
+
+// ZeRO-1 over 3 ranks: rank r holds [n r / 3, n (r + 1) / 3) of each tensor, so the last rank
+// has the largest shards; the plan is that rank's, not rank 0's (the smallest). Hidden size 98:
+// each norm splits 32 / 33 / 33 elements, which the 64-byte padding does not hide.
+TEST(PlanCommand, ZeroOnePlansTheRankWithTheLargestShards) {
+  const auto dir = testing_support::make_temp_dir("plan_zero1");
+  const auto made = testing_support::run_memtune("init-model --preset tiny --set hidden_size=98 --set "
+                                                 "num_attention_heads=7 --set num_key_value_heads=7 --out " +
+                                                 dir.string());
+  ASSERT_EQ(made.status, 0) << made.output;
+  ModelOptions o;
+  o.allocate = false;
+  o.max_tokens = 8 * 64;
+  o.with_optimizer = true;
+  o.zero_stage = 1;
+  o.world_size = 3;
+  const Qwen2Config config = load_qwen2_config((dir / "config.json").string());
+  std::vector<size_t> peaks;
+  for (int r = 0; r < 3; ++r) {
+    o.rank = r;
+    peaks.push_back(Qwen2Model(config, o).plan().peak_bytes());
+  }
+  EXPECT_LT(peaks[0], peaks[2]);
+  EXPECT_EQ(*std::max_element(peaks.begin(), peaks.end()), peaks[2]);
+  const json p = plan("--model " + dir.string() + " --tuner_type full --world_size 3 --zero_stage 1 --max_length 64");
+  EXPECT_EQ(p["peak_bytes"].get<size_t>(), peaks[2]);
+  std::filesystem::remove_all(dir);
 }
 
 TEST(PlanCommand, FitSearchFindsConfigurationsWithinTheBudget) {
