@@ -31,7 +31,7 @@ void upload_f32(Backend& backend, const Tensor& tensor, std::span<const float> v
 }
 
 void* map_host_pages(size_t bytes) {
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
   if (p == MAP_FAILED)
     throw Error(fmt::format("cannot reserve the planned {:.2f} MiB ({} bytes) of memory", bytes / 1048576.0, bytes));
   return p;

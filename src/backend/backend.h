@@ -163,8 +163,11 @@ inline constexpr size_t kTransferBytes = size_t{8} << 20;
 std::vector<float> download_f32(Backend& backend, const Tensor& tensor);
 void upload_f32(Backend& backend, const Tensor& tensor, std::span<const float> values);
 
-// Page-aligned, zero-filled anonymous host memory whose pages cost nothing until touched: the
-// arena of the host backends. An Error naming the size when the system refuses it.
+// Page-aligned, zero-filled anonymous host memory, committed when it is made (every page faulted
+// in, as a device allocation is): the arena of the host backends. The planned bytes are then
+// resident from the first step, not from the step that first meets the data's largest
+// micro-batch, so a run that does not fit the machine fails at its start and the process's
+// measured RSS can be checked against the plan. An Error naming the size when it is refused.
 void* map_host_pages(size_t bytes);
 
 // The backends of this build by name ("cpu", "reference"); an Error listing them otherwise.

@@ -22,9 +22,12 @@
 #include "io/checkpoint.h"
 #include "io/safetensors.h"
 #include "memory/memory_files.h"
+#include "memory/process_plan.h"
 #include "model/load.h"
+#include "model/lora.h"
 #include "report/report.h"
 #include "tokenizer/tokenizer.h"
+#include "train/run.h"
 
 namespace memtune::cli {
 
@@ -35,7 +38,8 @@ Action add_eval(CLI::App& app) {
     int64_t batch_size = 8, max_length = 2048, eval_accumulation_steps = 0;
     bool json = false, batch_eval_metrics = false;
     std::vector<std::string> labels;
-    std::string save_predictions, output_dir, backend = "cpu";
+    std::string save_predictions, output_dir, backend = "cpu", torch_dtype, host_memory;
+    bool bf16 = false, fp16 = false;
   };
   auto a = std::make_shared<Args>();
   app.add_option("--model_name_or_path", a->model, "Hugging Face model directory")->required();
@@ -58,12 +62,19 @@ Action add_eval(CLI::App& app) {
                  "accepted for compatibility: metrics stream, nothing accumulates");
   app.add_flag("--batch_eval_metrics", a->batch_eval_metrics, "accepted for compatibility: metrics always stream");
   app.add_flag("--json", a->json, "print the results as one JSON object");
+  app.add_option("--torch_dtype", a->torch_dtype, "storage dtype of the weights: float32 | bfloat16 | float16");
+  app.add_flag("--bf16", a->bf16, "store weights in bfloat16");
+  app.add_flag("--fp16", a->fp16, "store weights in float16");
+  app.add_option("--host_memory", a->host_memory,
+                 "budget for the whole process (e.g. 16GiB): refuse to start when the prediction is above it");
   app.add_option("--save_predictions", a->save_predictions,
                  "stream per-example results (loss, argmax ids or predicted label) to this JSONL file");
   app.add_option("--output_dir", a->output_dir,
                  "write eval_results.json, memory.json, memory.jsonl, run_args.json and report.html here");
   return [a, &app] {
+    const size_t startup_rss = current_rss_bytes();
     if (a->batch_size <= 0) throw Error("--per_device_eval_batch_size must be positive");
+    const std::optional<DType> dtype = storage_dtype(a->torch_dtype, a->bf16, a->fp16);
     // label_accuracy / macro_f1 select classification scoring; the rest are token metrics.
     const bool classification = wants_classification_metrics(a->metrics);
     MetricSelection selection;
@@ -82,9 +93,23 @@ Action add_eval(CLI::App& app) {
 
     ModelOptions o;
     o.max_tokens = batcher.max_micro_batch_tokens();
+    o.max_targets = batcher.max_micro_batch_targets();
     o.with_grads = false;
     o.backend = &backend_named(a->backend);
-    const std::unique_ptr<Qwen2Model> model = load_model(a->model, o, a->adapter);
+    // The whole process, predicted before the model's memory exists (the tokenizer stays alive
+    // for --save_predictions, so it is part of the prepared data).
+    ProcessPlan process;
+    process.measure_preparation(startup_rss);
+    {
+      Qwen2Config config = load_model_config(a->model, dtype);
+      ModelOptions planned = o;
+      planned.allocate = false;
+      if (!a->adapter.empty()) planned.lora = load_lora_adapter_config(a->adapter);
+      add_planned_terms(process, Qwen2Model(config, planned), load_model_config(a->model).torch_dtype, 1);
+      if (!a->host_memory.empty())
+        check_host_budget(process, parse_bytes(a->host_memory, "--host_memory"), "--host_memory");
+    }
+    const std::unique_ptr<Qwen2Model> model = load_model(a->model, o, a->adapter, dtype);
     const std::filesystem::path out_dir(a->output_dir);
     MemoryTimeline timeline;
     if (!a->output_dir.empty()) {
@@ -98,12 +123,15 @@ Action add_eval(CLI::App& app) {
       model->arena().sample();
       results["arena_bytes"] = model->plan().peak_bytes();
       results["process_peak_rss_bytes"] = process_peak_rss_bytes(model->arena());
+      results["process_predicted_peak_bytes"] = process.peak_bytes();
       if (a->output_dir.empty()) return;
       static constexpr Phase kEvalPhases[] = {Phase::Forward, Phase::Loss};
       timeline.record(model->arena(), 0, "eval", kEvalPhases);
       write_file_atomically((out_dir / "eval_results.json").string(), results.dump(2) + "\n");
-      write_file_atomically((out_dir / "memory.json").string(),
-                            memory_json(model->plan(), model->arena(), model->host_plan(), heap).dump(2) + "\n");
+      nlohmann::json memory = memory_json(model->plan(), model->arena(), model->host_plan(), heap);
+      memory["process_plan"] = process.to_json();
+      memory["process_predicted_peak_bytes"] = process.peak_bytes();
+      write_file_atomically((out_dir / "memory.json").string(), memory.dump(2) + "\n");
       write_report(out_dir);
     };
     std::ofstream predictions_file;

@@ -121,14 +121,30 @@ bool Batcher::next(MicroBatch& out) {
   return true;
 }
 
+namespace {
+
+// The sum of the k largest values: the most a micro-batch of k examples can hold, whatever the order.
+int64_t sum_of_largest(std::vector<int64_t> values, int64_t k) {
+  const auto n = static_cast<std::ptrdiff_t>(std::min<size_t>(static_cast<size_t>(k), values.size()));
+  std::partial_sort(values.begin(), values.begin() + n, values.end(), std::greater<>());
+  return std::accumulate(values.begin(), values.begin() + n, int64_t{0});
+}
+
+}  // namespace
+
 int64_t Batcher::max_micro_batch_tokens() const {
   // A rank's share of a global micro-batch is at most ceil(global / world_size) = per_device units.
   if (options_.packing) return options_.per_device_batch_size * options_.max_length;
   std::vector<int64_t> lengths(dataset_.size());
   for (size_t i = 0; i < dataset_.size(); ++i) lengths[i] = static_cast<int64_t>(dataset_.length(i));
-  const auto k = static_cast<std::ptrdiff_t>(std::min<size_t>(options_.per_device_batch_size, lengths.size()));
-  std::partial_sort(lengths.begin(), lengths.begin() + k, lengths.end(), std::greater<>());
-  return std::accumulate(lengths.begin(), lengths.begin() + k, int64_t{0});
+  return sum_of_largest(std::move(lengths), options_.per_device_batch_size);
+}
+
+int64_t Batcher::max_micro_batch_targets() const {
+  if (options_.packing) return std::min(max_micro_batch_tokens(), dataset_.num_targets());
+  std::vector<int64_t> targets(dataset_.size());
+  for (size_t i = 0; i < dataset_.size(); ++i) targets[i] = dataset_.num_targets(i);
+  return sum_of_largest(std::move(targets), options_.per_device_batch_size);
 }
 
 }  // namespace memtune

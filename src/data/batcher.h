@@ -63,6 +63,8 @@ class Batcher {
   bool next(MicroBatch& out);
   // The most tokens a micro-batch of this rank can hold in any epoch (for memory planning).
   int64_t max_micro_batch_tokens() const;
+  // The most loss targets a micro-batch of this rank can hold in any epoch (sizes the logits chunk).
+  int64_t max_micro_batch_targets() const;
 
   static constexpr size_t kOpenRows = 64;
 

@@ -168,6 +168,11 @@ void CheckpointReader::read_into(const std::string& name, std::span<const int64_
   count = std::min(count, numel - begin);
   std::span<const std::byte> src = e.file->data(t).subspan(begin * dtype_size(t.dtype), count * dtype_size(t.dtype));
   if (src.empty()) return;
+  struct Release {  // the file's pages of this tensor are dropped once copied
+    const SafetensorsFile& file;
+    std::span<const std::byte> bytes;
+    ~Release() { file.release(bytes); }
+  } release{*e.file, src};
   if (t.dtype == dst_dtype) {
     std::memcpy(dst, src.data(), src.size());
     return;

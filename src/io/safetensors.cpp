@@ -324,4 +324,12 @@ void write_file_atomically(const std::string& path, std::string_view contents) {
   out.commit();
 }
 
+void SafetensorsFile::release(std::span<const std::byte> bytes) const {
+  // Only the pages wholly inside the range: a page shared with a neighbouring tensor stays.
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(bytes.data()) + page - 1) / page * page;
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(bytes.data()) + bytes.size()) / page * page;
+  if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+}
+
 }  // namespace memtune

@@ -45,6 +45,10 @@ class SafetensorsFile {
   // Zero-copy view of a tensor's bytes (valid while this object lives). The bytes are only as
   // aligned as the writer made them: copy them out rather than casting the pointer.
   std::span<const std::byte> data(const TensorInfo& t) const;
+  // Drops this process's resident pages of `bytes` (a part of data()): they were read and are
+  // not needed again, so loading holds one tensor's pages at a time, not the whole file. Reading
+  // them again re-maps them from the file.
+  void release(std::span<const std::byte> bytes) const;
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
 
  private:

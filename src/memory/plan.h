@@ -86,5 +86,7 @@ class MemoryPlan {
 };
 
 std::string format_bytes(size_t bytes);
+// "24GiB", "24 GB", "1.5e9", "512MiB" (binary and decimal units); an Error naming `flag`.
+size_t parse_bytes(const std::string& text, std::string_view flag);
 
 }  // namespace memtune

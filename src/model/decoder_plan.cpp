@@ -80,7 +80,10 @@ DecoderBuffers declare_decoder_buffers(const Qwen2Config& c, const ModelOptions&
   if (widen) declare_widening(F, largest_matrix);
 
   b.normed = plan.declare("loss.normed_hidden", Category::LossWorkspace, N * D * 4, L, L);
-  b.chunk_rows = static_cast<int64_t>(std::clamp<size_t>(options_.loss_workspace_bytes / ((V + 2 * D) * 4), 1, N));
+  const size_t max_rows =
+      options_.max_targets > 0 ? std::min(N, static_cast<size_t>(options_.max_targets)) : N;
+  b.chunk_rows =
+      static_cast<int64_t>(std::clamp<size_t>(options_.loss_workspace_bytes / ((V + 2 * D) * 4), 1, max_rows));
   const size_t chunk = static_cast<size_t>(b.chunk_rows);
   b.logits_chunk = plan.declare("loss.logits_chunk", Category::LossWorkspace, chunk * V * 4, L, L);
   b.rows = plan.declare("loss.hidden_rows", Category::LossWorkspace, chunk * D * 4, L, L);

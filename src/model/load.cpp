@@ -1,5 +1,8 @@
 #include "model/load.h"
 
+#include <malloc.h>
+
+#include <algorithm>
 #include <filesystem>
 
 #include "io/checkpoint.h"
@@ -20,7 +23,24 @@ std::unique_ptr<Qwen2Model> load_model(const std::string& dir, ModelOptions opti
   auto model = std::make_unique<Qwen2Model>(config, options);
   model->parameters().load(CheckpointReader(dir));
   if (!adapter.empty()) model->parameters().load_adapter(adapter);
+  // The loading buffers (staging, dtype conversion) were freed; give their pages back too, so
+  // they do not sit under the steps' peak.
+  malloc_trim(0);
   return model;
+}
+
+void add_planned_terms(ProcessPlan& p, const Qwen2Model& model, DType checkpoint_dtype, int world_size) {
+  p.arena_bytes = model.plan().peak_bytes();
+  p.host_arena_bytes = model.host_plan().peak_bytes();
+  // Weights are read in slices of kTransferBytes: one slice's file pages (dropped once copied)
+  // and its staging copy at a time.
+  int64_t largest = 0;
+  for (const ParamSpec& s : qwen2_parameter_specs(model.config())) largest = std::max(largest, s.numel());
+  p.weights_mapping_bytes =
+      std::min(static_cast<size_t>(largest) * dtype_size(checkpoint_dtype), kTransferBytes) +
+      std::min(static_cast<size_t>(largest) * dtype_size(model.config().torch_dtype), kTransferBytes);
+  p.compute_runtime_bytes = model.options().with_grads ? kTrainingRuntimeBytes : kForwardRuntimeBytes;
+  p.communication_bytes = world_size > 1 ? kMpiBytesPerRank : 0;
 }
 
 }  // namespace memtune

@@ -44,6 +44,10 @@ constexpr size_t kDefaultLossWorkspaceBytes = size_t{192} << 20;
 
 struct ModelOptions {
   int64_t max_tokens = 2048;  // capacity of one micro-batch's flat token stream
+  // The most loss targets one micro-batch holds (0: max_tokens). Only target rows go through
+  // the LM head, so the logits chunk never needs more rows than this: a chunk sized by tokens
+  // would plan rows that no batch ever touches (prompt-heavy data has few targets per token).
+  int64_t max_targets = 0;
   bool gradient_checkpointing = false;
   size_t loss_workspace_bytes = kDefaultLossWorkspaceBytes;  // budget for the LM head's logits chunk
   bool with_grads = true;                                    // declare gradients and backward buffers

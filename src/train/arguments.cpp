@@ -13,13 +13,15 @@
 
 namespace memtune {
 
-void add_training_arguments(CLI::App& app, TrainingArguments& a) {
+void add_training_arguments(CLI::App& app, TrainingArguments& a, ArgumentsFor use) {
+  const bool required = use == ArgumentsFor::Train;
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   app.add_option("--config", "run.json or run.yaml with the same keys as the flags (flags override it)");
-  app.add_option("--model_name_or_path", a.model_name_or_path, "Hugging Face model directory")->required();
-  app.add_option("--train_file", a.train_file, "training data, JSONL")->required();
+  app.add_option("--model_name_or_path,--model", a.model_name_or_path, "Hugging Face model directory")
+      ->required(required);
+  app.add_option("--train_file", a.train_file, "training data, JSONL")->required(required);
   app.add_option("--eval_file", a.eval_file, "evaluation data, JSONL");
-  app.add_option("--output_dir", a.output_dir, "where checkpoints, logs and the result go")->required();
+  app.add_option("--output_dir", a.output_dir, "where checkpoints, logs and the result go")->required(required);
   app.add_option("--tokenizer", a.tokenizer, "tokenizer directory (default: the model directory)");
   app.add_option("--backend", a.backend,
                  "where the model's memory lives and its ops run: cpu | reference (the slow "
@@ -71,6 +73,8 @@ void add_training_arguments(CLI::App& app, TrainingArguments& a) {
                "keep AdamW moments and float32 master weights in host memory; the optimizer step runs on the host");
   app.add_option("--loss_workspace_bytes", a.loss_workspace_bytes, "budget of the LM head's logits chunk")
       ->capture_default_str();
+  app.add_option("--host_memory", a.host_memory,
+                 "budget for the whole process (e.g. 16GiB): refuse to start when the prediction is above it");
   app.add_option("--tuner_type", a.tuner_type, "lora | full")->capture_default_str();
   app.add_option("--lora_rank", a.lora_rank)->capture_default_str();
   app.add_option("--lora_alpha", a.lora_alpha)->capture_default_str();

@@ -58,6 +58,7 @@ struct TrainingArguments {
   bool optim_offload = false;  // AdamW state (and float32 masters) in host memory
   int64_t zero_stage = 0;      // 1: optimizer state sharded over data-parallel ranks
   int64_t loss_workspace_bytes = static_cast<int64_t>(kDefaultLossWorkspaceBytes);
+  std::string host_memory;  // a budget for the whole process, e.g. 16GiB: refuse to start above it
   // Tuning.
   std::string tuner_type = "lora";  // lora | full (ms-swift's default is lora)
   int64_t lora_rank = 8;
@@ -77,7 +78,10 @@ struct TrainingArguments {
 
 // Registers every argument on `app` (names as above, --template for template_name) and
 // --config. Call prepare_config_args on argv first so the file's keys are seen as flags.
-void add_training_arguments(CLI::App& app, TrainingArguments& args);
+// `memtune plan` registers the same arguments with none required (it may plan a --preset, with
+// or without data).
+enum class ArgumentsFor { Train, Plan };
+void add_training_arguments(CLI::App& app, TrainingArguments& args, ArgumentsFor use = ArgumentsFor::Train);
 
 // Expands `--config FILE` inside argv (without the program name) into `--key=value` flags
 // placed right after the subcommand name, before the other flags, so explicit flags override

@@ -25,6 +25,7 @@
 #include "io/checkpoint.h"
 #include "io/safetensors.h"
 #include "memory/memory_files.h"
+#include "memory/process_plan.h"
 #include "model/load.h"
 #include "report/report.h"
 #include "tokenizer/tokenizer.h"
@@ -83,7 +84,9 @@ class TrainingRun {
   const bool root_;        // rank 0 alone prints, logs and writes files
   bool terminal_ = false;  // a live progress line on a terminal, plain log lines otherwise
   fs::path output_dir_;
-  std::optional<Tokenizer> tokenizer_;
+  std::optional<Tokenizer> tokenizer_;  // alive while the data is tokenized
+  int64_t tokenizer_vocab_size_ = 0;
+  ProcessPlan process_;  // the whole process, predicted before the model's memory is made
   fs::path tokenizer_dir_;
   Dataset train_;
   std::unique_ptr<Batcher> batcher_;
@@ -124,12 +127,10 @@ void TrainingRun::run() {
     write_file_atomically((output_dir_ / "run_args.json").string(), recorded.dump(2) + "\n");
   }
   comm_.barrier();  // the output directory exists before any rank looks at it
+  const size_t startup_rss = current_rss_bytes();
   load_data();
+  process_.measure_preparation(startup_rss);
   build_model();
-  // The tokenizer (vocabulary, merges, caches) is not needed once the data is tokenized; give
-  // its memory back to the system so it does not sit under the training peak.
-  tokenizer_.reset();
-  malloc_trim(0);
   if (!args_.resume_from_checkpoint.empty()) resume();
   if (root_) {
     log_file_.open(output_dir_ / "log.jsonl", std::ios::app);
@@ -170,13 +171,7 @@ void TrainingRun::show_progress(const StepResult& r, double elapsed) {
 void TrainingRun::load_data() {
   tokenizer_dir_ = args_.tokenizer.empty() ? fs::path(args_.model_name_or_path) : fs::path(args_.tokenizer);
   tokenizer_.emplace(Tokenizer::load(tokenizer_dir_.string()));
-  DataOptions d;
-  d.max_length = args_.max_length;
-  d.truncation_strategy = parse_truncation_strategy(args_.truncation_strategy);
-  d.train_on_prompt = args_.train_on_prompt;
-  d.skip_bad_lines = args_.skip_bad_lines;
-  d.chat_template = args_.template_name;
-  if (!args_.system.empty()) d.record.system = args_.system;
+  const DataOptions d = data_options(args_);
   train_ = load_dataset(args_.train_file, *tokenizer_, d);
   if (!args_.eval_file.empty()) {
     if (args_.eval_strategy == "no")
@@ -193,6 +188,11 @@ void TrainingRun::load_data() {
       "deleted as longer than max_length {}, {} bad lines skipped)\n",
       train_.size(), train_.num_tokens(), train_.num_targets(), c.lines, c.dropped_no_targets, c.truncated,
       c.deleted_too_long, args_.max_length, c.bad_lines);
+  // The tokenizer (vocabulary, merges, caches) is not needed once the data is tokenized; give
+  // its memory back to the system before the model's memory is made.
+  tokenizer_vocab_size_ = tokenizer_->vocab_size();
+  tokenizer_.reset();
+  malloc_trim(0);
   if (train_.empty() || train_.num_targets() == 0)
     throw Error(fmt::format("{}: no example with a trainable token is left to train on", args_.train_file));
   BatchOptions b;
@@ -212,32 +212,24 @@ void TrainingRun::load_data() {
 }
 
 void TrainingRun::build_model() {
-  std::optional<DType> dtype;
-  if (args_.bf16) dtype = DType::BF16;
-  if (args_.fp16) dtype = DType::F16;
-  if (!args_.torch_dtype.empty()) dtype = parse_dtype(args_.torch_dtype, "--torch_dtype");
+  const std::optional<DType> dtype = storage_dtype(args_.torch_dtype, args_.bf16, args_.fp16);
   const Qwen2Config config = load_model_config(args_.model_name_or_path, dtype);
-  if (tokenizer_->vocab_size() > config.vocab_size)
-    throw Error(fmt::format("the tokenizer has {} ids but the model's vocab_size is {}", tokenizer_->vocab_size(),
+  if (tokenizer_vocab_size_ > config.vocab_size)
+    throw Error(fmt::format("the tokenizer has {} ids but the model's vocab_size is {}", tokenizer_vocab_size_,
                             config.vocab_size));
-  ModelOptions o;
   // One plan serves training and evaluation: the larger micro-batch of the two.
-  o.max_tokens =
-      std::max(batcher_->max_micro_batch_tokens(), eval_ ? eval_->batcher().max_micro_batch_tokens() : int64_t{0});
-  o.gradient_checkpointing = args_.gradient_checkpointing;
-  o.loss_workspace_bytes = static_cast<size_t>(args_.loss_workspace_bytes);
-  o.with_optimizer = true;
-  o.optim_offload = args_.optim_offload;
-  o.zero_stage = static_cast<int>(args_.zero_stage);
-  o.rank = comm_.rank();
-  o.world_size = comm_.world_size();
-  o.backend = &backend_named(args_.backend);
-  if (args_.tuner_type == "lora") {
-    o.lora.rank = args_.lora_rank;
-    o.lora.alpha = args_.lora_alpha;
-    o.lora.dropout = args_.lora_dropout;
-    o.lora.use_rslora = args_.use_rslora;
-    set_lora_targets(o.lora, args_.target_modules);
+  ModelOptions o = training_model_options(
+      args_, std::max(batcher_->max_micro_batch_tokens(), eval_ ? eval_->batcher().max_micro_batch_tokens() : 0),
+      std::max(batcher_->max_micro_batch_targets(), eval_ ? eval_->batcher().max_micro_batch_targets() : 0),
+      comm_.rank(), comm_.world_size());
+  {
+    // The whole process, predicted from the plan before any of its memory exists.
+    ModelOptions planned = o;
+    planned.allocate = false;
+    const Qwen2Model preview(config, planned);
+    add_planned_terms(process_, preview, load_model_config(args_.model_name_or_path).torch_dtype, comm_.world_size());
+    if (!args_.host_memory.empty())
+      check_host_budget(process_, parse_bytes(args_.host_memory, "--host_memory"), "--host_memory");
   }
   model_ = load_model(args_.model_name_or_path, o, "", dtype);
   if (o.lora.enabled()) model_->parameters().init_lora(args_.seed);
@@ -270,7 +262,7 @@ void TrainingRun::build_model() {
                         comm_.world_size(), o.shards_optimizer() ? " with ZeRO-1" : "",
                         args_.per_device_train_batch_size * args_.gradient_accumulation_steps * comm_.world_size(),
                         args_.per_device_train_batch_size, args_.gradient_accumulation_steps);
-  out_ << "memory plan:\n" << model_->plan().summary();
+  out_ << "memory plan:\n" << model_->plan().summary() << process_.summary();
 }
 
 void TrainingRun::write_model_files(const fs::path& dir) const {
@@ -538,12 +530,62 @@ void TrainingRun::write_memory_and_report() const {
   during_steps += eval_heap_;
   json memory = memory_json(model_->plan(), model_->arena(), model_->host_plan(), during_steps);
   memory["world_size"] = comm_.world_size();
+  memory["process_plan"] = process_.to_json();
+  memory["process_predicted_peak_bytes"] = process_.peak_bytes();
   if (!rank_peaks_.empty()) memory["ranks"] = rank_peaks_;
   write_file_atomically((output_dir_ / "memory.json").string(), memory.dump(2) + "\n");
   write_report(output_dir_);
 }
 
 }  // namespace
+
+DataOptions data_options(const TrainingArguments& args) {
+  DataOptions d;
+  d.max_length = args.max_length;
+  d.truncation_strategy = parse_truncation_strategy(args.truncation_strategy);
+  d.train_on_prompt = args.train_on_prompt;
+  d.skip_bad_lines = args.skip_bad_lines;
+  d.chat_template = args.template_name;
+  if (!args.system.empty()) d.record.system = args.system;
+  return d;
+}
+
+std::optional<DType> storage_dtype(const std::string& torch_dtype, bool bf16, bool fp16) {
+  if (bf16 && fp16) throw Error("--bf16 and --fp16 are mutually exclusive");
+  std::optional<DType> dtype;
+  if (bf16) dtype = DType::BF16;
+  if (fp16) dtype = DType::F16;
+  if (!torch_dtype.empty()) {
+    const DType asked = parse_dtype(torch_dtype, "--torch_dtype");
+    if (dtype && *dtype != asked)
+      throw Error(fmt::format("--torch_dtype {} contradicts --{}: give one of them", torch_dtype, bf16 ? "bf16" : "fp16"));
+    dtype = asked;
+  }
+  return dtype;
+}
+
+ModelOptions training_model_options(const TrainingArguments& args, int64_t max_tokens, int64_t max_targets, int rank,
+                                    int world_size) {
+  ModelOptions o;
+  o.max_tokens = max_tokens;
+  o.max_targets = max_targets;
+  o.gradient_checkpointing = args.gradient_checkpointing;
+  o.loss_workspace_bytes = static_cast<size_t>(args.loss_workspace_bytes);
+  o.with_optimizer = true;
+  o.optim_offload = args.optim_offload;
+  o.zero_stage = static_cast<int>(args.zero_stage);
+  o.rank = rank;
+  o.world_size = world_size;
+  o.backend = &backend_named(args.backend);
+  if (args.tuner_type == "lora") {
+    o.lora.rank = args.lora_rank;
+    o.lora.alpha = args.lora_alpha;
+    o.lora.dropout = args.lora_dropout;
+    o.lora.use_rslora = args.use_rslora;
+    set_lora_targets(o.lora, args.target_modules);
+  }
+  return o;
+}
 
 void run_training(const TrainingArguments& args, std::ostream& out, const json& arguments) {
   Communicator& comm = world();

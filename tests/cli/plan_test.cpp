@@ -128,6 +128,7 @@ TEST(PlanCommand, ThePlanIsWhatARunOfTheSameConfigurationMeasures) {
       o.gradient_checkpointing = checkpointing;
       if (std::string(tuner) == "lora") {
         o.lora.rank = 4;
+        o.lora.dropout = 0.05;  // memtune train's default, which plan takes from the same flags
         set_lora_targets(o.lora, {"all-linear"});
       }
       Qwen2Model m(qwen2_preset("tiny"), o);

@@ -3,7 +3,7 @@
 subset), run end to end with the memtune binary under test. Checks what a user sees and gets:
 the data statistics with the majority-class baseline, the plan against the small budget with the
 configuration --fit picked, training and evaluation records, the real-size 7B plans, reports
-written, planned == measured memory within the budget, label accuracy above twice the majority
+written, the arena within its budget and the predicted process within 10% of its measured peak, label accuracy above twice the majority
 baseline, and a second run that redoes nothing."""
 import argparse
 import json
@@ -35,7 +35,7 @@ def main():
 
     out, first = demo()
     for text in ["3600 examples (format classification)", "labels: 12 classes", "majority-class baseline accuracy",
-                 "does NOT fit in 512.00 MiB", "--fit:", "training with: --per_device_train_batch_size",
+                 "does NOT fit in 384.00 MiB", "process fits in 640.00 MiB", "--fit:", "training with: --per_device_train_batch_size",
                  '"eval_label_accuracy"', "confusion matrix", "qwen2.5-7b: 7615616512 parameters",
                  "does NOT fit in 24.00 GiB", "fits in 24.00 GiB", "Hugging Face Trainer evaluation",
                  "report.html"]:
@@ -57,7 +57,11 @@ def main():
     assert train[-1]["loss"] < train[0]["loss"] / 2, (train[0]["loss"], train[-1]["loss"])
 
     memory = json.loads((work / "run" / "memory.json").read_text())
-    assert memory["arena_bytes"] == memory["arena_high_water_bytes"] <= 512 << 20, memory
+    assert memory["arena_bytes"] == memory["arena_high_water_bytes"] <= 384 << 20, memory
+    # The process as predicted before the run, against the kernel's measurement of it.
+    predicted, measured = memory["process_predicted_peak_bytes"], memory["process_peak_rss_bytes"]
+    assert measured <= 640 << 20, memory
+    assert -0.05 <= (predicted - measured) / measured <= 0.10, (predicted, measured)
     for report in [work / "run" / "report.html", work / "eval" / "report.html"]:
         html = report.read_text()
         assert 'data-chart="memory"' in html, report
