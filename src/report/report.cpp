@@ -164,7 +164,8 @@ std::string bytes_text(double b) {
 
 // The memory timeline: bytes per category stacked at each recorded phase, the planned peak
 // drawn across.
-std::string memory_chart(const std::vector<json>& timeline, std::optional<double> planned_peak) {
+std::string memory_chart(const std::vector<json>& timeline, std::optional<double> planned_peak,
+                         std::optional<double> predicted_process) {
   if (timeline.empty()) return "";
   // Long runs keep every k-th step (or evaluation) whole, all its phases, for ~1200 samples at most.
   std::vector<std::vector<const json*>> groups;
@@ -188,7 +189,7 @@ std::string memory_chart(const std::vector<json>& timeline, std::optional<double
   }
   const size_t n = samples.size();
   std::vector<std::vector<double>> top(categories.size(), std::vector<double>(n, 0));
-  double ymax = planned_peak.value_or(0);
+  double ymax = std::max(planned_peak.value_or(0), predicted_process.value_or(0));
   for (size_t i = 0; i < n; ++i) {
     double acc = 0;
     for (size_t k = 0; k < categories.size(); ++k) {
@@ -223,6 +224,12 @@ std::string memory_chart(const std::vector<json>& timeline, std::optional<double
         Frame::left, f.sy(*planned_peak), Frame::W - Frame::right, f.sy(*planned_peak), Frame::W - Frame::right - 4,
         f.sy(*planned_peak) - 4, escape(bytes_text(*planned_peak)));
   }
+  if (predicted_process) {
+    body += fmt::format(
+        R"(<line class="predicted" x1="{}" y1="{:.1f}" x2="{}" y2="{:.1f}"/><text class="label" x="{}" y="{:.1f}">process (predicted) {}</text>)",
+        Frame::left, f.sy(*predicted_process), Frame::W - Frame::right, f.sy(*predicted_process), Frame::left + 4,
+        f.sy(*predicted_process) - 4, escape(bytes_text(*predicted_process)));
+  }
   if (!rss.empty()) categories.push_back("process RSS (measured)");
   return figure("memory", "Memory timeline (arena bytes in use by category; process RSS measured per phase)", body,
                 categories);
@@ -240,6 +247,10 @@ std::string plan_table(const json& memory) {
   if (memory.contains("arena_bytes"))
     s += fmt::format("<p>Arena (planned) <b>{}</b> ({} bytes, peak phase {})", bytes_text(memory["arena_bytes"].get<double>()),
                      memory["arena_bytes"].get<size_t>(), escape(memory.value("peak_phase", "")));
+  if (memory.contains("process_predicted_peak_bytes"))
+    s += fmt::format("; process predicted before the run <b>{}</b> (peak stage {})",
+                     bytes_text(memory["process_predicted_peak_bytes"].get<double>()),
+                     escape(memory.value("/process_plan/peak_stage"_json_pointer, std::string())));
   if (memory.contains("process_peak_rss_bytes"))
     s += fmt::format("; measured: process peak resident memory <b>{}</b>, arena pages resident {} (phase {})",
                      bytes_text(memory["process_peak_rss_bytes"].get<double>()),
@@ -286,6 +297,7 @@ figcaption{font-weight:600;font-size:14px;margin-bottom:4px}
 .axis{stroke:#444;stroke-width:1}.grid{stroke:#eee;stroke-width:1}
 .tick,.label{font-size:11px;fill:#555}
 .planned{stroke:#d00;stroke-width:1.5;stroke-dasharray:6 4}
+.predicted{stroke:#333;stroke-width:1.5}
 .legend{font-size:12px;display:flex;flex-wrap:wrap;gap:10px;max-width:640px}
 .legend i{display:inline-block;width:10px;height:10px;margin-right:4px;border-radius:2px}
 table{border-collapse:collapse;font-size:13px;margin:6px 0}
@@ -353,7 +365,10 @@ std::string render_report(const fs::path& dir) {
   charts += line_chart("tokens_per_second", "Throughput (tokens/s)", "step", {speed});
   std::optional<double> planned;
   if (memory && memory->contains("arena_bytes")) planned = (*memory)["arena_bytes"].get<double>();
-  charts += memory_chart(timeline, planned);
+  std::optional<double> predicted;
+  if (memory && memory->contains("process_predicted_peak_bytes"))
+    predicted = (*memory)["process_predicted_peak_bytes"].get<double>();
+  charts += memory_chart(timeline, planned, predicted);
 
   std::string html = fmt::format(
       "<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>memtune report: {}</title>"

@@ -66,6 +66,8 @@ TEST(Report, RendersChartsTablesAndArgumentsFromTheRunFiles) {
     std::ofstream(dir / "memory.json") << json{
         {"arena_bytes", 1600},
         {"arena_high_water_bytes", 1600},
+        {"process_predicted_peak_bytes", 4500},
+        {"process_plan", {{"peak_stage", "running"}}},
         {"peak_phase", "loss"},
         {"table",
          {{"forward", {{"weights", 1000}}},
@@ -83,6 +85,10 @@ TEST(Report, RendersChartsTablesAndArgumentsFromTheRunFiles) {
   EXPECT_EQ(count(html, "class=\"series area\""), 2u);
   EXPECT_CONTAINS(html, "arena (planned)");
   EXPECT_EQ(count(html, "class=\"rss\""), 1u);
+  // The process total predicted before the run, as a line beside the measured RSS.
+  EXPECT_EQ(count(html, "class=\"predicted\""), 1u);
+  EXPECT_CONTAINS(html, "process (predicted) 4.39 KiB");
+  EXPECT_CONTAINS(html, "process predicted before the run <b>4.39 KiB</b> (peak stage running)");
   // Arguments are escaped, and nothing is loaded from the network.
   EXPECT_CONTAINS(html, "a&lt;b&gt;.jsonl");
   EXPECT_EQ(html.find("http://"), std::string::npos);
@@ -201,6 +207,10 @@ void expect_measured_figures(const json& m, const std::vector<json>& timeline, c
   const size_t resident = m["arena_resident_bytes"].get<size_t>();
   EXPECT_GT(resident, 0u) << name;
   EXPECT_LE(resident, m["arena_bytes"].get<size_t>() + 4095) << name;
+  // The arena is committed when made: every planned page is resident, whatever the batches met.
+  EXPECT_GE(resident + 4095, m["arena_bytes"].get<size_t>()) << name;
+  // The whole process was predicted before the run; the matrix test holds it to the measurement.
+  EXPECT_GT(m["process_predicted_peak_bytes"].get<size_t>(), m["arena_bytes"].get<size_t>()) << name;
   EXPECT_GT(m["process_peak_rss_bytes"].get<size_t>(), resident) << name;
   ASSERT_FALSE(timeline.empty()) << name;
   for (const json& line : timeline) {
