@@ -6,6 +6,7 @@
 # (tools/qwen2_reference.py train-bench, batch 4 x 512 random tokens), in one run.
 # memtune's tokens/s is the mean of log.jsonl's tokens_per_second after the first step (all tokens
 # of a step: 4 examples of 501-510 tokens); its peak is memory.json's process_peak_rss_bytes.
+# Writes bench/results/train-*.json (scripts/bench_results.py tables turns them into the tables).
 # Usage: scripts/bench-train.sh [steps=4]   (steps 1 is a smoke test: nothing excluded as warm-up)
 # MEMTUNE_BENCH_BIN=PATH uses that memtune binary instead of building build/.
 set -euo pipefail
@@ -71,9 +72,13 @@ EOF
   results+=("$tuner" "$mt" "$pt")
 done
 
-/usr/bin/python3 - "${results[@]}" <<'EOF'
-import json, sys
-rows = sys.argv[1:]
+/usr/bin/python3 - "$root" "$steps" "${results[@]}" <<'EOF'
+import json, subprocess, sys
+root, steps, rows = sys.argv[1], sys.argv[2], sys.argv[3:]
+recorded = [{"run": f"train {rows[i]}, 4 x ~510 tokens", "memtune": json.loads(rows[i + 1]),
+             "reference": json.loads(rows[i + 2])} for i in range(0, len(rows), 3)]
+subprocess.run(["/usr/bin/python3", f"{root}/scripts/bench_results.py", "record", "train",
+                json.dumps({"batch": 4, "max_length": 512, "steps": int(steps)}), json.dumps(recorded)], check=True)
 mib = lambda b: f"{b / 2**20:.0f} MiB"
 print(f"\n{'tuner':<6} {'memtune tok/s':>14} {'PyTorch tok/s':>14} {'speed':>7} "
       f"{'memtune RSS':>12} {'PyTorch RSS':>12} {'memory':>7}")

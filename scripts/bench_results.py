@@ -1,0 +1,132 @@
+#!/usr/bin/env python3
+"""Benchmark results as files, and the tables generated from them.
+
+  bench_results.py record NAME SETTINGS_JSON ROWS_JSON
+      writes bench/results/NAME-<date>-<commit>-<machine>.json: the commit, the date, the machine
+      (CPU model, whether it has AVX-512 or only AVX2, cores, threads used), the settings and the
+      rows (each row: memtune's figures and the reference's from the same run, and their ratios).
+  bench_results.py tables
+      regenerates every table between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->` in
+      README.md and docs/benchmarks.md from the newest result file of NAME per machine.
+
+Figures are only compared within one file: each comes from one run on one machine."""
+import datetime
+import glob
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+
+
+def machine():
+    model, flags = "unknown", set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name" and model == "unknown":
+                model = value.strip()
+            elif key == "flags" and not flags:
+                flags = set(value.split())
+    simd = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "SSE"
+    return {"cpu": model, "simd": simd, "cores": os.cpu_count(),
+            "threads": int(os.environ.get("OMP_NUM_THREADS", os.cpu_count()))}
+
+
+def commit():
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=10", "HEAD"], capture_output=True,
+                          text=True).stdout.strip() or "unknown"
+    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True).stdout.strip()
+    return head + ("-dirty" if dirty else "")
+
+
+def record(name, settings, rows):
+    m = machine()
+    now = datetime.datetime.now(datetime.timezone.utc)
+    result = {"benchmark": name, "commit": commit(), "date": now.strftime("%Y-%m-%dT%H:%M:%SZ"), "machine": m,
+              "settings": settings, "rows": rows}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    tag = re.sub(r"[^a-z0-9]+", "-", f"{m['cpu']}-{m['cores']}c".lower()).strip("-")
+    path = RESULTS / f"{name}-{now.strftime('%Y%m%d')}-{result['commit']}-{tag}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path.relative_to(ROOT)}")
+
+
+def mib(b):
+    return f"{b / 2**20:.1f} MiB"
+
+
+def machine_text(r):
+    m = r["machine"]
+    return f"{m['cpu']}, {m['simd']}, {m['threads']} threads; commit {r['commit']}, {r['date'][:10]}"
+
+
+# NAME -> (header, row formatter) for the generated tables.
+def table_memory(results):
+    lines = ["| run | machine | arena (plan) | process predicted | process measured (peak RSS) | error | "
+             "arena resident |", "|---|---|---:|---:|---:|---:|---:|"]
+    for r in results:
+        for row in r["rows"]:
+            error = (row["predicted_bytes"] - row["measured_bytes"]) / row["measured_bytes"]
+            lines.append(f"| {row['run']} | {machine_text(r)} | {mib(row['arena_bytes'])} | "
+                         f"{mib(row['predicted_bytes'])} | {mib(row['measured_bytes'])} | {error:+.1%} | "
+                         f"{mib(row['arena_resident_bytes'])} |")
+    return lines
+
+
+def table_speed(results):
+    lines = ["| run | machine | memtune tok/s | PyTorch tok/s | speed | memtune RSS | PyTorch RSS | memory |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        for row in r["rows"]:
+            mt, pt = row["memtune"], row["reference"]
+            lines.append(f"| {row['run']} | {machine_text(r)} | {mt['tokens_per_s']:.0f} | {pt['tokens_per_s']:.0f} | "
+                         f"{mt['tokens_per_s'] / pt['tokens_per_s']:.2f}x | {mib(mt['peak_rss_bytes'])} | "
+                         f"{mib(pt['peak_rss_bytes'])} | {mt['peak_rss_bytes'] / pt['peak_rss_bytes']:.3f}x |")
+    return lines
+
+
+TABLES = {"memory": table_memory, "step": table_speed, "train": table_speed}
+
+
+def tables():
+    newest = {}  # (name, machine tag) -> result, the newest per machine
+    for path in sorted(glob.glob(str(RESULTS / "*.json"))):
+        r = json.loads(pathlib.Path(path).read_text())
+        key = (r["benchmark"], r["machine"]["cpu"], r["machine"]["cores"])
+        if key not in newest or r["date"] > newest[key]["date"]:
+            newest[key] = r
+    for doc in (ROOT / "README.md", ROOT / "docs" / "benchmarks.md"):
+        text = doc.read_text()
+
+        def fill(match):
+            name = match.group(1)
+            results = sorted((r for (n, *_), r in newest.items() if n == name), key=lambda r: r["machine"]["cpu"])
+            if not results or name not in TABLES:
+                return match.group(0)
+            body = "\n".join(TABLES[name](results))
+            return f"<!-- bench:{name} -->\n{body}\n<!-- /bench:{name} -->"
+
+        updated = re.sub(r"<!-- bench:([a-z_]+) -->.*?<!-- /bench:\1 -->", fill, text, flags=re.S)
+        if updated != text:
+            doc.write_text(updated)
+            print(f"updated {doc.relative_to(ROOT)}")
+
+
+def main():
+    if len(sys.argv) >= 2 and sys.argv[1] == "tables":
+        tables()
+    elif len(sys.argv) == 5 and sys.argv[1] == "record":
+        record(sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4]))
+    else:
+        sys.exit(__doc__)
+
+
+if __name__ == "__main__":
+    main()
