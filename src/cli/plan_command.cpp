@@ -214,6 +214,11 @@ Action add_plan(CLI::App& app) {
     out["categories"] = out["training"]["categories"];
     out["phases"] = out["training"]["phases"];
     out["host_arena_bytes"] = train_model.host_plan().peak_bytes();
+    // A device backend's fixed costs beside its arena (the CUDA backend's total will be arena +
+    // these): named constants until they are measured on a GPU.
+    out["cuda_fixed_costs"] = {{"context_bytes", kCudaContextBytes},
+                               {"library_workspace_bytes", kCudaLibraryWorkspaceBytes},
+                               {"measured", false}};
     std::optional<size_t> budget, host_budget;
     if (!a->device_memory.empty()) {
       budget = parse_bytes(a->device_memory, "--device_memory");

@@ -4,12 +4,14 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
 
 #include <nlohmann/json.hpp>
 
 #include "memory/plan.h"
 #include "model/qwen2.h"
 #include "support/run_command.h"
+#include "data/synthetic_tokenizer.h"
 #include "support/test_util.h"
 
 namespace memtune {
@@ -141,6 +143,56 @@ TEST(PlanCommand, ThePlanIsWhatARunOfTheSameConfigurationMeasures) {
       EXPECT_EQ(p["peak_bytes"].get<size_t>(), m.plan().peak_bytes()) << tuner;
       EXPECT_EQ(m.arena().high_water_bytes(), m.plan().peak_bytes()) << tuner << " checkpointing " << checkpointing;
     }
+}
+
+// `plan` with a run's own flags and data: the micro-batch comes from the data exactly as the run
+// sizes it (its largest micro-batch of tokens, its largest count of loss targets), so the plan's
+// arena is the run's; the whole process is predicted, and host budgets are checked.
+TEST(PlanCommand, WithTheRunsDataThePlanIsTheRunsAndTheProcessIsPredicted) {
+  const auto dir = testing_support::make_temp_dir("plan_data_test");
+  ASSERT_EQ(testing_support::run_memtune("init-model --preset tiny --seed 1 --out " + (dir / "model").string()).status,
+            0);
+  testing_support::write_synthetic_tokenizer(dir / "model");
+  {
+    std::ofstream data(dir / "train.jsonl");
+    for (int i = 0; i < 8; ++i)
+      data << json{{"messages",
+                    {{{"role", "user"}, {"content", "short question number " + std::to_string(i * 37)}},
+                     {{"role", "assistant"}, {"content", "a short answer"}}}}}
+                  .dump()
+           << "\n";
+  }
+  const std::string flags = "--model_name_or_path " + (dir / "model").string() + " --train_file " +
+                            (dir / "train.jsonl").string() + " --output_dir " + (dir / "out").string() +
+                            " --per_device_train_batch_size 2 --max_length 256 --max_steps 2 --save_strategy no";
+  const json p = plan(flags);
+  // Two short examples, not 2 x 256 tokens; far fewer loss targets than tokens.
+  EXPECT_LT(p["micro_batch_tokens"].get<int64_t>(), 2 * 256);
+  EXPECT_LT(p["micro_batch_targets"].get<int64_t>(), p["micro_batch_tokens"].get<int64_t>());
+  const auto run = testing_support::run_memtune("train " + flags);
+  ASSERT_EQ(run.status, 0) << run.output;
+  std::ifstream in(dir / "out" / "memory.json");
+  const json memory = json::parse(in);
+  EXPECT_EQ(p["peak_bytes"], memory["arena_bytes"]);
+  // The process: the arena plus what surrounds it, measured (startup, data) and modelled.
+  const size_t process = p["process_peak_bytes"].get<size_t>();
+  EXPECT_GT(process, p["peak_bytes"].get<size_t>() + p["process"]["terms"]["startup_bytes"].get<size_t>());
+  EXPECT_TRUE(p["process"]["data_measured"].get<bool>());
+  EXPECT_FALSE(p["cuda_fixed_costs"]["measured"].get<bool>());
+  // Host budgets (the measured terms move by a few pages between processes, hence the margins):
+  // below the prediction it does not fit, above it fits, and --fit keeps only what fits.
+  const json low = plan(flags + " --host_memory " + std::to_string(process * 9 / 10));
+  EXPECT_FALSE(low["fits_host"].get<bool>());
+  const std::string high = std::to_string(process * 11 / 10);
+  EXPECT_TRUE(plan(flags + " --host_memory " + high)["fits_host"].get<bool>());
+  const json fit = plan(flags + " --host_memory " + high + " --fit");
+  ASSERT_FALSE(fit["fit"].empty());
+  for (const json& k : fit["fit"]) EXPECT_LE(k["process_peak_bytes"].get<size_t>(), process * 11 / 10) << k.dump();
+  // A run with a budget below its prediction stops before allocating, with the numbers.
+  const auto refused = testing_support::run_memtune("train " + flags + " --host_memory 1MiB");
+  EXPECT_EQ(refused.status, 1);
+  EXPECT_CONTAINS(refused.output, "--host_memory 1.00 MiB: the process is predicted to need");
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
