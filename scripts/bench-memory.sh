@@ -12,12 +12,7 @@ steps="${1:-20}"
 source "$(dirname "$0")/bench-common.sh"
 
 demo_model="$root/out/bench/demo-20m"
-if [[ ! -f "$demo_model/model.safetensors" ]]; then
-  "$memtune" init-model --preset tiny --out "$demo_model" --seed 7 \
-    --set vocab_size=151936 --set hidden_size=128 --set intermediate_size=384 \
-    --set num_hidden_layers=4 --set num_attention_heads=4 --set num_key_value_heads=2
-fi
-cp "$tokenizer/tokenizer.json" "$tokenizer/tokenizer_config.json" "$demo_model/"
+"$root/scripts/demo-model.sh" "$memtune" "$tokenizer" "$demo_model"
 data="$root/out/bench/train-text.jsonl"
 if [[ ! -f "$data" ]]; then
   /usr/bin/python3 "$root/tools/make_bench_text.py" "$data.tmp" 64 0

@@ -62,12 +62,7 @@ host_budget=640MiB  # the whole process
 
 echo "== 1. a 20M-parameter Qwen2 with the Qwen2.5 vocabulary (151936 tokens) and tokenizer"
 model="$out/model"
-if [[ ! -f "$model/model.safetensors" ]]; then
-  "$memtune" init-model --preset tiny --out "$model" --seed 7 \
-    --set vocab_size=151936 --set hidden_size=128 --set intermediate_size=384 \
-    --set num_hidden_layers=4 --set num_attention_heads=4 --set num_key_value_heads=2
-fi
-cp "$tokenizer/tokenizer.json" "$tokenizer/tokenizer_config.json" "$model/"
+"$root/scripts/demo-model.sh" "$memtune" "$tokenizer" "$model"
 
 echo
 echo "== 2. the data: Debian package descriptions labelled with their section ($data)"
