@@ -191,6 +191,7 @@ Action add_plan(CLI::App& app) {
       trainable += train_model.parameters().trainable_spec(i).numel();
     const size_t peak = train_model.plan().peak_bytes();
     add_planned_terms(process, train_model, checkpoint_dtype, a->world_size);
+    if (a->world_size > 1) process.startup_bytes += kMpiInitBytes;  // a run measures it in its startup
     // What Hugging Face Trainer's evaluation keeps with a custom compute_metrics: float32 logits
     // [batch, seq, vocab] per batch, accumulated over the eval set (on device, or on the host
     // with eval_accumulation_steps).

@@ -24,9 +24,10 @@ namespace memtune {
 // fine-tuning), under 2 MiB for forward-only evaluation; each rounded up.
 constexpr size_t kTrainingRuntimeBytes = size_t{22} << 20;
 constexpr size_t kForwardRuntimeBytes = size_t{4} << 20;
-// Open MPI's per-rank buffers and shared-memory segments in a data-parallel run (measured with
-// 2 ranks on one machine, docs/benchmarks.md).
-constexpr size_t kMpiBytesPerRank = size_t{48} << 20;
+// Open MPI's initialization in each rank of a data-parallel run (libraries, shared-memory
+// segments): 8 MiB measured with 2 ranks on one machine (docs/benchmarks.md). A run measures it
+// in its startup; `memtune plan`, which does not start MPI, adds it.
+constexpr size_t kMpiInitBytes = size_t{8} << 20;
 // A device backend's fixed costs beside its arena. Not yet measured: these are the commonly
 // reported sizes for CUDA 12+ with lazy module loading on a Hopper GPU and must be replaced by
 // figures measured on a GPU when the CUDA backend lands.
@@ -44,7 +45,7 @@ struct ProcessPlan {
   size_t host_arena_bytes = 0;         // the host plan (offloaded optimizer state, staging)
   size_t weights_mapping_bytes = 0;    // the checkpoint's mapped pages and staging while the weights are read
   size_t compute_runtime_bytes = kTrainingRuntimeBytes;
-  size_t communication_bytes = 0;      // MPI, with more than one rank
+  size_t communication_bytes = 0;      // MPI's reduction buffers, with more than one rank
 
   // Takes the measured terms from this process's counters: call once the tokenizer and the data
   // are loaded (and the tokenizer released, when the command releases it before the model).

@@ -17,8 +17,8 @@ std::unique_ptr<Qwen2Model> load_model(const std::string& dir, ModelOptions opti
 
 // Fills the planned terms of the process's prediction from a planned model (allocated or
 // plan-only): its arenas, the weights' loading buffers (one slice of kTransferBytes of the
-// checkpoint's file pages, stored as `checkpoint_dtype`, and its staging copy), and MPI's
-// buffers with more than one rank. The
+// checkpoint's file pages, stored as `checkpoint_dtype`, and its staging copy), the compute
+// runtime, and MPI's reduction buffers with more than one rank. The
 // measured terms are the caller's (ProcessPlan::measure_preparation).
 void add_planned_terms(ProcessPlan& p, const Qwen2Model& model, DType checkpoint_dtype, int world_size);
 

@@ -228,8 +228,18 @@ void TrainingRun::build_model() {
     planned.allocate = false;
     const Qwen2Model preview(config, planned);
     add_planned_terms(process_, preview, load_model_config(args_.model_name_or_path).torch_dtype, comm_.world_size());
-    if (!args_.host_memory.empty())
-      check_host_budget(process_, parse_bytes(args_.host_memory, "--host_memory"), "--host_memory");
+    if (!args_.host_memory.empty()) {
+      // Every rank decides on the largest prediction of all ranks, so they stop together.
+      const size_t budget = parse_bytes(args_.host_memory, "--host_memory");
+      std::vector<int64_t> peaks(static_cast<size_t>(comm_.world_size()), 0);
+      peaks[static_cast<size_t>(comm_.rank())] = static_cast<int64_t>(process_.peak_bytes());
+      comm_.allreduce_sum(peaks);
+      const auto worst = std::max_element(peaks.begin(), peaks.end());
+      if (*worst == peaks[static_cast<size_t>(comm_.rank())]) check_host_budget(process_, budget, "--host_memory");
+      if (static_cast<size_t>(*worst) > budget)
+        throw Error(fmt::format("--host_memory {}: rank {} is predicted to need {}, so the run does not start",
+                                format_bytes(budget), worst - peaks.begin(), format_bytes(static_cast<size_t>(*worst))));
+    }
   }
   model_ = load_model(args_.model_name_or_path, o, "", dtype);
   if (o.lora.enabled()) model_->parameters().init_lora(args_.seed);
