@@ -255,7 +255,12 @@ ConfigEntries parse_yaml(const std::string& text, const std::string& name) {
 ConfigEntries parse_config_text(const std::string& text, const std::string& name) {
   const auto first = text.find_first_not_of(" \t\r\n");
   if (name.ends_with(".json") || (first != std::string::npos && text[first] == '{')) {
-    const json doc = parse_json(text, name);
+    json doc;
+    try {
+      doc = parse_json(text, name);
+    } catch (const json::exception& e) {  // e.g. a number that overflows a double: 1e400
+      throw Error(fmt::format("{}: invalid JSON: {}", name, json_error_text(e)));
+    }
     if (!doc.is_object()) throw Error(fmt::format("{}: expected a JSON object of argument names", name));
     ConfigEntries out;
     for (const auto& [key, value] : doc.items()) out.emplace_back(key, value);

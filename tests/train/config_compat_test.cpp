@@ -157,6 +157,8 @@ TEST_F(ConfigFileTest, YamlIsReadByAYamlParser) {
   EXPECT_CONTAINS(error_of([&] { parse_train("--config " + write("g.yaml", "- lora_rank\n")); }), "mapping");
   EXPECT_CONTAINS(error_of([&] { parse_train("--config " + write("h.yaml", "bf16: 1\nbf16: 0\n")); }), "twice");
   EXPECT_CONTAINS(error_of([&] { parse_train("--config " + write("i.json", "[1]")); }), "JSON object");
+  EXPECT_CONTAINS(error_of([&] { parse_train("--config " + write("k.json", R"({"learning_rate": 1e400})")); }),
+                  "k.json: invalid JSON");
   EXPECT_CONTAINS(error_of([&] { parse_train("--config " + write("j.yaml", "packing: sometimes\n")); }),
                   "expected true or false");
   EXPECT_CONTAINS(error_of([&] { parse_train("--config " + (dir_ / "missing.yaml").string()); }), "missing.yaml");
