@@ -335,6 +335,10 @@ PreparedArguments prepare_arguments(const std::vector<std::string>& argv, size_t
         remember(opt, name, arg.substr(eq + 1));
       } else if (i + 1 < argv.size()) {
         remember(opt, name, argv[i + 1]);
+        // ms-swift takes lists with spaces (--dataset a.jsonl b.jsonl); these commands take no
+        // positional arguments, so a second word names what went wrong.
+        if (compatible && opt->get_items_expected_max() == 1 && i + 2 < argv.size() && !argv[i + 2].starts_with("-"))
+          throw Error(fmt::format("--{} takes one value, got \"{}\" and \"{}\"", name, argv[i + 1], argv[i + 2]));
       }
       tail.push_back(arg);
       continue;

@@ -88,6 +88,10 @@ TEST(CompatArguments, MsSwiftAndLlamaFactorySpellingsAreAliases) {
   EXPECT_CONTAINS(error_of([] { parse_train("--gradient_checkpointing --use_gradient_checkpointing false"); }),
                   "two values");
   EXPECT_EQ(parse_train("--lora_rank 4 --lora_rank 8").args.lora_rank, 8) << "one spelling repeated: the last wins";
+  EXPECT_CONTAINS(error_of([] { parse_train("--dataset a.jsonl b.jsonl"); }),
+                  "--dataset takes one value, got \"a.jsonl\" and \"b.jsonl\"");
+  EXPECT_EQ(parse_train("--target_modules q_proj v_proj").args.target_modules,
+            (std::vector<std::string>{"q_proj", "v_proj"}));
 }
 
 TEST(CompatArguments, ValuesMemtuneCannotHonourAreErrors) {
@@ -277,6 +281,11 @@ TEST_F(ConfigRunTest, HuggingFaceDumpTrainsAndPlans) {
       "--config " + config + " --model_name_or_path " + path("model") + " --train_file " + path("train.jsonl"), "hf");
   EXPECT_CONTAINS(train_output, "accepted and ignored");
   EXPECT_CONTAINS(train_output, "report_to");
+  size_t notices = 0;
+  for (size_t at = train_output.find("accepted and ignored"); at != std::string::npos;
+       at = train_output.find("accepted and ignored", at + 1))
+    ++notices;
+  EXPECT_EQ(notices, 1u) << "one notice line";
   const json state = testing_support::read_json(dir_ / "hf/trainer_state.json");
   EXPECT_EQ(state["global_step"], 2);
 }
