@@ -116,6 +116,21 @@ TEST(CompatArguments, ValuesMemtuneCannotHonourAreErrors) {
             0.1);
 }
 
+json plan_json(const std::string& args) {
+  const auto r = testing_support::run_memtune("plan --json " + args);
+  EXPECT_EQ(r.status, 0) << r.output;
+  return r.status == 0 ? json::parse(r.output) : json::object();
+}
+
+TEST(CompatArguments, BooleanValuesReachThePlan) {
+  const std::string base = "--preset qwen2.5-0.5b --per_device_train_batch_size 1 --max_length 512";
+  const json on = plan_json(base + " --gradient_checkpointing True --bf16 true --packing 0");
+  const json off = plan_json(base + " --use_gradient_checkpointing false --bf16=False --packing=no");
+  ASSERT_TRUE(on.contains("categories") && off.contains("categories"));
+  EXPECT_LT(on["categories"]["saved_activations"].get<double>(), off["categories"]["saved_activations"].get<double>());
+  EXPECT_LT(on["peak_bytes"].get<double>(), off["peak_bytes"].get<double>());
+}
+
 class ConfigFileTest : public ::testing::Test {
  protected:
   void SetUp() override { dir_ = testing_support::make_temp_dir("config_compat_test"); }
@@ -383,6 +398,19 @@ TEST_F(ConfigRunTest, GuideCommandLineTrainsAndPlans) {
                      " --num_train_epochs 5 --max_steps 2",
                  "guide");
   EXPECT_EQ(testing_support::read_json(dir_ / "guide/trainer_state.json")["global_step"], 2);
+}
+
+TEST_F(ConfigRunTest, BooleanValuesReachTheRun) {
+  const auto r = testing_support::run_memtune("train --model " + path("model") + " --dataset " + path("train.jsonl") +
+                                              " --output_dir " + path("bool") +
+                                              " --gradient_checkpointing True --bf16 true --packing 0 --max_steps 1");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_CONTAINS(r.output, "bfloat16");
+  const json args = testing_support::read_json(dir_ / "bool/run_args.json");
+  // run_args.json holds each option's value as parsed.
+  EXPECT_EQ(args["packing"], "false");
+  EXPECT_EQ(args["gradient_checkpointing"], "true");
+  EXPECT_EQ(args["bf16"], "true");
 }
 
 TEST_F(ConfigRunTest, EvalTakesTheEvaluationFlagsAndTheirSpellings) {
