@@ -43,6 +43,9 @@ Action add_eval(CLI::App& app) {
     bool bf16 = false, fp16 = false;
   };
   auto a = std::make_shared<Args>();
+  app.add_option("--config",
+                 "JSON or YAML with the flags' keys, or a Hugging Face / ms-swift / LLaMA-Factory config (flags "
+                 "override it; training-only keys are ignored)");
   app.add_option("--model_name_or_path,--model", a->model, "Hugging Face model directory")->required();
   app.add_option("--adapter", a->adapter, "PEFT LoRA adapter directory");
   add_backend_option(app, a->backend);
