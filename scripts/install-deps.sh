@@ -4,7 +4,7 @@
 set -euo pipefail
 # chromium renders the run report in the headless-browser test; Open MPI runs data-parallel training.
 packages=(build-essential cmake ninja-build pkg-config libopenblas-openmp-dev nlohmann-json3-dev libcli11-dev libfmt-dev libpcre2-dev libutf8proc-dev
-          libgtest-dev python3 python3-numpy python3-torch chromium
+          libgtest-dev libyaml-cpp-dev python3 python3-numpy python3-torch chromium
           libopenmpi-dev openmpi-bin)
 missing=()
 for p in "${packages[@]}"; do

@@ -27,6 +27,7 @@
 #include "model/lora.h"
 #include "report/report.h"
 #include "tokenizer/tokenizer.h"
+#include "train/arguments.h"
 #include "train/run.h"
 
 namespace memtune::cli {
@@ -42,10 +43,15 @@ Action add_eval(CLI::App& app) {
     bool bf16 = false, fp16 = false;
   };
   auto a = std::make_shared<Args>();
-  app.add_option("--model_name_or_path", a->model, "Hugging Face model directory")->required();
+  app.add_option("--config",
+                 "JSON or YAML with the flags' keys, or a Hugging Face / ms-swift / LLaMA-Factory config (flags "
+                 "override it; training-only keys are ignored)");
+  app.add_option("--model_name_or_path,--model", a->model, "Hugging Face model directory")->required();
   app.add_option("--adapter", a->adapter, "PEFT LoRA adapter directory");
   add_backend_option(app, a->backend);
-  app.add_option("--eval_file", a->eval_file, "evaluation data, JSONL")->required();
+  app.add_option("--eval_file,--val_dataset,--eval_dataset,--dataset", a->eval_file,
+                 "evaluation data, a local JSONL file")
+      ->required();
   app.add_option("--tokenizer", a->tokenizer, "tokenizer directory (default: the model directory)");
   app.add_option("--metrics", a->metrics,
                  "comma-separated: eval_loss, perplexity, token_accuracy, top{k}_accuracy; or for text+label data "
@@ -54,9 +60,9 @@ Action add_eval(CLI::App& app) {
   app.add_option("--labels", a->labels, "classification: the candidate labels (default: the eval file's labels)")
       ->delimiter(',');
   app.add_option("--per_device_eval_batch_size", a->batch_size)->capture_default_str();
-  app.add_option("--max_length", a->max_length)->capture_default_str();
+  app.add_option("--max_length,--cutoff_len", a->max_length)->capture_default_str();
   app.add_option("--truncation_strategy", a->truncation_strategy, "delete | left | right")->capture_default_str();
-  app.add_option("--template", a->templ, "qwen2_5 | chatml | plain (default: from the tokenizer)");
+  add_template_option(app, a->templ);
   app.add_option("--system", a->system, "system message for records without one");
   app.add_option("--eval_accumulation_steps", a->eval_accumulation_steps,
                  "accepted for compatibility: metrics stream, nothing accumulates");
@@ -71,6 +77,7 @@ Action add_eval(CLI::App& app) {
                  "stream per-example results (loss, argmax ids or predicted label) to this JSONL file");
   app.add_option("--output_dir", a->output_dir,
                  "write eval_results.json, memory.json, memory.jsonl, run_args.json and report.html here");
+  app.parse_complete_callback([a] { check_local_dataset(a->eval_file, "--eval_file (--val_dataset, --dataset)"); });
   return [a, &app] {
     const size_t startup_rss = current_rss_bytes();
     if (a->batch_size <= 0) throw Error("--per_device_eval_batch_size must be positive");

@@ -1,13 +1,14 @@
 // memtune command line: dispatches to subcommands; user errors print one clear message and exit 1.
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
 #include "cli/commands.h"
 #include "core/error.h"
 #include "dist/communicator.h"
-#include "train/arguments.h"
+#include "train/config_file.h"
 
 namespace {
 
@@ -52,9 +53,28 @@ int main(int argc, char** argv) {
   CLI::App* data_stats = data->add_subcommand("stats", "token-length statistics of a JSONL dataset");
   commands.emplace_back(data_stats, memtune::cli::add_data_stats(*data_stats));
   try {
-    // A --config file's keys become flags placed before the command line's, which override them.
+    // The subcommand named on the command line (e.g. "train", or "data stats"), then its flags
+    // made into CLI11's: boolean flag values, a --config file (train, plan, eval) and the
+    // Hugging Face / ms-swift / LLaMA-Factory keys that are not memtune flags.
     std::vector<std::string> args(argv + 1, argv + argc);
-    args = memtune::expand_config_file(args);
+    CLI::App* command = &app;
+    size_t command_at = 0;
+    for (; command_at < args.size() && !args[command_at].starts_with("-"); ++command_at) {
+      CLI::App* sub = nullptr;
+      for (CLI::App* candidate : command->get_subcommands([](CLI::App*) { return true; }))
+        if (candidate->get_name() == args[command_at]) sub = candidate;
+      if (!sub) break;
+      command = sub;
+    }
+    const std::string name = command->get_name();
+    const bool compatible = command->get_parent() == &app && (name == "train" || name == "plan" || name == "eval");
+    memtune::PreparedArguments prepared = memtune::prepare_arguments(args, command_at, *command, compatible);
+    if (const std::string notice = memtune::ignored_keys_notice(prepared.ignored); !notice.empty()) {
+      // Once per job: rank 0 of an mpirun launch, or the only process.
+      const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");
+      if (!rank || std::string(rank) == "0") std::fprintf(stderr, "%s\n", notice.c_str());
+    }
+    args = std::move(prepared.args);
     std::reverse(args.begin(), args.end());  // CLI11 takes the vector back to front
     app.parse(args);
   } catch (const CLI::ParseError& e) {

@@ -1,7 +1,9 @@
 // `memtune train` arguments, named and defaulted like Hugging Face TrainingArguments and ms-swift
-// so a user's existing flags mean what they mean there. Flags come from the command line and
-// optionally a --config file (JSON, or YAML of flat `key: value` lines) with the same keys; the
-// command line wins. An unknown key or an impossible combination is an Error before any work.
+// so a user's existing flags mean what they mean there; ms-swift's and LLaMA-Factory's other
+// spellings of the same settings are aliases (--use_gradient_checkpointing, --train_type,
+// --finetuning_type, --lora_target, --dataset, --val_dataset, --cutoff_len, --model). Flags come
+// from the command line and optionally a --config file (config_file.h); the command line wins.
+// An unknown key or an impossible combination is an Error before any work.
 #pragma once
 
 #include <cstdint>
@@ -77,16 +79,17 @@ struct TrainingArguments {
 };
 
 // Registers every argument on `app` (names as above, --template for template_name) and
-// --config. Call prepare_config_args on argv first so the file's keys are seen as flags.
+// --config. Run prepare_arguments (config_file.h) on argv first so the file's keys are flags.
 // `memtune plan` registers the same arguments with none required (it may plan a --preset, with
 // or without data).
 enum class ArgumentsFor { Train, Plan };
 void add_training_arguments(CLI::App& app, TrainingArguments& args, ArgumentsFor use = ArgumentsFor::Train);
 
-// Expands `--config FILE` inside argv (without the program name) into `--key=value` flags
-// placed right after the subcommand name, before the other flags, so explicit flags override
-// the file. Returns the new argument list.
-std::vector<std::string> expand_config_file(const std::vector<std::string>& argv);
+// --template, shared with `memtune eval`: LLaMA-Factory's "qwen" is qwen2_5.
+void add_template_option(CLI::App& app, std::string& name);
+
+// A dataset flag's value must be an existing local file; `flags` names the flag and its aliases.
+void check_local_dataset(const std::string& path, const char* flags);
 
 // Refuses impossible combinations, naming the flags.
 void validate_training_arguments(const TrainingArguments& args);
