@@ -24,7 +24,7 @@ rows=()
 run() {  # run NAME FLAGS...
   local name="$1"
   shift
-  local out="$root/out/bench/memory-${name// /-}"
+  local out="$root/out/bench/memory-$(( ${#rows[@]} + 1 ))"
   rm -rf "$out"
   echo "== $name" >&2
   "$memtune" train --output_dir "$out" --max_steps "$steps" --logging_steps "$steps" --save_strategy no "$@" \
