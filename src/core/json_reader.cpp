@@ -8,6 +8,8 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <unordered_set>
+#include <vector>
 
 #include "core/error.h"
 
@@ -47,12 +49,31 @@ std::string integer_kind(int64_t min, int64_t max) {
 
 }  // namespace
 
-json parse_json(std::string_view text, const std::string& source, const json::parser_callback_t& callback) {
+json parse_json(std::string_view text, const std::string& source, DuplicateKeys duplicate_keys) {
+  // The keys seen so far in each object being parsed, innermost last.
+  std::vector<std::unordered_set<std::string>> open_objects;
+  std::string duplicate;
+  json::parser_callback_t note_keys = [&](int, json::parse_event_t event, json& parsed) {
+    if (event == json::parse_event_t::object_start) {
+      open_objects.emplace_back();
+    } else if (event == json::parse_event_t::object_end) {
+      open_objects.pop_back();
+    } else if (event == json::parse_event_t::key && duplicate.empty() &&
+               !open_objects.back().insert(parsed.get<std::string>()).second) {
+      duplicate = parsed.get<std::string>();
+    }
+    return true;
+  };
+  json document;
   try {
-    return json::parse(text.begin(), text.end(), callback);
-  } catch (const json::parse_error& e) {
+    document = duplicate_keys == DuplicateKeys::Refuse ? json::parse(text.begin(), text.end(), note_keys)
+                                                       : json::parse(text.begin(), text.end());
+  } catch (const json::exception& e) {
     throw Error(fmt::format("{}: invalid JSON: {}", source, json_error_text(e)));
   }
+  if (!duplicate.empty())
+    throw Error(fmt::format("{}: invalid JSON: key \"{}\" appears twice in one object", source, duplicate));
+  return document;
 }
 
 json read_json_file(const std::filesystem::path& path) {
