@@ -64,6 +64,8 @@ Action add_eval(CLI::App& app) {
                  "write eval_results.json, memory.json, memory.jsonl, run_args.json and report.html here");
   return [a, &app] {
     if (a->batch_size <= 0) throw Error("--per_device_eval_batch_size must be positive");
+    check_max_length(load_model_config(a->model), a->max_length,
+                     (std::filesystem::path(a->model) / "config.json").string());
     // label_accuracy / macro_f1 select classification scoring; the rest are token metrics.
     const bool classification = wants_classification_metrics(a->metrics);
     MetricSelection selection;

@@ -217,6 +217,7 @@ void TrainingRun::build_model() {
   if (args_.fp16) dtype = DType::F16;
   if (!args_.torch_dtype.empty()) dtype = parse_dtype(args_.torch_dtype, "--torch_dtype");
   const Qwen2Config config = load_model_config(args_.model_name_or_path, dtype);
+  check_max_length(config, args_.max_length, (fs::path(args_.model_name_or_path) / "config.json").string());
   if (tokenizer_->vocab_size() > config.vocab_size)
     throw Error(fmt::format("the tokenizer has {} ids but the model's vocab_size is {}", tokenizer_->vocab_size(),
                             config.vocab_size));
