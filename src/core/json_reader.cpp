@@ -49,11 +49,13 @@ std::string integer_kind(int64_t min, int64_t max) {
 
 }  // namespace
 
-json parse_json(std::string_view text, const std::string& source, DuplicateKeys duplicate_keys) {
-  // The keys seen so far in each object being parsed, innermost last.
-  std::vector<std::unordered_set<std::string>> open_objects;
+namespace {
+
+// The first key that appears twice in one object of `text` (valid JSON), for the message.
+std::string first_duplicate_key(std::string_view text) {
+  std::vector<std::unordered_set<std::string>> open_objects;  // keys seen, innermost object last
   std::string duplicate;
-  json::parser_callback_t note_keys = [&](int, json::parse_event_t event, json& parsed) {
+  json::parse(text.begin(), text.end(), [&](int, json::parse_event_t event, json& parsed) {
     if (event == json::parse_event_t::object_start) {
       open_objects.emplace_back();
     } else if (event == json::parse_event_t::object_end) {
@@ -63,16 +65,37 @@ json parse_json(std::string_view text, const std::string& source, DuplicateKeys 
       duplicate = parsed.get<std::string>();
     }
     return true;
+  });
+  return duplicate;
+}
+
+}  // namespace
+
+json parse_json(std::string_view text, const std::string& source, DuplicateKeys duplicate_keys) {
+  // Cheap detection: an object that read more keys than it holds kept only the last of some.
+  std::vector<size_t> keys_read;  // per object being parsed, innermost last
+  bool duplicate = false;
+  const json::parser_callback_t count_keys = [&](int, json::parse_event_t event, json& parsed) {
+    if (event == json::parse_event_t::object_start) {
+      keys_read.push_back(0);
+    } else if (event == json::parse_event_t::key) {
+      ++keys_read.back();
+    } else if (event == json::parse_event_t::object_end) {
+      duplicate = duplicate || keys_read.back() != parsed.size();
+      keys_read.pop_back();
+    }
+    return true;
   };
   json document;
   try {
-    document = duplicate_keys == DuplicateKeys::Refuse ? json::parse(text.begin(), text.end(), note_keys)
+    document = duplicate_keys == DuplicateKeys::Refuse ? json::parse(text.begin(), text.end(), count_keys)
                                                        : json::parse(text.begin(), text.end());
   } catch (const json::exception& e) {
     throw Error(fmt::format("{}: invalid JSON: {}", source, json_error_text(e)));
   }
-  if (!duplicate.empty())
-    throw Error(fmt::format("{}: invalid JSON: key \"{}\" appears twice in one object", source, duplicate));
+  if (duplicate)
+    throw Error(fmt::format("{}: invalid JSON: key \"{}\" appears twice in one object", source,
+                            first_duplicate_key(text)));
   return document;
 }
 
