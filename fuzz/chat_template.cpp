@@ -11,6 +11,11 @@
 #include "fuzz_support.h"
 #include "tokenizer/chat_template.h"
 
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+  memtune::fuzz::qwen_tokenizer();
+  return 0;
+}
+
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace memtune;
   if (size == 0) return 0;

@@ -8,12 +8,17 @@
 #include "data/formats.h"
 #include "fuzz_support.h"
 
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+  memtune::fuzz::qwen_tokenizer();
+  return 0;
+}
+
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace memtune;
   if (size == 0) return 0;
   const Tokenizer& tokenizer = fuzz::qwen_tokenizer();
-  static constexpr std::array<const char*, 7> kFormats = {"", "messages", "sharegpt", "alpaca", "query_response",
-                                                          "text", "classification"};
+  static constexpr std::array<const char*, 7> kFormats = {
+      "", "messages", "sharegpt", "alpaca", "query_response", "text", "classification"};
   static constexpr std::array<const char*, 4> kTemplates = {"", "qwen2_5", "chatml", "plain"};
   const uint8_t choice = data[0];
   DataOptions options;

@@ -59,7 +59,9 @@ inline void write_bytes(const std::filesystem::path& path, std::string_view byte
 }
 
 // The real Qwen2.5 tokenizer, from the directory in MEMTUNE_TOKENIZER_DIR (scripts/fuzz.sh sets
-// it with scripts/prepare-tokenizer.sh); loaded once per process.
+// it with scripts/prepare-tokenizer.sh); loaded once per process. Harnesses call it from
+// LLVMFuzzerInitialize, so its second of loading is not charged to the first input (which
+// libFuzzer would report as a slow unit).
 inline const Tokenizer& qwen_tokenizer() {
   static const Tokenizer tokenizer = [] {
     const char* dir = std::getenv("MEMTUNE_TOKENIZER_DIR");

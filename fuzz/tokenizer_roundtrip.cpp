@@ -6,6 +6,11 @@
 #include "fuzz_support.h"
 #include "tokenizer/unicode.h"
 
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+  memtune::fuzz::qwen_tokenizer();
+  return 0;
+}
+
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace memtune;
   const Tokenizer& tokenizer = fuzz::qwen_tokenizer();

@@ -55,7 +55,7 @@ namespace {
 std::string first_duplicate_key(std::string_view text) {
   std::vector<std::unordered_set<std::string>> open_objects;  // keys seen, innermost object last
   std::string duplicate;
-  json::parse(text.begin(), text.end(), [&](int, json::parse_event_t event, json& parsed) {
+  const json::parser_callback_t note_keys = [&](int, json::parse_event_t event, json& parsed) {
     if (event == json::parse_event_t::object_start) {
       open_objects.emplace_back();
     } else if (event == json::parse_event_t::object_end) {
@@ -65,7 +65,8 @@ std::string first_duplicate_key(std::string_view text) {
       duplicate = parsed.get<std::string>();
     }
     return true;
-  });
+  };
+  const json reparsed = json::parse(text.begin(), text.end(), note_keys);  // for the callback only
   return duplicate;
 }
 
@@ -94,8 +95,8 @@ json parse_json(std::string_view text, const std::string& source, DuplicateKeys 
     throw Error(fmt::format("{}: invalid JSON: {}", source, json_error_text(e)));
   }
   if (duplicate)
-    throw Error(fmt::format("{}: invalid JSON: key \"{}\" appears twice in one object", source,
-                            first_duplicate_key(text)));
+    throw Error(
+        fmt::format("{}: invalid JSON: key \"{}\" appears twice in one object", source, first_duplicate_key(text)));
   return document;
 }
 

@@ -92,7 +92,8 @@ void check_attention_layout(const JsonReader& doc, int64_t num_hidden_layers) {
     sliding->fail("is true; sliding-window attention is not supported");
   doc.optional_integer("sliding_window");  // only checked: no window applies while use_sliding_window is false
   if (const std::optional<JsonReader> dropout = doc.find("attention_dropout"); dropout && dropout->as_number() != 0)
-    dropout->fail(fmt::format("is {}; attention dropout is not supported (expected 0)", json_excerpt(dropout->value())));
+    dropout->fail(
+        fmt::format("is {}; attention dropout is not supported (expected 0)", json_excerpt(dropout->value())));
 
   const std::optional<JsonReader> layer_types = doc.optional_array("layer_types");
   if (!layer_types) return;
@@ -159,9 +160,10 @@ Qwen2Config load_qwen2_config(const std::string& path) {
 
 void check_max_length(const Qwen2Config& config, int64_t max_length, const std::string& source) {
   if (max_length > config.max_position_embeddings)
-    throw Error(fmt::format("--max_length {} exceeds max_position_embeddings {} of {}: the model has not been "
-                            "trained on positions that far; use --max_length {} or less",
-                            max_length, config.max_position_embeddings, source, config.max_position_embeddings));
+    throw Error(
+        fmt::format("--max_length {} exceeds max_position_embeddings {} of {}: the model has not been "
+                    "trained on positions that far; use --max_length {} or less",
+                    max_length, config.max_position_embeddings, source, config.max_position_embeddings));
 }
 
 nlohmann::json qwen2_config_to_json(const Qwen2Config& c) {

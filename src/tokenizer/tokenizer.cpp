@@ -189,9 +189,10 @@ int32_t token_id(const JsonReader& value, int64_t tokens) {
   const int64_t bound = std::min(kMaxTokenId + 1, 2 * tokens + 1024);
   const int64_t id = value.as_integer(0, kMaxTokenId);
   if (id >= bound)
-    value.fail(fmt::format("id {} is out of range: the file lists {} tokens (model.vocab and added_tokens), so ids "
-                           "must be below {} (twice that plus 1024, leaving room for unused ids)",
-                           id, tokens, bound));
+    value.fail(
+        fmt::format("id {} is out of range: the file lists {} tokens (model.vocab and added_tokens), so ids "
+                    "must be below {} (twice that plus 1024, leaving room for unused ids)",
+                    id, tokens, bound));
   return static_cast<int32_t>(id);
 }
 

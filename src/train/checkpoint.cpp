@@ -113,9 +113,10 @@ void check_resume_compatible(const JsonReader& state, const RunIdentity& now, bo
       differences += fmt::format("\n  {}: saved {}, now {}", field, json_excerpt(saved.value()), json_excerpt(value));
   }
   if (!differences.empty())
-    throw Error(fmt::format("{}: cannot resume: this run differs from the one that saved the checkpoint "
-                            "(a resumed run must see the same data in the same batches):{}",
-                            state.where(), differences));
+    throw Error(
+        fmt::format("{}: cannot resume: this run differs from the one that saved the checkpoint "
+                    "(a resumed run must see the same data in the same batches):{}",
+                    state.where(), differences));
 }
 
 SavedPosition read_saved_position(const JsonReader& state, const RunIdentity& now, bool ignore_data_mismatch) {

@@ -1,6 +1,6 @@
 // Training checkpoints, one job: the checkpoint-{step} directories of an output_dir (listing,
-// rotation), the optimizer state they carry, and the identity of the run that saved them. optimizer.safetensors holds, per trainable, its
-// AdamW moments (exp_avg., exp_avg_sq.) and, for 16-bit weights, the float32 master (master.),
+// rotation), the optimizer state they carry, and the identity of the run that saved them. optimizer.safetensors holds,
+// per trainable, its AdamW moments (exp_avg., exp_avg_sq.) and, for 16-bit weights, the float32 master (master.),
 // always as whole tensors: a checkpoint does not depend on the world size or ZeRO stage that
 // wrote it, and each rank reads back the part it keeps.
 #pragma once

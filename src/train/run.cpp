@@ -323,12 +323,12 @@ void TrainingRun::save_checkpoint() {
   if (!root_) return;
   write_file_atomically((tmp / "trainer_state.json").string(), trainer_state().dump(2) + "\n");
   json position = {{"global_step", progress_.global_step},
-                         {"optimizer_steps", trainer_->global_step()},
-                         {"loss_scale", trainer_->loss_scale()},
-                         {"good_steps", trainer_->good_steps()},
-                         {"epoch", progress_.epoch},
-                         {"batches_in_epoch", progress_.batches_in_epoch},
-                         {"num_input_tokens_seen", progress_.num_input_tokens_seen}};
+                   {"optimizer_steps", trainer_->global_step()},
+                   {"loss_scale", trainer_->loss_scale()},
+                   {"good_steps", trainer_->good_steps()},
+                   {"epoch", progress_.epoch},
+                   {"batches_in_epoch", progress_.batches_in_epoch},
+                   {"num_input_tokens_seen", progress_.num_input_tokens_seen}};
   position.update(run_identity_json(run_identity()));
   write_file_atomically((tmp / "memtune_state.json").string(), position.dump(2) + "\n");
   fs::remove_all(final_dir);
@@ -371,13 +371,13 @@ void TrainingRun::resume() {
 }
 
 RunIdentity TrainingRun::run_identity() const {
-  return {.global_batch_size =
-              args_.per_device_train_batch_size * args_.gradient_accumulation_steps * comm_.world_size(),
-          .seed = args_.seed,
-          .data_seed = args_.data_seed.value_or(args_.seed),
-          .max_length = args_.max_length,
-          .packing = args_.packing,
-          .train_data_fingerprint = train_data_fingerprint_};
+  return {
+      .global_batch_size = args_.per_device_train_batch_size * args_.gradient_accumulation_steps * comm_.world_size(),
+      .seed = args_.seed,
+      .data_seed = args_.data_seed.value_or(args_.seed),
+      .max_length = args_.max_length,
+      .packing = args_.packing,
+      .train_data_fingerprint = train_data_fingerprint_};
 }
 
 void TrainingRun::run_evaluation() {

@@ -96,7 +96,8 @@ TEST(LoraConfig, AdapterConfigRefusesNonPositiveAlphaAndDropoutOutsideZeroToOne)
     bad[field] = value;
     return testing_support::error_of([&] { parse_lora_adapter_config(bad, "adapter/adapter_config.json"); });
   };
-  EXPECT_EQ(error("lora_alpha", 0), "adapter/adapter_config.json: field \"lora_alpha\": expected a positive number, got 0");
+  EXPECT_EQ(error("lora_alpha", 0),
+            "adapter/adapter_config.json: field \"lora_alpha\": expected a positive number, got 0");
   EXPECT_CONTAINS(error("lora_alpha", -16), "field \"lora_alpha\"");
   EXPECT_EQ(error("lora_dropout", 1.5),
             "adapter/adapter_config.json: field \"lora_dropout\": expected a probability in [0, 1), got 1.5");
