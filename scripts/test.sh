@@ -2,7 +2,7 @@
 # Runs every test: installs dependencies, prepares the real Qwen2.5 tokenizer, builds (release),
 # runs the whole ctest suite including the comparisons with the PyTorch reference and the
 # JavaScript tokenizer, then builds with AddressSanitizer + UndefinedBehaviorSanitizer and runs
-# the unit tests again.
+# the unit tests again, and ends with a short libFuzzer run of every input reader.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 "$root/scripts/install-deps.sh"
@@ -18,4 +18,7 @@ echo "== AddressSanitizer + UndefinedBehaviorSanitizer build and unit tests"
 "$root/scripts/build.sh" "$root/build-asan" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMEMTUNE_SANITIZE=ON
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
   ctest --test-dir "$root/build-asan" --output-on-failure -j "$(nproc)" -E "reference_comparison|tokenizer_vs_npm|demo_quick|process_prediction|DataParallel"
+
+echo "== fuzzing: every libFuzzer target for 10 seconds (scripts/fuzz.sh; longer runs by hand)"
+"$root/scripts/fuzz.sh" 10
 echo "all tests passed"

@@ -75,6 +75,10 @@ struct LmHeadArgs {
   HostChunkStaging staging = {};
 };
 
+// The largest head_dim the attention ops take (a query row's accumulator lives on the stack);
+// config loading refuses larger heads before any memory is planned.
+constexpr int64_t kMaxAttentionHeadDim = 256;
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -119,7 +123,8 @@ class Backend {
   virtual void rope_forward(const Tensor& x, const Tensor& positions, int64_t head_dim, float theta) = 0;
   virtual void rope_backward(const Tensor& dx, const Tensor& positions, int64_t head_dim, float theta) = 0;
   // Causal grouped-query attention over packed sequences (cu_seqlens [S+1]), never a [T, T]
-  // score matrix. q[N, Hq*hd], k/v[N, Hkv*hd] -> out[N, Hq*hd]; saves lse[N, Hq].
+  // score matrix; head_dim is at most kMaxAttentionHeadDim. q[N, Hq*hd], k/v[N, Hkv*hd] ->
+  // out[N, Hq*hd]; saves lse[N, Hq].
   virtual void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
                                  const Tensor& v, const Tensor& cu_seqlens, int64_t head_dim) = 0;
   // dq, dk, dv are OVERWRITTEN (every token belongs to one sequence).

@@ -82,6 +82,8 @@ Action add_eval(CLI::App& app) {
     const size_t startup_rss = current_rss_bytes();
     if (a->batch_size <= 0) throw Error("--per_device_eval_batch_size must be positive");
     const std::optional<DType> dtype = storage_dtype(a->torch_dtype, a->bf16, a->fp16);
+    check_max_length(load_model_config(a->model), a->max_length,
+                     (std::filesystem::path(a->model) / "config.json").string());
     // label_accuracy / macro_f1 select classification scoring; the rest are token metrics.
     const bool classification = wants_classification_metrics(a->metrics);
     MetricSelection selection;

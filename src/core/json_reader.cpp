@@ -8,6 +8,8 @@
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <unordered_set>
+#include <vector>
 
 #include "core/error.h"
 
@@ -47,12 +49,55 @@ std::string integer_kind(int64_t min, int64_t max) {
 
 }  // namespace
 
-json parse_json(std::string_view text, const std::string& source, const json::parser_callback_t& callback) {
+namespace {
+
+// The first key that appears twice in one object of `text` (valid JSON), for the message.
+std::string first_duplicate_key(std::string_view text) {
+  std::vector<std::unordered_set<std::string>> open_objects;  // keys seen, innermost object last
+  std::string duplicate;
+  const json::parser_callback_t note_keys = [&](int, json::parse_event_t event, json& parsed) {
+    if (event == json::parse_event_t::object_start) {
+      open_objects.emplace_back();
+    } else if (event == json::parse_event_t::object_end) {
+      open_objects.pop_back();
+    } else if (event == json::parse_event_t::key && duplicate.empty() &&
+               !open_objects.back().insert(parsed.get<std::string>()).second) {
+      duplicate = parsed.get<std::string>();
+    }
+    return true;
+  };
+  const json reparsed = json::parse(text.begin(), text.end(), note_keys);  // for the callback only
+  return duplicate;
+}
+
+}  // namespace
+
+json parse_json(std::string_view text, const std::string& source, DuplicateKeys duplicate_keys) {
+  // Cheap detection: an object that read more keys than it holds kept only the last of some.
+  std::vector<size_t> keys_read;  // per object being parsed, innermost last
+  bool duplicate = false;
+  const json::parser_callback_t count_keys = [&](int, json::parse_event_t event, json& parsed) {
+    if (event == json::parse_event_t::object_start) {
+      keys_read.push_back(0);
+    } else if (event == json::parse_event_t::key) {
+      ++keys_read.back();
+    } else if (event == json::parse_event_t::object_end) {
+      duplicate = duplicate || keys_read.back() != parsed.size();
+      keys_read.pop_back();
+    }
+    return true;
+  };
+  json document;
   try {
-    return json::parse(text.begin(), text.end(), callback);
-  } catch (const json::parse_error& e) {
+    document = duplicate_keys == DuplicateKeys::Refuse ? json::parse(text.begin(), text.end(), count_keys)
+                                                       : json::parse(text.begin(), text.end());
+  } catch (const json::exception& e) {
     throw Error(fmt::format("{}: invalid JSON: {}", source, json_error_text(e)));
   }
+  if (duplicate)
+    throw Error(
+        fmt::format("{}: invalid JSON: key \"{}\" appears twice in one object", source, first_duplicate_key(text)));
+  return document;
 }
 
 json read_json_file(const std::filesystem::path& path) {

@@ -19,10 +19,16 @@
 
 namespace memtune {
 
-// Parses JSON text; a syntax error is an Error "SOURCE: invalid JSON: ...". `callback` is
-// nlohmann's parser callback (e.g. to notice duplicate keys), or null.
+// What parse_json does with an object that has the same key twice: nlohmann keeps the last one
+// silently; files whose keys are data (a vocabulary, a tensor list) refuse it instead.
+enum class DuplicateKeys { KeepLast, Refuse };
+
+// Parses JSON text; anything nlohmann refuses (a syntax error, a number too large for a double
+// such as 1e400, a string that is not UTF-8) is an Error "SOURCE: invalid JSON: ...", never one
+// of nlohmann's exceptions. With DuplicateKeys::Refuse, a key that appears twice in one object is
+// an Error "SOURCE: invalid JSON: key "K" appears twice in one object".
 nlohmann::json parse_json(std::string_view text, const std::string& source,
-                          const nlohmann::json::parser_callback_t& callback = nullptr);
+                          DuplicateKeys duplicate_keys = DuplicateKeys::KeepLast);
 // Reads and parses a whole JSON file; errors name the path.
 nlohmann::json read_json_file(const std::filesystem::path& path);
 

@@ -24,7 +24,7 @@ bool is_blank(std::string_view text) {
 std::optional<nlohmann::json> parse_json_line(std::string_view text, std::string& error) {
   try {
     return nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (const nlohmann::json::exception& e) {  // a syntax error, or a number such as 1e400
     error = "invalid JSON: " + json_error_text(e);
     return std::nullopt;
   }

@@ -84,8 +84,11 @@ LabelCounts count_labels(const std::string& path) {
   LabelCounts out;
   int64_t total = 0;
   for (nlohmann::json record; reader.next(record);) {
+    // A line without a usable label is a bad line of the dataset, counted and reported there.
     if (!record.is_object() || !record.contains("label")) continue;
-    ++out.counts[label_text(record["label"])];
+    const nlohmann::json& label = record["label"];
+    if (!label.is_string() && !label.is_number() && !label.is_boolean()) continue;
+    ++out.counts[label_text(label)];
     ++total;
   }
   for (const auto& [label, n] : out.counts)

@@ -47,8 +47,8 @@ LengthStats compute_length_stats(const Dataset& dataset, int64_t max_length, int
 //  "over_max_length", "suggested_max_length"}
 nlohmann::json length_stats_to_json(const LengthStats& stats);
 
-// Classification data: examples per label (lines without a "label" or that do not parse are not
-// counted), and the majority-class baseline accuracy: the share of the most common label.
+// Classification data: examples per label (lines that do not parse, or whose "label" is absent or
+// not a string, number or boolean, are not counted: the dataset reader reports them as bad lines), and the majority-class baseline accuracy: the share of the most common label.
 struct LabelCounts {
   std::map<std::string, int64_t> counts;
   std::string majority;

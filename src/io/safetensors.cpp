@@ -16,7 +16,6 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <set>
 
 #include "core/error.h"
 #include "core/json_reader.h"
@@ -104,9 +103,11 @@ class AtomicFileWriter {
 }  // namespace
 
 int64_t TensorInfo::numel() const {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
+  // The header was checked: numel * dtype size == end - begin, so the count fits (a shape such as
+  // [2^62, 2^62, 0] has none, and must not be multiplied out in int64).
+  const uint64_t n = saturating_numel(shape);
+  MT_ASSERT(n <= end - begin, "tensor " + name + " has a shape its data does not cover");
+  return static_cast<int64_t>(n);
 }
 
 int64_t TensorToWrite::numel() const {
@@ -175,16 +176,7 @@ void SafetensorsFile::parse_header(std::string_view header, size_t data_size) {
     throw Error(path_ + ": header is not a JSON object (does not start with '{'; not a safetensors file?)");
 
   // nlohmann keeps the last of duplicate keys silently; the format forbids duplicates.
-  std::string duplicate;
-  std::set<std::string> seen;
-  json::parser_callback_t note_keys = [&](int depth, json::parse_event_t event, json& parsed) {
-    if (event == json::parse_event_t::key && depth == 1 && !seen.insert(parsed.get<std::string>()).second &&
-        duplicate.empty())
-      duplicate = parsed.get<std::string>();
-    return true;
-  };
-  const json doc = parse_json(header, path_ + ": header", note_keys);
-  if (!duplicate.empty()) throw Error(path_ + ": header lists \"" + duplicate + "\" more than once");
+  const json doc = parse_json(header, path_ + ": header", DuplicateKeys::Refuse);
 
   if (const std::optional<JsonReader> metadata = JsonReader(doc, path_).optional_object("__metadata__"))
     metadata->for_each_entry(

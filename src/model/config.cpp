@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
+#include "backend/backend.h"
 #include "core/error.h"
 #include "core/json_reader.h"
 
@@ -90,6 +91,9 @@ void check_attention_layout(const JsonReader& doc, int64_t num_hidden_layers) {
   if (const std::optional<JsonReader> sliding = doc.find("use_sliding_window"); sliding && sliding->as_bool())
     sliding->fail("is true; sliding-window attention is not supported");
   doc.optional_integer("sliding_window");  // only checked: no window applies while use_sliding_window is false
+  if (const std::optional<JsonReader> dropout = doc.find("attention_dropout"); dropout && dropout->as_number() != 0)
+    dropout->fail(
+        fmt::format("is {}; attention dropout is not supported (expected 0)", json_excerpt(dropout->value())));
 
   const std::optional<JsonReader> layer_types = doc.optional_array("layer_types");
   if (!layer_types) return;
@@ -139,6 +143,10 @@ Qwen2Config parse_qwen2_config(const nlohmann::json& document, const std::string
     doc.fail("hidden_size",
              fmt::format("{} / num_attention_heads ({}) gives head_dim {}, which must be even for rotary embeddings",
                          c.hidden_size, c.num_attention_heads, c.head_dim()));
+  if (c.head_dim() > kMaxAttentionHeadDim)
+    doc.fail("hidden_size",
+             fmt::format("{} / num_attention_heads ({}) gives head_dim {}; the attention kernels take at most {}",
+                         c.hidden_size, c.num_attention_heads, c.head_dim(), kMaxAttentionHeadDim));
   if (const std::optional<JsonReader> head_dim = doc.find("head_dim");
       head_dim && head_dim->as_integer(1) != c.head_dim())
     head_dim->fail(
@@ -148,6 +156,15 @@ Qwen2Config parse_qwen2_config(const nlohmann::json& document, const std::string
 
 Qwen2Config load_qwen2_config(const std::string& path) {
   return parse_qwen2_config(read_json_file(path), path);
+}
+
+void check_max_length(const Qwen2Config& config, int64_t max_length, const std::string& source) {
+  if (max_length > config.max_position_embeddings)
+    throw Error(
+        fmt::format("--max_length {} exceeds max_position_embeddings {} of {}: the model has not been "
+                    "trained on positions that far; use --max_length {} or less (or --ignore_max_position_embeddings "
+                    "to go beyond knowingly)",
+                    max_length, config.max_position_embeddings, source, config.max_position_embeddings));
 }
 
 nlohmann::json qwen2_config_to_json(const Qwen2Config& c) {

@@ -31,9 +31,14 @@ struct Qwen2Config {
 };
 
 // Parses and validates a config.json document. `source` names the file in error messages.
-// Refuses other architectures, rope scaling, an active sliding window, inconsistent head counts.
+// Refuses other architectures, rope scaling, an active sliding window, attention dropout,
+// inconsistent head counts and heads wider than the attention kernels take.
 Qwen2Config parse_qwen2_config(const nlohmann::json& doc, const std::string& source);
 Qwen2Config load_qwen2_config(const std::string& path);
+// Refuses a run whose sequences may be longer than the model was trained for: an Error naming
+// both values and `source` (the config file) when max_length > max_position_embeddings.
+// max_length 0 means no limit and is not checked.
+void check_max_length(const Qwen2Config& config, int64_t max_length, const std::string& source);
 // The classic (transformers 4.x) config.json form, with architectures/model_type set.
 nlohmann::json qwen2_config_to_json(const Qwen2Config& config);
 

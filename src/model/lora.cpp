@@ -92,7 +92,10 @@ LoraConfig parse_lora_adapter_config(const nlohmann::json& document, const std::
   LoraConfig c;
   c.rank = doc.integer("r", 1);
   c.alpha = doc.optional_number("lora_alpha").value_or(8.0);  // PEFT's default
+  if (!(c.alpha > 0)) doc.fail("lora_alpha", fmt::format("expected a positive number, got {}", c.alpha));
   c.dropout = doc.optional_number("lora_dropout").value_or(c.dropout);
+  if (!(c.dropout >= 0 && c.dropout < 1))
+    doc.fail("lora_dropout", fmt::format("expected a probability in [0, 1), got {}", c.dropout));
   c.use_rslora = doc.optional_bool("use_rslora").value_or(c.use_rslora);
   if (doc.optional_string("bias").value_or("none") != "none") doc.fail("bias", "only \"none\" is supported");
   if (doc.optional_bool("use_dora").value_or(false)) doc.fail("use_dora", "DoRA is not supported");

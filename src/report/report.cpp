@@ -346,8 +346,10 @@ std::string render_report(const fs::path& dir) {
       if (!key.starts_with("eval_") || !value.is_number() || key == "eval_loss" || key == "eval_runtime" ||
           key == "eval_tokens" || key == "eval_examples")
         continue;
-      auto it = std::find_if(eval_metrics.begin(), eval_metrics.end(), [&](const Series& s) { return s.name == key; });
-      if (it == eval_metrics.end()) it = eval_metrics.insert(eval_metrics.end(), Series{key, {}});
+      // Named outside the structured binding: clang 14 does not yet let a lambda capture one.
+      const std::string& name = key;
+      auto it = std::find_if(eval_metrics.begin(), eval_metrics.end(), [&](const Series& s) { return s.name == name; });
+      if (it == eval_metrics.end()) it = eval_metrics.insert(eval_metrics.end(), Series{name, {}});
       it->points.emplace_back(step, value.get<double>());
     }
     if (r.contains("loss") || r.contains("eval_loss"))

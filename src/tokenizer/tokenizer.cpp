@@ -182,8 +182,18 @@ std::atomic<uint64_t> g_next_instance{1};
 // Token ids are int32 and one id past the largest must still fit (vocab_size).
 constexpr int64_t kMaxTokenId = (int64_t{1} << 31) - 2;
 
-int32_t token_id(const JsonReader& value) {
-  return static_cast<int32_t>(value.as_integer(0, kMaxTokenId));
+// An id of a file that lists `tokens` tokens (model.vocab entries plus added tokens). Ids may
+// leave gaps, but the tables indexed by id stay within a small multiple of the file's own lists:
+// a stray id such as 2^31 would otherwise size them at gigabytes.
+int32_t token_id(const JsonReader& value, int64_t tokens) {
+  const int64_t bound = std::min(kMaxTokenId + 1, 2 * tokens + 1024);
+  const int64_t id = value.as_integer(0, kMaxTokenId);
+  if (id >= bound)
+    value.fail(
+        fmt::format("id {} is out of range: the file lists {} tokens (model.vocab and added_tokens), so ids "
+                    "must be below {} (twice that plus 1024, leaving room for unused ids)",
+                    id, tokens, bound));
+  return static_cast<int32_t>(id);
 }
 
 // The "type" member of a component object.
@@ -224,6 +234,7 @@ struct Tokenizer::Impl {
 
   std::optional<int32_t> eos, pad;
   std::string chat_template;
+  int64_t listed_tokens = 0;  // model.vocab entries + added_tokens: every id is below it
 
   void parse_model(const JsonReader& model);
   void parse_added_tokens(const std::optional<JsonReader>& tokens);
@@ -265,9 +276,10 @@ void Tokenizer::Impl::parse_model(const JsonReader& model) {
   ignore_merges = model.optional_bool("ignore_merges").value_or(false);
 
   const JsonReader vocab_json = model.object("vocab");
+  listed_tokens += static_cast<int64_t>(vocab_json.value().size());
   vocab.reserve(vocab_json.value().size());
   vocab_json.for_each_entry([&](const std::string& token, const JsonReader& id_json) {
-    const int32_t id = token_id(id_json);
+    const int32_t id = token_id(id_json, listed_tokens);
     vocab.emplace(token, id);
     if (static_cast<size_t>(id) >= id_kind.size()) {
       id_kind.resize(static_cast<size_t>(id) + 1, kUnused);
@@ -340,7 +352,7 @@ void Tokenizer::Impl::parse_added_tokens(const std::optional<JsonReader>& tokens
     const JsonReader t = (*tokens)[i];
     t.as_object();
     AddedToken a;
-    a.id = token_id(t.get("id"));
+    a.id = token_id(t.get("id"), listed_tokens);
     a.content = t.string("content");
     if (a.content.empty()) t.fail("content", "empty");
     if (!is_valid_utf8(a.content)) t.fail("content", "not valid UTF-8");
@@ -447,7 +459,8 @@ void Tokenizer::Impl::parse_template(const JsonReader& processor) {
       const std::optional<JsonReader> entry = specials ? specials->find(name) : std::nullopt;
       if (!entry) processor.fail("special_tokens", fmt::format("no entry for \"{}\" used by {}", name, item.path()));
       const JsonReader ids = entry->array("ids");
-      for (size_t k = 0; k < ids.size(); ++k) (seen_sequence ? suffix : prefix).push_back(token_id(ids[k]));
+      for (size_t k = 0; k < ids.size(); ++k)
+        (seen_sequence ? suffix : prefix).push_back(token_id(ids[k], listed_tokens));
     } else {
       item.fail(fmt::format("{} is not supported (expected Sequence or SpecialToken)", json_excerpt(item.value())));
     }
@@ -574,11 +587,14 @@ Tokenizer Tokenizer::from_json(const std::string& tokenizer_json, const std::str
                                const std::string& source) {
   auto impl = std::make_unique<Impl>();
   const std::string file = source + "/tokenizer.json";
-  const json document = parse_json(tokenizer_json, file);
+  // A vocabulary or added-token list that names a token twice is a broken file, not a choice.
+  const json document = parse_json(tokenizer_json, file, DuplicateKeys::Refuse);
   const JsonReader root(document, file);
   root.as_object();
+  const std::optional<JsonReader> added_tokens = root.optional_array("added_tokens");
+  impl->listed_tokens = added_tokens ? static_cast<int64_t>(added_tokens->size()) : 0;  // parse_model adds the vocab
   impl->parse_model(root.object("model"));
-  impl->parse_added_tokens(root.optional_array("added_tokens"));
+  impl->parse_added_tokens(added_tokens);
   impl->parse_normalizer(root.find("normalizer"));
   impl->parse_pre_tokenizer(root);
   impl->parse_post_processor(root.find("post_processor"));

@@ -56,6 +56,8 @@ void add_training_arguments(CLI::App& app, TrainingArguments& a, ArgumentsFor us
   app.add_option("--save_steps", a.save_steps)->capture_default_str();
   app.add_option("--save_total_limit", a.save_total_limit, "keep at most this many checkpoints (0: all)");
   app.add_option("--resume_from_checkpoint", a.resume_from_checkpoint, "a checkpoint directory, or \"last\"");
+  app.add_flag("--ignore_data_mismatch", a.ignore_data_mismatch,
+               "resume although the training file differs from the one the checkpoint was trained on");
   app.add_option("--seed", a.seed)->capture_default_str();
   app.add_option("--data_seed", a.data_seed, "seed of the data order (default: seed)");
   app.add_option("--torch_dtype", a.torch_dtype, "storage dtype of the base weights: float32 | bfloat16 | float16");
@@ -86,6 +88,8 @@ void add_training_arguments(CLI::App& app, TrainingArguments& a, ArgumentsFor us
       ->transform([](std::string name) { return name == "all" || name == "ALL" ? std::string("all-linear") : name; });
   app.add_flag("--use_rslora", a.use_rslora, "scale adapters by alpha/sqrt(r)");
   app.add_option("--max_length,--cutoff_len", a.max_length)->capture_default_str();
+  app.add_flag("--ignore_max_position_embeddings", a.ignore_max_position_embeddings,
+               "allow --max_length above the model's max_position_embeddings");
   app.add_option("--truncation_strategy", a.truncation_strategy, "delete | left | right")->capture_default_str();
   app.add_flag("--packing", a.packing, "pack several examples into rows of max_length");
   app.add_flag("--train_on_prompt", a.train_on_prompt, "take the loss on prompt tokens too");

@@ -51,6 +51,7 @@ struct TrainingArguments {
   int64_t save_steps = 500;
   int64_t save_total_limit = 0;        // 0: keep all
   std::string resume_from_checkpoint;  // a checkpoint dir, or "last"
+  bool ignore_data_mismatch = false;   // resume although the training file changed
   uint64_t seed = 42;
   std::optional<uint64_t> data_seed;
   // Precision and memory.
@@ -70,6 +71,7 @@ struct TrainingArguments {
   bool use_rslora = false;
   // Data.
   int64_t max_length = 2048;
+  bool ignore_max_position_embeddings = false;  // allow max_length above the config's positions
   std::string truncation_strategy = "delete";
   bool packing = false;
   bool train_on_prompt = false;

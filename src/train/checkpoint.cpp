@@ -3,7 +3,13 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
+#include <cerrno>
+#include <cstring>
 #include <deque>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
 
 #include "core/error.h"
 #include "io/safetensors.h"
@@ -81,6 +87,63 @@ void read_optimizer_state(ModelParameters& params, Arena& arena, const fs::path&
     if (params.trainable_is_master(i)) restore("master." + s.name, params.shard_value(i), i);
   }
   arena.enter_phase(Phase::Forward);
+}
+
+namespace {
+constexpr const char* kDataFingerprintField = "train_data_fingerprint";
+}  // namespace
+
+nlohmann::json run_identity_json(const RunIdentity& r) {
+  return {{"global_batch_size", r.global_batch_size},
+          {"seed", r.seed},
+          {"data_seed", r.data_seed},
+          {"max_length", r.max_length},
+          {"packing", r.packing},
+          {kDataFingerprintField, r.train_data_fingerprint}};
+}
+
+void check_resume_compatible(const JsonReader& state, const RunIdentity& now, bool ignore_data_mismatch) {
+  state.as_object();
+  std::string differences;
+  const nlohmann::json identity = run_identity_json(now);
+  for (const auto& [field, value] : identity.items()) {
+    if (ignore_data_mismatch && field == kDataFingerprintField) continue;
+    const JsonReader saved = state.get(field);
+    if (saved.value() != value)
+      differences += fmt::format("\n  {}: saved {}, now {}", field, json_excerpt(saved.value()), json_excerpt(value));
+  }
+  if (!differences.empty())
+    throw Error(
+        fmt::format("{}: cannot resume: this run differs from the one that saved the checkpoint "
+                    "(a resumed run must see the same data in the same batches):{}",
+                    state.where(), differences));
+}
+
+SavedPosition read_saved_position(const JsonReader& state, const RunIdentity& now, bool ignore_data_mismatch) {
+  check_resume_compatible(state, now, ignore_data_mismatch);
+  SavedPosition p;
+  p.global_step = state.integer("global_step", 0);
+  p.optimizer_steps = state.optional_integer("optimizer_steps", 0).value_or(p.global_step);
+  p.loss_scale = state.optional_number("loss_scale");
+  p.good_steps = state.optional_integer("good_steps", 0).value_or(0);
+  p.epoch = state.integer("epoch", 0);
+  p.batches_in_epoch = state.integer("batches_in_epoch", 0);
+  p.num_input_tokens_seen = state.integer("num_input_tokens_seen", 0);
+  return p;
+}
+
+std::string file_fingerprint(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error(fmt::format("{}: cannot open: {}", path.string(), std::strerror(errno)));
+  uint64_t hash = 0xcbf29ce484222325ull;  // FNV-1a offset basis and prime
+  std::array<char, 1 << 16> buffer;
+  while (in) {
+    in.read(buffer.data(), buffer.size());
+    const auto n = static_cast<size_t>(in.gcount());
+    for (size_t i = 0; i < n; ++i) hash = (hash ^ static_cast<unsigned char>(buffer[i])) * 0x100000001b3ull;
+  }
+  if (in.bad()) throw Error(fmt::format("{}: read failed", path.string()));
+  return fmt::format("fnv1a64:{:016x}", hash);
 }
 
 }  // namespace memtune

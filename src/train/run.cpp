@@ -62,6 +62,7 @@ class TrainingRun {
   void load_data();
   void build_model();
   void resume();
+  RunIdentity run_identity() const;
   // Returns true when Ctrl-C stopped it (on any rank).
   bool train_loop(InterruptRequests& interrupts);
   void log(json record);
@@ -89,6 +90,7 @@ class TrainingRun {
   ProcessPlan process_;  // the whole process, predicted before the model's memory is made
   fs::path tokenizer_dir_;
   Dataset train_;
+  std::string train_data_fingerprint_;
   std::unique_ptr<Batcher> batcher_;
   std::unique_ptr<EvalData> eval_;
   MetricSelection metrics_;
@@ -173,6 +175,7 @@ void TrainingRun::load_data() {
   tokenizer_.emplace(Tokenizer::load(tokenizer_dir_.string()));
   const DataOptions d = data_options(args_);
   train_ = load_dataset(args_.train_file, *tokenizer_, d);
+  train_data_fingerprint_ = file_fingerprint(args_.train_file);
   if (!args_.eval_file.empty()) {
     if (args_.eval_strategy == "no")
       out_ << "note: --eval_file is evaluated only with --eval_strategy steps or epoch (as in Hugging Face)\n";
@@ -214,6 +217,8 @@ void TrainingRun::load_data() {
 void TrainingRun::build_model() {
   const std::optional<DType> dtype = storage_dtype(args_.torch_dtype, args_.bf16, args_.fp16);
   const Qwen2Config config = load_model_config(args_.model_name_or_path, dtype);
+  if (!args_.ignore_max_position_embeddings)
+    check_max_length(config, args_.max_length, (fs::path(args_.model_name_or_path) / "config.json").string());
   if (tokenizer_vocab_size_ > config.vocab_size)
     throw Error(fmt::format("the tokenizer has {} ids but the model's vocab_size is {}", tokenizer_vocab_size_,
                             config.vocab_size));
@@ -320,15 +325,14 @@ void TrainingRun::save_checkpoint() {
   write_optimizer_state(model_->parameters(), model_->arena(), comm_, tmp / "optimizer.safetensors");
   if (!root_) return;
   write_file_atomically((tmp / "trainer_state.json").string(), trainer_state().dump(2) + "\n");
-  const json position = {{"global_step", progress_.global_step},
-                         {"optimizer_steps", trainer_->global_step()},
-                         {"loss_scale", trainer_->loss_scale()},
-                         {"good_steps", trainer_->good_steps()},
-                         {"epoch", progress_.epoch},
-                         {"batches_in_epoch", progress_.batches_in_epoch},
-                         {"num_input_tokens_seen", progress_.num_input_tokens_seen},
-                         {"seed", args_.seed},
-                         {"data_seed", args_.data_seed.value_or(args_.seed)}};
+  json position = {{"global_step", progress_.global_step},
+                   {"optimizer_steps", trainer_->global_step()},
+                   {"loss_scale", trainer_->loss_scale()},
+                   {"good_steps", trainer_->good_steps()},
+                   {"epoch", progress_.epoch},
+                   {"batches_in_epoch", progress_.batches_in_epoch},
+                   {"num_input_tokens_seen", progress_.num_input_tokens_seen}};
+  position.update(run_identity_json(run_identity()));
   write_file_atomically((tmp / "memtune_state.json").string(), position.dump(2) + "\n");
   fs::remove_all(final_dir);
   fs::rename(tmp, final_dir);
@@ -352,21 +356,31 @@ void TrainingRun::resume() {
   const json state_json = read_json_file(dir / "trainer_state.json");
   const JsonReader position(position_json, (dir / "memtune_state.json").string());
   const JsonReader state(state_json, (dir / "trainer_state.json").string());
+  const SavedPosition saved = read_saved_position(position, run_identity(), args_.ignore_data_mismatch);
   model_->parameters().restore(dir.string());
   read_optimizer_state(model_->parameters(), model_->arena(), dir / "optimizer.safetensors");
-  progress_.global_step = position.integer("global_step", 0);
-  progress_.epoch = position.integer("epoch", 0);
-  progress_.batches_in_epoch = position.integer("batches_in_epoch", 0);
-  progress_.num_input_tokens_seen = position.integer("num_input_tokens_seen", 0);
+  progress_.global_step = saved.global_step;
+  progress_.epoch = saved.epoch;
+  progress_.batches_in_epoch = saved.batches_in_epoch;
+  progress_.num_input_tokens_seen = saved.num_input_tokens_seen;
   if (const std::optional<JsonReader> history = state.optional_array("log_history"))
     progress_.log_history = history->value();
   progress_.best_metric = state.optional_number("best_metric");
   progress_.best_global_step = state.optional_integer("best_global_step", 0);
   progress_.best_model_checkpoint = state.optional_string("best_model_checkpoint").value_or("");
-  trainer_->restore_global_step(position.optional_integer("optimizer_steps", 0).value_or(progress_.global_step));
-  trainer_->restore_loss_scale(position.optional_number("loss_scale").value_or(trainer_->loss_scale()),
-                               position.optional_integer("good_steps", 0).value_or(0));
+  trainer_->restore_global_step(saved.optimizer_steps);
+  trainer_->restore_loss_scale(saved.loss_scale.value_or(trainer_->loss_scale()), saved.good_steps);
   out_ << fmt::format("resumed from {} at step {}\n", dir.string(), progress_.global_step);
+}
+
+RunIdentity TrainingRun::run_identity() const {
+  return {
+      .global_batch_size = args_.per_device_train_batch_size * args_.gradient_accumulation_steps * comm_.world_size(),
+      .seed = args_.seed,
+      .data_seed = args_.data_seed.value_or(args_.seed),
+      .max_length = args_.max_length,
+      .packing = args_.packing,
+      .train_data_fingerprint = train_data_fingerprint_};
 }
 
 void TrainingRun::run_evaluation() {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/jsonl.h"
 #include "support/test_util.h"
 
 namespace memtune {
@@ -150,6 +151,24 @@ TEST(JsonReaderTest, ParseErrorsNameTheSourceAndPosition) {
   const std::string message = error_of([] { parse_json("{\n  \"a\": }", "x.json"); });
   EXPECT_EQ(message.rfind("x.json: invalid JSON: parse error at line 2, column 8", 0), 0u) << message;
   EXPECT_EQ(message.find("[json.exception"), std::string::npos) << message;
+}
+
+TEST(JsonReaderTest, EveryNlohmannRefusalIsAnErrorNamingTheSource) {
+  // A number beyond a double is nlohmann's out_of_range, not a parse_error; both are Errors.
+  std::string message = error_of([] { parse_json(R"({"eps": 1e400})", "x.json"); });
+  EXPECT_EQ(message.rfind("x.json: invalid JSON: ", 0), 0u) << message;
+  EXPECT_CONTAINS(message, "1e400");
+  std::string error;
+  EXPECT_FALSE(parse_json_line(R"({"eps": -1e400})", error));
+  EXPECT_CONTAINS(error, "invalid JSON");
+}
+
+TEST(JsonReaderTest, DuplicateKeysAreRefusedOnRequest) {
+  const std::string text = R"({"a": 1, "b": {"x": 1, "y": 2, "x": 3}})";
+  EXPECT_EQ(parse_json(text, "x.json")["b"]["x"], 3);  // nlohmann keeps the last
+  EXPECT_EQ(error_of([&] { parse_json(text, "x.json", DuplicateKeys::Refuse); }),
+            "x.json: invalid JSON: key \"x\" appears twice in one object");
+  EXPECT_EQ(parse_json(R"({"a": {"x": 1}, "b": {"x": 2}})", "x.json", DuplicateKeys::Refuse)["b"]["x"], 2);
 }
 
 TEST(JsonReaderTest, ReadsFilesAndNamesThemInErrors) {

@@ -161,5 +161,26 @@ TEST_F(DataCliTest, DataStatsCountsClassificationLabelsAndTheMajorityBaseline) {
   EXPECT_CONTAINS(r.output, "majority-class baseline accuracy: 0.3750 (always \"net\")");
 }
 
+TEST_F(DataCliTest, DataStatsSkipsALineWithAnUnusableLabelAndReportsIt) {
+  // The dataset reader skips and reports the line; the label counts must skip it too, not stop
+  // the command with an unlocated error after the statistics were printed.
+  write("cls.jsonl", R"({"text": "good film", "label": "pos"})"
+                     "\n"
+                     R"({"text": "bad film", "label": ["neg"]})"
+                     "\n"
+                     R"({"text": "fine film", "label": "neg"})"
+                     "\n");
+  Result r = memtune("data stats " + tok() + " --file " + path("cls.jsonl") + " --skip_bad_lines");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_CONTAINS(r.output, "2 examples (format classification), 0 dropped without a loss target, 1 bad lines skipped");
+  EXPECT_CONTAINS(r.output, "skipped " + path("cls.jsonl") + ":2: field \"label\"");
+  EXPECT_CONTAINS(r.output, "labels: 2 classes (neg 1, pos 1)");
+  r = memtune("data stats " + tok() + " --file " + path("cls.jsonl") + " --skip_bad_lines --json");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const nlohmann::json j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["bad_lines"], 1);
+  EXPECT_EQ(j["labels"], (nlohmann::json{{"neg", 1}, {"pos", 1}}));
+}
+
 }  // namespace
 }  // namespace memtune

@@ -244,6 +244,14 @@ TEST_F(CheckpointTest, MalformedIndexIsRefused) {
   }
 }
 
+TEST_F(CheckpointTest, IndexNumberTooLargeForADoubleIsAnError) {
+  write_checkpoint(dir_, six_tensors(), 40);
+  write_text("model.safetensors.index.json", R"({"metadata": {"total_size": 1e400}, "weight_map": {}})");
+  const std::string msg = error_of([&] { CheckpointReader r(dir_); });
+  EXPECT_CONTAINS(msg, path("model.safetensors.index.json") + ": invalid JSON");
+  EXPECT_CONTAINS(msg, "1e400");
+}
+
 TEST_F(CheckpointTest, DirectoryWithoutACheckpoint) {
   std::string msg = error_of([&] { CheckpointReader r(dir_); });
   EXPECT_CONTAINS(msg, dir_);

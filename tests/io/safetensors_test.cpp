@@ -248,7 +248,7 @@ TEST_F(SafetensorsTest, RefusesDuplicateTensorNames) {
   std::string msg = open_error(R"({"t":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
                                R"("t":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
                                std::string(8, '\0'));
-  EXPECT_CONTAINS(msg, "\"t\" more than once");
+  EXPECT_CONTAINS(msg, "key \"t\" appears twice");
 }
 
 TEST_F(SafetensorsTest, RefusesEntryMissingAField) {
@@ -311,6 +311,22 @@ TEST_F(SafetensorsTest, RefusesShapeWhoseSizeOverflows) {
       open_error(R"({"w":{"dtype":"F32","shape":[4611686018427387904,4611686018427387904],"data_offsets":[0,0]}})", "");
   EXPECT_CONTAINS(msg, "tensor \"w\"");
   EXPECT_CONTAINS(msg, "needs");
+}
+
+TEST_F(SafetensorsTest, EmptyTensorWithHugeDimensionsHasZeroElements) {
+  // Accepted (0 elements, 0 bytes); numel() must not multiply 2^62 * 2^62 in int64 first.
+  const std::string p =
+      craft(R"({"w":{"dtype":"F32","shape":[4611686018427387904,4611686018427387904,0],"data_offsets":[0,0]}})", "");
+  const SafetensorsFile f(p);
+  ASSERT_NE(f.find("w"), nullptr);
+  EXPECT_EQ(f.find("w")->numel(), 0);
+  EXPECT_EQ(f.find("w")->nbytes(), 0u);
+}
+
+TEST_F(SafetensorsTest, RefusesNumberTooLargeForADouble) {
+  std::string msg = open_error(R"({"w":{"dtype":"F32","shape":[1e400],"data_offsets":[0,4]}})", std::string(4, '\0'));
+  EXPECT_CONTAINS(msg, "invalid JSON");
+  EXPECT_CONTAINS(msg, "1e400");
 }
 
 TEST_F(SafetensorsTest, RefusesOffsetsPastTheData) {

@@ -274,6 +274,45 @@ TEST_F(Qwen2ConfigFileTest, MissingFileAndInvalidJson) {
   EXPECT_CONTAINS(msg, "\"model_type\"");
 }
 
+TEST_F(Qwen2ConfigFileTest, NumberTooLargeForADoubleIsAnError) {
+  const std::string p = write(R"({"model_type": "qwen2", "rms_norm_eps": 1e400})");
+  const std::string msg = error_of([&] { load_qwen2_config(p); });
+  EXPECT_CONTAINS(msg, p + ": invalid JSON");
+  EXPECT_CONTAINS(msg, "1e400");
+}
+
+TEST(Qwen2ConfigTest, RefusesAttentionDropout) {
+  std::string msg = refusal([](json& d) { d["attention_dropout"] = 0.1; }, "attention_dropout");
+  EXPECT_CONTAINS(msg, "not supported");
+  refusal([](json& d) { d["attention_dropout"] = "0"; }, "attention_dropout");
+  json zero = qwen25_05b_classic();
+  zero["attention_dropout"] = 0;
+  EXPECT_NO_THROW(parse_qwen2_config(zero, "config.json"));
+}
+
+TEST(Qwen2ConfigTest, RefusesHeadsWiderThanTheAttentionKernels) {
+  // 2 heads of 512: refused when the config is read, not at the first step.
+  std::string msg = refusal(
+      [](json& d) {
+        d["hidden_size"] = 1024;
+        d["num_attention_heads"] = 2;
+        d["num_key_value_heads"] = 1;
+      },
+      "hidden_size");
+  EXPECT_CONTAINS(msg, "head_dim 512");
+  EXPECT_CONTAINS(msg, "at most 256");
+}
+
+TEST(Qwen2ConfigTest, MaxLengthAboveMaxPositionEmbeddingsIsAnError) {
+  const Qwen2Config c = qwen2_preset("tiny");  // max_position_embeddings 2048
+  EXPECT_NO_THROW(check_max_length(c, 2048, "tiny/config.json"));
+  EXPECT_NO_THROW(check_max_length(c, 0, "tiny/config.json"));
+  const std::string msg = error_of([&] { check_max_length(c, 4096, "tiny/config.json"); });
+  EXPECT_CONTAINS(msg, "--max_length 4096");
+  EXPECT_CONTAINS(msg, "max_position_embeddings 2048");
+  EXPECT_CONTAINS(msg, "tiny/config.json");
+}
+
 TEST(Qwen2ConfigTest, ToJsonRoundTrips) {
   for (const char* name : {"tiny", "qwen2.5-0.5b", "qwen2.5-7b", "qwen2.5-72b"}) {
     Qwen2Config c = qwen2_preset(name);

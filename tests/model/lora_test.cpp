@@ -89,6 +89,23 @@ TEST(LoraConfig, TargetsNamesAndAdapterConfig) {
             "x.json: field \"r\": expected a positive integer, got 0");
 }
 
+TEST(LoraConfig, AdapterConfigRefusesNonPositiveAlphaAndDropoutOutsideZeroToOne) {
+  const nlohmann::json doc = lora_adapter_config_json(lora(4, {"q_proj"}), "base");
+  auto error = [&](const char* field, const nlohmann::json& value) {
+    nlohmann::json bad = doc;
+    bad[field] = value;
+    return testing_support::error_of([&] { parse_lora_adapter_config(bad, "adapter/adapter_config.json"); });
+  };
+  EXPECT_EQ(error("lora_alpha", 0),
+            "adapter/adapter_config.json: field \"lora_alpha\": expected a positive number, got 0");
+  EXPECT_CONTAINS(error("lora_alpha", -16), "field \"lora_alpha\"");
+  EXPECT_EQ(error("lora_dropout", 1.5),
+            "adapter/adapter_config.json: field \"lora_dropout\": expected a probability in [0, 1), got 1.5");
+  EXPECT_CONTAINS(error("lora_dropout", -0.1), "field \"lora_dropout\"");
+  EXPECT_CONTAINS(error("peft_type", 3), "field \"peft_type\": expected a string");
+  EXPECT_CONTAINS(error("bias", false), "field \"bias\": expected a string");
+}
+
 TEST(Lora, FreshAdaptersLeaveTheBaseModelUnchanged) {
   ModelOptions base_opt, lora_opt;
   base_opt.max_tokens = lora_opt.max_tokens = 30;

@@ -360,6 +360,47 @@ TEST(Tokenizer, RefusesUnsupportedFilesNamingTheField) {
   EXPECT_CONTAINS(error_of([] { Tokenizer::from_json("{not json", "", "dir"); }), "invalid JSON");
 }
 
+TEST(Tokenizer, NumberTooLargeForADoubleIsAnError) {
+  json doc = hello_spec().document();
+  doc["version"] = "VERSION_MARKER";
+  std::string text = doc.dump();
+  text.replace(text.find("\"VERSION_MARKER\""), 16, "1e400");
+  std::string e = error_of([&] { Tokenizer::from_json(text, "", "dir"); });
+  EXPECT_CONTAINS(e, "dir/tokenizer.json: invalid JSON");
+  EXPECT_CONTAINS(e, "1e400");
+  e = error_of([] { hello_spec().build(R"({"model_max_length": 1e400})"); });
+  EXPECT_CONTAINS(e, "synthetic/tokenizer_config.json: invalid JSON");
+}
+
+TEST(Tokenizer, IdsFarBeyondTheFilesOwnListsAreRefused) {
+  // Ids size the decoding tables: an id of 10^8 in a file of ~260 tokens must not allocate them.
+  std::string e = error_of([] {
+    Spec spec = hello_spec();
+    spec.extra_vocab = {{"abc", 100000000}};
+    spec.build();
+  });
+  EXPECT_CONTAINS(e, "model.vocab[");
+  EXPECT_CONTAINS(e, "id 100000000 is out of range");
+  e = error_of([] {
+    Spec spec = hello_spec();
+    spec.added_tokens = {added(100000000, "<|end|>", true)};
+    spec.build();
+  });
+  EXPECT_CONTAINS(e, "added_tokens[0].id");
+  EXPECT_CONTAINS(e, "out of range");
+}
+
+TEST(Tokenizer, DuplicateVocabularyKeysAreRefused) {
+  // JSON keeps the last of two equal keys; a vocabulary listing a token twice is a broken file.
+  std::string text = hello_spec().document().dump();
+  const size_t vocab = text.find("\"vocab\":{");
+  ASSERT_NE(vocab, std::string::npos);
+  text.insert(vocab + 9, "\"!\":7,");
+  const std::string e = error_of([&] { Tokenizer::from_json(text, "", "dir"); });
+  EXPECT_CONTAINS(e, "dir/tokenizer.json");
+  EXPECT_CONTAINS(e, "key \"!\" appears twice");
+}
+
 TEST(Tokenizer, InvalidUtf8BecomesReplacementCharacters) {
   const Tokenizer t = hello_spec().build();
   // Decoding: each maximal invalid subsequence is one U+FFFD (Python's errors="replace").

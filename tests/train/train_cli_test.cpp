@@ -126,6 +126,57 @@ TEST_F(TrainCliTest, ResumeContinuesBitIdentically) {
   }
 }
 
+TEST_F(TrainCliTest, ResumeRefusesARunThatDiffersFromTheSavedOne) {
+  const std::string flags = " --tuner_type lora --save_steps 2 --max_steps 4";
+  ASSERT_EQ(run(base_flags("r") + flags + " --max_steps 2").status, 0);
+  const std::string checkpoint = " --resume_from_checkpoint " + path("r/checkpoint-2");
+  // Every field that differs is listed, saved vs now.
+  Result r = run(base_flags("r") + flags + checkpoint + " --seed 7 --max_length 1024");
+  EXPECT_NE(r.status, 0);
+  EXPECT_CONTAINS(r.output, path("r/checkpoint-2/memtune_state.json") + ": cannot resume");
+  EXPECT_CONTAINS(r.output, "seed: saved 42, now 7");
+  EXPECT_CONTAINS(r.output, "max_length: saved 2048, now 1024");
+  EXPECT_EQ(r.output.find("packing:"), std::string::npos) << r.output;
+  r = run(base_flags("r") + flags + checkpoint + " --per_device_train_batch_size 2 --packing");
+  EXPECT_NE(r.status, 0);
+  EXPECT_CONTAINS(r.output, "global_batch_size: saved 4, now 2");
+  EXPECT_CONTAINS(r.output, "packing: saved false, now true");
+  // The same global batch from another split (2 x 2 accumulation) resumes.
+  r = run(base_flags("r") + flags + checkpoint + " --per_device_train_batch_size 2 --gradient_accumulation_steps 2");
+  EXPECT_EQ(r.status, 0) << r.output;
+
+  // A changed training file is a different run too.
+  std::ofstream(dir_ / "train.jsonl", std::ios::app)
+      << R"({"messages": [{"role": "user", "content": "one more"}, {"role": "assistant", "content": "red"}]})"
+      << "\n";
+  r = run(base_flags("r") + flags + checkpoint);
+  EXPECT_NE(r.status, 0);
+  EXPECT_CONTAINS(r.output, "train_data_fingerprint: saved \"fnv1a64:");
+  // Unless the user accepts the changed data knowingly.
+  r = run(base_flags("r") + flags + checkpoint + " --ignore_data_mismatch");
+  EXPECT_EQ(r.status, 0) << r.output;
+
+  // A state file without a field is the user's error, naming the file and the field.
+  const fs::path state = dir_ / "r/checkpoint-2/memtune_state.json";
+  json doc = json::parse(std::ifstream(state));
+  doc.erase("seed");
+  std::ofstream(state) << doc.dump();
+  r = run(base_flags("r") + flags + checkpoint);
+  EXPECT_NE(r.status, 0);
+  EXPECT_CONTAINS(r.output, state.string() + ": missing required field \"seed\"");
+  EXPECT_EQ(r.output.find("internal error"), std::string::npos) << r.output;
+}
+
+TEST_F(TrainCliTest, MaxLengthAboveTheModelsPositionsIsRefused) {
+  const Result r = run(base_flags("long") + " --max_steps 1 --max_length 4096");  // tiny: 2048 positions
+  EXPECT_NE(r.status, 0);
+  EXPECT_CONTAINS(r.output, "--max_length 4096 exceeds max_position_embeddings 2048");
+  EXPECT_CONTAINS(r.output, path("model") + "/config.json");
+  // A user who knows better says so explicitly.
+  const Result allowed = run(base_flags("long_ok") + " --max_steps 1 --max_length 4096 --ignore_max_position_embeddings");
+  EXPECT_EQ(allowed.status, 0) << allowed.output;
+}
+
 using testing_support::run_shell;
 
 // The newest checkpoint-N of an output directory (0 if none).

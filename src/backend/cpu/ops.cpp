@@ -141,7 +141,7 @@ void rope_backward(float* dx, const int32_t* positions, int64_t N, int64_t heads
 }
 
 namespace {
-constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kMaxHeadDim = kMaxAttentionHeadDim;
 constexpr int64_t kKeyBlock = 64;
 
 inline float dot(const float* a, const float* b, int64_t n) {
