@@ -2,7 +2,7 @@
 // (src/train/config_file.h) on arbitrary bytes, as YAML and as JSON, and then
 // memtune::prepare_arguments on `memtune train --config FILE` so the key classification and the
 // flag text built from the values run too. Every input must end in a result or a memtune::Error.
-// Seeds: tests/fuzz-seeds/config_reader_fuzz/ (scripts/fuzz.sh reads tests/fuzz-seeds/<target>/).
+// Seeds: tests/fuzz-seeds/config_reader/ (scripts/fuzz.sh reads tests/fuzz-seeds/<target>/).
 #include <unistd.h>
 
 #include <cstddef>
