@@ -76,7 +76,7 @@ echo
 echo "== 3. the plan for this run against $budget (arena) and $host_budget (process), and the fastest configuration that fits"
 plan_flags=(--model "$model" --tuner_type full --per_device_train_batch_size 16 --per_device_eval_batch_size 8
   --max_length 256 --train_file "$data/train.jsonl" --eval_file "$eval_file" --metrics label_accuracy,macro_f1
-  --system "$system" --device_memory "$budget" --host_memory "$host_budget")
+  --eval_strategy steps --system "$system" --device_memory "$budget" --host_memory "$host_budget")
 "$memtune" plan "${plan_flags[@]}" --fit | grep -v '^Hugging'
 read -r -a fit_flags <<< "$("$memtune" plan "${plan_flags[@]}" --fit --json |
   "$py" -c 'import json, sys; print(json.load(sys.stdin)["fit"][0]["flags"])')"

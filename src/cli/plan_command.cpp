@@ -192,6 +192,7 @@ Action add_plan(CLI::App& app) {
     const size_t peak = train_model.plan().peak_bytes();
     add_planned_terms(process, train_model, checkpoint_dtype, a->world_size);
     if (a->world_size > 1) process.startup_bytes += kMpiInitBytes;  // a run measures it in its startup
+    if (eval_data && r.eval_strategy != "no") process.evaluation_bytes = kEvaluationRuntimeBytes;
     // What Hugging Face Trainer's evaluation keeps with a custom compute_metrics: float32 logits
     // [batch, seq, vocab] per batch, accumulated over the eval set (on device, or on the host
     // with eval_accumulation_steps).

@@ -24,6 +24,9 @@ namespace memtune {
 // fine-tuning), under 2 MiB for forward-only evaluation; each rounded up.
 constexpr size_t kTrainingRuntimeBytes = size_t{22} << 20;
 constexpr size_t kForwardRuntimeBytes = size_t{4} << 20;
+// Evaluation inside a training run (its batches' results, metrics and records, beyond the
+// arena): the demo's training with evaluation peaked 13-18 MiB above its prediction without it.
+constexpr size_t kEvaluationRuntimeBytes = size_t{20} << 20;
 // Open MPI's initialization in each rank of a data-parallel run (libraries, shared-memory
 // segments): 8 MiB measured with 2 ranks on one machine (docs/benchmarks.md). A run measures it
 // in its startup; `memtune plan`, which does not start MPI, adds it.
@@ -45,6 +48,7 @@ struct ProcessPlan {
   size_t host_arena_bytes = 0;         // the host plan (offloaded optimizer state, staging)
   size_t weights_mapping_bytes = 0;    // the checkpoint's mapped pages and staging while the weights are read
   size_t compute_runtime_bytes = kTrainingRuntimeBytes;
+  size_t evaluation_bytes = 0;         // evaluation during training (kEvaluationRuntimeBytes)
   size_t communication_bytes = 0;      // MPI's reduction buffers, with more than one rank
 
   // Takes the measured terms from this process's counters: call once the tokenizer and the data

@@ -233,6 +233,7 @@ void TrainingRun::build_model() {
     planned.allocate = false;
     const Qwen2Model preview(config, planned);
     add_planned_terms(process_, preview, load_model_config(args_.model_name_or_path).torch_dtype, comm_.world_size());
+    if (eval_ && args_.eval_strategy != "no") process_.evaluation_bytes = kEvaluationRuntimeBytes;
     if (!args_.host_memory.empty()) {
       // Every rank decides on the largest prediction of all ranks, so they stop together.
       const size_t budget = parse_bytes(args_.host_memory, "--host_memory");
