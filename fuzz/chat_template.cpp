@@ -11,10 +11,7 @@
 #include "fuzz_support.h"
 #include "tokenizer/chat_template.h"
 
-extern "C" int LLVMFuzzerInitialize(int*, char***) {
-  memtune::fuzz::qwen_tokenizer();
-  return 0;
-}
+MEMTUNE_FUZZ_LOAD_QWEN_TOKENIZER_FIRST()
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace memtune;

@@ -75,3 +75,11 @@ inline const Tokenizer& qwen_tokenizer() {
 }
 
 }  // namespace memtune::fuzz
+
+// The LLVMFuzzerInitialize of a harness that uses the real tokenizer: it is loaded before the
+// first input.
+#define MEMTUNE_FUZZ_LOAD_QWEN_TOKENIZER_FIRST()          \
+  extern "C" int LLVMFuzzerInitialize(int*, char***) { \
+    memtune::fuzz::qwen_tokenizer();                    \
+    return 0;                                           \
+  }
