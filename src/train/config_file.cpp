@@ -83,6 +83,8 @@ const std::map<std::string, RefusedKey, std::less<>>& refused_keys() {
   static const std::string_view kQuantized =
       "memtune trains unquantized weights: --torch_dtype bfloat16 (or --bf16) halves their memory";
   static const std::string_view kHoldOut = "hold the evaluation lines out yourself and pass them as --eval_file FILE";
+  static const std::string_view kNewAdapter = "memtune trains a new adapter; evaluate one with `memtune eval --adapter DIR`";
+  static const std::string_view kTunerType = "memtune trains LoRA adapters or everything: --tuner_type lora | full";
   static const std::string_view kNoLora = "memtune's LoRA is plain LoRA (--lora_rank, --lora_alpha, --use_rslora)";
   static const std::map<std::string, RefusedKey, std::less<>> keys = {
       // Hugging Face TrainingArguments
@@ -119,17 +121,17 @@ const std::map<std::string, RefusedKey, std::less<>>& refused_keys() {
       {"lorap_lr_ratio", {{}, kNoLora}},
       {"target_regex", {{}, "name the modules with --target_modules (q_proj, ..., all-linear)"}},
       {"modules_to_save", {{}, kNoLora}},
-      {"freeze_parameters", {{}, "memtune trains LoRA adapters or everything: --tuner_type lora | full"}},
-      {"trainable_parameters", {{}, "memtune trains LoRA adapters or everything: --tuner_type lora | full"}},
+      {"freeze_parameters", {{}, kTunerType}},
+      {"trainable_parameters", {{}, kTunerType}},
       {"loss_scale", {{"default"}, "the loss is on assistant tokens; --train_on_prompt adds the prompt tokens"}},
-      {"adapters", {{}, "memtune trains a new adapter; evaluate one with `memtune eval --adapter DIR`"}},
+      {"adapters", {{}, kNewAdapter}},
       {"resume_only_model", {{}, "use --resume_from_checkpoint DIR (model and optimizer state)"}},
       {"rope_scaling", {{}, "memtune reads rope scaling from the model's config.json only"}},
       // LLaMA-Factory
       {"stage", {{"sft"}, "memtune does supervised fine-tuning (stage: sft)"}},
       {"quantization_bit", {{}, kQuantized}},
       {"quantization_method", {{"bitsandbytes", "bnb"}, kQuantized}},
-      {"adapter_name_or_path", {{}, "memtune trains a new adapter; evaluate one with `memtune eval --adapter DIR`"}},
+      {"adapter_name_or_path", {{}, kNewAdapter}},
       {"val_size", {{}, kHoldOut}},
       {"max_samples", {{}, "cut the JSONL file to the lines you want"}},
       {"neat_packing", {{}, "use --packing"}},
