@@ -3,34 +3,29 @@
 // memtune::prepare_arguments on `memtune train --config FILE` so the key classification and the
 // flag text built from the values run too. Every input must end in a result or a memtune::Error.
 // Seeds: tests/fuzz-seeds/config_reader/ (scripts/fuzz.sh reads tests/fuzz-seeds/<target>/).
-#include <unistd.h>
-
 #include <cstddef>
 #include <cstdint>
-#include <fstream>
 #include <string>
 
-#include "core/error.h"
+#include "fuzz_support.h"
 #include "train/arguments.h"
 #include "train/config_file.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string text(reinterpret_cast<const char*>(data), size);
   for (const char* name : {"fuzz.yaml", "fuzz.json"}) {
-    try {
-      memtune::parse_config_text(text, name);
-    } catch (const memtune::Error&) {
-    }
+    memtune::fuzz::refusals_are_errors([&] { memtune::parse_config_text(text, name); });
   }
-  static const std::string path = "/tmp/memtune_config_fuzz_" + std::to_string(getpid()) + ".yaml";
-  std::ofstream(path, std::ios::binary | std::ios::trunc) << text;
-  CLI::App app;
-  CLI::App* train = app.add_subcommand("train");
-  memtune::TrainingArguments args;
-  memtune::add_training_arguments(*train, args, memtune::ArgumentsFor::Plan);
-  try {
-    memtune::prepare_arguments({"train", "--config", path}, 1, *train, true);
-  } catch (const memtune::Error&) {
-  }
+  const std::filesystem::path path = memtune::fuzz::scratch_dir() / "config.yaml";
+  memtune::fuzz::write_bytes(path, text);
+  // The command's options are built once: prepare_arguments only reads them.
+  static CLI::App app;
+  static CLI::App* const train = [] {
+    CLI::App* command = app.add_subcommand("train");
+    static memtune::TrainingArguments args;
+    memtune::add_training_arguments(*command, args, memtune::ArgumentsFor::Plan);
+    return command;
+  }();
+  memtune::fuzz::refusals_are_errors([&] { memtune::prepare_arguments({"train", "--config", path.string()}, 1, *train, true); });
   return 0;
 }

@@ -367,10 +367,14 @@ PreparedArguments prepare_arguments(const std::vector<std::string>& argv, size_t
     tail.push_back(arg);  // CLI11 names it if it is unknown
   }
 
-  // Which keys `memtune train` knows, for `memtune eval` given a training config.
-  CLI::App training;
-  TrainingArguments training_args;
-  add_training_arguments(training, training_args, ArgumentsFor::Plan);
+  // Which keys `memtune train` knows, for `memtune eval` given a training config; built once
+  // (only its option names are read).
+  static const CLI::App& training = [] -> const CLI::App& {
+    static CLI::App app;
+    static TrainingArguments args;
+    add_training_arguments(app, args, ArgumentsFor::Plan);
+    return app;
+  }();
 
   std::vector<std::string> from_file;
   auto classify = [&](const std::string& key, const json& value, const std::string& where, bool in_file) {
