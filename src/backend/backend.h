@@ -131,6 +131,20 @@ class Backend {
   virtual void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout,
                                   const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
                                   const Tensor& v, const Tensor& cu_seqlens, int64_t head_dim) = 0;
+  // Inference over a paged KV cache. A cache is [slots, kv_dim] in the model's storage dtype;
+  // slot = block * block_size + offset, and a sequence's block table lists its blocks in order.
+  // kv_cache_write stores k, v [N, kv_dim] (float32) at slots[N].
+  virtual void kv_cache_write(const Tensor& k_cache, const Tensor& v_cache, const Tensor& k, const Tensor& v,
+                              const Tensor& slots) = 0;
+  // Causal grouped-query attention of new queries over cached keys: sequence s has queries
+  // cu_seqlens[s]..cu_seqlens[s+1] (already in the cache), context_lens[s] cached tokens in all,
+  // so its query i sits at position context_lens[s] - n_s + i and attends keys 0..that position,
+  // read through block_tables [S, max_blocks]. q, out [N, Hq*hd] float32.
+  virtual void paged_attention_forward(const Tensor& out, const Tensor& q, const Tensor& k_cache,
+                                       const Tensor& v_cache, const Tensor& block_tables, const Tensor& cu_seqlens,
+                                       const Tensor& context_lens, int64_t head_dim, int64_t block_size) = 0;
+  // out[r] = inp[index[r]] for rows of float32 matrices.
+  virtual void gather_rows(const Tensor& out, const Tensor& inp, const Tensor& index) = 0;
   // h = silu(gate) * up
   virtual void swiglu_forward(const Tensor& h, const Tensor& gate, const Tensor& up) = 0;
   virtual void swiglu_backward(const Tensor& dgate, const Tensor& dup, const Tensor& dh, const Tensor& gate,

@@ -14,7 +14,8 @@ namespace memtune {
 std::string_view category_name(Category c) {
   static constexpr std::array<std::string_view, kNumCategories> names = {
       "weights",           "trainable_params",  "gradients", "optimizer_state", "batch",
-      "saved_activations", "recompute_scratch", "working",   "loss_workspace"};
+      "saved_activations", "recompute_scratch", "working",   "loss_workspace",
+      "kv_cache"};
   return names[static_cast<size_t>(c)];
 }
 

@@ -27,7 +27,8 @@ enum class Category {
   SavedActivations,  // kept from forward for backward
   RecomputeScratch,  // one layer's activations rebuilt in backward (gradient checkpointing)
   Working,           // per-op temporaries: activation gradients, weight dtype conversion
-  LossWorkspace,     // fused LM head: logits chunk and its row buffers
+  LossWorkspace,     // fused LM head: logits chunk and its row buffers (inference: the last rows' logits)
+  KvCache,           // inference: the paged key/value cache of every layer
   kCount
 };
 constexpr size_t kNumCategories = static_cast<size_t>(Category::kCount);

@@ -33,11 +33,73 @@ LayerActs declare_layer_acts(const Qwen2Config& config_, const ModelOptions& opt
 //   loss..bwd    rstd of the final norm, d(normed hidden)
 //   loss         normed hidden, logits chunk, gathered rows, head weight conversion
 //   backward     activation gradients; checkpointing: one recomputed layer; weight conversion
+size_t largest_vector_elems(const std::vector<ParamSpec>& specs) {
+  size_t n = 0;
+  for (const auto& s : specs)
+    if (s.shape.size() == 1) n = std::max<size_t>(n, s.numel());
+  return n;
+}
+size_t largest_layer_matrix_elems(const std::vector<ParamSpec>& specs) {
+  size_t n = 0;
+  for (const auto& s : specs)
+    if (s.shape.size() > 1 && s.name.starts_with("model.layers.")) n = std::max<size_t>(n, s.numel());
+  return n;
+}
+
+DecoderBuffers declare_inference_buffers(const Qwen2Config& c, const ModelOptions& o,
+                                         const std::vector<ParamSpec>& specs, bool stage_logits, MemoryPlan& plan,
+                                         MemoryPlan& host_plan) {
+  DecoderBuffers b;
+  const KvCacheOptions& kv = o.kv_cache;
+  const size_t N = static_cast<size_t>(o.max_tokens), S = static_cast<size_t>(kv.max_seqs);
+  const size_t D = c.hidden_size, V = c.vocab_size, kvd = c.kv_dim();
+  const Phase F = Phase::Forward, L = Phase::Loss;
+  b.ids = plan.declare_persistent("batch.input_ids", Category::Batch, N * 4);
+  b.positions = plan.declare_persistent("batch.positions", Category::Batch, N * 4);
+  b.slots = plan.declare_persistent("batch.cache_slots", Category::Batch, N * 4);
+  b.cu_seqlens = plan.declare_persistent("batch.cu_seqlens", Category::Batch, (S + 1) * 4);
+  b.context_lens = plan.declare_persistent("batch.context_lens", Category::Batch, S * 4);
+  b.block_tables =
+      plan.declare_persistent("batch.block_tables", Category::Batch, S * static_cast<size_t>(kv.max_blocks_per_seq) * 4);
+  b.last_rows_index = plan.declare_persistent("batch.last_rows", Category::Batch, S * 4);
+  // Layer l reads residual[l % 2] and writes residual[(l + 1) % 2]; nothing is kept for a backward.
+  for (int i = 0; i < 2; ++i)
+    b.residual.push_back(plan.declare(fmt::format("act.x{}", i), Category::Working, N * D * 4, F, L));
+  b.fwd_scratch = declare_layer_acts(c, o, plan, "fwd.layer.", Category::Working, F, F);
+  if (c.torch_dtype != DType::F32) {
+    b.matrix_f32[static_cast<size_t>(F)] =
+        plan.declare("forward.matrix_f32", Category::Working, largest_layer_matrix_elems(specs) * 4, F, F);
+    b.vector_f32[static_cast<size_t>(F)] =
+        plan.declare("forward.vector_f32", Category::Working, largest_vector_elems(specs) * 4, F, F);
+    b.vector_f32[static_cast<size_t>(L)] =
+        plan.declare("loss.vector_f32", Category::Working, largest_vector_elems(specs) * 4, L, L);
+    b.head_slice_rows = std::min<int64_t>(c.vocab_size, DecoderBuffers::kHeadSliceRows);
+    b.head_slice = plan.declare("loss.head_weight_slice_f32", Category::LossWorkspace,
+                                static_cast<size_t>(b.head_slice_rows) * D * 4, L, L);
+  }
+  b.last_rows = plan.declare("loss.last_hidden_rows", Category::LossWorkspace, S * D * 4, L, L);
+  b.last_normed = plan.declare("loss.last_normed_rows", Category::LossWorkspace, S * D * 4, L, L);
+  b.last_rstd = plan.declare("loss.last_rstd", Category::LossWorkspace, S * 4, L, L);
+  // The logits are read by the sampler after the step, so they outlive the loss phase.
+  b.last_logits = plan.declare_persistent("head.last_logits", Category::LossWorkspace, V * S * 4);
+  b.stages_chunks = stage_logits;
+  if (stage_logits)
+    b.staging_last_logits = host_plan.declare_persistent("staging.last_logits", Category::LossWorkspace, V * S * 4);
+  const size_t cache_bytes =
+      static_cast<size_t>(kv.blocks * kv.block_size) * kvd * dtype_size(c.torch_dtype);
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    b.kv_k.push_back(plan.declare_persistent(fmt::format("kv.layer{}.k", l), Category::KvCache, cache_bytes));
+    b.kv_v.push_back(plan.declare_persistent(fmt::format("kv.layer{}.v", l), Category::KvCache, cache_bytes));
+  }
+  return b;
+}
+
 }  // namespace
 
 DecoderBuffers declare_decoder_buffers(const Qwen2Config& c, const ModelOptions& options_,
                                        const std::vector<ParamSpec>& specs_, bool stage_chunks, MemoryPlan& plan,
                                        MemoryPlan& host_plan) {
+  if (options_.inference()) return declare_inference_buffers(c, options_, specs_, stage_chunks, plan, host_plan);
   DecoderBuffers b;
   const size_t N = static_cast<size_t>(options_.max_tokens);
   const size_t D = c.hidden_size, I = c.intermediate_size, V = c.vocab_size, qd = c.q_dim(), kvd = c.kv_dim();
@@ -62,13 +124,7 @@ DecoderBuffers declare_decoder_buffers(const Qwen2Config& c, const ModelOptions&
   }
 
   // 16-bit storage: weights are widened right before use into per-phase scratch.
-  size_t largest_matrix = 0, largest_vector = 0;
-  for (const auto& s : specs_) {
-    if (s.shape.size() == 1)
-      largest_vector = std::max<size_t>(largest_vector, s.numel());
-    else if (s.name.starts_with("model.layers."))
-      largest_matrix = std::max<size_t>(largest_matrix, s.numel());
-  }
+  const size_t largest_matrix = largest_layer_matrix_elems(specs_), largest_vector = largest_vector_elems(specs_);
   const bool widen = dt != DType::F32;
   auto declare_widening = [&](Phase ph, size_t matrix_elems) {
     const std::string p{phase_name(ph)};

@@ -39,6 +39,11 @@ struct DecoderBuffers {
   BufferId dstream, dln, datt, dq, dk, dv, dh, dgate, dup;  // activation gradients
   BufferId lora_du{}, lora_dxd{};
   std::array<BufferId, kNumPhases> lora_xd{};
+  // Inference (options.inference()): the paged cache per layer, the step's block tables, cache
+  // lengths and slots, and the LM head over the last row of each sequence that samples.
+  std::vector<BufferId> kv_k, kv_v;
+  BufferId block_tables{}, context_lens{}, slots{}, last_rows_index{};
+  BufferId last_rows{}, last_normed{}, last_rstd{}, last_logits{}, staging_last_logits{};
 };
 
 // Lifetimes, chosen so they nest (see MemoryPlan):
@@ -47,6 +52,9 @@ struct DecoderBuffers {
 //   loss..bwd    rstd of the final norm, d(normed hidden)
 //   loss         normed hidden, logits chunk, gathered rows, head weight conversion
 //   backward     activation gradients; checkpointing: one recomputed layer; weight conversion
+// An inference model (options.inference()) declares instead: the step's batch and two residual
+// buffers (persistent), one layer's activations and weight conversion (forward), the last rows
+// and their logits [V, max_seqs] (loss), and the KV cache (persistent).
 DecoderBuffers declare_decoder_buffers(const Qwen2Config& config, const ModelOptions& options,
                                        const std::vector<ParamSpec>& specs, bool stage_chunks, MemoryPlan& plan,
                                        MemoryPlan& host_plan);

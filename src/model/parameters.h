@@ -42,6 +42,18 @@ TensorToWrite device_tensor_to_write(Backend& backend, const std::string& name, 
 // near the machine's sgemm ceiling (measured in docs/benchmarks.md), small next to the model.
 constexpr size_t kDefaultLossWorkspaceBytes = size_t{192} << 20;
 
+// Inference over a paged KV cache (model/qwen2.h: Qwen2Model::generation_step). The cache is a
+// pool of `blocks` blocks of `block_size` tokens per layer for K and V, in the storage dtype; a
+// sequence holds whole blocks listed in its block table, so sequences of any length share the
+// pool without fragmentation.
+struct KvCacheOptions {
+  int64_t blocks = 0;              // 0: a training / evaluation model
+  int64_t block_size = 16;         // tokens per block (vLLM's default)
+  int64_t max_seqs = 1;            // sequences one step holds (max_num_seqs)
+  int64_t max_model_len = 16;      // the most tokens (prompt + output) one sequence may hold
+  int64_t max_blocks_per_seq = 1;  // ceil(max_model_len / block_size)
+};
+
 struct ModelOptions {
   int64_t max_tokens = 2048;  // capacity of one micro-batch's flat token stream
   // The most loss targets one micro-batch holds (0: max_tokens). Only target rows go through
@@ -64,6 +76,10 @@ struct ModelOptions {
   int zero_stage = 0;
   int rank = 0, world_size = 1;
   Backend* backend = nullptr;  // where the arena lives and the ops run; null: the cpu backend
+  // blocks > 0: an inference model. max_tokens is then the most tokens one step computes
+  // (max_num_batched_tokens); nothing for gradients, losses or the optimizer is declared.
+  KvCacheOptions kv_cache;
+  bool inference() const { return kv_cache.blocks > 0; }
   bool shards_optimizer() const { return zero_stage >= 1 && world_size > 1; }
 };
 

@@ -23,10 +23,18 @@ Qwen2Model::Qwen2Model(const Qwen2Config& config, const ModelOptions& options)
       buf_(declare_decoder_buffers(config, options, params_.specs(), !backend_->host_addressable(), *plan_,
                                    *host_plan_)) {
   if (options.max_tokens <= 0) throw Error(fmt::format("max_tokens must be positive, got {}", options.max_tokens));
+  const KvCacheOptions& kv = options.kv_cache;
+  if (options.inference()) {
+    MT_ASSERT(!options.with_grads && !options.with_optimizer, "an inference model has no gradients");
+    if (kv.block_size <= 0 || kv.max_seqs <= 0 || kv.max_blocks_per_seq <= 0)
+      throw Error(fmt::format("the KV cache needs positive block_size, max_seqs and max_blocks_per_seq, got {}, {}, {}",
+                              kv.block_size, kv.max_seqs, kv.max_blocks_per_seq));
+  }
   plan_->finalize();
   host_plan_->finalize();
   batch_positions_.reserve(static_cast<size_t>(options.max_tokens));
   batch_targets_.reserve(static_cast<size_t>(options.max_tokens));
+  batch_last_rows_.reserve(static_cast<size_t>(kv.max_seqs));
   if (options.allocate) {
     arena_ = std::make_unique<Arena>(*plan_, backend_);
     if (host_plan_->peak_bytes() > 0) host_arena_ = std::make_unique<Arena>(*host_plan_, nullptr);
@@ -84,6 +92,95 @@ void Qwen2Model::upload_batch(const TokenBatch& batch) {
   backend_->copy_to_device(arena_->i32(buf_.positions, {N}), pos.data());
   backend_->copy_to_device(arena_->i32(buf_.targets, {N}), tgt.data());
   backend_->copy_to_device(arena_->i32(buf_.cu_seqlens, {S + 1}), batch.cu_seqlens.data());
+}
+
+void Qwen2Model::upload_generation_batch(const GenerationBatch& batch) {
+  const KvCacheOptions& kv = options_.kv_cache;
+  const int64_t N = static_cast<int64_t>(batch.input_ids.size());
+  const int64_t S = static_cast<int64_t>(batch.cu_seqlens.size()) - 1;
+  const int64_t R = static_cast<int64_t>(batch.sample_seqs.size());
+  MT_ASSERT(N >= 1 && N <= options_.max_tokens, fmt::format("a generation step of {} tokens (planned {})", N,
+                                                           options_.max_tokens));
+  MT_ASSERT(S >= 1 && S <= kv.max_seqs && R <= S, fmt::format("a generation step of {} sequences, {} sampled (planned {})",
+                                                              S, R, kv.max_seqs));
+  MT_ASSERT(batch.cu_seqlens.front() == 0 && batch.cu_seqlens.back() == N && batch.context_lens.size() == size_t(S) &&
+            batch.block_tables.size() == size_t(S * kv.max_blocks_per_seq));
+  std::vector<int32_t>& pos = batch_positions_;
+  std::vector<int32_t>& slots = batch_targets_;  // the same planned staging, holding cache slots here
+  pos.resize(static_cast<size_t>(N));
+  slots.resize(static_cast<size_t>(N));
+  for (int64_t s = 0; s < S; ++s) {
+    const int32_t begin = batch.cu_seqlens[s], end = batch.cu_seqlens[s + 1], ctx = batch.context_lens[s];
+    MT_ASSERT(begin < end && end - begin <= ctx && ctx <= kv.max_blocks_per_seq * kv.block_size,
+              fmt::format("sequence {}: {} new tokens, {} in the cache", s, end - begin, ctx));
+    for (int32_t t = begin; t < end; ++t) {
+      const int32_t id = batch.input_ids[t];
+      if (id < 0 || id >= config_.vocab_size)
+        throw Error(fmt::format("token id {} is outside the vocabulary [0, {})", id, config_.vocab_size));
+      const int32_t p = ctx - (end - begin) + (t - begin);
+      const int32_t block = batch.block_tables[s * kv.max_blocks_per_seq + p / kv.block_size];
+      MT_ASSERT(block >= 0 && block < kv.blocks, fmt::format("block {} outside the pool of {}", block, kv.blocks));
+      pos[t] = p;
+      slots[t] = static_cast<int32_t>(block * kv.block_size + p % kv.block_size);
+    }
+  }
+  // Each sampled sequence's last new token.
+  std::vector<int32_t>& rows = batch_last_rows_;
+  rows.resize(static_cast<size_t>(R));
+  for (int64_t r = 0; r < R; ++r) {
+    const int32_t s = batch.sample_seqs[r];
+    MT_ASSERT(s >= 0 && s < S);
+    rows[r] = batch.cu_seqlens[s + 1] - 1;
+  }
+  num_tokens_ = N;
+  num_seqs_ = S;
+  sample_rows_ = R;
+  Arena& A = *arena_;
+  backend_->copy_to_device(A.i32(buf_.ids, {N}), batch.input_ids.data());
+  backend_->copy_to_device(A.i32(buf_.positions, {N}), pos.data());
+  backend_->copy_to_device(A.i32(buf_.slots, {N}), slots.data());
+  backend_->copy_to_device(A.i32(buf_.cu_seqlens, {S + 1}), batch.cu_seqlens.data());
+  backend_->copy_to_device(A.i32(buf_.context_lens, {S}), batch.context_lens.data());
+  backend_->copy_to_device(A.i32(buf_.block_tables, {S * kv.max_blocks_per_seq}), batch.block_tables.data());
+  if (R > 0) backend_->copy_to_device(A.i32(buf_.last_rows_index, {R}), rows.data());
+}
+
+StepLogits Qwen2Model::generation_step(const GenerationBatch& batch) {
+  MT_ASSERT(options_.inference(), "generation_step needs a model planned with a KV cache");
+  Arena& A = *arena_;
+  Backend& be = *backend_;
+  const Qwen2Config& c = config_;
+  const int64_t D = c.hidden_size, V = c.vocab_size, L = c.num_hidden_layers;
+  A.enter_phase(Phase::Forward);
+  upload_generation_batch(batch);
+  const int64_t N = num_tokens_, R = sample_rows_;
+  be.embedding_forward(act(buf_.residual[0], D), A.i32(buf_.ids, {N}), params_.param(params_.embed()));
+  for (int64_t l = 0; l < L; ++l)
+    layer_forward(l, buf_.fwd_scratch, act(buf_.residual[l % 2], D), act(buf_.residual[(l + 1) % 2], D));
+  A.enter_phase(Phase::Loss);
+  if (R == 0) return {};
+  // The final norm and the head over the sampled rows only.
+  const Tensor rows = A.f32(buf_.last_rows, {R, D}), normed = A.f32(buf_.last_normed, {R, D});
+  be.gather_rows(rows, act(buf_.residual[L % 2], D), A.i32(buf_.last_rows_index, {R}));
+  be.rmsnorm_forward(normed, A.f32(buf_.last_rstd, {R}), rows, weight_f32(params_.final_norm()),
+                     static_cast<float>(c.rms_norm_eps));
+  const Tensor logits = A.f32(buf_.last_logits, {V, R});
+  const Tensor head = params_.param(params_.head());
+  if (head.dtype == DType::F32) {
+    be.matmul_forward(logits, head, normed, Tensor{});
+  } else {
+    for (int64_t v0 = 0; v0 < V; v0 += buf_.head_slice_rows) {
+      const int64_t n = std::min(buf_.head_slice_rows, V - v0);
+      const Tensor slice = A.f32(buf_.head_slice, {n, D});
+      be.convert(slice, Tensor(static_cast<std::byte*>(head.data) + static_cast<size_t>(v0 * D) * dtype_size(head.dtype),
+                               head.dtype, {n, D}));
+      be.matmul_forward(Tensor(logits.as<float>() + v0 * R, DType::F32, {n, R}), slice, normed, Tensor{});
+    }
+  }
+  if (!buf_.stages_chunks) return {logits.as<const float>(), R, V};
+  float* host = host_arena_->f32(buf_.staging_last_logits, {V, R}).as<float>();
+  be.copy_to_host(host, logits);
+  return {host, R, V};
 }
 
 uint64_t Qwen2Model::dropout_key(int64_t l, LinearSite s) const {
@@ -159,7 +256,18 @@ void Qwen2Model::layer_forward(int64_t l, const LayerActs& a, const Tensor& x, c
   linear_forward(l, LinearSite::V, a, ln1, v);
   be.rope_forward(q, pos, hd, theta);
   be.rope_forward(k, pos, hd, theta);
-  be.attention_forward(att, act(a.lse, Hq), q, k, v, arena_->i32(buf_.cu_seqlens, {num_seqs_ + 1}), hd);
+  if (options_.inference()) {
+    const KvCacheOptions& kv = options_.kv_cache;
+    const int64_t slots = kv.blocks * kv.block_size;
+    const Tensor kc = arena_->view(buf_.kv_k[l], c.torch_dtype, {slots, kvd});
+    const Tensor vc = arena_->view(buf_.kv_v[l], c.torch_dtype, {slots, kvd});
+    be.kv_cache_write(kc, vc, k, v, arena_->i32(buf_.slots, {num_tokens_}));
+    be.paged_attention_forward(att, q, kc, vc, arena_->i32(buf_.block_tables, {num_seqs_, kv.max_blocks_per_seq}),
+                               arena_->i32(buf_.cu_seqlens, {num_seqs_ + 1}),
+                               arena_->i32(buf_.context_lens, {num_seqs_}), hd, kv.block_size);
+  } else {
+    be.attention_forward(att, act(a.lse, Hq), q, k, v, arena_->i32(buf_.cu_seqlens, {num_seqs_ + 1}), hd);
+  }
   linear_forward(l, LinearSite::O, a, att, res1);
   be.add_inplace(res1, x);
   be.rmsnorm_forward(ln2, act(a.rstd2, 1), res1, weight_f32(p.ln2), eps);

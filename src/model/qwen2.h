@@ -39,6 +39,27 @@ struct TokenBatch {
   std::span<const int32_t> position_offsets = {};
 };
 
+// One step of generation (an inference model, ModelOptions::kv_cache): the new tokens of several
+// sequences back to back (a prefill chunk or one decoded token each), written into the paged
+// KV cache as they are computed.
+struct GenerationBatch {
+  std::span<const int32_t> input_ids;     // N new tokens
+  std::span<const int32_t> cu_seqlens;    // S + 1 offsets into input_ids
+  std::span<const int32_t> context_lens;  // S: tokens in the cache after this step (before + new)
+  std::span<const int32_t> block_tables;  // S x max_blocks_per_seq block ids (unused entries ignored)
+  // R sequences (indices into the S) whose last new token's logits are wanted, R <= max_seqs;
+  // a sequence in the middle of its prompt needs none.
+  std::span<const int32_t> sample_seqs;
+};
+
+// The logits of a generation step in host-readable memory: [V, R], column r for sample_seqs[r]
+// (the LM head runs as W [V, D] times the R rows, so a 16-bit head widens slice by slice).
+struct StepLogits {
+  const float* data = nullptr;
+  int64_t rows = 0, vocab = 0;
+  float at(int64_t r, int64_t v) const { return data[v * rows + r]; }
+};
+
 // Wall-clock seconds spent in each phase of the last forward_backward.
 struct StepTimings {
   double forward = 0, loss = 0, backward = 0;
@@ -74,6 +95,10 @@ class Qwen2Model {
   // Forward and loss only (evaluation): gradients are neither computed nor touched.
   LossSum forward_loss(const TokenBatch& batch) { return run_step(batch, nullptr, false); }
   const StepTimings& last_step_timings() const { return timings_; }
+  // Inference models only: runs one generation step and returns the sampled rows' logits, valid
+  // until the next step. Keys and values of the new tokens go to the slots their block tables
+  // give; queries attend to everything cached for their sequence up to their own position.
+  StepLogits generation_step(const GenerationBatch& batch);
   // The token-level loss the fused LM head applies (cross-entropy by default). Not owned.
   void set_loss(const ChunkLoss& loss) { loss_ = &loss; }
   // Multiplies all gradients of the following steps (dynamic loss scaling); the trainer unscales.
@@ -86,6 +111,7 @@ class Qwen2Model {
 
  private:
   void upload_batch(const TokenBatch& batch);
+  void upload_generation_batch(const GenerationBatch& batch);
   LossSum run_step(const TokenBatch& batch, float* logits_out, bool backward);
   void layer_forward(int64_t l, const LayerActs& a, const Tensor& x, const Tensor& x_out);
   void layer_backward(int64_t l, const LayerActs& a, const Tensor& x, const Tensor& dstream);
@@ -116,6 +142,8 @@ class Qwen2Model {
   int64_t num_tokens_ = 0, num_seqs_ = 0;
   // Host staging of the batch's positions and targets (reserved for max_tokens).
   std::vector<int32_t> batch_positions_, batch_targets_;
+  std::vector<int32_t> batch_last_rows_;  // generation: the sampled rows (reserved for max_seqs)
+  int64_t sample_rows_ = 0;               // R of the last generation step
   StepTimings timings_;
   static inline const CrossEntropyLoss kCrossEntropy{};
   const ChunkLoss* loss_ = &kCrossEntropy;

@@ -647,14 +647,16 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special_t
   return out;
 }
 
+std::string_view Tokenizer::token_bytes(int32_t id, bool skip_special_tokens) const {
+  if (!impl_->known(id))
+    throw Error(fmt::format("decode: token id {} is not in the vocabulary (ids 0..{})", id, vocab_size() - 1));
+  if (skip_special_tokens && impl_->id_kind[static_cast<size_t>(id)] == Impl::kSpecial) return {};
+  return impl_->id_bytes[static_cast<size_t>(id)];
+}
+
 std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special_tokens) const {
   std::string bytes;
-  for (const int32_t id : ids) {
-    if (!impl_->known(id))
-      throw Error(fmt::format("decode: token id {} is not in the vocabulary (ids 0..{})", id, vocab_size() - 1));
-    if (skip_special_tokens && impl_->id_kind[static_cast<size_t>(id)] == Impl::kSpecial) continue;
-    bytes += impl_->id_bytes[static_cast<size_t>(id)];
-  }
+  for (const int32_t id : ids) bytes += token_bytes(id, skip_special_tokens);
   std::string text;
   append_utf8_lossy(bytes, text);
   return text;

@@ -37,6 +37,11 @@ class Tokenizer {
   // UTF-8 text of ids; invalid byte sequences become U+FFFD. Unknown ids are an Error.
   std::string decode(std::span<const int32_t> ids, bool skip_special_tokens = false) const;
 
+  // The raw bytes one id stands for (a byte-level token may hold part of a UTF-8 character):
+  // streaming decoders join them and cut at character boundaries; decode() is their lossy UTF-8.
+  // "" for a special token with skip_special_tokens. Unknown ids are an Error.
+  std::string_view token_bytes(int32_t id, bool skip_special_tokens = false) const;
+
   // Id of a vocabulary or added token, or nullopt.
   std::optional<int32_t> token_to_id(std::string_view token) const;
   // Number of ids (vocabulary plus added tokens): max id + 1.

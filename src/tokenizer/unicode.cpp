@@ -199,4 +199,15 @@ bool is_word_char(char32_t cp) {
   }
 }
 
+size_t complete_utf8_prefix(std::string_view bytes) {
+  const size_t n = bytes.size();
+  for (size_t back = 1; back <= std::min<size_t>(4, n); ++back) {
+    const auto b = static_cast<unsigned char>(bytes[n - back]);
+    if ((b & 0xC0) == 0x80) continue;  // a continuation byte: look further back for its lead
+    const size_t expected = b < 0x80 ? 1 : (b >> 5) == 0x6 ? 2 : (b >> 4) == 0xE ? 3 : (b >> 3) == 0x1E ? 4 : 1;
+    return back < expected ? n - back : n;
+  }
+  return n;
+}
+
 }  // namespace memtune::tokenizer_detail

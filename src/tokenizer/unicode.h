@@ -18,6 +18,11 @@ bool is_valid_utf8(std::string_view bytes);
 // Appends `bytes` to `out` with every maximal invalid subsequence replaced by U+FFFD.
 void append_utf8_lossy(std::string_view bytes, std::string& out);
 
+// The length of the longest prefix of `bytes` that does not end inside a character: a lead byte
+// whose continuation bytes have not all arrived is cut (streamed text is printed whole
+// characters at a time); anything else, invalid bytes included, is kept.
+size_t complete_utf8_prefix(std::string_view bytes);
+
 // Decodes the code point starting at text[i] of valid UTF-8 and advances i past it.
 char32_t next_code_point(std::string_view text, size_t& i);
 // Decodes the code point that ends just before text[end] of valid UTF-8; `start` receives its

@@ -315,6 +315,97 @@ TEST(BackendOps, AttentionGqaOverPackedSequences) {
               .tolerance = 2e-5});
 }
 
+// A paged KV cache of 8 blocks of 4 tokens holding two sequences of 9 and 6 tokens through
+// scattered block tables; the last 3 and 1 tokens are the new queries (a prefill chunk and a
+// decode step in one batch).
+struct PagedLayout {
+  static constexpr int64_t kBlock = 4, kBlocks = 8, kMaxBlocks = 3, Hq = 4, Hkv = 2, hd = 8;
+  std::vector<int32_t> tables = {5, 1, 7, 2, 6, 0}, context = {9, 6}, new_tokens = {3, 1};
+  std::vector<int32_t> slots, query_rows, cu = {0};
+  PagedLayout() {
+    int32_t row = 0;
+    for (size_t s = 0; s < context.size(); ++s) {
+      for (int32_t j = 0; j < context[s]; ++j, ++row) {
+        slots.push_back(tables[s * kMaxBlocks + j / kBlock] * kBlock + j % kBlock);
+        if (j >= context[s] - new_tokens[s]) query_rows.push_back(row);
+      }
+      cu.push_back(cu.back() + new_tokens[s]);
+    }
+  }
+  int64_t tokens() const { return static_cast<int64_t>(slots.size()); }
+  int64_t queries() const { return static_cast<int64_t>(query_rows.size()); }
+};
+
+void check_paged_attention(DType cache_dtype) {
+  const PagedLayout p;
+  const int64_t T = p.tokens(), Q = p.queries(), kvd = p.Hkv * p.hd, slots = p.kBlocks * p.kBlock;
+  Input k_cache{"k_cache", {slots, kvd}, cache_dtype, false, std::vector<float>(slots * kvd, 0.0f), {}};
+  Input v_cache = k_cache;
+  v_cache.name = "v_cache";
+  check_case({.name = "paged attention",
+              .inputs = {f32_input("q", {Q, p.Hq * p.hd}, 21, false), f32_input("k", {T, kvd}, 22, false),
+                         f32_input("v", {T, kvd}, 23, false), k_cache, v_cache, i32_input("slots", p.slots),
+                         {"tables", {2, p.kMaxBlocks}, DType::I32, false, {}, p.tables}, i32_input("cu", p.cu),
+                         i32_input("context", p.context)},
+              .outputs = {{"out", {Q, p.Hq * p.hd}}},
+              .forward =
+                  [](Backend& be, const Views& in, const Views& out) {
+                    be.kv_cache_write(in.at("k_cache"), in.at("v_cache"), in.at("k"), in.at("v"), in.at("slots"));
+                    be.paged_attention_forward(out.at("out"), in.at("q"), in.at("k_cache"), in.at("v_cache"),
+                                               in.at("tables"), in.at("cu"), in.at("context"), PagedLayout::hd,
+                                               PagedLayout::kBlock);
+                    return 0.0;
+                  },
+              .tolerance = 2e-5});
+}
+
+TEST(BackendOps, PagedAttentionOverScatteredBlocks) { check_paged_attention(DType::F32); }
+TEST(BackendOps, PagedAttentionOverABfloat16Cache) { check_paged_attention(DType::BF16); }
+
+// Independent of the reference: when every token of a sequence is a query, attention through
+// the paged cache is the packed causal attention of training.
+TEST(BackendOps, PagedAttentionEqualsPackedAttentionForWholeSequences) {
+  const PagedLayout p;
+  const int64_t T = p.tokens(), kvd = p.Hkv * p.hd, qd = p.Hq * p.hd, slots = p.kBlocks * p.kBlock;
+  const std::vector<int32_t> cu = {0, p.context[0], p.context[0] + p.context[1]};
+  const std::vector<float> q = randn(T * qd, 31), k = randn(T * kvd, 32), v = randn(T * kvd, 33);
+  for (const char* name : kBackends) {
+    SCOPED_TRACE(name);
+    Backend& be = backend_named(name);
+    DeviceTensors mem(be);
+    const Tensor tq = mem.make(DType::F32, {T, qd}), tk = mem.make(DType::F32, {T, kvd}),
+                 tv = mem.make(DType::F32, {T, kvd});
+    upload_f32(be, tq, q);
+    upload_f32(be, tk, k);
+    upload_f32(be, tv, v);
+    auto ints = [&](const std::vector<int32_t>& values, std::vector<int64_t> shape) {
+      const Tensor t = mem.make(DType::I32, shape);
+      be.copy_to_device(t, values.data());
+      return t;
+    };
+    const Tensor tcu = ints(cu, {3}), tslots = ints(p.slots, {T}), ttables = ints(p.tables, {2, p.kMaxBlocks}),
+                 tctx = ints(p.context, {2});
+    const Tensor kc = mem.make(DType::F32, {slots, kvd}), vc = mem.make(DType::F32, {slots, kvd});
+    const Tensor packed = mem.make(DType::F32, {T, qd}), lse = mem.make(DType::F32, {T, p.Hq}),
+                 paged = mem.make(DType::F32, {T, qd});
+    be.attention_forward(packed, lse, tq, tk, tv, tcu, p.hd);
+    be.kv_cache_write(kc, vc, tk, tv, tslots);
+    be.paged_attention_forward(paged, tq, kc, vc, ttables, tcu, tctx, p.hd, p.kBlock);
+    EXPECT_LT(relative_difference(download_f32(be, paged), download_f32(be, packed)), 1e-6);
+  }
+}
+
+TEST(BackendOps, GatherRows) {
+  check_case({.name = "gather rows",
+              .inputs = {f32_input("x", {5, 6}, 41, false), i32_input("index", {4, 0, 4})},
+              .outputs = {{"out", {3, 6}}},
+              .forward =
+                  [](Backend& be, const Views& in, const Views& out) {
+                    be.gather_rows(out.at("out"), in.at("x"), in.at("index"));
+                    return 0.0;
+                  }});
+}
+
 TEST(BackendOps, Swiglu) {
   const int64_t n = 24;
   check_case({.name = "swiglu",

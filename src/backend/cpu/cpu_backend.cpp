@@ -77,6 +77,25 @@ class CpuBackend final : public Backend {
     cpu::attention_backward(dq.f32(), dk.f32(), dv.f32(), dout.f32(), out.f32(), lse.f32(), q.f32(), k.f32(), v.f32(),
                             cu_seqlens.i32(), cu_seqlens.numel() - 1, q.cols() / hd, k.cols() / hd, hd);
   }
+  void kv_cache_write(const Tensor& k_cache, const Tensor& v_cache, const Tensor& k, const Tensor& v,
+                      const Tensor& slots) override {
+    MT_ASSERT(k_cache.dtype == v_cache.dtype && k_cache.cols() == k.cols() && v.numel() == k.numel() &&
+              slots.numel() == k.rows());
+    cpu::kv_cache_write(k_cache.data, v_cache.data, k_cache.dtype, k.f32(), v.f32(), slots.i32(), k.rows(), k.cols());
+  }
+  void paged_attention_forward(const Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                               const Tensor& block_tables, const Tensor& cu_seqlens, const Tensor& context_lens,
+                               int64_t hd, int64_t block_size) override {
+    const int64_t S = cu_seqlens.numel() - 1;
+    MT_ASSERT(out.numel() == q.numel() && context_lens.numel() >= S && block_tables.rows() >= S);
+    cpu::paged_attention_forward(out.f32(), q.f32(), k_cache.data, v_cache.data, k_cache.dtype, block_tables.i32(),
+                                 block_tables.cols(), cu_seqlens.i32(), context_lens.i32(), S, q.cols() / hd,
+                                 k_cache.cols() / hd, hd, block_size);
+  }
+  void gather_rows(const Tensor& out, const Tensor& inp, const Tensor& index) override {
+    MT_ASSERT(out.cols() == inp.cols() && index.numel() == out.rows());
+    cpu::gather_rows(out.f32(), inp.f32(), index.i32(), out.rows(), out.cols());
+  }
   void swiglu_forward(const Tensor& h, const Tensor& gate, const Tensor& up) override {
     cpu::swiglu_forward(h.f32(), gate.f32(), up.f32(), h.numel());
   }

@@ -245,6 +245,81 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
   }
 }
 
+void kv_cache_write(void* k_cache, void* v_cache, DType dt, const float* k, const float* v, const int32_t* slots,
+                    int64_t N, int64_t kvd) {
+  const size_t row_bytes = static_cast<size_t>(kvd) * dtype_size(dt);
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const size_t at = static_cast<size_t>(slots[n]) * row_bytes;
+    convert_from_f32(k + n * kvd, static_cast<std::byte*>(k_cache) + at, dt, static_cast<size_t>(kvd));
+    convert_from_f32(v + n * kvd, static_cast<std::byte*>(v_cache) + at, dt, static_cast<size_t>(kvd));
+  }
+}
+
+void paged_attention_forward(float* out, const float* q, const void* k_cache, const void* v_cache, DType dt,
+                             const int32_t* block_tables, int64_t max_blocks, const int32_t* cu_seqlens,
+                             const int32_t* context_lens, int64_t num_seqs, int64_t Hq, int64_t Hkv, int64_t hd,
+                             int64_t block_size) {
+  MT_ASSERT(hd <= kMaxHeadDim && Hq % Hkv == 0);
+  const int64_t qd = Hq * hd, kvd = Hkv * hd, group = Hq / Hkv;
+  const size_t elem = dtype_size(dt);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  // One task per (sequence, query head), as attention_forward; keys and values are read row by
+  // row through the block table and widened to float32 on the stack.
+#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    for (int64_t h = 0; h < Hq; ++h) {
+      const int64_t begin = cu_seqlens[s], end = cu_seqlens[s + 1], ctx = context_lens[s];
+      const int32_t* table = block_tables + s * max_blocks;
+      const int64_t g = h / group;
+      auto row = [&](const void* cache, int64_t j, float* dst) -> const float* {
+        const int64_t slot = int64_t{table[j / block_size]} * block_size + j % block_size;
+        const std::byte* src = static_cast<const std::byte*>(cache) + (static_cast<size_t>(slot * kvd + g * hd)) * elem;
+        if (dt == DType::F32) return reinterpret_cast<const float*>(src);
+        convert_to_f32(src, dt, dst, static_cast<size_t>(hd));
+        return dst;
+      };
+      float acc[kMaxHeadDim], kbuf[kMaxHeadDim], vbuf[kMaxHeadDim];
+      float scores[kKeyBlock];
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t last = ctx - (end - begin) + (i - begin);  // the query's own position
+        const float* qi = q + i * qd + h * hd;
+        float m = -std::numeric_limits<float>::infinity(), l = 0.0f;
+        std::fill(acc, acc + hd, 0.0f);
+        for (int64_t j0 = 0; j0 <= last; j0 += kKeyBlock) {
+          const int64_t j1 = std::min(last + 1, j0 + kKeyBlock);
+          float block_max = -std::numeric_limits<float>::infinity();
+          for (int64_t j = j0; j < j1; ++j) {
+            scores[j - j0] = dot(qi, row(k_cache, j, kbuf), hd) * scale;
+            block_max = std::max(block_max, scores[j - j0]);
+          }
+          const float new_m = std::max(m, block_max);
+          const float correction = std::exp(m - new_m);
+          l *= correction;
+#pragma omp simd
+          for (int64_t d = 0; d < hd; ++d) acc[d] *= correction;
+          for (int64_t j = j0; j < j1; ++j) {
+            const float p = std::exp(scores[j - j0] - new_m);
+            l += p;
+            const float* vj = row(v_cache, j, vbuf);
+#pragma omp simd
+            for (int64_t d = 0; d < hd; ++d) acc[d] += p * vj[d];
+          }
+          m = new_m;
+        }
+        float* oi = out + i * qd + h * hd;
+        const float inv_l = 1.0f / l;
+#pragma omp simd
+        for (int64_t d = 0; d < hd; ++d) oi[d] = acc[d] * inv_l;
+      }
+    }
+  }
+}
+
+void gather_rows(float* out, const float* inp, const int32_t* index, int64_t R, int64_t C) {
+  for (int64_t r = 0; r < R; ++r) std::copy_n(inp + int64_t{index[r]} * C, C, out + r * C);
+}
+
 void swiglu_forward(float* h, const float* gate, const float* up, int64_t n) {
 #pragma omp parallel for simd schedule(static)
   for (int64_t i = 0; i < n; ++i) {

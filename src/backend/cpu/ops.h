@@ -43,6 +43,15 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
                         const float* q, const float* k, const float* v, const int32_t* cu_seqlens, int64_t num_seqs,
                         int64_t Hq, int64_t Hkv, int64_t hd);
 
+// Paged KV cache (backend.h): caches [slots, Hkv*hd] in cache_dtype (f32, bf16 or f16).
+void kv_cache_write(void* k_cache, void* v_cache, DType cache_dtype, const float* k, const float* v,
+                    const int32_t* slots, int64_t N, int64_t kvd);
+void paged_attention_forward(float* out, const float* q, const void* k_cache, const void* v_cache, DType cache_dtype,
+                             const int32_t* block_tables, int64_t max_blocks, const int32_t* cu_seqlens,
+                             const int32_t* context_lens, int64_t num_seqs, int64_t Hq, int64_t Hkv, int64_t hd,
+                             int64_t block_size);
+void gather_rows(float* out, const float* inp, const int32_t* index, int64_t R, int64_t C);
+
 // h = silu(gate) * up
 void swiglu_forward(float* h, const float* gate, const float* up, int64_t n);
 void swiglu_backward(float* dgate, float* dup, const float* dh, const float* gate, const float* up, int64_t n);

@@ -216,6 +216,57 @@ class ReferenceBackend final : public Backend {
     for (size_t i = 0; i < gv.size(); ++i) dv.f32()[i] = static_cast<float>(gv[i]);
   }
 
+  void kv_cache_write(const Tensor& k_cache, const Tensor& v_cache, const Tensor& k, const Tensor& v,
+                      const Tensor& slots) override {
+    Access a(*this);
+    const int64_t C = k.cols();
+    const size_t elem = dtype_size(k_cache.dtype);
+    for (int64_t n = 0; n < k.rows(); ++n)
+      for (int64_t c = 0; c < C; ++c) {
+        const size_t at = (static_cast<size_t>(slots.i32()[n]) * C + c) * elem;
+        convert_from_f32(&k.f32()[n * C + c], k_cache.as<std::byte>() + at, k_cache.dtype, 1);
+        convert_from_f32(&v.f32()[n * C + c], v_cache.as<std::byte>() + at, v_cache.dtype, 1);
+      }
+  }
+  void paged_attention_forward(const Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                               const Tensor& block_tables, const Tensor& cu_seqlens, const Tensor& context_lens,
+                               int64_t hd, int64_t block_size) override {
+    Access a(*this);
+    const int64_t Hq = q.cols() / hd, Hkv = k_cache.cols() / hd, kvd = k_cache.cols();
+    for (int64_t s = 0; s + 1 < cu_seqlens.numel(); ++s) {
+      const int64_t begin = cu_seqlens.i32()[s], end = cu_seqlens.i32()[s + 1];
+      // The cache position of token j of this sequence, from its block table.
+      auto slot = [&](int64_t j) {
+        return int64_t{block_tables.i32()[s * block_tables.cols() + j / block_size]} * block_size + j % block_size;
+      };
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t position = context_lens.i32()[s] - (end - begin) + (t - begin);
+        for (int64_t head = 0; head < Hq; ++head) {
+          const int64_t g = head / (Hq / Hkv);
+          std::vector<double> w;
+          for (int64_t j = 0; j <= position; ++j) {
+            double dot = 0.0;
+            for (int64_t d = 0; d < hd; ++d)
+              dot += double(q.f32()[(t * Hq + head) * hd + d]) * element(k_cache, slot(j) * kvd + g * hd + d);
+            w.push_back(dot / std::sqrt(double(hd)));
+          }
+          const double m = *std::max_element(w.begin(), w.end());
+          double sum = 0.0;
+          for (double& x : w) sum += (x = std::exp(x - m));
+          for (int64_t d = 0; d < hd; ++d) {
+            double o = 0.0;
+            for (int64_t j = 0; j <= position; ++j) o += w[j] / sum * element(v_cache, slot(j) * kvd + g * hd + d);
+            out.f32()[(t * Hq + head) * hd + d] = static_cast<float>(o);
+          }
+        }
+      }
+    }
+  }
+  void gather_rows(const Tensor& out, const Tensor& inp, const Tensor& index) override {
+    Access a(*this);
+    for (int64_t r = 0; r < out.rows(); ++r)
+      for (int64_t c = 0; c < out.cols(); ++c) out.f32()[r * out.cols() + c] = inp.f32()[index.i32()[r] * inp.cols() + c];
+  }
   void swiglu_forward(const Tensor& h, const Tensor& gate, const Tensor& up) override {
     Access a(*this);
     for (int64_t i = 0; i < h.numel(); ++i) {

@@ -1,0 +1,77 @@
+// The generation engine: requests (token ids, sampling, stops) scheduled over an inference model
+// (ModelOptions::kv_cache) in steps that mix prefill chunks and decode tokens.
+//
+// Memory is the plan's: the KV cache is a pool of blocks, and a request is admitted only when
+// the pool can hold its prompt plus max_new_tokens, reserved at once. A request that does not
+// fit now waits (in input order) until running ones finish; nothing is evicted or recomputed,
+// and nothing fails for lack of blocks. A request longer than max_model_len is refused before
+// anything runs.
+//
+// A step takes one token from every sequence that is decoding, then fills the rest of
+// max_num_batched_tokens with prompt chunks in admission order. The LM head runs only at the
+// last token of the sequences that sample in the step.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "generate/sampling.h"
+#include "model/qwen2.h"
+#include "tokenizer/tokenizer.h"
+
+namespace memtune {
+
+struct GenerationRequest {
+  std::vector<int32_t> prompt_ids;
+  int64_t max_new_tokens = 16;
+  SamplingParams sampling;
+  std::vector<std::string> stop;  // stop strings: generation ends before them (needs a tokenizer)
+  std::vector<int32_t> stop_ids;  // stop tokens (eos): kept in token_ids, not in the text
+};
+
+struct GenerationResult {
+  std::vector<int32_t> token_ids;
+  std::string text;
+  std::string finish_reason;  // "stop" (a stop id or string) or "length" (max_new_tokens)
+  int64_t prompt_tokens = 0;
+};
+
+struct GenerationStats {
+  int64_t steps = 0, prefill_tokens = 0, decode_tokens = 0;
+  // Steps that computed any prompt token count as prefill, the others as decode.
+  double prefill_seconds = 0, decode_seconds = 0;
+  int64_t most_running = 0;    // the most sequences one step held
+  int64_t waiting_steps = 0;   // steps run while a request waited for room
+  double prefill_tokens_per_second() const { return prefill_seconds > 0 ? prefill_tokens / prefill_seconds : 0; }
+  double decode_tokens_per_second() const { return decode_seconds > 0 ? decode_tokens / decode_seconds : 0; }
+};
+
+// Called with a request's index and the next piece of its text, always whole UTF-8 characters;
+// the pieces of a request join to its result's text.
+using TextCallback = std::function<void(size_t index, std::string_view piece)>;
+
+class Generator {
+ public:
+  // tokenizer may be null when no request has stop strings and no text is wanted.
+  Generator(Qwen2Model& model, const Tokenizer* tokenizer);
+  // Refuses (an Error naming the request) an empty prompt, a prompt + max_new_tokens beyond
+  // max_model_len, stop strings without a tokenizer; then generates every request.
+  std::vector<GenerationResult> generate(const std::vector<GenerationRequest>& requests,
+                                         const TextCallback& on_text = {});
+  const GenerationStats& stats() const { return stats_; }
+  // Ends the running requests at their next token (finish_reason "abort") and admits no more:
+  // Ctrl-C in chat. Safe to call from a signal handler's flag check via the callback.
+  void cancel() { cancelled_ = true; }
+
+ private:
+  Qwen2Model& model_;
+  const Tokenizer* tokenizer_;
+  SamplerScratch scratch_;
+  GenerationStats stats_;
+  volatile bool cancelled_ = false;
+};
+
+}  // namespace memtune

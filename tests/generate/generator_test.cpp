@@ -1,0 +1,304 @@
+// The generation engine against the training model's full forward pass (no cache, packed
+// causal attention): greedy tokens are its argmax, the cache's logits are its logits; batching,
+// chunked prefill and a pool that makes requests wait change no token; the plan is the arena.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+#include "core/rng.h"
+#include "data/synthetic_tokenizer.h"
+#include "generate/generator.h"
+#include "generate/inference_plan.h"
+#include "model/qwen2.h"
+#include "support/test_util.h"
+#include "tokenizer/unicode.h"
+
+namespace memtune {
+namespace {
+
+constexpr uint64_t kWeightsSeed = 7;
+
+Qwen2Config tiny(DType dtype = DType::F32, bool tied = true) {
+  Qwen2Config c = qwen2_preset("tiny");
+  c.torch_dtype = dtype;
+  c.tie_word_embeddings = tied;
+  return c;
+}
+
+InferenceLimits limits(int64_t max_model_len, int64_t max_num_seqs = 8, int64_t max_num_batched_tokens = 64) {
+  return {.max_model_len = max_model_len, .max_num_seqs = max_num_seqs,
+          .max_num_batched_tokens = max_num_batched_tokens, .block_size = 16};
+}
+
+std::unique_ptr<Qwen2Model> inference_model(const Qwen2Config& c, const InferenceLimits& l,
+                                            Backend* backend = nullptr) {
+  auto m = std::make_unique<Qwen2Model>(c, inference_model_options(c, l, backend));
+  m->parameters().init_random(kWeightsSeed);
+  return m;
+}
+
+// The training model's forward (packed causal attention, no cache): the logits at every
+// position but the last, row t predicting token t + 1.
+class CollectLogits final : public ChunkObserver {
+ public:
+  explicit CollectLogits(size_t n) : rows(n) {}
+  void observe(const LogitsChunk& c) override {
+    for (int64_t r = 0; r < c.rows; ++r)
+      rows[static_cast<size_t>(c.positions[r])].assign(c.logits + r * c.V, c.logits + (r + 1) * c.V);
+  }
+  std::vector<std::vector<float>> rows;
+};
+std::vector<std::vector<float>> full_forward_logits(const Qwen2Config& c, const std::vector<int32_t>& tokens) {
+  ModelOptions o;
+  o.max_tokens = static_cast<int64_t>(tokens.size());
+  o.with_grads = false;
+  Qwen2Model m(c, o);
+  m.parameters().init_random(kWeightsSeed);
+  CollectLogits observer(tokens.size());
+  m.set_observer(&observer);
+  const std::vector<int32_t> cu = {0, static_cast<int32_t>(tokens.size())};
+  m.forward_loss({tokens, tokens, cu});
+  observer.rows.pop_back();
+  return observer.rows;
+}
+
+std::vector<int32_t> random_ids(int64_t n, int64_t vocab, uint64_t seed) {
+  Rng rng(seed);
+  std::vector<int32_t> ids(static_cast<size_t>(n));
+  for (int32_t& id : ids) id = static_cast<int32_t>(rng.next_u64() % static_cast<uint64_t>(vocab));
+  return ids;
+}
+
+struct Variant {
+  DType dtype;
+  bool tied;
+  double tolerance;  // on logits: a bfloat16 cache holds K and V rounded to bfloat16
+};
+class GenerationVariants : public ::testing::TestWithParam<Variant> {};
+
+TEST_P(GenerationVariants, GreedyTokensAreTheArgmaxOfFullForwardPasses) {
+  const Variant v = GetParam();
+  const Qwen2Config c = tiny(v.dtype, v.tied);
+  const int64_t P = 9, T = 300;
+  auto m = inference_model(c, limits(P + T, 1, 16));
+  Generator g(*m, nullptr);
+  GenerationRequest r{.prompt_ids = random_ids(P, c.vocab_size, 1), .max_new_tokens = T};
+  r.sampling.temperature = 0;
+  const GenerationResult out = g.generate({r})[0];
+  ASSERT_EQ(out.token_ids.size(), static_cast<size_t>(T));
+  EXPECT_EQ(out.finish_reason, "length");
+  std::vector<int32_t> all = r.prompt_ids;
+  all.insert(all.end(), out.token_ids.begin(), out.token_ids.end());
+  const auto logits = full_forward_logits(c, all);
+  int exact = 0;
+  for (int64_t i = 0; i < T; ++i) {
+    const std::vector<float>& row = logits[static_cast<size_t>(P - 1 + i)];
+    const auto best = std::max_element(row.begin(), row.end());
+    exact += (best - row.begin()) == out.token_ids[static_cast<size_t>(i)];
+    // A different choice is only acceptable between (numerically) tied logits.
+    EXPECT_GE(row[static_cast<size_t>(out.token_ids[static_cast<size_t>(i)])], *best - v.tolerance) << "token " << i;
+  }
+  EXPECT_GE(exact, T - 3);
+}
+
+TEST_P(GenerationVariants, CacheLogitsEqualFullForwardLogitsAtEveryStep) {
+  const Variant v = GetParam();
+  const Qwen2Config c = tiny(v.dtype, v.tied);
+  const int64_t P = 37, T = 40;
+  auto m = inference_model(c, limits(P + T, 1, 8));
+  // Prefill in chunks of 8 (the last one samples), then one token per step, greedily.
+  std::vector<int32_t> tokens = random_ids(P, c.vocab_size, 2), blocks = {3, 0, 4, 1, 2};
+  std::vector<std::vector<float>> cached;
+  int64_t computed = 0;
+  while (static_cast<int64_t>(tokens.size()) < P + T) {
+    const int64_t n = std::min<int64_t>(8, static_cast<int64_t>(tokens.size()) - computed);
+    const std::vector<int32_t> ids(tokens.begin() + computed, tokens.begin() + computed + n);
+    const std::vector<int32_t> cu = {0, static_cast<int32_t>(n)}, ctx = {static_cast<int32_t>(computed + n)};
+    const bool samples = computed + n == static_cast<int64_t>(tokens.size());
+    const std::vector<int32_t> sample = samples ? std::vector<int32_t>{0} : std::vector<int32_t>{};
+    const StepLogits l = m->generation_step(
+        {.input_ids = ids, .cu_seqlens = cu, .context_lens = ctx, .block_tables = blocks, .sample_seqs = sample});
+    computed += n;
+    if (!samples) continue;
+    std::vector<float> row(static_cast<size_t>(c.vocab_size));
+    for (int64_t t = 0; t < c.vocab_size; ++t) row[static_cast<size_t>(t)] = l.at(0, t);
+    tokens.push_back(static_cast<int32_t>(std::max_element(row.begin(), row.end()) - row.begin()));
+    cached.push_back(std::move(row));
+  }
+  const auto full = full_forward_logits(c, tokens);
+  double worst = 0;
+  for (size_t i = 0; i < cached.size(); ++i)
+    for (size_t t = 0; t < cached[i].size(); ++t)
+      worst = std::max(worst, std::abs(double(cached[i][t]) - full[static_cast<size_t>(P - 1) + i][t]));
+  EXPECT_LT(worst, v.tolerance);
+  RecordProperty("max_abs_logit_difference", std::to_string(worst));
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, GenerationVariants,
+                         ::testing::Values(Variant{DType::F32, true, 1e-5}, Variant{DType::F32, false, 1e-5},
+                                           Variant{DType::BF16, true, 5e-3}, Variant{DType::BF16, false, 5e-3}),
+                         [](const auto& info) {
+                           return std::string(info.param.dtype == DType::F32 ? "f32" : "bf16") +
+                                  (info.param.tied ? "_tied" : "_untied");
+                         });
+
+// Five requests of mixed lengths, greedy and sampled.
+std::vector<GenerationRequest> mixed_requests(const Qwen2Config& c) {
+  std::vector<GenerationRequest> rs;
+  const int64_t lengths[] = {3, 17, 9, 30, 1};
+  for (int i = 0; i < 5; ++i) {
+    GenerationRequest r{.prompt_ids = random_ids(lengths[i], c.vocab_size, 10 + i), .max_new_tokens = 12 + 3 * i};
+    r.sampling.temperature = i % 2 ? 0.8 : 0.0;
+    r.sampling.top_p = 0.9;
+    r.sampling.seed = 5;
+    r.sampling.stream = static_cast<uint64_t>(i);
+    rs.push_back(r);
+  }
+  return rs;
+}
+std::vector<std::vector<int32_t>> tokens_of(const std::vector<GenerationResult>& results) {
+  std::vector<std::vector<int32_t>> out;
+  for (const auto& r : results) out.push_back(r.token_ids);
+  return out;
+}
+
+TEST(Generator, BatchedChunkedAndWaitingRequestsGiveTheSameTokensAsOneByOne) {
+  const Qwen2Config c = tiny();
+  const std::vector<GenerationRequest> rs = mixed_requests(c);
+  std::vector<std::vector<int32_t>> alone;
+  for (const auto& r : rs) {
+    auto m = inference_model(c, limits(64, 1, 64));
+    alone.push_back(Generator(*m, nullptr).generate({r})[0].token_ids);
+  }
+  {  // all at once, prompts in one step
+    auto m = inference_model(c, limits(64, 8, 64));
+    Generator g(*m, nullptr);
+    EXPECT_EQ(tokens_of(g.generate(rs)), alone);
+    EXPECT_EQ(g.stats().most_running, 5);
+    EXPECT_EQ(g.stats().waiting_steps, 0);
+  }
+  {  // prompts chunked to 8 tokens a step, mixed with decode tokens
+    auto m = inference_model(c, limits(64, 8, 8));
+    Generator g(*m, nullptr);
+    EXPECT_EQ(tokens_of(g.generate(rs)), alone);
+    EXPECT_GT(g.stats().steps, 30 / 8);
+  }
+  {  // one sequence at a time: the others wait and all finish
+    auto m = inference_model(c, limits(64, 1, 64));
+    Generator g(*m, nullptr);
+    const auto results = g.generate(rs);
+    EXPECT_EQ(tokens_of(results), alone);
+    EXPECT_EQ(g.stats().most_running, 1);
+    EXPECT_GT(g.stats().waiting_steps, 0);
+    for (const auto& r : results) EXPECT_EQ(r.finish_reason, "length");
+  }
+}
+
+TEST(Generator, APoolSizedByABudgetMakesRequestsWaitForBlocks) {
+  const Qwen2Config c = tiny();
+  InferenceLimits l = limits(64, 8, 64);
+  // The budget: everything but the pool, plus 6 blocks (two requests of 3 blocks each at most).
+  ModelOptions one = inference_model_options(c, l, nullptr, false);
+  one.kv_cache.blocks = 1;
+  const Qwen2Model probe(c, one);
+  const size_t per_block = kv_bytes_per_token(c) * 16;
+  l.device_memory = probe.plan().peak_bytes() + 5 * per_block;
+  l.memory_fraction = 1.0;
+  const ModelOptions o = inference_model_options(c, l, nullptr);
+  EXPECT_EQ(o.kv_cache.blocks, 6);
+  Qwen2Model m(c, o);
+  m.parameters().init_random(kWeightsSeed);
+  EXPECT_LE(m.plan().peak_bytes(), l.device_memory);
+  Generator g(m, nullptr);
+  const auto rs = mixed_requests(c);
+  const auto results = g.generate(rs);
+  EXPECT_GT(g.stats().waiting_steps, 0);
+  EXPECT_LT(g.stats().most_running, 5);
+  auto m1 = inference_model(c, limits(64, 1, 64));
+  for (size_t i = 0; i < rs.size(); ++i)
+    EXPECT_EQ(results[i].token_ids, Generator(*m1, nullptr).generate({rs[i]})[0].token_ids) << i;
+  // Planned == handed out: the arena's high-water mark is the plan's peak.
+  EXPECT_EQ(m.arena().high_water_bytes(), m.plan().peak_bytes());
+
+  l.device_memory = probe.plan().peak_bytes() + per_block;  // less than one sequence of 64 tokens
+  EXPECT_NE(testing_support::error_of([&] { inference_model_options(c, l, nullptr); }).find("cannot hold"),
+            std::string::npos);
+}
+
+TEST(Generator, RefusesARequestLongerThanMaxModelLen) {
+  const Qwen2Config c = tiny();
+  auto m = inference_model(c, limits(32));
+  Generator g(*m, nullptr);
+  GenerationRequest ok{.prompt_ids = random_ids(4, c.vocab_size, 1), .max_new_tokens = 28};
+  GenerationRequest too_long{.prompt_ids = random_ids(20, c.vocab_size, 1), .max_new_tokens = 13};
+  EXPECT_EQ(testing_support::error_of([&] { g.generate({ok, too_long}); }),
+            "request 1: the prompt's 20 tokens + max_new_tokens 13 = 33 exceed max_model_len 32");
+  EXPECT_EQ(g.generate({ok})[0].token_ids.size(), 28u);
+}
+
+TEST(Generator, ReferenceBackendGeneratesTheSameTokens) {
+  const Qwen2Config c = tiny(DType::BF16, false);
+  std::vector<GenerationRequest> rs = mixed_requests(c);
+  rs.resize(3);
+  auto cpu = inference_model(c, limits(64, 4, 16));
+  auto ref = inference_model(c, limits(64, 4, 16), &backend_named("reference"));
+  EXPECT_EQ(tokens_of(Generator(*ref, nullptr).generate(rs)), tokens_of(Generator(*cpu, nullptr).generate(rs)));
+}
+
+TEST(Generator, StopIdsStopStringsAndStreamedText) {
+  const Tokenizer tok = testing_support::synthetic_tokenizer();
+  Qwen2Config c = tiny();
+  c.vocab_size = tok.vocab_size();
+  auto m = inference_model(c, limits(96, 2, 32));
+  Generator g(*m, &tok);
+  GenerationRequest r{.prompt_ids = tok.encode("hello world"), .max_new_tokens = 60};
+  r.sampling.temperature = 1.0;
+  r.sampling.seed = 3;
+  std::string streamed;
+  const GenerationResult plain = g.generate({r}, [&](size_t, std::string_view piece) { streamed += piece; })[0];
+  EXPECT_EQ(streamed, plain.text);
+  EXPECT_EQ(plain.text, tok.decode(plain.token_ids, true));
+  ASSERT_GT(plain.token_ids.size(), 20u);
+
+  // A stop id ends the request at that token (kept in token_ids).
+  GenerationRequest with_id = r;
+  with_id.stop_ids = {plain.token_ids[10]};
+  const size_t first =
+      std::find(plain.token_ids.begin(), plain.token_ids.end(), plain.token_ids[10]) - plain.token_ids.begin();
+  const GenerationResult by_id = g.generate({with_id})[0];
+  EXPECT_EQ(by_id.finish_reason, "stop");
+  EXPECT_EQ(by_id.token_ids, std::vector<int32_t>(plain.token_ids.begin(), plain.token_ids.begin() + first + 1));
+
+  // A stop string ends the text before it, even when it spans tokens.
+  const std::string bytes = [&] {
+    std::string b;
+    for (int32_t id : plain.token_ids) b += tok.token_bytes(id, true);
+    return b;
+  }();
+  ASSERT_GT(bytes.size(), 12u);
+  GenerationRequest with_string = r;
+  with_string.stop = {bytes.substr(8, 3)};
+  streamed.clear();
+  const GenerationResult by_string =
+      g.generate({with_string}, [&](size_t, std::string_view piece) { streamed += piece; })[0];
+  EXPECT_EQ(by_string.finish_reason, "stop");
+  std::string expected;
+  tokenizer_detail::append_utf8_lossy(std::string_view(bytes).substr(0, bytes.find(bytes.substr(8, 3))), expected);
+  EXPECT_EQ(by_string.text, expected);
+  EXPECT_EQ(streamed, by_string.text);
+}
+
+TEST(Generator, CompleteUtf8Prefix) {
+  EXPECT_EQ(tokenizer_detail::complete_utf8_prefix("abc"), 3u);
+  EXPECT_EQ(tokenizer_detail::complete_utf8_prefix("a\xc3"), 1u);          // the lead of a 2-byte character
+  EXPECT_EQ(tokenizer_detail::complete_utf8_prefix("a\xc3\xa9"), 3u);      // é whole
+  EXPECT_EQ(tokenizer_detail::complete_utf8_prefix("\xe4\xbd"), 0u);       // 2 of 3 bytes of 你
+  EXPECT_EQ(tokenizer_detail::complete_utf8_prefix("\xe4\xbd\xa0"), 3u);
+  EXPECT_EQ(tokenizer_detail::complete_utf8_prefix("x\xf0\x9f\x98"), 1u);  // 3 of 4 bytes of an emoji
+  EXPECT_EQ(tokenizer_detail::complete_utf8_prefix("\x80\x80"), 2u);       // stray continuation bytes pass (lossy)
+}
+
+}  // namespace
+}  // namespace memtune
