@@ -17,6 +17,7 @@ Action add_dump(CLI::App& app);
 Action add_merge(CLI::App& app);
 Action add_train(CLI::App& app);
 Action add_eval(CLI::App& app);
+Action add_generate(CLI::App& app);
 Action add_plan(CLI::App& app);
 Action add_tokenize(CLI::App& app);
 Action add_data_stats(CLI::App& app);

@@ -43,6 +43,8 @@ int main(int argc, char** argv) {
   add("train", "fine-tune (LoRA or full) on a JSONL dataset with Hugging Face's arguments", memtune::cli::add_train);
   add("eval", "streaming evaluation: loss, perplexity, token accuracy without ever holding logits",
       memtune::cli::add_eval);
+  add("generate", "text from a model over a planned, paged KV cache (a prompt, or a JSONL file of them)",
+      memtune::cli::add_generate);
   add("plan", "the memory bill of a run before it starts, against a device budget", memtune::cli::add_plan);
   add("report", "regenerate report.html (charts, memory timeline, plan, arguments) from a run's output_dir",
       memtune::cli::add_report);

@@ -166,16 +166,20 @@ StepLogits Qwen2Model::generation_step(const GenerationBatch& batch) {
                      static_cast<float>(c.rms_norm_eps));
   const Tensor logits = A.f32(buf_.last_logits, {V, R});
   const Tensor head = params_.param(params_.head());
-  if (head.dtype == DType::F32) {
-    be.matmul_forward(logits, head, normed, Tensor{});
-  } else {
-    for (int64_t v0 = 0; v0 < V; v0 += buf_.head_slice_rows) {
-      const int64_t n = std::min(buf_.head_slice_rows, V - v0);
-      const Tensor slice = A.f32(buf_.head_slice, {n, D});
-      be.convert(slice, Tensor(static_cast<std::byte*>(head.data) + static_cast<size_t>(v0 * D) * dtype_size(head.dtype),
-                               head.dtype, {n, D}));
-      be.matmul_forward(Tensor(logits.as<float>() + v0 * R, DType::F32, {n, R}), slice, normed, Tensor{});
+  // A vocabulary slice at a time (a 16-bit head is widened slice by slice; OpenBLAS's packing
+  // buffers stay the size of a slice: the whole [V, D] head as one GEMM operand made them grow
+  // by ~9 MiB beyond the plan on the demo model).
+  const int64_t slice_rows = std::min<int64_t>(V, DecoderBuffers::kHeadSliceRows);
+  for (int64_t v0 = 0; v0 < V; v0 += slice_rows) {
+    const int64_t n = std::min(slice_rows, V - v0);
+    Tensor slice(static_cast<std::byte*>(head.data) + static_cast<size_t>(v0 * D) * dtype_size(head.dtype),
+                 head.dtype, {n, D});
+    if (head.dtype != DType::F32) {
+      const Tensor widened = A.f32(buf_.head_slice, {n, D});
+      be.convert(widened, slice);
+      slice = widened;
     }
+    be.matmul_forward(Tensor(logits.as<float>() + v0 * R, DType::F32, {n, R}), slice, normed, Tensor{});
   }
   if (!buf_.stages_chunks) return {logits.as<const float>(), R, V};
   float* host = host_arena_->f32(buf_.staging_last_logits, {V, R}).as<float>();

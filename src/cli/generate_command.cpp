@@ -1,0 +1,268 @@
+// `memtune generate`: text from a model (optionally with LoRA adapters, applied unmerged) for one
+// prompt or a JSONL file of prompts, over a KV cache whose size the plan fixes before the first
+// token (generate/inference_plan.h), scheduled by the generation engine (generate/generator.h).
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+#include <memory>
+#include <optional>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "cli/commands.h"
+#include "core/error.h"
+#include "core/json_reader.h"
+#include "core/jsonl.h"
+#include "data/formats.h"
+#include "generate/generator.h"
+#include "generate/inference_plan.h"
+#include "io/safetensors.h"
+#include "memory/memory_files.h"
+#include "memory/process_memory.h"
+#include "memory/process_plan.h"
+#include "model/load.h"
+#include "model/lora.h"
+#include "tokenizer/chat_template.h"
+#include "tokenizer/tokenizer.h"
+#include "train/arguments.h"
+#include "train/run.h"
+
+namespace memtune::cli {
+
+namespace {
+
+struct GenerateArgs {
+  std::string model, adapter, tokenizer, prompt, input, output, system, templ, backend = "cpu", torch_dtype;
+  std::string device_memory, host_memory;
+  bool chat = false, json = false, ignore_eos = false, bf16 = false, fp16 = false;
+  int64_t max_new_tokens = 256, max_model_len = 0, max_num_seqs = 8, max_num_batched_tokens = 512, block_size = 16;
+  double memory_fraction = 0.9;
+  SamplingParams sampling;
+  std::vector<std::string> stop;
+  std::vector<int32_t> stop_token_ids;
+};
+
+// The ids that end a reply: the tokenizer's eos, generation_config.json's eos_token_id (a number
+// or a list) and, for chat prompts, <|im_end|>.
+std::vector<int32_t> stop_ids(const GenerateArgs& a, const Tokenizer& tokenizer, bool chat) {
+  std::set<int32_t> ids(a.stop_token_ids.begin(), a.stop_token_ids.end());
+  if (a.ignore_eos) return {ids.begin(), ids.end()};
+  if (const auto eos = tokenizer.eos_token_id()) ids.insert(*eos);
+  if (chat)
+    if (const auto im_end = tokenizer.token_to_id("<|im_end|>")) ids.insert(*im_end);
+  const std::filesystem::path gen = std::filesystem::path(a.model) / "generation_config.json";
+  if (std::filesystem::exists(gen)) {
+    const nlohmann::json doc = read_json_file(gen);
+    const JsonReader r(doc, gen.string());
+    if (const auto eos = r.find("eos_token_id")) {
+      if (eos->value().is_array()) {
+        for (size_t i = 0; i < eos->size(); ++i) ids.insert(static_cast<int32_t>((*eos)[i].as_integer(0, INT32_MAX)));
+      } else {
+        ids.insert(static_cast<int32_t>(eos->as_integer(0, INT32_MAX)));
+      }
+    }
+  }
+  return {ids.begin(), ids.end()};
+}
+
+// A prompt's token ids: the text as it is, or rendered by the chat template with the assistant
+// header appended.
+std::vector<int32_t> chat_prompt(const Tokenizer& tokenizer, ChatTemplate templ, std::vector<ChatMessage> messages,
+                                 const std::string& system) {
+  if (!system.empty() && (messages.empty() || messages[0].role != "system"))
+    messages.insert(messages.begin(), ChatMessage{.role = "system", .content = system});
+  validate_conversation(messages, false);
+  if (messages.back().role != "user") throw Error("the last message must be the user's: generation writes the reply");
+  RenderOptions options{.add_generation_prompt = true};
+  if (const auto eos = tokenizer.eos_token_id()) options.eos_token = tokenizer.decode(std::vector<int32_t>{*eos});
+  std::vector<int32_t> ids, labels;
+  encode_segments(tokenizer, render_chat(templ, messages, options), ids, labels);
+  return ids;
+}
+
+}  // namespace
+
+Action add_generate(CLI::App& app) {
+  auto a = std::make_shared<GenerateArgs>();
+  app.add_option("--model_name_or_path,--model", a->model, "Hugging Face model directory")->required();
+  app.add_option("--adapter", a->adapter, "PEFT LoRA adapter directory, applied without merging");
+  app.add_option("--tokenizer", a->tokenizer, "tokenizer directory (default: the model directory)");
+  add_backend_option(app, a->backend);
+  app.add_option("--prompt", a->prompt, "one prompt; its text is streamed to stdout");
+  app.add_option("--input", a->input,
+                 "JSONL, one request per line: {\"prompt\": TEXT} | {\"messages\": [...]} | {\"prompt_ids\": [...]}");
+  app.add_option("--output", a->output, "write the results here as JSONL, in input order (default: stdout)");
+  app.add_flag("--chat", a->chat, "render --prompt and \"prompt\" lines as a user message with the chat template");
+  app.add_option("--system", a->system, "system message for chat prompts without one");
+  add_template_option(app, a->templ);
+  app.add_option("--max_new_tokens", a->max_new_tokens, "the most tokens generated per request")->capture_default_str();
+  SamplingParams& s = a->sampling;
+  app.add_option("--temperature", s.temperature, "0: greedy")->capture_default_str();
+  app.add_option("--top_k", s.top_k, "keep the k most likely tokens (0 or -1: all)")->capture_default_str();
+  app.add_option("--top_p", s.top_p, "keep the smallest set reaching this probability")->capture_default_str();
+  app.add_option("--min_p", s.min_p, "keep tokens at least min_p times as likely as the best")->capture_default_str();
+  app.add_option("--repetition_penalty", s.repetition_penalty, "> 1 discourages prompt and output tokens")
+      ->capture_default_str();
+  app.add_option("--presence_penalty", s.presence_penalty)->capture_default_str();
+  app.add_option("--frequency_penalty", s.frequency_penalty)->capture_default_str();
+  app.add_option("--seed", s.seed, "random seed; request i of the input draws from stream i")->capture_default_str();
+  app.add_option("--stop", a->stop, "a stop string (repeatable): the reply ends before it");
+  app.add_option("--stop_token_ids", a->stop_token_ids, "more stop token ids")->delimiter(',');
+  app.add_flag("--ignore_eos", a->ignore_eos, "do not stop at eos / <|im_end|>: always max_new_tokens");
+  app.add_option("--max_model_len", a->max_model_len,
+                 "the most tokens (prompt + output) of one sequence (default: the longest request)");
+  app.add_option("--max_num_seqs", a->max_num_seqs, "sequences decoded together")->capture_default_str();
+  app.add_option("--max_num_batched_tokens", a->max_num_batched_tokens,
+                 "tokens one step computes: prompts are prefilled in chunks of at most this")
+      ->capture_default_str();
+  app.add_option("--block_size", a->block_size, "tokens per KV cache block")->capture_default_str();
+  app.add_option("--device_memory", a->device_memory,
+                 "size the KV cache from this budget (e.g. 24GiB): what is left after weights and workspace");
+  app.add_option("--memory_fraction,--gpu_memory_utilization", a->memory_fraction,
+                 "the share of --device_memory the plan may use")
+      ->capture_default_str();
+  app.add_option("--torch_dtype", a->torch_dtype, "storage dtype of the weights: float32 | bfloat16 | float16");
+  app.add_flag("--bf16", a->bf16, "store weights in bfloat16");
+  app.add_flag("--fp16", a->fp16, "store weights in float16");
+  app.add_option("--host_memory", a->host_memory,
+                 "budget for the whole process (e.g. 16GiB): refuse to start when the prediction is above it");
+  app.add_flag("--json", a->json, "print the results and the summary as JSON");
+  app.parse_complete_callback([a] {
+    if (a->prompt.empty() == a->input.empty()) throw Error("give one of --prompt TEXT and --input FILE.jsonl");
+    check_local_dataset(a->input, "--input");
+  });
+  return [a] {
+    const size_t startup_rss = current_rss_bytes();
+    const std::optional<DType> dtype = storage_dtype(a->torch_dtype, a->bf16, a->fp16);
+    const Tokenizer tokenizer = Tokenizer::load(a->tokenizer.empty() ? a->model : a->tokenizer);
+    std::optional<ChatTemplate> templ;
+    auto chat_template = [&] {
+      if (!templ) templ = resolve_chat_template(a->templ, tokenizer, "tokenizer_config.json");
+      return *templ;
+    };
+    // The requests, each with its prompt ids.
+    std::vector<GenerationRequest> requests;
+    auto add_request = [&](std::vector<int32_t> ids, bool chat) {
+      GenerationRequest r{.prompt_ids = std::move(ids), .max_new_tokens = a->max_new_tokens, .sampling = a->sampling,
+                          .stop = a->stop, .stop_ids = stop_ids(*a, tokenizer, chat)};
+      r.sampling.stream = requests.size();
+      requests.push_back(std::move(r));
+    };
+    if (!a->prompt.empty()) {
+      if (a->chat)
+        add_request(chat_prompt(tokenizer, chat_template(), {{.role = "user", .content = a->prompt}}, a->system), true);
+      else
+        add_request(tokenizer.encode(a->prompt), false);
+    } else {
+      JsonlReader reader(a->input);
+      JsonlLine line;
+      while (reader.next_line(line)) {
+        std::string error;
+        const std::optional<nlohmann::json> doc = parse_json_line(line.text, error);
+        if (!doc) reader.bad_line(line.number, error);
+        const JsonReader r(*doc, "");
+        try {
+          if (const auto ids = r.find("prompt_ids")) {
+            std::vector<int32_t> v;
+            for (size_t i = 0; i < ids->as_array().size(); ++i)
+              v.push_back(static_cast<int32_t>((*ids)[i].as_integer(0, INT32_MAX)));
+            add_request(std::move(v), false);
+          } else if (const auto messages = r.find("messages")) {
+            add_request(chat_prompt(tokenizer, chat_template(), parse_messages(*messages), a->system), true);
+          } else if (r.has("prompt")) {
+            const std::string text = r.string("prompt");
+            if (a->chat)
+              add_request(chat_prompt(tokenizer, chat_template(), {{.role = "user", .content = text}}, a->system), true);
+            else
+              add_request(tokenizer.encode(text), false);
+          } else {
+            throw Error("expected a \"prompt\", \"messages\" or \"prompt_ids\" field");
+          }
+        } catch (const Error& e) {
+          reader.bad_line(line.number, e.what());
+        }
+      }
+      if (requests.empty()) throw Error(fmt::format("--input {}: no requests", a->input));
+    }
+
+    // The plan: max_model_len defaults to the longest request.
+    const Qwen2Config config = load_model_config(a->model, dtype);
+    int64_t longest = 0;
+    for (const auto& r : requests)
+      longest = std::max<int64_t>(longest, static_cast<int64_t>(r.prompt_ids.size()) + r.max_new_tokens);
+    InferenceLimits limits{.max_model_len = a->max_model_len > 0 ? a->max_model_len : longest,
+                           .max_num_seqs = a->max_num_seqs,
+                           .max_num_batched_tokens = a->max_num_batched_tokens,
+                           .block_size = a->block_size,
+                           .device_memory = a->device_memory.empty() ? 0 : parse_bytes(a->device_memory, "--device_memory"),
+                           .memory_fraction = a->memory_fraction};
+    limits.max_num_seqs = std::min<int64_t>(limits.max_num_seqs, static_cast<int64_t>(requests.size()));
+    limits.max_num_batched_tokens = std::max(limits.max_num_batched_tokens, limits.max_num_seqs);
+    ModelOptions options = inference_model_options(config, limits, &backend_named(a->backend));
+    ProcessPlan process;
+    process.measure_preparation(startup_rss);
+    {
+      ModelOptions planned = options;
+      planned.allocate = false;
+      if (!a->adapter.empty()) planned.lora = load_lora_adapter_config(a->adapter);
+      add_planned_terms(process, Qwen2Model(config, planned), load_model_config(a->model).torch_dtype, 1);
+      if (!a->host_memory.empty())
+        check_host_budget(process, parse_bytes(a->host_memory, "--host_memory"), "--host_memory");
+    }
+    const std::unique_ptr<Qwen2Model> model = load_model(a->model, options, a->adapter, dtype);
+    Generator generator(*model, &tokenizer);
+    const bool stream = !a->prompt.empty() && !a->json;
+    const std::vector<GenerationResult> results = generator.generate(requests, [&](size_t, std::string_view piece) {
+      if (!stream) return;
+      std::cout << piece << std::flush;
+    });
+    if (stream) std::cout << "\n";
+
+    model->arena().sample();
+    const GenerationStats& st = generator.stats();
+    const KvCacheOptions& kv = model->options().kv_cache;
+    nlohmann::json summary = {
+        {"requests", results.size()},
+        {"prefill_tokens", st.prefill_tokens},
+        {"decode_tokens", st.decode_tokens},
+        {"prefill_tokens_per_second", st.prefill_tokens_per_second()},
+        {"decode_tokens_per_second", st.decode_tokens_per_second()},
+        {"max_model_len", kv.max_model_len},
+        {"max_num_seqs", kv.max_seqs},
+        {"kv_cache_blocks", kv.blocks},
+        {"kv_cache_tokens", kv.blocks * kv.block_size},
+        {"arena_bytes", model->plan().peak_bytes()},
+        {"process_predicted_peak_bytes", process.peak_bytes()},
+        {"process_peak_rss_bytes", process_peak_rss_bytes(model->arena())}};
+    std::string lines;
+    for (size_t i = 0; i < results.size(); ++i) {
+      const GenerationResult& r = results[i];
+      lines += nlohmann::json{{"index", i},
+                              {"text", r.text},
+                              {"token_ids", r.token_ids},
+                              {"finish_reason", r.finish_reason},
+                              {"prompt_tokens", r.prompt_tokens},
+                              {"completion_tokens", r.token_ids.size()}}
+                   .dump() +
+               "\n";
+    }
+    if (!a->output.empty()) write_file_atomically(a->output, lines);
+    if (a->json) {
+      if (a->output.empty()) std::cout << lines;
+      std::cout << summary.dump() << "\n";
+      return;
+    }
+    if (a->prompt.empty() && a->output.empty()) std::cout << lines;
+    std::cerr << fmt::format(
+        "{} requests: prefill {} tokens at {:.1f} tokens/s, decode {} tokens at {:.1f} tokens/s; KV cache {} blocks "
+        "of {} tokens; arena {} (planned), process peak {} (measured, {} predicted)\n",
+        results.size(), st.prefill_tokens, st.prefill_tokens_per_second(), st.decode_tokens,
+        st.decode_tokens_per_second(), kv.blocks, kv.block_size, format_bytes(model->plan().peak_bytes()),
+        format_bytes(process_peak_rss_bytes(model->arena())), format_bytes(process.peak_bytes()));
+  };
+}
+
+}  // namespace memtune::cli

@@ -1,0 +1,119 @@
+// `memtune generate` as a user runs it: a JSONL file of prompts in three forms, results in input
+// order, the same tokens whether requests run together or wait for one another, and clear
+// errors for a request longer than max_model_len and for a bad input line.
+#include <gtest/gtest.h>
+
+#include <cctype>
+#include <filesystem>
+#include <fstream>
+
+#include "data/synthetic_tokenizer.h"
+#include "support/run_command.h"
+#include "support/test_util.h"
+
+namespace memtune {
+namespace {
+
+namespace fs = std::filesystem;
+using testing_support::run_memtune;
+
+class GenerateCliTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = testing_support::make_temp_dir("generate_cli");
+    // A tiny model over the synthetic tokenizer's 269 ids.
+    ASSERT_EQ(run_memtune("init-model --preset tiny --set vocab_size=269 --seed 3 --out " + path("model")).status, 0);
+    testing_support::write_synthetic_tokenizer(dir_ / "model");
+    std::ofstream(path("in.jsonl")) << "{\"prompt\": \"hello world\"}\n"
+                                       "{\"prompt_ids\": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]}\n"
+                                       "\n"
+                                       "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}\n"
+                                       "{\"prompt\": \"a\"}\n"
+                                       "{\"prompt_ids\": [200]}\n";
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+  std::string generate(const std::string& flags) const {
+    return "generate --model " + path("model") + " --input " + path("in.jsonl") + " --ignore_eos " + flags;
+  }
+  fs::path dir_;
+};
+
+TEST_F(GenerateCliTest, ResultsInInputOrderAndTheSameTokensHoweverScheduled) {
+  const auto together = run_memtune(generate("--max_new_tokens 20 --temperature 0.7 --seed 4 --json --output " +
+                                             path("together.jsonl")));
+  ASSERT_EQ(together.status, 0) << together.output;
+  const nlohmann::json summary = nlohmann::json::parse(together.output);
+  EXPECT_EQ(summary["requests"], 5);
+  EXPECT_EQ(summary["decode_tokens"].get<int>() + 5, 5 * 20);  // the first token of each comes from its prefill
+  EXPECT_GT(summary["process_peak_rss_bytes"].get<double>(), summary["arena_bytes"].get<double>());
+  const auto lines = testing_support::read_jsonl(path("together.jsonl"));
+  ASSERT_EQ(lines.size(), 5u);
+  for (size_t i = 0; i < lines.size(); ++i) {
+    EXPECT_EQ(lines[i]["index"], i);
+    EXPECT_EQ(lines[i]["finish_reason"], "length");
+    EXPECT_EQ(lines[i]["completion_tokens"], 20);
+    EXPECT_EQ(lines[i]["token_ids"].size(), 20u);
+  }
+  EXPECT_EQ(lines[1]["prompt_tokens"], 13);
+  EXPECT_EQ(lines[4]["prompt_tokens"], 1);
+  // The chat line is rendered with the template and the assistant header.
+  EXPECT_GT(lines[2]["prompt_tokens"].get<int>(), 10);
+
+  // One sequence at a time, prompts chunked 4 tokens a step: the same tokens.
+  const auto waiting = run_memtune(generate("--max_new_tokens 20 --temperature 0.7 --seed 4 --max_num_seqs 1 "
+                                            "--max_num_batched_tokens 4 --output " + path("waiting.jsonl")));
+  ASSERT_EQ(waiting.status, 0) << waiting.output;
+  EXPECT_NE(waiting.output.find("5 requests: prefill"), std::string::npos) << waiting.output;
+  const auto again = testing_support::read_jsonl(path("waiting.jsonl"));
+  for (size_t i = 0; i < lines.size(); ++i) EXPECT_EQ(again[i]["token_ids"], lines[i]["token_ids"]) << i;
+}
+
+TEST_F(GenerateCliTest, RefusesTooLongRequestsAndBadLinesWritingNothing) {
+  auto r = run_memtune(generate("--max_new_tokens 8 --max_model_len 16 --output " + path("out.jsonl")));
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.output.find("request 1: the prompt's 13 tokens + max_new_tokens 8 = 21 exceed max_model_len 16"),
+            std::string::npos)
+      << r.output;
+  EXPECT_FALSE(fs::exists(path("out.jsonl")));
+
+  std::ofstream(path("in.jsonl"), std::ios::app) << "{\"text\": \"no prompt\"}\n";
+  r = run_memtune(generate("--max_new_tokens 4 --output " + path("out.jsonl")));
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.output.find("in.jsonl:7: expected a \"prompt\", \"messages\" or \"prompt_ids\" field"), std::string::npos)
+      << r.output;
+  EXPECT_FALSE(fs::exists(path("out.jsonl")));
+
+  r = run_memtune("generate --model " + path("model") + " --max_new_tokens 4");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.output.find("give one of --prompt TEXT and --input FILE.jsonl"), std::string::npos) << r.output;
+}
+
+TEST_F(GenerateCliTest, StreamsAPromptsTextAndStopsBeforeAStopString) {
+  auto r = run_memtune("generate --model " + path("model") +
+                       " --prompt 'hello' --max_new_tokens 30 --temperature 1 --seed 2 --ignore_eos --json");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const nlohmann::json result = nlohmann::json::parse(r.output.substr(0, r.output.find('\n')));
+  const std::string text = result["text"];
+  ASSERT_GT(text.size(), 6u);
+  // The same request streamed: the text on stdout as it comes, a newline, then the summary.
+  r = run_memtune("generate --model " + path("model") +
+                  " --prompt 'hello' --max_new_tokens 30 --temperature 1 --seed 2 --ignore_eos");
+  ASSERT_EQ(r.status, 0);
+  EXPECT_EQ(r.output.substr(0, text.size() + 1), text + "\n");
+  EXPECT_NE(r.output.find("1 requests: prefill 1 tokens"), std::string::npos) << r.output;
+  // A stop string (here ASCII from the middle of that text) ends the reply before it.
+  size_t at = 3;
+  while (at < text.size() && !(std::isalnum(static_cast<unsigned char>(text[at])))) ++at;
+  ASSERT_LT(at, text.size()) << "no ASCII letter to stop at";
+  const std::string stop(1, text[at]);
+  r = run_memtune("generate --model " + path("model") + " --prompt 'hello' --max_new_tokens 30 --temperature 1 " +
+                  "--seed 2 --ignore_eos --json --stop " + stop);
+  ASSERT_EQ(r.status, 0) << r.output;
+  const nlohmann::json stopped = nlohmann::json::parse(r.output.substr(0, r.output.find('\n')));
+  EXPECT_EQ(stopped["finish_reason"], "stop");
+  EXPECT_EQ(stopped["text"], text.substr(0, text.find(stop)));
+}
+
+}  // namespace
+}  // namespace memtune
