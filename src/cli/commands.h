@@ -17,7 +17,8 @@ Action add_dump(CLI::App& app);
 Action add_merge(CLI::App& app);
 Action add_train(CLI::App& app);
 Action add_eval(CLI::App& app);
-Action add_generate(CLI::App& app);
+// plan_only: `memtune plan --inference`, the same flags with --preset, printing the plan.
+Action add_generate(CLI::App& app, bool plan_only = false);
 Action add_plan(CLI::App& app);
 Action add_tokenize(CLI::App& app);
 Action add_data_stats(CLI::App& app);

@@ -36,8 +36,8 @@ namespace {
 
 struct GenerateArgs {
   std::string model, adapter, tokenizer, prompt, input, output, system, templ, backend = "cpu", torch_dtype;
-  std::string device_memory, host_memory;
-  bool chat = false, json = false, ignore_eos = false, bf16 = false, fp16 = false;
+  std::string device_memory, host_memory, preset;
+  bool chat = false, json = false, ignore_eos = false, bf16 = false, fp16 = false, inference = false;
   int64_t max_new_tokens = 256, max_model_len = 0, max_num_seqs = 8, max_num_batched_tokens = 512, block_size = 16;
   double memory_fraction = 0.9;
   SamplingParams sampling;
@@ -83,11 +83,152 @@ std::vector<int32_t> chat_prompt(const Tokenizer& tokenizer, ChatTemplate templ,
   return ids;
 }
 
+// The requests of --prompt or --input, each with its prompt ids.
+std::vector<GenerationRequest> read_requests(const GenerateArgs& a, const Tokenizer& tokenizer) {
+  std::optional<ChatTemplate> templ;
+  auto chat_template = [&] {
+    if (!templ) templ = resolve_chat_template(a.templ, tokenizer, "tokenizer_config.json");
+    return *templ;
+  };
+  std::vector<GenerationRequest> requests;
+  auto add_request = [&](std::vector<int32_t> ids, bool chat) {
+    GenerationRequest r{.prompt_ids = std::move(ids), .max_new_tokens = a.max_new_tokens, .sampling = a.sampling,
+                        .stop = a.stop, .stop_ids = stop_ids(a, tokenizer, chat)};
+    r.sampling.stream = requests.size();
+    requests.push_back(std::move(r));
+  };
+  auto text_prompt = [&](const std::string& text) {
+    if (a.chat)
+      add_request(chat_prompt(tokenizer, chat_template(), {{.role = "user", .content = text}}, a.system), true);
+    else
+      add_request(tokenizer.encode(text), false);
+  };
+  if (!a.prompt.empty()) {
+    text_prompt(a.prompt);
+    return requests;
+  }
+  JsonlReader reader(a.input);
+  JsonlLine line;
+  while (reader.next_line(line)) {
+    std::string error;
+    const std::optional<nlohmann::json> doc = parse_json_line(line.text, error);
+    if (!doc) reader.bad_line(line.number, error);
+    const JsonReader r(*doc, "");
+    try {
+      if (const auto ids = r.find("prompt_ids")) {
+        std::vector<int32_t> v;
+        for (size_t i = 0; i < ids->as_array().size(); ++i)
+          v.push_back(static_cast<int32_t>((*ids)[i].as_integer(0, INT32_MAX)));
+        add_request(std::move(v), false);
+      } else if (const auto messages = r.find("messages")) {
+        add_request(chat_prompt(tokenizer, chat_template(), parse_messages(*messages), a.system), true);
+      } else if (r.has("prompt")) {
+        text_prompt(r.string("prompt"));
+      } else {
+        throw Error("expected a \"prompt\", \"messages\" or \"prompt_ids\" field");
+      }
+    } catch (const Error& e) {
+      reader.bad_line(line.number, e.what());
+    }
+  }
+  if (requests.empty()) throw Error(fmt::format("--input {}: no requests", a.input));
+  return requests;
+}
+
+// What generation will hold: the model's options for the limits (max_model_len: the flag, else
+// the longest request, else the model's max_position_embeddings) and the whole process around it.
+struct InferenceSetup {
+  Qwen2Config config;
+  ModelOptions options;
+  ProcessPlan process;
+};
+InferenceSetup plan_setup(const GenerateArgs& a, const std::vector<GenerationRequest>& requests, size_t startup_rss) {
+  const std::optional<DType> dtype = storage_dtype(a.torch_dtype, a.bf16, a.fp16);
+  InferenceSetup s;
+  s.config = a.preset.empty() ? load_model_config(a.model) : qwen2_preset(a.preset);
+  const DType checkpoint_dtype = s.config.torch_dtype;
+  if (dtype) s.config.torch_dtype = *dtype;
+  int64_t longest = 0;
+  for (const auto& r : requests)
+    longest = std::max<int64_t>(longest, static_cast<int64_t>(r.prompt_ids.size()) + r.max_new_tokens);
+  InferenceLimits limits{
+      .max_model_len = a.max_model_len > 0 ? a.max_model_len : longest > 0 ? longest : s.config.max_position_embeddings,
+      .max_num_seqs = a.max_num_seqs,
+      .max_num_batched_tokens = a.max_num_batched_tokens,
+      .block_size = a.block_size,
+      .device_memory = a.device_memory.empty() ? 0 : parse_bytes(a.device_memory, "--device_memory"),
+      .memory_fraction = a.memory_fraction};
+  if (!requests.empty()) {  // no more sequences than requests
+    limits.max_num_seqs = std::min<int64_t>(limits.max_num_seqs, static_cast<int64_t>(requests.size()));
+    limits.max_num_batched_tokens = std::max(limits.max_num_batched_tokens, limits.max_num_seqs);
+  }
+  s.options = inference_model_options(s.config, limits, &backend_named(a.backend));
+  if (startup_rss > 0) s.process.measure_preparation(startup_rss);
+  ModelOptions planned = s.options;
+  planned.allocate = false;
+  if (!a.adapter.empty()) planned.lora = load_lora_adapter_config(a.adapter);
+  add_planned_terms(s.process, Qwen2Model(s.config, planned), checkpoint_dtype, 1);
+  if (!a.host_memory.empty())
+    check_host_budget(s.process, parse_bytes(a.host_memory, "--host_memory"), "--host_memory");
+  return s;
+}
+
+// `memtune plan --inference`: the bill of a generate command line before it runs.
+void plan_inference(const GenerateArgs& a) {
+  const size_t startup_rss = current_rss_bytes();
+  std::vector<GenerationRequest> requests;
+  if (!a.prompt.empty() || !a.input.empty()) {
+    const Tokenizer tokenizer = Tokenizer::load(a.tokenizer.empty() ? a.model : a.tokenizer);
+    requests = read_requests(a, tokenizer);
+  }
+  InferenceSetup s = plan_setup(a, requests, requests.empty() ? 0 : startup_rss);
+  if (requests.empty()) s.process.startup_bytes = startup_rss;
+  ModelOptions planned = s.options;
+  planned.allocate = false;
+  if (!a.adapter.empty()) planned.lora = load_lora_adapter_config(a.adapter);
+  const Qwen2Model model(s.config, planned);
+  const MemoryPlan& plan = model.plan();
+  const KvCacheOptions& kv = s.options.kv_cache;
+  const size_t per_token = kv_bytes_per_token(s.config);
+  const int64_t cache_tokens = kv.blocks * kv.block_size;
+  const int64_t fit = kv.blocks / kv.max_blocks_per_seq;
+  nlohmann::json out = plan_to_json(plan);
+  out["arena_bytes"] = plan.peak_bytes();
+  out["max_model_len"] = kv.max_model_len;
+  out["max_num_seqs"] = kv.max_seqs;
+  out["max_num_batched_tokens"] = s.options.max_tokens;
+  out["block_size"] = kv.block_size;
+  out["kv_cache_blocks"] = kv.blocks;
+  out["kv_cache_tokens"] = cache_tokens;
+  out["kv_bytes_per_token"] = per_token;
+  out["kv_cache_bytes"] = plan.live_bytes(Phase::Forward, Category::KvCache);
+  out["sequences_of_max_model_len"] = fit;
+  out["process_plan"] = s.process.to_json();
+  out["process_predicted_peak_bytes"] = s.process.peak_bytes();
+  if (a.json) {
+    std::cout << out.dump() << "\n";
+    return;
+  }
+  std::cout << fmt::format(
+      "inference plan ({}): max_model_len {}, max_num_seqs {}, max_num_batched_tokens {}, blocks of {} tokens\n"
+      "KV cache: {} per token; {} blocks = {} tokens = {}: {} sequences of {} tokens fit{}\n\n{}\n{}\n",
+      dtype_torch_name(s.config.torch_dtype), kv.max_model_len, kv.max_seqs, s.options.max_tokens, kv.block_size,
+      format_bytes(per_token), kv.blocks, cache_tokens, format_bytes(plan.live_bytes(Phase::Forward, Category::KvCache)),
+      fit, kv.max_model_len, fit < kv.max_seqs ? fmt::format(" (fewer than --max_num_seqs {}: the others wait)", kv.max_seqs) : "",
+      plan.summary(), s.process.summary());
+}
+
 }  // namespace
 
-Action add_generate(CLI::App& app) {
+Action add_generate(CLI::App& app, bool plan_only) {
   auto a = std::make_shared<GenerateArgs>();
-  app.add_option("--model_name_or_path,--model", a->model, "Hugging Face model directory")->required();
+  auto* model = app.add_option("--model_name_or_path,--model", a->model, "Hugging Face model directory");
+  if (plan_only) {
+    app.add_flag("--inference", a->inference, "plan generation (memtune generate's flags)");
+    app.add_option("--preset", a->preset, "qwen2.5-0.5b ... qwen2.5-72b, tiny (instead of --model)")->excludes(model);
+  } else {
+    model->required();
+  }
   app.add_option("--adapter", a->adapter, "PEFT LoRA adapter directory, applied without merging");
   app.add_option("--tokenizer", a->tokenizer, "tokenizer directory (default: the model directory)");
   add_backend_option(app, a->backend);
@@ -130,89 +271,22 @@ Action add_generate(CLI::App& app) {
   app.add_option("--host_memory", a->host_memory,
                  "budget for the whole process (e.g. 16GiB): refuse to start when the prediction is above it");
   app.add_flag("--json", a->json, "print the results and the summary as JSON");
-  app.parse_complete_callback([a] {
-    if (a->prompt.empty() == a->input.empty()) throw Error("give one of --prompt TEXT and --input FILE.jsonl");
+  app.parse_complete_callback([a, plan_only] {
+    if (!plan_only && a->prompt.empty() == a->input.empty())
+      throw Error("give one of --prompt TEXT and --input FILE.jsonl");
+    if (!a->prompt.empty() && !a->input.empty()) throw Error("give one of --prompt TEXT and --input FILE.jsonl, not both");
+    if (plan_only && a->model.empty() == a->preset.empty()) throw Error("plan needs exactly one of --model or --preset");
     check_local_dataset(a->input, "--input");
   });
+  if (plan_only) return [a] { plan_inference(*a); };
   return [a] {
     const size_t startup_rss = current_rss_bytes();
     const std::optional<DType> dtype = storage_dtype(a->torch_dtype, a->bf16, a->fp16);
     const Tokenizer tokenizer = Tokenizer::load(a->tokenizer.empty() ? a->model : a->tokenizer);
-    std::optional<ChatTemplate> templ;
-    auto chat_template = [&] {
-      if (!templ) templ = resolve_chat_template(a->templ, tokenizer, "tokenizer_config.json");
-      return *templ;
-    };
-    // The requests, each with its prompt ids.
-    std::vector<GenerationRequest> requests;
-    auto add_request = [&](std::vector<int32_t> ids, bool chat) {
-      GenerationRequest r{.prompt_ids = std::move(ids), .max_new_tokens = a->max_new_tokens, .sampling = a->sampling,
-                          .stop = a->stop, .stop_ids = stop_ids(*a, tokenizer, chat)};
-      r.sampling.stream = requests.size();
-      requests.push_back(std::move(r));
-    };
-    if (!a->prompt.empty()) {
-      if (a->chat)
-        add_request(chat_prompt(tokenizer, chat_template(), {{.role = "user", .content = a->prompt}}, a->system), true);
-      else
-        add_request(tokenizer.encode(a->prompt), false);
-    } else {
-      JsonlReader reader(a->input);
-      JsonlLine line;
-      while (reader.next_line(line)) {
-        std::string error;
-        const std::optional<nlohmann::json> doc = parse_json_line(line.text, error);
-        if (!doc) reader.bad_line(line.number, error);
-        const JsonReader r(*doc, "");
-        try {
-          if (const auto ids = r.find("prompt_ids")) {
-            std::vector<int32_t> v;
-            for (size_t i = 0; i < ids->as_array().size(); ++i)
-              v.push_back(static_cast<int32_t>((*ids)[i].as_integer(0, INT32_MAX)));
-            add_request(std::move(v), false);
-          } else if (const auto messages = r.find("messages")) {
-            add_request(chat_prompt(tokenizer, chat_template(), parse_messages(*messages), a->system), true);
-          } else if (r.has("prompt")) {
-            const std::string text = r.string("prompt");
-            if (a->chat)
-              add_request(chat_prompt(tokenizer, chat_template(), {{.role = "user", .content = text}}, a->system), true);
-            else
-              add_request(tokenizer.encode(text), false);
-          } else {
-            throw Error("expected a \"prompt\", \"messages\" or \"prompt_ids\" field");
-          }
-        } catch (const Error& e) {
-          reader.bad_line(line.number, e.what());
-        }
-      }
-      if (requests.empty()) throw Error(fmt::format("--input {}: no requests", a->input));
-    }
-
-    // The plan: max_model_len defaults to the longest request.
-    const Qwen2Config config = load_model_config(a->model, dtype);
-    int64_t longest = 0;
-    for (const auto& r : requests)
-      longest = std::max<int64_t>(longest, static_cast<int64_t>(r.prompt_ids.size()) + r.max_new_tokens);
-    InferenceLimits limits{.max_model_len = a->max_model_len > 0 ? a->max_model_len : longest,
-                           .max_num_seqs = a->max_num_seqs,
-                           .max_num_batched_tokens = a->max_num_batched_tokens,
-                           .block_size = a->block_size,
-                           .device_memory = a->device_memory.empty() ? 0 : parse_bytes(a->device_memory, "--device_memory"),
-                           .memory_fraction = a->memory_fraction};
-    limits.max_num_seqs = std::min<int64_t>(limits.max_num_seqs, static_cast<int64_t>(requests.size()));
-    limits.max_num_batched_tokens = std::max(limits.max_num_batched_tokens, limits.max_num_seqs);
-    ModelOptions options = inference_model_options(config, limits, &backend_named(a->backend));
-    ProcessPlan process;
-    process.measure_preparation(startup_rss);
-    {
-      ModelOptions planned = options;
-      planned.allocate = false;
-      if (!a->adapter.empty()) planned.lora = load_lora_adapter_config(a->adapter);
-      add_planned_terms(process, Qwen2Model(config, planned), load_model_config(a->model).torch_dtype, 1);
-      if (!a->host_memory.empty())
-        check_host_budget(process, parse_bytes(a->host_memory, "--host_memory"), "--host_memory");
-    }
-    const std::unique_ptr<Qwen2Model> model = load_model(a->model, options, a->adapter, dtype);
+    const std::vector<GenerationRequest> requests = read_requests(*a, tokenizer);
+    const InferenceSetup setup = plan_setup(*a, requests, startup_rss);
+    const ProcessPlan& process = setup.process;
+    const std::unique_ptr<Qwen2Model> model = load_model(a->model, setup.options, a->adapter, dtype);
     Generator generator(*model, &tokenizer);
     const bool stream = !a->prompt.empty() && !a->json;
     const std::vector<GenerationResult> results = generator.generate(requests, [&](size_t, std::string_view piece) {

@@ -44,7 +44,9 @@ int main(int argc, char** argv) {
   add("eval", "streaming evaluation: loss, perplexity, token accuracy without ever holding logits",
       memtune::cli::add_eval);
   add("generate", "text from a model over a planned, paged KV cache (a prompt, or a JSONL file of them)",
-      memtune::cli::add_generate);
+      [](CLI::App& sub) { return memtune::cli::add_generate(sub); });
+  CLI::App* plan_inference = app.add_subcommand("plan-inference", "")->group("");  // `plan --inference`
+  commands.emplace_back(plan_inference, memtune::cli::add_generate(*plan_inference, true));
   add("plan", "the memory bill of a run before it starts, against a device budget", memtune::cli::add_plan);
   add("report", "regenerate report.html (charts, memory timeline, plan, arguments) from a run's output_dir",
       memtune::cli::add_report);
@@ -67,6 +69,11 @@ int main(int argc, char** argv) {
         if (candidate->get_name() == args[command_at]) sub = candidate;
       if (!sub) break;
       command = sub;
+    }
+    // `plan --inference` takes generate's flags: it is the inference planner's own subcommand.
+    if (command->get_name() == "plan" && std::find(args.begin(), args.end(), "--inference") != args.end()) {
+      args[command_at - 1] = "plan-inference";
+      command = plan_inference;
     }
     const std::string name = command->get_name();
     const bool compatible = command->get_parent() == &app && (name == "train" || name == "plan" || name == "eval");

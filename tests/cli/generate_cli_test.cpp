@@ -115,5 +115,38 @@ TEST_F(GenerateCliTest, StreamsAPromptsTextAndStopsBeforeAStopString) {
   EXPECT_EQ(stopped["text"], text.substr(0, text.find(stop)));
 }
 
+TEST_F(GenerateCliTest, PlanInferenceIsTheBillOfTheSameCommandLine) {
+  const std::string flags = "--max_new_tokens 20 --max_num_seqs 3 --max_num_batched_tokens 8 --json";
+  const auto run = run_memtune(generate(flags + " --output " + path("out.jsonl")));
+  ASSERT_EQ(run.status, 0) << run.output;
+  const auto plan = run_memtune("plan --inference --model " + path("model") + " --input " + path("in.jsonl") +
+                                " --ignore_eos " + flags);
+  ASSERT_EQ(plan.status, 0) << plan.output;
+  const nlohmann::json p = nlohmann::json::parse(plan.output), r = nlohmann::json::parse(run.output);
+  EXPECT_EQ(p["arena_bytes"], r["arena_bytes"]);
+  EXPECT_EQ(p["kv_cache_blocks"], r["kv_cache_blocks"]);
+  int64_t longest = 0;  // the default max_model_len: the longest request
+  for (const auto& line : testing_support::read_jsonl(path("out.jsonl")))
+    longest = std::max<int64_t>(longest, line["prompt_tokens"].get<int64_t>() + 20);
+  EXPECT_EQ(p["max_model_len"].get<int64_t>(), longest);
+  EXPECT_EQ(p["sequences_of_max_model_len"].get<int64_t>(), 3);
+  // kv bytes per token: K and V of 2 layers x 2 heads x 16 dims in float32.
+  EXPECT_EQ(p["kv_bytes_per_token"].get<int64_t>(), 2 * 2 * 2 * 16 * 4);
+
+  // A budget: the pool is what is left, and the plan says how many sequences of L tokens fit.
+  const auto budget = run_memtune("plan --inference --preset qwen2.5-0.5b --bf16 --max_model_len 4096 "
+                                  "--device_memory 24GiB --memory_fraction 0.9 --json");
+  ASSERT_EQ(budget.status, 0) << budget.output;
+  const nlohmann::json b = nlohmann::json::parse(budget.output);
+  const double limit = 24.0 * (1 << 30) * 0.9;
+  EXPECT_LE(b["arena_bytes"].get<double>(), limit);
+  EXPECT_GT(b["arena_bytes"].get<double>() + 2 * b["kv_bytes_per_token"].get<double>() * 16, limit);
+  EXPECT_EQ(b["sequences_of_max_model_len"].get<int64_t>(), b["kv_cache_blocks"].get<int64_t>() / 256);
+  const auto too_small = run_memtune("plan --inference --preset qwen2.5-0.5b --bf16 --max_model_len 4096 "
+                                     "--device_memory 1GiB");
+  EXPECT_EQ(too_small.status, 1);
+  EXPECT_NE(too_small.output.find("cannot hold the model"), std::string::npos) << too_small.output;
+}
+
 }  // namespace
 }  // namespace memtune
