@@ -17,8 +17,10 @@ Action add_dump(CLI::App& app);
 Action add_merge(CLI::App& app);
 Action add_train(CLI::App& app);
 Action add_eval(CLI::App& app);
-// plan_only: `memtune plan --inference`, the same flags with --preset, printing the plan.
-Action add_generate(CLI::App& app, bool plan_only = false);
+// generate, `memtune plan --inference` (generate's flags with --preset: the plan, nothing run)
+// and the interactive chat share their flags and their planning.
+enum class GenerateMode { Generate, Plan, Chat };
+Action add_generate(CLI::App& app, GenerateMode mode = GenerateMode::Generate);
 Action add_plan(CLI::App& app);
 Action add_tokenize(CLI::App& app);
 Action add_data_stats(CLI::App& app);

@@ -28,6 +28,7 @@
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
 #include "train/arguments.h"
+#include "train/console.h"
 #include "train/run.h"
 
 namespace memtune::cli {
@@ -218,9 +219,61 @@ void plan_inference(const GenerateArgs& a) {
       plan.summary(), s.process.summary());
 }
 
+// `memtune chat`: one conversation in the terminal. The model is planned once for one sequence
+// of max_model_len (default: the model's max_position_embeddings); each answer streams as it is
+// generated, and Ctrl-C stops it (the part written so far stays in the history).
+void chat(const GenerateArgs& a) {
+  const Tokenizer tokenizer = Tokenizer::load(a.tokenizer.empty() ? a.model : a.tokenizer);
+  const ChatTemplate templ = resolve_chat_template(a.templ, tokenizer, "tokenizer_config.json");
+  GenerateArgs one = a;
+  one.max_num_seqs = 1;
+  const InferenceSetup setup = plan_setup(one, {}, 0);
+  const std::optional<DType> dtype = storage_dtype(a.torch_dtype, a.bf16, a.fp16);
+  const std::unique_ptr<Qwen2Model> model = load_model(a.model, setup.options, a.adapter, dtype);
+  const int64_t max_model_len = setup.options.kv_cache.max_model_len;
+  Generator generator(*model, &tokenizer);
+  std::vector<ChatMessage> history;
+  std::cerr << fmt::format(
+      "memtune chat: {} ({} KV cache for {} tokens). /reset clears the history, /exit quits, Ctrl-C stops an "
+      "answer.\n",
+      a.model, format_bytes(model->plan().live_bytes(Phase::Forward, Category::KvCache)), max_model_len);
+  std::string line;
+  uint64_t turn = 0;
+  while (std::cout << "> " << std::flush, std::getline(std::cin, line)) {
+    if (line == "/exit") break;
+    if (line == "/reset") {
+      history.clear();
+      turn = 0;  // a conversation's answers depend on its own turns only
+      std::cout << "(history cleared)\n";
+      continue;
+    }
+    if (line.empty()) continue;
+    history.push_back({.role = "user", .content = line});
+    GenerationRequest r{.prompt_ids = chat_prompt(tokenizer, templ, history, a.system),
+                        .max_new_tokens = a.max_new_tokens, .sampling = a.sampling, .stop = a.stop,
+                        .stop_ids = stop_ids(a, tokenizer, true)};
+    r.sampling.stream = turn++;
+    const int64_t room = max_model_len - static_cast<int64_t>(r.prompt_ids.size());
+    if (room < 1) {
+      history.pop_back();
+      std::cout << fmt::format("(the conversation is {} tokens, max_model_len is {}: /reset to start again)\n",
+                               r.prompt_ids.size(), max_model_len);
+      continue;
+    }
+    r.max_new_tokens = std::min(r.max_new_tokens, room);
+    const InterruptRequests interrupts;
+    const GenerationResult out = generator.generate(
+        {r}, [](size_t, std::string_view piece) { std::cout << piece << std::flush; },
+        [&] { return interrupts.requested(); })[0];
+    std::cout << (out.finish_reason == "abort" ? " (stopped)\n" : "\n");
+    history.push_back({.role = "assistant", .content = out.text});
+  }
+}
+
 }  // namespace
 
-Action add_generate(CLI::App& app, bool plan_only) {
+Action add_generate(CLI::App& app, GenerateMode mode) {
+  const bool plan_only = mode == GenerateMode::Plan;
   auto a = std::make_shared<GenerateArgs>();
   auto* model = app.add_option("--model_name_or_path,--model", a->model, "Hugging Face model directory");
   if (plan_only) {
@@ -271,7 +324,11 @@ Action add_generate(CLI::App& app, bool plan_only) {
   app.add_option("--host_memory", a->host_memory,
                  "budget for the whole process (e.g. 16GiB): refuse to start when the prediction is above it");
   app.add_flag("--json", a->json, "print the results and the summary as JSON");
-  app.parse_complete_callback([a, plan_only] {
+  app.parse_complete_callback([a, mode, plan_only] {
+    if (mode == GenerateMode::Chat) {
+      if (!a->prompt.empty() || !a->input.empty()) throw Error("chat reads its prompts from the terminal");
+      return;
+    }
     if (!plan_only && a->prompt.empty() == a->input.empty())
       throw Error("give one of --prompt TEXT and --input FILE.jsonl");
     if (!a->prompt.empty() && !a->input.empty()) throw Error("give one of --prompt TEXT and --input FILE.jsonl, not both");
@@ -279,6 +336,7 @@ Action add_generate(CLI::App& app, bool plan_only) {
     check_local_dataset(a->input, "--input");
   });
   if (plan_only) return [a] { plan_inference(*a); };
+  if (mode == GenerateMode::Chat) return [a] { chat(*a); };
   return [a] {
     const size_t startup_rss = current_rss_bytes();
     const std::optional<DType> dtype = storage_dtype(a->torch_dtype, a->bf16, a->fp16);

@@ -45,8 +45,10 @@ int main(int argc, char** argv) {
       memtune::cli::add_eval);
   add("generate", "text from a model over a planned, paged KV cache (a prompt, or a JSONL file of them)",
       [](CLI::App& sub) { return memtune::cli::add_generate(sub); });
+  add("chat", "an interactive chat in the terminal (chat template, history; /reset, /exit; Ctrl-C stops an answer)",
+      [](CLI::App& sub) { return memtune::cli::add_generate(sub, memtune::cli::GenerateMode::Chat); });
   CLI::App* plan_inference = app.add_subcommand("plan-inference", "")->group("");  // `plan --inference`
-  commands.emplace_back(plan_inference, memtune::cli::add_generate(*plan_inference, true));
+  commands.emplace_back(plan_inference, memtune::cli::add_generate(*plan_inference, memtune::cli::GenerateMode::Plan));
   add("plan", "the memory bill of a run before it starts, against a device budget", memtune::cli::add_plan);
   add("report", "regenerate report.html (charts, memory timeline, plan, arguments) from a run's output_dir",
       memtune::cli::add_report);

@@ -42,7 +42,8 @@ Generator::Generator(Qwen2Model& model, const Tokenizer* tokenizer)
 }
 
 std::vector<GenerationResult> Generator::generate(const std::vector<GenerationRequest>& requests,
-                                                  const TextCallback& on_text) {
+                                                  const TextCallback& on_text,
+                                                  const std::function<bool()>& stop_requested) {
   const KvCacheOptions& kv = model_.options().kv_cache;
   const int64_t V = model_.config().vocab_size;
   for (size_t i = 0; i < requests.size(); ++i) {
@@ -64,7 +65,6 @@ std::vector<GenerationResult> Generator::generate(const std::vector<GenerationRe
   MT_ASSERT(kv.blocks >= kv.max_blocks_per_seq, "the pool cannot hold one sequence of max_model_len");
 
   stats_ = {};
-  cancelled_ = false;
   std::vector<GenerationResult> results(requests.size());
   std::deque<size_t> waiting;
   for (size_t i = 0; i < requests.size(); ++i) waiting.push_back(i);
@@ -128,7 +128,15 @@ std::vector<GenerationResult> Generator::generate(const std::vector<GenerationRe
   using Clock = std::chrono::steady_clock;
   while (!waiting.empty() || !running.empty()) {
     // Admit in input order while there is room for a whole request.
-    while (!cancelled_ && !waiting.empty() && running.size() < S) {
+    if (stop_requested && stop_requested()) {
+      for (auto& s : running) finish(*s, "abort");
+      for (size_t i : waiting) {
+        results[i].finish_reason = "abort";
+        results[i].prompt_tokens = static_cast<int64_t>(requests[i].prompt_ids.size());
+      }
+      break;
+    }
+    while (!waiting.empty() && running.size() < S) {
       const GenerationRequest& r = requests[waiting.front()];
       const int64_t need =
           blocks_for(static_cast<int64_t>(r.prompt_ids.size()) + r.max_new_tokens, kv.block_size);
@@ -147,12 +155,6 @@ std::vector<GenerationResult> Generator::generate(const std::vector<GenerationRe
       for (const std::string& stop : r.stop) s->hold_back = std::max(s->hold_back, stop.size() - 1);
       running.push_back(std::move(s));
       waiting.pop_front();
-    }
-    if (cancelled_) {
-      for (auto& s : running) finish(*s, "abort");
-      for (size_t i : waiting) results[i].finish_reason = "abort", results[i].prompt_tokens =
-                                   static_cast<int64_t>(requests[i].prompt_ids.size());
-      break;
     }
     MT_ASSERT(!running.empty(), "no request could be admitted into an empty pool");
     if (!waiting.empty()) ++stats_.waiting_steps;

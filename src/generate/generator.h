@@ -59,19 +59,18 @@ class Generator {
   Generator(Qwen2Model& model, const Tokenizer* tokenizer);
   // Refuses (an Error naming the request) an empty prompt, a prompt + max_new_tokens beyond
   // max_model_len, stop strings without a tokenizer; then generates every request.
+  // stop_requested is asked before every step: when it says yes (Ctrl-C in chat), the running
+  // requests end where they are and the waiting ones end empty, with finish_reason "abort".
   std::vector<GenerationResult> generate(const std::vector<GenerationRequest>& requests,
-                                         const TextCallback& on_text = {});
+                                         const TextCallback& on_text = {},
+                                         const std::function<bool()>& stop_requested = {});
   const GenerationStats& stats() const { return stats_; }
-  // Ends the running requests at their next token (finish_reason "abort") and admits no more:
-  // Ctrl-C in chat. Safe to call from a signal handler's flag check via the callback.
-  void cancel() { cancelled_ = true; }
 
  private:
   Qwen2Model& model_;
   const Tokenizer* tokenizer_;
   SamplerScratch scratch_;
   GenerationStats stats_;
-  volatile bool cancelled_ = false;
 };
 
 }  // namespace memtune

@@ -115,6 +115,26 @@ TEST_F(GenerateCliTest, StreamsAPromptsTextAndStopsBeforeAStopString) {
   EXPECT_EQ(stopped["text"], text.substr(0, text.find(stop)));
 }
 
+TEST_F(GenerateCliTest, ChatKeepsHistoryUntilReset) {
+  const auto r = testing_support::run_command(
+      "printf 'hello\\nworld\\n/reset\\nhello\\n/exit\\nnever read\\n' | " + std::string(MEMTUNE_BINARY) +
+      " chat --model " + path("model") + " --template chatml --max_new_tokens 8 --seed 9 --ignore_eos "
+      "--max_model_len 512 2>/dev/null");
+  ASSERT_EQ(r.status, 0) << r.output;
+  // "> " before each prompt; the answers follow it.
+  std::vector<std::string> turns;
+  for (size_t at = r.output.find("> "); at != std::string::npos;) {
+    const size_t next = r.output.find("\n> ", at + 2);
+    turns.push_back(r.output.substr(at + 2, next == std::string::npos ? std::string::npos : next - at - 2));
+    at = next == std::string::npos ? next : next + 1;
+  }
+  ASSERT_EQ(turns.size(), 5u) << r.output;  // three answers, the reset, the /exit prompt
+  EXPECT_EQ(turns[2], "(history cleared)");
+  EXPECT_EQ(turns[3], turns[0]) << "after /reset the same message gets the same answer";
+  EXPECT_NE(turns[1], turns[0]);
+  EXPECT_EQ(turns[4], "");
+}
+
 TEST_F(GenerateCliTest, PlanInferenceIsTheBillOfTheSameCommandLine) {
   const std::string flags = "--max_new_tokens 20 --max_num_seqs 3 --max_num_batched_tokens 8 --json";
   const auto run = run_memtune(generate(flags + " --output " + path("out.jsonl")));

@@ -290,6 +290,22 @@ TEST(Generator, StopIdsStopStringsAndStreamedText) {
   EXPECT_EQ(streamed, by_string.text);
 }
 
+TEST(Generator, AStopRequestEndsEveryRequestWhereItIs) {
+  const Qwen2Config c = tiny();
+  auto m = inference_model(c, limits(64, 2, 64));
+  Generator g(*m, nullptr);
+  int asked = 0;
+  const auto results = g.generate(mixed_requests(c), {}, [&] { return ++asked > 4; });
+  ASSERT_EQ(results.size(), 5u);
+  for (const auto& r : results) {
+    EXPECT_EQ(r.finish_reason, "abort");
+    EXPECT_LE(r.token_ids.size(), 4u);
+  }
+  EXPECT_EQ(results[0].token_ids.size(), 4u);  // running from the first step: one token per step
+  EXPECT_TRUE(results[4].token_ids.empty());   // still waiting
+  EXPECT_EQ(g.stats().steps, 4);
+}
+
 TEST(Generator, CompleteUtf8Prefix) {
   EXPECT_EQ(tokenizer_detail::complete_utf8_prefix("abc"), 3u);
   EXPECT_EQ(tokenizer_detail::complete_utf8_prefix("a\xc3"), 1u);          // the lead of a 2-byte character
