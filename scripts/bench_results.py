@@ -92,7 +92,23 @@ def table_speed(results):
     return lines
 
 
-TABLES = {"memory": table_memory, "step": table_speed, "train": table_speed}
+def table_generate(results):
+    lines = ["| dtype | machine | read GB/s | decode limit tok/s | batch-1 decode tok/s | of limit | batch-8 decode "
+             "tok/s | batch-8 / batch-1 | prefill tok/s | prefill GFLOP/s | of sgemm ceiling |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        for row in r["rows"]:
+            d = row["decode_tokens_per_s"]
+            b1, b8 = d.get("1", 0.0), d.get("8", 0.0)
+            lines.append(f"| {row['torch_dtype']} | {machine_text(r)} | {row['memory_read_gb_per_s']:.1f} | "
+                         f"{row['decode_limit_tokens_per_s']:.1f} | {b1:.1f} | "
+                         f"{b1 / row['decode_limit_tokens_per_s']:.0%} | {b8:.1f} | {b8 / b1:.2f}x | "
+                         f"{row['prefill_tokens_per_s']:.1f} | {row['prefill_gflops']:.1f} | "
+                         f"{row['prefill_gflops'] / row['sgemm_ceiling_gflops']:.0%} |")
+    return lines
+
+
+TABLES = {"memory": table_memory, "step": table_speed, "train": table_speed, "generate": table_generate}
 
 
 def tables():

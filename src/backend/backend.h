@@ -75,6 +75,10 @@ struct LmHeadArgs {
   HostChunkStaging staging = {};
 };
 
+// Up to this many rows a caller hands matmul_forward a 16-bit weight as it is stored (widened
+// in registers); with more rows it widens the weight into float32 scratch first.
+constexpr int64_t kSixteenBitWeightRows = 16;
+
 // The largest head_dim the attention ops take (a query row's accumulator lives on the stack);
 // config loading refuses larger heads before any memory is planned.
 constexpr int64_t kMaxAttentionHeadDim = 256;
@@ -103,7 +107,10 @@ class Backend {
   virtual void fill(const Tensor& dst, float value) = 0;  // f32 views
   virtual void fill_bytes(void* device, unsigned char byte, size_t bytes) = 0;
 
-  // out[N,OC] = inp[N,C] @ weight[OC,C]^T (+ bias[OC])
+  // out[N,OC] = inp[N,C] @ weight[OC,C]^T (+ bias[OC]). The weight may be stored in 16 bits
+  // (bfloat16 / float16): it is then widened in registers as it is read, never copied to a
+  // float32 matrix, which is what memory-bound decoding wants (few rows, each weight read once);
+  // for many rows the caller widens into scratch and passes float32.
   virtual void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& bias) = 0;
   // out[N,OC] += scale * inp[N,C] @ weight[OC,C]^T
   virtual void matmul_accumulate(const Tensor& out, const Tensor& inp, const Tensor& weight, float scale) = 0;

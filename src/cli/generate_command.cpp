@@ -77,7 +77,8 @@ std::vector<int32_t> chat_prompt(const Tokenizer& tokenizer, ChatTemplate templ,
     messages.insert(messages.begin(), ChatMessage{.role = "system", .content = system});
   validate_conversation(messages, false);
   if (messages.back().role != "user") throw Error("the last message must be the user's: generation writes the reply");
-  RenderOptions options{.add_generation_prompt = true};
+  RenderOptions options;
+  options.add_generation_prompt = true;
   if (const auto eos = tokenizer.eos_token_id()) options.eos_token = tokenizer.decode(std::vector<int32_t>{*eos});
   std::vector<int32_t> ids, labels;
   encode_segments(tokenizer, render_chat(templ, messages, options), ids, labels);

@@ -194,7 +194,7 @@ std::vector<GenerationResult> Generator::generate(const std::vector<GenerationRe
     for (size_t i = 0; i < in_step.size(); ++i) in_step[i]->computed = ctx[i];
     for (size_t r = 0; r < sample_seqs.size(); ++r) {
       Sequence& s = *in_step[static_cast<size_t>(sample_seqs[r])];
-      const int32_t token = s.sampler->sample(logits.data + r, logits.rows, scratch_);
+      const int32_t token = s.sampler->sample(logits.row(static_cast<int64_t>(r)), 1, scratch_);
       if (const char* reason = append(s, token)) finish(s, reason);
     }
     const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();

@@ -73,14 +73,12 @@ DecoderBuffers declare_inference_buffers(const Qwen2Config& c, const ModelOption
         plan.declare("forward.vector_f32", Category::Working, largest_vector_elems(specs) * 4, F, F);
     b.vector_f32[static_cast<size_t>(L)] =
         plan.declare("loss.vector_f32", Category::Working, largest_vector_elems(specs) * 4, L, L);
-    b.head_slice_rows = std::min<int64_t>(c.vocab_size, DecoderBuffers::kHeadSliceRows);
-    b.head_slice = plan.declare("loss.head_weight_slice_f32", Category::LossWorkspace,
-                                static_cast<size_t>(b.head_slice_rows) * D * 4, L, L);
   }
   b.last_rows = plan.declare("loss.last_hidden_rows", Category::LossWorkspace, S * D * 4, L, L);
   b.last_normed = plan.declare("loss.last_normed_rows", Category::LossWorkspace, S * D * 4, L, L);
   b.last_rstd = plan.declare("loss.last_rstd", Category::LossWorkspace, S * 4, L, L);
-  // The logits are read by the sampler after the step, so they outlive the loss phase.
+  // [max_seqs, V]: read by the sampler after the step, so they outlive the loss phase. The head
+  // is applied in its storage dtype (max_seqs rows count as few, see kSixteenBitWeightRows).
   b.last_logits = plan.declare_persistent("head.last_logits", Category::LossWorkspace, V * S * 4);
   b.stages_chunks = stage_logits;
   if (stage_logits)

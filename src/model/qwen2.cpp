@@ -164,25 +164,11 @@ StepLogits Qwen2Model::generation_step(const GenerationBatch& batch) {
   be.gather_rows(rows, act(buf_.residual[L % 2], D), A.i32(buf_.last_rows_index, {R}));
   be.rmsnorm_forward(normed, A.f32(buf_.last_rstd, {R}), rows, weight_f32(params_.final_norm()),
                      static_cast<float>(c.rms_norm_eps));
-  const Tensor logits = A.f32(buf_.last_logits, {V, R});
-  const Tensor head = params_.param(params_.head());
-  // A vocabulary slice at a time (a 16-bit head is widened slice by slice; OpenBLAS's packing
-  // buffers stay the size of a slice: the whole [V, D] head as one GEMM operand made them grow
-  // by ~9 MiB beyond the plan on the demo model).
-  const int64_t slice_rows = std::min<int64_t>(V, DecoderBuffers::kHeadSliceRows);
-  for (int64_t v0 = 0; v0 < V; v0 += slice_rows) {
-    const int64_t n = std::min(slice_rows, V - v0);
-    Tensor slice(static_cast<std::byte*>(head.data) + static_cast<size_t>(v0 * D) * dtype_size(head.dtype),
-                 head.dtype, {n, D});
-    if (head.dtype != DType::F32) {
-      const Tensor widened = A.f32(buf_.head_slice, {n, D});
-      be.convert(widened, slice);
-      slice = widened;
-    }
-    be.matmul_forward(Tensor(logits.as<float>() + v0 * R, DType::F32, {n, R}), slice, normed, Tensor{});
-  }
+  // The head over at most max_seqs rows, in its storage dtype (widened in registers).
+  const Tensor logits = A.f32(buf_.last_logits, {R, V});
+  be.matmul_forward(logits, normed, params_.param(params_.head()), Tensor{});
   if (!buf_.stages_chunks) return {logits.as<const float>(), R, V};
-  float* host = host_arena_->f32(buf_.staging_last_logits, {V, R}).as<float>();
+  float* host = host_arena_->f32(buf_.staging_last_logits, {R, V}).as<float>();
   be.copy_to_host(host, logits);
   return {host, R, V};
 }
@@ -203,8 +189,10 @@ Tensor Qwen2Model::lora_input(int64_t l, LinearSite s, const Tensor& x) {
 void Qwen2Model::linear_forward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& x, const Tensor& y) {
   const ModelParameters::Linear lin = params_.linear(l, s);
   Backend& be = *backend_;
-  // The weight and the bias widen into different scratch buffers (matrix / vector).
-  be.matmul_forward(y, x, weight_f32(lin.weight), lin.bias ? weight_f32(*lin.bias) : Tensor{});
+  // The weight and the bias widen into different scratch buffers (matrix / vector); a few rows
+  // (decoding) read a 16-bit weight as it is stored.
+  const Tensor w = num_tokens_ <= kSixteenBitWeightRows ? params_.param(lin.weight) : weight_f32(lin.weight);
+  be.matmul_forward(y, x, w, lin.bias ? weight_f32(*lin.bias) : Tensor{});
   if (lin.lora < 0) return;
   const int64_t r = options_.lora.rank;
   const Tensor u = act(a.lora_u[static_cast<size_t>(s)], r);

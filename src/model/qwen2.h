@@ -52,12 +52,11 @@ struct GenerationBatch {
   std::span<const int32_t> sample_seqs;
 };
 
-// The logits of a generation step in host-readable memory: [V, R], column r for sample_seqs[r]
-// (the LM head runs as W [V, D] times the R rows, so a 16-bit head widens slice by slice).
+// The logits of a generation step in host-readable memory: [R, V], row r for sample_seqs[r].
 struct StepLogits {
   const float* data = nullptr;
   int64_t rows = 0, vocab = 0;
-  float at(int64_t r, int64_t v) const { return data[v * rows + r]; }
+  const float* row(int64_t r) const { return data + r * vocab; }
 };
 
 // Wall-clock seconds spent in each phase of the last forward_backward.

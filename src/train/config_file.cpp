@@ -369,7 +369,7 @@ PreparedArguments prepare_arguments(const std::vector<std::string>& argv, size_t
 
   // Which keys `memtune train` knows, for `memtune eval` given a training config; built once
   // (only its option names are read).
-  static const CLI::App& training = [] -> const CLI::App& {
+  static const CLI::App& training = []() -> const CLI::App& {
     static CLI::App app;
     static TrainingArguments args;
     add_training_arguments(app, args, ArgumentsFor::Plan);

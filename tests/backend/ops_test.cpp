@@ -8,6 +8,8 @@
 // test code.
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <functional>
@@ -235,6 +237,26 @@ TEST(BackendOps, Matmul) {
                     be.matmul_backward(din.at("x"), din.at("w"), din.at("b"), dout.at("out"), in.at("x"), in.at("w"),
                                        1.0f);
                   }});
+}
+
+// Few rows (decoding) against 16-bit weights widened in registers, and float32 weights through
+// the cpu backend's skinny kernel: widths with and without a tail of 16 columns.
+TEST(BackendOps, MatmulFewRowsWithSixteenBitWeights) {
+  for (const DType dt : {DType::BF16, DType::F16, DType::F32})
+    for (const int64_t N : {1, 3, 8, 11})
+      for (const int64_t C : {32, 37}) {
+        const int64_t OC = 9;
+        Input w = f32_input("w", {OC, C}, 2, false);
+        w.dtype = dt;
+        check_case({.name = fmt::format("matmul {} rows x {} cols, {}", N, C, dtype_torch_name(dt)),
+                    .inputs = {f32_input("x", {N, C}, 1, false), w, f32_input("b", {OC}, 3, false)},
+                    .outputs = {{"out", {N, OC}}},
+                    .forward =
+                        [](Backend& be, const Views& in, const Views& out) {
+                          be.matmul_forward(out.at("out"), in.at("x"), in.at("w"), in.at("b"));
+                          return 0.0;
+                        }});
+      }
 }
 
 TEST(BackendOps, MatmulScaledAccumulate) {

@@ -64,6 +64,13 @@ std::vector<std::vector<float>> full_forward_logits(const Qwen2Config& c, const 
   return observer.rows;
 }
 
+GenerationRequest request(std::vector<int32_t> prompt, int64_t max_new_tokens) {
+  GenerationRequest r;
+  r.prompt_ids = std::move(prompt);
+  r.max_new_tokens = max_new_tokens;
+  return r;
+}
+
 std::vector<int32_t> random_ids(int64_t n, int64_t vocab, uint64_t seed) {
   Rng rng(seed);
   std::vector<int32_t> ids(static_cast<size_t>(n));
@@ -84,7 +91,7 @@ TEST_P(GenerationVariants, GreedyTokensAreTheArgmaxOfFullForwardPasses) {
   const int64_t P = 9, T = 300;
   auto m = inference_model(c, limits(P + T, 1, 16));
   Generator g(*m, nullptr);
-  GenerationRequest r{.prompt_ids = random_ids(P, c.vocab_size, 1), .max_new_tokens = T};
+  GenerationRequest r = request(random_ids(P, c.vocab_size, 1), T);
   r.sampling.temperature = 0;
   const GenerationResult out = g.generate({r})[0];
   ASSERT_EQ(out.token_ids.size(), static_cast<size_t>(T));
@@ -123,7 +130,7 @@ TEST_P(GenerationVariants, CacheLogitsEqualFullForwardLogitsAtEveryStep) {
     computed += n;
     if (!samples) continue;
     std::vector<float> row(static_cast<size_t>(c.vocab_size));
-    for (int64_t t = 0; t < c.vocab_size; ++t) row[static_cast<size_t>(t)] = l.at(0, t);
+    for (int64_t t = 0; t < c.vocab_size; ++t) row[static_cast<size_t>(t)] = l.row(0)[t];
     tokens.push_back(static_cast<int32_t>(std::max_element(row.begin(), row.end()) - row.begin()));
     cached.push_back(std::move(row));
   }
@@ -149,7 +156,7 @@ std::vector<GenerationRequest> mixed_requests(const Qwen2Config& c) {
   std::vector<GenerationRequest> rs;
   const int64_t lengths[] = {3, 17, 9, 30, 1};
   for (int i = 0; i < 5; ++i) {
-    GenerationRequest r{.prompt_ids = random_ids(lengths[i], c.vocab_size, 10 + i), .max_new_tokens = 12 + 3 * i};
+    GenerationRequest r = request(random_ids(lengths[i], c.vocab_size, 10 + i), 12 + 3 * i);
     r.sampling.temperature = i % 2 ? 0.8 : 0.0;
     r.sampling.top_p = 0.9;
     r.sampling.seed = 5;
@@ -231,8 +238,8 @@ TEST(Generator, RefusesARequestLongerThanMaxModelLen) {
   const Qwen2Config c = tiny();
   auto m = inference_model(c, limits(32));
   Generator g(*m, nullptr);
-  GenerationRequest ok{.prompt_ids = random_ids(4, c.vocab_size, 1), .max_new_tokens = 28};
-  GenerationRequest too_long{.prompt_ids = random_ids(20, c.vocab_size, 1), .max_new_tokens = 13};
+  GenerationRequest ok = request(random_ids(4, c.vocab_size, 1), 28);
+  GenerationRequest too_long = request(random_ids(20, c.vocab_size, 1), 13);
   EXPECT_EQ(testing_support::error_of([&] { g.generate({ok, too_long}); }),
             "request 1: the prompt's 20 tokens + max_new_tokens 13 = 33 exceed max_model_len 32");
   EXPECT_EQ(g.generate({ok})[0].token_ids.size(), 28u);
@@ -253,7 +260,7 @@ TEST(Generator, StopIdsStopStringsAndStreamedText) {
   c.vocab_size = tok.vocab_size();
   auto m = inference_model(c, limits(96, 2, 32));
   Generator g(*m, &tok);
-  GenerationRequest r{.prompt_ids = tok.encode("hello world"), .max_new_tokens = 60};
+  GenerationRequest r = request(tok.encode("hello world"), 60);
   r.sampling.temperature = 1.0;
   r.sampling.seed = 3;
   std::string streamed;

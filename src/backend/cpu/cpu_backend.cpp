@@ -10,6 +10,9 @@
 namespace memtune {
 namespace {
 
+// Rows up to which a float32 matmul_forward runs the skinny kernel instead of sgemm.
+constexpr int64_t kSkinnyRows = 8;
+
 class CpuBackend final : public Backend {
  public:
   std::string_view name() const override { return "cpu"; }
@@ -40,6 +43,13 @@ class CpuBackend final : public Backend {
 
   void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& bias) override {
     MT_ASSERT(inp.cols() == weight.cols() && out.cols() == weight.rows() && out.rows() == inp.rows());
+    // A few rows (decoding) read each weight once in the skinny kernel; OpenBLAS would pack the
+    // whole weight first. 16-bit weights always take it (callers pass them only for few rows).
+    if (weight.dtype != DType::F32 || inp.rows() <= kSkinnyRows) {
+      cpu::matmul_skinny(out.f32(), inp.f32(), weight.data, weight.dtype, bias.f32(), inp.rows(), inp.cols(),
+                         weight.rows());
+      return;
+    }
     cpu::matmul_forward(out.f32(), inp.f32(), weight.f32(), bias.f32(), inp.rows(), inp.cols(), weight.rows());
   }
   void matmul_accumulate(const Tensor& out, const Tensor& inp, const Tensor& weight, float scale) override {

@@ -43,6 +43,12 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
                         const float* q, const float* k, const float* v, const int32_t* cu_seqlens, int64_t num_seqs,
                         int64_t Hq, int64_t Hkv, int64_t hd);
 
+// out[N,OC] = inp[N,C] @ weight[OC,C]^T (+ bias) for few rows: each weight row is read once
+// (widened from bfloat16 / float16 in registers) and applied to every input row; parallel over
+// output columns. The decode path, memory-bound on the weights; bias may be null.
+void matmul_skinny(float* out, const float* inp, const void* weight, DType weight_dtype, const float* bias, int64_t N,
+                   int64_t C, int64_t OC);
+
 // Paged KV cache (backend.h): caches [slots, Hkv*hd] in cache_dtype (f32, bf16 or f16).
 void kv_cache_write(void* k_cache, void* v_cache, DType cache_dtype, const float* k, const float* v,
                     const int32_t* slots, int64_t N, int64_t kvd);

@@ -82,7 +82,7 @@ class ReferenceBackend final : public Backend {
     for (int64_t n = 0; n < N; ++n)
       for (int64_t o = 0; o < OC; ++o) {
         double s = bias ? bias.f32()[o] : 0.0;
-        for (int64_t c = 0; c < C; ++c) s += double(inp.f32()[n * C + c]) * w.f32()[o * C + c];
+        for (int64_t c = 0; c < C; ++c) s += double(inp.f32()[n * C + c]) * element(w, o * C + c);
         out.f32()[n * OC + o] = static_cast<float>(s);
       }
   }

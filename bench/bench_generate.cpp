@@ -1,0 +1,156 @@
+// Benchmark: generation on a Qwen2 checkpoint on the CPU, against the machine's limits measured
+// in the same run: the memory read bandwidth (decoding reads every weight once per step, so
+// batch-1 decode is bound by bandwidth / bytes of weights per token) and the sgemm ceiling at
+// the prefill's shapes (prefill is a GEMM over the prompt).
+// Usage: bench_generate --model DIR [--torch_dtype float32|bfloat16] [--prompt 128] [--new 128]
+// Prints a human-readable report and one final JSON line (for scripts/bench-generate.sh).
+#include <cblas.h>
+#include <omp.h>
+#include <sys/resource.h>
+
+#include <chrono>
+#include <cstring>
+#include <vector>
+
+#include <fmt/format.h>
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "core/rng.h"
+#include "generate/generator.h"
+#include "generate/inference_plan.h"
+#include "model/load.h"
+
+using namespace memtune;
+using Clock = std::chrono::steady_clock;
+
+static double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// Bytes per second read from a buffer far larger than the caches, by all threads, each summing
+// its share into 8 vector accumulators (so the loop is bound by loads, not by add latency); best
+// of 5.
+static double read_bandwidth() {
+  typedef float f32x16 __attribute__((vector_size(64)));
+  const size_t n = size_t{1} << 24;  // 16 Mi vectors of 16 floats: 1 GiB
+  std::vector<f32x16> buffer(n);
+  std::memset(buffer.data(), 0, n * sizeof(f32x16));
+  double best = 0;
+  for (int rep = 0; rep < 5; ++rep) {
+    const auto t0 = Clock::now();
+    float total = 0;
+#pragma omp parallel reduction(+ : total)
+    {
+      f32x16 acc[8] = {};
+#pragma omp for schedule(static)
+      for (size_t i = 0; i < n; i += 8)
+        for (int k = 0; k < 8; ++k) acc[k] += buffer[i + k];
+      for (int k = 0; k < 8; ++k)
+        for (int j = 0; j < 16; ++j) total += acc[k][j];
+    }
+    const double s = seconds_since(t0);
+    if (total != 0.0f) std::abort();  // the buffer is zero; the check keeps the loop
+    best = std::max(best, n * sizeof(f32x16) / s);
+  }
+  return best;
+}
+
+static double sgemm_gflops(int64_t M, int64_t N, int64_t K) {
+  std::vector<float> a(M * K, 0.01f), b(K * N, 0.02f), c(M * N, 0.0f);
+  auto run = [&] {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, a.data(), K, b.data(), K, 0.0f, c.data(), N);
+  };
+  run();
+  int reps = 0;
+  const auto t0 = Clock::now();
+  do {
+    run();
+    ++reps;
+  } while (seconds_since(t0) < 0.5);
+  return 2.0 * M * N * K * reps / seconds_since(t0) / 1e9;
+}
+
+int main(int argc, char** argv) {
+  CLI::App app{"memtune generation benchmark"};
+  std::string model_dir, dtype_name = "bfloat16";
+  int64_t prompt = 128, new_tokens = 128;
+  std::vector<int64_t> batches = {1, 8};
+  app.add_option("--model", model_dir)->required();
+  app.add_option("--torch_dtype", dtype_name);
+  app.add_option("--prompt", prompt);
+  app.add_option("--new", new_tokens);
+  app.add_option("--batches", batches)->delimiter(',');
+  CLI11_PARSE(app, argc, argv);
+  try {
+    const DType dtype = parse_dtype(dtype_name, "--torch_dtype");
+    const Qwen2Config c = load_model_config(model_dir, dtype);
+    const int64_t D = c.hidden_size, I = c.intermediate_size, V = c.vocab_size, L = c.num_hidden_layers;
+    const int64_t max_batch = *std::max_element(batches.begin(), batches.end());
+    // Each decoded token reads every decoder weight and the LM head once (the embedding: one row).
+    const double layer_params = double(D) * (c.q_dim() + 2 * c.kv_dim()) + double(c.q_dim()) * D + 3.0 * D * I;
+    const double weight_bytes = (L * layer_params + double(V) * D) * dtype_size(dtype);
+    const double bandwidth = read_bandwidth();
+    const double ceiling =
+        std::max({sgemm_gflops(prompt, I, D), sgemm_gflops(prompt, c.q_dim(), D), sgemm_gflops(prompt, D, I)});
+    fmt::print("{} threads; memory read bandwidth {:.1f} GB/s; sgemm ceiling at the prefill's shapes {:.1f} GFLOP/s\n",
+               omp_get_max_threads(), bandwidth / 1e9, ceiling);
+    fmt::print("model: {} parameters, {}; {:.1f} MB of weights read per decoded token\n", qwen2_parameter_count(c),
+               dtype_name, weight_bytes / 1e6);
+
+    const InferenceLimits limits{.max_model_len = prompt + new_tokens, .max_num_seqs = max_batch,
+                                 .max_num_batched_tokens = prompt * max_batch, .block_size = 16};
+    const std::unique_ptr<Qwen2Model> model =
+        load_model(model_dir, inference_model_options(c, limits, nullptr), "", dtype);
+    Generator generator(*model, nullptr);
+    Rng rng(1);
+    nlohmann::json decode = nlohmann::json::object();
+    double prefill_tps = 0;
+    for (const int64_t batch : batches) {
+      std::vector<GenerationRequest> requests(static_cast<size_t>(batch));
+      for (auto& r : requests) {
+        for (int64_t t = 0; t < prompt; ++t) r.prompt_ids.push_back(static_cast<int32_t>(rng.next_u64() % V));
+        r.max_new_tokens = new_tokens;
+        r.sampling.temperature = 0;
+      }
+      generator.generate(requests);
+      const GenerationStats& st = generator.stats();
+      if (batch == 1) prefill_tps = st.prefill_tokens_per_second();
+      decode[std::to_string(batch)] = st.decode_tokens_per_second();
+      fmt::print("batch {}: prefill {:.1f} tokens/s, decode {:.1f} tokens/s\n", batch, st.prefill_tokens_per_second(),
+                 st.decode_tokens_per_second());
+    }
+    // Prefill FLOPs per token: the layers' matmuls, attention over the causal half on average,
+    // and the head at the last position only.
+    const double attention = 2.0 * c.head_dim() * c.num_attention_heads * double(prompt + 1);
+    const double prefill_gflops = prefill_tps * (2.0 * L * layer_params + L * attention + 2.0 * V * D / prompt) / 1e9;
+    const double limit = bandwidth / weight_bytes;
+    const double b1 = decode.value("1", 0.0);
+    fmt::print("batch-1 decode {:.1f} tokens/s = {:.0f}% of the bandwidth limit {:.1f} tokens/s (target >= 85%)\n", b1,
+               100 * b1 / limit, limit);
+    if (decode.contains("8"))
+      fmt::print("batch-8 decode {:.1f} tokens/s = {:.2f}x batch 1 (target >= 5x)\n", decode["8"].get<double>(),
+                 decode["8"].get<double>() / b1);
+    fmt::print("prefill {:.1f} GFLOP/s = {:.0f}% of the sgemm ceiling (target >= 60%)\n", prefill_gflops,
+               100 * prefill_gflops / ceiling);
+    rusage ru{};
+    getrusage(RUSAGE_SELF, &ru);
+    const nlohmann::json out = {{"torch_dtype", dtype_name},
+                                {"prompt_tokens", prompt},
+                                {"new_tokens", new_tokens},
+                                {"memory_read_gb_per_s", bandwidth / 1e9},
+                                {"sgemm_ceiling_gflops", ceiling},
+                                {"weight_bytes_per_token", weight_bytes},
+                                {"decode_limit_tokens_per_s", limit},
+                                {"decode_tokens_per_s", decode},
+                                {"prefill_tokens_per_s", prefill_tps},
+                                {"prefill_gflops", prefill_gflops},
+                                {"arena_bytes", model->plan().peak_bytes()},
+                                {"peak_rss_bytes", size_t(ru.ru_maxrss) * 1024}};
+    fmt::print("{}\n", out.dump());
+  } catch (const Error& e) {
+    fmt::print(stderr, "bench_generate: error: {}\n", e.what());
+    return 1;
+  }
+}
