@@ -61,7 +61,7 @@ std::string ProcessPlan::summary() const {
       format_bytes(peak_bytes()), peak_stage(), format_bytes(startup_bytes),
       data_measured ? fmt::format("prepared data {} (preparing peaked at {})", format_bytes(prepared_bytes),
                                   format_bytes(preparation_peak_bytes))
-                    : std::string("data not counted (give --train_file)"),
+                    : std::string("data not counted (none given)"),
       format_bytes(arena_bytes),
       host_arena_bytes ? fmt::format(" + host arena {}", format_bytes(host_arena_bytes)) : std::string(),
       fmt::format("checkpoint mapping {}", format_bytes(weights_mapping_bytes)), format_bytes(compute_runtime_bytes),
