@@ -156,7 +156,8 @@ ModelParameters::Linear ModelParameters::linear(int64_t l, LinearSite s) const {
   const Qwen2Config& c = config_;
   const int64_t D = c.hidden_size, I = c.intermediate_size, qd = c.q_dim(), kvd = c.kv_dim();
   // While declare_trainables builds lora_index_, later layers have no entry yet.
-  const int lora = static_cast<size_t>(l) < lora_index_.size() ? lora_index_[l][static_cast<size_t>(s)] : -1;
+  const int lora = !lora_merged_ && static_cast<size_t>(l) < lora_index_.size() ? lora_index_[l][static_cast<size_t>(s)]
+                                                                                 : -1;
   switch (s) {
     case LinearSite::Q:
       return {p.wq, p.bq, D, qd, lora};
@@ -335,6 +336,7 @@ void ModelParameters::merge_lora() {
         }
       upload_f32(*backend_, param(lin.weight), w);
     }
+  lora_merged_ = true;
 }
 
 void ModelParameters::init_random(uint64_t seed) {

@@ -161,7 +161,9 @@ class ModelParameters {
   void init_lora(uint64_t seed);
   void load_adapter(const std::string& dir);
   void save_adapter(const std::string& dir, const std::string& base_model_name_or_path) const;
+  // After merging, the linear layers no longer apply the adapters (the base holds them).
   void merge_lora();
+  bool lora_merged() const { return lora_merged_; }
 
  private:
   struct Trainable {
@@ -190,6 +192,7 @@ class ModelParameters {
   Arena* device_ = nullptr;
   Arena* host_ = nullptr;
   Backend* backend_ = nullptr;
+  bool lora_merged_ = false;
 };
 
 }  // namespace memtune

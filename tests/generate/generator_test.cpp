@@ -234,6 +234,49 @@ TEST(Generator, APoolSizedByABudgetMakesRequestsWaitForBlocks) {
             std::string::npos);
 }
 
+// An adapter applied on the fly (y = Wx + s B(Ax)) gives the logits of the same adapter merged
+// into W, at every step of a greedy generation.
+TEST(Generator, UnmergedLoraEqualsMergedLora) {
+  const Qwen2Config c = tiny();
+  ModelOptions o = inference_model_options(c, limits(64, 2, 16), nullptr);
+  o.lora.rank = 4;
+  o.lora.alpha = 8;
+  o.lora.targets.fill(true);
+  auto with_adapter = [&] {
+    auto m = std::make_unique<Qwen2Model>(c, o);
+    m->parameters().init_random(kWeightsSeed);
+    m->parameters().init_lora(3);
+    for (size_t i = 0; i < m->parameters().num_trainable(); ++i) {  // B is zero at init: make it count
+      const Tensor t = m->parameters().trainable_value(i);
+      Rng rng(100 + i);
+      std::vector<float> v(static_cast<size_t>(t.numel()));
+      for (float& x : v) x = static_cast<float>(0.05 * rng.normal());
+      upload_f32(m->backend(), t, v);
+    }
+    return m;
+  };
+  auto unmerged = with_adapter(), merged = with_adapter();
+  merged->parameters().merge_lora();
+  auto plain = inference_model(c, limits(64, 2, 16));
+  const std::vector<GenerationRequest> rs = {mixed_requests(c)[0], mixed_requests(c)[1]};
+  std::vector<std::vector<float>> rows_unmerged, rows_merged, rows_plain;
+  const auto a = Generator(*unmerged, nullptr).generate(rs);
+  const auto b = Generator(*merged, nullptr).generate(rs);
+  EXPECT_EQ(tokens_of(a), tokens_of(b));
+  EXPECT_NE(tokens_of(a), tokens_of(Generator(*plain, nullptr).generate(rs))) << "the adapter changed nothing";
+  // Logits of one prefill step, within float32 rounding of the two association orders.
+  const std::vector<int32_t> ids = rs[0].prompt_ids, cu = {0, static_cast<int32_t>(ids.size())},
+                             ctx = {static_cast<int32_t>(ids.size())}, tables = {0, 1, 2, 3}, sample = {0};
+  const GenerationBatch batch{.input_ids = ids, .cu_seqlens = cu, .context_lens = ctx, .block_tables = tables,
+                              .sample_seqs = sample};
+  const StepLogits lu = unmerged->generation_step(batch);
+  const std::vector<float> u(lu.row(0), lu.row(0) + c.vocab_size);
+  const StepLogits lm = merged->generation_step(batch);
+  double worst = 0;
+  for (int64_t v = 0; v < c.vocab_size; ++v) worst = std::max(worst, std::abs(double(u[v]) - lm.row(0)[v]));
+  EXPECT_LT(worst, 1e-5);
+}
+
 TEST(Generator, RefusesARequestLongerThanMaxModelLen) {
   const Qwen2Config c = tiny();
   auto m = inference_model(c, limits(32));
