@@ -4,7 +4,7 @@
 Every run records two figures in memory.json: process_predicted_peak_bytes (made before the
 model's memory exists, from the plan and the measured startup and data stages) and
 process_peak_rss_bytes (getrusage, after the run). Over a matrix of runs (full / LoRA x gradient
-checkpointing x float32 / bfloat16 training, the same models evaluated, and a 2-rank data-parallel
+checkpointing x float32 / bfloat16 training, the same models evaluated and generating, and a 2-rank data-parallel
 run) the prediction must be within 10% of the measurement and never more than 5% below it.
 `memtune plan` with the run's own flags must predict what the run predicted, and a --host_memory
 budget below the prediction must stop the run before it starts while one just above it lets the
@@ -91,6 +91,19 @@ def main():
                    "--torch_dtype", dtype, "--system", SYSTEM, "--output_dir", out]
             run(cmd + (["--adapter", adapter] if tuner == "lora" else []))
             check(name, json.loads((out / "memory.json").read_text()))
+
+    # Generation: the same model with its KV cache, 16 prompts decoded 8 at a time.
+    prompts = work / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Question {i}: which Debian section holds package {i}?"}) + "\n"
+                               for i in range(16)))
+    for tuner in ("full", "lora"):
+        for dtype in ("float32", "bfloat16"):
+            name = f"generate {tuner} {dtype}"
+            cmd = [memtune, "generate", "--model_name_or_path", model, "--input", prompts, "--max_new_tokens", "32",
+                   "--ignore_eos", "--max_num_seqs", "8", "--torch_dtype", dtype, "--json", "--output",
+                   work / "generated.jsonl"]
+            summary = json.loads(run(cmd + (["--adapter", adapter] if tuner == "lora" else [])).stdout.splitlines()[-1])
+            check(name, summary)
 
     # Two data-parallel ranks: each rank's measured peak against the prediction (rank 0's).
     out = work / "dp2"
