@@ -9,6 +9,7 @@
 #include <iostream>
 #include <memory>
 #include <optional>
+#include <sstream>
 
 #include <nlohmann/json.hpp>
 
@@ -18,6 +19,8 @@
 #include "data/dataset.h"
 #include "eval/classification.h"
 #include "eval/eval_data.h"
+#include "eval/generation_eval.h"
+#include "generate/inference_plan.h"
 #include "eval/metrics.h"
 #include "io/checkpoint.h"
 #include "io/safetensors.h"
@@ -32,17 +35,97 @@
 
 namespace memtune::cli {
 
-Action add_eval(CLI::App& app) {
-  struct Args {
+namespace {
+
+struct EvalArgs {
     std::string model, adapter, eval_file, tokenizer, metrics = "eval_loss,perplexity,token_accuracy", templ, system;
     std::string truncation_strategy = "delete";
     int64_t batch_size = 8, max_length = 2048, eval_accumulation_steps = 0;
-    bool json = false, batch_eval_metrics = false;
+    bool json = false, batch_eval_metrics = false, predict_with_generate = false;
+    int64_t max_new_tokens = 0;
     std::vector<std::string> labels;
     std::string save_predictions, output_dir, backend = "cpu", torch_dtype, host_memory;
     bool bf16 = false, fp16 = false;
-  };
-  auto a = std::make_shared<Args>();
+};
+
+// --predict_with_generate: the eval file's examples generated on an inference model planned for
+// them (prompts up to their last answer, per_device_eval_batch_size sequences at a time).
+void evaluate_generating(const EvalArgs& a, const std::string& metric_list, std::optional<DType> dtype,
+                         size_t startup_rss) {
+  const GenerationMetrics metrics = parse_generation_metrics(metric_list);
+  const Tokenizer tokenizer = Tokenizer::load(a.tokenizer.empty() ? a.model : a.tokenizer);
+  DataOptions d;
+  d.max_length = a.max_length;
+  d.truncation_strategy = parse_truncation_strategy(a.truncation_strategy);
+  d.chat_template = a.templ;
+  if (!a.system.empty()) d.record.system = a.system;
+  const Dataset data = load_dataset(a.eval_file, tokenizer, d);
+  if (data.empty()) throw Error(fmt::format("{}: no examples to evaluate", a.eval_file));
+  int64_t longest_prompt = 0, longest_answer = 0;
+  for (size_t i = 0; i < data.size(); ++i) {
+    try {
+      const PromptAndAnswer split = split_at_last_answer(data.input_ids(i), data.labels(i));
+      longest_prompt = std::max<int64_t>(longest_prompt, static_cast<int64_t>(split.prompt.size()));
+      longest_answer = std::max<int64_t>(longest_answer, static_cast<int64_t>(split.answer.size()));
+    } catch (const Error& e) {
+      throw Error(fmt::format("{}: example {}: {}", a.eval_file, i, e.what()));
+    }
+  }
+  const int64_t max_new = a.max_new_tokens > 0 ? a.max_new_tokens : longest_answer + 8;
+  std::vector<int32_t> stop_ids;
+  if (const auto eos = tokenizer.eos_token_id()) stop_ids.push_back(*eos);
+  if (const auto im_end = tokenizer.token_to_id("<|im_end|>")) stop_ids.push_back(*im_end);
+
+  const Qwen2Config config = load_model_config(a.model, dtype);
+  const int64_t seqs = std::min<int64_t>(a.batch_size, static_cast<int64_t>(data.size()));
+  const InferenceLimits limits{.max_model_len = longest_prompt + max_new,
+                               .max_num_seqs = seqs,
+                               .max_num_batched_tokens = std::max<int64_t>(512, seqs),
+                               .block_size = 16};
+  const ModelOptions options = inference_model_options(config, limits, &backend_named(a.backend));
+  ProcessPlan process;
+  process.measure_preparation(startup_rss);
+  {
+    ModelOptions planned = options;
+    planned.allocate = false;
+    if (!a.adapter.empty()) planned.lora = load_lora_adapter_config(a.adapter);
+    add_planned_terms(process, Qwen2Model(config, planned), load_model_config(a.model).torch_dtype, 1);
+    if (!a.host_memory.empty()) check_host_budget(process, parse_bytes(a.host_memory, "--host_memory"), "--host_memory");
+  }
+  const std::unique_ptr<Qwen2Model> model = load_model(a.model, options, a.adapter, dtype);
+  const GenerationEvalResult r =
+      evaluate_by_generation(*model, tokenizer, data, metrics, a.labels, max_new, stop_ids);
+  model->arena().sample();
+  nlohmann::json out = generation_eval_to_json(r, metrics);
+  out["arena_bytes"] = model->plan().peak_bytes();
+  out["process_peak_rss_bytes"] = process_peak_rss_bytes(model->arena());
+  out["process_predicted_peak_bytes"] = process.peak_bytes();
+  if (!a.save_predictions.empty()) {
+    std::ostringstream lines;
+    write_generation_predictions(lines, r);
+    write_file_atomically(a.save_predictions, lines.str());
+  }
+  if (!a.output_dir.empty()) {
+    create_directory(a.output_dir, "--output_dir");
+    write_file_atomically((std::filesystem::path(a.output_dir) / "eval_results.json").string(), out.dump(2) + "\n");
+  }
+  if (a.json) {
+    std::cout << out.dump() << "\n";
+    return;
+  }
+  std::cout << fmt::format("{}: {} examples generated (up to {} tokens each); arena {} (planned), process peak {} "
+                           "(measured)\n",
+                           a.eval_file, r.examples, max_new, format_bytes(model->plan().peak_bytes()),
+                           format_bytes(process_peak_rss_bytes(model->arena())));
+  if (metrics.exact_match) std::cout << fmt::format("{:<26} {:.6f}\n", "exact_match", r.exact_match);
+  if (metrics.label_accuracy)
+    std::cout << fmt::format("{:<26} {:.6f}\n", "label_accuracy_generated", r.label_accuracy_generated);
+}
+
+}  // namespace
+
+Action add_eval(CLI::App& app) {
+  auto a = std::make_shared<EvalArgs>();
   app.add_option("--config",
                  "JSON or YAML with the flags' keys, or a Hugging Face / ms-swift / LLaMA-Factory config (flags "
                  "override it; training-only keys are ignored)");
@@ -67,6 +150,11 @@ Action add_eval(CLI::App& app) {
   app.add_option("--eval_accumulation_steps", a->eval_accumulation_steps,
                  "accepted for compatibility: metrics stream, nothing accumulates");
   app.add_flag("--batch_eval_metrics", a->batch_eval_metrics, "accepted for compatibility: metrics always stream");
+  app.add_flag("--predict_with_generate", a->predict_with_generate,
+               "generate each example's answer (greedy, over a planned KV cache) and compare the text: --metrics "
+               "exact_match,label_accuracy_generated");
+  app.add_option("--max_new_tokens,--generation_max_length", a->max_new_tokens,
+                 "with --predict_with_generate: tokens generated per example (default: the longest answer + 8)");
   app.add_flag("--json", a->json, "print the results as one JSON object");
   app.add_option("--torch_dtype", a->torch_dtype, "storage dtype of the weights: float32 | bfloat16 | float16");
   app.add_flag("--bf16", a->bf16, "store weights in bfloat16");
@@ -84,6 +172,10 @@ Action add_eval(CLI::App& app) {
     const std::optional<DType> dtype = storage_dtype(a->torch_dtype, a->bf16, a->fp16);
     check_max_length(load_model_config(a->model), a->max_length,
                      (std::filesystem::path(a->model) / "config.json").string());
+    if (a->predict_with_generate) {
+      evaluate_generating(*a, app.count("--metrics") ? a->metrics : "exact_match", dtype, startup_rss);
+      return;
+    }
     // label_accuracy / macro_f1 select classification scoring; the rest are token metrics.
     const bool classification = wants_classification_metrics(a->metrics);
     MetricSelection selection;

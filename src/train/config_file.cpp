@@ -140,7 +140,8 @@ const std::map<std::string, RefusedKey, std::less<>>& refused_keys() {
       {"additional_target", {{}, kNoLora}},
       {"create_new_adapter", {{}, kNoLora}},
       {"mask_history", {{}, "the loss is on every assistant turn; drop the key"}},
-      {"predict_with_generate", {{}, "memtune eval scores without generating: drop the key"}},
+      {"predict_with_generate",
+       {{}, "training evaluates without generating; generate after training with memtune eval --predict_with_generate"}},
       {"tokenized_path", {{}, "memtune tokenizes the JSONL file itself: pass it as --train_file"}},
   };
   return keys;

@@ -10,6 +10,7 @@
 #include "data/synthetic_tokenizer.h"
 #include "support/run_command.h"
 #include "support/test_util.h"
+#include "tokenizer/unicode.h"
 
 namespace memtune {
 namespace {
@@ -133,6 +134,69 @@ TEST_F(GenerateCliTest, ChatKeepsHistoryUntilReset) {
   EXPECT_EQ(turns[3], turns[0]) << "after /reset the same message gets the same answer";
   EXPECT_NE(turns[1], turns[0]);
   EXPECT_EQ(turns[4], "");
+}
+
+// eval --predict_with_generate against answers made from the model's own greedy generation
+// (memtune generate on the same prompts): one answer is the generation, one is not.
+TEST_F(GenerateCliTest, EvalByGenerationComparesTheGeneratedText) {
+  // A model whose greedy answer is not only whitespace: with tied embeddings a random model
+  // repeats its last input token, here the "\n" after the assistant header.
+  const std::string prompt = "hello world", model = path("gen_model");
+  std::string text;
+  for (int seed = 3; seed < 20 && text.empty(); ++seed) {
+    fs::remove_all(model);
+    ASSERT_EQ(run_memtune("init-model --preset tiny --set vocab_size=269 --set tie_word_embeddings=false --seed " +
+                          std::to_string(seed) + " --out " + model).status,
+              0);
+    testing_support::write_synthetic_tokenizer(model);
+    std::ofstream(path("q.jsonl")) << nlohmann::json{{"prompt", prompt}}.dump() << "\n";
+    const auto r = run_memtune("generate --model " + model + " --input " + path("q.jsonl") +
+                               " --chat --max_new_tokens 6 --temperature 0 --ignore_eos --json --output " +
+                               path("g.jsonl"));
+    ASSERT_EQ(r.status, 0) << r.output;
+    text = testing_support::read_jsonl(path("g.jsonl"))[0]["text"];
+    while (!text.empty() && std::isspace(static_cast<unsigned char>(text.front()))) text.erase(0, 1);
+    while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.pop_back();
+  }
+  ASSERT_FALSE(text.empty());
+  const nlohmann::json same = {{"messages", {{{"role", "user"}, {"content", prompt}},
+                                             {{"role", "assistant"}, {"content", text}}}}};
+  const nlohmann::json other = {{"messages", {{{"role", "user"}, {"content", prompt}},
+                                              {{"role", "assistant"}, {"content", "something else"}}}}};
+  std::ofstream(path("ref.jsonl")) << same.dump() << "\n" << other.dump() << "\n";
+  auto r = run_memtune("eval --model " + model + " --eval_file " + path("ref.jsonl") +
+                       " --predict_with_generate --max_new_tokens 6 --metrics exact_match --json --save_predictions " +
+                  path("pred.jsonl"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  const nlohmann::json result = nlohmann::json::parse(r.output);
+  EXPECT_EQ(result["eval_examples"], 2);
+  EXPECT_DOUBLE_EQ(result["exact_match"].get<double>(), 0.5);
+  const auto predictions = testing_support::read_jsonl(path("pred.jsonl"));
+  ASSERT_EQ(predictions.size(), 2u);
+  EXPECT_EQ(predictions[0]["prediction"], text);
+  EXPECT_EQ(predictions[1]["reference"], "something else");
+  EXPECT_EQ(predictions[1]["exact_match"], false);
+
+  // Classification data: the label the generation starts with is its prediction.
+  size_t first_char = 1;  // the generation's first character, whole
+  while (first_char < text.size() && tokenizer_detail::complete_utf8_prefix(text.substr(0, first_char)) == 0)
+    ++first_char;
+  const std::string prefix = text.substr(0, first_char);
+  std::ofstream(path("cls.jsonl")) << nlohmann::json{{"text", prompt}, {"label", prefix}}.dump() << "\n"
+                                   << nlohmann::json{{"text", prompt}, {"label", "zzz"}}.dump() << "\n";
+  r = run_memtune("eval --model " + model + " --eval_file " + path("cls.jsonl") +
+                  " --predict_with_generate --max_new_tokens 6 --metrics exact_match,label_accuracy_generated --json");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const nlohmann::json cls = nlohmann::json::parse(r.output);
+  EXPECT_DOUBLE_EQ(cls["label_accuracy_generated"].get<double>(), 0.5);
+  EXPECT_DOUBLE_EQ(cls["exact_match"].get<double>(), text == prefix ? 0.5 : 0.0);
+
+  r = run_memtune("eval --model " + model + " --eval_file " + path("ref.jsonl") +
+                  " --predict_with_generate --metrics token_accuracy");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.output.find("with --predict_with_generate the metrics are exact_match and label_accuracy_generated"),
+            std::string::npos)
+      << r.output;
 }
 
 TEST_F(GenerateCliTest, PlanInferenceIsTheBillOfTheSameCommandLine) {
