@@ -40,6 +40,8 @@ struct GenerateArgs {
   std::string device_memory, host_memory, preset;
   bool chat = false, json = false, ignore_eos = false, bf16 = false, fp16 = false, inference = false;
   bool merge_adapter = false;
+  std::vector<std::string> adapters;                                // --adapter values as given
+  std::vector<std::pair<std::string, std::string>> named_adapters;  // --adapter NAME=DIR, in order
   int64_t max_new_tokens = 256, max_model_len = 0, max_num_seqs = 8, max_num_batched_tokens = 512, block_size = 16;
   double memory_fraction = 0.9;
   SamplingParams sampling;
@@ -118,6 +120,15 @@ std::vector<GenerationRequest> read_requests(const GenerateArgs& a, const Tokeni
     if (!doc) reader.bad_line(line.number, error);
     const JsonReader r(*doc, "");
     try {
+      int32_t adapter = -1;
+      if (const auto name = r.find("adapter")) {
+        const std::string wanted = name->as_string();
+        for (size_t k = 0; k < a.named_adapters.size(); ++k)
+          if (a.named_adapters[k].first == wanted) adapter = static_cast<int32_t>(k);
+        if (adapter < 0)
+          throw Error(fmt::format("adapter \"{}\" is not one of the --adapter NAME=DIR given", wanted));
+      }
+      const size_t before = requests.size();
       if (const auto ids = r.find("prompt_ids")) {
         std::vector<int32_t> v;
         for (size_t i = 0; i < ids->as_array().size(); ++i)
@@ -130,6 +141,7 @@ std::vector<GenerationRequest> read_requests(const GenerateArgs& a, const Tokeni
       } else {
         throw Error("expected a \"prompt\", \"messages\" or \"prompt_ids\" field");
       }
+      if (requests.size() > before) requests.back().adapter = adapter;
     } catch (const Error& e) {
       reader.bad_line(line.number, e.what());
     }
@@ -166,6 +178,7 @@ InferenceSetup plan_setup(const GenerateArgs& a, const std::vector<GenerationReq
     limits.max_num_batched_tokens = std::max(limits.max_num_batched_tokens, limits.max_num_seqs);
   }
   s.options = inference_model_options(s.config, limits, &backend_named(a.backend));
+  for (const auto& [name, dir] : a.named_adapters) s.options.adapter_sets.push_back(load_lora_adapter_config(dir));
   if (startup_rss > 0) s.process.measure_preparation(startup_rss);
   ModelOptions planned = s.options;
   planned.allocate = false;
@@ -284,7 +297,9 @@ Action add_generate(CLI::App& app, GenerateMode mode) {
   } else {
     model->required();
   }
-  app.add_option("--adapter", a->adapter, "PEFT LoRA adapter directory, applied without merging");
+  app.add_option("--adapter", a->adapters,
+                 "PEFT LoRA adapter directory, applied without merging; or NAME=DIR, repeated: several adapters "
+                 "held at once, an input line's \"adapter\": NAME picks one");
   app.add_flag("--merge_adapter", a->merge_adapter,
                "merge the adapter into the weights at load (faster: no adapter path in each step)");
   app.add_option("--tokenizer", a->tokenizer, "tokenizer directory (default: the model directory)");
@@ -329,6 +344,20 @@ Action add_generate(CLI::App& app, GenerateMode mode) {
                  "budget for the whole process (e.g. 16GiB): refuse to start when the prediction is above it");
   app.add_flag("--json", a->json, "print the results and the summary as JSON");
   app.parse_complete_callback([a, mode, plan_only] {
+    for (const std::string& value : a->adapters) {
+      const size_t eq = value.find('=');
+      if (eq != std::string::npos && eq > 0 && value.find('/') > eq) {
+        a->named_adapters.emplace_back(value.substr(0, eq), value.substr(eq + 1));
+      } else if (a->adapter.empty()) {
+        a->adapter = value;
+      } else {
+        throw Error("--adapter: several adapters need names: --adapter NAME=DIR for each");
+      }
+    }
+    if (!a->adapter.empty() && !a->named_adapters.empty())
+      throw Error("--adapter: give one adapter DIR, or NAME=DIR for each of several, not both");
+    if (a->merge_adapter && !a->named_adapters.empty())
+      throw Error("--merge_adapter merges one adapter: it cannot be combined with named adapters");
     if (mode == GenerateMode::Chat) {
       if (!a->prompt.empty() || !a->input.empty()) throw Error("chat reads its prompts from the terminal");
       return;
@@ -349,6 +378,8 @@ Action add_generate(CLI::App& app, GenerateMode mode) {
     const InferenceSetup setup = plan_setup(*a, requests, startup_rss);
     const ProcessPlan& process = setup.process;
     const std::unique_ptr<Qwen2Model> model = load_model(a->model, setup.options, a->adapter, dtype);
+    for (size_t k = 0; k < a->named_adapters.size(); ++k)
+      model->parameters().load_adapter_set(k, a->named_adapters[k].second);
     if (a->merge_adapter) {
       if (a->adapter.empty()) throw Error("--merge_adapter needs --adapter");
       model->parameters().merge_lora();

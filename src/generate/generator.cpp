@@ -61,7 +61,11 @@ std::vector<GenerationResult> Generator::generate(const std::vector<GenerationRe
     for (const std::string& s : r.stop)
       if (s.empty()) throw Error(fmt::format("request {}: a stop string is empty", i));
     validate_sampling(r.sampling);
+    if (r.adapter < -1 || r.adapter >= static_cast<int32_t>(model_.parameters().num_adapter_sets()))
+      throw Error(fmt::format("request {}: adapter {} is not one of the model's {} adapters", i, r.adapter,
+                              model_.parameters().num_adapter_sets()));
   }
+  const bool adapters = model_.parameters().num_adapter_sets() > 0;
   MT_ASSERT(kv.blocks >= kv.max_blocks_per_seq, "the pool cannot hold one sequence of max_model_len");
 
   stats_ = {};
@@ -74,7 +78,8 @@ std::vector<GenerationResult> Generator::generate(const std::vector<GenerationRe
 
   // The step's batch, in host vectors sized once for the plan's limits.
   const size_t S = static_cast<size_t>(kv.max_seqs), N = static_cast<size_t>(model_.options().max_tokens);
-  std::vector<int32_t> ids, cu, ctx, tables, sample_seqs;
+  std::vector<int32_t> ids, cu, ctx, tables, sample_seqs, seq_adapters;
+  seq_adapters.reserve(S);
   ids.reserve(N);
   cu.reserve(S + 1);
   ctx.reserve(S);
@@ -165,6 +170,7 @@ std::vector<GenerationResult> Generator::generate(const std::vector<GenerationRe
     ctx.clear();
     tables.clear();
     sample_seqs.clear();
+    seq_adapters.clear();
     in_step.clear();
     int64_t budget = static_cast<int64_t>(N), prompt_tokens = 0;
     auto add = [&](Sequence& s, int64_t n) {
@@ -177,6 +183,7 @@ std::vector<GenerationResult> Generator::generate(const std::vector<GenerationRe
       if (s.computed + n == static_cast<int64_t>(s.tokens.size()))
         sample_seqs.push_back(static_cast<int32_t>(in_step.size()));
       in_step.push_back(&s);
+      if (adapters) seq_adapters.push_back(s.request->adapter);
       budget -= n;
     };
     for (auto& s : running)
@@ -190,7 +197,12 @@ std::vector<GenerationResult> Generator::generate(const std::vector<GenerationRe
 
     const auto t0 = Clock::now();
     const StepLogits logits = model_.generation_step(
-        {.input_ids = ids, .cu_seqlens = cu, .context_lens = ctx, .block_tables = tables, .sample_seqs = sample_seqs});
+        {.input_ids = ids,
+         .cu_seqlens = cu,
+         .context_lens = ctx,
+         .block_tables = tables,
+         .sample_seqs = sample_seqs,
+         .seq_adapters = seq_adapters});
     for (size_t i = 0; i < in_step.size(); ++i) in_step[i]->computed = ctx[i];
     for (size_t r = 0; r < sample_seqs.size(); ++r) {
       Sequence& s = *in_step[static_cast<size_t>(sample_seqs[r])];

@@ -30,6 +30,7 @@ struct GenerationRequest {
   SamplingParams sampling;
   std::vector<std::string> stop;  // stop strings: generation ends before them (needs a tokenizer)
   std::vector<int32_t> stop_ids;  // stop tokens (eos): kept in token_ids, not in the text
+  int32_t adapter = -1;           // the model's adapter set to apply (ModelOptions::adapter_sets), -1 none
 };
 
 struct GenerationResult {

@@ -19,6 +19,9 @@ LayerActs declare_layer_acts(const Qwen2Config& config_, const ModelOptions& opt
   LayerActs acts{f32("ln1", N * D),  f32("rstd1", N),    f32("q", N * qd),   f32("k", N * kvd), f32("v", N * kvd),
                  f32("att", N * qd), f32("lse", N * Hq), f32("res1", N * D), f32("ln2", N * D), f32("rstd2", N),
                  f32("gate", N * I), f32("up", N * I),   f32("h", N * I)};
+  int64_t widest = 0;
+  for (const LoraConfig& set : options_.adapter_sets) widest = std::max(widest, set.rank);
+  if (widest > 0) acts.adapter_u = plan.declare(prefix + "adapter_u", cat, N * static_cast<size_t>(widest) * 4, first, last);
   const LoraConfig& lora = options_.lora;
   for (size_t s = 0; s < kNumLinearSites; ++s)
     if (lora.enabled() && lora.targets[s])

@@ -21,6 +21,7 @@ namespace memtune {
 struct LayerActs {
   BufferId ln1, rstd1, q, k, v, att, lse, res1, ln2, rstd2, gate, up, h;
   std::array<BufferId, kNumLinearSites> lora_u{};  // x A^T of each adapter, [N, r]
+  BufferId adapter_u{};                            // adapter sets: x A^T, [N, largest rank]
 };
 
 struct DecoderBuffers {

@@ -126,6 +126,32 @@ void ModelParameters::declare_trainables(MemoryPlan& device_plan, MemoryPlan& ho
       grad_ids_.push_back(trainables_.back().grad);
     }
   }
+  for (size_t k = 0; k < options_.adapter_sets.size(); ++k) {
+    const LoraConfig& set = options_.adapter_sets[k];
+    MT_ASSERT(!options_.lora.enabled() && !options_.with_grads, "adapter sets are for inference without lora");
+    AdapterSet a;
+    for (int64_t l = 0; l < config_.num_hidden_layers; ++l) {
+      a.ab.emplace_back();
+      a.targeted.emplace_back();
+      a.targeted.back().fill(false);
+      for (size_t s = 0; s < kNumLinearSites; ++s) {
+        if (!set.targets[s]) continue;
+        const Linear lin = linear(l, static_cast<LinearSite>(s));
+        BufferId ids[2];
+        for (bool is_b : {false, true}) {
+          ParamSpec spec{lora_tensor_name(l, static_cast<LinearSite>(s), is_b),
+                         is_b ? std::vector<int64_t>{lin.out, set.rank} : std::vector<int64_t>{set.rank, lin.in}};
+          ids[is_b] = device_plan.declare_persistent(fmt::format("adapter{}.{}", k, spec.name), Category::Weights,
+                                                     spec.numel() * 4);
+          a.specs.push_back(spec);
+          a.ids.push_back(ids[is_b]);
+        }
+        a.ab.back()[s] = {ids[0], ids[1]};
+        a.targeted.back()[s] = true;
+      }
+    }
+    adapter_sets_.push_back(std::move(a));
+  }
   const LoraConfig& lora = options_.lora;
   if (!lora.enabled()) return;
   const Qwen2Config& c = config_;
@@ -300,6 +326,45 @@ void ModelParameters::load_adapter(const std::string& dir) {
   if (file.tensors().size() != expected)
     throw Error(
         fmt::format("{}: holds {} tensors, the adapter config describes {}", path, file.tensors().size(), expected));
+}
+
+Tensor ModelParameters::adapter_a(size_t k, int64_t l, LinearSite s) const {
+  const AdapterSet& a = adapter_sets_.at(k);
+  if (!a.targeted.at(static_cast<size_t>(l))[static_cast<size_t>(s)]) return {};
+  const Linear lin = linear(l, s);
+  return device().f32(a.ab[static_cast<size_t>(l)][static_cast<size_t>(s)].first,
+                      {options_.adapter_sets[k].rank, lin.in});
+}
+
+Tensor ModelParameters::adapter_b(size_t k, int64_t l, LinearSite s) const {
+  const AdapterSet& a = adapter_sets_.at(k);
+  if (!a.targeted.at(static_cast<size_t>(l))[static_cast<size_t>(s)]) return {};
+  const Linear lin = linear(l, s);
+  return device().f32(a.ab[static_cast<size_t>(l)][static_cast<size_t>(s)].second,
+                      {lin.out, options_.adapter_sets[k].rank});
+}
+
+void ModelParameters::load_adapter_set(size_t k, const std::string& dir) {
+  const AdapterSet& a = adapter_sets_.at(k);
+  const std::string path = (std::filesystem::path(dir) / "adapter_model.safetensors").string();
+  const SafetensorsFile file(path);
+  std::vector<float> values;
+  for (size_t i = 0; i < a.specs.size(); ++i) {
+    const ParamSpec& s = a.specs[i];
+    const TensorInfo* t = file.find(s.name);
+    if (!t) throw Error(fmt::format("{}: adapter tensor \"{}\" is missing", path, s.name));
+    if (t->shape != s.shape)
+      throw Error(fmt::format("{}: tensor \"{}\" has shape {}, the adapter config needs {}", path, s.name,
+                              shape_string(t->shape), shape_string(s.shape)));
+    const auto bytes = file.data(*t);
+    std::vector<std::byte> aligned(bytes.begin(), bytes.end());  // the mapping may be unaligned
+    values.resize(static_cast<size_t>(s.numel()));
+    convert_to_f32(aligned.data(), t->dtype, values.data(), values.size());
+    upload_f32(*backend_, device().f32(a.ids[i], {s.numel()}), values);
+  }
+  if (file.tensors().size() != a.specs.size())
+    throw Error(fmt::format("{}: holds {} tensors, the adapter config describes {}", path, file.tensors().size(),
+                            a.specs.size()));
 }
 
 void ModelParameters::save_adapter(const std::string& dir, const std::string& base_model_name_or_path) const {

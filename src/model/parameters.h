@@ -80,6 +80,9 @@ struct ModelOptions {
   // (max_num_batched_tokens); nothing for gradients, losses or the optimizer is declared.
   KvCacheOptions kv_cache;
   bool inference() const { return kv_cache.blocks > 0; }
+  // Inference: LoRA adapters held side by side, each applied unmerged to the sequences that name
+  // it (GenerationBatch::seq_adapters); `lora` stays disabled.
+  std::vector<LoraConfig> adapter_sets;
   bool shards_optimizer() const { return zero_stage >= 1 && world_size > 1; }
 };
 
@@ -165,6 +168,15 @@ class ModelParameters {
   void merge_lora();
   bool lora_merged() const { return lora_merged_; }
 
+  // Adapter sets (options.adapter_sets, inference): adapter k's A [r, in] and B [out, r] at layer
+  // l, site s as float32 views, empty when k does not target that site.
+  size_t num_adapter_sets() const { return adapter_sets_.size(); }
+  const LoraConfig& adapter_set_config(size_t k) const { return options_.adapter_sets.at(k); }
+  Tensor adapter_a(size_t k, int64_t l, LinearSite s) const;
+  Tensor adapter_b(size_t k, int64_t l, LinearSite s) const;
+  // Loads adapter k from a PEFT directory (its adapter_config.json must match the set's config).
+  void load_adapter_set(size_t k, const std::string& dir);
+
  private:
   struct Trainable {
     ParamSpec spec;
@@ -193,6 +205,13 @@ class ModelParameters {
   Arena* host_ = nullptr;
   Backend* backend_ = nullptr;
   bool lora_merged_ = false;
+  struct AdapterSet {
+    std::vector<std::array<std::pair<BufferId, BufferId>, kNumLinearSites>> ab;  // per layer and site
+    std::vector<std::array<bool, kNumLinearSites>> targeted;
+    std::vector<ParamSpec> specs;  // PEFT names, in declaration order
+    std::vector<BufferId> ids;
+  };
+  std::vector<AdapterSet> adapter_sets_;
 };
 
 }  // namespace memtune

@@ -35,6 +35,8 @@ Qwen2Model::Qwen2Model(const Qwen2Config& config, const ModelOptions& options)
   batch_positions_.reserve(static_cast<size_t>(options.max_tokens));
   batch_targets_.reserve(static_cast<size_t>(options.max_tokens));
   batch_last_rows_.reserve(static_cast<size_t>(kv.max_seqs));
+  batch_cu_.reserve(static_cast<size_t>(kv.max_seqs) + 1);
+  batch_adapters_.reserve(static_cast<size_t>(kv.max_seqs));
   if (options.allocate) {
     arena_ = std::make_unique<Arena>(*plan_, backend_);
     if (host_plan_->peak_bytes() > 0) host_arena_ = std::make_unique<Arena>(*host_plan_, nullptr);
@@ -124,6 +126,14 @@ void Qwen2Model::upload_generation_batch(const GenerationBatch& batch) {
       slots[t] = static_cast<int32_t>(block * kv.block_size + p % kv.block_size);
     }
   }
+  batch_cu_.assign(batch.cu_seqlens.begin(), batch.cu_seqlens.end());
+  batch_adapters_.clear();
+  if (!batch.seq_adapters.empty()) {
+    MT_ASSERT(batch.seq_adapters.size() == static_cast<size_t>(S));
+    for (const int32_t k : batch.seq_adapters)
+      MT_ASSERT(k >= -1 && k < static_cast<int32_t>(params_.num_adapter_sets()), fmt::format("adapter set {}", k));
+    batch_adapters_.assign(batch.seq_adapters.begin(), batch.seq_adapters.end());
+  }
   // Each sampled sequence's last new token.
   std::vector<int32_t>& rows = batch_last_rows_;
   rows.resize(static_cast<size_t>(R));
@@ -193,12 +203,35 @@ void Qwen2Model::linear_forward(int64_t l, LinearSite s, const LayerActs& a, con
   // (decoding) read a 16-bit weight as it is stored.
   const Tensor w = num_tokens_ <= kSixteenBitWeightRows ? params_.param(lin.weight) : weight_f32(lin.weight);
   be.matmul_forward(y, x, w, lin.bias ? weight_f32(*lin.bias) : Tensor{});
+  if (!batch_adapters_.empty()) adapter_sets_forward(l, s, a, x, y);
   if (lin.lora < 0) return;
   const int64_t r = options_.lora.rank;
   const Tensor u = act(a.lora_u[static_cast<size_t>(s)], r);
   const Tensor A = params_.trainable_value(lin.lora), B = params_.trainable_value(lin.lora + 1);
   be.matmul_forward(u, lora_input(l, s, x), Tensor(A.data, DType::F32, {r, lin.in}), Tensor{});
   be.matmul_accumulate(y, u, Tensor(B.data, DType::F32, {lin.out, r}), static_cast<float>(options_.lora.scaling()));
+}
+
+void Qwen2Model::adapter_sets_forward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& x, const Tensor& y) {
+  auto rows = [](const Tensor& t, int64_t begin, int64_t end) {
+    return Tensor(t.as<float>() + begin * t.cols(), DType::F32, {end - begin, t.cols()});
+  };
+  // Runs of consecutive sequences with the same adapter are one pair of products.
+  for (int64_t q = 0; q < num_seqs_;) {
+    const int32_t k = batch_adapters_[static_cast<size_t>(q)];
+    int64_t q_end = q + 1;
+    while (q_end < num_seqs_ && batch_adapters_[static_cast<size_t>(q_end)] == k) ++q_end;
+    const int64_t begin = batch_cu_[static_cast<size_t>(q)], end = batch_cu_[static_cast<size_t>(q_end)];
+    q = q_end;
+    if (k < 0) continue;
+    const Tensor A = params_.adapter_a(static_cast<size_t>(k), l, s);
+    if (!A) continue;
+    const Tensor B = params_.adapter_b(static_cast<size_t>(k), l, s);
+    const Tensor u = arena_->f32(a.adapter_u, {end - begin, A.rows()});
+    backend_->matmul_forward(u, rows(x, begin, end), A, Tensor{});
+    backend_->matmul_accumulate(rows(y, begin, end), u, B,
+                                static_cast<float>(params_.adapter_set_config(static_cast<size_t>(k)).scaling()));
+  }
 }
 
 void Qwen2Model::linear_backward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& dy, const Tensor& x,

@@ -50,6 +50,8 @@ struct GenerationBatch {
   // R sequences (indices into the S) whose last new token's logits are wanted, R <= max_seqs;
   // a sequence in the middle of its prompt needs none.
   std::span<const int32_t> sample_seqs;
+  // Optional, S entries: the adapter set (ModelOptions::adapter_sets) each sequence uses, -1 none.
+  std::span<const int32_t> seq_adapters = {};
 };
 
 // The logits of a generation step in host-readable memory: [R, V], row r for sample_seqs[r].
@@ -116,6 +118,8 @@ class Qwen2Model {
   void layer_backward(int64_t l, const LayerActs& a, const Tensor& x, const Tensor& dstream);
   // y = x W^T + b (+ scaling * dropout(x) A^T B^T)
   void linear_forward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& x, const Tensor& y);
+  // y += s_k (x A_k^T) B_k^T over the rows of the sequences that use adapter set k.
+  void adapter_sets_forward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& x, const Tensor& y);
   // dx += dy W (+ the adapter's path); accumulates the gradients of whatever is trainable.
   void linear_backward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& dy, const Tensor& x,
                        const Tensor& dx);
@@ -142,6 +146,8 @@ class Qwen2Model {
   // Host staging of the batch's positions and targets (reserved for max_tokens).
   std::vector<int32_t> batch_positions_, batch_targets_;
   std::vector<int32_t> batch_last_rows_;  // generation: the sampled rows (reserved for max_seqs)
+  // Generation with adapter sets: each sequence's token range and adapter (reserved for max_seqs).
+  std::vector<int32_t> batch_cu_, batch_adapters_;
   int64_t sample_rows_ = 0;               // R of the last generation step
   StepTimings timings_;
   static inline const CrossEntropyLoss kCrossEntropy{};

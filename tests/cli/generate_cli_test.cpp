@@ -4,10 +4,13 @@
 #include <gtest/gtest.h>
 
 #include <cctype>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 
 #include "data/synthetic_tokenizer.h"
+#include "model/load.h"
+#include "model/qwen2.h"
 #include "support/run_command.h"
 #include "support/test_util.h"
 #include "tokenizer/unicode.h"
@@ -195,6 +198,56 @@ TEST_F(GenerateCliTest, EvalByGenerationComparesTheGeneratedText) {
                   " --predict_with_generate --metrics token_accuracy");
   EXPECT_EQ(r.status, 1);
   EXPECT_NE(r.output.find("with --predict_with_generate the metrics are exact_match and label_accuracy_generated"),
+            std::string::npos)
+      << r.output;
+}
+
+// --adapter NAME=DIR, repeated: each input line's "adapter" picks one; a line gets the tokens it
+// gets with that adapter alone (--adapter DIR), and without "adapter" the base model's.
+TEST_F(GenerateCliTest, NamedAdaptersArePickedPerLine) {
+  const Qwen2Config config = load_model_config(path("model"));
+  for (int k = 0; k < 2; ++k) {
+    ModelOptions o;
+    o.max_tokens = 8;
+    o.with_grads = false;
+    o.lora.rank = 4;
+    o.lora.alpha = 16;
+    o.lora.targets.fill(true);
+    Qwen2Model m(config, o);
+    for (size_t i = 0; i < m.parameters().num_trainable(); ++i) {
+      const Tensor t = m.parameters().trainable_value(i);
+      std::vector<float> v(static_cast<size_t>(t.numel()));
+      for (size_t j = 0; j < v.size(); ++j) v[j] = 0.2f * std::sin(static_cast<float>(j * (k + 2) + i));
+      upload_f32(m.backend(), t, v);
+    }
+    m.parameters().save_adapter(path("adapter" + std::to_string(k)), path("model"));
+  }
+  std::ofstream(path("lines.jsonl")) << "{\"prompt\": \"hello\", \"adapter\": \"b\"}\n"
+                                        "{\"prompt\": \"hello\"}\n"
+                                        "{\"prompt\": \"hello\", \"adapter\": \"a\"}\n";
+  const std::string common = "generate --model " + path("model") + " --max_new_tokens 12 --temperature 0.8 --seed 1 " +
+                             "--ignore_eos --json --output ";
+  auto r = run_memtune(common + path("both.jsonl") + " --input " + path("lines.jsonl") + " --adapter a=" +
+                       path("adapter0") + " --adapter b=" + path("adapter1"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  const auto both = testing_support::read_jsonl(path("both.jsonl"));
+  ASSERT_EQ(both.size(), 3u);
+  const std::string dirs[] = {path("adapter1"), "", path("adapter0")};
+  for (size_t i = 0; i < 3; ++i) {  // each line alone, with the same request index (its random stream)
+    std::ofstream lines(path("one.jsonl"));
+    for (size_t j = 0; j <= i; ++j) lines << "{\"prompt\": \"hello\"}\n";
+    lines.close();
+    r = run_memtune(common + path("one_out.jsonl") + " --input " + path("one.jsonl") +
+                    (dirs[i].empty() ? "" : " --adapter " + dirs[i]));
+    ASSERT_EQ(r.status, 0) << r.output;
+    EXPECT_EQ(testing_support::read_jsonl(path("one_out.jsonl"))[i]["token_ids"], both[i]["token_ids"]) << i;
+  }
+  EXPECT_NE(both[0]["token_ids"], both[2]["token_ids"]);
+
+  std::ofstream(path("lines.jsonl"), std::ios::app) << "{\"prompt\": \"hello\", \"adapter\": \"c\"}\n";
+  r = run_memtune(common + path("x.jsonl") + " --input " + path("lines.jsonl") + " --adapter a=" + path("adapter0"));
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.output.find("lines.jsonl:1: adapter \"b\" is not one of the --adapter NAME=DIR given"),
             std::string::npos)
       << r.output;
 }

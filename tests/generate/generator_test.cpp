@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
 
 #include "core/error.h"
 #include "core/rng.h"
@@ -275,6 +276,58 @@ TEST(Generator, UnmergedLoraEqualsMergedLora) {
   double worst = 0;
   for (int64_t v = 0; v < c.vocab_size; ++v) worst = std::max(worst, std::abs(double(u[v]) - lm.row(0)[v]));
   EXPECT_LT(worst, 1e-5);
+}
+
+// Two adapters held side by side and chosen per request, in one batch, give each request the
+// tokens of a model with only its adapter (or none).
+TEST(Generator, AdaptersChosenPerRequestEqualEachAlone) {
+  const Qwen2Config c = tiny();
+  const auto dir = testing_support::make_temp_dir("adapter_sets");
+  std::vector<LoraConfig> configs;
+  for (int k = 0; k < 2; ++k) {  // two adapters of different ranks and targets, saved as PEFT files
+    LoraConfig lora;
+    lora.rank = 2 + 2 * k;
+    lora.alpha = 8;
+    lora.targets.fill(k == 1);
+    lora.targets[static_cast<size_t>(LinearSite::Q)] = lora.targets[static_cast<size_t>(LinearSite::V)] = true;
+    ModelOptions o;
+    o.max_tokens = 8;
+    o.with_grads = false;
+    o.lora = lora;
+    Qwen2Model m(c, o);
+    m.parameters().init_random(kWeightsSeed);
+    for (size_t i = 0; i < m.parameters().num_trainable(); ++i) {
+      const Tensor t = m.parameters().trainable_value(i);
+      Rng rng(200 + 10 * k + i);
+      std::vector<float> v(static_cast<size_t>(t.numel()));
+      for (float& x : v) x = static_cast<float>(0.05 * rng.normal());
+      upload_f32(m.backend(), t, v);
+    }
+    m.parameters().save_adapter((dir / std::to_string(k)).string(), "tiny");
+    configs.push_back(lora);
+  }
+  ModelOptions o = inference_model_options(c, limits(64, 6, 64), nullptr);
+  o.adapter_sets = configs;
+  Qwen2Model both(c, o);
+  both.parameters().init_random(kWeightsSeed);
+  for (size_t k = 0; k < 2; ++k) both.parameters().load_adapter_set(k, (dir / std::to_string(k)).string());
+  std::vector<GenerationRequest> rs = mixed_requests(c);
+  rs.push_back(rs[1]);
+  for (size_t i = 0; i < rs.size(); ++i) rs[i].adapter = static_cast<int32_t>(i % 3) - 1;  // none, 0, 1, none, ...
+  const auto together = Generator(both, nullptr).generate(rs);
+  for (size_t i = 0; i < rs.size(); ++i) {
+    ModelOptions alone_options = inference_model_options(c, limits(64, 1, 64), nullptr);
+    if (rs[i].adapter >= 0) alone_options.lora = configs[static_cast<size_t>(rs[i].adapter)];
+    Qwen2Model alone(c, alone_options);
+    alone.parameters().init_random(kWeightsSeed);
+    if (rs[i].adapter >= 0) alone.parameters().load_adapter((dir / std::to_string(rs[i].adapter)).string());
+    GenerationRequest r = rs[i];
+    r.adapter = -1;
+    EXPECT_EQ(together[i].token_ids, Generator(alone, nullptr).generate({r})[0].token_ids) << "request " << i;
+  }
+  // Requests 1 and 5 are the same request (prompt, seed, stream) with adapters 0 and 1.
+  EXPECT_NE(together[1].token_ids, together[5].token_ids);
+  std::filesystem::remove_all(dir);
 }
 
 TEST(Generator, RefusesARequestLongerThanMaxModelLen) {
