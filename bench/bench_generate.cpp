@@ -21,13 +21,12 @@
 #include "generate/generator.h"
 #include "generate/inference_plan.h"
 #include "model/load.h"
+#include "bench_util.h"
 
 using namespace memtune;
-using Clock = std::chrono::steady_clock;
-
-static double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
+using bench::Clock;
+using bench::seconds_since;
+using bench::sgemm_gflops;
 
 // Bytes per second read from a buffer far larger than the caches, by all threads, each summing
 // its share into 8 vector accumulators (so the loop is bound by loads, not by add latency); best
@@ -55,21 +54,6 @@ static double read_bandwidth() {
     best = std::max(best, n * sizeof(f32x16) / s);
   }
   return best;
-}
-
-static double sgemm_gflops(int64_t M, int64_t N, int64_t K) {
-  std::vector<float> a(M * K, 0.01f), b(K * N, 0.02f), c(M * N, 0.0f);
-  auto run = [&] {
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, a.data(), K, b.data(), K, 0.0f, c.data(), N);
-  };
-  run();
-  int reps = 0;
-  const auto t0 = Clock::now();
-  do {
-    run();
-    ++reps;
-  } while (seconds_since(t0) < 0.5);
-  return 2.0 * M * N * K * reps / seconds_since(t0) / 1e9;
 }
 
 int main(int argc, char** argv) {

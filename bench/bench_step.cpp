@@ -17,30 +17,12 @@
 #include "core/rng.h"
 #include "io/checkpoint.h"
 #include "model/load.h"
+#include "bench_util.h"
 
 using namespace memtune;
-using Clock = std::chrono::steady_clock;
-
-static double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-// GFLOP/s of C[M,N] = A[M,K] B (B given as [N,K] when trans_b, the layout of our weights).
-static double sgemm_gflops(int64_t M, int64_t N, int64_t K, bool trans_a, bool trans_b) {
-  std::vector<float> a(M * K, 0.01f), b(K * N, 0.02f), c(M * N, 0.0f);
-  auto run = [&] {
-    cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, M, N, K, 1.0f,
-                a.data(), trans_a ? M : K, b.data(), trans_b ? K : N, 0.0f, c.data(), N);
-  };
-  run();
-  int reps = 0;
-  auto t0 = Clock::now();
-  do {
-    run();
-    ++reps;
-  } while (seconds_since(t0) < 0.5);
-  return 2.0 * M * N * K * reps / seconds_since(t0) / 1e9;
-}
+using bench::Clock;
+using bench::seconds_since;
+using bench::sgemm_gflops;
 
 int main(int argc, char** argv) {
   CLI::App app{"memtune step benchmark"};

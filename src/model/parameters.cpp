@@ -302,16 +302,17 @@ void ModelParameters::init_lora(uint64_t seed) {
   }
 }
 
-void ModelParameters::load_adapter(const std::string& dir) {
-  MT_ASSERT(options_.lora.enabled());
+namespace {
+
+// Reads the adapter file of a PEFT directory: every tensor `specs` names, checked against its
+// shape, converted to float32 and handed to store(i, values); the file must hold exactly these.
+template <class Store>
+void read_adapter_file(const std::string& dir, const std::vector<const ParamSpec*>& specs, Store store) {
   const std::string path = (std::filesystem::path(dir) / "adapter_model.safetensors").string();
   const SafetensorsFile file(path);
-  size_t expected = 0;
   std::vector<float> values;
-  for (size_t i = 0; i < trainables_.size(); ++i) {
-    const ParamSpec& s = trainables_[i].spec;
-    if (!s.name.starts_with("base_model.")) continue;
-    ++expected;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const ParamSpec& s = *specs[i];
     const TensorInfo* t = file.find(s.name);
     if (!t) throw Error(fmt::format("{}: adapter tensor \"{}\" is missing", path, s.name));
     if (t->shape != s.shape)
@@ -321,11 +322,27 @@ void ModelParameters::load_adapter(const std::string& dir) {
     std::vector<std::byte> aligned(bytes.begin(), bytes.end());  // the mapping may be unaligned
     values.resize(static_cast<size_t>(s.numel()));
     convert_to_f32(aligned.data(), t->dtype, values.data(), values.size());
-    upload_f32(*backend_, trainable_value(i), values);
+    store(i, values);
   }
-  if (file.tensors().size() != expected)
+  if (file.tensors().size() != specs.size())
     throw Error(
-        fmt::format("{}: holds {} tensors, the adapter config describes {}", path, file.tensors().size(), expected));
+        fmt::format("{}: holds {} tensors, the adapter config describes {}", path, file.tensors().size(), specs.size()));
+}
+
+}  // namespace
+
+void ModelParameters::load_adapter(const std::string& dir) {
+  MT_ASSERT(options_.lora.enabled());
+  std::vector<const ParamSpec*> specs;
+  std::vector<size_t> index;
+  for (size_t i = 0; i < trainables_.size(); ++i)
+    if (trainables_[i].spec.name.starts_with("base_model.")) {
+      specs.push_back(&trainables_[i].spec);
+      index.push_back(i);
+    }
+  read_adapter_file(dir, specs, [&](size_t i, const std::vector<float>& values) {
+    upload_f32(*backend_, trainable_value(index[i]), values);
+  });
 }
 
 Tensor ModelParameters::adapter_a(size_t k, int64_t l, LinearSite s) const {
@@ -346,25 +363,11 @@ Tensor ModelParameters::adapter_b(size_t k, int64_t l, LinearSite s) const {
 
 void ModelParameters::load_adapter_set(size_t k, const std::string& dir) {
   const AdapterSet& a = adapter_sets_.at(k);
-  const std::string path = (std::filesystem::path(dir) / "adapter_model.safetensors").string();
-  const SafetensorsFile file(path);
-  std::vector<float> values;
-  for (size_t i = 0; i < a.specs.size(); ++i) {
-    const ParamSpec& s = a.specs[i];
-    const TensorInfo* t = file.find(s.name);
-    if (!t) throw Error(fmt::format("{}: adapter tensor \"{}\" is missing", path, s.name));
-    if (t->shape != s.shape)
-      throw Error(fmt::format("{}: tensor \"{}\" has shape {}, the adapter config needs {}", path, s.name,
-                              shape_string(t->shape), shape_string(s.shape)));
-    const auto bytes = file.data(*t);
-    std::vector<std::byte> aligned(bytes.begin(), bytes.end());  // the mapping may be unaligned
-    values.resize(static_cast<size_t>(s.numel()));
-    convert_to_f32(aligned.data(), t->dtype, values.data(), values.size());
-    upload_f32(*backend_, device().f32(a.ids[i], {s.numel()}), values);
-  }
-  if (file.tensors().size() != a.specs.size())
-    throw Error(fmt::format("{}: holds {} tensors, the adapter config describes {}", path, file.tensors().size(),
-                            a.specs.size()));
+  std::vector<const ParamSpec*> specs;
+  for (const ParamSpec& s : a.specs) specs.push_back(&s);
+  read_adapter_file(dir, specs, [&](size_t i, const std::vector<float>& values) {
+    upload_f32(*backend_, device().f32(a.ids[i], {a.specs[i].numel()}), values);
+  });
 }
 
 void ModelParameters::save_adapter(const std::string& dir, const std::string& base_model_name_or_path) const {

@@ -85,32 +85,28 @@ void check_distribution(const SamplingParams& p, size_t expected_support) {
   EXPECT_LT(chi2, critical.at(support)) << "draws do not follow the filtered distribution";
 }
 
-TEST(Sampling, TemperatureAlone) {
-  SamplingParams p;
-  p.temperature = 0.7;
-  check_distribution(p, 8);
-}
-TEST(Sampling, TopK) {
-  SamplingParams p;
-  p.top_k = 3;
-  check_distribution(p, 3);
-}
-TEST(Sampling, TopP) {
-  SamplingParams p;
-  p.top_p = 0.6;
-  check_distribution(p, 3);
-}
-TEST(Sampling, MinP) {
-  SamplingParams p;
-  p.min_p = 0.4;
-  check_distribution(p, 4);
-}
-TEST(Sampling, TopKThenTopP) {
-  SamplingParams p;
-  p.top_k = 4;
-  p.top_p = 0.5;
-  p.temperature = 1.3;
-  check_distribution(p, 2);
+TEST(Sampling, FiltersDrawFromTheFilteredDistribution) {
+  struct Case {
+    const char* name;
+    double temperature = 1.0, top_p = 1.0, min_p = 0.0;
+    int64_t top_k = 0;
+    size_t support;  // tokens the filters keep in this example
+  };
+  const Case cases[] = {{.name = "temperature 0.7", .temperature = 0.7, .support = 8},
+                        {.name = "top_k 3", .top_k = 3, .support = 3},
+                        {.name = "top_p 0.6", .top_p = 0.6, .support = 3},
+                        {.name = "min_p 0.4", .min_p = 0.4, .support = 4},
+                        {.name = "top_k 4, top_p 0.5, temperature 1.3", .temperature = 1.3, .top_p = 0.5, .top_k = 4,
+                         .support = 2}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    SamplingParams p;
+    p.temperature = c.temperature;
+    p.top_p = c.top_p;
+    p.min_p = c.min_p;
+    p.top_k = c.top_k;
+    check_distribution(p, c.support);
+  }
 }
 
 TEST(Sampling, PenaltiesAsComputedByHand) {

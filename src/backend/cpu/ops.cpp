@@ -152,6 +152,42 @@ inline float dot(const float* a, const float* b, int64_t n) {
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
 }
+
+// One query row's attention over keys first..last (inclusive) by online softmax over blocks of
+// kKeyBlock keys: writes the output row and returns the log-sum-exp. key(j) and value(j) give
+// row j of the head's keys and values as float32.
+template <class Key, class Value>
+float attend_row(float* out, const float* q, int64_t first, int64_t last, int64_t hd, float scale, Key key,
+                 Value value) {
+  float acc[kMaxHeadDim], scores[kKeyBlock];
+  float m = -std::numeric_limits<float>::infinity(), l = 0.0f;
+  std::fill(acc, acc + hd, 0.0f);
+  for (int64_t j0 = first; j0 <= last; j0 += kKeyBlock) {
+    const int64_t j1 = std::min(last + 1, j0 + kKeyBlock);
+    float block_max = -std::numeric_limits<float>::infinity();
+    for (int64_t j = j0; j < j1; ++j) {
+      scores[j - j0] = dot(q, key(j), hd) * scale;
+      block_max = std::max(block_max, scores[j - j0]);
+    }
+    const float new_m = std::max(m, block_max);
+    const float correction = std::exp(m - new_m);
+    l *= correction;
+#pragma omp simd
+    for (int64_t d = 0; d < hd; ++d) acc[d] *= correction;
+    for (int64_t j = j0; j < j1; ++j) {
+      const float p = std::exp(scores[j - j0] - new_m);
+      l += p;
+      const float* vj = value(j);
+#pragma omp simd
+      for (int64_t d = 0; d < hd; ++d) acc[d] += p * vj[d];
+    }
+    m = new_m;
+  }
+  const float inv_l = 1.0f / l;
+#pragma omp simd
+  for (int64_t d = 0; d < hd; ++d) out[d] = acc[d] * inv_l;
+  return m + std::log(l);
+}
 }  // namespace
 
 void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v,
@@ -165,39 +201,10 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
     for (int64_t h = 0; h < Hq; ++h) {
       const int64_t begin = cu_seqlens[s], end = cu_seqlens[s + 1];
       const int64_t g = h / group;
-      float acc[kMaxHeadDim];
-      float scores[kKeyBlock];
-      for (int64_t i = begin; i < end; ++i) {
-        const float* qi = q + i * qd + h * hd;
-        float m = -std::numeric_limits<float>::infinity(), l = 0.0f;
-        std::fill(acc, acc + hd, 0.0f);
-        for (int64_t j0 = begin; j0 <= i; j0 += kKeyBlock) {
-          const int64_t j1 = std::min(i + 1, j0 + kKeyBlock);
-          float block_max = -std::numeric_limits<float>::infinity();
-          for (int64_t j = j0; j < j1; ++j) {
-            scores[j - j0] = dot(qi, k + j * kvd + g * hd, hd) * scale;
-            block_max = std::max(block_max, scores[j - j0]);
-          }
-          const float new_m = std::max(m, block_max);
-          const float correction = std::exp(m - new_m);
-          l *= correction;
-#pragma omp simd
-          for (int64_t d = 0; d < hd; ++d) acc[d] *= correction;
-          for (int64_t j = j0; j < j1; ++j) {
-            const float p = std::exp(scores[j - j0] - new_m);
-            l += p;
-            const float* vj = v + j * kvd + g * hd;
-#pragma omp simd
-            for (int64_t d = 0; d < hd; ++d) acc[d] += p * vj[d];
-          }
-          m = new_m;
-        }
-        float* oi = out + i * qd + h * hd;
-        const float inv_l = 1.0f / l;
-#pragma omp simd
-        for (int64_t d = 0; d < hd; ++d) oi[d] = acc[d] * inv_l;
-        lse[i * Hq + h] = m + std::log(l);
-      }
+      const auto key = [&](int64_t j) { return k + j * kvd + g * hd; };
+      const auto value = [&](int64_t j) { return v + j * kvd + g * hd; };
+      for (int64_t i = begin; i < end; ++i)
+        lse[i * Hq + h] = attend_row(out + i * qd + h * hd, q + i * qd + h * hd, begin, i, hd, scale, key, value);
     }
   }
 }
@@ -434,38 +441,12 @@ void paged_attention_forward(float* out, const float* q, const void* k_cache, co
         }
         return dst;
       };
-      float acc[kMaxHeadDim], kbuf[kMaxHeadDim], vbuf[kMaxHeadDim];
-      float scores[kKeyBlock];
+      float kbuf[kMaxHeadDim], vbuf[kMaxHeadDim];
+      const auto key = [&](int64_t j) { return row(k_cache, j, kbuf); };
+      const auto value = [&](int64_t j) { return row(v_cache, j, vbuf); };
       for (int64_t i = begin; i < end; ++i) {
-        const int64_t last = ctx - (end - begin) + (i - begin);  // the query's own position
-        const float* qi = q + i * qd + h * hd;
-        float m = -std::numeric_limits<float>::infinity(), l = 0.0f;
-        std::fill(acc, acc + hd, 0.0f);
-        for (int64_t j0 = 0; j0 <= last; j0 += kKeyBlock) {
-          const int64_t j1 = std::min(last + 1, j0 + kKeyBlock);
-          float block_max = -std::numeric_limits<float>::infinity();
-          for (int64_t j = j0; j < j1; ++j) {
-            scores[j - j0] = dot(qi, row(k_cache, j, kbuf), hd) * scale;
-            block_max = std::max(block_max, scores[j - j0]);
-          }
-          const float new_m = std::max(m, block_max);
-          const float correction = std::exp(m - new_m);
-          l *= correction;
-#pragma omp simd
-          for (int64_t d = 0; d < hd; ++d) acc[d] *= correction;
-          for (int64_t j = j0; j < j1; ++j) {
-            const float p = std::exp(scores[j - j0] - new_m);
-            l += p;
-            const float* vj = row(v_cache, j, vbuf);
-#pragma omp simd
-            for (int64_t d = 0; d < hd; ++d) acc[d] += p * vj[d];
-          }
-          m = new_m;
-        }
-        float* oi = out + i * qd + h * hd;
-        const float inv_l = 1.0f / l;
-#pragma omp simd
-        for (int64_t d = 0; d < hd; ++d) oi[d] = acc[d] * inv_l;
+        const int64_t position = ctx - (end - begin) + (i - begin);  // the query's own
+        attend_row(out + i * qd + h * hd, q + i * qd + h * hd, 0, position, hd, scale, key, value);
       }
     }
   }
