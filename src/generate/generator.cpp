@@ -116,7 +116,8 @@ std::vector<GenerationResult> Generator::generate(const std::vector<GenerationRe
     if (std::find(r.stop_ids.begin(), r.stop_ids.end(), token) != r.stop_ids.end()) return "stop";
     if (tokenizer_) {
       const size_t before = s.bytes.size();
-      s.bytes += tokenizer_->token_bytes(token, /*skip_special_tokens=*/true);
+      // An id past the tokenizer's (Qwen2.5 pads its 151665 tokens to 151936 rows) is no text.
+      if (tokenizer_->has_id(token)) s.bytes += tokenizer_->token_bytes(token, /*skip_special_tokens=*/true);
       for (const std::string& stop : r.stop) {
         const size_t from = before >= stop.size() - 1 ? before - (stop.size() - 1) : 0;
         if (const size_t at = s.bytes.find(stop, from); at != std::string::npos) {

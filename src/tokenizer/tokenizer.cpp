@@ -654,6 +654,10 @@ std::string_view Tokenizer::token_bytes(int32_t id, bool skip_special_tokens) co
   return impl_->id_bytes[static_cast<size_t>(id)];
 }
 
+bool Tokenizer::has_id(int32_t id) const {
+  return impl_->known(id);
+}
+
 std::string Tokenizer::decode(std::span<const int32_t> ids, bool skip_special_tokens) const {
   std::string bytes;
   for (const int32_t id : ids) bytes += token_bytes(id, skip_special_tokens);

@@ -41,6 +41,8 @@ class Tokenizer {
   // streaming decoders join them and cut at character boundaries; decode() is their lossy UTF-8.
   // "" for a special token with skip_special_tokens. Unknown ids are an Error.
   std::string_view token_bytes(int32_t id, bool skip_special_tokens = false) const;
+  // Whether an id stands for a token (a model's vocabulary is often padded past the tokenizer's).
+  bool has_id(int32_t id) const;
 
   // Id of a vocabulary or added token, or nullopt.
   std::optional<int32_t> token_to_id(std::string_view token) const;

@@ -365,6 +365,24 @@ TEST(Generator, StopIdsStopStringsAndStreamedText) {
   EXPECT_EQ(plain.text, tok.decode(plain.token_ids, true));
   ASSERT_GT(plain.token_ids.size(), 20u);
 
+  // A model whose vocabulary is padded past the tokenizer's (as Qwen2.5's 151936 rows over 151665
+  // tokens): ids without a token add no text instead of failing.
+  {
+    Qwen2Config padded = c;
+    padded.vocab_size = tok.vocab_size() + 64;
+    auto pm = inference_model(padded, limits(96, 2, 32));
+    GenerationRequest beyond = r;
+    beyond.sampling.temperature = 3.0;  // flat enough to draw padding ids
+    const GenerationResult out = Generator(*pm, &tok).generate({beyond})[0];
+    std::string expected_text;
+    for (int32_t id : out.token_ids)
+      if (tok.has_id(id)) expected_text += tok.token_bytes(id, true);
+    EXPECT_TRUE(std::any_of(out.token_ids.begin(), out.token_ids.end(), [&](int32_t id) { return !tok.has_id(id); }));
+    std::string lossy;
+    tokenizer_detail::append_utf8_lossy(expected_text, lossy);
+    EXPECT_EQ(out.text, lossy);
+  }
+
   // A stop id ends the request at that token (kept in token_ids).
   GenerationRequest with_id = r;
   with_id.stop_ids = {plain.token_ids[10]};
