@@ -133,7 +133,6 @@ std::vector<GenerationResult> Generator::generate(const std::vector<GenerationRe
 
   using Clock = std::chrono::steady_clock;
   while (!waiting.empty() || !running.empty()) {
-    // Admit in input order while there is room for a whole request.
     if (stop_requested && stop_requested()) {
       for (auto& s : running) finish(*s, "abort");
       for (size_t i : waiting) {
@@ -142,6 +141,7 @@ std::vector<GenerationResult> Generator::generate(const std::vector<GenerationRe
       }
       break;
     }
+    // Admit in input order while there is room for a whole request.
     while (!waiting.empty() && running.size() < S) {
       const GenerationRequest& r = requests[waiting.front()];
       const int64_t need =
