@@ -40,7 +40,7 @@ for t in "${targets[@]}"; do
   status=0
   "$dir/fuzz_$t" -max_total_time="$seconds" -rss_limit_mb=2048 -timeout=30 -print_final_stats=1 \
     -artifact_prefix="$findings/" "$corpus" "$root/tests/fuzz-seeds/$t" > "$log" 2>&1 || status=$?
-  executions="$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$' | tail -n 1)"
+  executions="$(grep -ao 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$' | tail -n 1)"
   # crash-, leak-, timeout- and oom- inputs; slow-unit- inputs (over 10 s, e.g. on a loaded
   # machine) are kept but not counted.
   found="$(find "$findings" -type f ! -name 'slow-unit-*' | wc -l)"
