@@ -231,7 +231,7 @@ void plan_inference(const GenerateArgs& a) {
       dtype_torch_name(s.config.torch_dtype), kv.max_model_len, kv.max_seqs, s.options.max_tokens, kv.block_size,
       format_bytes(per_token), kv.blocks, cache_tokens, format_bytes(plan.live_bytes(Phase::Forward, Category::KvCache)),
       fit, kv.max_model_len, fit < kv.max_seqs ? fmt::format(" (fewer than --max_num_seqs {}: the others wait)", kv.max_seqs) : "",
-      plan.summary(), s.process.summary());
+      plan.summary(nullptr, Phase::Loss), s.process.summary());
 }
 
 // `memtune chat`: one conversation in the terminal. The model is planned once for one sequence

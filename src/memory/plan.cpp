@@ -118,9 +118,10 @@ std::string format_bytes(size_t bytes) {
   return u == 0 ? fmt::format("{} B", bytes) : fmt::format("{:.2f} {}", v, units[u]);
 }
 
-std::string MemoryPlan::summary(const MemoryPlan* evaluation) const {
+std::string MemoryPlan::summary(const MemoryPlan* evaluation, Phase last) const {
+  const size_t shown = static_cast<size_t>(last) + 1;
   std::string out = fmt::format("{:<20}", "category");
-  for (size_t p = 0; p < kNumPhases; ++p) out += fmt::format("{:>14}", phase_name(static_cast<Phase>(p)));
+  for (size_t p = 0; p < shown; ++p) out += fmt::format("{:>14}", phase_name(static_cast<Phase>(p)));
   if (evaluation) out += fmt::format("{:>14}", "evaluation");
   out += "\n";
   const Phase eval_peak = evaluation ? evaluation->peak_phase() : Phase::Forward;
@@ -130,13 +131,13 @@ std::string MemoryPlan::summary(const MemoryPlan* evaluation) const {
     for (size_t p = 0; p < kNumPhases; ++p) any += live_bytes(static_cast<Phase>(p), cat);
     if (any == 0) continue;
     out += fmt::format("{:<20}", category_name(cat));
-    for (size_t p = 0; p < kNumPhases; ++p)
+    for (size_t p = 0; p < shown; ++p)
       out += fmt::format("{:>14}", format_bytes(live_bytes(static_cast<Phase>(p), cat)));
     if (evaluation) out += fmt::format("{:>14}", format_bytes(evaluation->live_bytes(eval_peak, cat)));
     out += "\n";
   }
   out += fmt::format("{:<20}", "total");
-  for (size_t p = 0; p < kNumPhases; ++p) out += fmt::format("{:>14}", format_bytes(live_bytes(static_cast<Phase>(p))));
+  for (size_t p = 0; p < shown; ++p) out += fmt::format("{:>14}", format_bytes(live_bytes(static_cast<Phase>(p))));
   if (evaluation) out += fmt::format("{:>14}", format_bytes(evaluation->peak_bytes()));
   out += fmt::format("\npeak {} ({} bytes) in phase {}, {} buffers\n", format_bytes(peak_bytes_), peak_bytes_,
                      phase_name(peak_phase_), buffers_.size());

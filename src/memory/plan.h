@@ -77,7 +77,9 @@ class MemoryPlan {
 
   // A human-readable table: bytes per category and phase, and the peak; with `evaluation`, one
   // more column: that (evaluation-only) plan's bytes per category at its own peak.
-  std::string summary(const MemoryPlan* evaluation = nullptr) const;
+  std::string summary(const MemoryPlan* evaluation = nullptr) const { return summary(evaluation, Phase::Optimizer); }
+  // Only the phases up to `last` (an inference model runs forward and loss only).
+  std::string summary(const MemoryPlan* evaluation, Phase last) const;
 
  private:
   std::vector<BufferDecl> buffers_;

@@ -279,6 +279,11 @@ TEST_F(GenerateCliTest, PlanInferenceIsTheBillOfTheSameCommandLine) {
   EXPECT_LE(b["arena_bytes"].get<double>(), limit);
   EXPECT_GT(b["arena_bytes"].get<double>() + 2 * b["kv_bytes_per_token"].get<double>() * 16, limit);
   EXPECT_EQ(b["sequences_of_max_model_len"].get<int64_t>(), b["kv_cache_blocks"].get<int64_t>() / 256);
+  // The table: an inference model's phases, forward and loss.
+  const auto text = run_memtune("plan --inference --preset tiny --max_model_len 64");
+  ASSERT_EQ(text.status, 0) << text.output;
+  EXPECT_NE(text.output.find("category                   forward          loss\n"), std::string::npos) << text.output;
+  EXPECT_EQ(text.output.find("backward"), std::string::npos) << text.output;
   const auto too_small = run_memtune("plan --inference --preset qwen2.5-0.5b --bf16 --max_model_len 4096 "
                                      "--device_memory 1GiB");
   EXPECT_EQ(too_small.status, 1);
