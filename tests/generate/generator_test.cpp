@@ -12,6 +12,7 @@
 #include "data/synthetic_tokenizer.h"
 #include "generate/generator.h"
 #include "generate/inference_plan.h"
+#include "memory/process_memory.h"
 #include "model/qwen2.h"
 #include "support/test_util.h"
 #include "tokenizer/unicode.h"
@@ -119,6 +120,7 @@ TEST_P(GenerationVariants, CacheLogitsEqualFullForwardLogitsAtEveryStep) {
   // Prefill in chunks of 8 (the last one samples), then one token per step, greedily.
   std::vector<int32_t> tokens = random_ids(P, c.vocab_size, 2), blocks = {3, 0, 4, 1, 2};
   std::vector<std::vector<float>> cached;
+  StepAllocations steps;  // operator new inside generation steps after the first
   int64_t computed = 0;
   while (static_cast<int64_t>(tokens.size()) < P + T) {
     const int64_t n = std::min<int64_t>(8, static_cast<int64_t>(tokens.size()) - computed);
@@ -126,8 +128,10 @@ TEST_P(GenerationVariants, CacheLogitsEqualFullForwardLogitsAtEveryStep) {
     const std::vector<int32_t> cu = {0, static_cast<int32_t>(n)}, ctx = {static_cast<int32_t>(computed + n)};
     const bool samples = computed + n == static_cast<int64_t>(tokens.size());
     const std::vector<int32_t> sample = samples ? std::vector<int32_t>{0} : std::vector<int32_t>{};
+    steps.begin();
     const StepLogits l = m->generation_step(
         {.input_ids = ids, .cu_seqlens = cu, .context_lens = ctx, .block_tables = blocks, .sample_seqs = sample});
+    steps.end();
     computed += n;
     if (!samples) continue;
     std::vector<float> row(static_cast<size_t>(c.vocab_size));
@@ -142,6 +146,7 @@ TEST_P(GenerationVariants, CacheLogitsEqualFullForwardLogitsAtEveryStep) {
       worst = std::max(worst, std::abs(double(cached[i][t]) - full[static_cast<size_t>(P - 1) + i][t]));
   EXPECT_LT(worst, v.tolerance);
   RecordProperty("max_abs_logit_difference", std::to_string(worst));
+  EXPECT_EQ(steps.total().count, 0u) << "a generation step allocated " << steps.total().bytes << " bytes";
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, GenerationVariants,
