@@ -60,28 +60,11 @@ void evaluate_generating(const EvalArgs& a, const std::string& metric_list, std:
   d.chat_template = a.templ;
   if (!a.system.empty()) d.record.system = a.system;
   const Dataset data = load_dataset(a.eval_file, tokenizer, d);
-  if (data.empty()) throw Error(fmt::format("{}: no examples to evaluate", a.eval_file));
-  int64_t longest_prompt = 0, longest_answer = 0;
-  for (size_t i = 0; i < data.size(); ++i) {
-    try {
-      const PromptAndAnswer split = split_at_last_answer(data.input_ids(i), data.labels(i));
-      longest_prompt = std::max<int64_t>(longest_prompt, static_cast<int64_t>(split.prompt.size()));
-      longest_answer = std::max<int64_t>(longest_answer, static_cast<int64_t>(split.answer.size()));
-    } catch (const Error& e) {
-      throw Error(fmt::format("{}: example {}: {}", a.eval_file, i, e.what()));
-    }
-  }
-  const int64_t max_new = a.max_new_tokens > 0 ? a.max_new_tokens : longest_answer + 8;
-  std::vector<int32_t> stop_ids;
-  if (const auto eos = tokenizer.eos_token_id()) stop_ids.push_back(*eos);
-  if (const auto im_end = tokenizer.token_to_id("<|im_end|>")) stop_ids.push_back(*im_end);
-
+  const GenerationEvalShape shape = generation_eval_shape(data, a.batch_size, a.max_new_tokens, a.eval_file);
+  const int64_t max_new = shape.max_new_tokens;
+  const std::vector<int32_t> stop_ids = model_stop_ids(a.model, tokenizer, /*chat=*/true);
   const Qwen2Config config = load_model_config(a.model, dtype);
-  const int64_t seqs = std::min<int64_t>(a.batch_size, static_cast<int64_t>(data.size()));
-  const InferenceLimits limits{.max_model_len = longest_prompt + max_new,
-                               .max_num_seqs = seqs,
-                               .max_num_batched_tokens = std::max<int64_t>(512, seqs),
-                               .block_size = 16};
+  const InferenceLimits& limits = shape.limits;
   const ModelOptions options = inference_model_options(config, limits, &backend_named(a.backend));
   ProcessPlan process;
   process.measure_preparation(startup_rss);

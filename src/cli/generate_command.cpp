@@ -49,26 +49,10 @@ struct GenerateArgs {
   std::vector<int32_t> stop_token_ids;
 };
 
-// The ids that end a reply: the tokenizer's eos, generation_config.json's eos_token_id (a number
-// or a list) and, for chat prompts, <|im_end|>.
 std::vector<int32_t> stop_ids(const GenerateArgs& a, const Tokenizer& tokenizer, bool chat) {
   std::set<int32_t> ids(a.stop_token_ids.begin(), a.stop_token_ids.end());
-  if (a.ignore_eos) return {ids.begin(), ids.end()};
-  if (const auto eos = tokenizer.eos_token_id()) ids.insert(*eos);
-  if (chat)
-    if (const auto im_end = tokenizer.token_to_id("<|im_end|>")) ids.insert(*im_end);
-  const std::filesystem::path gen = std::filesystem::path(a.model) / "generation_config.json";
-  if (std::filesystem::exists(gen)) {
-    const nlohmann::json doc = read_json_file(gen);
-    const JsonReader r(doc, gen.string());
-    if (const auto eos = r.find("eos_token_id")) {
-      if (eos->value().is_array()) {
-        for (size_t i = 0; i < eos->size(); ++i) ids.insert(static_cast<int32_t>((*eos)[i].as_integer(0, INT32_MAX)));
-      } else {
-        ids.insert(static_cast<int32_t>(eos->as_integer(0, INT32_MAX)));
-      }
-    }
-  }
+  if (!a.ignore_eos)
+    for (const int32_t id : model_stop_ids(a.model, tokenizer, chat)) ids.insert(id);
   return {ids.begin(), ids.end()};
 }
 

@@ -21,6 +21,7 @@
 
 #include "data/batcher.h"
 #include "eval/eval_data.h"
+#include "eval/generation_eval.h"
 #include "eval/metrics.h"
 #include "memory/memory_files.h"
 #include "memory/process_memory.h"
@@ -137,8 +138,11 @@ Action add_plan(CLI::App& app) {
         eval_data = std::make_unique<EvalData>(r.eval_file, *tokenizer, d, wants_classification_metrics(r.metrics),
                                                std::vector<std::string>{}, e);
       }
-      tokenizer.reset();  // as the run does, before its model
-      malloc_trim(0);
+      // As the run does before its model; evaluation by generation keeps it to decode.
+      if (!(r.predict_with_generate && r.eval_strategy != "no" && eval_data)) {
+        tokenizer.reset();
+        malloc_trim(0);
+      }
       process.measure_preparation(startup_rss);
       if (train_data.empty() || train_data.num_targets() == 0)
         throw Error(fmt::format("{}: no example with a trainable token is left to train on", r.train_file));
@@ -185,7 +189,8 @@ Action add_plan(CLI::App& app) {
     eval.with_grads = eval.with_optimizer = eval.optim_offload = false;
     eval.zero_stage = 0;
     eval.gradient_checkpointing = false;
-    const Qwen2Model train_model(config, train), eval_model(config, eval);
+    Qwen2Model train_model(config, train);
+    const Qwen2Model eval_model(config, eval);
     int64_t trainable = 0;
     for (size_t i = 0; i < train_model.parameters().num_trainable(); ++i)
       trainable += train_model.parameters().trainable_spec(i).numel();
@@ -193,6 +198,15 @@ Action add_plan(CLI::App& app) {
     add_planned_terms(process, train_model, checkpoint_dtype, a->world_size);
     if (a->world_size > 1) process.startup_bytes += kMpiInitBytes;  // a run measures it in its startup
     if (eval_data && r.eval_strategy != "no") process.evaluation_bytes = kEvaluationRuntimeBytes;
+    // --predict_with_generate: the run's generation view of the model (KV cache, step buffers).
+    std::optional<size_t> generation_bytes;
+    if (r.predict_with_generate && r.eval_strategy != "no" && eval_data) {
+      const GenerationEvalShape shape =
+          generation_eval_shape(eval_data->tokens(), r.per_device_eval_batch_size, r.max_new_tokens, r.eval_file);
+      const Qwen2Model view(train_model, inference_model_options(config, shape.limits, nullptr, false));
+      generation_bytes = view.plan().peak_bytes() + view.host_plan().peak_bytes();
+      process.generation_arena_bytes = *generation_bytes;
+    }
     // What Hugging Face Trainer's evaluation keeps with a custom compute_metrics: float32 logits
     // [batch, seq, vocab] per batch, accumulated over the eval set (on device, or on the host
     // with eval_accumulation_steps).
@@ -211,6 +225,7 @@ Action add_plan(CLI::App& app) {
                           {"zero_stage", r.zero_stage},
                           {"training", plan_to_json(train_model.plan())},
                           {"evaluation", plan_to_json(eval_model.plan())},
+                          {"generation_arena_bytes", generation_bytes ? nlohmann::json(*generation_bytes) : nlohmann::json()},
                           {"hf_eval_logits_bytes_per_batch", hf_batch},
                           {"hf_eval_logits_bytes_accumulated", hf_total}};
     out["categories"] = out["training"]["categories"];

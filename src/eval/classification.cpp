@@ -22,7 +22,10 @@ namespace memtune {
 using nlohmann::json;
 
 bool wants_classification_metrics(const std::string& metrics) {
-  return metrics.find("label_accuracy") != std::string::npos || metrics.find("macro_f1") != std::string::npos;
+  std::stringstream in(metrics);
+  for (std::string name; std::getline(in, name, ',');)
+    if (name == "label_accuracy" || name == "macro_f1") return true;
+  return false;
 }
 
 ClassificationSet build_classification_set(const std::string& path, const Tokenizer& tokenizer,

@@ -26,6 +26,8 @@ class EvalData {
   bool classification() const { return classification_; }
   const ClassificationSet& classification_set() const { return set_; }
   Batcher& batcher() { return *batcher_; }
+  // Token data (not classification): every example, in file order, on every rank.
+  const Dataset& tokens() const { return tokens_; }
 
  private:
   bool classification_;

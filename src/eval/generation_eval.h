@@ -19,6 +19,7 @@
 
 #include "data/dataset.h"
 #include "generate/generator.h"
+#include "generate/inference_plan.h"
 
 namespace memtune {
 
@@ -27,6 +28,14 @@ struct GenerationMetrics {
   bool exact_match = false, label_accuracy = false;
 };
 GenerationMetrics parse_generation_metrics(const std::string& list);
+// Training with --predict_with_generate: the generation metrics of the list, and the rest (token
+// metrics for the forward pass that runs too; eval_loss is always reported). An Error when the
+// list names no generation metric.
+struct GenerationMetricSplit {
+  GenerationMetrics generation;
+  std::string token_metrics;  // comma-separated, possibly empty
+};
+GenerationMetricSplit split_generation_metrics(const std::string& list);
 
 // An example split at its last answer: prompt = ids[0, answer_begin), answer = the answer's ids
 // (its closing <|im_end|> / eos included). An Error when the example has no answer.
@@ -35,18 +44,34 @@ struct PromptAndAnswer {
 };
 PromptAndAnswer split_at_last_answer(std::span<const int32_t> ids, std::span<const int32_t> labels);
 
+// What generating an evaluation set takes: max_new_tokens (given, or the longest answer + 8) and
+// an inference model's limits for the longest prompt plus that, batch_size sequences at a time.
+// An Error naming `source` and the example when one has no answer.
+struct GenerationEvalShape {
+  int64_t max_new_tokens = 0;
+  InferenceLimits limits;
+};
+GenerationEvalShape generation_eval_shape(const Dataset& data, int64_t batch_size, int64_t max_new_tokens,
+                                          const std::string& source);
+
 struct GenerationEvalResult {
-  int64_t examples = 0;
+  int64_t examples = 0;                          // generated here (this rank's share)
+  int64_t exact_matches = 0, label_matches = 0;  // among them
   double exact_match = 0, label_accuracy_generated = 0;
-  std::vector<std::string> references, predictions, predicted_labels;
+  std::vector<std::string> references, predictions, predicted_labels;  // of the examples generated here
   GenerationStats stats;
+  // Fractions from the counts (after a data-parallel sum of examples and matches).
+  void finish();
 };
 
-// Generates every example of `data` on an inference model (Generator) with greedy decoding,
-// stop_ids and max_new_tokens, and scores the metrics.
+// Generates the examples of `data` on an inference model (Generator) with greedy decoding,
+// stop_ids and max_new_tokens, and scores the metrics. Under data parallelism rank r generates
+// examples r, r + W, ...; the candidate labels are the same on every rank (--labels, or the
+// distinct references of the whole set), and the counts are to be summed before finish().
 GenerationEvalResult evaluate_by_generation(Qwen2Model& model, const Tokenizer& tokenizer, const Dataset& data,
                                             const GenerationMetrics& metrics, std::vector<std::string> labels,
-                                            int64_t max_new_tokens, const std::vector<int32_t>& stop_ids);
+                                            int64_t max_new_tokens, const std::vector<int32_t>& stop_ids,
+                                            int rank = 0, int world_size = 1);
 
 // --save_predictions: {"index", "prediction", "reference", "exact_match" (, "predicted_label")}.
 void write_generation_predictions(std::ostream& out, const GenerationEvalResult& result);

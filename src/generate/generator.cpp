@@ -5,11 +5,17 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <deque>
+#include <filesystem>
 #include <memory>
 #include <optional>
+#include <set>
+
+#include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/json_reader.h"
 #include "tokenizer/unicode.h"
 
 namespace memtune {
@@ -35,6 +41,26 @@ struct Sequence {
 int64_t blocks_for(int64_t tokens, int64_t block_size) { return (tokens + block_size - 1) / block_size; }
 
 }  // namespace
+
+std::vector<int32_t> model_stop_ids(const std::string& model_dir, const Tokenizer& tokenizer, bool chat) {
+  std::set<int32_t> ids;
+  if (const auto eos = tokenizer.eos_token_id()) ids.insert(*eos);
+  if (chat)
+    if (const auto im_end = tokenizer.token_to_id("<|im_end|>")) ids.insert(*im_end);
+  const std::filesystem::path gen = std::filesystem::path(model_dir) / "generation_config.json";
+  if (std::filesystem::exists(gen)) {
+    const nlohmann::json doc = read_json_file(gen);
+    const JsonReader r(doc, gen.string());
+    if (const auto eos = r.find("eos_token_id")) {
+      if (eos->value().is_array()) {
+        for (size_t i = 0; i < eos->size(); ++i) ids.insert(static_cast<int32_t>((*eos)[i].as_integer(0, INT32_MAX)));
+      } else {
+        ids.insert(static_cast<int32_t>(eos->as_integer(0, INT32_MAX)));
+      }
+    }
+  }
+  return {ids.begin(), ids.end()};
+}
 
 Generator::Generator(Qwen2Model& model, const Tokenizer* tokenizer)
     : model_(model), tokenizer_(tokenizer), scratch_(model.config().vocab_size) {

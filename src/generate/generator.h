@@ -54,6 +54,10 @@ struct GenerationStats {
 // the pieces of a request join to its result's text.
 using TextCallback = std::function<void(size_t index, std::string_view piece)>;
 
+// The ids that end a reply: the tokenizer's eos, the model directory's generation_config.json
+// eos_token_id (a number or a list) and, for chat prompts, <|im_end|>; sorted, no repeats.
+std::vector<int32_t> model_stop_ids(const std::string& model_dir, const Tokenizer& tokenizer, bool chat);
+
 class Generator {
  public:
   // tokenizer may be null when no request has stop strings and no text is wanted.

@@ -24,7 +24,7 @@ size_t ProcessPlan::loading_bytes() const {
 
 size_t ProcessPlan::running_bytes() const {
   return startup_bytes + prepared_bytes + arena_bytes + host_arena_bytes + compute_runtime_bytes +
-         evaluation_bytes + communication_bytes;
+         evaluation_bytes + generation_arena_bytes + communication_bytes;
 }
 
 size_t ProcessPlan::peak_bytes() const {
@@ -50,6 +50,7 @@ nlohmann::json ProcessPlan::to_json() const {
             {"weights_mapping_bytes", weights_mapping_bytes},
             {"compute_runtime_bytes", compute_runtime_bytes},
             {"evaluation_bytes", evaluation_bytes},
+            {"generation_arena_bytes", generation_arena_bytes},
             {"communication_bytes", communication_bytes}}},
           {"data_measured", data_measured}};
 }
@@ -57,7 +58,7 @@ nlohmann::json ProcessPlan::to_json() const {
 std::string ProcessPlan::summary() const {
   std::string s = fmt::format(
       "process: {} predicted peak ({}): startup {} + {} + arena {}{} + {} while loading the weights, "
-      "or + compute runtime {}{}{} while running",
+      "or + compute runtime {}{}{}{} while running",
       format_bytes(peak_bytes()), peak_stage(), format_bytes(startup_bytes),
       data_measured ? fmt::format("prepared data {} (preparing peaked at {})", format_bytes(prepared_bytes),
                                   format_bytes(preparation_peak_bytes))
@@ -66,6 +67,8 @@ std::string ProcessPlan::summary() const {
       host_arena_bytes ? fmt::format(" + host arena {}", format_bytes(host_arena_bytes)) : std::string(),
       fmt::format("checkpoint mapping {}", format_bytes(weights_mapping_bytes)), format_bytes(compute_runtime_bytes),
       evaluation_bytes ? fmt::format(" + evaluation {}", format_bytes(evaluation_bytes)) : std::string(),
+      generation_arena_bytes ? fmt::format(" + generation arena {}", format_bytes(generation_arena_bytes))
+                             : std::string(),
       communication_bytes ? fmt::format(" + MPI {}", format_bytes(communication_bytes)) : std::string());
   return s + "\n";
 }

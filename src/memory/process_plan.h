@@ -49,6 +49,7 @@ struct ProcessPlan {
   size_t weights_mapping_bytes = 0;    // the checkpoint's mapped pages and staging while the weights are read
   size_t compute_runtime_bytes = kTrainingRuntimeBytes;
   size_t evaluation_bytes = 0;         // evaluation during training (kEvaluationRuntimeBytes)
+  size_t generation_arena_bytes = 0;   // evaluation by generation in training: the generation view's plan
   size_t communication_bytes = 0;      // MPI's reduction buffers, with more than one rank
 
   // Takes the measured terms from this process's counters: call once the tokenizer and the data

@@ -13,14 +13,33 @@
 
 namespace memtune {
 
-Qwen2Model::Qwen2Model(const Qwen2Config& config, const ModelOptions& options)
+Qwen2Model::Qwen2Model(const Qwen2Config& config, const ModelOptions& options) : Qwen2Model(config, options, nullptr) {}
+
+namespace {
+// A generation view's options: the base's LoRA (applied from the base's trainables) and backend.
+ModelOptions view_options(const Qwen2Model& base, ModelOptions options) {
+  if (!options.inference()) throw Error("a generation view needs KV cache options");
+  if (!options.adapter_sets.empty()) throw Error("a generation view uses its base model's adapter, not adapter sets");
+  options.lora = base.options().lora;
+  options.backend = &base.backend();
+  options.with_grads = options.with_optimizer = options.optim_offload = false;
+  options.zero_stage = 0;
+  return options;
+}
+}  // namespace
+
+Qwen2Model::Qwen2Model(Qwen2Model& base, const ModelOptions& options)
+    : Qwen2Model(base.config(), view_options(base, options), &base.parameters()) {}
+
+Qwen2Model::Qwen2Model(const Qwen2Config& config, const ModelOptions& options, ModelParameters* borrowed)
     : config_(config),
       options_(options),
       backend_(options.backend ? options.backend : &default_backend()),
       plan_(std::make_unique<MemoryPlan>()),
       host_plan_(std::make_unique<MemoryPlan>()),
-      params_(config, options, *plan_, *host_plan_),
-      buf_(declare_decoder_buffers(config, options, params_.specs(), !backend_->host_addressable(), *plan_,
+      own_params_(borrowed ? nullptr : std::make_unique<ModelParameters>(config, options, *plan_, *host_plan_)),
+      params_(borrowed ? borrowed : own_params_.get()),
+      buf_(declare_decoder_buffers(config, options, params_->specs(), !backend_->host_addressable(), *plan_,
                                    *host_plan_)) {
   if (options.max_tokens <= 0) throw Error(fmt::format("max_tokens must be positive, got {}", options.max_tokens));
   const KvCacheOptions& kv = options.kv_cache;
@@ -41,14 +60,14 @@ Qwen2Model::Qwen2Model(const Qwen2Config& config, const ModelOptions& options)
     arena_ = std::make_unique<Arena>(*plan_, backend_);
     if (host_plan_->peak_bytes() > 0) host_arena_ = std::make_unique<Arena>(*host_plan_, nullptr);
   }
-  params_.bind(arena_.get(), host_arena_.get(), *backend_);
+  if (own_params_) own_params_->bind(arena_.get(), host_arena_.get(), *backend_);
 }
 
 Tensor Qwen2Model::weight_f32(size_t p) {
-  const Tensor w = params_.param(p);
+  const Tensor w = params_->param(p);
   if (w.dtype == DType::F32) return w;
   const size_t phase = static_cast<size_t>(arena_->phase());
-  const bool vector = params_.specs()[p].shape.size() == 1;
+  const bool vector = params_->specs()[p].shape.size() == 1;
   Tensor out = vector ? arena_->f32(buf_.vector_f32[phase], {w.numel()})
                       : arena_->f32(buf_.matrix_f32[phase], {w.rows(), w.cols()});
   backend_->convert(out, w);
@@ -131,7 +150,7 @@ void Qwen2Model::upload_generation_batch(const GenerationBatch& batch) {
   if (!batch.seq_adapters.empty()) {
     MT_ASSERT(batch.seq_adapters.size() == static_cast<size_t>(S));
     for (const int32_t k : batch.seq_adapters)
-      MT_ASSERT(k >= -1 && k < static_cast<int32_t>(params_.num_adapter_sets()), fmt::format("adapter set {}", k));
+      MT_ASSERT(k >= -1 && k < static_cast<int32_t>(params_->num_adapter_sets()), fmt::format("adapter set {}", k));
     batch_adapters_.assign(batch.seq_adapters.begin(), batch.seq_adapters.end());
   }
   // Each sampled sequence's last new token.
@@ -164,7 +183,7 @@ StepLogits Qwen2Model::generation_step(const GenerationBatch& batch) {
   A.enter_phase(Phase::Forward);
   upload_generation_batch(batch);
   const int64_t N = num_tokens_, R = sample_rows_;
-  be.embedding_forward(act(buf_.residual[0], D), A.i32(buf_.ids, {N}), params_.param(params_.embed()));
+  be.embedding_forward(act(buf_.residual[0], D), A.i32(buf_.ids, {N}), params_->param(params_->embed()));
   for (int64_t l = 0; l < L; ++l)
     layer_forward(l, buf_.fwd_scratch, act(buf_.residual[l % 2], D), act(buf_.residual[(l + 1) % 2], D));
   A.enter_phase(Phase::Loss);
@@ -172,11 +191,11 @@ StepLogits Qwen2Model::generation_step(const GenerationBatch& batch) {
   // The final norm and the head over the sampled rows only.
   const Tensor rows = A.f32(buf_.last_rows, {R, D}), normed = A.f32(buf_.last_normed, {R, D});
   be.gather_rows(rows, act(buf_.residual[L % 2], D), A.i32(buf_.last_rows_index, {R}));
-  be.rmsnorm_forward(normed, A.f32(buf_.last_rstd, {R}), rows, weight_f32(params_.final_norm()),
+  be.rmsnorm_forward(normed, A.f32(buf_.last_rstd, {R}), rows, weight_f32(params_->final_norm()),
                      static_cast<float>(c.rms_norm_eps));
   // The head over at most max_seqs rows, in its storage dtype (widened in registers).
   const Tensor logits = A.f32(buf_.last_logits, {R, V});
-  be.matmul_forward(logits, normed, params_.param(params_.head()), Tensor{});
+  be.matmul_forward(logits, normed, params_->param(params_->head()), Tensor{});
   if (!buf_.stages_chunks) return {logits.as<const float>(), R, V};
   float* host = host_arena_->f32(buf_.staging_last_logits, {R, V}).as<float>();
   be.copy_to_host(host, logits);
@@ -197,17 +216,17 @@ Tensor Qwen2Model::lora_input(int64_t l, LinearSite s, const Tensor& x) {
 }
 
 void Qwen2Model::linear_forward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& x, const Tensor& y) {
-  const ModelParameters::Linear lin = params_.linear(l, s);
+  const ModelParameters::Linear lin = params_->linear(l, s);
   Backend& be = *backend_;
   // The weight and the bias widen into different scratch buffers (matrix / vector); a few rows
   // (decoding) read a 16-bit weight as it is stored.
-  const Tensor w = num_tokens_ <= kSixteenBitWeightRows ? params_.param(lin.weight) : weight_f32(lin.weight);
+  const Tensor w = num_tokens_ <= kSixteenBitWeightRows ? params_->param(lin.weight) : weight_f32(lin.weight);
   be.matmul_forward(y, x, w, lin.bias ? weight_f32(*lin.bias) : Tensor{});
   if (!batch_adapters_.empty()) adapter_sets_forward(l, s, a, x, y);
   if (lin.lora < 0) return;
   const int64_t r = options_.lora.rank;
   const Tensor u = act(a.lora_u[static_cast<size_t>(s)], r);
-  const Tensor A = params_.trainable_value(lin.lora), B = params_.trainable_value(lin.lora + 1);
+  const Tensor A = params_->trainable_value(lin.lora), B = params_->trainable_value(lin.lora + 1);
   be.matmul_forward(u, lora_input(l, s, x), Tensor(A.data, DType::F32, {r, lin.in}), Tensor{});
   be.matmul_accumulate(y, u, Tensor(B.data, DType::F32, {lin.out, r}), static_cast<float>(options_.lora.scaling()));
 }
@@ -224,29 +243,29 @@ void Qwen2Model::adapter_sets_forward(int64_t l, LinearSite s, const LayerActs& 
     const int64_t begin = batch_cu_[static_cast<size_t>(q)], end = batch_cu_[static_cast<size_t>(q_end)];
     q = q_end;
     if (k < 0) continue;
-    const Tensor A = params_.adapter_a(static_cast<size_t>(k), l, s);
+    const Tensor A = params_->adapter_a(static_cast<size_t>(k), l, s);
     if (!A) continue;
-    const Tensor B = params_.adapter_b(static_cast<size_t>(k), l, s);
+    const Tensor B = params_->adapter_b(static_cast<size_t>(k), l, s);
     const Tensor u = arena_->f32(a.adapter_u, {end - begin, A.rows()});
     backend_->matmul_forward(u, rows(x, begin, end), A, Tensor{});
     backend_->matmul_accumulate(rows(y, begin, end), u, B,
-                                static_cast<float>(params_.adapter_set_config(static_cast<size_t>(k)).scaling()));
+                                static_cast<float>(params_->adapter_set_config(static_cast<size_t>(k)).scaling()));
   }
 }
 
 void Qwen2Model::linear_backward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& dy, const Tensor& x,
                                  const Tensor& dx) {
-  const ModelParameters::Linear lin = params_.linear(l, s);
+  const ModelParameters::Linear lin = params_->linear(l, s);
   Backend& be = *backend_;
   be.matmul_backward(dx, base_grad_or_none(lin.weight), lin.bias ? base_grad_or_none(*lin.bias) : Tensor{}, dy, x,
                      weight_f32(lin.weight), 1.0f);
   if (lin.lora < 0) return;
   // y += s * u B^T, u = xd A^T:  du = s dy B, dB += s dy^T u, dA += du^T xd, dxd = du A.
   const int64_t r = options_.lora.rank;
-  const Tensor A(params_.trainable_value(lin.lora).data, DType::F32, {r, lin.in});
-  const Tensor B(params_.trainable_value(lin.lora + 1).data, DType::F32, {lin.out, r});
-  const Tensor dA(params_.trainable_grad(lin.lora).data, DType::F32, {r, lin.in});
-  const Tensor dB(params_.trainable_grad(lin.lora + 1).data, DType::F32, {lin.out, r});
+  const Tensor A(params_->trainable_value(lin.lora).data, DType::F32, {r, lin.in});
+  const Tensor B(params_->trainable_value(lin.lora + 1).data, DType::F32, {lin.out, r});
+  const Tensor dA(params_->trainable_grad(lin.lora).data, DType::F32, {r, lin.in});
+  const Tensor dB(params_->trainable_grad(lin.lora + 1).data, DType::F32, {lin.out, r});
   const Tensor du = act(buf_.lora_du, r);
   be.fill(du, 0.0f);
   be.matmul_backward(du, dB, Tensor{}, dy, act(a.lora_u[static_cast<size_t>(s)], r), B,
@@ -265,7 +284,7 @@ void Qwen2Model::linear_backward(int64_t l, LinearSite s, const LayerActs& a, co
 }
 
 void Qwen2Model::layer_forward(int64_t l, const LayerActs& a, const Tensor& x, const Tensor& x_out) {
-  const auto& p = params_.layer(l);
+  const auto& p = params_->layer(l);
   const Qwen2Config& c = config_;
   const int64_t D = c.hidden_size, I = c.intermediate_size, qd = c.q_dim(), kvd = c.kv_dim();
   const int64_t Hq = c.num_attention_heads, hd = c.head_dim();
@@ -305,7 +324,7 @@ void Qwen2Model::layer_forward(int64_t l, const LayerActs& a, const Tensor& x, c
 
 // Gradient of layer l. On entry dstream holds d(loss)/d(layer output); on exit d(loss)/d(x).
 void Qwen2Model::layer_backward(int64_t l, const LayerActs& a, const Tensor& x, const Tensor& dstream) {
-  const auto& p = params_.layer(l);
+  const auto& p = params_->layer(l);
   const Qwen2Config& c = config_;
   const int64_t D = c.hidden_size, I = c.intermediate_size, qd = c.q_dim(), kvd = c.kv_dim();
   const int64_t Hq = c.num_attention_heads, hd = c.head_dim();
@@ -357,7 +376,7 @@ LossSum Qwen2Model::run_step(const TokenBatch& batch, float* logits_out, bool ba
   A.enter_phase(Phase::Forward);
   upload_batch(batch);
   const int64_t N = num_tokens_;
-  be.embedding_forward(act(buf_.residual[0], D), A.i32(buf_.ids, {N}), params_.param(params_.embed()));
+  be.embedding_forward(act(buf_.residual[0], D), A.i32(buf_.ids, {N}), params_->param(params_->embed()));
   for (int64_t l = 0; l < L; ++l)
     layer_forward(l, ckpt ? buf_.fwd_scratch : buf_.saved[l], act(buf_.residual[l], D), act(buf_.residual[l + 1], D));
 
@@ -365,10 +384,10 @@ LossSum Qwen2Model::run_step(const TokenBatch& batch, float* logits_out, bool ba
   t0 = Clock::now();
   A.enter_phase(Phase::Loss);
   const Tensor normed = act(buf_.normed, D);
-  be.rmsnorm_forward(normed, act(buf_.rstd_final, 1), act(buf_.residual[L], D), weight_f32(params_.final_norm()),
+  be.rmsnorm_forward(normed, act(buf_.rstd_final, 1), act(buf_.residual[L], D), weight_f32(params_->final_norm()),
                      static_cast<float>(c.rms_norm_eps));
   if (logits_out) {  // debugging only: computed on the host from copies, in the caller's memory
-    const std::vector<float> hidden = download_f32(be, normed), head = download_f32(be, params_.param(params_.head()));
+    const std::vector<float> hidden = download_f32(be, normed), head = download_f32(be, params_->param(params_->head()));
     for (int64_t n = 0; n < N; ++n)
       for (int64_t v = 0; v < V; ++v) {
         double s = 0.0;
@@ -380,10 +399,10 @@ LossSum Qwen2Model::run_step(const TokenBatch& batch, float* logits_out, bool ba
   const int64_t chunk = buf_.chunk_rows;
   LmHeadArgs head{.hidden = normed,
                   .targets = A.i32(buf_.targets, {N}),
-                  .weight = params_.param(params_.head()),
+                  .weight = params_->param(params_->head()),
                   .loss = loss_,
                   .dhidden = grads ? act(buf_.dnormed, D) : Tensor{},
-                  .dweight = grads ? base_grad_or_none(params_.head()) : Tensor{},
+                  .dweight = grads ? base_grad_or_none(params_->head()) : Tensor{},
                   .grad_scale = grad_scale_,
                   .observer = observer_,
                   .logits = A.f32(buf_.logits_chunk, {chunk, V}),
@@ -405,8 +424,8 @@ LossSum Qwen2Model::run_step(const TokenBatch& batch, float* logits_out, bool ba
   A.enter_phase(Phase::Backward);
   const Tensor dstream = act(buf_.dstream, D);
   be.fill(dstream, 0.0f);
-  be.rmsnorm_backward(dstream, base_grad_or_none(params_.final_norm()), act(buf_.dnormed, D), act(buf_.residual[L], D),
-                      weight_f32(params_.final_norm()), act(buf_.rstd_final, 1));
+  be.rmsnorm_backward(dstream, base_grad_or_none(params_->final_norm()), act(buf_.dnormed, D), act(buf_.residual[L], D),
+                      weight_f32(params_->final_norm()), act(buf_.rstd_final, 1));
   for (int64_t l = L - 1; l >= 0; --l) {
     const Tensor x = act(buf_.residual[l], D);
     if (options_.gradient_checkpointing) {
@@ -418,7 +437,7 @@ LossSum Qwen2Model::run_step(const TokenBatch& batch, float* logits_out, bool ba
     }
     if (layer_grads_ready_) layer_grads_ready_(l);
   }
-  if (params_.base_trainable()) be.embedding_backward(params_.grad(params_.embed()), dstream, A.i32(buf_.ids, {N}));
+  if (params_->base_trainable()) be.embedding_backward(params_->grad(params_->embed()), dstream, A.i32(buf_.ids, {N}));
   timings_.backward = seconds_since(t0);
   A.enter_phase(Phase::Forward);
   return loss;

@@ -69,6 +69,11 @@ struct StepTimings {
 class Qwen2Model {
  public:
   Qwen2Model(const Qwen2Config& config, const ModelOptions& options);
+  // A generation view of `base` (evaluation by generation during training): an inference model
+  // (options.kv_cache) whose plan holds only its KV cache and step buffers, computing with the
+  // base's parameters as they are now (weights and, with LoRA, the adapters being trained). The
+  // base must outlive it; options' LoRA, gradient and optimizer settings are the base's.
+  Qwen2Model(Qwen2Model& base, const ModelOptions& options);
 
   const Qwen2Config& config() const { return config_; }
   const ModelOptions& options() const { return options_; }
@@ -83,8 +88,8 @@ class Qwen2Model {
   int64_t loss_chunk_rows() const { return buf_.chunk_rows; }
 
   // The parameters: specs, views, trainables, optimizer state, checkpoints and adapters.
-  ModelParameters& parameters() { return params_; }
-  const ModelParameters& parameters() const { return params_; }
+  ModelParameters& parameters() { return *params_; }
+  const ModelParameters& parameters() const { return *params_; }
 
   // Training applies LoRA dropout with masks derived from this seed (regenerated in backward, so
   // no mask is stored); nullopt (the default) disables dropout, as in evaluation.
@@ -111,6 +116,7 @@ class Qwen2Model {
   void set_layer_grads_ready(std::function<void(int64_t layer)> callback) { layer_grads_ready_ = std::move(callback); }
 
  private:
+  Qwen2Model(const Qwen2Config& config, const ModelOptions& options, ModelParameters* borrowed);
   void upload_batch(const TokenBatch& batch);
   void upload_generation_batch(const GenerationBatch& batch);
   LossSum run_step(const TokenBatch& batch, float* logits_out, bool backward);
@@ -126,7 +132,7 @@ class Qwen2Model {
   // x itself, or dropout(x) in scratch when LoRA dropout is active.
   Tensor lora_input(int64_t l, LinearSite s, const Tensor& x);
   uint64_t dropout_key(int64_t l, LinearSite s) const;
-  Tensor base_grad_or_none(size_t param) const { return params_.base_trainable() ? params_.grad(param) : Tensor{}; }
+  Tensor base_grad_or_none(size_t param) const { return params_->base_trainable() ? params_->grad(param) : Tensor{}; }
   // The parameter as float32: its own storage, or, when stored in 16 bits, converted into the
   // current phase's conversion scratch (one for matrices, one for vectors, so a matmul's weight
   // and bias can be live together). Valid until the next call for a parameter of the same rank.
@@ -138,7 +144,8 @@ class Qwen2Model {
   ModelOptions options_;
   Backend* backend_;
   std::unique_ptr<MemoryPlan> plan_, host_plan_;
-  ModelParameters params_;
+  std::unique_ptr<ModelParameters> own_params_;  // null in a generation view
+  ModelParameters* params_;                      // own_params_, or the base's
   DecoderBuffers buf_;
   std::unique_ptr<Arena> arena_, host_arena_;
   std::optional<uint64_t> dropout_seed_;

@@ -46,8 +46,15 @@ void add_training_arguments(CLI::App& app, TrainingArguments& a, ArgumentsFor us
   app.add_option("--label_smoothing_factor", a.label_smoothing_factor)->capture_default_str();
   app.add_option("--eval_strategy,--evaluation_strategy", a.eval_strategy, "no | steps | epoch")->capture_default_str();
   app.add_option("--eval_steps", a.eval_steps, "evaluate every N steps (default: logging_steps)");
-  app.add_option("--metrics", a.metrics, "evaluation metrics: eval_loss, perplexity, token_accuracy, top{k}_accuracy")
+  app.add_option("--metrics", a.metrics,
+                 "evaluation metrics: eval_loss, perplexity, token_accuracy, top{k}_accuracy; label_accuracy, "
+                 "macro_f1 (text+label data); with --predict_with_generate also exact_match, label_accuracy_generated")
       ->capture_default_str();
+  app.add_flag("--predict_with_generate", a.predict_with_generate,
+               "evaluation also generates each example's answer greedily (metrics exact_match, "
+               "label_accuracy_generated)");
+  app.add_option("--max_new_tokens", a.max_new_tokens,
+                 "with --predict_with_generate: tokens generated per example (default: the longest answer + 8)");
   app.add_flag("--load_best_model_at_end", a.load_best_model_at_end, "finish with the best checkpoint's weights");
   app.add_option("--metric_for_best_model", a.metric_for_best_model)->capture_default_str();
   app.add_option("--greater_is_better", a.greater_is_better, "default: false for losses, true otherwise");

@@ -45,6 +45,11 @@ struct TrainingArguments {
   bool load_best_model_at_end = false;
   std::string metric_for_best_model = "loss";
   std::optional<bool> greater_is_better;  // default: false for losses, true otherwise
+  // Evaluation by generation (Seq2SeqTrainer's predict_with_generate): each eval example's last
+  // answer generated greedily and compared with the reference (exact_match,
+  // label_accuracy_generated), beside the loss pass.
+  bool predict_with_generate = false;
+  int64_t max_new_tokens = 0;  // 0: the eval set's longest answer + 8
   // Logging and checkpoints.
   int64_t logging_steps = 500;
   std::string save_strategy = "steps";  // steps | epoch | no

@@ -53,7 +53,7 @@ const std::set<std::string, std::less<>>& ignored_keys() {
       "model_type", "model_revision", "attn_impl", "device_map", "max_memory", "template_backend", "dataset_num_proc",
       "streaming", "enable_cache", "download_mode", "strict", "model_name", "model_author", "use_hf", "tuner_backend",
       "add_version", "check_model", "create_checkpoint_symlink", "lazy_tokenize", "use_chat_template", "freeze_vit",
-      "freeze_aligner", "max_pixels", "acc_strategy", "ignore_args_error", "max_new_tokens", "temperature", "top_k",
+      "freeze_aligner", "max_pixels", "acc_strategy", "ignore_args_error", "temperature", "top_k",
       "top_p", "repetition_penalty", "num_beams", "stream",
       // LLaMA-Factory
       "trust_remote_code", "preprocessing_num_workers", "overwrite_cache", "plot_loss", "flash_attn", "use_unsloth",
@@ -140,8 +140,6 @@ const std::map<std::string, RefusedKey, std::less<>>& refused_keys() {
       {"additional_target", {{}, kNoLora}},
       {"create_new_adapter", {{}, kNoLora}},
       {"mask_history", {{}, "the loss is on every assistant turn; drop the key"}},
-      {"predict_with_generate",
-       {{}, "training evaluates without generating; generate after training with memtune eval --predict_with_generate"}},
       {"tokenized_path", {{}, "memtune tokenizes the JSONL file itself: pass it as --train_file"}},
   };
   return keys;

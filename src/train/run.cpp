@@ -21,11 +21,13 @@
 #include "dist/communicator.h"
 #include "eval/classification.h"
 #include "eval/eval_data.h"
+#include "eval/generation_eval.h"
 #include "eval/metrics.h"
 #include "io/checkpoint.h"
 #include "io/safetensors.h"
 #include "memory/memory_files.h"
 #include "memory/process_plan.h"
+#include "generate/generator.h"
 #include "model/load.h"
 #include "report/report.h"
 #include "tokenizer/tokenizer.h"
@@ -95,6 +97,12 @@ class TrainingRun {
   std::unique_ptr<EvalData> eval_;
   MetricSelection metrics_;
   bool classification_ = false;  // --metrics label_accuracy/macro_f1: score candidate labels
+  // --predict_with_generate: the generation metrics, the eval set's generation shape, the stop
+  // ids, and the generation view of model_ (its KV cache and step buffers, its own arena).
+  std::optional<GenerationMetrics> generation_;
+  GenerationEvalShape generation_shape_;
+  std::vector<int32_t> generation_stop_ids_;
+  std::unique_ptr<Qwen2Model> generation_model_;
   std::string best_key_;         // the log key metric_for_best_model names, e.g. eval_loss
   bool greater_is_better_ = false;
   std::unique_ptr<Qwen2Model> model_;
@@ -113,7 +121,16 @@ class TrainingRun {
 void TrainingRun::run() {
   validate_training_arguments(args_);
   classification_ = wants_classification_metrics(args_.metrics);
-  if (!classification_) metrics_ = parse_metrics(args_.metrics);
+  if (args_.predict_with_generate) {
+    if (classification_)
+      throw Error("--predict_with_generate scores generated answers: use --metrics label_accuracy_generated instead "
+                  "of label_accuracy / macro_f1");
+    const GenerationMetricSplit split = split_generation_metrics(args_.metrics);
+    if (args_.eval_strategy != "no") generation_ = split.generation;  // (validated: there is an eval file)
+    metrics_ = parse_metrics(split.token_metrics);
+  } else if (!classification_) {
+    metrics_ = parse_metrics(args_.metrics);
+  }
   metrics_.eval_loss = true;  // always reported, as Hugging Face does
   best_key_ = args_.metric_for_best_model.starts_with("eval_") ? args_.metric_for_best_model
                                                                : "eval_" + args_.metric_for_best_model;
@@ -192,10 +209,15 @@ void TrainingRun::load_data() {
       train_.size(), train_.num_tokens(), train_.num_targets(), c.lines, c.dropped_no_targets, c.truncated,
       c.deleted_too_long, args_.max_length, c.bad_lines);
   // The tokenizer (vocabulary, merges, caches) is not needed once the data is tokenized; give
-  // its memory back to the system before the model's memory is made.
+  // its memory back to the system before the model's memory is made. Evaluation by generation
+  // decodes with it, so there it stays (and counts as prepared data).
   tokenizer_vocab_size_ = tokenizer_->vocab_size();
-  tokenizer_.reset();
-  malloc_trim(0);
+  if (generation_) {
+    generation_stop_ids_ = model_stop_ids(args_.model_name_or_path, *tokenizer_, /*chat=*/true);
+  } else {
+    tokenizer_.reset();
+    malloc_trim(0);
+  }
   if (train_.empty() || train_.num_targets() == 0)
     throw Error(fmt::format("{}: no example with a trainable token is left to train on", args_.train_file));
   BatchOptions b;
@@ -231,9 +253,15 @@ void TrainingRun::build_model() {
     // The whole process, predicted from the plan before any of its memory exists.
     ModelOptions planned = o;
     planned.allocate = false;
-    const Qwen2Model preview(config, planned);
+    Qwen2Model preview(config, planned);
     add_planned_terms(process_, preview, load_model_config(args_.model_name_or_path).torch_dtype, comm_.world_size());
     if (eval_ && args_.eval_strategy != "no") process_.evaluation_bytes = kEvaluationRuntimeBytes;
+    if (generation_) {
+      generation_shape_ = generation_eval_shape(eval_->tokens(), args_.per_device_eval_batch_size,
+                                                args_.max_new_tokens, args_.eval_file);
+      const Qwen2Model view(preview, inference_model_options(config, generation_shape_.limits, o.backend, false));
+      process_.generation_arena_bytes = view.plan().peak_bytes() + view.host_plan().peak_bytes();
+    }
     if (!args_.host_memory.empty()) {
       // Every rank decides on the largest prediction of all ranks, so they stop together.
       const size_t budget = parse_bytes(args_.host_memory, "--host_memory");
@@ -249,6 +277,9 @@ void TrainingRun::build_model() {
   }
   model_ = load_model(args_.model_name_or_path, o, "", dtype);
   if (o.lora.enabled()) model_->parameters().init_lora(args_.seed);
+  if (generation_)
+    generation_model_ =
+        std::make_unique<Qwen2Model>(*model_, inference_model_options(config, generation_shape_.limits, o.backend, true));
   loss_ = std::make_unique<CrossEntropyLoss>(static_cast<float>(args_.label_smoothing_factor));
   model_->set_loss(*loss_);
 
@@ -278,7 +309,13 @@ void TrainingRun::build_model() {
                         comm_.world_size(), o.shards_optimizer() ? " with ZeRO-1" : "",
                         args_.per_device_train_batch_size * args_.gradient_accumulation_steps * comm_.world_size(),
                         args_.per_device_train_batch_size, args_.gradient_accumulation_steps);
-  out_ << "memory plan:\n" << model_->plan().summary() << process_.summary();
+  out_ << "memory plan:\n" << model_->plan().summary();
+  if (generation_model_)
+    out_ << fmt::format("generation for evaluation (up to {} new tokens, {} sequences at once): {} arena\n",
+                        generation_shape_.max_new_tokens, generation_shape_.limits.max_num_seqs,
+                        format_bytes(generation_model_->plan().peak_bytes()))
+         << generation_model_->plan().summary();
+  out_ << process_.summary();
 }
 
 void TrainingRun::write_model_files(const fs::path& dir) const {
@@ -402,6 +439,20 @@ void TrainingRun::run_evaluation() {
     record["eval_tokens"] = r.num_tokens;
     eval_heap_ += r.heap_during_batches;
     for (const auto& [name, value] : r.values) record[name.starts_with("eval_") ? name : "eval_" + name] = value;
+  }
+  if (generation_model_) {
+    GenerationEvalResult g =
+        evaluate_by_generation(*generation_model_, *tokenizer_, eval_->tokens(), *generation_, {},
+                               generation_shape_.max_new_tokens, generation_stop_ids_, comm_.rank(), comm_.world_size());
+    std::vector<int64_t> counts = {g.examples, g.exact_matches, g.label_matches};
+    comm_.allreduce_sum(counts);
+    g.examples = counts[0];
+    g.exact_matches = counts[1];
+    g.label_matches = counts[2];
+    g.finish();
+    if (generation_->exact_match) record["eval_exact_match"] = g.exact_match;
+    if (generation_->label_accuracy) record["eval_label_accuracy_generated"] = g.label_accuracy_generated;
+    record["eval_generated_examples"] = g.examples;
   }
   model_->arena().sample();
   record["eval_runtime"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -194,6 +194,35 @@ TEST_F(GenerateCliTest, EvalByGenerationComparesTheGeneratedText) {
   EXPECT_DOUBLE_EQ(cls["label_accuracy_generated"].get<double>(), 0.5);
   EXPECT_DOUBLE_EQ(cls["exact_match"].get<double>(), text == prefix ? 0.5 : 0.0);
 
+  // During training (a LoRA adapter with learning rate 0 leaves the model as it is): the same
+  // score at every evaluation, beside the loss, with the generation's memory in the prediction.
+  r = run_memtune("train --model " + model + " --train_file " + path("ref.jsonl") + " --eval_file " +
+                  path("ref.jsonl") + " --output_dir " + path("run") +
+                  " --learning_rate 0 --max_steps 2 --per_device_train_batch_size 1 --eval_strategy steps "
+                  "--eval_steps 1 --save_strategy no --predict_with_generate --max_new_tokens 6 "
+                  "--metrics exact_match,eval_loss --metric_for_best_model exact_match");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("generation for evaluation (up to 6 new tokens, 2 sequences at once)"), std::string::npos)
+      << r.output;
+  int evaluations = 0;
+  for (const nlohmann::json& record : testing_support::read_jsonl(path("run/log.jsonl"))) {
+    if (!record.contains("eval_exact_match")) continue;
+    ++evaluations;
+    EXPECT_DOUBLE_EQ(record["eval_exact_match"].get<double>(), 0.5) << record.dump();
+    EXPECT_EQ(record["eval_generated_examples"], 2);
+    EXPECT_TRUE(record.contains("eval_loss"));
+  }
+  EXPECT_EQ(evaluations, 2);
+  const nlohmann::json memory = nlohmann::json::parse(std::ifstream(path("run/memory.json")));
+  EXPECT_GT(memory["process_plan"]["terms"]["generation_arena_bytes"].get<double>(), 0);
+  r = run_memtune("train --model " + model + " --train_file " + path("ref.jsonl") + " --eval_file " +
+                  path("ref.jsonl") + " --output_dir " + path("run2") +
+                  " --max_steps 1 --eval_strategy steps --predict_with_generate --metrics eval_loss");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.output.find("--predict_with_generate needs --metrics exact_match and/or label_accuracy_generated"),
+            std::string::npos)
+      << r.output;
+
   r = run_memtune("eval --model " + model + " --eval_file " + path("ref.jsonl") +
                   " --predict_with_generate --metrics token_accuracy");
   EXPECT_EQ(r.status, 1);

@@ -154,10 +154,13 @@ TEST_F(DataParallelTest, TwoReferenceRanksEqualOneCpuProcess) {
 
 TEST_F(DataParallelTest, EvaluationMergesAcrossRanks) {
   const std::string flags = "--per_device_train_batch_size 2 --max_steps 2 --eval_strategy steps --eval_steps 2";
-  for (const std::string metrics : {"eval_loss,token_accuracy", "label_accuracy,macro_f1"}) {
+  // Evaluation by generation: rank r generates examples r, r + 2, ...; the counts are summed.
+  for (const std::string metrics :
+       {"eval_loss,token_accuracy", "label_accuracy,macro_f1", "exact_match,eval_loss --predict_with_generate"}) {
     const std::string eval =
         " --metrics " + metrics + " --eval_file " + path(metrics[0] == 'l' ? "cls.jsonl" : "train.jsonl");
-    const std::string name = metrics[0] == 'l' ? "cls" : "tok";
+    const bool generates = metrics.find("generate") != std::string::npos;
+    const std::string name = metrics[0] == 'l' ? "cls" : generates ? "gen" : "tok";
     ASSERT_EQ(mpirun(2, train_args(name + "2", flags + " --per_device_eval_batch_size 3" + eval)).status, 0);
     ASSERT_EQ(testing_support::run_memtune(train_args(name + "1",
                                                       "--per_device_train_batch_size 4 --max_steps 2 "
@@ -170,8 +173,13 @@ TEST_F(DataParallelTest, EvaluationMergesAcrossRanks) {
                e1 = read_jsonl(dir_ / (name + "1") / "log.jsonl").back();
     ASSERT_TRUE(e2.contains("eval_loss")) << e2.dump();
     EXPECT_NEAR(e2["eval_loss"].get<double>(), e1["eval_loss"].get<double>(), 1e-4);
+    if (generates) {
+      ASSERT_TRUE(e2.contains("eval_exact_match")) << e2.dump();
+      EXPECT_EQ(e2["eval_generated_examples"], read_jsonl(dir_ / "train.jsonl").size());
+    }
     for (const char* key :
-         {"eval_token_accuracy", "eval_tokens", "eval_label_accuracy", "eval_macro_f1", "eval_examples"})
+         {"eval_token_accuracy", "eval_tokens", "eval_label_accuracy", "eval_macro_f1", "eval_examples",
+          "eval_exact_match", "eval_generated_examples"})
       if (e1.contains(key)) {
         EXPECT_NEAR(e2[key].get<double>(), e1[key].get<double>(), 1e-9) << key;
       }

@@ -240,25 +240,36 @@ TEST(Generator, APoolSizedByABudgetMakesRequestsWaitForBlocks) {
             std::string::npos);
 }
 
+// A LoRA adapter of rank 4 on every linear layer, with random A and B (B is zero at PEFT's
+// initialization, which would make the adapter change nothing).
+LoraConfig test_lora() {
+  LoraConfig l;
+  l.rank = 4;
+  l.alpha = 8;
+  l.targets.fill(true);
+  return l;
+}
+void randomize_adapter(Qwen2Model& m, uint64_t seed) {
+  m.parameters().init_lora(3);
+  for (size_t i = 0; i < m.parameters().num_trainable(); ++i) {
+    const Tensor t = m.parameters().trainable_value(i);
+    Rng rng(seed + i);
+    std::vector<float> v(static_cast<size_t>(t.numel()));
+    for (float& x : v) x = static_cast<float>(0.05 * rng.normal());
+    upload_f32(m.backend(), t, v);
+  }
+}
+
 // An adapter applied on the fly (y = Wx + s B(Ax)) gives the logits of the same adapter merged
 // into W, at every step of a greedy generation.
 TEST(Generator, UnmergedLoraEqualsMergedLora) {
   const Qwen2Config c = tiny();
   ModelOptions o = inference_model_options(c, limits(64, 2, 16), nullptr);
-  o.lora.rank = 4;
-  o.lora.alpha = 8;
-  o.lora.targets.fill(true);
+  o.lora = test_lora();
   auto with_adapter = [&] {
     auto m = std::make_unique<Qwen2Model>(c, o);
     m->parameters().init_random(kWeightsSeed);
-    m->parameters().init_lora(3);
-    for (size_t i = 0; i < m->parameters().num_trainable(); ++i) {  // B is zero at init: make it count
-      const Tensor t = m->parameters().trainable_value(i);
-      Rng rng(100 + i);
-      std::vector<float> v(static_cast<size_t>(t.numel()));
-      for (float& x : v) x = static_cast<float>(0.05 * rng.normal());
-      upload_f32(m->backend(), t, v);
-    }
+    randomize_adapter(*m, 100);
     return m;
   };
   auto unmerged = with_adapter(), merged = with_adapter();
@@ -281,6 +292,45 @@ TEST(Generator, UnmergedLoraEqualsMergedLora) {
   double worst = 0;
   for (int64_t v = 0; v < c.vocab_size; ++v) worst = std::max(worst, std::abs(double(u[v]) - lm.row(0)[v]));
   EXPECT_LT(worst, 1e-5);
+}
+
+// Evaluation by generation during training: a generation view of the training model (LoRA being
+// trained, bfloat16 base) computes with the training model's parameters as they are, so it
+// generates what an inference model holding copies of them generates, follows their updates,
+// and plans no weights of its own.
+TEST(Generator, AGenerationViewUsesItsBaseModelsCurrentParameters) {
+  const Qwen2Config c = tiny(DType::BF16);
+  ModelOptions train_options;
+  train_options.max_tokens = 64;
+  train_options.with_optimizer = true;
+  train_options.lora = test_lora();
+  Qwen2Model training(c, train_options);
+  training.parameters().init_random(kWeightsSeed);
+  randomize_adapter(training, 100);
+  Qwen2Model view(training, inference_model_options(c, limits(64, 2, 16), nullptr));
+
+  ModelOptions copy_options = inference_model_options(c, limits(64, 2, 16), nullptr);
+  copy_options.lora = test_lora();
+  auto copy_with_adapter = [&](uint64_t seed) {
+    auto m = std::make_unique<Qwen2Model>(c, copy_options);
+    m->parameters().init_random(kWeightsSeed);
+    randomize_adapter(*m, seed);
+    return m;
+  };
+  const std::vector<GenerationRequest> rs = {mixed_requests(c)[0], mixed_requests(c)[1]};
+  const auto before = tokens_of(Generator(view, nullptr).generate(rs));
+  EXPECT_EQ(before, tokens_of(Generator(*copy_with_adapter(100), nullptr).generate(rs)));
+  randomize_adapter(training, 200);  // as an optimizer step would change them
+  const auto after = tokens_of(Generator(view, nullptr).generate(rs));
+  EXPECT_NE(before, after);
+  EXPECT_EQ(after, tokens_of(Generator(*copy_with_adapter(200), nullptr).generate(rs)));
+
+  EXPECT_EQ(view.plan().live_bytes(Phase::Forward, Category::Weights), 0u);
+  EXPECT_GT(view.plan().live_bytes(Phase::Forward, Category::KvCache), 0u);
+  const auto copy = copy_with_adapter(1);
+  const size_t copy_weights = copy->plan().live_bytes(Phase::Forward, Category::Weights);
+  EXPECT_GT(copy_weights, 0u);
+  EXPECT_LE(view.plan().peak_bytes() + copy_weights, copy->plan().peak_bytes());
 }
 
 // Two adapters held side by side and chosen per request, in one batch, give each request the
