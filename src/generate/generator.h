@@ -13,7 +13,9 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <functional>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -58,6 +60,64 @@ using TextCallback = std::function<void(size_t index, std::string_view piece)>;
 // eos_token_id (a number or a list) and, for chat prompts, <|im_end|>; sorted, no repeats.
 std::vector<int32_t> model_stop_ids(const std::string& model_dir, const Tokenizer& tokenizer, bool chat);
 
+// What one request reports while it runs, on the thread that calls GenerationEngine::step().
+struct RequestCallbacks {
+  std::function<void(std::string_view piece)> on_text;  // the next piece of text, whole UTF-8 characters
+  std::function<void(int32_t token)> on_token;          // every sampled token, stop ids included
+  std::function<void(GenerationResult&& result)> on_finish;  // once, last
+};
+
+// The scheduler, one step at a time, for callers that add and cancel requests while it runs
+// (the server); Generator runs a fixed list through it. Not thread-safe: one thread adds,
+// cancels and steps.
+class GenerationEngine {
+ public:
+  // tokenizer may be null when no request has stop strings and no text is wanted.
+  GenerationEngine(Qwen2Model& model, const Tokenizer* tokenizer);
+  ~GenerationEngine();
+  GenerationEngine(const GenerationEngine&) = delete;
+  GenerationEngine& operator=(const GenerationEngine&) = delete;
+  // An Error starting with `label` for a request that can never run: an empty prompt, ids
+  // outside the vocabulary, max_new_tokens < 1, prompt + max_new_tokens beyond max_model_len,
+  // stop strings without a tokenizer, bad sampling parameters, an unknown adapter.
+  void validate(const GenerationRequest& request, const std::string& label) const;
+  // Validates, then queues the request behind the waiting ones; returns its id.
+  uint64_t add(GenerationRequest request, RequestCallbacks callbacks);
+  // Ends the request now with finish_reason "abort" (what it generated so far is its result)
+  // and frees its blocks; nothing when it has already finished.
+  void cancel(uint64_t id);
+  bool idle() const { return waiting_.empty() && running_.empty(); }
+  // Admits waiting requests in order while the pool holds each whole, then runs one step.
+  void step();
+
+  int64_t num_waiting() const { return static_cast<int64_t>(waiting_.size()); }
+  int64_t num_running() const { return static_cast<int64_t>(running_.size()); }
+  int64_t free_blocks() const { return static_cast<int64_t>(free_blocks_.size()); }
+  int64_t total_blocks() const { return model_.options().kv_cache.blocks; }
+  const Qwen2Model& model() const { return model_; }
+  const GenerationStats& stats() const { return stats_; }
+  void reset_stats() { stats_ = {}; }
+
+  struct Sequence;  // one request while it waits or runs (generator.cpp)
+
+ private:
+  void finish(Sequence& s, const char* reason);
+  const char* append(Sequence& s, int32_t token);
+  void emit(Sequence& s, bool all);
+
+  Qwen2Model& model_;
+  const Tokenizer* tokenizer_;
+  SamplerScratch scratch_;
+  GenerationStats stats_;
+  uint64_t next_id_ = 0;
+  std::deque<std::unique_ptr<Sequence>> waiting_;
+  std::vector<std::unique_ptr<Sequence>> running_;
+  std::vector<int32_t> free_blocks_;
+  // The step's batch, in host vectors sized once for the plan's limits.
+  std::vector<int32_t> ids_, cu_, ctx_, tables_, sample_seqs_, seq_adapters_;
+  std::vector<Sequence*> in_step_;
+};
+
 class Generator {
  public:
   // tokenizer may be null when no request has stop strings and no text is wanted.
@@ -69,13 +129,10 @@ class Generator {
   std::vector<GenerationResult> generate(const std::vector<GenerationRequest>& requests,
                                          const TextCallback& on_text = {},
                                          const std::function<bool()>& stop_requested = {});
-  const GenerationStats& stats() const { return stats_; }
+  const GenerationStats& stats() const { return engine_.stats(); }
 
  private:
-  Qwen2Model& model_;
-  const Tokenizer* tokenizer_;
-  SamplerScratch scratch_;
-  GenerationStats stats_;
+  GenerationEngine engine_;
 };
 
 }  // namespace memtune
