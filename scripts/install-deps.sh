@@ -3,9 +3,10 @@
 # Quick and silent when everything is already there.
 set -euo pipefail
 # chromium renders the run report in the headless-browser test; Open MPI runs data-parallel training;
-# clang with its libFuzzer runtime and OpenMP builds the fuzzers (scripts/fuzz.sh).
+# clang with its libFuzzer runtime and OpenMP builds the fuzzers (scripts/fuzz.sh); cpp-httplib
+# serves HTTP (memtune serve).
 packages=(build-essential cmake ninja-build pkg-config libopenblas-openmp-dev nlohmann-json3-dev libcli11-dev libfmt-dev libpcre2-dev libutf8proc-dev
-          libgtest-dev libyaml-cpp-dev python3 python3-numpy python3-torch chromium
+          libgtest-dev libyaml-cpp-dev libcpp-httplib-dev python3 python3-numpy python3-torch chromium
           libopenmpi-dev openmpi-bin clang libclang-rt-14-dev libomp-dev)
 missing=()
 for p in "${packages[@]}"; do

@@ -19,7 +19,7 @@ Action add_train(CLI::App& app);
 Action add_eval(CLI::App& app);
 // generate, `memtune plan --inference` (generate's flags with --preset: the plan, nothing run)
 // and the interactive chat share their flags and their planning.
-enum class GenerateMode { Generate, Plan, Chat };
+enum class GenerateMode { Generate, Plan, Chat, Serve };
 Action add_generate(CLI::App& app, GenerateMode mode = GenerateMode::Generate);
 Action add_plan(CLI::App& app);
 Action add_tokenize(CLI::App& app);

@@ -25,6 +25,7 @@
 #include "memory/process_plan.h"
 #include "model/load.h"
 #include "model/lora.h"
+#include "serve/server.h"
 #include "tokenizer/chat_template.h"
 #include "tokenizer/tokenizer.h"
 #include "train/arguments.h"
@@ -47,6 +48,11 @@ struct GenerateArgs {
   SamplingParams sampling;
   std::vector<std::string> stop;
   std::vector<int32_t> stop_token_ids;
+  // serve
+  std::string host = "127.0.0.1", api_key, served_model_name;
+  int port = 8000;
+  int64_t max_queue = 256;
+  double shutdown_timeout = 30;
 };
 
 std::vector<int32_t> stop_ids(const GenerateArgs& a, const Tokenizer& tokenizer, bool chat) {
@@ -54,22 +60,6 @@ std::vector<int32_t> stop_ids(const GenerateArgs& a, const Tokenizer& tokenizer,
   if (!a.ignore_eos)
     for (const int32_t id : model_stop_ids(a.model, tokenizer, chat)) ids.insert(id);
   return {ids.begin(), ids.end()};
-}
-
-// A prompt's token ids: the text as it is, or rendered by the chat template with the assistant
-// header appended.
-std::vector<int32_t> chat_prompt(const Tokenizer& tokenizer, ChatTemplate templ, std::vector<ChatMessage> messages,
-                                 const std::string& system) {
-  if (!system.empty() && (messages.empty() || messages[0].role != "system"))
-    messages.insert(messages.begin(), ChatMessage{.role = "system", .content = system});
-  validate_conversation(messages, false);
-  if (messages.back().role != "user") throw Error("the last message must be the user's: generation writes the reply");
-  RenderOptions options;
-  options.add_generation_prompt = true;
-  if (const auto eos = tokenizer.eos_token_id()) options.eos_token = tokenizer.decode(std::vector<int32_t>{*eos});
-  std::vector<int32_t> ids, labels;
-  encode_segments(tokenizer, render_chat(templ, messages, options), ids, labels);
-  return ids;
 }
 
 // The requests of --prompt or --input, each with its prompt ids.
@@ -88,7 +78,7 @@ std::vector<GenerationRequest> read_requests(const GenerateArgs& a, const Tokeni
   };
   auto text_prompt = [&](const std::string& text) {
     if (a.chat)
-      add_request(chat_prompt(tokenizer, chat_template(), {{.role = "user", .content = text}}, a.system), true);
+      add_request(chat_prompt_ids(tokenizer, chat_template(), {{.role = "user", .content = text}}, a.system), true);
     else
       add_request(tokenizer.encode(text), false);
   };
@@ -119,7 +109,7 @@ std::vector<GenerationRequest> read_requests(const GenerateArgs& a, const Tokeni
           v.push_back(static_cast<int32_t>((*ids)[i].as_integer(0, INT32_MAX)));
         add_request(std::move(v), false);
       } else if (const auto messages = r.find("messages")) {
-        add_request(chat_prompt(tokenizer, chat_template(), parse_messages(*messages), a.system), true);
+        add_request(chat_prompt_ids(tokenizer, chat_template(), parse_messages(*messages), a.system), true);
       } else if (r.has("prompt")) {
         text_prompt(r.string("prompt"));
       } else {
@@ -173,6 +163,21 @@ InferenceSetup plan_setup(const GenerateArgs& a, const std::vector<GenerationReq
   return s;
 }
 
+// The plan of an inference model as `plan --inference` and `serve` print it: the limits, the KV
+// cache ("S sequences of L tokens fit"), the table per category and the process prediction.
+std::string inference_plan_text(const InferenceSetup& s, const MemoryPlan& plan) {
+  const KvCacheOptions& kv = s.options.kv_cache;
+  const int64_t fit = kv.blocks / kv.max_blocks_per_seq;
+  return fmt::format(
+      "inference plan ({}): max_model_len {}, max_num_seqs {}, max_num_batched_tokens {}, blocks of {} tokens\n"
+      "KV cache: {} per token; {} blocks = {} tokens = {}: {} sequences of {} tokens fit{}\n\n{}\n{}",
+      dtype_torch_name(s.config.torch_dtype), kv.max_model_len, kv.max_seqs, s.options.max_tokens, kv.block_size,
+      format_bytes(kv_bytes_per_token(s.config)), kv.blocks, kv.blocks * kv.block_size,
+      format_bytes(plan.live_bytes(Phase::Forward, Category::KvCache)), fit, kv.max_model_len,
+      fit < kv.max_seqs ? fmt::format(" (fewer than --max_num_seqs {}: the others wait)", kv.max_seqs) : "",
+      plan.summary(nullptr, Phase::Loss), s.process.summary());
+}
+
 // `memtune plan --inference`: the bill of a generate command line before it runs.
 void plan_inference(const GenerateArgs& a) {
   const size_t startup_rss = current_rss_bytes();
@@ -209,13 +214,7 @@ void plan_inference(const GenerateArgs& a) {
     std::cout << out.dump() << "\n";
     return;
   }
-  std::cout << fmt::format(
-      "inference plan ({}): max_model_len {}, max_num_seqs {}, max_num_batched_tokens {}, blocks of {} tokens\n"
-      "KV cache: {} per token; {} blocks = {} tokens = {}: {} sequences of {} tokens fit{}\n\n{}\n{}\n",
-      dtype_torch_name(s.config.torch_dtype), kv.max_model_len, kv.max_seqs, s.options.max_tokens, kv.block_size,
-      format_bytes(per_token), kv.blocks, cache_tokens, format_bytes(plan.live_bytes(Phase::Forward, Category::KvCache)),
-      fit, kv.max_model_len, fit < kv.max_seqs ? fmt::format(" (fewer than --max_num_seqs {}: the others wait)", kv.max_seqs) : "",
-      plan.summary(nullptr, Phase::Loss), s.process.summary());
+  std::cout << inference_plan_text(s, plan) << "\n";
 }
 
 // `memtune chat`: one conversation in the terminal. The model is planned once for one sequence
@@ -248,7 +247,7 @@ void chat(const GenerateArgs& a) {
     }
     if (line.empty()) continue;
     history.push_back({.role = "user", .content = line});
-    GenerationRequest r{.prompt_ids = chat_prompt(tokenizer, templ, history, a.system),
+    GenerationRequest r{.prompt_ids = chat_prompt_ids(tokenizer, templ, history, a.system),
                         .max_new_tokens = a.max_new_tokens, .sampling = a.sampling, .stop = a.stop,
                         .stop_ids = stop_ids(a, tokenizer, true)};
     r.sampling.stream = turn++;
@@ -269,64 +268,120 @@ void chat(const GenerateArgs& a) {
   }
 }
 
+// `memtune serve`: the plan of the flags, then the OpenAI-compatible server until SIGTERM or Ctrl-C.
+void serve(const GenerateArgs& a) {
+  const size_t startup_rss = current_rss_bytes();
+  const Tokenizer tokenizer = Tokenizer::load(a.tokenizer.empty() ? a.model : a.tokenizer);
+  const ChatTemplate templ = resolve_chat_template(a.templ, tokenizer, "tokenizer_config.json");
+  const InferenceSetup setup = plan_setup(a, {}, startup_rss);
+  const std::optional<DType> dtype = storage_dtype(a.torch_dtype, a.bf16, a.fp16);
+  const std::unique_ptr<Qwen2Model> model = load_model(a.model, setup.options, "", dtype);
+  for (size_t k = 0; k < a.named_adapters.size(); ++k)
+    model->parameters().load_adapter_set(k, a.named_adapters[k].second);
+  std::cout << inference_plan_text(setup, model->plan()) << std::flush;
+  GenerationEngine engine(*model, &tokenizer);
+  ServeOptions o;
+  o.host = a.host;
+  o.port = a.port;
+  o.api_key = a.api_key;
+  o.model_name = a.served_model_name.empty() ? a.model : a.served_model_name;
+  for (const auto& [name, dir] : a.named_adapters) o.adapter_names.push_back(name);
+  o.max_queue = a.max_queue;
+  o.shutdown_grace_seconds = a.shutdown_timeout;
+  o.chat_template = templ;
+  o.chat_stop_ids = model_stop_ids(a.model, tokenizer, /*chat=*/true);
+  o.completion_stop_ids = model_stop_ids(a.model, tokenizer, /*chat=*/false);
+  Server server(engine, tokenizer, o);
+  const int port = server.bind();
+  std::cout << fmt::format("serving {}{} on http://{}:{} (OpenAI API under /v1; /health, /metrics)\n", o.model_name,
+                           o.adapter_names.empty() ? std::string()
+                                                   : fmt::format(" and LoRA {}", fmt::join(o.adapter_names, ", ")),
+                           a.host, port)
+            << std::flush;
+  const InterruptRequests interrupts(/*also_sigterm=*/true);
+  server.run([&] { return interrupts.requested(); });
+  std::cout << "stopped\n" << std::flush;
+}
+
 }  // namespace
 
 Action add_generate(CLI::App& app, GenerateMode mode) {
-  const bool plan_only = mode == GenerateMode::Plan;
+  const bool plan_only = mode == GenerateMode::Plan, serving = mode == GenerateMode::Serve;
   auto a = std::make_shared<GenerateArgs>();
-  auto* model = app.add_option("--model_name_or_path,--model", a->model, "Hugging Face model directory");
+  auto* model = app.add_option(serving ? "model,--model_name_or_path,--model" : "--model_name_or_path,--model", a->model,
+                               "Hugging Face model directory");
   if (plan_only) {
     app.add_flag("--inference", a->inference, "plan generation (memtune generate's flags)");
     app.add_option("--preset", a->preset, "qwen2.5-0.5b ... qwen2.5-72b, tiny (instead of --model)")->excludes(model);
   } else {
     model->required();
   }
-  app.add_option("--adapter", a->adapters,
-                 "PEFT LoRA adapter directory, applied without merging; or NAME=DIR, repeated: several adapters "
-                 "held at once, an input line's \"adapter\": NAME picks one");
-  app.add_flag("--merge_adapter", a->merge_adapter,
-               "merge the adapter into the weights at load (faster: no adapter path in each step)");
+  if (serving) {
+    app.add_option("--lora_modules,--lora-modules", a->adapters,
+                   "LoRA adapters NAME=DIR (repeatable, or several after one flag): a request's \"model\": NAME "
+                   "selects one, applied without merging; requests with different adapters share a step");
+    app.add_option("--served_model_name,--served-model-name", a->served_model_name,
+                   "the base model's name in requests and /v1/models (default: the model path as given)");
+    app.add_option("--host", a->host, "address to listen on")->capture_default_str();
+    app.add_option("--port", a->port, "port to listen on (0: any free port, printed)")->capture_default_str();
+    app.add_option("--api_key,--api-key", a->api_key, "require Authorization: Bearer KEY on /v1 routes");
+    app.add_option("--max_queue", a->max_queue, "requests waiting beyond this get 429 with Retry-After")
+        ->capture_default_str();
+    app.add_option("--shutdown_timeout", a->shutdown_timeout,
+                   "seconds in-flight requests may take to finish after SIGTERM / Ctrl-C before they are cancelled")
+        ->capture_default_str();
+  } else {
+    app.add_option("--adapter", a->adapters,
+                   "PEFT LoRA adapter directory, applied without merging; or NAME=DIR, repeated: several adapters "
+                   "held at once, an input line's \"adapter\": NAME picks one");
+    app.add_flag("--merge_adapter", a->merge_adapter,
+                 "merge the adapter into the weights at load (faster: no adapter path in each step)");
+  }
   app.add_option("--tokenizer", a->tokenizer, "tokenizer directory (default: the model directory)");
   add_backend_option(app, a->backend);
-  app.add_option("--prompt", a->prompt, "one prompt; its text is streamed to stdout");
-  app.add_option("--input", a->input,
-                 "JSONL, one request per line: {\"prompt\": TEXT} | {\"messages\": [...]} | {\"prompt_ids\": [...]}");
-  app.add_option("--output", a->output, "write the results here as JSONL, in input order (default: stdout)");
-  app.add_flag("--chat", a->chat, "render --prompt and \"prompt\" lines as a user message with the chat template");
-  app.add_option("--system", a->system, "system message for chat prompts without one");
   add_template_option(app, a->templ);
-  app.add_option("--max_new_tokens", a->max_new_tokens, "the most tokens generated per request")->capture_default_str();
-  SamplingParams& s = a->sampling;
-  app.add_option("--temperature", s.temperature, "0: greedy")->capture_default_str();
-  app.add_option("--top_k", s.top_k, "keep the k most likely tokens (0 or -1: all)")->capture_default_str();
-  app.add_option("--top_p", s.top_p, "keep the smallest set reaching this probability")->capture_default_str();
-  app.add_option("--min_p", s.min_p, "keep tokens at least min_p times as likely as the best")->capture_default_str();
-  app.add_option("--repetition_penalty", s.repetition_penalty, "> 1 discourages prompt and output tokens")
-      ->capture_default_str();
-  app.add_option("--presence_penalty", s.presence_penalty)->capture_default_str();
-  app.add_option("--frequency_penalty", s.frequency_penalty)->capture_default_str();
-  app.add_option("--seed", s.seed, "random seed; request i of the input draws from stream i")->capture_default_str();
-  app.add_option("--stop", a->stop, "a stop string (repeatable): the reply ends before it");
-  app.add_option("--stop_token_ids", a->stop_token_ids, "more stop token ids")->delimiter(',');
-  app.add_flag("--ignore_eos", a->ignore_eos, "do not stop at eos / <|im_end|>: always max_new_tokens");
-  app.add_option("--max_model_len", a->max_model_len,
-                 "the most tokens (prompt + output) of one sequence (default: the longest request)");
-  app.add_option("--max_num_seqs", a->max_num_seqs, "sequences decoded together")->capture_default_str();
-  app.add_option("--max_num_batched_tokens", a->max_num_batched_tokens,
+  if (!serving) {
+    app.add_option("--prompt", a->prompt, "one prompt; its text is streamed to stdout");
+    app.add_option("--input", a->input,
+                   "JSONL, one request per line: {\"prompt\": TEXT} | {\"messages\": [...]} | {\"prompt_ids\": [...]}");
+    app.add_option("--output", a->output, "write the results here as JSONL, in input order (default: stdout)");
+    app.add_flag("--chat", a->chat, "render --prompt and \"prompt\" lines as a user message with the chat template");
+    app.add_option("--system", a->system, "system message for chat prompts without one");
+    app.add_option("--max_new_tokens", a->max_new_tokens, "the most tokens generated per request")
+        ->capture_default_str();
+    SamplingParams& s = a->sampling;
+    app.add_option("--temperature", s.temperature, "0: greedy")->capture_default_str();
+    app.add_option("--top_k", s.top_k, "keep the k most likely tokens (0 or -1: all)")->capture_default_str();
+    app.add_option("--top_p", s.top_p, "keep the smallest set reaching this probability")->capture_default_str();
+    app.add_option("--min_p", s.min_p, "keep tokens at least min_p times as likely as the best")->capture_default_str();
+    app.add_option("--repetition_penalty", s.repetition_penalty, "> 1 discourages prompt and output tokens")
+        ->capture_default_str();
+    app.add_option("--presence_penalty", s.presence_penalty)->capture_default_str();
+    app.add_option("--frequency_penalty", s.frequency_penalty)->capture_default_str();
+    app.add_option("--seed", s.seed, "random seed; request i of the input draws from stream i")->capture_default_str();
+    app.add_option("--stop", a->stop, "a stop string (repeatable): the reply ends before it");
+    app.add_option("--stop_token_ids", a->stop_token_ids, "more stop token ids")->delimiter(',');
+    app.add_flag("--ignore_eos", a->ignore_eos, "do not stop at eos / <|im_end|>: always max_new_tokens");
+  }
+  app.add_option("--max_model_len,--max-model-len", a->max_model_len,
+                 serving ? "the most tokens (prompt + output) of one sequence (default: max_position_embeddings)"
+                         : "the most tokens (prompt + output) of one sequence (default: the longest request)");
+  app.add_option("--max_num_seqs,--max-num-seqs", a->max_num_seqs, "sequences decoded together")->capture_default_str();
+  app.add_option("--max_num_batched_tokens,--max-num-batched-tokens", a->max_num_batched_tokens,
                  "tokens one step computes: prompts are prefilled in chunks of at most this")
       ->capture_default_str();
-  app.add_option("--block_size", a->block_size, "tokens per KV cache block")->capture_default_str();
+  app.add_option("--block_size,--block-size", a->block_size, "tokens per KV cache block")->capture_default_str();
   app.add_option("--device_memory", a->device_memory,
                  "size the KV cache from this budget (e.g. 24GiB): what is left after weights and workspace");
-  app.add_option("--memory_fraction,--gpu_memory_utilization", a->memory_fraction,
+  app.add_option("--memory_fraction,--gpu_memory_utilization,--gpu-memory-utilization", a->memory_fraction,
                  "the share of --device_memory the plan may use")
       ->capture_default_str();
-  app.add_option("--torch_dtype", a->torch_dtype, "storage dtype of the weights: float32 | bfloat16 | float16");
+  app.add_option("--torch_dtype,--dtype", a->torch_dtype, "storage dtype of the weights: float32 | bfloat16 | float16");
   app.add_flag("--bf16", a->bf16, "store weights in bfloat16");
   app.add_flag("--fp16", a->fp16, "store weights in float16");
   app.add_option("--host_memory", a->host_memory,
                  "budget for the whole process (e.g. 16GiB): refuse to start when the prediction is above it");
-  app.add_flag("--json", a->json, "print the results and the summary as JSON");
+  if (!serving) app.add_flag("--json", a->json, "print the results and the summary as JSON");
   app.parse_complete_callback([a, mode, plan_only] {
     for (const std::string& value : a->adapters) {
       const size_t eq = value.find('=');
@@ -346,6 +401,15 @@ Action add_generate(CLI::App& app, GenerateMode mode) {
       if (!a->prompt.empty() || !a->input.empty()) throw Error("chat reads its prompts from the terminal");
       return;
     }
+    if (mode == GenerateMode::Serve) {
+      if (!a->adapter.empty()) throw Error("--lora_modules: give each adapter a name, NAME=DIR");
+      for (const auto& [name, dir] : a->named_adapters)
+        if (name == (a->served_model_name.empty() ? a->model : a->served_model_name))
+          throw Error(fmt::format("--lora_modules {}: the name is the base model's", name));
+      if (a->port < 0 || a->port > 65535) throw Error(fmt::format("--port {}: expected 0 to 65535", a->port));
+      if (a->max_queue < 0) throw Error("--max_queue must not be negative");
+      return;
+    }
     if (!plan_only && a->prompt.empty() == a->input.empty())
       throw Error("give one of --prompt TEXT and --input FILE.jsonl");
     if (!a->prompt.empty() && !a->input.empty()) throw Error("give one of --prompt TEXT and --input FILE.jsonl, not both");
@@ -354,6 +418,7 @@ Action add_generate(CLI::App& app, GenerateMode mode) {
   });
   if (plan_only) return [a] { plan_inference(*a); };
   if (mode == GenerateMode::Chat) return [a] { chat(*a); };
+  if (serving) return [a] { serve(*a); };
   return [a] {
     const size_t startup_rss = current_rss_bytes();
     const std::optional<DType> dtype = storage_dtype(a->torch_dtype, a->bf16, a->fp16);

@@ -47,6 +47,8 @@ int main(int argc, char** argv) {
       [](CLI::App& sub) { return memtune::cli::add_generate(sub); });
   add("chat", "an interactive chat in the terminal (chat template, history; /reset, /exit; Ctrl-C stops an answer)",
       [](CLI::App& sub) { return memtune::cli::add_generate(sub, memtune::cli::GenerateMode::Chat); });
+  add("serve", "an OpenAI-compatible server (chat and completions, streaming, LoRA adapters) over a planned KV cache",
+      [](CLI::App& sub) { return memtune::cli::add_generate(sub, memtune::cli::GenerateMode::Serve); });
   CLI::App* plan_inference = app.add_subcommand("plan-inference", "")->group("");  // `plan --inference`
   commands.emplace_back(plan_inference, memtune::cli::add_generate(*plan_inference, memtune::cli::GenerateMode::Plan));
   add("plan", "the memory bill of a run before it starts, against a device budget", memtune::cli::add_plan);

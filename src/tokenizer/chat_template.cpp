@@ -176,4 +176,18 @@ void encode_segments(const Tokenizer& tokenizer, std::span<const ChatSegment> se
   }
 }
 
+std::vector<int32_t> chat_prompt_ids(const Tokenizer& tokenizer, ChatTemplate chat_template,
+                                     std::vector<ChatMessage> messages, const std::string& system) {
+  if (!system.empty() && (messages.empty() || messages[0].role != "system"))
+    messages.insert(messages.begin(), ChatMessage{.role = "system", .content = system});
+  validate_conversation(messages, false);
+  if (messages.back().role != "user") throw Error("the last message must be the user's: generation writes the reply");
+  RenderOptions options;
+  options.add_generation_prompt = true;
+  if (const auto eos = tokenizer.eos_token_id()) options.eos_token = tokenizer.decode(std::vector<int32_t>{*eos});
+  std::vector<int32_t> ids, labels;
+  encode_segments(tokenizer, render_chat(chat_template, messages, options), ids, labels);
+  return ids;
+}
+
 }  // namespace memtune

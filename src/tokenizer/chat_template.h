@@ -83,4 +83,10 @@ std::vector<ChatSegment> render_chat(ChatTemplate chat_template, std::span<const
 void encode_segments(const Tokenizer& tokenizer, std::span<const ChatSegment> segments, std::vector<int32_t>& ids,
                      std::vector<int32_t>& labels);
 
+// A generation prompt: the conversation (with `system` first when given and the conversation
+// has none) rendered with the assistant header appended, as token ids. An Error unless the
+// conversation is valid and ends with the user's message.
+std::vector<int32_t> chat_prompt_ids(const Tokenizer& tokenizer, ChatTemplate chat_template,
+                                     std::vector<ChatMessage> messages, const std::string& system);
+
 }  // namespace memtune

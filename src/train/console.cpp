@@ -16,15 +16,17 @@ extern "C" void on_sigint(int) {
 
 }  // namespace
 
-InterruptRequests::InterruptRequests() {
+InterruptRequests::InterruptRequests(bool also_sigterm) : also_sigterm_(also_sigterm) {
   g_interrupted = false;
   struct sigaction action {};
   action.sa_handler = on_sigint;
   sigaction(SIGINT, &action, &previous_);
+  if (also_sigterm_) sigaction(SIGTERM, &action, &previous_term_);
 }
 
 InterruptRequests::~InterruptRequests() {
   sigaction(SIGINT, &previous_, nullptr);
+  if (also_sigterm_) sigaction(SIGTERM, &previous_term_, nullptr);
 }
 
 bool InterruptRequests::requested() const {

@@ -10,11 +10,11 @@
 
 namespace memtune {
 
-// While alive, SIGINT sets requested() instead of ending the process; the previous handler is
-// restored on destruction. One at a time.
+// While alive, SIGINT (and with also_sigterm SIGTERM) sets requested() instead of ending the
+// process; the previous handlers are restored on destruction. One at a time.
 class InterruptRequests {
  public:
-  InterruptRequests();
+  explicit InterruptRequests(bool also_sigterm = false);
   ~InterruptRequests();
   InterruptRequests(const InterruptRequests&) = delete;
   InterruptRequests& operator=(const InterruptRequests&) = delete;
@@ -23,7 +23,8 @@ class InterruptRequests {
   void request();
 
  private:
-  struct sigaction previous_ {};
+  struct sigaction previous_ {}, previous_term_ {};
+  bool also_sigterm_ = false;
 };
 
 // A live, rewritten progress line: only on an interactive terminal in a single process (under
