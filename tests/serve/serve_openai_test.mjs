@@ -1,0 +1,210 @@
+// `memtune serve` driven by the official OpenAI client (the npm package `openai`, pinned in
+// tools/openai-client): chat and completions, streamed and not, equal `memtune generate`'s
+// greedy output for the same prompts and adapters; 16 concurrent streams with mixed prompt
+// lengths and adapters equal their sequential runs, also when only 2 sequences run at a time;
+// bad requests get their documented status and the server keeps serving; a client that goes
+// away mid-stream frees its KV blocks; SIGTERM exits 0.
+//
+// Usage: node tests/serve/serve_openai_test.mjs --memtune BIN --workdir DIR
+import { execFileSync, spawn } from "node:child_process";
+import fs from "node:fs";
+import { createRequire } from "node:module";
+import path from "node:path";
+import { fileURLToPath } from "node:url";
+import assert from "node:assert/strict";
+
+const root = path.resolve(path.dirname(fileURLToPath(import.meta.url)), "../..");
+const arg = (name) => {
+  const i = process.argv.indexOf(name);
+  if (i < 0 || i + 1 >= process.argv.length) throw new Error(`missing ${name}`);
+  return process.argv[i + 1];
+};
+const memtune = arg("--memtune");
+const work = arg("--workdir");
+fs.rmSync(work, { recursive: true, force: true });
+fs.mkdirSync(work, { recursive: true });
+const lastLine = (out) => out.trim().split("\n").pop();
+const clientDir = lastLine(execFileSync(path.join(root, "scripts/prepare-openai-client.sh"), { encoding: "utf8" }));
+const tokenizerDir = process.env.MEMTUNE_TOKENIZER_DIR ||
+  lastLine(execFileSync(path.join(root, "scripts/prepare-tokenizer.sh"), { encoding: "utf8" }));
+const OpenAI = createRequire(path.join(clientDir, "package.json"))("openai").default;
+
+const run = (args) => execFileSync(memtune, args, { encoding: "utf8", stdio: ["ignore", "pipe", "pipe"] });
+const at = (name) => path.join(work, name);
+const writeJsonl = (file, rows) => fs.writeFileSync(file, rows.map((r) => JSON.stringify(r)).join("\n") + "\n");
+const readJsonl = (file) => fs.readFileSync(file, "utf8").trim().split("\n").map((l) => JSON.parse(l));
+
+// A tiny model with the real Qwen2.5 tokenizer, and two LoRA adapters trained a few steps apart.
+const model = at("model");
+run(["init-model", "--preset", "tiny", "--set", "vocab_size=151936", "--set", "tie_word_embeddings=false",
+     "--seed", "5", "--out", model]);
+for (const f of ["tokenizer.json", "tokenizer_config.json"]) fs.copyFileSync(path.join(tokenizerDir, f), path.join(model, f));
+const words = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "maple"];
+for (const [name, seed] of [["a", 1], ["b", 2]]) {
+  const rows = [];
+  for (let i = 0; i < 16; ++i)
+    rows.push({ messages: [{ role: "user", content: `${words[(i + seed) % 8]} ${i}` },
+                           { role: "assistant", content: `${words[(i * seed + 3) % 8]} ${words[i % 8]}` }] });
+  writeJsonl(at(`train_${name}.jsonl`), rows);
+  run(["train", "--model", model, "--train_file", at(`train_${name}.jsonl`), "--output_dir", at(`adapter_${name}`),
+       "--max_steps", "4", "--learning_rate", "0.05", "--lora_rank", "4", "--seed", String(seed),
+       "--per_device_train_batch_size", "4", "--save_strategy", "no"]);
+}
+
+// The requests: chat and completion prompts of different lengths, each with an adapter or none.
+const adapters = [null, "a", "b"];
+const requests = [];
+for (let i = 0; i < 16; ++i) {
+  const text = Array.from({ length: 1 + (i * 7) % 23 }, (_, k) => words[(i + k) % 8]).join(" ");
+  requests.push({ chat: i % 2 === 0, text, adapter: adapters[i % 3], max_tokens: 6 + (i % 5) * 3 });
+}
+// Their greedy results from `memtune generate` (batching changes no token: tests/generate/).
+writeJsonl(at("requests.jsonl"), requests.map((r) => ({
+  ...(r.chat ? { messages: [{ role: "user", content: r.text }] } : { prompt: r.text }),
+  ...(r.adapter ? { adapter: r.adapter } : {}),
+})));
+const maxNew = Math.max(...requests.map((r) => r.max_tokens));
+const expected = [];
+for (const r of requests) {
+  const line = { ...(r.chat ? { messages: [{ role: "user", content: r.text }] } : { prompt: r.text }),
+                 ...(r.adapter ? { adapter: r.adapter } : {}) };
+  writeJsonl(at("one.jsonl"), [line]);
+  run(["generate", "--model", model, "--input", at("one.jsonl"), "--adapter", `a=${at("adapter_a")}`,
+       "--adapter", `b=${at("adapter_b")}`, "--temperature", "0", "--max_new_tokens", String(r.max_tokens),
+       "--output", at("one_out.jsonl"), "--json"]);
+  expected.push(readJsonl(at("one_out.jsonl"))[0]);
+}
+assert.ok(expected.some((e) => e.text.trim().length > 0), "every reference generation is empty");
+assert.ok(new Set(expected.map((e) => e.text)).size > 4, "the references hardly differ: adapters or prompts change nothing");
+
+// Starts a server; resolves with its base URL and the child process.
+function startServer(extra) {
+  const child = spawn(memtune, ["serve", model, "--port", "0", "--max_model_len", "96",
+                                "--lora_modules", `a=${at("adapter_a")}`, `b=${at("adapter_b")}`, ...extra],
+                      { stdio: ["ignore", "pipe", "pipe"] });
+  let out = "";
+  child.stderr.on("data", (d) => { out += d; });
+  return new Promise((resolve, reject) => {
+    child.stdout.on("data", (d) => {
+      out += d;
+      const m = out.match(/on http:\/\/127\.0\.0\.1:(\d+)/);
+      if (m) resolve({ url: `http://127.0.0.1:${m[1]}`, child, output: () => out });
+    });
+    child.on("exit", (code) => reject(new Error(`memtune serve exited (${code}) before listening:\n${out}`)));
+  });
+}
+function stopServer(server) {
+  return new Promise((resolve) => {
+    server.child.removeAllListeners("exit");
+    server.child.on("exit", (code, signal) => resolve({ code, signal }));
+    server.child.kill("SIGTERM");
+  });
+}
+
+const modelName = (r) => r.adapter ?? model;
+async function complete(client, r, stream) {
+  const common = { model: modelName(r), max_tokens: r.max_tokens, temperature: 0 };
+  if (!stream) {
+    const out = r.chat
+      ? await client.chat.completions.create({ ...common, messages: [{ role: "user", content: r.text }] })
+      : await client.completions.create({ ...common, prompt: r.text });
+    const choice = out.choices[0];
+    return { text: r.chat ? choice.message.content : choice.text, finish: choice.finish_reason, usage: out.usage };
+  }
+  const s = r.chat
+    ? await client.chat.completions.create({ ...common, messages: [{ role: "user", content: r.text }], stream: true,
+                                             stream_options: { include_usage: true } })
+    : await client.completions.create({ ...common, prompt: r.text, stream: true,
+                                        stream_options: { include_usage: true } });
+  let text = "", finish = null, usage = null;
+  for await (const chunk of s) {
+    if (chunk.usage) usage = chunk.usage;
+    for (const c of chunk.choices) {
+      text += r.chat ? (c.delta.content ?? "") : c.text;
+      if (c.finish_reason) finish = c.finish_reason;
+    }
+  }
+  return { text, finish, usage };
+}
+function checkAgainstReference(got, i, what) {
+  const e = expected[i];
+  assert.equal(got.text, e.text, `${what}: request ${i} text`);
+  assert.equal(got.finish, e.finish_reason, `${what}: request ${i} finish_reason`);
+  assert.equal(got.usage.prompt_tokens, e.prompt_tokens, `${what}: request ${i} prompt_tokens`);
+  assert.equal(got.usage.completion_tokens, e.completion_tokens, `${what}: request ${i} completion_tokens`);
+  assert.equal(got.usage.total_tokens, e.prompt_tokens + e.completion_tokens, `${what}: request ${i} total_tokens`);
+}
+async function metric(url, name) {
+  const text = await (await fetch(`${url}/metrics`)).text();
+  const m = text.match(new RegExp(`^${name} (\\S+)$`, "m"));
+  assert.ok(m, `${name} not in /metrics:\n${text}`);
+  return Number(m[1]);
+}
+
+// 1. One server: models, each request streamed and not, against the references.
+let server = await startServer(["--max_num_seqs", "8"]);
+let client = new OpenAI({ baseURL: `${server.url}/v1`, apiKey: "unused", maxRetries: 0 });
+const models = await client.models.list();
+assert.deepEqual(models.data.map((m) => m.id), [model, "a", "b"]);
+for (let i = 0; i < requests.length; ++i) {
+  checkAgainstReference(await complete(client, requests[i], false), i, "non-streamed");
+  checkAgainstReference(await complete(client, requests[i], true), i, "streamed");
+}
+// 16 concurrent streams, mixed lengths and adapters: batching changes nothing.
+let results = await Promise.all(requests.map((r) => complete(client, r, true)));
+results.forEach((got, i) => checkAgainstReference(got, i, "concurrent"));
+
+// 2. Bad requests get their status, and the server goes on serving.
+const post = (route, body, headers = {}, signal = undefined) =>
+  fetch(`${server.url}${route}`,
+        { method: "POST", headers: { "Content-Type": "application/json", ...headers }, body, signal });
+const expectError = async (response, status, what) => {
+  assert.equal(response.status, status, what);
+  const body = await response.json();
+  assert.ok(body.error && typeof body.error.message === "string" && body.error.type, `${what}: ${JSON.stringify(body)}`);
+  return body.error;
+};
+await expectError(await post("/v1/chat/completions", "{\"messages\": [oops"), 400, "malformed JSON");
+await expectError(await post("/v1/completions", JSON.stringify({ prompt: "hi", max_tokens: -3 })), 400, "negative max_tokens");
+const long = Array.from({ length: 200 }, (_, k) => words[k % 8]).join(" ");
+await expectError(await post("/v1/completions", JSON.stringify({ prompt: long, max_tokens: 4 })), 400, "beyond max_model_len");
+await expectError(await post("/v1/completions", JSON.stringify({ prompt: "hi", n: 2 })), 400, "n = 2");
+await expectError(await post("/v1/completions", "x".repeat(2 << 20)), 413, "oversized body");
+await assert.rejects(client.chat.completions.create({ model: "nope", messages: [{ role: "user", content: "hi" }] }),
+                     (e) => e.status === 404 && e.code === "model_not_found");
+await assert.rejects(client.completions.create({ model, prompt: "hi", temperature: 7 }), (e) => e.status === 400);
+// Clients that go away mid-stream: their sequences are cancelled and their blocks freed.
+for (let k = 0; k < 4; ++k) {
+  const controller = new AbortController();
+  const response = await post("/v1/completions",
+                              JSON.stringify({ prompt: "hello there", max_tokens: 80, stream: true, ignore_eos: true }),
+                              {}, controller.signal);
+  const reader = response.body.getReader();
+  await reader.read();
+  controller.abort();
+  await reader.cancel().catch(() => {});
+}
+let used = -1;
+for (let tries = 0; tries < 100 && used !== 0; ++tries) {
+  await new Promise((r) => setTimeout(r, 100));
+  used = await metric(server.url, "memtune_kv_cache_blocks_used");
+}
+assert.equal(used, 0, "KV blocks still held after the clients disconnected");
+assert.ok((await metric(server.url, "memtune_kv_cache_blocks_free")) > 0);
+checkAgainstReference(await complete(client, requests[1], false), 1, "after the bad requests");
+assert.ok((await metric(server.url, 'memtune_requests_total{status="400"}')) >= 4);
+assert.ok((await metric(server.url, "memtune_time_to_first_token_seconds_count")) > 0);
+let stopped = await stopServer(server);
+assert.equal(stopped.code, 0, `SIGTERM: exit code ${stopped.code} (${stopped.signal})\n${server.output()}`);
+
+// 3. Two sequences at a time and an API key: the 16 streams all complete, with the same tokens.
+server = await startServer(["--max_num_seqs", "2", "--api_key", "secret-key"]);
+await assert.rejects(new OpenAI({ baseURL: `${server.url}/v1`, apiKey: "wrong", maxRetries: 0 }).models.list(),
+                     (e) => e.status === 401);
+client = new OpenAI({ baseURL: `${server.url}/v1`, apiKey: "secret-key", maxRetries: 0 });
+results = await Promise.all(requests.map((r) => complete(client, r, true)));
+results.forEach((got, i) => checkAgainstReference(got, i, "max_num_seqs 2"));
+stopped = await stopServer(server);
+assert.equal(stopped.code, 0, `SIGTERM: exit code ${stopped.code}\n${server.output()}`);
+console.log(`serve_openai_test: ${requests.length} requests x (non-streamed, streamed, 16 concurrent, 2 at a time) ` +
+            `equal memtune generate; bad requests, disconnects and SIGTERM as documented`);
