@@ -108,7 +108,23 @@ def table_generate(results):
     return lines
 
 
-TABLES = {"memory": table_memory, "step": table_speed, "train": table_speed, "generate": table_generate}
+def table_serve(results):
+    lines = ["| concurrency | machine | requests | generated tok/s | vs concurrency 1 | TTFT p50 | TTFT p99 | "
+             "inter-token p50 | inter-token p99 | p99 vs concurrency 1 |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        one = next(row for row in r["rows"] if row["concurrency"] == 1)
+        for row in r["rows"]:
+            lines.append(f"| {row['concurrency']} | {machine_text(r)} | {row['requests']} | "
+                         f"{row['tokens_per_s']:.1f} | {row['tokens_per_s'] / one['tokens_per_s']:.2f}x | "
+                         f"{row['ttft_p50_s'] * 1e3:.0f} ms | {row['ttft_p99_s'] * 1e3:.0f} ms | "
+                         f"{row['itl_p50_s'] * 1e3:.0f} ms | {row['itl_p99_s'] * 1e3:.0f} ms | "
+                         f"{row['itl_p99_s'] / one['itl_p99_s']:.2f}x |")
+    return lines
+
+
+TABLES = {"memory": table_memory, "step": table_speed, "train": table_speed, "generate": table_generate,
+          "serve": table_serve}
 
 
 def tables():
