@@ -137,16 +137,29 @@ class Qwen2Config:
     rms_norm_eps: float
     rope_theta: float
     tie_word_embeddings: bool
+    # Other families of the same block (transformers' Qwen3ForCausalLM, LlamaForCausalLM):
+    model_type: str = "qwen2"
+    attention_bias: bool = True   # q/k/v biases: always in Qwen2, `attention_bias` in Qwen3 and Llama
+    qk_norm: bool = False         # Qwen3: RMSNorm over each head of q and k before RoPE
+    rope_llama3: dict = None      # Llama 3's rope_scaling (rope_type "llama3"), or None
 
     @staticmethod
     def from_json(doc):
         """Accepts the classic config.json form and the transformers-5 form (`rope_parameters`).
         Defaults are those of transformers' Qwen2Config. `torch_dtype`/`dtype` are not needed:
         tensors carry their dtype in the safetensors header and are upcast on load."""
+        model_type = doc.get("model_type", "qwen2")
+        if model_type not in ("qwen2", "qwen3", "llama"):
+            raise ValueError(f"config: model_type {model_type!r} is not supported")
         rope = doc.get("rope_parameters") or {}
         scaling = doc.get("rope_scaling") or {}
-        for rope_type in (rope.get("rope_type"), scaling.get("rope_type"), scaling.get("type")):
-            if rope_type not in (None, "default"):
+        llama3 = None
+        for source in (rope, scaling):
+            rope_type = source.get("rope_type", source.get("type"))
+            if rope_type == "llama3" and model_type == "llama":
+                llama3 = {k: source[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                                 "original_max_position_embeddings")}
+            elif rope_type not in (None, "default"):
                 raise ValueError(f"config: rope type {rope_type!r} is not supported")
         if doc.get("use_sliding_window"):
             raise ValueError("config: sliding-window attention is not supported")
@@ -162,11 +175,16 @@ class Qwen2Config:
             num_hidden_layers=doc["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
-            head_dim=doc.get("head_dim") or doc["hidden_size"] // heads,
+            # transformers' Qwen3Config defaults head_dim to 128, the others to hidden / heads.
+            head_dim=doc.get("head_dim") or (128 if model_type == "qwen3" else doc["hidden_size"] // heads),
             vocab_size=doc["vocab_size"],
             rms_norm_eps=float(doc.get("rms_norm_eps", 1e-6)),
             rope_theta=float(rope.get("rope_theta", doc.get("rope_theta", 10000.0))),
             tie_word_embeddings=bool(doc.get("tie_word_embeddings", False)),
+            model_type=model_type,
+            attention_bias=True if model_type == "qwen2" else bool(doc.get("attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+            rope_llama3=llama3,
         )
 
 
@@ -177,12 +195,16 @@ def parameter_shapes(cfg):
     shapes = {"model.embed_tokens.weight": [cfg.vocab_size, d]}
     for layer in range(cfg.num_hidden_layers):
         p = f"model.layers.{layer}."
+        shapes[p + "input_layernorm.weight"] = [d]
+        for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            shapes[p + f"self_attn.{name}.weight"] = [rows, d]
+            if cfg.attention_bias:
+                shapes[p + f"self_attn.{name}.bias"] = [rows]
+        shapes[p + "self_attn.o_proj.weight"] = [d, q]
+        if cfg.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = [hd]
+            shapes[p + "self_attn.k_norm.weight"] = [hd]
         shapes.update({
-            p + "input_layernorm.weight": [d],
-            p + "self_attn.q_proj.weight": [q, d], p + "self_attn.q_proj.bias": [q],
-            p + "self_attn.k_proj.weight": [kv, d], p + "self_attn.k_proj.bias": [kv],
-            p + "self_attn.v_proj.weight": [kv, d], p + "self_attn.v_proj.bias": [kv],
-            p + "self_attn.o_proj.weight": [d, q],
             p + "post_attention_layernorm.weight": [d],
             p + "mlp.gate_proj.weight": [i, d],
             p + "mlp.up_proj.weight": [i, d],
@@ -352,6 +374,19 @@ def rms_norm(x, weight, eps):
 def rope_tables(cfg, seq_len, dtype):
     """cos/sin [T, head_dim] for positions 0..T-1; both halves of the last dim repeat the angles."""
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=dtype) / cfg.head_dim))
+    if cfg.rope_llama3 is not None:
+        # transformers' llama3 rope: long wavelengths slowed down by `factor`, short ones kept,
+        # the band between interpolated smoothly.
+        r = cfg.rope_llama3
+        old_len = r["original_max_position_embeddings"]
+        low_wavelen = old_len / r["low_freq_factor"]
+        high_wavelen = old_len / r["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / r["factor"], inv_freq)
+        smooth = (old_len / wavelen - r["low_freq_factor"]) / (r["high_freq_factor"] - r["low_freq_factor"])
+        smoothed = (1 - smooth) * scaled / r["factor"] + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
     angles = torch.arange(seq_len, dtype=dtype)[:, None] * inv_freq[None, :]
     emb = torch.cat([angles, angles], dim=-1)
     return emb.cos(), emb.sin()
@@ -371,12 +406,14 @@ def attention(h, params, prefix, cfg, cos, sin, lora=None):
     batch, seq, _ = h.shape
     hd = cfg.head_dim
 
-    def project(name, heads):
-        y = linear(h, params, prefix + name, lora, bias=True)
-        return y.view(batch, seq, heads, hd).transpose(1, 2)  # [B, heads, T, hd]
+    def project(name, heads, norm=None):
+        y = linear(h, params, prefix + name, lora, bias=cfg.attention_bias).view(batch, seq, heads, hd)
+        if norm is not None:  # Qwen3: q_norm / k_norm over each head, before RoPE
+            y = rms_norm(y, params[prefix + norm + ".weight"], cfg.rms_norm_eps)
+        return y.transpose(1, 2)  # [B, heads, T, hd]
 
-    q = apply_rope(project("q_proj", cfg.num_attention_heads), cos, sin)
-    k = apply_rope(project("k_proj", cfg.num_key_value_heads), cos, sin)
+    q = apply_rope(project("q_proj", cfg.num_attention_heads, "q_norm" if cfg.qk_norm else None), cos, sin)
+    k = apply_rope(project("k_proj", cfg.num_key_value_heads, "k_norm" if cfg.qk_norm else None), cos, sin)
     v = project("v_proj", cfg.num_key_value_heads)
     # GQA: query head j reads KV head j // group, i.e. each KV head serves `group` consecutive
     # query heads.

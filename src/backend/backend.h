@@ -125,10 +125,12 @@ class Backend {
   virtual void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
                                 const Tensor& weight, const Tensor& rstd) = 0;
   // Rotary embedding in place on x[N, heads * head_dim] at positions[N] (Hugging Face's
-  // rotate-half convention). Positions are absolute: a sequence continuing after cached keys
-  // starts at its cache length. backward rotates the gradient back by the same angles.
-  virtual void rope_forward(const Tensor& x, const Tensor& positions, int64_t head_dim, float theta) = 0;
-  virtual void rope_backward(const Tensor& dx, const Tensor& positions, int64_t head_dim, float theta) = 0;
+  // rotate-half convention): pair i of a head turns by position * inv_freq[i], inv_freq holding
+  // head_dim / 2 float32 frequencies (model/config.h: rope_inv_freq, scaling applied). Positions
+  // are absolute: a sequence continuing after cached keys starts at its cache length. backward
+  // rotates the gradient back by the same angles.
+  virtual void rope_forward(const Tensor& x, const Tensor& positions, const Tensor& inv_freq) = 0;
+  virtual void rope_backward(const Tensor& dx, const Tensor& positions, const Tensor& inv_freq) = 0;
   // Causal grouped-query attention over packed sequences (cu_seqlens [S+1]), never a [T, T]
   // score matrix; head_dim is at most kMaxAttentionHeadDim. q[N, Hq*hd], k/v[N, Hkv*hd] ->
   // out[N, Hq*hd]; saves lse[N, Hq].

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <nlohmann/json.hpp>
 #include <optional>
 
@@ -35,38 +36,67 @@ std::optional<double> optional_positive_number(const JsonReader& doc, std::strin
   return value ? std::optional(positive_number(*value)) : std::nullopt;
 }
 
-void check_architecture(const JsonReader& doc) {
+struct Family {
+  ModelFamily family;
+  std::string_view model_type, architecture;
+};
+constexpr Family kFamilies[] = {{ModelFamily::Qwen2, "qwen2", "Qwen2ForCausalLM"},
+                                {ModelFamily::Qwen3, "qwen3", "Qwen3ForCausalLM"},
+                                {ModelFamily::Llama, "llama", "LlamaForCausalLM"}};
+constexpr std::string_view kSupported = "Qwen2ForCausalLM (qwen2), Qwen3ForCausalLM (qwen3), LlamaForCausalLM (llama)";
+
+ModelFamily check_architecture(const JsonReader& doc) {
+  std::optional<ModelFamily> by_arch, by_type;
   const std::optional<JsonReader> arch = doc.find("architectures");
   if (arch) {
-    bool qwen2 = false;
-    for (size_t i = 0; i < arch->size(); ++i) qwen2 = (*arch)[i].as_string() == "Qwen2ForCausalLM" || qwen2;
-    if (!qwen2) arch->fail(fmt::format("is {}; only Qwen2ForCausalLM is supported", json_excerpt(arch->value())));
+    for (size_t i = 0; i < arch->size(); ++i)
+      for (const Family& f : kFamilies)
+        if ((*arch)[i].as_string() == f.architecture) by_arch = f.family;
+    if (!by_arch) arch->fail(fmt::format("is {}; supported are {}", json_excerpt(arch->value()), kSupported));
   }
   const std::optional<std::string> model_type = doc.optional_string("model_type");
-  if (model_type && *model_type != "qwen2")
-    doc.fail("model_type", fmt::format("is \"{}\"; only \"qwen2\" is supported", *model_type));
+  if (model_type) {
+    for (const Family& f : kFamilies)
+      if (*model_type == f.model_type) by_type = f.family;
+    if (!by_type) doc.fail("model_type", fmt::format("is \"{}\"; supported are {}", *model_type, kSupported));
+  }
   if (!arch && !model_type)
-    doc.fail("neither \"architectures\" nor \"model_type\" is set; expected a Qwen2ForCausalLM config");
+    doc.fail(fmt::format("neither \"architectures\" nor \"model_type\" is set; expected one of {}", kSupported));
+  if (by_arch && by_type && *by_arch != *by_type)
+    doc.fail("model_type", fmt::format("is \"{}\" but \"architectures\" is {}", *model_type, json_excerpt(arch->value())));
+  return by_type ? *by_type : *by_arch;
 }
 
-// rope_scaling (transformers 4) or rope_parameters (transformers 5): only the unscaled
-// "default" RoPE is computed by the engine. Returns the object's rope_theta, if it has one.
-std::optional<JsonReader> checked_rope_object_theta(const JsonReader& doc, std::string_view key) {
+// rope_scaling (transformers 4) or rope_parameters (transformers 5): the unscaled "default" RoPE,
+// and for llama models Llama 3's "llama3" scaling (into `scaling`). Returns the object's
+// rope_theta, if it has one.
+std::optional<JsonReader> checked_rope_object_theta(const JsonReader& doc, std::string_view key, ModelFamily family,
+                                                    RopeScaling& scaling) {
   const std::optional<JsonReader> rope = doc.optional_object(key);
   if (!rope) return std::nullopt;
   std::optional<JsonReader> type = rope->find("rope_type");
   if (!type) type = rope->find("type");
   if (!type) rope->fail("has no \"rope_type\"");
-  if (type->value() != "default")
-    rope->fail(fmt::format("asks for rope_type {}; only the \"default\" RoPE (no scaling) is supported",
-                           json_excerpt(type->value())));
+  if (family == ModelFamily::Llama && type->value() == "llama3") {
+    scaling.llama3 = true;
+    scaling.factor = positive_number(rope->get("factor"));
+    scaling.low_freq_factor = positive_number(rope->get("low_freq_factor"));
+    scaling.high_freq_factor = positive_number(rope->get("high_freq_factor"));
+    scaling.original_max_position_embeddings = rope->integer("original_max_position_embeddings", 1);
+    if (scaling.high_freq_factor <= scaling.low_freq_factor)
+      rope->fail(fmt::format("has high_freq_factor {} <= low_freq_factor {}", scaling.high_freq_factor,
+                             scaling.low_freq_factor));
+  } else if (type->value() != "default") {
+    rope->fail(fmt::format("asks for rope_type {}; supported are \"default\" (no scaling){}",
+                           json_excerpt(type->value()), family == ModelFamily::Llama ? " and \"llama3\"" : ""));
+  }
   return rope->find("rope_theta");
 }
 
-double parse_rope_theta(const JsonReader& doc) {
+double parse_rope_theta(const JsonReader& doc, ModelFamily family, RopeScaling& scaling) {
   std::optional<double> theta = optional_positive_number(doc, "rope_theta");
   for (const char* key : {"rope_scaling", "rope_parameters"}) {
-    const std::optional<JsonReader> nested = checked_rope_object_theta(doc, key);
+    const std::optional<JsonReader> nested = checked_rope_object_theta(doc, key, family, scaling);
     if (!nested) continue;
     const double nested_theta = positive_number(*nested);
     if (theta && *theta != nested_theta)
@@ -114,9 +144,13 @@ void check_attention_layout(const JsonReader& doc, int64_t num_hidden_layers) {
 Qwen2Config parse_qwen2_config(const nlohmann::json& document, const std::string& source) {
   const JsonReader doc(document, source);
   doc.as_object();
-  check_architecture(doc);
+  const ModelFamily family = check_architecture(doc);
   if (const std::optional<std::string> act = doc.optional_string("hidden_act"); act && *act != "silu")
-    doc.fail("hidden_act", fmt::format("is \"{}\"; Qwen2 uses \"silu\"", *act));
+    doc.fail("hidden_act", fmt::format("is \"{}\"; the supported models use \"silu\"", *act));
+  if (const std::optional<bool> mlp_bias = doc.optional_bool("mlp_bias"); mlp_bias && *mlp_bias)
+    doc.fail("mlp_bias", "is true; MLP biases are not supported (Llama 3 has none)");
+  if (const std::optional<int64_t> tp = doc.optional_integer("pretraining_tp", 1); tp && *tp != 1)
+    doc.fail("pretraining_tp", fmt::format("is {}; only 1 (the usual linear layers) is supported", *tp));
 
   Qwen2Config c;
   c.hidden_size = doc.integer("hidden_size", 1);
@@ -128,29 +162,50 @@ Qwen2Config parse_qwen2_config(const nlohmann::json& document, const std::string
   c.max_position_embeddings =
       doc.optional_integer("max_position_embeddings", 1).value_or(kDefaultMaxPositionEmbeddings);
   c.rms_norm_eps = optional_positive_number(doc, "rms_norm_eps").value_or(kDefaultRmsNormEps);
-  c.rope_theta = parse_rope_theta(doc);
+  c.family = family;
+  c.rope_theta = parse_rope_theta(doc, family, c.rope_scaling);
   c.tie_word_embeddings = doc.optional_bool("tie_word_embeddings").value_or(false);
   c.torch_dtype = parse_torch_dtype(doc);
   check_attention_layout(doc, c.num_hidden_layers);
 
-  if (c.hidden_size % c.num_attention_heads != 0)
-    doc.fail("hidden_size",
-             fmt::format("{} is not divisible by num_attention_heads ({})", c.hidden_size, c.num_attention_heads));
+  if (family == ModelFamily::Qwen2) {
+    if (c.hidden_size % c.num_attention_heads != 0)
+      doc.fail("hidden_size",
+               fmt::format("{} is not divisible by num_attention_heads ({})", c.hidden_size, c.num_attention_heads));
+  } else {
+    // transformers' Qwen3Config defaults head_dim to 128; LlamaConfig to hidden_size / heads.
+    if (family == ModelFamily::Llama && !doc.has("head_dim") && c.hidden_size % c.num_attention_heads != 0)
+      doc.fail("hidden_size",
+               fmt::format("{} is not divisible by num_attention_heads ({})", c.hidden_size, c.num_attention_heads));
+    c.explicit_head_dim = doc.optional_integer("head_dim", 1).value_or(
+        family == ModelFamily::Qwen3 ? 128 : c.hidden_size / c.num_attention_heads);
+    c.attention_bias = doc.optional_bool("attention_bias").value_or(false);
+    c.qk_norm = family == ModelFamily::Qwen3;
+  }
   if (c.num_attention_heads % c.num_key_value_heads != 0)
     doc.fail("num_attention_heads", fmt::format("{} is not divisible by num_key_value_heads ({})",
                                                 c.num_attention_heads, c.num_key_value_heads));
-  if (c.head_dim() % 2 != 0)
-    doc.fail("hidden_size",
-             fmt::format("{} / num_attention_heads ({}) gives head_dim {}, which must be even for rotary embeddings",
-                         c.hidden_size, c.num_attention_heads, c.head_dim()));
-  if (c.head_dim() > kMaxAttentionHeadDim)
-    doc.fail("hidden_size",
-             fmt::format("{} / num_attention_heads ({}) gives head_dim {}; the attention kernels take at most {}",
-                         c.hidden_size, c.num_attention_heads, c.head_dim(), kMaxAttentionHeadDim));
-  if (const std::optional<JsonReader> head_dim = doc.find("head_dim");
-      head_dim && head_dim->as_integer(1) != c.head_dim())
-    head_dim->fail(
-        fmt::format("is {} but hidden_size / num_attention_heads is {}", head_dim->as_integer(1), c.head_dim()));
+  if (family == ModelFamily::Qwen2) {
+    if (c.head_dim() % 2 != 0)
+      doc.fail("hidden_size",
+               fmt::format("{} / num_attention_heads ({}) gives head_dim {}, which must be even for rotary embeddings",
+                           c.hidden_size, c.num_attention_heads, c.head_dim()));
+    if (c.head_dim() > kMaxAttentionHeadDim)
+      doc.fail("hidden_size",
+               fmt::format("{} / num_attention_heads ({}) gives head_dim {}; the attention kernels take at most {}",
+                           c.hidden_size, c.num_attention_heads, c.head_dim(), kMaxAttentionHeadDim));
+    if (const std::optional<JsonReader> head_dim = doc.find("head_dim");
+        head_dim && head_dim->as_integer(1) != c.head_dim())
+      head_dim->fail(
+          fmt::format("is {} but hidden_size / num_attention_heads is {}", head_dim->as_integer(1), c.head_dim()));
+  } else {
+    const char* field = doc.has("head_dim") ? "head_dim" : "hidden_size";
+    if (c.head_dim() % 2 != 0)
+      doc.fail(field, fmt::format("gives head_dim {}, which must be even for rotary embeddings", c.head_dim()));
+    if (c.head_dim() > kMaxAttentionHeadDim)
+      doc.fail(field, fmt::format("gives head_dim {}; the attention kernels take at most {}", c.head_dim(),
+                                  kMaxAttentionHeadDim));
+  }
   return c;
 }
 
@@ -167,7 +222,74 @@ void check_max_length(const Qwen2Config& config, int64_t max_length, const std::
                     max_length, config.max_position_embeddings, source, config.max_position_embeddings));
 }
 
+std::string_view model_family_name(ModelFamily family) {
+  for (const Family& f : kFamilies)
+    if (f.family == family) return f.model_type;
+  return "qwen2";
+}
+
+std::vector<float> rope_inv_freq(const Qwen2Config& c) {
+  const int64_t hd = c.head_dim();
+  std::vector<float> out(static_cast<size_t>(hd / 2));
+  const RopeScaling& r = c.rope_scaling;
+  const double pi = 3.14159265358979323846;
+  for (int64_t i = 0; i < hd / 2; ++i) {
+    double f = 1.0 / std::pow(c.rope_theta, static_cast<double>(2 * i) / static_cast<double>(hd));
+    if (r.llama3) {
+      const double old_len = static_cast<double>(r.original_max_position_embeddings);
+      const double low_wavelen = old_len / r.low_freq_factor, high_wavelen = old_len / r.high_freq_factor;
+      const double wavelen = 2 * pi / f;
+      if (wavelen > low_wavelen) {
+        f /= r.factor;
+      } else if (wavelen >= high_wavelen) {  // between the two: interpolated
+        const double smooth = (old_len / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor);
+        f = (1 - smooth) * f / r.factor + smooth * f;
+      }
+    }
+    out[static_cast<size_t>(i)] = static_cast<float>(f);
+  }
+  return out;
+}
+
 nlohmann::json qwen2_config_to_json(const Qwen2Config& c) {
+  if (c.family != ModelFamily::Qwen2) {
+    const bool llama = c.family == ModelFamily::Llama;
+    nlohmann::json j = {
+        {"architectures", {llama ? "LlamaForCausalLM" : "Qwen3ForCausalLM"}},
+        {"model_type", llama ? "llama" : "qwen3"},
+        {"hidden_act", "silu"},
+        {"hidden_size", c.hidden_size},
+        {"intermediate_size", c.intermediate_size},
+        {"num_hidden_layers", c.num_hidden_layers},
+        {"num_attention_heads", c.num_attention_heads},
+        {"num_key_value_heads", c.num_key_value_heads},
+        {"head_dim", c.head_dim()},
+        {"vocab_size", c.vocab_size},
+        {"max_position_embeddings", c.max_position_embeddings},
+        {"rms_norm_eps", c.rms_norm_eps},
+        {"rope_theta", c.rope_theta},
+        {"rope_scaling", nullptr},
+        {"attention_bias", c.attention_bias},
+        {"attention_dropout", 0.0},
+        {"tie_word_embeddings", c.tie_word_embeddings},
+        {"torch_dtype", dtype_torch_name(c.torch_dtype)},
+    };
+    if (llama) {
+      j["mlp_bias"] = false;
+      j["pretraining_tp"] = 1;
+      if (c.rope_scaling.llama3)
+        j["rope_scaling"] = {{"rope_type", "llama3"},
+                             {"factor", c.rope_scaling.factor},
+                             {"low_freq_factor", c.rope_scaling.low_freq_factor},
+                             {"high_freq_factor", c.rope_scaling.high_freq_factor},
+                             {"original_max_position_embeddings", c.rope_scaling.original_max_position_embeddings}};
+    } else {
+      j["use_sliding_window"] = false;
+      j["sliding_window"] = nullptr;
+      j["max_window_layers"] = c.num_hidden_layers;
+    }
+    return j;
+  }
   return {
       {"architectures", {"Qwen2ForCausalLM"}},
       {"model_type", "qwen2"},
@@ -212,18 +334,84 @@ Qwen2Config qwen2_preset(const std::string& name) {
                        .tie_word_embeddings = tied,
                        .torch_dtype = DType::BF16};
   };
-  static const Preset presets[] = {
-      {"tiny", Qwen2Config{.hidden_size = 64,
-                           .intermediate_size = 176,
-                           .num_hidden_layers = 2,
-                           .num_attention_heads = 4,
-                           .num_key_value_heads = 2,
-                           .vocab_size = 512,
-                           .max_position_embeddings = 2048,
-                           .rms_norm_eps = 1e-6,
-                           .rope_theta = 1000000.0,
-                           .tie_word_embeddings = true,
-                           .torch_dtype = DType::F32}},
+  // Qwen/Qwen3-*B (config.json on the Hub): head_dim 128, q_norm/k_norm, no biases.
+  auto qwen3 = [](int64_t hidden, int64_t intermediate, int64_t layers, int64_t heads, int64_t kv_heads, bool tied) {
+    return Qwen2Config{.hidden_size = hidden,
+                       .intermediate_size = intermediate,
+                       .num_hidden_layers = layers,
+                       .num_attention_heads = heads,
+                       .num_key_value_heads = kv_heads,
+                       .vocab_size = 151936,
+                       .max_position_embeddings = 40960,
+                       .rms_norm_eps = 1e-6,
+                       .rope_theta = 1000000.0,
+                       .tie_word_embeddings = tied,
+                       .torch_dtype = DType::BF16,
+                       .family = ModelFamily::Qwen3,
+                       .explicit_head_dim = 128,
+                       .attention_bias = false,
+                       .qk_norm = true,
+                       .rope_scaling = {}};
+  };
+  // meta-llama/Llama-3.2-*B and Llama-3.1-*B: vocabulary 128256, 8 KV heads, RoPE theta 500000
+  // with Llama 3 scaling (factor 32 for 3.2, 8 for 3.1; low 1, high 4, original 8192 positions).
+  auto llama3 = [](int64_t hidden, int64_t intermediate, int64_t layers, int64_t heads, int64_t head_dim, bool tied,
+                   double factor) {
+    return Qwen2Config{.hidden_size = hidden,
+                       .intermediate_size = intermediate,
+                       .num_hidden_layers = layers,
+                       .num_attention_heads = heads,
+                       .num_key_value_heads = 8,
+                       .vocab_size = 128256,
+                       .max_position_embeddings = 131072,
+                       .rms_norm_eps = 1e-5,
+                       .rope_theta = 500000.0,
+                       .tie_word_embeddings = tied,
+                       .torch_dtype = DType::BF16,
+                       .family = ModelFamily::Llama,
+                       .explicit_head_dim = head_dim,
+                       .attention_bias = false,
+                       .qk_norm = false,
+                       .rope_scaling = {.llama3 = true,
+                                        .factor = factor,
+                                        .low_freq_factor = 1.0,
+                                        .high_freq_factor = 4.0,
+                                        .original_max_position_embeddings = 8192}};
+  };
+  const Qwen2Config tiny{.hidden_size = 64,
+                         .intermediate_size = 176,
+                         .num_hidden_layers = 2,
+                         .num_attention_heads = 4,
+                         .num_key_value_heads = 2,
+                         .vocab_size = 512,
+                         .max_position_embeddings = 2048,
+                         .rms_norm_eps = 1e-6,
+                         .rope_theta = 1000000.0,
+                         .tie_word_embeddings = true,
+                         .torch_dtype = DType::F32};
+  // The tiny shape in the other families; head_dim differs from hidden / heads on purpose.
+  Qwen2Config tiny_qwen3 = tiny;
+  tiny_qwen3.family = ModelFamily::Qwen3;
+  tiny_qwen3.explicit_head_dim = 24;
+  tiny_qwen3.attention_bias = false;
+  tiny_qwen3.qk_norm = true;
+  Qwen2Config tiny_llama = tiny;
+  tiny_llama.family = ModelFamily::Llama;
+  tiny_llama.explicit_head_dim = 32;
+  tiny_llama.attention_bias = false;
+  tiny_llama.tie_word_embeddings = false;
+  tiny_llama.rope_theta = 500000.0;
+  tiny_llama.rms_norm_eps = 1e-5;
+  // A scaling whose bands all hold some of a head_dim-32 model's frequencies.
+  tiny_llama.rope_scaling = {.llama3 = true,
+                             .factor = 8.0,
+                             .low_freq_factor = 1.0,
+                             .high_freq_factor = 4.0,
+                             .original_max_position_embeddings = 64};
+  const Preset presets[] = {
+      {"tiny", tiny},
+      {"tiny-qwen3", tiny_qwen3},
+      {"tiny-llama", tiny_llama},
       {"qwen2.5-0.5b", qwen25(896, 4864, 24, 14, 2, 151936, true, 1e-6, 32768)},
       {"qwen2.5-1.5b", qwen25(1536, 8960, 28, 12, 2, 151936, true, 1e-6, 131072)},
       {"qwen2.5-3b", qwen25(2048, 11008, 36, 16, 2, 151936, true, 1e-6, 32768)},
@@ -231,6 +419,16 @@ Qwen2Config qwen2_preset(const std::string& name) {
       {"qwen2.5-14b", qwen25(5120, 13824, 48, 40, 8, 152064, false, 1e-5, 131072)},
       {"qwen2.5-32b", qwen25(5120, 27648, 64, 40, 8, 152064, false, 1e-5, 131072)},
       {"qwen2.5-72b", qwen25(8192, 29568, 80, 64, 8, 152064, false, 1e-5, 131072)},
+      {"qwen3-0.6b", qwen3(1024, 3072, 28, 16, 8, true)},
+      {"qwen3-1.7b", qwen3(2048, 6144, 28, 16, 8, true)},
+      {"qwen3-4b", qwen3(2560, 9728, 36, 32, 8, true)},
+      {"qwen3-8b", qwen3(4096, 12288, 36, 32, 8, false)},
+      {"qwen3-14b", qwen3(5120, 17408, 40, 40, 8, false)},
+      {"qwen3-32b", qwen3(5120, 25600, 64, 64, 8, false)},
+      {"llama-3.2-1b", llama3(2048, 8192, 16, 32, 64, true, 32.0)},
+      {"llama-3.2-3b", llama3(3072, 8192, 28, 24, 128, true, 32.0)},
+      {"llama-3.1-8b", llama3(4096, 14336, 32, 32, 128, false, 8.0)},
+      {"llama-3.1-70b", llama3(8192, 28672, 80, 64, 128, false, 8.0)},
   };
   std::string key = name;
   std::transform(key.begin(), key.end(), key.begin(), [](unsigned char ch) { return std::tolower(ch); });

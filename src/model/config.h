@@ -5,12 +5,32 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include <nlohmann/json_fwd.hpp>
 
 #include "core/dtype.h"
 
 namespace memtune {
+
+// The decoder families one Qwen2Config describes: they share the block (RMSNorm, GQA attention
+// with RoPE, SwiGLU MLP) and differ in a few explicit details.
+//   qwen2   q/k/v biases, head_dim = hidden / heads
+//   qwen3   no biases (attention_bias), head_dim from config.json, RMSNorm over each head of q
+//           and k before RoPE (q_norm, k_norm)
+//   llama   no biases, head_dim from config.json, Llama 3's rope_scaling ("llama3")
+enum class ModelFamily { Qwen2, Qwen3, Llama };
+std::string_view model_family_name(ModelFamily family);  // the config.json model_type
+
+// Llama 3's RoPE frequency scaling (transformers' rope_type "llama3"): wavelengths above
+// original_max_position_embeddings / low_freq_factor are divided by factor, those below
+// original / high_freq_factor kept, the ones between interpolated.
+struct RopeScaling {
+  bool llama3 = false;
+  double factor = 1.0, low_freq_factor = 1.0, high_freq_factor = 4.0;
+  int64_t original_max_position_embeddings = 8192;
+};
 
 struct Qwen2Config {
   int64_t hidden_size = 0;
@@ -24,11 +44,20 @@ struct Qwen2Config {
   double rope_theta = 10000.0;  // transformers Qwen2Config default; presets set their own
   bool tie_word_embeddings = false;
   DType torch_dtype = DType::F32;
+  ModelFamily family = ModelFamily::Qwen2;
+  int64_t explicit_head_dim = 0;  // config.json's head_dim (qwen3, llama); 0: hidden_size / heads
+  bool attention_bias = true;     // q/k/v projections have biases (qwen2; false for qwen3 and llama)
+  bool qk_norm = false;           // RMSNorm over each head of q and k before RoPE (qwen3)
+  RopeScaling rope_scaling;
 
-  int64_t head_dim() const { return hidden_size / num_attention_heads; }
+  int64_t head_dim() const { return explicit_head_dim > 0 ? explicit_head_dim : hidden_size / num_attention_heads; }
   int64_t q_dim() const { return num_attention_heads * head_dim(); }
   int64_t kv_dim() const { return num_key_value_heads * head_dim(); }
 };
+
+// RoPE's inverse frequencies, head_dim / 2 of them: theta^(-2i / head_dim), with rope_scaling
+// applied (as transformers computes them, in double, then rounded to float).
+std::vector<float> rope_inv_freq(const Qwen2Config& config);
 
 // Parses and validates a config.json document. `source` names the file in error messages.
 // Refuses other architectures, rope scaling, an active sliding window, attention dropout,
@@ -42,7 +71,8 @@ void check_max_length(const Qwen2Config& config, int64_t max_length, const std::
 // The classic (transformers 4.x) config.json form, with architectures/model_type set.
 nlohmann::json qwen2_config_to_json(const Qwen2Config& config);
 
-// Named presets: the real Qwen2.5 shapes, and `tiny` for tests.
+// Named presets: the real Qwen2.5, Qwen3 and Llama 3 shapes, and `tiny` (`tiny-qwen3`,
+// `tiny-llama`) for tests.
 Qwen2Config qwen2_preset(const std::string& name);
 
 }  // namespace memtune

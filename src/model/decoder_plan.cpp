@@ -19,6 +19,13 @@ LayerActs declare_layer_acts(const Qwen2Config& config_, const ModelOptions& opt
   LayerActs acts{f32("ln1", N * D),  f32("rstd1", N),    f32("q", N * qd),   f32("k", N * kvd), f32("v", N * kvd),
                  f32("att", N * qd), f32("lse", N * Hq), f32("res1", N * D), f32("ln2", N * D), f32("rstd2", N),
                  f32("gate", N * I), f32("up", N * I),   f32("h", N * I)};
+  if (config_.qk_norm) {
+    const size_t Hkv = config_.num_key_value_heads;
+    acts.q_raw = f32("q_raw", N * qd);
+    acts.k_raw = f32("k_raw", N * kvd);
+    acts.rstd_q = f32("rstd_q", N * Hq);
+    acts.rstd_k = f32("rstd_k", N * Hkv);
+  }
   int64_t widest = 0;
   for (const LoraConfig& set : options_.adapter_sets) widest = std::max(widest, set.rank);
   if (widest > 0) acts.adapter_u = plan.declare(prefix + "adapter_u", cat, N * static_cast<size_t>(widest) * 4, first, last);
@@ -59,6 +66,7 @@ DecoderBuffers declare_inference_buffers(const Qwen2Config& c, const ModelOption
   const Phase F = Phase::Forward, L = Phase::Loss;
   b.ids = plan.declare_persistent("batch.input_ids", Category::Batch, N * 4);
   b.positions = plan.declare_persistent("batch.positions", Category::Batch, N * 4);
+  b.rope_inv_freq = plan.declare_persistent("rope.inv_freq", Category::Batch, static_cast<size_t>(c.head_dim() / 2) * 4);
   b.slots = plan.declare_persistent("batch.cache_slots", Category::Batch, N * 4);
   b.cu_seqlens = plan.declare_persistent("batch.cu_seqlens", Category::Batch, (S + 1) * 4);
   b.context_lens = plan.declare_persistent("batch.context_lens", Category::Batch, S * 4);
@@ -108,6 +116,7 @@ DecoderBuffers declare_decoder_buffers(const Qwen2Config& c, const ModelOptions&
 
   b.ids = plan.declare_persistent("batch.input_ids", Category::Batch, N * 4);
   b.positions = plan.declare_persistent("batch.positions", Category::Batch, N * 4);
+  b.rope_inv_freq = plan.declare_persistent("rope.inv_freq", Category::Batch, static_cast<size_t>(c.head_dim() / 2) * 4);
   b.targets = plan.declare_persistent("batch.targets", Category::Batch, N * 4);
   b.cu_seqlens = plan.declare_persistent("batch.cu_seqlens", Category::Batch, (N + 1) * 4);
 
@@ -175,6 +184,10 @@ DecoderBuffers declare_decoder_buffers(const Qwen2Config& c, const ModelOptions&
     b.dh = plan.declare("bwd.dh", Category::Working, N * I * 4, B, B);
     b.dgate = plan.declare("bwd.dgate", Category::Working, N * I * 4, B, B);
     b.dup = plan.declare("bwd.dup", Category::Working, N * I * 4, B, B);
+    if (c.qk_norm) {
+      b.dq_raw = plan.declare("bwd.dq_raw", Category::Working, N * qd * 4, B, B);
+      b.dk_raw = plan.declare("bwd.dk_raw", Category::Working, N * kvd * 4, B, B);
+    }
     if (options_.gradient_checkpointing)
       b.recompute = declare_layer_acts(c, options_, plan, "bwd.recompute.", Category::RecomputeScratch, B, B);
     if (widen) declare_widening(B, largest_matrix);

@@ -20,6 +20,7 @@ namespace memtune {
 // One decoder layer's activations.
 struct LayerActs {
   BufferId ln1, rstd1, q, k, v, att, lse, res1, ln2, rstd2, gate, up, h;
+  BufferId q_raw{}, k_raw{}, rstd_q{}, rstd_k{};  // qk_norm: q and k before their norm, rstd per head
   std::array<BufferId, kNumLinearSites> lora_u{};  // x A^T of each adapter, [N, r]
   BufferId adapter_u{};                            // adapter sets: x A^T, [N, largest rank]
 };
@@ -27,6 +28,7 @@ struct LayerActs {
 struct DecoderBuffers {
   static constexpr int64_t kHeadSliceRows = 4096;               // vocabulary rows of a 16-bit head widened at once
   BufferId ids, positions, targets, cu_seqlens;                 // the batch
+  BufferId rope_inv_freq;                                       // RoPE's frequencies [head_dim / 2], set once
   std::vector<BufferId> residual;                               // layer inputs x_0..x_L (x_L feeds the final norm)
   std::vector<LayerActs> saved;                                 // per layer, without checkpointing
   LayerActs fwd_scratch{}, recompute{};                         // with checkpointing (or without gradients)
@@ -38,6 +40,7 @@ struct DecoderBuffers {
   bool stages_chunks = false;
   BufferId staging_logits{}, staging_targets{}, staging_positions{};
   BufferId dstream, dln, datt, dq, dk, dv, dh, dgate, dup;  // activation gradients
+  BufferId dq_raw{}, dk_raw{};                               // qk_norm: gradients before the norm
   BufferId lora_du{}, lora_dxd{};
   std::array<BufferId, kNumPhases> lora_xd{};
   // Inference (options.inference()): the paged cache per layer, the step's block tables, cache

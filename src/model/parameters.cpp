@@ -8,6 +8,7 @@
 #include <cmath>
 #include <filesystem>
 #include <set>
+#include <unordered_map>
 
 #include <nlohmann/json.hpp>
 
@@ -45,12 +46,16 @@ std::vector<ParamSpec> qwen2_parameter_specs(const Qwen2Config& c) {
     const std::string p = fmt::format("model.layers.{}.", l);
     specs.push_back({p + "input_layernorm.weight", {D}});
     specs.push_back({p + "self_attn.q_proj.weight", {qd, D}});
-    specs.push_back({p + "self_attn.q_proj.bias", {qd}});
+    if (c.attention_bias) specs.push_back({p + "self_attn.q_proj.bias", {qd}});
     specs.push_back({p + "self_attn.k_proj.weight", {kvd, D}});
-    specs.push_back({p + "self_attn.k_proj.bias", {kvd}});
+    if (c.attention_bias) specs.push_back({p + "self_attn.k_proj.bias", {kvd}});
     specs.push_back({p + "self_attn.v_proj.weight", {kvd, D}});
-    specs.push_back({p + "self_attn.v_proj.bias", {kvd}});
+    if (c.attention_bias) specs.push_back({p + "self_attn.v_proj.bias", {kvd}});
     specs.push_back({p + "self_attn.o_proj.weight", {D, qd}});
+    if (c.qk_norm) {
+      specs.push_back({p + "self_attn.q_norm.weight", {c.head_dim()}});
+      specs.push_back({p + "self_attn.k_norm.weight", {c.head_dim()}});
+    }
     specs.push_back({p + "post_attention_layernorm.weight", {D}});
     specs.push_back({p + "mlp.gate_proj.weight", {I, D}});
     specs.push_back({p + "mlp.up_proj.weight", {I, D}});
@@ -70,11 +75,32 @@ int64_t qwen2_parameter_count(const Qwen2Config& config) {
 ModelParameters::ModelParameters(const Qwen2Config& config, const ModelOptions& options, MemoryPlan& device_plan,
                                  MemoryPlan& host_plan)
     : config_(config), options_(options), specs_(qwen2_parameter_specs(config)) {
-  size_t i = 1;  // specs_[0] is the embedding
-  for (int64_t l = 0; l < config.num_hidden_layers; ++l, i += 12)
-    layer_params_.push_back({i, i + 1, i + 2, i + 3, i + 4, i + 5, i + 6, i + 7, i + 8, i + 9, i + 10, i + 11});
-  final_norm_ = i;
-  head_ = config.tie_word_embeddings ? embed_ : i + 1;
+  std::unordered_map<std::string, size_t> index;
+  for (size_t k = 0; k < specs_.size(); ++k) index[specs_[k].name] = k;
+  auto find = [&](const std::string& name) -> std::optional<size_t> {
+    const auto it = index.find(name);
+    return it == index.end() ? std::nullopt : std::optional(it->second);
+  };
+  auto at = [&](const std::string& name) { return find(name).value(); };
+  for (int64_t l = 0; l < config.num_hidden_layers; ++l) {
+    const std::string p = fmt::format("model.layers.{}.", l);
+    layer_params_.push_back({.ln1 = at(p + "input_layernorm.weight"),
+                             .wq = at(p + "self_attn.q_proj.weight"),
+                             .wk = at(p + "self_attn.k_proj.weight"),
+                             .wv = at(p + "self_attn.v_proj.weight"),
+                             .wo = at(p + "self_attn.o_proj.weight"),
+                             .ln2 = at(p + "post_attention_layernorm.weight"),
+                             .wg = at(p + "mlp.gate_proj.weight"),
+                             .wu = at(p + "mlp.up_proj.weight"),
+                             .wd = at(p + "mlp.down_proj.weight"),
+                             .bq = find(p + "self_attn.q_proj.bias"),
+                             .bk = find(p + "self_attn.k_proj.bias"),
+                             .bv = find(p + "self_attn.v_proj.bias"),
+                             .q_norm = find(p + "self_attn.q_norm.weight"),
+                             .k_norm = find(p + "self_attn.k_norm.weight")});
+  }
+  final_norm_ = at("model.norm.weight");
+  head_ = config.tie_word_embeddings ? embed_ : at("lm_head.weight");
   for (const auto& s : specs_)
     weight_ids_.push_back(
         device_plan.declare_persistent(s.name, Category::Weights, s.numel() * dtype_size(config.torch_dtype)));

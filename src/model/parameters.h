@@ -100,7 +100,9 @@ class ModelParameters {
 
   const std::vector<ParamSpec>& specs() const { return specs_; }
   struct LayerParams {  // indices into specs()
-    size_t ln1, wq, bq, wk, bk, wv, bv, wo, ln2, wg, wu, wd;
+    size_t ln1, wq, wk, wv, wo, ln2, wg, wu, wd;
+    std::optional<size_t> bq, bk, bv;     // q/k/v biases (config.attention_bias)
+    std::optional<size_t> q_norm, k_norm;  // per-head RMSNorm weights (config.qk_norm)
   };
   struct Linear {  // one linear layer of a decoder layer
     size_t weight;

@@ -59,6 +59,8 @@ Qwen2Model::Qwen2Model(const Qwen2Config& config, const ModelOptions& options, M
   if (options.allocate) {
     arena_ = std::make_unique<Arena>(*plan_, backend_);
     if (host_plan_->peak_bytes() > 0) host_arena_ = std::make_unique<Arena>(*host_plan_, nullptr);
+    const std::vector<float> inv_freq = rope_inv_freq(config_);
+    backend_->copy_to_device(rope_freqs(), inv_freq.data());
   }
   if (own_params_) own_params_->bind(arena_.get(), host_arena_.get(), *backend_);
 }
@@ -288,18 +290,28 @@ void Qwen2Model::layer_forward(int64_t l, const LayerActs& a, const Tensor& x, c
   const Qwen2Config& c = config_;
   const int64_t D = c.hidden_size, I = c.intermediate_size, qd = c.q_dim(), kvd = c.kv_dim();
   const int64_t Hq = c.num_attention_heads, hd = c.head_dim();
-  const float theta = static_cast<float>(c.rope_theta), eps = static_cast<float>(c.rms_norm_eps);
+  const float eps = static_cast<float>(c.rms_norm_eps);
   Backend& be = *backend_;
-  const Tensor pos = arena_->i32(buf_.positions, {num_tokens_});
+  const Tensor pos = arena_->i32(buf_.positions, {num_tokens_}), freqs = rope_freqs();
   const Tensor ln1 = act(a.ln1, D), q = act(a.q, qd), k = act(a.k, kvd), v = act(a.v, kvd), att = act(a.att, qd);
   const Tensor res1 = act(a.res1, D), ln2 = act(a.ln2, D), gate = act(a.gate, I), up = act(a.up, I), h = act(a.h, I);
 
   be.rmsnorm_forward(ln1, act(a.rstd1, 1), x, weight_f32(p.ln1), eps);
-  linear_forward(l, LinearSite::Q, a, ln1, q);
-  linear_forward(l, LinearSite::K, a, ln1, k);
+  if (c.qk_norm) {
+    // Qwen3: q and k are normalized over each head (rows of head_dim) before RoPE.
+    const Tensor q_raw = act(a.q_raw, qd), k_raw = act(a.k_raw, kvd);
+    linear_forward(l, LinearSite::Q, a, ln1, q_raw);
+    linear_forward(l, LinearSite::K, a, ln1, k_raw);
+    be.rmsnorm_forward(per_head(q, hd), act_rows(a.rstd_q, Hq), per_head(q_raw, hd), weight_f32(*p.q_norm), eps);
+    be.rmsnorm_forward(per_head(k, hd), act_rows(a.rstd_k, c.num_key_value_heads), per_head(k_raw, hd),
+                       weight_f32(*p.k_norm), eps);
+  } else {
+    linear_forward(l, LinearSite::Q, a, ln1, q);
+    linear_forward(l, LinearSite::K, a, ln1, k);
+  }
   linear_forward(l, LinearSite::V, a, ln1, v);
-  be.rope_forward(q, pos, hd, theta);
-  be.rope_forward(k, pos, hd, theta);
+  be.rope_forward(q, pos, freqs);
+  be.rope_forward(k, pos, freqs);
   if (options_.inference()) {
     const KvCacheOptions& kv = options_.kv_cache;
     const int64_t slots = kv.blocks * kv.block_size;
@@ -328,9 +340,8 @@ void Qwen2Model::layer_backward(int64_t l, const LayerActs& a, const Tensor& x, 
   const Qwen2Config& c = config_;
   const int64_t D = c.hidden_size, I = c.intermediate_size, qd = c.q_dim(), kvd = c.kv_dim();
   const int64_t Hq = c.num_attention_heads, hd = c.head_dim();
-  const float theta = static_cast<float>(c.rope_theta);
   Backend& be = *backend_;
-  const Tensor pos = arena_->i32(buf_.positions, {num_tokens_});
+  const Tensor pos = arena_->i32(buf_.positions, {num_tokens_}), freqs = rope_freqs();
   const Tensor dh = act(buf_.dh, I), dgate = act(buf_.dgate, I), dup = act(buf_.dup, I), dln = act(buf_.dln, D);
   const Tensor datt = act(buf_.datt, qd), dq = act(buf_.dq, qd), dk = act(buf_.dk, kvd), dv = act(buf_.dv, kvd);
 
@@ -349,11 +360,23 @@ void Qwen2Model::layer_backward(int64_t l, const LayerActs& a, const Tensor& x, 
   linear_backward(l, LinearSite::O, a, dstream, act(a.att, qd), datt);
   be.attention_backward(dq, dk, dv, datt, act(a.att, qd), act(a.lse, Hq), act(a.q, qd), act(a.k, kvd), act(a.v, kvd),
                         arena_->i32(buf_.cu_seqlens, {num_seqs_ + 1}), hd);
-  be.rope_backward(dq, pos, hd, theta);
-  be.rope_backward(dk, pos, hd, theta);
+  be.rope_backward(dq, pos, freqs);
+  be.rope_backward(dk, pos, freqs);
+  Tensor dq_in = dq, dk_in = dk;  // d(loss)/d(q and k projections)
+  if (c.qk_norm) {
+    dq_in = act(buf_.dq_raw, qd);
+    dk_in = act(buf_.dk_raw, kvd);
+    be.fill(dq_in, 0.0f);
+    be.fill(dk_in, 0.0f);
+    be.rmsnorm_backward(per_head(dq_in, hd), base_grad_or_none(*p.q_norm), per_head(dq, hd),
+                        per_head(act(a.q_raw, qd), hd), weight_f32(*p.q_norm), act_rows(a.rstd_q, Hq));
+    be.rmsnorm_backward(per_head(dk_in, hd), base_grad_or_none(*p.k_norm), per_head(dk, hd),
+                        per_head(act(a.k_raw, kvd), hd), weight_f32(*p.k_norm),
+                        act_rows(a.rstd_k, c.num_key_value_heads));
+  }
   be.fill(dln, 0.0f);
-  linear_backward(l, LinearSite::Q, a, dq, act(a.ln1, D), dln);
-  linear_backward(l, LinearSite::K, a, dk, act(a.ln1, D), dln);
+  linear_backward(l, LinearSite::Q, a, dq_in, act(a.ln1, D), dln);
+  linear_backward(l, LinearSite::K, a, dk_in, act(a.ln1, D), dln);
   linear_backward(l, LinearSite::V, a, dv, act(a.ln1, D), dln);
   be.rmsnorm_backward(dstream, base_grad_or_none(p.ln1), dln, x, weight_f32(p.ln1), act(a.rstd1, 1));
 }

@@ -139,6 +139,14 @@ class Qwen2Model {
   Tensor weight_f32(size_t param);
   // A float32 activation of the current micro-batch: [tokens, cols].
   Tensor act(BufferId id, int64_t cols) const { return arena_->f32(id, {num_tokens_, cols}); }
+  // Per-head values of the micro-batch as rows: [tokens * heads, 1] (an rstd per head).
+  Tensor act_rows(BufferId id, int64_t heads) const { return arena_->f32(id, {num_tokens_ * heads, 1}); }
+  // [tokens, heads * head_dim] seen as [tokens * heads, head_dim]: a norm over each head.
+  static Tensor per_head(const Tensor& t, int64_t head_dim) {
+    return Tensor(t.data, t.dtype, {t.numel() / head_dim, head_dim}, t.space);
+  }
+  // RoPE's frequency table (head_dim / 2 floats, set at construction).
+  Tensor rope_freqs() const { return arena_->f32(buf_.rope_inv_freq, {config_.head_dim() / 2}); }
 
   Qwen2Config config_;
   ModelOptions options_;

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "model/config.h"
 #include "core/labels.h"
 #include "core/rng.h"
 
@@ -299,21 +300,27 @@ TEST(BackendOps, RopeAtAnOffset) {
   const int64_t N = 5, heads = 2, hd = 8;
   std::vector<int32_t> pos;
   for (int32_t t = 0; t < N; ++t) pos.push_back(37 + t);
+  // Frequencies as a Qwen model's and as a Llama 3 model's (scaled) table holds them.
+  Qwen2Config llama = qwen2_preset("tiny-llama");
+  llama.explicit_head_dim = hd;
+  for (const std::vector<float>& freqs : {rope_inv_freq(qwen2_preset("tiny")), rope_inv_freq(llama)}) {
+  const Input inv_freq{.name = "inv_freq", .shape = {hd / 2}, .values = std::vector<float>(freqs.begin(), freqs.begin() + hd / 2)};
   check_case({.name = "rope",
-              .inputs = {f32_input("x", {N, heads * hd}, 8), i32_input("pos", pos)},
+              .inputs = {f32_input("x", {N, heads * hd}, 8), i32_input("pos", pos), inv_freq},
               .outputs = {{"out", {N, heads * hd}}},
               .forward =
                   [](Backend& be, const Views& in, const Views& out) {
                     be.copy(out.at("out"), in.at("x"));
-                    be.rope_forward(out.at("out"), in.at("pos"), 8, 10000.0f);
+                    be.rope_forward(out.at("out"), in.at("pos"), in.at("inv_freq"));
                     return 0.0;
                   },
               .backward =
                   [](Backend& be, const Views& in, const Views&, const Views& dout, const Views& din) {
                     be.copy(din.at("x"), dout.at("out"));
-                    be.rope_backward(din.at("x"), in.at("pos"), 8, 10000.0f);
+                    be.rope_backward(din.at("x"), in.at("pos"), in.at("inv_freq"));
                   },
               .overwrites = {"x"}});
+  }
 }
 
 TEST(BackendOps, AttentionGqaOverPackedSequences) {

@@ -84,11 +84,11 @@ TEST_F(CliTest, BadInputsNameTheFileAndWriteNothing) {
   EXPECT_FALSE(fs::exists(path("d.safetensors")));
 
   // A config for another architecture is refused by name.
-  write("m/config.json", R"({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+  write("m/config.json", R"({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 64,
       "intermediate_size": 176, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 512})");
   r = run("dump --model " + path("m") + " --input " + path("ok.json") + " --out " + path("d.safetensors"));
   EXPECT_EQ(r.status, 1);
-  EXPECT_NE(r.output.find("LlamaForCausalLM"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("MistralForCausalLM"), std::string::npos) << r.output;
 }
 
 }  // namespace

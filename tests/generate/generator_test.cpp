@@ -22,8 +22,8 @@ namespace {
 
 constexpr uint64_t kWeightsSeed = 7;
 
-Qwen2Config tiny(DType dtype = DType::F32, bool tied = true) {
-  Qwen2Config c = qwen2_preset("tiny");
+Qwen2Config tiny(DType dtype = DType::F32, bool tied = true, const char* preset = "tiny") {
+  Qwen2Config c = qwen2_preset(preset);
   c.torch_dtype = dtype;
   c.tie_word_embeddings = tied;
   return c;
@@ -84,12 +84,13 @@ struct Variant {
   DType dtype;
   bool tied;
   double tolerance;  // on logits: a bfloat16 cache holds K and V rounded to bfloat16
+  const char* preset = "tiny";  // tiny (Qwen2), tiny-qwen3 (q_norm/k_norm), tiny-llama (llama3 RoPE)
 };
 class GenerationVariants : public ::testing::TestWithParam<Variant> {};
 
 TEST_P(GenerationVariants, GreedyTokensAreTheArgmaxOfFullForwardPasses) {
   const Variant v = GetParam();
-  const Qwen2Config c = tiny(v.dtype, v.tied);
+  const Qwen2Config c = tiny(v.dtype, v.tied, v.preset);
   const int64_t P = 9, T = 300;
   auto m = inference_model(c, limits(P + T, 1, 16));
   Generator g(*m, nullptr);
@@ -114,7 +115,7 @@ TEST_P(GenerationVariants, GreedyTokensAreTheArgmaxOfFullForwardPasses) {
 
 TEST_P(GenerationVariants, CacheLogitsEqualFullForwardLogitsAtEveryStep) {
   const Variant v = GetParam();
-  const Qwen2Config c = tiny(v.dtype, v.tied);
+  const Qwen2Config c = tiny(v.dtype, v.tied, v.preset);
   const int64_t P = 37, T = 40;
   auto m = inference_model(c, limits(P + T, 1, 8));
   // Prefill in chunks of 8 (the last one samples), then one token per step, greedily.
@@ -151,9 +152,15 @@ TEST_P(GenerationVariants, CacheLogitsEqualFullForwardLogitsAtEveryStep) {
 
 INSTANTIATE_TEST_SUITE_P(Models, GenerationVariants,
                          ::testing::Values(Variant{DType::F32, true, 1e-5}, Variant{DType::F32, false, 1e-5},
-                                           Variant{DType::BF16, true, 5e-3}, Variant{DType::BF16, false, 5e-3}),
+                                           Variant{DType::BF16, true, 5e-3}, Variant{DType::BF16, false, 5e-3},
+                                           Variant{DType::F32, true, 1e-5, "tiny-qwen3"},
+                                           Variant{DType::BF16, false, 5e-3, "tiny-qwen3"},
+                                           Variant{DType::F32, false, 1e-5, "tiny-llama"},
+                                           Variant{DType::BF16, true, 5e-3, "tiny-llama"}),
                          [](const auto& info) {
-                           return std::string(info.param.dtype == DType::F32 ? "f32" : "bf16") +
+                           std::string family = info.param.preset;
+                           family = family == "tiny" ? "" : family.substr(5) + "_";
+                           return family + (info.param.dtype == DType::F32 ? "f32" : "bf16") +
                                   (info.param.tied ? "_tied" : "_untied");
                          });
 

@@ -2,6 +2,7 @@
 // Qwen2.5, the transformers-5 form, every refusal (each naming the file and field), the presets
 // (checked against published parameter counts) and the to_json -> parse round trip.
 #include "model/config.h"
+#include "model/parameters.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -116,12 +117,14 @@ TEST(Qwen2ConfigTest, AppliesTransformersDefaults) {
 }
 
 TEST(Qwen2ConfigTest, RefusesOtherArchitectures) {
-  std::string msg = refusal([](json& d) { d["architectures"] = {"LlamaForCausalLM"}; }, "architectures");
-  EXPECT_CONTAINS(msg, "LlamaForCausalLM");
+  std::string msg = refusal([](json& d) { d["architectures"] = {"MistralForCausalLM"}; }, "architectures");
+  EXPECT_CONTAINS(msg, "MistralForCausalLM");
   EXPECT_CONTAINS(msg, "Qwen2ForCausalLM");
   refusal([](json& d) { d["architectures"] = "Qwen2ForCausalLM"; }, "architectures");
-  msg = refusal([](json& d) { d["model_type"] = "qwen3"; }, "model_type");
-  EXPECT_CONTAINS(msg, "qwen3");
+  msg = refusal([](json& d) { d["model_type"] = "qwen3_moe"; }, "model_type");
+  EXPECT_CONTAINS(msg, "qwen3_moe");
+  msg = refusal([](json& d) { d["architectures"] = {"LlamaForCausalLM"}; }, "model_type");  // model_type qwen2
+  EXPECT_CONTAINS(msg, "LlamaForCausalLM");
   refusal([](json& d) { d["model_type"] = 2; }, "model_type");
 
   json doc = qwen25_05b_classic();
@@ -374,6 +377,159 @@ TEST(Qwen2ConfigTest, Qwen25PresetsMatchThePublishedModels) {
     EXPECT_NO_THROW(parse_qwen2_config(qwen2_config_to_json(c), name)) << name;
   }
   EXPECT_EQ(qwen2_preset("Qwen2.5-7B").hidden_size, 3584);
+}
+
+// Qwen/Qwen3-0.6B's config.json as published.
+json qwen3_06b() {
+  return json::parse(R"({"architectures": ["Qwen3ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024,
+    "initializer_range": 0.02, "intermediate_size": 3072, "max_position_embeddings": 40960, "max_window_layers": 28,
+    "model_type": "qwen3", "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06, "rope_scaling": null, "rope_theta": 1000000, "sliding_window": null,
+    "tie_word_embeddings": true, "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": true,
+    "use_sliding_window": false, "vocab_size": 151936})");
+}
+// meta-llama/Llama-3.2-1B's config.json as published.
+json llama32_1b() {
+  return json::parse(R"({"architectures": ["LlamaForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2048,
+    "initializer_range": 0.02, "intermediate_size": 8192, "max_position_embeddings": 131072, "mlp_bias": false,
+    "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05, "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0,
+    "low_freq_factor": 1.0, "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": true, "torch_dtype": "bfloat16",
+    "transformers_version": "4.45.0.dev0", "use_cache": true, "vocab_size": 128256})");
+}
+
+void expect_same_shape(const Qwen2Config& a, const Qwen2Config& b) {
+  EXPECT_EQ(a.family, b.family);
+  EXPECT_EQ(a.hidden_size, b.hidden_size);
+  EXPECT_EQ(a.intermediate_size, b.intermediate_size);
+  EXPECT_EQ(a.num_hidden_layers, b.num_hidden_layers);
+  EXPECT_EQ(a.num_attention_heads, b.num_attention_heads);
+  EXPECT_EQ(a.num_key_value_heads, b.num_key_value_heads);
+  EXPECT_EQ(a.head_dim(), b.head_dim());
+  EXPECT_EQ(a.vocab_size, b.vocab_size);
+  EXPECT_EQ(a.max_position_embeddings, b.max_position_embeddings);
+  EXPECT_DOUBLE_EQ(a.rms_norm_eps, b.rms_norm_eps);
+  EXPECT_DOUBLE_EQ(a.rope_theta, b.rope_theta);
+  EXPECT_EQ(a.tie_word_embeddings, b.tie_word_embeddings);
+  EXPECT_EQ(a.attention_bias, b.attention_bias);
+  EXPECT_EQ(a.qk_norm, b.qk_norm);
+  EXPECT_EQ(a.rope_scaling.llama3, b.rope_scaling.llama3);
+  EXPECT_DOUBLE_EQ(a.rope_scaling.factor, b.rope_scaling.factor);
+  EXPECT_DOUBLE_EQ(a.rope_scaling.low_freq_factor, b.rope_scaling.low_freq_factor);
+  EXPECT_DOUBLE_EQ(a.rope_scaling.high_freq_factor, b.rope_scaling.high_freq_factor);
+  EXPECT_EQ(a.rope_scaling.original_max_position_embeddings, b.rope_scaling.original_max_position_embeddings);
+}
+
+TEST(Qwen2ConfigTest, ParsesQwen3AndLlama3Configs) {
+  const Qwen2Config q = parse_qwen2_config(qwen3_06b(), "qwen3/config.json");
+  EXPECT_EQ(q.family, ModelFamily::Qwen3);
+  EXPECT_EQ(q.head_dim(), 128);  // not 1024 / 16
+  EXPECT_EQ(q.q_dim(), 2048);
+  EXPECT_FALSE(q.attention_bias);
+  EXPECT_TRUE(q.qk_norm);
+  expect_same_shape(q, qwen2_preset("qwen3-0.6b"));
+  const Qwen2Config l = parse_qwen2_config(llama32_1b(), "llama/config.json");
+  EXPECT_EQ(l.family, ModelFamily::Llama);
+  EXPECT_TRUE(l.rope_scaling.llama3);
+  EXPECT_DOUBLE_EQ(l.rope_scaling.factor, 32.0);
+  expect_same_shape(l, qwen2_preset("llama-3.2-1b"));
+  // Round trips through the config.json memtune writes.
+  for (const char* name : {"qwen3-4b", "llama-3.1-8b", "tiny-qwen3", "tiny-llama"})
+    expect_same_shape(parse_qwen2_config(qwen2_config_to_json(qwen2_preset(name)), name), qwen2_preset(name));
+  // Qwen3Config's default head_dim is 128, LlamaConfig's hidden / heads.
+  json doc = qwen3_06b();
+  doc.erase("head_dim");
+  EXPECT_EQ(parse_qwen2_config(doc, "c.json").head_dim(), 128);
+  doc = llama32_1b();
+  doc.erase("head_dim");
+  EXPECT_EQ(parse_qwen2_config(doc, "c.json").head_dim(), 64);
+  doc["attention_bias"] = true;
+  EXPECT_TRUE(parse_qwen2_config(doc, "c.json").attention_bias);
+}
+
+TEST(Qwen2ConfigTest, RefusesWhatQwen3AndLlamaDoNotSupport) {
+  auto refused = [](json doc, const std::string& field) {
+    const std::string msg = error_of([&] { parse_qwen2_config(doc, "ckpt/config.json"); });
+    EXPECT_CONTAINS(msg, "ckpt/config.json");
+    EXPECT_CONTAINS(msg, "\"" + field + "\"");
+    return msg;
+  };
+  json doc = llama32_1b();
+  doc["rope_scaling"]["rope_type"] = "yarn";
+  EXPECT_CONTAINS(refused(doc, "rope_scaling"), "yarn");
+  doc = llama32_1b();
+  doc["rope_scaling"].erase("low_freq_factor");
+  refused(doc, "rope_scaling.low_freq_factor");
+  doc = llama32_1b();
+  doc["mlp_bias"] = true;
+  refused(doc, "mlp_bias");
+  doc = qwen3_06b();  // llama3 scaling belongs to Llama
+  doc["rope_scaling"] = llama32_1b()["rope_scaling"];
+  EXPECT_CONTAINS(refused(doc, "rope_scaling"), "llama3");
+  doc = qwen3_06b();
+  doc["use_sliding_window"] = true;
+  refused(doc, "use_sliding_window");
+  doc = qwen3_06b();
+  doc["head_dim"] = 127;
+  refused(doc, "head_dim");
+  doc = qwen3_06b();
+  doc["model_type"] = "qwen3_moe";
+  doc["architectures"] = {"Qwen3MoeForCausalLM"};
+  EXPECT_CONTAINS(refused(doc, "architectures"), "Qwen3MoeForCausalLM");
+}
+
+TEST(Qwen2ConfigTest, Qwen3AndLlama3PresetsMatchThePublishedModels) {
+  // Model cards: Qwen3 0.6B / 1.7B / 4.0B / 8.2B / 14.8B / 32.8B parameters; Llama 3.2 1.23B and
+  // 3.21B (the 1B has 1,235,814,400: its card truncates), Llama 3.1 8.03B and 70.6B.
+  const std::pair<const char*, double> published[] = {
+      {"qwen3-0.6b", 0.6},   {"qwen3-1.7b", 1.7},     {"qwen3-4b", 4.0},       {"qwen3-8b", 8.2},
+      {"qwen3-14b", 14.8},   {"qwen3-32b", 32.8},     {"llama-3.2-1b", 1.23},  {"llama-3.2-3b", 3.21},
+      {"llama-3.1-8b", 8.03}, {"llama-3.1-70b", 70.6}};
+  for (const auto& [name, billions] : published) {
+    const double digits = billions < 1.0 || std::string(name).starts_with("qwen3") || billions > 50 ? 0.05 : 0.01;
+    EXPECT_NEAR(static_cast<double>(qwen2_parameter_count(qwen2_preset(name))) / 1e9, billions, digits) << name;
+  }
+  // Exactly, from the bf16 total_size of meta-llama/Llama-3.1-8B's model.safetensors.index.json
+  // (16060522496 bytes).
+  EXPECT_EQ(qwen2_parameter_count(qwen2_preset("llama-3.1-8b")), 8'030'261'248);
+  // Qwen3 adds q_norm and k_norm (head_dim each) per layer and drops the q/k/v biases.
+  const Qwen2Config q = qwen2_preset("qwen3-0.6b");
+  const int64_t attention = 2 * q.hidden_size * q.q_dim() + 2 * q.hidden_size * q.kv_dim() + 2 * q.head_dim();
+  const int64_t mlp = 3 * q.hidden_size * q.intermediate_size;
+  EXPECT_EQ(qwen2_parameter_count(q),
+            q.vocab_size * q.hidden_size + q.num_hidden_layers * (attention + mlp + 2 * q.hidden_size) + q.hidden_size);
+}
+
+TEST(Qwen2ConfigTest, Llama3RopeScalingKeepsHighFrequenciesAndSlowsLowOnes) {
+  const Qwen2Config plain = [] {
+    Qwen2Config c = qwen2_preset("llama-3.1-8b");
+    c.rope_scaling.llama3 = false;
+    return c;
+  }();
+  const std::vector<float> base = rope_inv_freq(plain), scaled = rope_inv_freq(qwen2_preset("llama-3.1-8b"));
+  ASSERT_EQ(base.size(), 64u);
+  const double pi = 3.14159265358979323846;
+  int kept = 0, divided = 0, between = 0;
+  for (size_t i = 0; i < base.size(); ++i) {
+    const double wavelen = 2 * pi / base[i];
+    if (wavelen < 8192.0 / 4) {  // high frequencies: unchanged
+      EXPECT_FLOAT_EQ(scaled[i], base[i]) << i;
+      ++kept;
+    } else if (wavelen > 8192.0) {  // low frequencies: divided by factor 8
+      EXPECT_FLOAT_EQ(scaled[i], base[i] / 8) << i;
+      ++divided;
+    } else {
+      EXPECT_LT(scaled[i], base[i]) << i;
+      EXPECT_GT(scaled[i], base[i] / 8) << i;
+      ++between;
+    }
+  }
+  EXPECT_GT(kept, 0);
+  EXPECT_GT(divided, 0);
+  EXPECT_GT(between, 0);
 }
 
 TEST(Qwen2ConfigTest, UnknownPresetListsTheValidNames) {

@@ -89,6 +89,7 @@ class Case:
     randomize: bool = True    # replace memtune's initial weights with random ones
     dump_args: tuple = ()     # extra `memtune dump` arguments
     lora: Lora = None         # a LoRA adapter to train instead of the base parameters
+    preset: str = "tiny"      # `memtune init-model --preset`: tiny (Qwen2), tiny-qwen3, tiny-llama
 
     @property
     def has_targets(self):
@@ -120,6 +121,16 @@ CASES = [
          lora=Lora(r=2, lora_alpha=16, target_modules=("q_proj", "v_proj", "down_proj"), use_rslora=True)),
     Case("lora_f32_checkpointing", seed=13, batch=2, seq=40, dump_args=("--gradient_checkpointing",),
          lora=Lora(r=8, lora_alpha=16, target_modules=("o_proj", "gate_proj", "up_proj"))),
+    # Qwen3 (no biases, head_dim 24 != hidden / heads, q_norm and k_norm) and Llama 3 (no biases,
+    # head_dim 32, untied, llama3 RoPE scaling whose three bands all hold frequencies; positions
+    # up to 95 go past its original 64).
+    Case("qwen3_f32", seed=14, batch=2, seq=33, preset="tiny-qwen3"),
+    Case("qwen3_bf16_checkpointing", seed=15, batch=2, seq=40, preset="tiny-qwen3", init_args=BF16,
+         labels="masked", dump_args=("--gradient_checkpointing",)),
+    Case("qwen3_lora", seed=16, batch=2, seq=33, preset="tiny-qwen3",
+         lora=Lora(r=4, lora_alpha=8, target_modules=ref.LORA_TARGETS)),
+    Case("llama3_f32", seed=17, batch=2, seq=96, preset="tiny-llama"),
+    Case("llama3_bf16", seed=18, batch=3, seq=40, preset="tiny-llama", init_args=BF16, labels="masked"),
 ]
 
 SELF_CHECK_CASES = ["tied_f32", "untied_bf16", "mha_kv4", "seq1_no_targets", "masked_labels",
@@ -314,7 +325,7 @@ def check_memtune_checkpoint(model_dir, case):
 
 def run_case_memtune(case, memtune, case_dir):
     model_dir = os.path.join(case_dir, "model")
-    run([memtune, "init-model", "--preset", "tiny", "--out", model_dir, "--seed", str(case.seed),
+    run([memtune, "init-model", "--preset", case.preset, "--out", model_dir, "--seed", str(case.seed),
          *case.init_args])
     check_memtune_checkpoint(model_dir, case)
     if case.randomize:

@@ -70,11 +70,13 @@ class CpuBackend final : public Backend {
                         const Tensor& weight, const Tensor& rstd) override {
     cpu::rmsnorm_backward(dinp.f32(), dweight.f32(), dout.f32(), inp.f32(), weight.f32(), rstd.f32(), inp.rows(), inp.cols());
   }
-  void rope_forward(const Tensor& x, const Tensor& positions, int64_t head_dim, float theta) override {
-    cpu::rope_forward(x.f32(), positions.i32(), x.rows(), x.cols() / head_dim, head_dim, theta);
+  void rope_forward(const Tensor& x, const Tensor& positions, const Tensor& inv_freq) override {
+    const int64_t head_dim = 2 * inv_freq.numel();
+    cpu::rope_forward(x.f32(), positions.i32(), x.rows(), x.cols() / head_dim, head_dim, inv_freq.f32());
   }
-  void rope_backward(const Tensor& dx, const Tensor& positions, int64_t head_dim, float theta) override {
-    cpu::rope_backward(dx.f32(), positions.i32(), dx.rows(), dx.cols() / head_dim, head_dim, theta);
+  void rope_backward(const Tensor& dx, const Tensor& positions, const Tensor& inv_freq) override {
+    const int64_t head_dim = 2 * inv_freq.numel();
+    cpu::rope_backward(dx.f32(), positions.i32(), dx.rows(), dx.cols() / head_dim, head_dim, inv_freq.f32());
   }
   void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
                          const Tensor& cu_seqlens, int64_t hd) override {

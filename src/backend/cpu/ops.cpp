@@ -119,15 +119,14 @@ void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const floa
 
 // Rotates each head's (x_i, x_{i+hd/2}) pair by +angle (forward) or -angle (backward). Angles are
 // computed in float32 exactly as Hugging Face does: inv_freq = 1 / theta^(2i/hd), angle = pos * inv_freq.
-static void rope_rotate(float* x, const int32_t* positions, int64_t N, int64_t heads, int64_t hd, float theta,
-                        float direction) {
+static void rope_rotate(float* x, const int32_t* positions, int64_t N, int64_t heads, int64_t hd,
+                        const float* inv_freq, float direction) {
   const int64_t half = hd / 2;
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
     float pos = static_cast<float>(positions[n]);
     for (int64_t i = 0; i < half; ++i) {
-      float inv_freq = 1.0f / std::pow(theta, static_cast<float>(2 * i) / static_cast<float>(hd));
-      float angle = pos * inv_freq;
+      float angle = pos * inv_freq[i];
       float c = std::cos(angle), s = direction * std::sin(angle);
       for (int64_t h = 0; h < heads; ++h) {
         float* head = x + n * heads * hd + h * hd;
@@ -139,12 +138,13 @@ static void rope_rotate(float* x, const int32_t* positions, int64_t N, int64_t h
   }
 }
 
-void rope_forward(float* x, const int32_t* positions, int64_t N, int64_t heads, int64_t head_dim, float theta) {
-  rope_rotate(x, positions, N, heads, head_dim, theta, 1.0f);
+void rope_forward(float* x, const int32_t* positions, int64_t N, int64_t heads, int64_t head_dim, const float* inv_freq) {
+  rope_rotate(x, positions, N, heads, head_dim, inv_freq, 1.0f);
 }
 
-void rope_backward(float* dx, const int32_t* positions, int64_t N, int64_t heads, int64_t head_dim, float theta) {
-  rope_rotate(dx, positions, N, heads, head_dim, theta, -1.0f);
+void rope_backward(float* dx, const int32_t* positions, int64_t N, int64_t heads, int64_t head_dim,
+                   const float* inv_freq) {
+  rope_rotate(dx, positions, N, heads, head_dim, inv_freq, -1.0f);
 }
 
 namespace {

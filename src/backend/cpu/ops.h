@@ -30,9 +30,10 @@ void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const floa
                       const float* rstd, int64_t N, int64_t C);
 
 // Rotary embedding in place on x[N, heads*head_dim], Hugging Face rotate-half convention.
-void rope_forward(float* x, const int32_t* positions, int64_t N, int64_t heads, int64_t head_dim, float theta);
+void rope_forward(float* x, const int32_t* positions, int64_t N, int64_t heads, int64_t head_dim, const float* inv_freq);
 // In-place gradient: rotates dx back by the same angles.
-void rope_backward(float* dx, const int32_t* positions, int64_t N, int64_t heads, int64_t head_dim, float theta);
+void rope_backward(float* dx, const int32_t* positions, int64_t N, int64_t heads, int64_t head_dim,
+                   const float* inv_freq);
 
 // Causal grouped-query attention over packed sequences, online softmax, never materializing a
 // [T, T] score matrix. q[N, Hq*hd], k/v[N, Hkv*hd] -> out[N, Hq*hd]; saves lse[N, Hq].

@@ -155,11 +155,11 @@ class ReferenceBackend final : public Backend {
     }
   }
 
-  void rope_forward(const Tensor& x, const Tensor& positions, int64_t hd, float theta) override {
-    rope(x, positions, hd, theta, 1.0);
+  void rope_forward(const Tensor& x, const Tensor& positions, const Tensor& inv_freq) override {
+    rope(x, positions, inv_freq, 1.0);
   }
-  void rope_backward(const Tensor& dx, const Tensor& positions, int64_t hd, float theta) override {
-    rope(dx, positions, hd, theta, -1.0);
+  void rope_backward(const Tensor& dx, const Tensor& positions, const Tensor& inv_freq) override {
+    rope(dx, positions, inv_freq, -1.0);
   }
 
   void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -456,13 +456,13 @@ class ReferenceBackend final : public Backend {
 
   // Hugging Face's rotate-half RoPE; the angle pos * inv_freq is formed in float32 as
   // transformers forms it, the rotation itself in float64.
-  void rope(const Tensor& x, const Tensor& positions, int64_t hd, float theta, double direction) {
+  void rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, double direction) {
     Access a(*this);
-    const int64_t N = x.rows(), heads = x.cols() / hd, half = hd / 2;
+    const int64_t half = inv_freq.numel(), hd = 2 * half, N = x.rows(), heads = x.cols() / hd;
     for (int64_t n = 0; n < N; ++n)
       for (int64_t i = 0; i < half; ++i) {
-        const float inv_freq = 1.0f / std::pow(theta, static_cast<float>(2 * i) / static_cast<float>(hd));
-        const double angle = static_cast<float>(static_cast<float>(positions.i32()[n]) * inv_freq);
+        // The angle as float32 (as Hugging Face computes it), its rotation in double.
+        const double angle = static_cast<float>(static_cast<float>(positions.i32()[n]) * inv_freq.f32()[i]);
         const double c = std::cos(angle), s = direction * std::sin(angle);
         for (int64_t h = 0; h < heads; ++h) {
           float* e = x.f32() + n * heads * hd + h * hd;
