@@ -63,6 +63,10 @@ struct TokenizeMode {
       RenderOptions render;
       render.add_generation_prompt = messages.back().role != "assistant";
       render.eos_token = eos_text;
+      if (value.contains("enable_thinking")) {  // Qwen3's template argument
+        if (!value["enable_thinking"].is_boolean()) throw Error("\"enable_thinking\" must be true or false");
+        render.enable_thinking = value["enable_thinking"].get<bool>();
+      }
       std::vector<int32_t> labels;
       encode_segments(tokenizer, render_chat(*chat, messages, render), ids, labels);
     } else {
@@ -86,10 +90,12 @@ Action add_tokenize(CLI::App& app) {
   auto* special = app.add_flag("--add_special_tokens", args->add_special_tokens,
                                "apply the tokenizer's post-processor (e.g. a BOS token; Qwen2 adds none)");
   auto* chat = app.add_flag("--chat", args->chat,
-                            "lines are {\"messages\": [...]}, rendered with the chat template (with the generation "
-                            "prompt unless the last message is the assistant's)");
-  auto* tmpl = app.add_option("--template", args->chat_template,
-                              "chat template: qwen2_5 | chatml | plain (default: detected from the tokenizer)");
+                            "lines are {\"messages\": [...]} (and optionally \"enable_thinking\": false for Qwen3), "
+                            "rendered with the chat template (with the generation prompt unless the last message is "
+                            "the assistant's)");
+  auto* tmpl =
+      app.add_option("--template", args->chat_template,
+                     "chat template: qwen2_5 | chatml | plain | qwen3 | llama3 (default: detected from the tokenizer)");
   app.add_option("--input", args->input, "JSONL input file (default: standard input)");
   auto* decode = app.add_flag("--decode", args->decode, "lines are arrays of ids; print the decoded text");
   tmpl->needs(chat);

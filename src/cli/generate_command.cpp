@@ -41,7 +41,8 @@ struct GenerateArgs {
   std::string device_memory, host_memory, preset;
   bool chat = false, json = false, ignore_eos = false, bf16 = false, fp16 = false, inference = false;
   bool merge_adapter = false;
-  std::vector<std::string> adapters;                                // --adapter values as given
+  bool enable_thinking = true;        // Qwen3's template: false writes an empty think block into the prompt
+  std::vector<std::string> adapters;  // --adapter values as given
   std::vector<std::pair<std::string, std::string>> named_adapters;  // --adapter NAME=DIR, in order
   int64_t max_new_tokens = 256, max_model_len = 0, max_num_seqs = 8, max_num_batched_tokens = 512, block_size = 16;
   double memory_fraction = 0.9;
@@ -71,14 +72,19 @@ std::vector<GenerationRequest> read_requests(const GenerateArgs& a, const Tokeni
   };
   std::vector<GenerationRequest> requests;
   auto add_request = [&](std::vector<int32_t> ids, bool chat) {
-    GenerationRequest r{.prompt_ids = std::move(ids), .max_new_tokens = a.max_new_tokens, .sampling = a.sampling,
-                        .stop = a.stop, .stop_ids = stop_ids(a, tokenizer, chat)};
+    GenerationRequest r{.prompt_ids = std::move(ids),
+                        .max_new_tokens = a.max_new_tokens,
+                        .sampling = a.sampling,
+                        .stop = a.stop,
+                        .stop_ids = stop_ids(a, tokenizer, chat)};
     r.sampling.stream = requests.size();
     requests.push_back(std::move(r));
   };
   auto text_prompt = [&](const std::string& text) {
     if (a.chat)
-      add_request(chat_prompt_ids(tokenizer, chat_template(), {{.role = "user", .content = text}}, a.system), true);
+      add_request(
+          chat_prompt_ids(tokenizer, chat_template(), {{.role = "user", .content = text}}, a.system, a.enable_thinking),
+          true);
     else
       add_request(tokenizer.encode(text), false);
   };
@@ -99,8 +105,7 @@ std::vector<GenerationRequest> read_requests(const GenerateArgs& a, const Tokeni
         const std::string wanted = name->as_string();
         for (size_t k = 0; k < a.named_adapters.size(); ++k)
           if (a.named_adapters[k].first == wanted) adapter = static_cast<int32_t>(k);
-        if (adapter < 0)
-          throw Error(fmt::format("adapter \"{}\" is not one of the --adapter NAME=DIR given", wanted));
+        if (adapter < 0) throw Error(fmt::format("adapter \"{}\" is not one of the --adapter NAME=DIR given", wanted));
       }
       const size_t before = requests.size();
       if (const auto ids = r.find("prompt_ids")) {
@@ -109,7 +114,8 @@ std::vector<GenerationRequest> read_requests(const GenerateArgs& a, const Tokeni
           v.push_back(static_cast<int32_t>((*ids)[i].as_integer(0, INT32_MAX)));
         add_request(std::move(v), false);
       } else if (const auto messages = r.find("messages")) {
-        add_request(chat_prompt_ids(tokenizer, chat_template(), parse_messages(*messages), a.system), true);
+        add_request(chat_prompt_ids(tokenizer, chat_template(), parse_messages(*messages), a.system, a.enable_thinking),
+                    true);
       } else if (r.has("prompt")) {
         text_prompt(r.string("prompt"));
       } else {
@@ -140,13 +146,14 @@ InferenceSetup plan_setup(const GenerateArgs& a, const std::vector<GenerationReq
   int64_t longest = 0;
   for (const auto& r : requests)
     longest = std::max<int64_t>(longest, static_cast<int64_t>(r.prompt_ids.size()) + r.max_new_tokens);
-  InferenceLimits limits{
-      .max_model_len = a.max_model_len > 0 ? a.max_model_len : longest > 0 ? longest : s.config.max_position_embeddings,
-      .max_num_seqs = a.max_num_seqs,
-      .max_num_batched_tokens = a.max_num_batched_tokens,
-      .block_size = a.block_size,
-      .device_memory = a.device_memory.empty() ? 0 : parse_bytes(a.device_memory, "--device_memory"),
-      .memory_fraction = a.memory_fraction};
+  InferenceLimits limits{.max_model_len = a.max_model_len > 0 ? a.max_model_len
+                                          : longest > 0       ? longest
+                                                              : s.config.max_position_embeddings,
+                         .max_num_seqs = a.max_num_seqs,
+                         .max_num_batched_tokens = a.max_num_batched_tokens,
+                         .block_size = a.block_size,
+                         .device_memory = a.device_memory.empty() ? 0 : parse_bytes(a.device_memory, "--device_memory"),
+                         .memory_fraction = a.memory_fraction};
   if (!requests.empty()) {  // no more sequences than requests
     limits.max_num_seqs = std::min<int64_t>(limits.max_num_seqs, static_cast<int64_t>(requests.size()));
     limits.max_num_batched_tokens = std::max(limits.max_num_batched_tokens, limits.max_num_seqs);
@@ -247,8 +254,10 @@ void chat(const GenerateArgs& a) {
     }
     if (line.empty()) continue;
     history.push_back({.role = "user", .content = line});
-    GenerationRequest r{.prompt_ids = chat_prompt_ids(tokenizer, templ, history, a.system),
-                        .max_new_tokens = a.max_new_tokens, .sampling = a.sampling, .stop = a.stop,
+    GenerationRequest r{.prompt_ids = chat_prompt_ids(tokenizer, templ, history, a.system, a.enable_thinking),
+                        .max_new_tokens = a.max_new_tokens,
+                        .sampling = a.sampling,
+                        .stop = a.stop,
                         .stop_ids = stop_ids(a, tokenizer, true)};
     r.sampling.stream = turn++;
     const int64_t room = max_model_len - static_cast<int64_t>(r.prompt_ids.size());
@@ -308,8 +317,8 @@ void serve(const GenerateArgs& a) {
 Action add_generate(CLI::App& app, GenerateMode mode) {
   const bool plan_only = mode == GenerateMode::Plan, serving = mode == GenerateMode::Serve;
   auto a = std::make_shared<GenerateArgs>();
-  auto* model = app.add_option(serving ? "model,--model_name_or_path,--model" : "--model_name_or_path,--model", a->model,
-                               "Hugging Face model directory");
+  auto* model = app.add_option(serving ? "model,--model_name_or_path,--model" : "--model_name_or_path,--model",
+                               a->model, "Hugging Face model directory");
   if (plan_only) {
     app.add_flag("--inference", a->inference, "plan generation (memtune generate's flags)");
     app.add_option("--preset", a->preset, "qwen2.5-0.5b ... qwen2.5-72b, tiny (instead of --model)")->excludes(model);
@@ -340,6 +349,10 @@ Action add_generate(CLI::App& app, GenerateMode mode) {
   app.add_option("--tokenizer", a->tokenizer, "tokenizer directory (default: the model directory)");
   add_backend_option(app, a->backend);
   add_template_option(app, a->templ);
+  if (!serving)
+    app.add_option("--enable_thinking", a->enable_thinking,
+                   "Qwen3's chat template: false starts the reply after an empty think block (no reasoning)")
+        ->capture_default_str();
   if (!serving) {
     app.add_option("--prompt", a->prompt, "one prompt; its text is streamed to stdout");
     app.add_option("--input", a->input,
@@ -412,8 +425,10 @@ Action add_generate(CLI::App& app, GenerateMode mode) {
     }
     if (!plan_only && a->prompt.empty() == a->input.empty())
       throw Error("give one of --prompt TEXT and --input FILE.jsonl");
-    if (!a->prompt.empty() && !a->input.empty()) throw Error("give one of --prompt TEXT and --input FILE.jsonl, not both");
-    if (plan_only && a->model.empty() == a->preset.empty()) throw Error("plan needs exactly one of --model or --preset");
+    if (!a->prompt.empty() && !a->input.empty())
+      throw Error("give one of --prompt TEXT and --input FILE.jsonl, not both");
+    if (plan_only && a->model.empty() == a->preset.empty())
+      throw Error("plan needs exactly one of --model or --preset");
     check_local_dataset(a->input, "--input");
   });
   if (plan_only) return [a] { plan_inference(*a); };
@@ -444,19 +459,18 @@ Action add_generate(CLI::App& app, GenerateMode mode) {
     model->arena().sample();
     const GenerationStats& st = generator.stats();
     const KvCacheOptions& kv = model->options().kv_cache;
-    nlohmann::json summary = {
-        {"requests", results.size()},
-        {"prefill_tokens", st.prefill_tokens},
-        {"decode_tokens", st.decode_tokens},
-        {"prefill_tokens_per_second", st.prefill_tokens_per_second()},
-        {"decode_tokens_per_second", st.decode_tokens_per_second()},
-        {"max_model_len", kv.max_model_len},
-        {"max_num_seqs", kv.max_seqs},
-        {"kv_cache_blocks", kv.blocks},
-        {"kv_cache_tokens", kv.blocks * kv.block_size},
-        {"arena_bytes", model->plan().peak_bytes()},
-        {"process_predicted_peak_bytes", process.peak_bytes()},
-        {"process_peak_rss_bytes", process_peak_rss_bytes(model->arena())}};
+    nlohmann::json summary = {{"requests", results.size()},
+                              {"prefill_tokens", st.prefill_tokens},
+                              {"decode_tokens", st.decode_tokens},
+                              {"prefill_tokens_per_second", st.prefill_tokens_per_second()},
+                              {"decode_tokens_per_second", st.decode_tokens_per_second()},
+                              {"max_model_len", kv.max_model_len},
+                              {"max_num_seqs", kv.max_seqs},
+                              {"kv_cache_blocks", kv.blocks},
+                              {"kv_cache_tokens", kv.blocks * kv.block_size},
+                              {"arena_bytes", model->plan().peak_bytes()},
+                              {"process_predicted_peak_bytes", process.peak_bytes()},
+                              {"process_peak_rss_bytes", process_peak_rss_bytes(model->arena())}};
     std::string lines;
     for (size_t i = 0; i < results.size(); ++i) {
       const GenerationResult& r = results[i];

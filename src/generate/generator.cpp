@@ -30,22 +30,25 @@ struct GenerationEngine::Sequence {
   int64_t computed = 0;         // tokens whose keys and values are in the cache
   std::vector<int32_t> blocks;  // reserved for prompt + max_new_tokens
   std::optional<TokenSampler> sampler;
-  std::string bytes;       // the output's raw bytes (byte-level tokens may split characters)
-  size_t emitted = 0;      // bytes handed to the callback
-  size_t hold_back = 0;    // the longest stop string minus one: bytes that may begin a stop
-  std::string finish;      // set when done
+  std::string bytes;     // the output's raw bytes (byte-level tokens may split characters)
+  size_t emitted = 0;    // bytes handed to the callback
+  size_t hold_back = 0;  // the longest stop string minus one: bytes that may begin a stop
+  std::string finish;    // set when done
   int64_t output_tokens() const { return static_cast<int64_t>(tokens.size()) - prompt_len; }
 };
 
 namespace {
-int64_t blocks_for(int64_t tokens, int64_t block_size) { return (tokens + block_size - 1) / block_size; }
+int64_t blocks_for(int64_t tokens, int64_t block_size) {
+  return (tokens + block_size - 1) / block_size;
+}
 }  // namespace
 
 std::vector<int32_t> model_stop_ids(const std::string& model_dir, const Tokenizer& tokenizer, bool chat) {
   std::set<int32_t> ids;
   if (const auto eos = tokenizer.eos_token_id()) ids.insert(*eos);
   if (chat)
-    if (const auto im_end = tokenizer.token_to_id("<|im_end|>")) ids.insert(*im_end);
+    for (const char* end : {"<|im_end|>", "<|eot_id|>"})  // ChatML's and Llama 3's end of a turn
+      if (const auto id = tokenizer.token_to_id(end)) ids.insert(*id);
   const std::filesystem::path gen = std::filesystem::path(model_dir) / "generation_config.json";
   if (std::filesystem::exists(gen)) {
     const nlohmann::json doc = read_json_file(gen);
@@ -67,7 +70,8 @@ GenerationEngine::GenerationEngine(Qwen2Model& model, const Tokenizer* tokenizer
   const KvCacheOptions& kv = model_.options().kv_cache;
   MT_ASSERT(kv.blocks >= kv.max_blocks_per_seq, "the pool cannot hold one sequence of max_model_len");
   free_blocks_.resize(static_cast<size_t>(kv.blocks));
-  for (int64_t b = 0; b < kv.blocks; ++b) free_blocks_[static_cast<size_t>(b)] = static_cast<int32_t>(kv.blocks - 1 - b);
+  for (int64_t b = 0; b < kv.blocks; ++b)
+    free_blocks_[static_cast<size_t>(b)] = static_cast<int32_t>(kv.blocks - 1 - b);
   const size_t S = static_cast<size_t>(kv.max_seqs), N = static_cast<size_t>(model_.options().max_tokens);
   seq_adapters_.reserve(S);
   ids_.reserve(N);

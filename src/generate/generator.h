@@ -46,8 +46,8 @@ struct GenerationStats {
   int64_t steps = 0, prefill_tokens = 0, decode_tokens = 0;
   // Steps that computed any prompt token count as prefill, the others as decode.
   double prefill_seconds = 0, decode_seconds = 0;
-  int64_t most_running = 0;    // the most sequences one step held
-  int64_t waiting_steps = 0;   // steps run while a request waited for room
+  int64_t most_running = 0;   // the most sequences one step held
+  int64_t waiting_steps = 0;  // steps run while a request waited for room
   double prefill_tokens_per_second() const { return prefill_seconds > 0 ? prefill_tokens / prefill_seconds : 0; }
   double decode_tokens_per_second() const { return decode_seconds > 0 ? decode_tokens / decode_seconds : 0; }
 };
@@ -57,13 +57,14 @@ struct GenerationStats {
 using TextCallback = std::function<void(size_t index, std::string_view piece)>;
 
 // The ids that end a reply: the tokenizer's eos, the model directory's generation_config.json
-// eos_token_id (a number or a list) and, for chat prompts, <|im_end|>; sorted, no repeats.
+// eos_token_id (a number or a list) and, for chat prompts, <|im_end|> and <|eot_id|> (where the
+// tokenizer has them); sorted, no repeats.
 std::vector<int32_t> model_stop_ids(const std::string& model_dir, const Tokenizer& tokenizer, bool chat);
 
 // What one request reports while it runs, on the thread that calls GenerationEngine::step().
 struct RequestCallbacks {
-  std::function<void(std::string_view piece)> on_text;  // the next piece of text, whole UTF-8 characters
-  std::function<void(int32_t token)> on_token;          // every sampled token, stop ids included
+  std::function<void(std::string_view piece)> on_text;       // the next piece of text, whole UTF-8 characters
+  std::function<void(int32_t token)> on_token;               // every sampled token, stop ids included
   std::function<void(GenerationResult&& result)> on_finish;  // once, last
 };
 

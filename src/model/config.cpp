@@ -332,7 +332,8 @@ Qwen2Config qwen2_preset(const std::string& name) {
                        .rms_norm_eps = eps,
                        .rope_theta = 1000000.0,
                        .tie_word_embeddings = tied,
-                       .torch_dtype = DType::BF16};
+                       .torch_dtype = DType::BF16,
+                       .rope_scaling = {}};
   };
   // Qwen/Qwen3-*B (config.json on the Hub): head_dim 128, q_norm/k_norm, no biases.
   auto qwen3 = [](int64_t hidden, int64_t intermediate, int64_t layers, int64_t heads, int64_t kv_heads, bool tied) {
@@ -388,7 +389,8 @@ Qwen2Config qwen2_preset(const std::string& name) {
                          .rms_norm_eps = 1e-6,
                          .rope_theta = 1000000.0,
                          .tie_word_embeddings = true,
-                         .torch_dtype = DType::F32};
+                         .torch_dtype = DType::F32,
+                         .rope_scaling = {}};
   // The tiny shape in the other families; head_dim differs from hidden / heads on purpose.
   Qwen2Config tiny_qwen3 = tiny;
   tiny_qwen3.family = ModelFamily::Qwen3;

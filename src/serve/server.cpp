@@ -39,11 +39,16 @@ struct ApiError : std::runtime_error {
 
 std::string error_type(int status) {
   switch (status) {
-    case 401: return "authentication_error";
-    case 413: return "request_too_large";
-    case 429: return "rate_limit_error";
-    case 503: return "service_unavailable";
-    default: return status >= 500 ? "server_error" : "invalid_request_error";
+    case 401:
+      return "authentication_error";
+    case 413:
+      return "request_too_large";
+    case 429:
+      return "rate_limit_error";
+    case 503:
+      return "service_unavailable";
+    default:
+      return status >= 500 ? "server_error" : "invalid_request_error";
   }
 }
 
@@ -87,7 +92,8 @@ struct Histogram {
   }
   void write(std::string& out, const std::string& name, const std::string& help) const {
     out += fmt::format("# HELP {} {}\n# TYPE {} histogram\n", name, help, name);
-    for (size_t i = 0; i < bounds.size(); ++i) out += fmt::format("{}_bucket{{le=\"{}\"}} {}\n", name, bounds[i], counts[i]);
+    for (size_t i = 0; i < bounds.size(); ++i)
+      out += fmt::format("{}_bucket{{le=\"{}\"}} {}\n", name, bounds[i], counts[i]);
     out += fmt::format("{}_bucket{{le=\"+Inf\"}} {}\n{}_sum {}\n{}_count {}\n", name, count, name, sum, name, count);
   }
 };
@@ -199,11 +205,11 @@ ParsedRequest Server::State::parse(const json& body, bool chat) const {
     if (p.model != options.model_name) {
       const auto it = std::find(options.adapter_names.begin(), options.adapter_names.end(), p.model);
       if (it == options.adapter_names.end())
-        throw ApiError(404, fmt::format("the model `{}` does not exist: this server has {}{}", p.model,
-                                        options.model_name,
-                                        options.adapter_names.empty()
-                                            ? std::string()
-                                            : fmt::format(" and the LoRA adapters {}", fmt::join(options.adapter_names, ", "))),
+        throw ApiError(404,
+                       fmt::format("the model `{}` does not exist: this server has {}{}", p.model, options.model_name,
+                                   options.adapter_names.empty() ? std::string()
+                                                                 : fmt::format(" and the LoRA adapters {}",
+                                                                               fmt::join(options.adapter_names, ", "))),
                        "model", "model_not_found");
       r.adapter = static_cast<int32_t>(it - options.adapter_names.begin());
     }
@@ -233,7 +239,8 @@ ParsedRequest Server::State::parse(const json& body, bool chat) const {
         message.content = content.get<std::string>();
       } else if (content.is_array()) {  // content parts: the text ones, joined
         for (const json& part : content) {
-          if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") || !part["text"].is_string())
+          if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
+              !part["text"].is_string())
             throw ApiError(400, "message content parts must be {\"type\": \"text\", \"text\": ...}", "messages");
           message.content += part["text"].get<std::string>();
         }
@@ -242,8 +249,16 @@ ParsedRequest Server::State::parse(const json& body, bool chat) const {
       }
       messages.push_back(std::move(message));
     }
+    bool enable_thinking = true;  // Qwen3's template argument, as vLLM takes it
+    if (body.contains("chat_template_kwargs") && body["chat_template_kwargs"].is_object() &&
+        body["chat_template_kwargs"].contains("enable_thinking")) {
+      const json& v = body["chat_template_kwargs"]["enable_thinking"];
+      if (!v.is_boolean())
+        throw ApiError(400, "chat_template_kwargs.enable_thinking must be true or false", "chat_template_kwargs");
+      enable_thinking = v.get<bool>();
+    }
     try {
-      r.prompt_ids = chat_prompt_ids(tokenizer, options.chat_template, std::move(messages), {});
+      r.prompt_ids = chat_prompt_ids(tokenizer, options.chat_template, std::move(messages), {}, enable_thinking);
     } catch (const Error& e) {
       throw ApiError(400, e.what(), "messages");
     }
@@ -254,7 +269,8 @@ ParsedRequest Server::State::parse(const json& body, bool chat) const {
     if (prompt.is_array() && prompt.size() == 1 && (prompt[0].is_string() || prompt[0].is_array())) prompt = prompt[0];
     if (prompt.is_string()) {
       r.prompt_ids = tokenizer.encode(prompt.get<std::string>());
-    } else if (prompt.is_array() && std::all_of(prompt.begin(), prompt.end(), [](const json& x) { return x.is_number_integer(); })) {
+    } else if (prompt.is_array() &&
+               std::all_of(prompt.begin(), prompt.end(), [](const json& x) { return x.is_number_integer(); })) {
       for (const json& id : prompt) {
         const int64_t v = id.get<int64_t>();
         if (v < 0 || v > INT32_MAX) throw ApiError(400, fmt::format("token id {} is out of range", v), "prompt");
@@ -276,7 +292,8 @@ ParsedRequest Server::State::parse(const json& body, bool chat) const {
   }
   const int64_t room = engine.model().options().kv_cache.max_model_len - static_cast<int64_t>(r.prompt_ids.size());
   if (max_tokens) {
-    if (*max_tokens < 1) throw ApiError(400, fmt::format("{} must be at least 1, got {}", max_param, *max_tokens), max_param);
+    if (*max_tokens < 1)
+      throw ApiError(400, fmt::format("{} must be at least 1, got {}", max_param, *max_tokens), max_param);
     r.max_new_tokens = *max_tokens;
     p.max_tokens_given = true;
   } else {
@@ -312,7 +329,8 @@ ParsedRequest Server::State::parse(const json& body, bool chat) const {
       (std::string_view(name) == "presence_penalty" ? s.presence_penalty : s.frequency_penalty) = *v;
     }
   if (const auto v = number("repetition_penalty")) {
-    if (*v <= 0) throw ApiError(400, fmt::format("repetition_penalty must be positive, got {}", *v), "repetition_penalty");
+    if (*v <= 0)
+      throw ApiError(400, fmt::format("repetition_penalty must be positive, got {}", *v), "repetition_penalty");
     s.repetition_penalty = *v;
   }
   if (const auto v = integer("seed")) {
@@ -379,9 +397,9 @@ void Server::State::handle_completion(const httplib::Request& req, httplib::Resp
       choice["message"] = {{"role", "assistant"}, {"content", r.text}};
     else
       choice["text"] = r.text;
-    const json out = {{"id", id},         {"object", object},
-                      {"created", created}, {"model", p.model},
-                      {"choices", {choice}}, {"usage", usage(static_cast<int64_t>(r.token_ids.size()))}};
+    const json out = {
+        {"id", id},         {"object", object},    {"created", created},
+        {"model", p.model}, {"choices", {choice}}, {"usage", usage(static_cast<int64_t>(r.token_ids.size()))}};
     res.set_content(out.dump(), "application/json");
     return;
   }
@@ -398,7 +416,8 @@ void Server::State::handle_completion(const httplib::Request& req, httplib::Resp
   auto text_choice = [chat](const std::string& text, const json& finish) {
     json c = {{"index", 0}, {"finish_reason", finish}, {"logprobs", nullptr}};
     if (chat)
-      c["delta"] = text.empty() && finish.is_null() ? json{{"role", "assistant"}, {"content", ""}} : json{{"content", text}};
+      c["delta"] =
+          text.empty() && finish.is_null() ? json{{"role", "assistant"}, {"content", ""}} : json{{"content", text}};
     else
       c["text"] = text;
     if (chat && !finish.is_null()) c["delta"] = json::object();
@@ -441,8 +460,10 @@ void Server::State::handle_completion(const httplib::Request& req, httplib::Resp
           const GenerationResult& r = channel->result;
           if (!send(chunk(text_choice("", r.finish_reason)))) return false;
           if (include_usage) {
-            const json last = {{"id", id},           {"object", chunk_object},
-                               {"created", created}, {"model", model},
+            const json last = {{"id", id},
+                               {"object", chunk_object},
+                               {"created", created},
+                               {"model", model},
                                {"choices", json::array()},
                                {"usage", usage(static_cast<int64_t>(r.token_ids.size()))}};
             if (!send("data: " + last.dump() + "\n\n")) return false;
@@ -460,8 +481,9 @@ void Server::State::handle_completion(const httplib::Request& req, httplib::Resp
 std::string Server::State::metrics_text() {
   std::string out;
   const std::lock_guard lock(metrics.mu);
-  out += "# HELP memtune_requests_total HTTP requests answered, by status code.\n"
-         "# TYPE memtune_requests_total counter\n";
+  out +=
+      "# HELP memtune_requests_total HTTP requests answered, by status code.\n"
+      "# TYPE memtune_requests_total counter\n";
   for (const auto& [status, n] : metrics.requests_by_status)
     out += fmt::format("memtune_requests_total{{status=\"{}\"}} {}\n", status, n);
   out += fmt::format(

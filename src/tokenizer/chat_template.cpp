@@ -15,13 +15,15 @@ namespace memtune {
 
 namespace {
 
-constexpr std::array<std::pair<std::string_view, ChatTemplate>, 3> kTemplateNames{{
+constexpr std::array<std::pair<std::string_view, ChatTemplate>, 5> kTemplateNames{{
     {"qwen2_5", ChatTemplate::Qwen2_5},
     {"chatml", ChatTemplate::ChatML},
     {"plain", ChatTemplate::Plain},
+    {"qwen3", ChatTemplate::Qwen3},
+    {"llama3", ChatTemplate::Llama3},
 }};
 
-constexpr std::string_view kTemplateChoice = "pass --template qwen2_5|chatml|plain";
+constexpr std::string_view kTemplateChoice = "pass --template qwen2_5|chatml|plain|qwen3|llama3";
 
 // Whitespace runs become one space, so literals match however the template is indented or
 // line-wrapped.
@@ -64,12 +66,20 @@ void add(std::vector<ChatSegment>& segments, std::string text, bool trainable) {
   segments.push_back({std::move(text), trainable});
 }
 
+// Jinja's trim: whitespace off both ends.
+std::string_view trim_whitespace(std::string_view s) {
+  const auto space = [](char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; };
+  while (!s.empty() && space(s.front())) s.remove_prefix(1);
+  while (!s.empty() && space(s.back())) s.remove_suffix(1);
+  return s;
+}
+
 }  // namespace
 
 ChatTemplate parse_chat_template(std::string_view name) {
   for (const auto& [n, t] : kTemplateNames)
     if (n == name) return t;
-  throw Error(fmt::format("unknown chat template \"{}\": expected qwen2_5, chatml or plain", name));
+  throw Error(fmt::format("unknown chat template \"{}\": expected qwen2_5, chatml, plain, qwen3 or llama3", name));
 }
 
 std::string_view chat_template_name(ChatTemplate chat_template) {
@@ -83,12 +93,23 @@ ChatTemplate detect_chat_template(std::string_view jinja_text, std::string_view 
     throw Error(
         fmt::format("{}: the tokenizer has no chat_template (tokenizer_config.json); {}", source, kTemplateChoice));
   const std::string text = collapse_whitespace(jinja_text);
+  if (text.find("<|start_header_id|>") != std::string::npos && text.find("<|eot_id|>") != std::string::npos) {
+    if (text.find("Cutting Knowledge Date") != std::string::npos)
+      throw Error(
+          fmt::format("{}: chat_template is Llama 3.1's with its dated default system block (\"Cutting "
+                      "Knowledge Date ...\"), which memtune does not render; pass --template llama3 for "
+                      "the Llama 3 header format without it",
+                      source));
+    return ChatTemplate::Llama3;
+  }
   if (text.find("<|im_start|>") == std::string::npos)
     throw Error(
         fmt::format("{}: chat_template is not a ChatML template (no <|im_start|>), which memtune does not "
                     "render; {}",
                     source, kTemplateChoice));
   if (text.find("You are Qwen, created by Alibaba Cloud.") != std::string::npos) return ChatTemplate::Qwen2_5;
+  if (text.find("<think>") != std::string::npos && text.find("enable_thinking") != std::string::npos)
+    return ChatTemplate::Qwen3;
   if (text.find("<think>") != std::string::npos)
     throw Error(fmt::format("{}: chat_template is a reasoning (<think>) template, which memtune does not render; {}",
                             source, kTemplateChoice));
@@ -148,6 +169,71 @@ std::vector<ChatSegment> render_chat(ChatTemplate chat_template, std::span<const
     }
     return segments;
   }
+  if (chat_template == ChatTemplate::Llama3) {
+    for (size_t i = 0; i < messages.size(); ++i) {
+      const ChatMessage& m = messages[i];
+      const std::string header =
+          std::string(i == 0 ? "<|begin_of_text|>" : "") + "<|start_header_id|>" + m.role + "<|end_header_id|>\n\n";
+      const std::string body = std::string(trim_whitespace(m.content)) + "<|eot_id|>";
+      if (m.role == "assistant") {
+        add(segments, header, all);
+        add(segments, body, all || m.loss);
+      } else {
+        add(segments, header + body, all);
+      }
+    }
+    if (options.add_generation_prompt)
+      add(segments,
+          std::string(messages.empty() ? "<|begin_of_text|>" : "") +
+              "<|start_header_id|>assistant<|end_header_id|>\n\n",
+          all);
+    return segments;
+  }
+  if (chat_template == ChatTemplate::Qwen3) {
+    // The index of the last user message: replies after it keep their reasoning.
+    size_t last_query = messages.size();
+    for (size_t i = messages.size(); i-- > 0;)
+      if (messages[i].role == "user") {
+        last_query = i;
+        break;
+      }
+    for (size_t i = 0; i < messages.size(); ++i) {
+      const ChatMessage& m = messages[i];
+      if (m.role != "assistant") {
+        add(segments, fmt::format("<|im_start|>{}\n{}<|im_end|>\n", m.role, m.content), all);
+        continue;
+      }
+      std::string_view content = m.content, reasoning;
+      if (const size_t close = content.find("</think>"); close != std::string_view::npos) {
+        // As the template splits: the reasoning is what precedes the first </think> (after its
+        // last <think>), the reply what follows the last </think>.
+        std::string_view before = content.substr(0, close);
+        while (!before.empty() && before.back() == '\n') before.remove_suffix(1);
+        if (const size_t open = before.rfind("<think>"); open != std::string_view::npos) before.remove_prefix(open + 7);
+        while (!before.empty() && before.front() == '\n') before.remove_prefix(1);
+        reasoning = before;
+        content = content.substr(content.rfind("</think>") + 8);
+        while (!content.empty() && content.front() == '\n') content.remove_prefix(1);
+      }
+      std::string body;
+      if (last_query < messages.size() && i > last_query && (i + 1 == messages.size() || !reasoning.empty())) {
+        while (!reasoning.empty() && reasoning.front() == '\n') reasoning.remove_prefix(1);
+        while (!reasoning.empty() && reasoning.back() == '\n') reasoning.remove_suffix(1);
+        std::string_view reply = content;
+        while (!reply.empty() && reply.front() == '\n') reply.remove_prefix(1);
+        body = fmt::format("<think>\n{}\n</think>\n\n{}", reasoning, reply);
+      } else {
+        body = std::string(content);
+      }
+      add(segments, "<|im_start|>assistant\n", all);
+      add(segments, body + "<|im_end|>", all || m.loss);
+      add(segments, "\n", all);
+    }
+    if (options.add_generation_prompt)
+      add(segments,
+          options.enable_thinking ? "<|im_start|>assistant\n" : "<|im_start|>assistant\n<think>\n\n</think>\n\n", all);
+    return segments;
+  }
   if (chat_template == ChatTemplate::Qwen2_5 && (messages.empty() || messages[0].role != "system"))
     add(segments, fmt::format("<|im_start|>system\n{}<|im_end|>\n", kQwen2_5DefaultSystem), all);
   for (const ChatMessage& m : messages) {
@@ -177,13 +263,15 @@ void encode_segments(const Tokenizer& tokenizer, std::span<const ChatSegment> se
 }
 
 std::vector<int32_t> chat_prompt_ids(const Tokenizer& tokenizer, ChatTemplate chat_template,
-                                     std::vector<ChatMessage> messages, const std::string& system) {
+                                     std::vector<ChatMessage> messages, const std::string& system,
+                                     bool enable_thinking) {
   if (!system.empty() && (messages.empty() || messages[0].role != "system"))
     messages.insert(messages.begin(), ChatMessage{.role = "system", .content = system});
   validate_conversation(messages, false);
   if (messages.back().role != "user") throw Error("the last message must be the user's: generation writes the reply");
   RenderOptions options;
   options.add_generation_prompt = true;
+  options.enable_thinking = enable_thinking;
   if (const auto eos = tokenizer.eos_token_id()) options.eos_token = tokenizer.decode(std::vector<int32_t>{*eos});
   std::vector<int32_t> ids, labels;
   encode_segments(tokenizer, render_chat(chat_template, messages, options), ids, labels);

@@ -25,15 +25,23 @@ enum class ChatTemplate {
   // The contents back to back with no separators; each assistant message is followed by the
   // eos token. For base models and for data whose prompts already carry their own formatting.
   Plain,
+  // Qwen3's ChatML: no default system message; the assistant reply after the last user message
+  // carries its reasoning as <think>\n...\n</think>\n\n (empty when it has none), earlier replies
+  // lose theirs; with enable_thinking false the generation prompt ends in an empty think block.
+  Qwen3,
+  // Llama 3: <|begin_of_text|>, then <|start_header_id|>{role}<|end_header_id|>\n\n{content,
+  // trimmed}<|eot_id|> per message (no default system message).
+  Llama3,
 };
 
-// "qwen2_5" | "chatml" | "plain"; anything else is an Error listing these.
+// "qwen2_5" | "chatml" | "plain" | "qwen3" | "llama3"; anything else is an Error listing these.
 ChatTemplate parse_chat_template(std::string_view name);
 std::string_view chat_template_name(ChatTemplate chat_template);
 
 // Recognizes a tokenizer_config.json chat_template (Jinja source): Qwen2.5's (ChatML with the
-// "You are Qwen, created by Alibaba Cloud..." default system) or a plain ChatML template without
-// a default system message. Anything else, or an empty text, is an Error asking for --template.
+// "You are Qwen, created by Alibaba Cloud..." default system), Qwen3's (ChatML with <think> and
+// enable_thinking), Llama 3's header format, or a plain ChatML template without a default system
+// message. Anything else, or an empty text, is an Error asking for --template.
 // `source` names the tokenizer in the message.
 ChatTemplate detect_chat_template(std::string_view jinja_text, std::string_view source);
 
@@ -70,11 +78,14 @@ struct RenderOptions {
   bool train_on_prompt = false;
   // The eos token's text (e.g. "<|endoftext|>"); required by Plain, unused otherwise.
   std::string eos_token;
+  // Qwen3: false ends the generation prompt with an empty think block (no reasoning).
+  bool enable_thinking = true;
 };
 
 // Renders a conversation that passed validate_conversation(messages, false). Trainable are the
-// assistant contents with their closing <|im_end|> (Plain: eos), not the assistant header and
-// not the "\n" after <|im_end|>; an assistant message with loss=false is not trainable.
+// assistant contents with their closing <|im_end|> (Plain: eos; Llama3: <|eot_id|>; Qwen3: the
+// think block too), not the assistant header and not the "\n" after <|im_end|>; an assistant
+// message with loss=false is not trainable.
 std::vector<ChatSegment> render_chat(ChatTemplate chat_template, std::span<const ChatMessage> messages,
                                      const RenderOptions& options);
 
@@ -87,6 +98,7 @@ void encode_segments(const Tokenizer& tokenizer, std::span<const ChatSegment> se
 // has none) rendered with the assistant header appended, as token ids. An Error unless the
 // conversation is valid and ends with the user's message.
 std::vector<int32_t> chat_prompt_ids(const Tokenizer& tokenizer, ChatTemplate chat_template,
-                                     std::vector<ChatMessage> messages, const std::string& system);
+                                     std::vector<ChatMessage> messages, const std::string& system,
+                                     bool enable_thinking = true);
 
 }  // namespace memtune

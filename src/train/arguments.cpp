@@ -107,7 +107,8 @@ void add_training_arguments(CLI::App& app, TrainingArguments& a, ArgumentsFor us
 
 void add_template_option(CLI::App& app, std::string& name) {
   // LLaMA-Factory calls Qwen2.5's template "qwen".
-  app.add_option("--template", name, "qwen2_5 | chatml | plain (default: from the tokenizer); qwen: qwen2_5")
+  app.add_option("--template", name,
+                 "qwen2_5 | chatml | plain | qwen3 | llama3 (default: from the tokenizer); qwen: qwen2_5")
       ->transform([](std::string t) { return t == "qwen" ? std::string("qwen2_5") : t; });
 }
 

@@ -304,22 +304,25 @@ TEST(BackendOps, RopeAtAnOffset) {
   Qwen2Config llama = qwen2_preset("tiny-llama");
   llama.explicit_head_dim = hd;
   for (const std::vector<float>& freqs : {rope_inv_freq(qwen2_preset("tiny")), rope_inv_freq(llama)}) {
-  const Input inv_freq{.name = "inv_freq", .shape = {hd / 2}, .values = std::vector<float>(freqs.begin(), freqs.begin() + hd / 2)};
-  check_case({.name = "rope",
-              .inputs = {f32_input("x", {N, heads * hd}, 8), i32_input("pos", pos), inv_freq},
-              .outputs = {{"out", {N, heads * hd}}},
-              .forward =
-                  [](Backend& be, const Views& in, const Views& out) {
-                    be.copy(out.at("out"), in.at("x"));
-                    be.rope_forward(out.at("out"), in.at("pos"), in.at("inv_freq"));
-                    return 0.0;
-                  },
-              .backward =
-                  [](Backend& be, const Views& in, const Views&, const Views& dout, const Views& din) {
-                    be.copy(din.at("x"), dout.at("out"));
-                    be.rope_backward(din.at("x"), in.at("pos"), in.at("inv_freq"));
-                  },
-              .overwrites = {"x"}});
+    const Input inv_freq{.name = "inv_freq",
+                         .shape = {hd / 2},
+                         .values = std::vector<float>(freqs.begin(), freqs.begin() + hd / 2),
+                         .ints = {}};
+    check_case({.name = "rope",
+                .inputs = {f32_input("x", {N, heads * hd}, 8), i32_input("pos", pos), inv_freq},
+                .outputs = {{"out", {N, heads * hd}}},
+                .forward =
+                    [](Backend& be, const Views& in, const Views& out) {
+                      be.copy(out.at("out"), in.at("x"));
+                      be.rope_forward(out.at("out"), in.at("pos"), in.at("inv_freq"));
+                      return 0.0;
+                    },
+                .backward =
+                    [](Backend& be, const Views& in, const Views&, const Views& dout, const Views& din) {
+                      be.copy(din.at("x"), dout.at("out"));
+                      be.rope_backward(din.at("x"), in.at("pos"), in.at("inv_freq"));
+                    },
+                .overwrites = {"x"}});
   }
 }
 

@@ -30,9 +30,11 @@ TEST(ChatTemplate, ParsesNamesAndListsThemOnError) {
   EXPECT_EQ(parse_chat_template("chatml"), ChatTemplate::ChatML);
   EXPECT_EQ(parse_chat_template("plain"), ChatTemplate::Plain);
   EXPECT_EQ(chat_template_name(ChatTemplate::ChatML), "chatml");
-  const std::string message = error_of([] { parse_chat_template("llama3"); });
-  EXPECT_CONTAINS(message, "llama3");
-  EXPECT_CONTAINS(message, "qwen2_5, chatml or plain");
+  EXPECT_EQ(parse_chat_template("qwen3"), ChatTemplate::Qwen3);
+  EXPECT_EQ(parse_chat_template("llama3"), ChatTemplate::Llama3);
+  const std::string message = error_of([] { parse_chat_template("mistral"); });
+  EXPECT_CONTAINS(message, "mistral");
+  EXPECT_CONTAINS(message, "qwen2_5, chatml, plain, qwen3 or llama3");
 }
 
 TEST(ChatTemplate, DetectsQwen2_5AndChatMLAndRefusesTheRest) {
@@ -43,10 +45,17 @@ TEST(ChatTemplate, DetectsQwen2_5AndChatMLAndRefusesTheRest) {
       "{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nYou are a helpful "
       "assistant.<|im_end|>\\n' }}{% endif %}{{'<|im_start|>' + message['role']}}";
   EXPECT_CONTAINS(error_of([&] { detect_chat_template(qwen2, "cfg.json"); }), "default system");
-  const std::string llama3 = "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>' }}";
-  std::string message = error_of([&] { detect_chat_template(llama3, "cfg.json"); });
+  const std::string llama3 = "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>' }}{{ '<|eot_id|>' }}";
+  EXPECT_EQ(detect_chat_template(llama3, "cfg.json"), ChatTemplate::Llama3);
+  // Llama 3.1 Instruct's own template writes a dated system block memtune does not render.
+  std::string message = error_of(
+      [&] { detect_chat_template(llama3 + "{{- \"Cutting Knowledge Date: December 2023\\n\" }}", "cfg.json"); });
   EXPECT_CONTAINS(message, "cfg.json");
-  EXPECT_CONTAINS(message, "--template qwen2_5|chatml|plain");
+  EXPECT_CONTAINS(message, "--template llama3");
+  EXPECT_EQ(detect_chat_template("{{'<|im_start|>'}}{%- if enable_thinking is false %}<think>{% endif %}", "t"),
+            ChatTemplate::Qwen3);
+  message = error_of([&] { detect_chat_template("{{ 'Human: ' + message['content'] }}", "cfg.json"); });
+  EXPECT_CONTAINS(message, "--template qwen2_5|chatml|plain|qwen3|llama3");
   EXPECT_CONTAINS(error_of([&] { detect_chat_template("", "cfg.json"); }), "no chat_template");
   EXPECT_CONTAINS(error_of([&] { detect_chat_template("{{'<|im_start|>'}}<think>", "cfg.json"); }), "<think>");
 }
@@ -68,6 +77,43 @@ TEST(ChatTemplate, Qwen2_5AddsTheDefaultSystemAndTrainsOnTheReplyWithItsEnd) {
   const std::vector<ChatMessage> prompt = {{"user", "Hi"}};
   EXPECT_EQ(joined(render_chat(ChatTemplate::Qwen2_5, prompt, generation)),
             kDefaultSystem + "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+}
+
+// Qwen3: the reply after the last user message keeps its reasoning in a think block (an empty
+// one when it has none), earlier replies lose theirs; the think block is part of what is trained.
+TEST(ChatTemplate, Qwen3KeepsTheLastReasoningAndTrainsOnIt) {
+  const std::vector<ChatMessage> messages = {
+      {"user", "Hi"}, {"assistant", "<think>\ngreeting\n</think>\n\nHello"}, {"user", "Bye"}, {"assistant", "Goodbye"}};
+  const auto segments = render_chat(ChatTemplate::Qwen3, messages, {});
+  EXPECT_EQ(joined(segments),
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n"
+            "<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+            "Goodbye<|im_end|>\n");
+  EXPECT_EQ(joined(segments, true), "Hello<|im_end|><think>\n\n</think>\n\nGoodbye<|im_end|>");
+  RenderOptions generation;
+  generation.add_generation_prompt = true;
+  const std::vector<ChatMessage> prompt = {{"user", "Hi"}};
+  EXPECT_EQ(joined(render_chat(ChatTemplate::Qwen3, prompt, generation)),
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+  generation.enable_thinking = false;
+  EXPECT_EQ(joined(render_chat(ChatTemplate::Qwen3, prompt, generation)),
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n");
+}
+
+TEST(ChatTemplate, Llama3HeadersTrimmedContentsAndEotId) {
+  const std::vector<ChatMessage> messages = {{"system", "Be brief. "}, {"user", " Hi"}, {"assistant", "Hello\n"}};
+  const auto segments = render_chat(ChatTemplate::Llama3, messages, {});
+  EXPECT_EQ(joined(segments),
+            "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+            "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\nHello<|eot_id|>");
+  EXPECT_EQ(joined(segments, true), "Hello<|eot_id|>");
+  RenderOptions generation;
+  generation.add_generation_prompt = true;
+  const std::vector<ChatMessage> prompt = {{"user", "Hi"}};
+  EXPECT_EQ(joined(render_chat(ChatTemplate::Llama3, prompt, generation)),
+            "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\n");
 }
 
 TEST(ChatTemplate, AGivenSystemReplacesTheDefault) {
