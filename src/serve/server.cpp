@@ -141,6 +141,7 @@ struct Server::State {
   std::condition_variable wake;
   std::vector<std::pair<GenerationRequest, std::shared_ptr<Channel>>> inbox;
   std::vector<std::shared_ptr<Channel>> cancels;
+  bool closed = false;  // the engine loop has ended: nothing more is taken (guarded by mu)
   std::atomic<bool> accepting{true};
   // Published by the engine thread after every step.
   std::atomic<int64_t> running{0}, waiting{0}, blocks_free{0};
@@ -157,6 +158,7 @@ struct Server::State {
 void Server::State::submit(GenerationRequest request, const std::shared_ptr<Channel>& channel) {
   {
     const std::lock_guard lock(mu);
+    if (closed) throw ApiError(503, "the server is shutting down");
     if (static_cast<int64_t>(inbox.size()) + waiting.load() >= options.max_queue)
       throw ApiError(429, fmt::format("the server has {} requests waiting (--max_queue {}): retry later",
                                       inbox.size() + static_cast<size_t>(waiting.load()), options.max_queue));
@@ -593,7 +595,10 @@ void Server::State::engine_loop(const std::function<bool()>& stop_requested) {
     publish();
     if (stopping && engine.idle()) {
       const std::lock_guard lock(mu);
-      if (inbox.empty()) break;
+      if (inbox.empty()) {
+        closed = true;  // a request that passed the accepting check late gets 503 from submit
+        break;
+      }
     }
   }
 }
