@@ -171,20 +171,16 @@ const char* GenerationEngine::append(Sequence& s, int32_t token) {
 }
 
 void GenerationEngine::cancel(uint64_t id) {
-  for (auto it = waiting_.begin(); it != waiting_.end(); ++it)
-    if ((*it)->id == id) {
-      std::unique_ptr<Sequence> s = std::move(*it);
-      waiting_.erase(it);
-      finish(*s, "abort");
-      return;
-    }
-  for (auto it = running_.begin(); it != running_.end(); ++it)
-    if ((*it)->id == id) {
-      std::unique_ptr<Sequence> s = std::move(*it);
-      running_.erase(it);
-      finish(*s, "abort");
-      return;
-    }
+  auto take = [id](auto& queue) -> std::unique_ptr<Sequence> {
+    const auto it = std::find_if(queue.begin(), queue.end(), [id](const auto& s) { return s->id == id; });
+    if (it == queue.end()) return nullptr;
+    std::unique_ptr<Sequence> s = std::move(*it);
+    queue.erase(it);
+    return s;
+  };
+  std::unique_ptr<Sequence> s = take(waiting_);
+  if (!s) s = take(running_);
+  if (s) finish(*s, "abort");
 }
 
 void GenerationEngine::step() {
