@@ -1,0 +1,81 @@
+#!/usr/bin/python3
+"""Test vectors for GPTQ and AWQ packing, written from the formats' description (the AutoGPTQ /
+AutoAWQ layouts as transformers loads them) with numpy, independently of memtune's C++:
+
+    /usr/bin/python3 tests/io/quantized_vectors.py OUT_DIR
+
+For each case, OUT_DIR/<case>.json gives the shapes and OUT_DIR/<case>.<array>.bin the arrays
+(little-endian): q and zeros (uint8 codes), scales (float16), g_idx (int32, GPTQ), the packed
+qweight and qzeros (int32) and the dequantized weight w [in, out] (float32).
+"""
+import json
+import os
+import sys
+
+import numpy as np
+
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+def gptq_pack(q, zeros, bits):
+    """qweight [in*bits/32, out]: word r holds input rows r*(32/bits)+j at bit offset bits*j.
+    qzeros [groups, out*bits/32]: word c holds output columns c*(32/bits)+j, each stored as zero-1."""
+    per = 32 // bits
+    rows, cols = q.shape
+    qweight = np.zeros((rows // per, cols), dtype=np.uint32)
+    for j in range(per):
+        qweight |= q[j::per, :].astype(np.uint32) << np.uint32(bits * j)
+    stored = (zeros.astype(np.int64) - 1) & ((1 << bits) - 1)
+    qzeros = np.zeros((zeros.shape[0], cols // per), dtype=np.uint32)
+    for j in range(per):
+        qzeros |= stored[:, j::per].astype(np.uint32) << np.uint32(bits * j)
+    return qweight.view(np.int32), qzeros.view(np.int32)
+
+
+def awq_pack(codes):
+    """[rows, out] 4-bit codes -> [rows, out/8] words: nibble i of word c is column 8c + AWQ_ORDER[i]."""
+    rows, cols = codes.shape
+    words = np.zeros((rows, cols // 8), dtype=np.uint32)
+    for i, column in enumerate(AWQ_ORDER):
+        words |= codes[:, column::8].astype(np.uint32) << np.uint32(4 * i)
+    return words.view(np.int32)
+
+
+def write(out_dir, name, meta, arrays):
+    with open(os.path.join(out_dir, name + ".json"), "w") as f:
+        json.dump(meta, f)
+    for key, array in arrays.items():
+        array.tofile(os.path.join(out_dir, f"{name}.{key}.bin"))
+
+
+def main(out_dir):
+    os.makedirs(out_dir, exist_ok=True)
+    rng = np.random.default_rng(7)
+    cases = [("gptq4", 4, 64, 24, 16, False), ("gptq8", 8, 48, 20, 16, True), ("gptq4_actorder", 4, 32, 16, 8, True)]
+    for name, bits, rows, cols, group, act_order in cases:
+        groups = rows // group
+        q = rng.integers(0, 1 << bits, size=(rows, cols), dtype=np.uint8)
+        zeros = rng.integers(1, 1 << bits, size=(groups, cols), dtype=np.uint8)  # zero - 1 must fit
+        scales = (rng.random((groups, cols)) * 0.02 + 0.001).astype(np.float16)
+        g_idx = np.arange(rows, dtype=np.int32) // group
+        if act_order:  # desc_act: an arbitrary assignment of rows to groups
+            g_idx = rng.permutation(g_idx).astype(np.int32)
+        qweight, qzeros = gptq_pack(q, zeros, bits)
+        w = scales.astype(np.float32)[g_idx] * (q.astype(np.float32) - zeros.astype(np.float32)[g_idx])
+        write(out_dir, name, {"bits": bits, "in": rows, "out": cols, "groups": groups},
+              {"q": q, "zeros": zeros, "scales": scales, "g_idx": g_idx, "qweight": qweight, "qzeros": qzeros,
+               "w": w.astype(np.float32)})
+    rows, cols, group = 64, 32, 16
+    groups = rows // group
+    q = rng.integers(0, 16, size=(rows, cols), dtype=np.uint8)
+    zeros = rng.integers(0, 16, size=(groups, cols), dtype=np.uint8)
+    scales = (rng.random((groups, cols)) * 0.02 + 0.001).astype(np.float16)
+    g = np.arange(rows) // group
+    w = scales.astype(np.float32)[g] * (q.astype(np.float32) - zeros.astype(np.float32)[g])
+    write(out_dir, "awq4", {"bits": 4, "in": rows, "out": cols, "groups": groups, "group_size": group},
+          {"q": q, "zeros": zeros, "scales": scales, "qweight": awq_pack(q), "qzeros": awq_pack(zeros),
+           "w": w.astype(np.float32)})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
