@@ -256,7 +256,7 @@ nlohmann::json qwen2_config_to_json(const Qwen2Config& c) {
     const bool llama = c.family == ModelFamily::Llama;
     nlohmann::json j = {
         {"architectures", {llama ? "LlamaForCausalLM" : "Qwen3ForCausalLM"}},
-        {"model_type", llama ? "llama" : "qwen3"},
+        {"model_type", model_family_name(c.family)},
         {"hidden_act", "silu"},
         {"hidden_size", c.hidden_size},
         {"intermediate_size", c.intermediate_size},
@@ -292,7 +292,7 @@ nlohmann::json qwen2_config_to_json(const Qwen2Config& c) {
   }
   return {
       {"architectures", {"Qwen2ForCausalLM"}},
-      {"model_type", "qwen2"},
+      {"model_type", model_family_name(c.family)},
       {"hidden_act", "silu"},
       {"hidden_size", c.hidden_size},
       {"intermediate_size", c.intermediate_size},
