@@ -75,6 +75,20 @@ struct LmHeadArgs {
   HostChunkStaging staging = {};
 };
 
+// A weight-only quantized linear weight W [out, in] in device memory, laid out as
+// io/quantized.h's QuantizedLayer: codes int32 [out, in * bits / 32] (input k of row n at bit
+// offset bits * (k % (32 / bits)) of word k / (32 / bits)), scales and zeros float16
+// [out, groups], and g_idx int32 [in] or absent (input k in group k / group_size);
+// W[n, k] = scales[n, g(k)] * (code(n, k) - zeros[n, g(k)]).
+struct QuantizedWeight {
+  Tensor codes, scales, zeros, g_idx;
+  int bits = 4;
+  int64_t in = 0, out = 0, group_size = 0, groups = 0;
+};
+// Output rows of a quantized weight dequantized at once (into float32 scratch [rows, in]) when a
+// quantized matmul has more input rows than kSixteenBitWeightRows; fewer rows read the codes.
+constexpr int64_t kQuantizedTileRows = 64;
+
 // Up to this many rows a caller hands matmul_forward a 16-bit weight as it is stored (widened
 // in registers); with more rows it widens the weight into float32 scratch first.
 constexpr int64_t kSixteenBitWeightRows = 16;
@@ -118,6 +132,15 @@ class Backend {
   // dweight += scale * dout^T @ inp; dbias += colsum(dout) (scale 1). Absent views are skipped.
   virtual void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
                                const Tensor& inp, const Tensor& weight, float scale) = 0;
+  // out[N,OC] = inp[N,C] @ W^T (+ bias) for a quantized W, never dequantized whole: up to
+  // kSixteenBitWeightRows rows read the codes directly; more rows dequantize kQuantizedTileRows
+  // output rows at a time into scratch [kQuantizedTileRows, C] (f32) and multiply those.
+  virtual void quantized_matmul_forward(const Tensor& out, const Tensor& inp, const QuantizedWeight& weight,
+                                        const Tensor& bias, const Tensor& scratch) = 0;
+  // dinp[N,C] += dout[N,OC] @ W: the gradient through a frozen quantized weight (QLoRA), tile by
+  // tile through the same scratch.
+  virtual void quantized_matmul_backward_input(const Tensor& dinp, const Tensor& dout, const QuantizedWeight& weight,
+                                               const Tensor& scratch) = 0;
   // out = x * rsqrt(mean(x^2) + eps) * weight; saves rstd[N].
   virtual void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, const Tensor& weight,
                                float eps) = 0;

@@ -15,6 +15,8 @@ using Action = std::function<void()>;
 Action add_init_model(CLI::App& app);
 Action add_dump(CLI::App& app);
 Action add_merge(CLI::App& app);
+Action add_quantize(CLI::App& app);
+Action add_dequantize(CLI::App& app);
 Action add_train(CLI::App& app);
 Action add_eval(CLI::App& app);
 // generate, `memtune plan --inference` (generate's flags with --preset: the plan, nothing run)

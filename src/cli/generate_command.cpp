@@ -38,7 +38,7 @@ namespace {
 
 struct GenerateArgs {
   std::string model, adapter, tokenizer, prompt, input, output, system, templ, backend = "cpu", torch_dtype;
-  std::string device_memory, host_memory, preset;
+  std::string device_memory, host_memory, preset, quantization;
   bool chat = false, json = false, ignore_eos = false, bf16 = false, fp16 = false, inference = false;
   bool merge_adapter = false;
   bool enable_thinking = true;        // Qwen3's template: false writes an empty think block into the prompt
@@ -143,6 +143,7 @@ InferenceSetup plan_setup(const GenerateArgs& a, const std::vector<GenerationReq
   s.config = a.preset.empty() ? load_model_config(a.model) : qwen2_preset(a.preset);
   const DType checkpoint_dtype = s.config.torch_dtype;
   if (dtype) s.config.torch_dtype = *dtype;
+  if (!a.quantization.empty()) apply_quantization(s.config, a.quantization);
   int64_t longest = 0;
   for (const auto& r : requests)
     longest = std::max<int64_t>(longest, static_cast<int64_t>(r.prompt_ids.size()) + r.max_new_tokens);
@@ -322,6 +323,8 @@ Action add_generate(CLI::App& app, GenerateMode mode) {
   if (plan_only) {
     app.add_flag("--inference", a->inference, "plan generation (memtune generate's flags)");
     app.add_option("--preset", a->preset, "qwen2.5-0.5b ... qwen2.5-72b, tiny (instead of --model)")->excludes(model);
+    app.add_option("--quantization", a->quantization,
+                   "plan the model's linear layers quantized: gptq-int4 | gptq-int8 | awq (group 128)");
   } else {
     model->required();
   }

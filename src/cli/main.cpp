@@ -40,6 +40,9 @@ int main(int argc, char** argv) {
       memtune::cli::add_init_model);
   add("dump", "debugging: logits, loss and every parameter gradient for a small batch", memtune::cli::add_dump);
   add("merge", "merge a LoRA adapter into its base model and write a Hugging Face checkpoint", memtune::cli::add_merge);
+  add("quantize", "quantize a model's linear layers to 4 or 8 bits (round-to-nearest or GPTQ) in GPTQ / AWQ files",
+      memtune::cli::add_quantize);
+  add("dequantize", "write a GPTQ / AWQ model's weights back as a float checkpoint", memtune::cli::add_dequantize);
   add("train", "fine-tune (LoRA or full) on a JSONL dataset with Hugging Face's arguments", memtune::cli::add_train);
   add("eval", "streaming evaluation: loss, perplexity, token accuracy without ever holding logits",
       memtune::cli::add_eval);

@@ -117,11 +117,15 @@ Action add_dump(CLI::App& app) {
     options.gradient_checkpointing = args->gradient_checkpointing;
     options.loss_workspace_bytes = args->loss_workspace_bytes;
     options.backend = &backend_named(args->backend);
+    // A quantized base has no gradients of its own: without an adapter, logits and loss only.
+    options.with_grads = !args->adapter.empty() || !load_model_config(args->model).quant.enabled();
     const std::unique_ptr<Qwen2Model> model = load_model(args->model, options, args->adapter);
     const Qwen2Config& cfg = model->config();
     model->parameters().zero_grads();
     std::vector<float> logits(B * T * static_cast<size_t>(cfg.vocab_size));
-    const LossSum loss = model->forward_backward({flat_ids, flat_labels, cu}, logits.data());
+    const TokenBatch batch{flat_ids, flat_labels, cu};
+    const LossSum loss = options.with_grads ? model->forward_backward(batch, logits.data())
+                                            : model->forward_loss(batch, logits.data());
     // The HF mean; an all-ignored batch gives NaN exactly like torch's mean over nothing.
     const float mean = static_cast<float>(loss.sum / static_cast<double>(loss.count));
     const float inv_count = 1.0f / static_cast<float>(loss.count);
@@ -130,7 +134,7 @@ Action add_dump(CLI::App& app) {
     tensors.push_back({"logits", DType::F32, {int64_t(B), int64_t(T), cfg.vocab_size}, logits.data()});
     tensors.push_back({"loss", DType::F32, {}, &mean});
     std::vector<std::vector<float>> grads;
-    for (size_t i = 0; i < model->parameters().num_trainable(); ++i) {
+    for (size_t i = 0; options.with_grads && i < model->parameters().num_trainable(); ++i) {
       const auto& p = model->parameters().trainable_spec(i);
       grads.push_back(download_f32(model->backend(), model->parameters().trainable_grad(i)));
       for (float& v : grads.back()) v *= inv_count;

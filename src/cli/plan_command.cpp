@@ -41,6 +41,7 @@ struct Candidate {
   bool checkpointing, bf16, offload;
   int zero_stage;
   size_t workspace;
+  std::string quantization = {};  // a quantized base (LoRA): "gptq-int4"
   size_t peak = 0, process_peak = 0;
   double cost = 0;  // estimated step time, arbitrary units
   std::string flags() const {
@@ -52,6 +53,7 @@ struct Candidate {
     if (offload) f += " --optim_offload";
     if (zero_stage > 0) f += fmt::format(" --zero_stage {}", zero_stage);
     f += fmt::format(" --loss_workspace_bytes {}", workspace);
+    if (!quantization.empty()) f += fmt::format(" (on a {} base: memtune quantize --bits 4)", quantization);
     return f;
   }
 };
@@ -86,7 +88,7 @@ double estimate_cost(const Qwen2Config& c, const Candidate& k, int64_t chunk_row
 Action add_plan(CLI::App& app) {
   struct Args {
     TrainingArguments run;
-    std::string preset, device_memory;
+    std::string preset, device_memory, quantization;
     int64_t eval_sequences = 1000;
     bool json = false, fit = false, allow_shorter_max_length = false;
     int world_size = 1;
@@ -95,6 +97,8 @@ Action add_plan(CLI::App& app) {
   add_training_arguments(app, a->run, ArgumentsFor::Plan);
   app.add_option("--preset", a->preset, "qwen2.5-0.5b ... qwen2.5-72b, tiny (instead of --model)")
       ->excludes(app.get_option("--model_name_or_path"));
+  app.add_option("--quantization", a->quantization,
+                 "plan the base's linear layers quantized (QLoRA): gptq-int4 | gptq-int8 | awq (group 128)");
   app.add_option("--eval_sequences", a->eval_sequences, "eval set size for the Hugging Face comparison")
       ->capture_default_str();
   app.add_option("--device_memory", a->device_memory, "budget of the device part (the arena), e.g. 24GiB");
@@ -117,6 +121,7 @@ Action add_plan(CLI::App& app) {
     Qwen2Config config = a->preset.empty() ? load_model_config(r.model_name_or_path) : qwen2_preset(a->preset);
     const DType checkpoint_dtype = config.torch_dtype;  // what the safetensors files hold
     if (dtype) config.torch_dtype = *dtype;
+    if (!a->quantization.empty()) apply_quantization(config, a->quantization);
 
     // The data, tokenized as the run tokenizes it; without it a micro-batch is batch x max_length
     // tokens (the most a padding-free or packed micro-batch can hold).
@@ -264,6 +269,9 @@ Action add_plan(CLI::App& app) {
       std::vector<int> zeros = {static_cast<int>(r.zero_stage)};
       if (a->world_size > 1 && r.zero_stage == 0) zeros.push_back(1);
       if (config.torch_dtype == DType::F32) dtypes.push_back(true);
+      // LoRA on a float base may also run on its 4-bit copy (QLoRA).
+      std::vector<std::string> quantizations = {""};
+      if (lora && !config.quant.enabled()) quantizations.push_back("gptq-int4");
       const int64_t effective = r.per_device_train_batch_size * r.gradient_accumulation_steps;
       for (int64_t b : batches)
         for (int64_t length : lengths) {
@@ -274,10 +282,18 @@ Action add_plan(CLI::App& app) {
               for (bool to_bf16 : dtypes)
                 for (bool offload : offloads)
                   for (int zero : zeros)
-                    for (int64_t rank : ranks) {
-                      Candidate k{b, (effective + b - 1) / b, length, rank, ckpt, to_bf16, offload, zero, ws};
+                    for (int64_t rank : ranks)
+                      for (const std::string& quantization : quantizations) {
+                      Candidate k{b, (effective + b - 1) / b, length, rank, ckpt, to_bf16, offload, zero, ws, quantization};
                       Qwen2Config cc = config;
                       if (to_bf16) cc.torch_dtype = DType::BF16;
+                      if (!quantization.empty()) {
+                        try {
+                          apply_quantization(cc, quantization);
+                        } catch (const Error&) {
+                          continue;  // shapes that do not take 4-bit groups of 128
+                        }
+                      }
                       ModelOptions t = base;
                       t.gradient_checkpointing = ckpt;
                       t.loss_workspace_bytes = ws;
@@ -298,6 +314,8 @@ Action add_plan(CLI::App& app) {
                       for (size_t i = 0; i < tm.parameters().num_trainable(); ++i)
                         k_trainable += tm.parameters().trainable_spec(i).numel();
                       k.cost = estimate_cost(cc, k, tm.loss_chunk_rows(), k_trainable);
+                      // Dequantizing tiles costs time: a float base that fits ranks first.
+                      if (!quantization.empty()) k.cost *= 1.15;
                       if (!smallest || k.peak < smallest->peak) smallest = k;
                       if ((!budget || k.peak <= *budget) && (!host_budget || k.process_peak <= *host_budget))
                         fitting.push_back(k);

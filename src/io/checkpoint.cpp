@@ -163,6 +163,10 @@ void CheckpointReader::read_into(const std::string& name, std::span<const int64_
   if (!std::equal(t.shape.begin(), t.shape.end(), expected_shape.begin(), expected_shape.end()))
     throw Error(dir_ + ": tensor \"" + name + "\" in " + e.file->path() + " has shape " + shape_string(t.shape) +
                 ", expected " + shape_string(expected_shape));
+  if ((t.dtype == DType::I32) != (dst_dtype == DType::I32))
+    throw Error(dir_ + ": tensor \"" + name + "\" in " + e.file->path() + " is " +
+                std::string(dtype_safetensors_name(t.dtype)) + ", expected " +
+                (dst_dtype == DType::I32 ? std::string("I32") : std::string("a floating dtype (F32, BF16, F16)")));
   const size_t numel = static_cast<size_t>(t.numel());
   MT_ASSERT(begin <= numel, "read_into range starts past the tensor");
   count = std::min(count, numel - begin);

@@ -20,6 +20,7 @@
 #include <array>
 #include <cstdint>
 #include <span>
+#include <vector>
 
 namespace memtune {
 
@@ -47,5 +48,38 @@ void gptq_pack(std::span<const uint8_t> q, std::span<const uint8_t> zeros, int b
                int64_t groups, std::span<int32_t> qweight, std::span<int32_t> qzeros);
 void awq_pack(std::span<const uint8_t> q, std::span<const uint8_t> zeros, int64_t in, int64_t out, int64_t groups,
               std::span<int32_t> qweight, std::span<int32_t> qzeros);
+
+// A quantized linear layer as memtune holds it (backend.h: QuantizedWeight), W being [out, in]
+// as in the Hugging Face weight. One layout for both formats, so one kernel reads either:
+//   codes  int32 [out, in * bits / 32]  word k / (32 / bits) of row n holds input k at bit
+//                                        offset bits * (k % (32 / bits)): GPTQ's qweight transposed
+//   scales f16 [out, groups], zeros f16 [out, groups] (the zero point as a value: GPTQ's stored + 1)
+//   g_idx  int32 [in], empty when input k belongs to group k / group_size (no act-order)
+//   W[n, k] = scales[n, g(k)] * (code(n, k) - zeros[n, g(k)])
+struct QuantizedLayer {
+  int bits = 4;
+  int64_t in = 0, out = 0, group_size = 0, groups = 0;
+  std::vector<int32_t> codes;
+  std::vector<uint16_t> scales, zeros;
+  std::vector<int32_t> g_idx;
+};
+// Bytes memtune holds for a layer of this shape (what the planner counts).
+int64_t quantized_layer_bytes(int bits, int64_t in, int64_t out, int64_t groups, bool with_g_idx);
+
+// From a file's tensors (sizes checked as by the dequantizers). group_size < 0 means one group.
+QuantizedLayer gptq_to_layer(const GptqPacked& packed, int bits, int64_t in, int64_t out, int64_t groups,
+                             int64_t group_size);
+QuantizedLayer awq_to_layer(const AwqPacked& packed, int64_t in, int64_t out, int64_t group_size);
+// The float32 weights [out, in] of a layer (dump, tests).
+std::vector<float> dequantize_layer(const QuantizedLayer& layer);
+// Back to a file's tensors: GPTQ qweight [in * bits / 32, out], qzeros, scales [groups, out] and
+// g_idx (k / group_size when the layer has none); AWQ (4 bits, no g_idx) qweight [in, out / 8],
+// qzeros, scales.
+struct PackedTensors {
+  std::vector<int32_t> qweight, qzeros, g_idx;
+  std::vector<uint16_t> scales;
+};
+PackedTensors layer_to_gptq(const QuantizedLayer& layer);
+PackedTensors layer_to_awq(const QuantizedLayer& layer);
 
 }  // namespace memtune

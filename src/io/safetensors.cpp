@@ -196,8 +196,10 @@ void SafetensorsFile::parse_header(std::string_view header, size_t data_size) {
       t.dtype = DType::BF16;
     else if (dt == "F16")
       t.dtype = DType::F16;
+    else if (dt == "I32")  // GPTQ / AWQ packed weights and group indices
+      t.dtype = DType::I32;
     else
-      entry.fail("dtype", dt + " not supported (supported: F32, BF16, F16)");
+      entry.fail("dtype", dt + " not supported (supported: F32, BF16, F16, I32)");
 
     const JsonReader shape = entry.array("shape");
     for (size_t i = 0; i < shape.size(); ++i) t.shape.push_back(shape[i].as_integer(0));

@@ -29,7 +29,7 @@ struct TensorInfo {
   size_t nbytes() const { return end - begin; }
 };
 
-// A read-only, memory-mapped safetensors file. Supports the F32, BF16 and F16 dtypes.
+// A read-only, memory-mapped safetensors file. Supports the F32, BF16, F16 and I32 dtypes.
 class SafetensorsFile {
  public:
   explicit SafetensorsFile(const std::string& path);

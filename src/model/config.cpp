@@ -139,7 +139,76 @@ void check_attention_layout(const JsonReader& doc, int64_t num_hidden_layers) {
   }
 }
 
+// quantization_config: GPTQ (4 or 8 bits, AutoGPTQ's "gptq" checkpoint format) and AWQ (4 bits,
+// version "gemm", with zero points); every other method is refused by name.
+QuantConfig parse_quant_config(const JsonReader& doc, const Qwen2Config& c) {
+  QuantConfig q;
+  const std::optional<JsonReader> section = doc.find("quantization_config");
+  if (!section) return q;
+  section->as_object();
+  const std::string method = section->string("quant_method");
+  const std::optional<JsonReader> group = section->find("group_size");
+  q.group_size = group ? group->as_integer(-1) : 128;
+  if (q.group_size == 0) group->fail("is 0; expected a positive group size or -1 (one group)");
+  if (method == "gptq") {
+    q.method = QuantMethod::Gptq;
+    q.bits = static_cast<int>(section->integer("bits", 1));
+    if (q.bits != 4 && q.bits != 8) section->fail("bits", fmt::format("is {}; GPTQ layers of 4 or 8 bits are supported", q.bits));
+    q.desc_act = section->optional_bool("desc_act").value_or(false);
+    q.sym = section->optional_bool("sym").value_or(true);
+    if (const std::optional<std::string> format = section->optional_string("checkpoint_format");
+        format && *format != "gptq")
+      section->fail("checkpoint_format", fmt::format("is \"{}\"; the \"gptq\" format (zeros stored minus one) is supported", *format));
+  } else if (method == "awq") {
+    q.method = QuantMethod::Awq;
+    q.bits = static_cast<int>(section->optional_integer("bits", 1).value_or(4));
+    if (q.bits != 4) section->fail("bits", fmt::format("is {}; AWQ checkpoints have 4 bits", q.bits));
+    std::string version = section->optional_string("version").value_or("gemm");
+    std::transform(version.begin(), version.end(), version.begin(), [](unsigned char ch) { return std::tolower(ch); });
+    if (version != "gemm") section->fail("version", fmt::format("is \"{}\"; the \"gemm\" packing is supported", version));
+    if (!section->optional_bool("zero_point").value_or(true))
+      section->fail("zero_point", "is false; AWQ checkpoints with zero points are supported");
+    if (q.group_size < 0) section->fail("group_size", "is -1; AWQ needs a positive group size");
+    q.sym = false;
+  } else {
+    section->fail("quant_method", fmt::format("is \"{}\"; supported: \"gptq\", \"awq\"", method));
+  }
+  // Every quantized layer's input must split into words and (for AWQ) whole groups.
+  const int per_word = 32 / q.bits;
+  for (const int64_t in : {c.hidden_size, c.intermediate_size, c.q_dim()}) {
+    if (in % per_word != 0)
+      section->fail(fmt::format("a layer with {} inputs cannot hold {}-bit codes ({} per int32)", in, q.bits, per_word));
+    if (q.method == QuantMethod::Awq && in % q.group_size != 0)
+      section->fail("group_size", fmt::format("is {}, which does not divide a layer's {} inputs", q.group_size, in));
+  }
+  return q;
+}
+
 }  // namespace
+
+std::string_view quant_method_name(QuantMethod method) {
+  return method == QuantMethod::Gptq ? "gptq" : method == QuantMethod::Awq ? "awq" : "none";
+}
+
+QuantConfig parse_quantization_name(std::string_view name) {
+  if (name == "gptq-int4") return {QuantMethod::Gptq, 4, 128, false, true};
+  if (name == "gptq-int8") return {QuantMethod::Gptq, 8, 128, false, true};
+  if (name == "awq" || name == "awq-int4") return {QuantMethod::Awq, 4, 128, false, false};
+  throw Error(fmt::format("unknown quantization \"{}\" (known: gptq-int4, gptq-int8, awq)", name));
+}
+
+std::string quantization_name(const QuantConfig& q) {
+  if (q.method == QuantMethod::Awq) return "awq";
+  if (q.method == QuantMethod::Gptq) return fmt::format("gptq-int{}", q.bits);
+  return "none";
+}
+
+void apply_quantization(Qwen2Config& c, std::string_view name) {
+  if (c.quant.enabled())
+    throw Error(fmt::format("--quantization {}: the model is already quantized ({})", name, quantization_name(c.quant)));
+  c.quant = parse_quantization_name(name);
+  parse_qwen2_config(qwen2_config_to_json(c), fmt::format("--quantization {}", name));  // the shapes' checks
+}
 
 Qwen2Config parse_qwen2_config(const nlohmann::json& document, const std::string& source) {
   const JsonReader doc(document, source);
@@ -206,6 +275,7 @@ Qwen2Config parse_qwen2_config(const nlohmann::json& document, const std::string
       doc.fail(field, fmt::format("gives head_dim {}; the attention kernels take at most {}", c.head_dim(),
                                   kMaxAttentionHeadDim));
   }
+  c.quant = parse_quant_config(doc, c);
   return c;
 }
 
@@ -251,7 +321,28 @@ std::vector<float> rope_inv_freq(const Qwen2Config& c) {
   return out;
 }
 
+namespace {
+
+nlohmann::json config_json(const Qwen2Config& c);
+
+}  // namespace
+
 nlohmann::json qwen2_config_to_json(const Qwen2Config& c) {
+  nlohmann::json j = config_json(c);
+  const QuantConfig& q = c.quant;
+  if (q.method == QuantMethod::Gptq)
+    j["quantization_config"] = {{"quant_method", "gptq"}, {"bits", q.bits},           {"group_size", q.group_size},
+                                {"desc_act", q.desc_act},  {"sym", q.sym},             {"checkpoint_format", "gptq"},
+                                {"static_groups", false},  {"true_sequential", true}};
+  if (q.method == QuantMethod::Awq)
+    j["quantization_config"] = {{"quant_method", "awq"}, {"bits", q.bits},         {"group_size", q.group_size},
+                                {"version", "gemm"},     {"zero_point", true},     {"modules_to_not_convert", nullptr}};
+  return j;
+}
+
+namespace {
+
+nlohmann::json config_json(const Qwen2Config& c) {
   if (c.family != ModelFamily::Qwen2) {
     const bool llama = c.family == ModelFamily::Llama;
     nlohmann::json j = {
@@ -313,6 +404,8 @@ nlohmann::json qwen2_config_to_json(const Qwen2Config& c) {
   };
 }
 
+}  // namespace
+
 Qwen2Config qwen2_preset(const std::string& name) {
   struct Preset {
     const char* name;
@@ -333,7 +426,8 @@ Qwen2Config qwen2_preset(const std::string& name) {
                        .rope_theta = 1000000.0,
                        .tie_word_embeddings = tied,
                        .torch_dtype = DType::BF16,
-                       .rope_scaling = {}};
+                       .rope_scaling = {},
+                       .quant = {}};
   };
   // Qwen/Qwen3-*B (config.json on the Hub): head_dim 128, q_norm/k_norm, no biases.
   auto qwen3 = [](int64_t hidden, int64_t intermediate, int64_t layers, int64_t heads, int64_t kv_heads, bool tied) {
@@ -352,7 +446,8 @@ Qwen2Config qwen2_preset(const std::string& name) {
                        .explicit_head_dim = 128,
                        .attention_bias = false,
                        .qk_norm = true,
-                       .rope_scaling = {}};
+                       .rope_scaling = {},
+                       .quant = {}};
   };
   // meta-llama/Llama-3.2-*B and Llama-3.1-*B: vocabulary 128256, 8 KV heads, RoPE theta 500000
   // with Llama 3 scaling (factor 32 for 3.2, 8 for 3.1; low 1, high 4, original 8192 positions).
@@ -377,7 +472,8 @@ Qwen2Config qwen2_preset(const std::string& name) {
                                         .factor = factor,
                                         .low_freq_factor = 1.0,
                                         .high_freq_factor = 4.0,
-                                        .original_max_position_embeddings = 8192}};
+                                        .original_max_position_embeddings = 8192},
+                       .quant = {}};
   };
   const Qwen2Config tiny{.hidden_size = 64,
                          .intermediate_size = 176,
@@ -390,7 +486,8 @@ Qwen2Config qwen2_preset(const std::string& name) {
                          .rope_theta = 1000000.0,
                          .tie_word_embeddings = true,
                          .torch_dtype = DType::F32,
-                         .rope_scaling = {}};
+                         .rope_scaling = {},
+                       .quant = {}};
   // The tiny shape in the other families; head_dim differs from hidden / heads on purpose.
   Qwen2Config tiny_qwen3 = tiny;
   tiny_qwen3.family = ModelFamily::Qwen3;

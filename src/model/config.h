@@ -32,6 +32,26 @@ struct RopeScaling {
   int64_t original_max_position_embeddings = 8192;
 };
 
+// Weight-only quantization of the decoder layers' linear weights (config.json's
+// quantization_config), as Qwen's -GPTQ-Int4 / -Int8 and -AWQ checkpoints store them
+// (io/quantized.h); embeddings, norms and the LM head stay in torch_dtype.
+enum class QuantMethod { None, Gptq, Awq };
+struct QuantConfig {
+  QuantMethod method = QuantMethod::None;
+  int bits = 4;
+  int64_t group_size = 128;  // -1: one group over each layer's whole input
+  bool desc_act = false;     // GPTQ act-order: each layer's g_idx is read from the file
+  bool sym = true;
+  bool enabled() const { return method != QuantMethod::None; }
+  int64_t groups(int64_t in) const { return group_size > 0 ? (in + group_size - 1) / group_size : 1; }
+  int64_t group_size_for(int64_t in) const { return group_size > 0 ? group_size : in; }
+};
+std::string_view quant_method_name(QuantMethod method);  // "gptq", "awq"
+// A quantization by the name of Qwen's checkpoints ("gptq-int4", "gptq-int8", "awq"), group 128:
+// what `memtune quantize` makes and `memtune plan --quantization` plans. An Error otherwise.
+QuantConfig parse_quantization_name(std::string_view name);
+std::string quantization_name(const QuantConfig& q);  // "gptq-int4", "awq", "none"
+
 struct Qwen2Config {
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;
@@ -49,11 +69,16 @@ struct Qwen2Config {
   bool attention_bias = true;     // q/k/v projections have biases (qwen2; false for qwen3 and llama)
   bool qk_norm = false;           // RMSNorm over each head of q and k before RoPE (qwen3)
   RopeScaling rope_scaling;
+  QuantConfig quant;
 
   int64_t head_dim() const { return explicit_head_dim > 0 ? explicit_head_dim : hidden_size / num_attention_heads; }
   int64_t q_dim() const { return num_attention_heads * head_dim(); }
   int64_t kv_dim() const { return num_key_value_heads * head_dim(); }
 };
+
+// Plans `config` as if quantized by `name` (a float model's config): an Error when it already is,
+// or when its layer shapes do not take that quantization.
+void apply_quantization(Qwen2Config& config, std::string_view name);
 
 // RoPE's inverse frequencies, head_dim / 2 of them: theta^(-2i / head_dim), with rope_scaling
 // applied (as transformers computes them, in double, then rounded to float).

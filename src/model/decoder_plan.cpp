@@ -49,10 +49,13 @@ size_t largest_vector_elems(const std::vector<ParamSpec>& specs) {
     if (s.shape.size() == 1) n = std::max<size_t>(n, s.numel());
   return n;
 }
-size_t largest_layer_matrix_elems(const std::vector<ParamSpec>& specs) {
+// The float32 scratch a layer's matrices need: a whole widened 16-bit matrix, or with quantized
+// weights kQuantizedTileRows dequantized rows of the widest input (backend.h).
+size_t layer_matrix_scratch_elems(const Qwen2Config& c, const std::vector<ParamSpec>& specs) {
   size_t n = 0;
   for (const auto& s : specs)
-    if (s.shape.size() > 1 && s.name.starts_with("model.layers.")) n = std::max<size_t>(n, s.numel());
+    if (s.shape.size() > 1 && s.name.starts_with("model.layers."))
+      n = std::max<size_t>(n, c.quant.enabled() ? kQuantizedTileRows * s.shape[1] : s.numel());
   return n;
 }
 
@@ -77,9 +80,9 @@ DecoderBuffers declare_inference_buffers(const Qwen2Config& c, const ModelOption
   for (int i = 0; i < 2; ++i)
     b.residual.push_back(plan.declare(fmt::format("act.x{}", i), Category::Working, N * D * 4, F, L));
   b.fwd_scratch = declare_layer_acts(c, o, plan, "fwd.layer.", Category::Working, F, F);
-  if (c.torch_dtype != DType::F32) {
+  if (c.torch_dtype != DType::F32 || c.quant.enabled()) {
     b.matrix_f32[static_cast<size_t>(F)] =
-        plan.declare("forward.matrix_f32", Category::Working, largest_layer_matrix_elems(specs) * 4, F, F);
+        plan.declare("forward.matrix_f32", Category::Working, layer_matrix_scratch_elems(c, specs) * 4, F, F);
     b.vector_f32[static_cast<size_t>(F)] =
         plan.declare("forward.vector_f32", Category::Working, largest_vector_elems(specs) * 4, F, F);
     b.vector_f32[static_cast<size_t>(L)] =
@@ -134,8 +137,8 @@ DecoderBuffers declare_decoder_buffers(const Qwen2Config& c, const ModelOptions&
   }
 
   // 16-bit storage: weights are widened right before use into per-phase scratch.
-  const size_t largest_matrix = largest_layer_matrix_elems(specs_), largest_vector = largest_vector_elems(specs_);
-  const bool widen = dt != DType::F32;
+  const size_t largest_matrix = layer_matrix_scratch_elems(c, specs_), largest_vector = largest_vector_elems(specs_);
+  const bool widen = dt != DType::F32 || c.quant.enabled();
   auto declare_widening = [&](Phase ph, size_t matrix_elems) {
     const std::string p{phase_name(ph)};
     b.matrix_f32[static_cast<size_t>(ph)] =

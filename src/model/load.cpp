@@ -6,6 +6,7 @@
 #include <filesystem>
 
 #include "io/checkpoint.h"
+#include "io/quantized.h"
 #include "model/lora.h"
 
 namespace memtune {
@@ -39,6 +40,14 @@ void add_planned_terms(ProcessPlan& p, const Qwen2Model& model, DType checkpoint
   p.weights_mapping_bytes =
       std::min(static_cast<size_t>(largest) * dtype_size(checkpoint_dtype), kTransferBytes) +
       std::min(static_cast<size_t>(largest) * dtype_size(model.config().torch_dtype), kTransferBytes);
+  // A packed layer is read whole: its file pages, the tensors read out of them, and the layer in
+  // memtune's layout (io/quantized.h) before it is copied over.
+  if (const QuantConfig& q = model.config().quant; q.enabled())
+    for (const ParamSpec& s : qwen2_parameter_specs(model.config()))
+      if (s.shape.size() == 2 && s.name.starts_with("model.layers."))
+        p.weights_mapping_bytes = std::max(p.weights_mapping_bytes,
+                                           3 * static_cast<size_t>(quantized_layer_bytes(q.bits, s.shape[1], s.shape[0],
+                                                                                       q.groups(s.shape[1]), q.desc_act)));
   p.compute_runtime_bytes = model.options().with_grads ? kTrainingRuntimeBytes : kForwardRuntimeBytes;
   // With more than one rank, MPI's non-blocking allreduce (and ZeRO-1's reduce-scatter) copies
   // the gradients it reduces into buffers of its own while backward runs: measured ~74 MiB for

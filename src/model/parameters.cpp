@@ -15,6 +15,7 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "io/checkpoint.h"
+#include "io/quantized.h"
 #include "io/safetensors.h"
 
 namespace memtune {
@@ -101,9 +102,24 @@ ModelParameters::ModelParameters(const Qwen2Config& config, const ModelOptions& 
   }
   final_norm_ = at("model.norm.weight");
   head_ = config.tie_word_embeddings ? embed_ : at("lm_head.weight");
-  for (const auto& s : specs_)
+  const QuantConfig& q = config.quant;
+  for (const auto& s : specs_) {
+    // A quantized model: every linear weight of the decoder layers is packed (io/quantized.h).
+    if (q.enabled() && s.shape.size() == 2 && s.name.starts_with("model.layers.")) {
+      const int64_t out = s.shape[0], in = s.shape[1], groups = q.groups(in);
+      QuantIds ids{device_plan.declare_persistent(s.name + ".codes", Category::Weights, out * in * q.bits / 8),
+                   device_plan.declare_persistent(s.name + ".scales", Category::Weights, out * groups * 2),
+                   device_plan.declare_persistent(s.name + ".zeros", Category::Weights, out * groups * 2),
+                   std::nullopt};
+      if (q.desc_act) ids.g_idx = device_plan.declare_persistent(s.name + ".g_idx", Category::Weights, in * 4);
+      quant_.push_back(ids);
+      weight_ids_.push_back(BufferId{});
+      continue;
+    }
+    quant_.push_back(std::nullopt);
     weight_ids_.push_back(
         device_plan.declare_persistent(s.name, Category::Weights, s.numel() * dtype_size(config.torch_dtype)));
+  }
   declare_trainables(device_plan, host_plan);
 }
 
@@ -124,6 +140,11 @@ void ModelParameters::declare_trainables(MemoryPlan& device_plan, MemoryPlan& ho
     throw Error(fmt::format("zero_stage must be 0 or 1, got {}", options_.zero_stage));
   if (options_.world_size < 1 || options_.rank < 0 || options_.rank >= options_.world_size)
     throw Error(fmt::format("rank {} of world size {}: impossible", options_.rank, options_.world_size));
+  if (config_.quant.enabled() && base_trainable())
+    throw Error(fmt::format(
+        "a {}-bit {} model cannot be fine-tuned in full: train LoRA adapters on it (--tuner_type lora, QLoRA), or "
+        "fine-tune the float model it was quantized from",
+        config_.quant.bits, quant_method_name(config_.quant.method)));
   MemoryPlan& state_plan = options_.optim_offload ? host_plan : device_plan;
   // Optimizer state (moments, masters) covers this rank's shard of each tensor.
   auto shard_bytes = [&](const ParamSpec& spec) {
@@ -232,7 +253,45 @@ ModelParameters::Linear ModelParameters::linear(int64_t l, LinearSite s) const {
   return {};
 }
 
+QuantizedWeight ModelParameters::quantized_param(size_t i) const {
+  const QuantIds& ids = quant_.at(i).value();
+  const QuantConfig& q = config_.quant;
+  const int64_t out = specs_[i].shape[0], in = specs_[i].shape[1], groups = q.groups(in);
+  Arena& a = device();
+  QuantizedWeight w;
+  w.codes = Tensor(a.raw(ids.codes), DType::I32, {out, in * q.bits / 32});
+  w.scales = Tensor(a.raw(ids.scales), DType::F16, {out, groups});
+  w.zeros = Tensor(a.raw(ids.zeros), DType::F16, {out, groups});
+  if (ids.g_idx) w.g_idx = Tensor(a.raw(*ids.g_idx), DType::I32, {in});
+  w.bits = q.bits;
+  w.in = in;
+  w.out = out;
+  w.group_size = q.group_size_for(in);
+  w.groups = groups;
+  return w;
+}
+
+namespace {
+
+template <class T>
+std::vector<T> download(Backend& backend, const Tensor& t) {
+  std::vector<T> values(static_cast<size_t>(t.bytes() / sizeof(T)));
+  backend.copy_to_host(values.data(), t);
+  return values;
+}
+
+}  // namespace
+
+std::vector<float> ModelParameters::dequantized(size_t i) const {
+  const QuantizedWeight w = quantized_param(i);
+  QuantizedLayer layer{w.bits, w.in, w.out, w.group_size, w.groups, download<int32_t>(*backend_, w.codes),
+                       download<uint16_t>(*backend_, w.scales), download<uint16_t>(*backend_, w.zeros), {}};
+  if (w.g_idx) layer.g_idx = download<int32_t>(*backend_, w.g_idx);
+  return dequantize_layer(layer);
+}
+
 Tensor ModelParameters::param(size_t i) const {
+  MT_ASSERT(!quantized(i), "a quantized weight has no plain view (quantized_param)");
   const ParamSpec& p = specs_.at(i);
   void* data = device().raw(weight_ids_.at(i));
   if (p.shape.size() == 1) return Tensor(data, config_.torch_dtype, {p.shape[0]});
@@ -412,6 +471,8 @@ void ModelParameters::save_adapter(const std::string& dir, const std::string& ba
 // formed there in float64, and W goes back.
 void ModelParameters::merge_lora() {
   MT_ASSERT(options_.lora.enabled());
+  if (config_.quant.enabled())
+    throw Error("adapters cannot be merged into a quantized base; they are applied unmerged (leave out --merge_adapter)");
   const double scaling = options_.lora.scaling();
   const int64_t r = options_.lora.rank;
   for (int64_t l = 0; l < config_.num_hidden_layers; ++l)
@@ -434,6 +495,7 @@ void ModelParameters::merge_lora() {
 }
 
 void ModelParameters::init_random(uint64_t seed) {
+  if (config_.quant.enabled()) throw Error("a quantized model is made by memtune quantize, not initialized at random");
   std::vector<float> values;
   for (size_t i = 0; i < specs_.size(); ++i) {
     const auto& s = specs_[i];
@@ -453,6 +515,10 @@ void ModelParameters::load(const CheckpointReader& checkpoint) {
   std::vector<std::byte> staging;
   for (size_t i = 0; i < specs_.size(); ++i) {
     const auto& s = specs_[i];
+    if (quantized(i)) {
+      load_quantized(checkpoint, i, expected);
+      continue;
+    }
     expected.insert(s.name);
     if (!checkpoint.contains(s.name))
       throw Error(fmt::format("checkpoint is missing tensor \"{}\" required by the config", s.name));
@@ -479,6 +545,60 @@ void ModelParameters::load(const CheckpointReader& checkpoint) {
   }
 }
 
+// A packed layer X.weight is read from X.qweight, X.qzeros, X.scales (and GPTQ's X.g_idx), converted
+// into memtune's layout on the host, one layer at a time, and copied over.
+void ModelParameters::load_quantized(const CheckpointReader& checkpoint, size_t i, std::set<std::string>& expected) {
+  const ParamSpec& s = specs_[i];
+  const std::string base = s.name.substr(0, s.name.size() - std::string_view(".weight").size());
+  const QuantConfig& q = config_.quant;
+  const int64_t out = s.shape[0], in = s.shape[1], groups = q.groups(in), per_word = 32 / q.bits;
+  auto read = [&]<class T>(const std::string& suffix, std::vector<int64_t> shape, DType dtype, std::vector<T>& dst) {
+    const std::string name = base + suffix;
+    expected.insert(name);
+    if (!checkpoint.contains(name))
+      throw Error(fmt::format("checkpoint is missing tensor \"{}\" of the {}-bit {} layer {}", name, q.bits,
+                              quant_method_name(q.method), base));
+    if (checkpoint.info(name).dtype != dtype)
+      throw Error(fmt::format("checkpoint tensor \"{}\" (in {}) is {}, expected {}", name, checkpoint.file_of(name).path(),
+                              dtype_safetensors_name(checkpoint.info(name).dtype), dtype_safetensors_name(dtype)));
+    int64_t n = 1;
+    for (const int64_t d : shape) n *= d;
+    dst.resize(static_cast<size_t>(n));
+    checkpoint.read_into(name, shape, dst.data(), dtype);
+  };
+  std::vector<int32_t> qweight, qzeros, g_idx;
+  std::vector<uint16_t> scales;
+  QuantizedLayer layer;
+  try {
+    read(".scales", {groups, out}, DType::F16, scales);
+    if (q.method == QuantMethod::Gptq) {
+      read(".qweight", {in / per_word, out}, DType::I32, qweight);
+      read(".qzeros", {groups, out / per_word}, DType::I32, qzeros);
+      if (checkpoint.contains(base + ".g_idx") || q.desc_act) read(".g_idx", {in}, DType::I32, g_idx);
+      layer = gptq_to_layer({qweight, qzeros, g_idx, scales}, q.bits, in, out, groups, q.group_size);
+    } else {
+      read(".qweight", {in, out / 8}, DType::I32, qweight);
+      read(".qzeros", {groups, out / 8}, DType::I32, qzeros);
+      layer = awq_to_layer({qweight, qzeros, scales}, in, out, q.group_size);
+    }
+  } catch (const Error& e) {
+    throw Error(fmt::format("{}: {}", base, e.what()));
+  }
+  const QuantizedWeight w = quantized_param(i);
+  backend_->copy_to_device(w.codes, layer.codes.data());
+  backend_->copy_to_device(w.scales, layer.scales.data());
+  backend_->copy_to_device(w.zeros, layer.zeros.data());
+  if (w.g_idx) {
+    // Act-order files keep their g_idx even where it is the plain k / group_size.
+    if (layer.g_idx.empty())
+      for (int64_t k = 0; k < in; ++k) layer.g_idx.push_back(static_cast<int32_t>(k / w.group_size));
+    backend_->copy_to_device(w.g_idx, layer.g_idx.data());
+  } else if (!layer.g_idx.empty()) {
+    throw Error(fmt::format("{}.g_idx reorders the inputs (act-order) but quantization_config says desc_act false",
+                            base));
+  }
+}
+
 void ModelParameters::restore(const std::string& dir) {
   if (options_.lora.enabled())
     load_adapter(dir);
@@ -487,6 +607,8 @@ void ModelParameters::restore(const std::string& dir) {
 }
 
 void ModelParameters::save(const std::string& dir) const {
+  if (config_.quant.enabled())
+    throw Error(dir + ": a quantized base is not written back; memtune quantize writes quantized models");
   std::vector<TensorToWrite> tensors;
   for (size_t i = 0; i < specs_.size(); ++i)
     tensors.push_back(device_tensor_to_write(*backend_, specs_[i].name, specs_[i].shape, param(i)));

@@ -8,6 +8,7 @@
 #include <array>
 #include <cstdint>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -131,6 +132,13 @@ class ModelParameters {
   // Views (device memory) of base parameter i in its storage dtype, and of its float32 gradient
   // (only when the base is trainable, i.e. no LoRA).
   Tensor param(size_t i) const;
+  // A quantized model (config.quant) holds the decoder layers' linear weights packed, as
+  // backend.h's QuantizedWeight (read from GPTQ / AWQ files, io/quantized.h); param() of one is
+  // refused. The base is then frozen: only LoRA adapters train on it (QLoRA).
+  bool quantized(size_t i) const { return quant_.at(i).has_value(); }
+  QuantizedWeight quantized_param(size_t i) const;
+  // The float32 values [out, in] of a quantized weight (dump), formed on the host.
+  std::vector<float> dequantized(size_t i) const;
   Tensor grad(size_t i) const;
   bool base_trainable() const { return options_.with_grads && !options_.lora.enabled(); }
 
@@ -201,6 +209,12 @@ class ModelParameters {
   std::vector<LayerParams> layer_params_;
   size_t embed_ = 0, final_norm_ = 0, head_ = 0;
   std::vector<BufferId> weight_ids_, grad_ids_;
+  struct QuantIds {
+    BufferId codes, scales, zeros;
+    std::optional<BufferId> g_idx;
+  };
+  std::vector<std::optional<QuantIds>> quant_;  // per spec
+  void load_quantized(const CheckpointReader& checkpoint, size_t i, std::set<std::string>& expected);
   std::vector<Trainable> trainables_;
   std::vector<std::array<int, kNumLinearSites>> lora_index_;  // per layer and site, into trainables_
   Arena* device_ = nullptr;

@@ -76,6 +76,10 @@ Tensor Qwen2Model::weight_f32(size_t p) {
   return out;
 }
 
+Tensor Qwen2Model::quantized_scratch(int64_t in) const {
+  return arena_->f32(buf_.matrix_f32[static_cast<size_t>(arena_->phase())], {kQuantizedTileRows, in});
+}
+
 void Qwen2Model::upload_batch(const TokenBatch& batch) {
   const int64_t N = static_cast<int64_t>(batch.input_ids.size());
   if (N > options_.max_tokens)
@@ -220,10 +224,16 @@ Tensor Qwen2Model::lora_input(int64_t l, LinearSite s, const Tensor& x) {
 void Qwen2Model::linear_forward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& x, const Tensor& y) {
   const ModelParameters::Linear lin = params_->linear(l, s);
   Backend& be = *backend_;
+  if (linear_input_observer_) linear_input_observer_(l, s, x);
   // The weight and the bias widen into different scratch buffers (matrix / vector); a few rows
-  // (decoding) read a 16-bit weight as it is stored.
-  const Tensor w = num_tokens_ <= kSixteenBitWeightRows ? params_->param(lin.weight) : weight_f32(lin.weight);
-  be.matmul_forward(y, x, w, lin.bias ? weight_f32(*lin.bias) : Tensor{});
+  // (decoding) read a 16-bit weight as it is stored, and quantized weights are never widened whole.
+  if (params_->quantized(lin.weight)) {
+    be.quantized_matmul_forward(y, x, params_->quantized_param(lin.weight), lin.bias ? weight_f32(*lin.bias) : Tensor{},
+                                quantized_scratch(lin.in));
+  } else {
+    const Tensor w = num_tokens_ <= kSixteenBitWeightRows ? params_->param(lin.weight) : weight_f32(lin.weight);
+    be.matmul_forward(y, x, w, lin.bias ? weight_f32(*lin.bias) : Tensor{});
+  }
   if (!batch_adapters_.empty()) adapter_sets_forward(l, s, a, x, y);
   if (lin.lora < 0) return;
   const int64_t r = options_.lora.rank;
@@ -259,8 +269,11 @@ void Qwen2Model::linear_backward(int64_t l, LinearSite s, const LayerActs& a, co
                                  const Tensor& dx) {
   const ModelParameters::Linear lin = params_->linear(l, s);
   Backend& be = *backend_;
-  be.matmul_backward(dx, base_grad_or_none(lin.weight), lin.bias ? base_grad_or_none(*lin.bias) : Tensor{}, dy, x,
-                     weight_f32(lin.weight), 1.0f);
+  if (params_->quantized(lin.weight))  // frozen (QLoRA): only the input's gradient goes through it
+    be.quantized_matmul_backward_input(dx, dy, params_->quantized_param(lin.weight), quantized_scratch(lin.in));
+  else
+    be.matmul_backward(dx, base_grad_or_none(lin.weight), lin.bias ? base_grad_or_none(*lin.bias) : Tensor{}, dy, x,
+                       weight_f32(lin.weight), 1.0f);
   if (lin.lora < 0) return;
   // y += s * u B^T, u = xd A^T:  du = s dy B, dB += s dy^T u, dA += du^T xd, dxd = du A.
   const int64_t r = options_.lora.rank;

@@ -99,7 +99,8 @@ class Qwen2Model {
   // If logits_out is given ([N, V] host memory, debugging only) the full logits are written there.
   LossSum forward_backward(const TokenBatch& batch, float* logits_out = nullptr);
   // Forward and loss only (evaluation): gradients are neither computed nor touched.
-  LossSum forward_loss(const TokenBatch& batch) { return run_step(batch, nullptr, false); }
+  // With logits_out ([N, V] host memory, debugging only) the full logits are written there.
+  LossSum forward_loss(const TokenBatch& batch, float* logits_out = nullptr) { return run_step(batch, logits_out, false); }
   const StepTimings& last_step_timings() const { return timings_; }
   // Inference models only: runs one generation step and returns the sampled rows' logits, valid
   // until the next step. Keys and values of the new tokens go to the slots their block tables
@@ -111,6 +112,10 @@ class Qwen2Model {
   void set_grad_scale(float scale) { grad_scale_ = scale; }
   // Sees every logits chunk of the following steps (streaming metrics); nullptr for none. Not owned.
   void set_observer(ChunkObserver* observer) { observer_ = observer; }
+  // Sees the input x [tokens, in] of every linear layer as the forward pass reaches it (GPTQ's
+  // calibration, model/quantize.h); an empty function for none.
+  using LinearInputObserver = std::function<void(int64_t layer, LinearSite site, const Tensor& x)>;
+  void set_linear_input_observer(LinearInputObserver observer) { linear_input_observer_ = std::move(observer); }
   // Called in backward as soon as decoder layer l's gradients are complete for this micro-batch
   // (l = L-1 down to 0), so data-parallel ranks can start reducing them while backward goes on.
   void set_layer_grads_ready(std::function<void(int64_t layer)> callback) { layer_grads_ready_ = std::move(callback); }
@@ -137,6 +142,8 @@ class Qwen2Model {
   // current phase's conversion scratch (one for matrices, one for vectors, so a matmul's weight
   // and bias can be live together). Valid until the next call for a parameter of the same rank.
   Tensor weight_f32(size_t param);
+  // The current phase's float32 scratch for a quantized matmul over `in` inputs (backend.h).
+  Tensor quantized_scratch(int64_t in) const;
   // A float32 activation of the current micro-batch: [tokens, cols].
   Tensor act(BufferId id, int64_t cols) const { return arena_->f32(id, {num_tokens_, cols}); }
   // Per-head values of the micro-batch as rows: [tokens * heads, 1] (an rstd per head).
@@ -170,6 +177,7 @@ class Qwen2Model {
   float grad_scale_ = 1.0f;
   ChunkObserver* observer_ = nullptr;
   std::function<void(int64_t)> layer_grads_ready_;
+  LinearInputObserver linear_input_observer_;
 };
 
 }  // namespace memtune

@@ -3,6 +3,11 @@
 AutoAWQ layouts as transformers loads them) with numpy, independently of memtune's C++:
 
     /usr/bin/python3 tests/io/quantized_vectors.py OUT_DIR
+    /usr/bin/python3 tests/io/quantized_vectors.py --check QUANTIZED_DIR FLOAT_DIR
+
+The second form reads a quantized checkpoint (config.json + model.safetensors) with its own
+safetensors parser, dequantizes every packed layer by the formulas above, and compares it with
+FLOAT_DIR's float32 weights (exit 1 on a difference, or a tensor missing on either side).
 
 For each case, OUT_DIR/<case>.json gives the shapes and OUT_DIR/<case>.<array>.bin the arrays
 (little-endian): q and zeros (uint8 codes), scales (float16), g_idx (int32, GPTQ), the packed
@@ -77,5 +82,82 @@ def main(out_dir):
            "w": w.astype(np.float32)})
 
 
+def read_safetensors(path):
+    dtypes = {"F32": np.float32, "F16": np.float16, "I32": np.int32}
+    with open(path, "rb") as f:
+        data = f.read()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    out = {}
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = t["data_offsets"]
+        if t["dtype"] == "BF16":
+            raw = np.frombuffer(data[8 + n + begin:8 + n + end], dtype=np.uint16).astype(np.uint32) << 16
+            out[name] = raw.view(np.float32).reshape(t["shape"])
+        else:
+            out[name] = np.frombuffer(data[8 + n + begin:8 + n + end], dtype=dtypes[t["dtype"]]).reshape(t["shape"])
+    return out
+
+
+def unpack_rows(words, bits):
+    """GPTQ qweight [in*bits/32, out] -> codes [in, out]."""
+    per = 32 // bits
+    w = words.view(np.uint32)
+    return np.stack([(w >> np.uint32(bits * j)) & np.uint32((1 << bits) - 1) for j in range(per)], axis=1).reshape(
+        w.shape[0] * per, w.shape[1])
+
+
+def unpack_cols(words, bits):
+    """GPTQ qzeros [groups, out*bits/32] -> [groups, out]."""
+    per = 32 // bits
+    w = words.view(np.uint32)
+    return np.stack([(w >> np.uint32(bits * j)) & np.uint32((1 << bits) - 1) for j in range(per)], axis=2).reshape(
+        w.shape[0], w.shape[1] * per)
+
+
+def awq_unpack(words):
+    w = words.view(np.uint32)
+    out = np.zeros((w.shape[0], w.shape[1] * 8), dtype=np.uint32)
+    for i, column in enumerate(AWQ_ORDER):
+        out[:, column::8] = (w >> np.uint32(4 * i)) & np.uint32(15)
+    return out
+
+
+def check(quantized_dir, float_dir):
+    config = json.load(open(os.path.join(quantized_dir, "config.json")))["quantization_config"]
+    q = read_safetensors(os.path.join(quantized_dir, "model.safetensors"))
+    f = read_safetensors(os.path.join(float_dir, "model.safetensors"))
+    bits, group = config["bits"], config["group_size"]
+    checked = 0
+    for name, ref in f.items():
+        base = name[:-len(".weight")] if name.endswith(".weight") else None
+        if base is None or base + ".qweight" not in q:
+            if name not in q or not np.array_equal(q[name].astype(np.float32), ref.astype(np.float32)):
+                sys.exit(f"{name}: not copied unchanged")
+            continue
+        scales = q[base + ".scales"].astype(np.float32)
+        if config["quant_method"] == "gptq":
+            codes = unpack_rows(q[base + ".qweight"], bits).astype(np.float32)
+            zeros = unpack_cols(q[base + ".qzeros"], bits).astype(np.float32) + 1
+            g = q[base + ".g_idx"].astype(np.int64)
+        else:
+            codes = awq_unpack(q[base + ".qweight"]).astype(np.float32)
+            zeros = awq_unpack(q[base + ".qzeros"]).astype(np.float32)
+            g = np.arange(codes.shape[0]) // group
+        w = scales[g] * (codes - zeros[g])  # [in, out]
+        diff = np.abs(w.T - ref.astype(np.float32)).max()
+        if diff != 0:
+            sys.exit(f"{name}: dequantized differs by {diff}")
+        checked += 1
+    if checked == 0:
+        sys.exit("no quantized layer found")
+    print(f"{checked} quantized layers equal")
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1] == "--check":
+        check(sys.argv[2], sys.argv[3])
+    else:
+        main(sys.argv[1])

@@ -13,6 +13,15 @@ namespace {
 // Rows up to which a float32 matmul_forward runs the skinny kernel instead of sgemm.
 constexpr int64_t kSkinnyRows = 8;
 
+void check_quantized(const QuantizedWeight& w, const Tensor& scratch) {
+  MT_ASSERT((w.bits == 4 || w.bits == 8) && w.in % (32 / w.bits) == 0 && w.group_size > 0 && w.groups > 0);
+  MT_ASSERT(w.codes.dtype == DType::I32 && w.codes.numel() == w.out * (w.in / (32 / w.bits)));
+  MT_ASSERT(w.scales.dtype == DType::F16 && w.scales.numel() == w.out * w.groups);
+  MT_ASSERT(w.zeros.dtype == DType::F16 && w.zeros.numel() == w.out * w.groups);
+  MT_ASSERT(!w.g_idx || (w.g_idx.dtype == DType::I32 && w.g_idx.numel() == w.in));
+  MT_ASSERT(scratch.dtype == DType::F32 && scratch.numel() >= kQuantizedTileRows * w.in, "quantized matmul scratch");
+}
+
 class CpuBackend final : public Backend {
  public:
   std::string_view name() const override { return "cpu"; }
@@ -51,6 +60,18 @@ class CpuBackend final : public Backend {
       return;
     }
     cpu::matmul_forward(out.f32(), inp.f32(), weight.f32(), bias.f32(), inp.rows(), inp.cols(), weight.rows());
+  }
+  void quantized_matmul_forward(const Tensor& out, const Tensor& inp, const QuantizedWeight& weight,
+                                const Tensor& bias, const Tensor& scratch) override {
+    check_quantized(weight, scratch);
+    MT_ASSERT(inp.cols() == weight.in && out.cols() == weight.out && out.rows() == inp.rows());
+    cpu::quantized_matmul_forward(out.f32(), inp.f32(), weight, bias.f32(), inp.rows(), scratch.f32());
+  }
+  void quantized_matmul_backward_input(const Tensor& dinp, const Tensor& dout, const QuantizedWeight& weight,
+                                       const Tensor& scratch) override {
+    check_quantized(weight, scratch);
+    MT_ASSERT(dinp.cols() == weight.in && dout.cols() == weight.out && dout.rows() == dinp.rows());
+    cpu::quantized_matmul_backward_input(dinp.f32(), dout.f32(), weight, dout.rows(), scratch.f32());
   }
   void matmul_accumulate(const Tensor& out, const Tensor& inp, const Tensor& weight, float scale) override {
     MT_ASSERT(inp.cols() == weight.cols() && out.cols() == weight.rows() && out.rows() == inp.rows());

@@ -44,6 +44,13 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
                         const float* q, const float* k, const float* v, const int32_t* cu_seqlens, int64_t num_seqs,
                         int64_t Hq, int64_t Hkv, int64_t hd);
 
+// Quantized weights (quantized_ops.cpp): out[N,OC] = inp[N,C] @ W^T (+ bias) and
+// dinp[N,C] += dout[N,OC] @ W; scratch holds kQuantizedTileRows x in floats.
+void quantized_matmul_forward(float* out, const float* inp, const QuantizedWeight& weight, const float* bias,
+                              int64_t N, float* scratch);
+void quantized_matmul_backward_input(float* dinp, const float* dout, const QuantizedWeight& weight, int64_t N,
+                                     float* scratch);
+
 // out[N,OC] = inp[N,C] @ weight[OC,C]^T (+ bias) for few rows: each weight row is read once
 // (widened from bfloat16 / float16 in registers) and applied to every input row; parallel over
 // output columns. The decode path, memory-bound on the weights; bias may be null.

@@ -86,6 +86,32 @@ class ReferenceBackend final : public Backend {
         out.f32()[n * OC + o] = static_cast<float>(s);
       }
   }
+  // Quantized weights: each element dequantized from its code, scale and zero as the layout's
+  // formula says (backend.h: QuantizedWeight); scratch is not needed.
+  void quantized_matmul_forward(const Tensor& out, const Tensor& inp, const QuantizedWeight& w, const Tensor& bias,
+                                const Tensor&) override {
+    Access a(*this);
+    const int64_t N = inp.rows(), C = inp.cols(), OC = w.out;
+    MT_ASSERT(w.in == C && out.rows() == N && out.cols() == OC);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t o = 0; o < OC; ++o) {
+        double s = bias ? element(bias, o) : 0.0;
+        for (int64_t c = 0; c < C; ++c) s += double(inp.f32()[n * C + c]) * dequantized(w, o, c);
+        out.f32()[n * OC + o] = static_cast<float>(s);
+      }
+  }
+  void quantized_matmul_backward_input(const Tensor& dinp, const Tensor& dout, const QuantizedWeight& w,
+                                       const Tensor&) override {
+    Access a(*this);
+    const int64_t N = dout.rows(), C = w.in, OC = w.out;
+    MT_ASSERT(dout.cols() == OC && dinp.rows() == N && dinp.cols() == C);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t c = 0; c < C; ++c) {
+        double s = 0.0;
+        for (int64_t o = 0; o < OC; ++o) s += double(dout.f32()[n * OC + o]) * dequantized(w, o, c);
+        dinp.f32()[n * C + c] += static_cast<float>(s);
+      }
+  }
   void matmul_accumulate(const Tensor& out, const Tensor& inp, const Tensor& w, float scale) override {
     Access a(*this);
     const int64_t N = inp.rows(), C = inp.cols(), OC = w.rows();
@@ -452,6 +478,16 @@ class ReferenceBackend final : public Backend {
         break;
     }
     MT_ASSERT(false, "convert takes floating dtypes");
+  }
+
+  static double dequantized(const QuantizedWeight& w, int64_t n, int64_t k) {
+    const int per_word = 32 / w.bits;
+    const uint32_t word = static_cast<uint32_t>(w.codes.i32()[n * (w.in / per_word) + k / per_word]);
+    const uint32_t code = (word >> (w.bits * (k % per_word))) & ((1u << w.bits) - 1u);
+    const int64_t g = w.g_idx ? w.g_idx.i32()[k] : k / w.group_size;
+    const float scale = f16_to_f32(w.scales.as<const uint16_t>()[n * w.groups + g]);
+    const float zero = f16_to_f32(w.zeros.as<const uint16_t>()[n * w.groups + g]);
+    return scale * (static_cast<float>(code) - zero);  // the layout's formula, in float32 like the files' users
   }
 
   // Hugging Face's rotate-half RoPE; the angle pos * inv_freq is formed in float32 as

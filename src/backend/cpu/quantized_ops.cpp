@@ -1,0 +1,221 @@
+// Matmuls with weight-only quantized weights (backend.h: QuantizedWeight) on the cpu backend.
+//
+// Few rows (decoding): the codes are read directly. Over a group, sum_k x_k s (q_k - z) =
+// s (sum_k x_k q_k - z sum_k x_k), so the inner loop only turns codes into floats and multiplies
+// them with the input; the sum of the input over each group is formed once per call. Sixteen
+// int32 words of a row hold 16 x (32 / bits) consecutive inputs; field j of those words is the
+// inputs 16 c + ... at stride 32 / bits, so the input is first permuted the same way (into the
+// caller's scratch) and every field becomes one contiguous vector of 16 codes against one
+// contiguous vector of 16 inputs. Inputs past the last whole chunk, groups that do not hold whole
+// chunks, and act-order g_idx take a plain per-element loop.
+//
+// Many rows (prefill, training): kQuantizedTileRows output rows are dequantized into scratch and
+// multiplied with OpenBLAS, so no float32 copy of the whole weight exists.
+#include <cblas.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "backend/cpu/ops.h"
+#include "core/dtype.h"
+#include "core/error.h"
+
+namespace memtune::cpu {
+namespace {
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+inline float hsum(f32x16 v) {
+  float s = 0.0f;
+  for (int i = 0; i < 16; ++i) s += v[i];
+  return s;
+}
+
+struct Layout {
+  const uint32_t* codes;
+  const uint16_t* scales;
+  const uint16_t* zeros;
+  const int32_t* g_idx;  // null: k / group_size
+  int bits;
+  int64_t in, out, group_size, groups;
+
+  explicit Layout(const QuantizedWeight& w)
+      : codes(w.codes.as<const uint32_t>()),
+        scales(w.scales.as<const uint16_t>()),
+        zeros(w.zeros.as<const uint16_t>()),
+        g_idx(w.g_idx ? w.g_idx.i32() : nullptr),
+        bits(w.bits),
+        in(w.in),
+        out(w.out),
+        group_size(w.group_size),
+        groups(w.groups) {}
+  int per_word() const { return 32 / bits; }
+  int64_t chunk() const { return 16 * per_word(); }  // inputs held by 16 words
+  int64_t group(int64_t k) const { return g_idx ? g_idx[k] : k / group_size; }
+  uint32_t code(int64_t n, int64_t k) const {
+    const uint32_t word = codes[n * (in / per_word()) + k / per_word()];
+    return (word >> (bits * (k % per_word()))) & ((1u << bits) - 1u);
+  }
+  float weight(int64_t n, int64_t k) const {
+    const int64_t g = n * groups + group(k);
+    return f16_to_f32(scales[g]) * (static_cast<float>(code(n, k)) - f16_to_f32(zeros[g]));
+  }
+  // The chunked path: whole chunks never straddle a group.
+  bool chunked() const { return !g_idx && group_size % chunk() == 0; }
+};
+
+// Rows input rows (already permuted chunk by chunk, xsum their sums per group over whole chunks)
+// against output row o.
+template <int Bits, int Rows>
+void chunked_row(float* out, int64_t OC, const float* xp, const float* xsum, const Layout& w, const float* bias,
+                 int64_t o) {
+  constexpr int P = 32 / Bits;
+  constexpr int64_t K = 16 * P;
+  constexpr uint32_t mask = (1u << Bits) - 1u;
+  const int64_t in = w.in, full = in / K, per_group = w.group_size / K;
+  const uint32_t* row = w.codes + o * (in / P);
+  float total[Rows] = {};
+  for (int64_t g = 0; g * per_group < full; ++g) {
+    f32x16 acc[Rows] = {};
+    const int64_t c_end = std::min(full, (g + 1) * per_group);
+    for (int64_t c = g * per_group; c < c_end; ++c) {
+      u32x16 words;
+      std::memcpy(&words, row + c * 16, sizeof words);
+      for (int j = 0; j < P; ++j) {
+        const f32x16 q = __builtin_convertvector((words >> static_cast<uint32_t>(Bits * j)) & mask, f32x16);
+        for (int m = 0; m < Rows; ++m) {
+          f32x16 x;
+          std::memcpy(&x, xp + m * in + c * K + j * 16, sizeof x);
+          acc[m] += x * q;
+        }
+      }
+    }
+    const float s = f16_to_f32(w.scales[o * w.groups + g]), z = f16_to_f32(w.zeros[o * w.groups + g]);
+    for (int m = 0; m < Rows; ++m) total[m] += s * (hsum(acc[m]) - z * xsum[m * w.groups + g]);
+  }
+  for (int64_t k = full * K; k < in; ++k) {  // past the last whole chunk: in input order
+    const float wk = w.weight(o, k);
+    for (int m = 0; m < Rows; ++m) total[m] += xp[m * in + k] * wk;
+  }
+  for (int m = 0; m < Rows; ++m) out[m * OC + o] = total[m] + (bias ? bias[o] : 0.0f);
+}
+
+template <int Bits>
+void chunked_rows(float* out, int64_t OC, const float* xp, const float* xsum, const Layout& w, const float* bias,
+                  int64_t rows, int64_t o) {
+  switch (rows) {
+    case 8: return chunked_row<Bits, 8>(out, OC, xp, xsum, w, bias, o);
+    case 7: return chunked_row<Bits, 7>(out, OC, xp, xsum, w, bias, o);
+    case 6: return chunked_row<Bits, 6>(out, OC, xp, xsum, w, bias, o);
+    case 5: return chunked_row<Bits, 5>(out, OC, xp, xsum, w, bias, o);
+    case 4: return chunked_row<Bits, 4>(out, OC, xp, xsum, w, bias, o);
+    case 3: return chunked_row<Bits, 3>(out, OC, xp, xsum, w, bias, o);
+    case 2: return chunked_row<Bits, 2>(out, OC, xp, xsum, w, bias, o);
+    case 1: return chunked_row<Bits, 1>(out, OC, xp, xsum, w, bias, o);
+    default: MT_ASSERT(false, "chunked_rows takes 1 to 8 rows");
+  }
+}
+
+// The per-element path: any groups, any g_idx.
+void plain_row(float* out, int64_t OC, const float* inp, int64_t N, const Layout& w, const float* bias, int64_t o) {
+  constexpr int64_t kRows = 16;
+  for (int64_t n0 = 0; n0 < N; n0 += kRows) {
+    const int64_t rows = std::min(kRows, N - n0);
+    float total[kRows] = {};
+    for (int64_t k = 0; k < w.in; ++k) {
+      const float wk = w.weight(o, k);
+      for (int64_t m = 0; m < rows; ++m) total[m] += inp[(n0 + m) * w.in + k] * wk;
+    }
+    for (int64_t m = 0; m < rows; ++m) out[(n0 + m) * OC + o] = total[m] + (bias ? bias[o] : 0.0f);
+  }
+}
+
+void skinny(float* out, const float* inp, const Layout& w, const float* bias, int64_t N, float* scratch) {
+  const int64_t OC = w.out, in = w.in;
+  if (!w.chunked()) {
+#pragma omp parallel for schedule(static)
+    for (int64_t o = 0; o < OC; ++o) plain_row(out, OC, inp, N, w, bias, o);
+    return;
+  }
+  // Scratch: the permuted input [N, in], then its sums per group [N, groups].
+  const int P = w.per_word();
+  const int64_t K = w.chunk(), full = in / K, per_group = w.group_size / K;
+  float* xp = scratch;
+  float* xsum = scratch + N * in;
+  for (int64_t m = 0; m < N; ++m) {
+    const float* x = inp + m * in;
+    float* y = xp + m * in;
+    for (int64_t c = 0; c < full; ++c)
+      for (int j = 0; j < P; ++j)
+        for (int lane = 0; lane < 16; ++lane) y[c * K + j * 16 + lane] = x[c * K + lane * P + j];
+    std::copy(x + full * K, x + in, y + full * K);
+    for (int64_t g = 0; g < w.groups; ++g) {
+      float s = 0.0f;
+      for (int64_t k = g * per_group * K; k < std::min(full, (g + 1) * per_group) * K; ++k) s += x[k];
+      xsum[m * w.groups + g] = s;
+    }
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t o = 0; o < OC; ++o)
+    for (int64_t n0 = 0; n0 < N; n0 += 8) {
+      const int64_t rows = std::min<int64_t>(8, N - n0);
+      if (w.bits == 4)
+        chunked_rows<4>(out + n0 * OC, OC, xp + n0 * in, xsum + n0 * w.groups, w, bias, rows, o);
+      else
+        chunked_rows<8>(out + n0 * OC, OC, xp + n0 * in, xsum + n0 * w.groups, w, bias, rows, o);
+    }
+}
+
+// Output rows o0 .. o0 + rows of the weight as float32 [rows, in].
+void dequantize_rows(float* tile, const Layout& w, int64_t o0, int64_t rows) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t o = o0 + r;
+    float* y = tile + r * w.in;
+    if (w.g_idx) {
+      for (int64_t k = 0; k < w.in; ++k) y[k] = w.weight(o, k);
+      continue;
+    }
+    for (int64_t g = 0; g < w.groups; ++g) {
+      const float s = f16_to_f32(w.scales[o * w.groups + g]), z = f16_to_f32(w.zeros[o * w.groups + g]);
+      const int64_t end = std::min(w.in, (g + 1) * w.group_size);
+      for (int64_t k = g * w.group_size; k < end; ++k) y[k] = s * (static_cast<float>(w.code(o, k)) - z);
+    }
+  }
+}
+
+}  // namespace
+
+void quantized_matmul_forward(float* out, const float* inp, const QuantizedWeight& weight, const float* bias,
+                              int64_t N, float* scratch) {
+  const Layout w(weight);
+  if (N <= kSixteenBitWeightRows) return skinny(out, inp, w, bias, N, scratch);
+  const int64_t OC = w.out, C = w.in;
+  for (int64_t o0 = 0; o0 < OC; o0 += kQuantizedTileRows) {
+    const int64_t rows = std::min(kQuantizedTileRows, OC - o0);
+    dequantize_rows(scratch, w, o0, rows);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(N), static_cast<int>(rows),
+                static_cast<int>(C), 1.0f, inp, static_cast<int>(C), scratch, static_cast<int>(C), 0.0f, out + o0,
+                static_cast<int>(OC));
+  }
+  if (!bias) return;
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t o = 0; o < OC; ++o) out[n * OC + o] += bias[o];
+}
+
+void quantized_matmul_backward_input(float* dinp, const float* dout, const QuantizedWeight& weight, int64_t N,
+                                     float* scratch) {
+  const Layout w(weight);
+  const int64_t OC = w.out, C = w.in;
+  for (int64_t o0 = 0; o0 < OC; o0 += kQuantizedTileRows) {
+    const int64_t rows = std::min(kQuantizedTileRows, OC - o0);
+    dequantize_rows(scratch, w, o0, rows);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, static_cast<int>(N), static_cast<int>(C),
+                static_cast<int>(rows), 1.0f, dout + o0, static_cast<int>(OC), scratch, static_cast<int>(C), 1.0f,
+                dinp, static_cast<int>(C));
+  }
+}
+
+}  // namespace memtune::cpu

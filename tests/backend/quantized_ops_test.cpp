@@ -1,0 +1,185 @@
+// Quantized matmuls on every backend against dequantize-then-matmul: the layer's float32 weights
+// from io/quantized's dequantize_layer (the formula of the files, checked against numpy vectors
+// in tests/io), multiplied on the host in double. Shapes cover both cpu paths (codes read
+// directly up to kSixteenBitWeightRows rows, dequantized tiles beyond), inputs that end in a
+// partial chunk, groups smaller than a chunk, one group per row, act-order g_idx, and output
+// rows that leave a partial tile.
+#include <gtest/gtest.h>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "backend/backend.h"
+#include "core/dtype.h"
+#include "core/rng.h"
+#include "io/quantized.h"
+
+namespace memtune {
+namespace {
+
+QuantizedLayer random_layer(int bits, int64_t in, int64_t out, int64_t group_size, bool act_order, uint64_t seed) {
+  Rng rng(seed);
+  QuantizedLayer l;
+  l.bits = bits;
+  l.in = in;
+  l.out = out;
+  l.group_size = group_size;
+  l.groups = (in + group_size - 1) / group_size;
+  const int per_word = 32 / bits;
+  l.codes.assign(static_cast<size_t>(out * (in / per_word)), 0);
+  for (int64_t n = 0; n < out; ++n)
+    for (int64_t k = 0; k < in; ++k) {
+      const uint32_t q = static_cast<uint32_t>(rng.uniform() * (1 << bits)) & ((1u << bits) - 1u);
+      auto& word = l.codes[static_cast<size_t>(n * (in / per_word) + k / per_word)];
+      word = static_cast<int32_t>(static_cast<uint32_t>(word) | (q << (bits * (k % per_word))));
+    }
+  for (int64_t i = 0; i < out * l.groups; ++i) {
+    l.scales.push_back(f32_to_f16(static_cast<float>(0.005 + 0.02 * rng.uniform())));
+    l.zeros.push_back(f32_to_f16(std::floor(static_cast<float>(rng.uniform() * (1 << bits)))));
+  }
+  if (act_order) {  // GPTQ's: inputs taken in a shuffled order, groups by place in that order
+    std::vector<int64_t> order(static_cast<size_t>(in));
+    std::iota(order.begin(), order.end(), 0);
+    for (int64_t i = in - 1; i > 0; --i)
+      std::swap(order[static_cast<size_t>(i)], order[static_cast<size_t>(rng.uniform() * static_cast<double>(i + 1))]);
+    l.g_idx.resize(static_cast<size_t>(in));
+    for (int64_t i = 0; i < in; ++i) l.g_idx[static_cast<size_t>(order[static_cast<size_t>(i)])] = static_cast<int32_t>(i / group_size);
+  }
+  return l;
+}
+
+std::vector<float> randn(int64_t n, uint64_t seed) {
+  Rng rng(seed);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (float& x : v) x = static_cast<float>(rng.normal());
+  return v;
+}
+
+// Device copies of a layer and of float32 arrays, freed with the object.
+struct Device {
+  Backend& be;
+  std::vector<std::pair<void*, size_t>> blocks;
+  explicit Device(Backend& b) : be(b) {}
+  ~Device() {
+    for (auto [p, n] : blocks) be.deallocate(p, n);
+  }
+  Tensor alloc(DType dt, std::initializer_list<int64_t> shape) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    const size_t bytes = std::max<size_t>(4096, static_cast<size_t>(n) * dtype_size(dt));
+    void* p = be.allocate(bytes);
+    blocks.emplace_back(p, bytes);
+    return Tensor(p, dt, shape);
+  }
+  Tensor f32(const std::vector<float>& v, std::initializer_list<int64_t> shape) {
+    Tensor t = alloc(DType::F32, shape);
+    be.copy_to_device(t, v.data());
+    return t;
+  }
+  QuantizedWeight weight(const QuantizedLayer& l) {
+    QuantizedWeight w;
+    w.codes = alloc(DType::I32, {l.out, l.in * l.bits / 32});
+    be.copy_to_device(w.codes, l.codes.data());
+    w.scales = alloc(DType::F16, {l.out, l.groups});
+    be.copy_to_device(w.scales, l.scales.data());
+    w.zeros = alloc(DType::F16, {l.out, l.groups});
+    be.copy_to_device(w.zeros, l.zeros.data());
+    if (!l.g_idx.empty()) {
+      w.g_idx = alloc(DType::I32, {l.in});
+      be.copy_to_device(w.g_idx, l.g_idx.data());
+    }
+    w.bits = l.bits;
+    w.in = l.in;
+    w.out = l.out;
+    w.group_size = l.group_size;
+    w.groups = l.groups;
+    return w;
+  }
+};
+
+double max_abs(const std::vector<double>& v) {
+  double m = 0;
+  for (double x : v) m = std::max(m, std::abs(x));
+  return m;
+}
+
+struct Shape {
+  int bits;
+  int64_t in, group_size;
+  bool act_order;
+};
+const Shape kShapes[] = {
+    {4, 256, 128, false},  // whole chunks of 128 inputs, two groups
+    {4, 176, 128, false},  // one chunk and a tail of 48 inputs in a partial group
+    {4, 256, 64, false},   // groups smaller than a 4-bit chunk: per element
+    {8, 256, 64, false},   // an 8-bit chunk is 64 inputs
+    {8, 96, 96, false},    // one group per row (group_size -1 in a file)
+    {4, 128, 32, true},    // act-order g_idx
+    {8, 64, 16, true},
+};
+
+TEST(QuantizedOps, ForwardEqualsDequantizeThenMatmul) {
+  const int64_t OC = 72;  // a full tile of 64 output rows and a partial one
+  for (const char* name : {"cpu", "reference"})
+    for (const Shape& s : kShapes)
+      for (const int64_t N : {1, 2, 5, 8, 9, 16, 17, 33}) {
+        if (std::string(name) == "reference" && N > 9) continue;  // slow, and one path only
+        Backend& be = backend_named(name);
+        const QuantizedLayer layer = random_layer(s.bits, s.in, OC, s.group_size, s.act_order, 11 + s.in + N);
+        const std::vector<float> w = dequantize_layer(layer), x = randn(N * s.in, 3 + N), bias = randn(OC, 5);
+        const bool with_bias = N % 2 == 1;
+        std::vector<double> expected(static_cast<size_t>(N * OC));
+        for (int64_t n = 0; n < N; ++n)
+          for (int64_t o = 0; o < OC; ++o) {
+            double sum = with_bias ? bias[static_cast<size_t>(o)] : 0.0;
+            for (int64_t k = 0; k < s.in; ++k) sum += double(x[static_cast<size_t>(n * s.in + k)]) * w[static_cast<size_t>(o * s.in + k)];
+            expected[static_cast<size_t>(n * OC + o)] = sum;
+          }
+        Device d(be);
+        const Tensor out = d.alloc(DType::F32, {N, OC});
+        be.quantized_matmul_forward(out, d.f32(x, {N, s.in}), d.weight(layer), with_bias ? d.f32(bias, {OC}) : Tensor{},
+                                    d.alloc(DType::F32, {kQuantizedTileRows, s.in}));
+        std::vector<float> got(static_cast<size_t>(N * OC));
+        be.copy_to_host(got.data(), out);
+        double worst = 0;
+        for (size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::abs(got[i] - expected[i]));
+        EXPECT_LE(worst, 1e-5 * (max_abs(expected) + 1e-6))
+            << fmt::format("{}: {}-bit, in {}, group {}, act-order {}, {} rows", name, s.bits, s.in, s.group_size,
+                           s.act_order, N);
+      }
+}
+
+TEST(QuantizedOps, BackwardInputAccumulatesDoutTimesTheDequantizedWeight) {
+  const int64_t OC = 72;
+  for (const char* name : {"cpu", "reference"})
+    for (const Shape& s : kShapes)
+      for (const int64_t N : {3, 20}) {
+        Backend& be = backend_named(name);
+        const QuantizedLayer layer = random_layer(s.bits, s.in, OC, s.group_size, s.act_order, 7 + s.in);
+        const std::vector<float> w = dequantize_layer(layer), dout = randn(N * OC, 9), start = randn(N * s.in, 10);
+        std::vector<double> expected(start.begin(), start.end());  // accumulated onto what is there
+        for (int64_t n = 0; n < N; ++n)
+          for (int64_t k = 0; k < s.in; ++k)
+            for (int64_t o = 0; o < OC; ++o)
+              expected[static_cast<size_t>(n * s.in + k)] +=
+                  double(dout[static_cast<size_t>(n * OC + o)]) * w[static_cast<size_t>(o * s.in + k)];
+        Device d(be);
+        const Tensor dinp = d.f32(start, {N, s.in});
+        be.quantized_matmul_backward_input(dinp, d.f32(dout, {N, OC}), d.weight(layer),
+                                           d.alloc(DType::F32, {kQuantizedTileRows, s.in}));
+        std::vector<float> got(static_cast<size_t>(N * s.in));
+        be.copy_to_host(got.data(), dinp);
+        double worst = 0;
+        for (size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::abs(got[i] - expected[i]));
+        EXPECT_LE(worst, 1e-5 * (max_abs(expected) + 1e-6))
+            << fmt::format("{}: {}-bit, in {}, group {}, act-order {}, {} rows", name, s.bits, s.in, s.group_size,
+                           s.act_order, N);
+      }
+}
+
+}  // namespace
+}  // namespace memtune

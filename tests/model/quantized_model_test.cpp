@@ -1,0 +1,299 @@
+// Quantized models end to end: `memtune quantize` writes GPTQ / AWQ files that an independent
+// numpy reader dequantizes to exactly the weights `memtune dequantize` writes; a quantized model
+// computes what its dequantized float copy computes (logits, greedy tokens, LoRA gradients:
+// QLoRA), trains LoRA adapters, and refuses what it cannot do with clear errors. The GPTQ
+// algorithm is checked on its own claim: a smaller error of the layer's output on the
+// calibration inputs than round-to-nearest.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <set>
+#include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "core/rng.h"
+#include "data/synthetic_tokenizer.h"
+#include "io/safetensors.h"
+#include "model/load.h"
+#include "model/quantize.h"
+#include "support/run_command.h"
+#include "support/test_util.h"
+
+namespace memtune {
+namespace {
+
+namespace fs = std::filesystem;
+using testing_support::run_memtune;
+
+class QuantizedModelTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = testing_support::make_temp_dir("quantized_model");
+    // A tiny model with weights 8x Hugging Face's initialization, so greedy decoding does not
+    // collapse to one repeated token and a different weight shows in the tokens.
+    Qwen2Config config = qwen2_preset("tiny");
+    config.vocab_size = 269;
+    config.tie_word_embeddings = false;
+    ModelOptions o;
+    o.max_tokens = 1;
+    o.with_grads = false;
+    o.loss_workspace_bytes = 0;
+    Qwen2Model m(config, o);
+    m.parameters().init_random(5);
+    for (size_t i = 0; i < m.parameters().specs().size(); ++i) {
+      if (m.parameters().specs()[i].shape.size() != 2) continue;
+      std::vector<float> v = download_f32(m.backend(), m.parameters().param(i));
+      for (float& x : v) x *= 8;
+      upload_f32(m.backend(), m.parameters().param(i), v);
+    }
+    m.parameters().save(path("float"));
+    testing_support::write_synthetic_tokenizer(dir_ / "float");
+    std::ofstream(path("batch.json")) << R"({"input_ids": [[5, 17, 42, 99, 3, 250, 7, 64, 12, 1, 33, 180]]})";
+    std::ofstream calibration(path("calibration.jsonl"));
+    for (int i = 0; i < 24; ++i)
+      calibration << nlohmann::json{{"text", "the quick brown fox " + std::to_string(i * 37) + " jumps over"}}.dump()
+                  << "\n";
+  }
+  static void TearDownTestSuite() { fs::remove_all(dir_); }
+  static std::string path(const std::string& name) { return (dir_ / name).string(); }
+  // Quantizes the float model with `flags` into `name` and writes its float32 copy to name_f32.
+  static void quantize(const std::string& name, const std::string& flags) {
+    auto r = run_memtune("quantize --model " + path("float") + " --out " + path(name) + " " + flags);
+    ASSERT_EQ(r.status, 0) << r.output;
+    r = run_memtune("dequantize --model " + path(name) + " --out " + path(name + "_f32") + " --torch_dtype float32");
+    ASSERT_EQ(r.status, 0) << r.output;
+  }
+  static std::vector<float> tensor(const std::string& file, const std::string& name) {
+    const SafetensorsFile f(file);
+    const TensorInfo* t = f.find(name);
+    EXPECT_NE(t, nullptr) << name;
+    std::vector<float> v(static_cast<size_t>(t->numel()));
+    std::memcpy(v.data(), f.data(*t).data(), v.size() * 4);
+    return v;
+  }
+  static inline fs::path dir_;
+};
+
+struct Case {
+  const char* name;
+  const char* flags;
+};
+const Case kCases[] = {
+    {"gptq4", "--bits 4 --group_size 32"},
+    {"gptq8", "--bits 8 --group_size 64"},
+    {"awq4", "--format awq --bits 4 --group_size 16"},
+    {"gptq4_actorder", "--bits 4 --group_size 32 --method gptq --act_order --calibration_file {}"},
+};
+
+std::string flags_of(const Case& c, const std::string& calibration) {
+  std::string f = c.flags;
+  if (const auto at = f.find("{}"); at != std::string::npos) f.replace(at, 2, calibration);
+  return f;
+}
+
+TEST_F(QuantizedModelTest, FilesReadBackByAnIndependentReaderAndComputeLikeTheirFloatCopy) {
+  std::ofstream prompts(path("prompts.jsonl"));
+  for (int i = 0; i < 4; ++i) prompts << "{\"prompt_ids\": [" << 3 + i << ", " << 40 + 7 * i << ", 100, " << 200 - i << "]}\n";
+  prompts.close();
+  for (const Case& c : kCases) {
+    SCOPED_TRACE(c.name);
+    quantize(c.name, flags_of(c, path("calibration.jsonl")));
+    // The numpy reader (tests/io/quantized_vectors.py) dequantizes our files to the same weights.
+    auto r = testing_support::run_command("/usr/bin/python3 " MEMTUNE_SOURCE_DIR "/tests/io/quantized_vectors.py --check " +
+                                          path(c.name) + " " + path(std::string(c.name) + "_f32"));
+    ASSERT_EQ(r.status, 0) << r.output;
+    EXPECT_NE(r.output.find("14 quantized layers equal"), std::string::npos) << r.output;
+    // Logits at every position: the packed kernels against float32 matmuls of the same weights.
+    for (const std::string& m : {std::string(c.name), std::string(c.name) + "_f32"}) {
+      r = run_memtune("dump --model " + path(m) + " --input " + path("batch.json") + " --out " + path(m + ".dump"));
+      ASSERT_EQ(r.status, 0) << r.output;
+    }
+    const auto q = tensor(path(std::string(c.name) + ".dump"), "logits");
+    const auto f = tensor(path(std::string(c.name) + "_f32.dump"), "logits");
+    double worst = 0, scale = 0;
+    for (size_t i = 0; i < q.size(); ++i) {
+      worst = std::max(worst, double(std::abs(q[i] - f[i])));
+      scale = std::max(scale, double(std::abs(f[i])));
+    }
+    EXPECT_LE(worst, 1e-5 * scale) << worst << " of " << scale;
+    // Greedy generation: the same tokens, and not one token repeated.
+    for (const std::string& m : {std::string(c.name), std::string(c.name) + "_f32"}) {
+      r = run_memtune("generate --model " + path(m) + " --tokenizer " + path("float") + " --input " +
+                      path("prompts.jsonl") + " --output " + path(m + ".jsonl") +
+                      " --max_new_tokens 40 --temperature 0 --ignore_eos");
+      ASSERT_EQ(r.status, 0) << r.output;
+    }
+    const auto qa = testing_support::read_jsonl(path(std::string(c.name) + ".jsonl"));
+    const auto fa = testing_support::read_jsonl(path(std::string(c.name) + "_f32.jsonl"));
+    ASSERT_EQ(qa.size(), 4u);
+    for (size_t i = 0; i < qa.size(); ++i) EXPECT_EQ(qa[i]["token_ids"], fa[i]["token_ids"]) << i;
+    std::set<int> distinct;
+    for (const auto& t : qa[0]["token_ids"]) distinct.insert(t.get<int>());
+    EXPECT_GT(distinct.size(), 3u);
+  }
+  // The config says what the files hold.
+  const nlohmann::json config = testing_support::read_json(dir_ / "gptq4_actorder" / "config.json");
+  EXPECT_EQ(config["quantization_config"]["quant_method"], "gptq");
+  EXPECT_EQ(config["quantization_config"]["desc_act"], true);
+  EXPECT_EQ(config["quantization_config"]["bits"], 4);
+}
+
+// QLoRA: the adapters' gradients on a quantized base equal those on its dequantized float copy,
+// and a short LoRA run on the quantized base lowers the loss as one on the float copy does.
+TEST_F(QuantizedModelTest, LoraOnAQuantizedBaseHasTheGradientsOfItsFloatCopy) {
+  quantize("qlora", "--bits 4 --group_size 32");
+  {
+    const Qwen2Config config = load_model_config(path("qlora_f32"));
+    ModelOptions o;
+    o.max_tokens = 8;
+    o.with_grads = false;
+    o.lora.rank = 4;
+    o.lora.alpha = 8;
+    o.lora.targets.fill(true);
+    Qwen2Model m(config, o);
+    for (size_t i = 0; i < m.parameters().num_trainable(); ++i) {
+      const Tensor t = m.parameters().trainable_value(i);
+      std::vector<float> v(static_cast<size_t>(t.numel()));
+      for (size_t j = 0; j < v.size(); ++j) v[j] = 0.1f * std::sin(static_cast<float>(3 * j + i));
+      upload_f32(m.backend(), t, v);
+    }
+    m.parameters().save_adapter(path("adapter"), path("qlora_f32"));
+  }
+  std::ofstream(path("lora_batch.json")) << R"({"input_ids": [[5, 17, 42, 99, 3, 250, 7, 64], [9, 8, 7, 6, 5, 4, 3, 2]]})";
+  for (const std::string& m : {std::string("qlora"), std::string("qlora_f32")}) {
+    const auto r = run_memtune("dump --model " + path(m) + " --adapter " + path("adapter") + " --input " +
+                               path("lora_batch.json") + " --out " + path(m + ".lora.dump"));
+    ASSERT_EQ(r.status, 0) << r.output;
+  }
+  const SafetensorsFile qf(path("qlora.lora.dump"));
+  int compared = 0;
+  for (const TensorInfo& t : qf.tensors()) {
+    if (!t.name.starts_with("grad.")) continue;
+    const auto q = tensor(path("qlora.lora.dump"), t.name), f = tensor(path("qlora_f32.lora.dump"), t.name);
+    double worst = 0, scale = 0;
+    for (size_t i = 0; i < q.size(); ++i) {
+      worst = std::max(worst, double(std::abs(q[i] - f[i])));
+      scale = std::max(scale, double(std::abs(f[i])));
+    }
+    EXPECT_GT(scale, 0) << t.name;
+    EXPECT_LE(worst, 1e-4 * scale) << t.name;
+    ++compared;
+  }
+  EXPECT_EQ(compared, 2 * 7 * 2);  // A and B of 7 sites in 2 layers
+
+  std::ofstream data(path("train.jsonl"));
+  for (int i = 0; i < 16; ++i) data << "{\"text\": \"abc abc abc " << i % 3 << " abc abc\"}\n";
+  data.close();
+  std::vector<double> first, last;
+  for (const std::string& m : {std::string("qlora"), std::string("qlora_f32")}) {
+    const auto r = run_memtune("train --model_name_or_path " + path(m) + " --tokenizer " + path("float") +
+                               " --train_file " + path("train.jsonl") + " --output_dir " + path(m + "_run") +
+                               " --tuner_type lora --lora_rank 8 --learning_rate 1e-2 --max_steps 12 "
+                               "--per_device_train_batch_size 4 --logging_steps 1 --save_strategy no");
+    ASSERT_EQ(r.status, 0) << r.output;
+    const auto log = testing_support::read_jsonl(path(m + "_run/log.jsonl"));
+    ASSERT_GE(log.size(), 12u);
+    first.push_back(log.front()["loss"].get<double>());
+    last.push_back(log[11]["loss"].get<double>());
+  }
+  EXPECT_LT(last[0], 0.8 * first[0]);             // the quantized base learns
+  EXPECT_NEAR(last[0], last[1], 0.05 * last[1]);  // like its float copy
+}
+
+TEST_F(QuantizedModelTest, RefusesWhatAQuantizedModelCannotDoWithClearErrors) {
+  quantize("errors", "--bits 4 --group_size 32");
+  auto r = run_memtune("train --model_name_or_path " + path("errors") + " --tokenizer " + path("float") +
+                       " --train_file " + path("calibration.jsonl") + " --output_dir " + path("full_run") +
+                       " --tuner_type full --max_steps 1");
+  EXPECT_NE(r.status, 0);
+  EXPECT_CONTAINS(r.output, "a 4-bit gptq model cannot be fine-tuned in full");
+  // A missing packed tensor is named.
+  fs::create_directories(dir_ / "broken");
+  fs::copy_file(dir_ / "errors" / "config.json", dir_ / "broken" / "config.json");
+  {
+    const SafetensorsFile f(path("errors/model.safetensors"));
+    std::vector<TensorToWrite> keep;
+    for (const TensorInfo& t : f.tensors())
+      if (t.name != "model.layers.1.mlp.up_proj.qzeros")
+        keep.push_back({t.name, t.dtype, t.shape, f.data(t).data(), {}});
+    write_safetensors(path("broken/model.safetensors"), keep);
+  }
+  r = run_memtune("dump --model " + path("broken") + " --input " + path("batch.json") + " --out " + path("x.dump"));
+  EXPECT_NE(r.status, 0);
+  EXPECT_CONTAINS(r.output, "missing tensor \"model.layers.1.mlp.up_proj.qzeros\" of the 4-bit gptq layer");
+  // Unsupported quantization configs name the field.
+  nlohmann::json config = testing_support::read_json(dir_ / "errors" / "config.json");
+  config["quantization_config"]["quant_method"] = "bitsandbytes";
+  std::ofstream(dir_ / "broken" / "config.json") << config.dump();
+  r = run_memtune("dump --model " + path("broken") + " --input " + path("batch.json") + " --out " + path("x.dump"));
+  EXPECT_NE(r.status, 0);
+  EXPECT_CONTAINS(r.output, "field \"quantization_config.quant_method\": is \"bitsandbytes\"");
+  config["quantization_config"]["quant_method"] = "gptq";
+  config["quantization_config"]["bits"] = 3;
+  std::ofstream(dir_ / "broken" / "config.json") << config.dump();
+  r = run_memtune("dump --model " + path("broken") + " --input " + path("batch.json") + " --out " + path("x.dump"));
+  EXPECT_NE(r.status, 0);
+  EXPECT_CONTAINS(r.output, "is 3; GPTQ layers of 4 or 8 bits are supported");
+  // Quantizing twice, and AWQ at 8 bits.
+  r = run_memtune("quantize --model " + path("errors") + " --out " + path("twice"));
+  EXPECT_NE(r.status, 0);
+  EXPECT_CONTAINS(r.output, "the model is already quantized (4-bit gptq)");
+  r = run_memtune("quantize --model " + path("float") + " --out " + path("awq8") + " --format awq --bits 8");
+  EXPECT_NE(r.status, 0);
+  EXPECT_CONTAINS(r.output, "--format awq takes --bits 4");
+  EXPECT_FALSE(fs::exists(dir_ / "awq8"));
+}
+
+// GPTQ's claim, layer by layer: with H = X^T X of the calibration inputs, its codes leave a
+// smaller output error ||(W - Q) X^T|| than rounding to nearest (with and without act-order).
+TEST(Gptq, LeavesASmallerLayerOutputErrorThanRoundingToNearest) {
+  const int64_t out = 48, in = 128, tokens = 512;
+  Rng rng(3);
+  std::vector<float> w(static_cast<size_t>(out * in)), x(static_cast<size_t>(tokens * in));
+  for (float& v : w) v = static_cast<float>(0.05 * rng.normal());
+  // Correlated inputs of uneven scale, as a layer's activations are: 16 underlying factors mixed
+  // into the 128 inputs, a few inputs 5x larger, and a little independent noise.
+  const int64_t factors = 16;
+  std::vector<float> mix(static_cast<size_t>(in * factors));
+  for (float& v : mix) v = static_cast<float>(rng.normal());
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::vector<double> z(static_cast<size_t>(factors));
+    for (double& v : z) v = rng.normal();
+    for (int64_t k = 0; k < in; ++k) {
+      double s = 0.1 * rng.normal();
+      for (int64_t j = 0; j < factors; ++j) s += mix[static_cast<size_t>(k * factors + j)] * z[static_cast<size_t>(j)];
+      x[static_cast<size_t>(t * in + k)] = static_cast<float>(s * (k % 7 == 0 ? 5.0 : 1.0));
+    }
+  }
+  std::vector<float> H(static_cast<size_t>(in * in), 0.0f);
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t i = 0; i < in; ++i)
+      for (int64_t j = 0; j < in; ++j)
+        H[static_cast<size_t>(i * in + j)] += x[static_cast<size_t>(t * in + i)] * x[static_cast<size_t>(t * in + j)];
+  auto output_error = [&](const QuantizedLayer& layer) {
+    const std::vector<float> q = dequantize_layer(layer);
+    double e = 0;
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t n = 0; n < out; ++n) {
+        double d = 0;
+        for (int64_t k = 0; k < in; ++k)
+          d += double(w[static_cast<size_t>(n * in + k)] - q[static_cast<size_t>(n * in + k)]) * x[static_cast<size_t>(t * in + k)];
+        e += d * d;
+      }
+    return e;
+  };
+  for (const int bits : {4, 8})
+    for (const bool act_order : {false, true}) {
+      QuantConfig t{QuantMethod::Gptq, bits, 32, act_order, true};
+      std::vector<float> h = H;
+      const double rtn = output_error(quantize_rtn(w, out, in, t));
+      const double gptq = output_error(quantize_gptq(w, out, in, t, h, 0.01));
+      EXPECT_LT(gptq, 0.3 * rtn) << bits << "-bit, act-order " << act_order << ": " << gptq << " vs " << rtn;
+    }
+}
+
+}  // namespace
+}  // namespace memtune
