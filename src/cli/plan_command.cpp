@@ -269,7 +269,7 @@ Action add_plan(CLI::App& app) {
       std::vector<int> zeros = {static_cast<int>(r.zero_stage)};
       if (a->world_size > 1 && r.zero_stage == 0) zeros.push_back(1);
       if (config.torch_dtype == DType::F32) dtypes.push_back(true);
-      // LoRA on a float base may also run on its 4-bit copy (QLoRA).
+      // LoRA on a float base may also run on its 4-bit copy (QLoRA) when nothing else fits.
       std::vector<std::string> quantizations = {""};
       if (lora && !config.quant.enabled()) quantizations.push_back("gptq-int4");
       const int64_t effective = r.per_device_train_batch_size * r.gradient_accumulation_steps;
@@ -314,13 +314,14 @@ Action add_plan(CLI::App& app) {
                       for (size_t i = 0; i < tm.parameters().num_trainable(); ++i)
                         k_trainable += tm.parameters().trainable_spec(i).numel();
                       k.cost = estimate_cost(cc, k, tm.loss_chunk_rows(), k_trainable);
-                      // Dequantizing tiles costs time: a float base that fits ranks first.
-                      if (!quantization.empty()) k.cost *= 1.15;
                       if (!smallest || k.peak < smallest->peak) smallest = k;
                       if ((!budget || k.peak <= *budget) && (!host_budget || k.process_peak <= *host_budget))
                         fitting.push_back(k);
                     }
         }
+      // A 4-bit base costs quality: it is suggested only when no float base fits.
+      if (std::any_of(fitting.begin(), fitting.end(), [](const Candidate& k) { return k.quantization.empty(); }))
+        std::erase_if(fitting, [](const Candidate& k) { return !k.quantization.empty(); });
       // Equal estimated times (ZeRO-1 moves as many bytes as ZeRO-0's allreduce): smaller first.
       std::sort(fitting.begin(), fitting.end(), [](const Candidate& x, const Candidate& y) {
         return x.cost != y.cost ? x.cost < y.cost : x.peak < y.peak;
@@ -328,6 +329,7 @@ Action add_plan(CLI::App& app) {
       nlohmann::json fit = nlohmann::json::array();
       for (const Candidate& k : fitting)
         fit.push_back({{"flags", k.flags()},
+                       {"quantization", k.quantization.empty() ? "none" : k.quantization},
                        {"peak_bytes", k.peak},
                        {"process_peak_bytes", k.process_peak},
                        {"relative_step_time", k.cost / fitting[0].cost}});

@@ -62,6 +62,29 @@ TEST(PlanCommand, BudgetCheckAndCheckpointingLever) {
   EXPECT_CONTAINS(bad.output, "parsecs");
 }
 
+// --quantization plans the linear layers packed: 4 bits per weight plus a float16 scale and zero
+// per group of 128 inputs and output, counted here from the shapes alone.
+TEST(PlanCommand, QuantizationPlansPackedWeights) {
+  const json f = plan("--preset qwen2.5-0.5b --bf16"), q = plan("--preset qwen2.5-0.5b --bf16 --quantization gptq-int4");
+  const json q8 = plan("--preset qwen2.5-0.5b --bf16 --quantization gptq-int8");
+  const double D = 896, I = 4864, kv = 128, V = 151936, L = 24;
+  const double layer_in_out[][2] = {{D, D}, {D, kv}, {D, kv}, {D, D}, {D, I}, {D, I}, {I, D}};
+  auto packed = [&](int bits) {
+    double bytes = 0;
+    for (const auto& s : layer_in_out) bytes += s[1] * s[0] * bits / 8 + s[1] * (s[0] / 128) * 4;
+    return bytes;
+  };
+  double dense = 0;  // the float linear weights of the layers
+  for (const auto& s : layer_in_out) dense += s[0] * s[1] * 2;
+  const double rest = f["categories"]["weights"].get<double>() - L * dense;  // embeddings, norms, biases
+  EXPECT_GT(rest, V * D * 2);
+  EXPECT_EQ(q["categories"]["weights"].get<double>(), rest + L * packed(4));
+  EXPECT_EQ(q8["categories"]["weights"].get<double>(), rest + L * packed(8));
+  const auto bad = testing_support::run_memtune("plan --preset qwen2.5-0.5b --quantization gptq-int3");
+  EXPECT_NE(bad.status, 0);
+  EXPECT_CONTAINS(bad.output, "unknown quantization \"gptq-int3\" (known: gptq-int4, gptq-int8, awq)");
+}
+
 // ZeRO-1 over 3 ranks: rank r holds [n r / 3, n (r + 1) / 3) of each tensor, so the last rank
 // has the largest shards; the plan is that rank's, not rank 0's (the smallest). Hidden size 98:
 // each norm splits 32 / 33 / 33 elements, which the 64-byte padding does not hide.
@@ -109,11 +132,19 @@ TEST(PlanCommand, FitSearchFindsConfigurationsWithinTheBudget) {
     const auto ga = std::stoi(flags.substr(flags.find("accumulation_steps ") + 19));
     EXPECT_EQ(b * ga, 16) << flags;
   }
-  // A budget below the weights: nothing fits, and the smallest footprint is reported.
-  const json none = plan(base + " --fit --device_memory 8GiB");
+  for (const auto& k : fit["fit"]) EXPECT_EQ(k["quantization"], "none") << "a float base fits: no 4-bit one is offered";
+  // Below the bfloat16 weights (14.2 GiB) only a 4-bit base fits (QLoRA, 5.3 GiB of packed weights).
+  const json quantized = plan(base + " --fit --device_memory 8GiB");
+  ASSERT_FALSE(quantized["fit"].empty());
+  for (const auto& k : quantized["fit"]) {
+    EXPECT_EQ(k["quantization"], "gptq-int4");
+    EXPECT_CONTAINS(k["flags"].get<std::string>(), "(on a gptq-int4 base: memtune quantize --bits 4)");
+  }
+  // A budget below even those: nothing fits, and the smallest footprint is reported.
+  const json none = plan(base + " --fit --device_memory 5GiB");
   EXPECT_TRUE(none["fit"].empty());
-  EXPECT_GT(none["smallest_peak_bytes"].get<double>(), 8.0 * (1 << 30));
-  const auto text = testing_support::run_memtune("plan " + base + " --fit --device_memory 8GiB");
+  EXPECT_GT(none["smallest_peak_bytes"].get<double>(), 5.0 * (1 << 30));
+  const auto text = testing_support::run_memtune("plan " + base + " --fit --device_memory 5GiB");
   EXPECT_CONTAINS(text.output, "nothing fits");
   EXPECT_EQ(testing_support::run_memtune("plan --preset tiny --fit").status, 1);
 }
