@@ -3,6 +3,7 @@
 // batch-1 decode is bound by bandwidth / bytes of weights per token) and the sgemm ceiling at
 // the prefill's shapes (prefill is a GEMM over the prompt).
 // Usage: bench_generate --model DIR [--torch_dtype float32|bfloat16] [--prompt 128] [--new 128]
+// A GPTQ / AWQ model reads its packed bytes per token (the row's dtype is then its quantization).
 // Prints a human-readable report and one final JSON line (for scripts/bench-generate.sh).
 #include <cblas.h>
 #include <omp.h>
@@ -20,6 +21,7 @@
 #include "core/rng.h"
 #include "generate/generator.h"
 #include "generate/inference_plan.h"
+#include "io/quantized.h"
 #include "model/load.h"
 #include "bench_util.h"
 
@@ -74,14 +76,21 @@ int main(int argc, char** argv) {
     const int64_t max_batch = *std::max_element(batches.begin(), batches.end());
     // Each decoded token reads every decoder weight and the LM head once (the embedding: one row).
     const double layer_params = double(D) * (c.q_dim() + 2 * c.kv_dim()) + double(c.q_dim()) * D + 3.0 * D * I;
-    const double weight_bytes = (L * layer_params + double(V) * D) * dtype_size(dtype);
+    double weight_bytes = (L * layer_params + double(V) * D) * dtype_size(dtype);
+    if (const QuantConfig& q = c.quant; q.enabled()) {  // packed layers: codes, scales, zeros
+      weight_bytes = double(V) * D * dtype_size(dtype);
+      for (const ParamSpec& s : qwen2_parameter_specs(c))
+        if (s.shape.size() == 2 && s.name.starts_with("model.layers."))
+          weight_bytes += double(quantized_layer_bytes(q.bits, s.shape[1], s.shape[0], q.groups(s.shape[1]), q.desc_act));
+    }
+    const std::string label = c.quant.enabled() ? quantization_name(c.quant) : dtype_name;
     const double bandwidth = read_bandwidth();
     const double ceiling =
         std::max({sgemm_gflops(prompt, I, D), sgemm_gflops(prompt, c.q_dim(), D), sgemm_gflops(prompt, D, I)});
     fmt::print("{} threads; memory read bandwidth {:.1f} GB/s; sgemm ceiling at the prefill's shapes {:.1f} GFLOP/s\n",
                omp_get_max_threads(), bandwidth / 1e9, ceiling);
     fmt::print("model: {} parameters, {}; {:.1f} MB of weights read per decoded token\n", qwen2_parameter_count(c),
-               dtype_name, weight_bytes / 1e6);
+               label, weight_bytes / 1e6);
 
     const InferenceLimits limits{.max_model_len = prompt + new_tokens, .max_num_seqs = max_batch,
                                  .max_num_batched_tokens = prompt * max_batch, .block_size = 16};
@@ -120,7 +129,7 @@ int main(int argc, char** argv) {
                100 * prefill_gflops / ceiling);
     rusage ru{};
     getrusage(RUSAGE_SELF, &ru);
-    const nlohmann::json out = {{"torch_dtype", dtype_name},
+    const nlohmann::json out = {{"torch_dtype", label},
                                 {"prompt_tokens", prompt},
                                 {"new_tokens", new_tokens},
                                 {"memory_read_gb_per_s", bandwidth / 1e9},

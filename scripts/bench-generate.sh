@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Benchmark of generation on the Qwen2.5-0.5B shape (random weights, created once in
-# out/bench/qwen2.5-0.5b-bf16), float32 and bfloat16: prefill and decode tokens/s at batch 1 and 8
+# out/bench/qwen2.5-0.5b-bf16), float32, bfloat16 and its GPTQ int8 / int4 copies (group 128,
+# round-to-nearest, made once by memtune quantize): prefill and decode tokens/s at batch 1 and 8
 # against the machine's memory read bandwidth and sgemm ceiling measured in the same run
 # (bench/bench_generate.cpp). Writes bench/results/generate-*.json
 # (scripts/bench_results.py tables turns them into the tables).
@@ -14,11 +15,20 @@ model="$root/out/bench/qwen2.5-0.5b-bf16"
 if [[ ! -f "$model/model.safetensors" ]]; then
   "$root/build/memtune" init-model --preset qwen2.5-0.5b --torch_dtype bfloat16 --seed 1 --out "$model"
 fi
+for bits in 8 4; do
+  if [[ ! -f "$model-gptq-int$bits/model.safetensors" ]]; then
+    "$root/build/memtune" quantize --model "$model" --bits $bits --group_size 128 --out "$model-gptq-int$bits"
+  fi
+done
 threads="$(nproc)"
 rows="["
-for dtype in float32 bfloat16; do
-  echo "== $dtype ($threads threads)"
-  line="$(OMP_NUM_THREADS=$threads "$root/build/bench_generate" --model "$model" --torch_dtype "$dtype" \
+for run in float32 bfloat16 gptq-int8 gptq-int4; do
+  echo "== $run ($threads threads)"
+  case "$run" in
+    gptq-*) args=(--model "$model-$run" --torch_dtype bfloat16) ;;
+    *) args=(--model "$model" --torch_dtype "$run") ;;
+  esac
+  line="$(OMP_NUM_THREADS=$threads "$root/build/bench_generate" "${args[@]}" \
     --prompt "$prompt" --new "$new" | tee /dev/stderr | tail -1)"
   rows+="$line,"
 done

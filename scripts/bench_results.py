@@ -123,8 +123,25 @@ def table_serve(results):
     return lines
 
 
+def table_quantize(results):
+    lines = ["| model | machine | held-out perplexity | vs float32 | file |", "|---|---|---:|---:|---:|"]
+    for r in results:
+        base = next(row for row in r["rows"] if row["model"] == "float32")
+        for row in r["rows"]:
+            lines.append(f"| {row['model']} | {machine_text(r)} | {row['perplexity']:.3f} | "
+                         f"{row['perplexity'] / base['perplexity'] - 1:+.2%} | {mib(row['file_bytes'])} |")
+    lines += ["", "| preset | float16 weights | int8 (GPTQ, group 128) | int4 (GPTQ, group 128) |",
+              "|---|---:|---:|---:|"]
+    r = results[-1]
+    for preset in dict.fromkeys(s["preset"] for s in r["settings"]["sizes"]):
+        size = {s["quantization"]: s["weights_bytes"] for s in r["settings"]["sizes"] if s["preset"] == preset}
+        lines.append(f"| {preset} | {size['float16'] / 2**30:.2f} GiB | {size['gptq-int8'] / 2**30:.2f} GiB | "
+                     f"{size['gptq-int4'] / 2**30:.2f} GiB |")
+    return lines
+
+
 TABLES = {"memory": table_memory, "step": table_speed, "train": table_speed, "generate": table_generate,
-          "serve": table_serve}
+          "serve": table_serve, "quantize": table_quantize}
 
 
 def tables():

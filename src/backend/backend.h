@@ -87,7 +87,7 @@ struct QuantizedWeight {
 };
 // Output rows of a quantized weight dequantized at once (into float32 scratch [rows, in]) when a
 // quantized matmul has more input rows than kSixteenBitWeightRows; fewer rows read the codes.
-constexpr int64_t kQuantizedTileRows = 64;
+constexpr int64_t kQuantizedTileRows = 256;
 
 // Up to this many rows a caller hands matmul_forward a 16-bit weight as it is stored (widened
 // in registers); with more rows it widens the weight into float32 scratch first.

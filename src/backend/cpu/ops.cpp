@@ -1,5 +1,6 @@
 // CPU implementations of the ops in ops.h. See that header for conventions.
 #include "backend/cpu/ops.h"
+#include "backend/cpu/simd.h"
 
 #include <cblas.h>
 // GCC 12 reports its own _mm512_undefined_* placeholders as maybe-uninitialized when inlined.
@@ -261,10 +262,6 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
 
 namespace {
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-
 // How a weight is stored, as a template argument: the inner loop then holds no branch and no
 // call, and its accumulators stay in registers.
 enum class Stored { F32, BF16, F16 };
@@ -304,16 +301,6 @@ inline float widen(StoredType<S> w) {
     return bf16_to_f32(w);
   else
     return f16_to_f32(w);
-}
-// The sum of the 16 lanes by halving (4 adds of shrinking vectors): a lane-by-lane loop cost more
-// than a whole row of hidden size 896 (Qwen2.5-0.5B) takes to stream.
-inline float hsum(f32x16 v) {
-  typedef float f32x8 __attribute__((vector_size(32)));
-  typedef float f32x4 __attribute__((vector_size(16)));
-  const f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const f32x4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
 // Rows (up to 8) input rows against WR consecutive weight rows: every 16 columns each weight

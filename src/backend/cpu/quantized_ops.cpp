@@ -17,20 +17,12 @@
 #include <cstring>
 
 #include "backend/cpu/ops.h"
+#include "backend/cpu/simd.h"
 #include "core/dtype.h"
 #include "core/error.h"
 
 namespace memtune::cpu {
 namespace {
-
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-
-inline float hsum(f32x16 v) {
-  float s = 0.0f;
-  for (int i = 0; i < 16; ++i) s += v[i];
-  return s;
-}
 
 struct Layout {
   const uint32_t* codes;
@@ -59,7 +51,7 @@ struct Layout {
   }
   float weight(int64_t n, int64_t k) const {
     const int64_t g = n * groups + group(k);
-    return f16_to_f32(scales[g]) * (static_cast<float>(code(n, k)) - f16_to_f32(zeros[g]));
+    return half_to_float(scales[g]) * (static_cast<float>(code(n, k)) - half_to_float(zeros[g]));
   }
   // The chunked path: whole chunks never straddle a group.
   bool chunked() const { return !g_idx && group_size % chunk() == 0; }
@@ -75,7 +67,9 @@ void chunked_row(float* out, int64_t OC, const float* xp, const float* xsum, con
   constexpr uint32_t mask = (1u << Bits) - 1u;
   const int64_t in = w.in, full = in / K, per_group = w.group_size / K;
   const uint32_t* row = w.codes + o * (in / P);
-  float total[Rows] = {};
+  // Per lane until the end of the row: s * sum(x q) of every group, then one horizontal sum.
+  f32x16 total[Rows] = {};
+  float zero_terms[Rows] = {};  // sum over groups of s * z * sum(x)
   for (int64_t g = 0; g * per_group < full; ++g) {
     f32x16 acc[Rows] = {};
     const int64_t c_end = std::min(full, (g + 1) * per_group);
@@ -91,14 +85,18 @@ void chunked_row(float* out, int64_t OC, const float* xp, const float* xsum, con
         }
       }
     }
-    const float s = f16_to_f32(w.scales[o * w.groups + g]), z = f16_to_f32(w.zeros[o * w.groups + g]);
-    for (int m = 0; m < Rows; ++m) total[m] += s * (hsum(acc[m]) - z * xsum[m * w.groups + g]);
+    const float s = half_to_float(w.scales[o * w.groups + g]), sz = s * half_to_float(w.zeros[o * w.groups + g]);
+    for (int m = 0; m < Rows; ++m) {
+      total[m] += s * acc[m];
+      zero_terms[m] += sz * xsum[m * w.groups + g];
+    }
   }
+  float tail[Rows] = {};
   for (int64_t k = full * K; k < in; ++k) {  // past the last whole chunk: in input order
     const float wk = w.weight(o, k);
-    for (int m = 0; m < Rows; ++m) total[m] += xp[m * in + k] * wk;
+    for (int m = 0; m < Rows; ++m) tail[m] += xp[m * in + k] * wk;
   }
-  for (int m = 0; m < Rows; ++m) out[m * OC + o] = total[m] + (bias ? bias[o] : 0.0f);
+  for (int m = 0; m < Rows; ++m) out[m * OC + o] = hsum(total[m]) - zero_terms[m] + tail[m] + (bias ? bias[o] : 0.0f);
 }
 
 template <int Bits>
@@ -167,20 +165,29 @@ void skinny(float* out, const float* inp, const Layout& w, const float* bias, in
     }
 }
 
-// Output rows o0 .. o0 + rows of the weight as float32 [rows, in].
+// Output rows o0 .. o0 + rows of the weight as float32 [rows, in]: each word's codes as floats,
+// then each group's scale and zero applied to its run of inputs.
 void dequantize_rows(float* tile, const Layout& w, int64_t o0, int64_t rows) {
+  const int P = w.per_word();
+  const uint32_t mask = (1u << w.bits) - 1u;
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t o = o0 + r;
     float* y = tile + r * w.in;
+    const uint32_t* words = w.codes + o * (w.in / P);
+    for (int64_t c = 0; c < w.in / P; ++c)
+      for (int j = 0; j < P; ++j) y[c * P + j] = static_cast<float>((words[c] >> (w.bits * j)) & mask);
     if (w.g_idx) {
-      for (int64_t k = 0; k < w.in; ++k) y[k] = w.weight(o, k);
+      for (int64_t k = 0; k < w.in; ++k) {
+        const int64_t g = o * w.groups + w.g_idx[k];
+        y[k] = half_to_float(w.scales[g]) * (y[k] - half_to_float(w.zeros[g]));
+      }
       continue;
     }
     for (int64_t g = 0; g < w.groups; ++g) {
-      const float s = f16_to_f32(w.scales[o * w.groups + g]), z = f16_to_f32(w.zeros[o * w.groups + g]);
+      const float s = half_to_float(w.scales[o * w.groups + g]), z = half_to_float(w.zeros[o * w.groups + g]);
       const int64_t end = std::min(w.in, (g + 1) * w.group_size);
-      for (int64_t k = g * w.group_size; k < end; ++k) y[k] = s * (static_cast<float>(w.code(o, k)) - z);
+      for (int64_t k = g * w.group_size; k < end; ++k) y[k] = s * (y[k] - z);
     }
   }
 }
