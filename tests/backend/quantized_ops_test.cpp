@@ -123,7 +123,7 @@ const Shape kShapes[] = {
 };
 
 TEST(QuantizedOps, ForwardEqualsDequantizeThenMatmul) {
-  const int64_t OC = kQuantizedTileRows + 8;  // a full tile of output rows and a partial one
+  const int64_t OC = kQuantizedTileRows + 9;  // a full tile of output rows, a partial one, an odd count
   for (const char* name : {"cpu", "reference"})
     for (const Shape& s : kShapes)
       for (const int64_t N : {1, 2, 5, 8, 9, 16, 17, 33}) {
@@ -154,7 +154,7 @@ TEST(QuantizedOps, ForwardEqualsDequantizeThenMatmul) {
 }
 
 TEST(QuantizedOps, BackwardInputAccumulatesDoutTimesTheDequantizedWeight) {
-  const int64_t OC = kQuantizedTileRows + 8;
+  const int64_t OC = kQuantizedTileRows + 9;
   for (const char* name : {"cpu", "reference"})
     for (const Shape& s : kShapes)
       for (const int64_t N : {3, 20}) {

@@ -59,59 +59,91 @@ struct Layout {
 
 // Rows input rows (already permuted chunk by chunk, xsum their sums per group over whole chunks)
 // against output row o.
-template <int Bits, int Rows>
-void chunked_row(float* out, int64_t OC, const float* xp, const float* xsum, const Layout& w, const float* bias,
-                 int64_t o) {
+// Rows input rows against output rows o .. o + WR - 1: each input vector loaded once serves the
+// WR weight rows (one or two input rows would otherwise load an input vector per FMA).
+template <int Bits, int Rows, int WR>
+void chunked_block(float* out, int64_t OC, const float* xp, const float* xsum, const Layout& w, const float* bias,
+                   int64_t o) {
   constexpr int P = 32 / Bits;
   constexpr int64_t K = 16 * P;
   constexpr uint32_t mask = (1u << Bits) - 1u;
   const int64_t in = w.in, full = in / K, per_group = w.group_size / K;
-  const uint32_t* row = w.codes + o * (in / P);
+  const uint32_t* rows[WR];
+  for (int r = 0; r < WR; ++r) rows[r] = w.codes + (o + r) * (in / P);
   // Per lane until the end of the row: s * sum(x q) of every group, then one horizontal sum.
-  f32x16 total[Rows] = {};
-  float zero_terms[Rows] = {};  // sum over groups of s * z * sum(x)
+  f32x16 total[WR][Rows] = {};
+  float zero_terms[WR][Rows] = {};  // sum over groups of s * z * sum(x)
   for (int64_t g = 0; g * per_group < full; ++g) {
-    f32x16 acc[Rows] = {};
+    f32x16 acc[WR][Rows] = {};
     const int64_t c_end = std::min(full, (g + 1) * per_group);
     for (int64_t c = g * per_group; c < c_end; ++c) {
-      u32x16 words;
-      std::memcpy(&words, row + c * 16, sizeof words);
+      u32x16 words[WR];
+      for (int r = 0; r < WR; ++r) {
+        __builtin_prefetch(rows[r] + c * 16 + 256 * WR);  // rows follow each other: cache lines ahead
+        std::memcpy(&words[r], rows[r] + c * 16, sizeof words[r]);
+      }
       for (int j = 0; j < P; ++j) {
-        const f32x16 q = __builtin_convertvector((words >> static_cast<uint32_t>(Bits * j)) & mask, f32x16);
+        f32x16 q[WR];
+        for (int r = 0; r < WR; ++r)
+          q[r] = __builtin_convertvector((words[r] >> static_cast<uint32_t>(Bits * j)) & mask, f32x16);
         for (int m = 0; m < Rows; ++m) {
           f32x16 x;
           std::memcpy(&x, xp + m * in + c * K + j * 16, sizeof x);
-          acc[m] += x * q;
+          for (int r = 0; r < WR; ++r) acc[r][m] += x * q[r];
         }
       }
     }
-    const float s = half_to_float(w.scales[o * w.groups + g]), sz = s * half_to_float(w.zeros[o * w.groups + g]);
-    for (int m = 0; m < Rows; ++m) {
-      total[m] += s * acc[m];
-      zero_terms[m] += sz * xsum[m * w.groups + g];
+    for (int r = 0; r < WR; ++r) {
+      const float s = half_to_float(w.scales[(o + r) * w.groups + g]);
+      const float sz = s * half_to_float(w.zeros[(o + r) * w.groups + g]);
+      for (int m = 0; m < Rows; ++m) {
+        total[r][m] += s * acc[r][m];
+        zero_terms[r][m] += sz * xsum[m * w.groups + g];
+      }
     }
   }
-  float tail[Rows] = {};
-  for (int64_t k = full * K; k < in; ++k) {  // past the last whole chunk: in input order
-    const float wk = w.weight(o, k);
-    for (int m = 0; m < Rows; ++m) tail[m] += xp[m * in + k] * wk;
+  for (int r = 0; r < WR; ++r) {
+    float tail[Rows] = {};
+    for (int64_t k = full * K; k < in; ++k) {  // past the last whole chunk: in input order
+      const float wk = w.weight(o + r, k);
+      for (int m = 0; m < Rows; ++m) tail[m] += xp[m * in + k] * wk;
+    }
+    for (int m = 0; m < Rows; ++m)
+      out[m * OC + o + r] = hsum(total[r][m]) - zero_terms[r][m] + tail[m] + (bias ? bias[o + r] : 0.0f);
   }
-  for (int m = 0; m < Rows; ++m) out[m * OC + o] = hsum(total[m]) - zero_terms[m] + tail[m] + (bias ? bias[o] : 0.0f);
 }
 
-template <int Bits>
+// Up to 4 input rows go against two weight rows at once (their accumulators fit the registers).
+template <int Bits, int WR>
 void chunked_rows(float* out, int64_t OC, const float* xp, const float* xsum, const Layout& w, const float* bias,
                   int64_t rows, int64_t o) {
   switch (rows) {
-    case 8: return chunked_row<Bits, 8>(out, OC, xp, xsum, w, bias, o);
-    case 7: return chunked_row<Bits, 7>(out, OC, xp, xsum, w, bias, o);
-    case 6: return chunked_row<Bits, 6>(out, OC, xp, xsum, w, bias, o);
-    case 5: return chunked_row<Bits, 5>(out, OC, xp, xsum, w, bias, o);
-    case 4: return chunked_row<Bits, 4>(out, OC, xp, xsum, w, bias, o);
-    case 3: return chunked_row<Bits, 3>(out, OC, xp, xsum, w, bias, o);
-    case 2: return chunked_row<Bits, 2>(out, OC, xp, xsum, w, bias, o);
-    case 1: return chunked_row<Bits, 1>(out, OC, xp, xsum, w, bias, o);
+    case 8: return chunked_block<Bits, 8, 1>(out, OC, xp, xsum, w, bias, o);
+    case 7: return chunked_block<Bits, 7, 1>(out, OC, xp, xsum, w, bias, o);
+    case 6: return chunked_block<Bits, 6, 1>(out, OC, xp, xsum, w, bias, o);
+    case 5: return chunked_block<Bits, 5, 1>(out, OC, xp, xsum, w, bias, o);
+    case 4: return chunked_block<Bits, 4, WR>(out, OC, xp, xsum, w, bias, o);
+    case 3: return chunked_block<Bits, 3, WR>(out, OC, xp, xsum, w, bias, o);
+    case 2: return chunked_block<Bits, 2, WR>(out, OC, xp, xsum, w, bias, o);
+    case 1: return chunked_block<Bits, 1, WR>(out, OC, xp, xsum, w, bias, o);
     default: MT_ASSERT(false, "chunked_rows takes 1 to 8 rows");
+  }
+}
+
+// Output rows o .. o + count - 1 (count 1 or 2) against all input rows, 8 at a time.
+template <int Bits>
+void chunked_outputs(float* out, int64_t OC, const float* xp, const float* xsum, const Layout& w, const float* bias,
+                     int64_t N, int64_t o, int64_t count) {
+  for (int64_t n0 = 0; n0 < N; n0 += 8) {
+    const int64_t rows = std::min<int64_t>(8, N - n0);
+    float* y = out + n0 * OC;
+    const float* x = xp + n0 * w.in;
+    const float* xs = xsum + n0 * w.groups;
+    if (count == 2 && rows <= 4) {
+      chunked_rows<Bits, 2>(y, OC, x, xs, w, bias, rows, o);
+    } else {
+      for (int64_t r = 0; r < count; ++r) chunked_rows<Bits, 1>(y, OC, x, xs, w, bias, rows, o + r);
+    }
   }
 }
 
@@ -154,15 +186,15 @@ void skinny(float* out, const float* inp, const Layout& w, const float* bias, in
       xsum[m * w.groups + g] = s;
     }
   }
+  const int64_t pairs = (OC + 1) / 2;
 #pragma omp parallel for schedule(static)
-  for (int64_t o = 0; o < OC; ++o)
-    for (int64_t n0 = 0; n0 < N; n0 += 8) {
-      const int64_t rows = std::min<int64_t>(8, N - n0);
-      if (w.bits == 4)
-        chunked_rows<4>(out + n0 * OC, OC, xp + n0 * in, xsum + n0 * w.groups, w, bias, rows, o);
-      else
-        chunked_rows<8>(out + n0 * OC, OC, xp + n0 * in, xsum + n0 * w.groups, w, bias, rows, o);
-    }
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t o = 2 * p, count = std::min<int64_t>(2, OC - o);
+    if (w.bits == 4)
+      chunked_outputs<4>(out, OC, xp, xsum, w, bias, N, o, count);
+    else
+      chunked_outputs<8>(out, OC, xp, xsum, w, bias, N, o, count);
+  }
 }
 
 // Output rows o0 .. o0 + rows of the weight as float32 [rows, in]: each word's codes as floats,
