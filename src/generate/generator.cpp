@@ -228,6 +228,7 @@ void GenerationEngine::step() {
   };
   for (auto& s : running_)
     if (s->computed >= s->prompt_len) add_tokens(*s, 1);
+  if (!ids_.empty() && decode_step_prefill_tokens_ > 0) budget = std::min(budget, decode_step_prefill_tokens_);
   for (auto& s : running_) {
     if (s->computed >= s->prompt_len || budget == 0) continue;
     const int64_t n = std::min(s->prompt_len - s->computed, budget);

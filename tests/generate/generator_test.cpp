@@ -216,6 +216,36 @@ TEST(Generator, BatchedChunkedAndWaitingRequestsGiveTheSameTokensAsOneByOne) {
   }
 }
 
+// A prompt arriving while another sequence decodes is read at most N tokens per step
+// (set_decode_step_prefill_tokens), so the decoding one keeps stepping; the tokens are unchanged.
+TEST(Generator, DecodingStepsTakeAtMostTheirPrefillShareOfAPrompt) {
+  const Qwen2Config c = tiny();
+  const GenerationRequest first = request(random_ids(2, c.vocab_size, 3), 24);
+  const GenerationRequest second = request(random_ids(40, c.vocab_size, 4), 6);
+  std::vector<std::vector<int32_t>> alone;
+  for (const auto& r : {first, second}) {
+    auto m = inference_model(c, limits(64, 1, 64));
+    alone.push_back(Generator(*m, nullptr).generate({r})[0].token_ids);
+  }
+  auto m = inference_model(c, limits(64, 2, 64));
+  GenerationEngine engine(*m, nullptr);
+  engine.set_decode_step_prefill_tokens(8);
+  std::vector<std::vector<int32_t>> got(2);
+  engine.add(first, {.on_text = nullptr, .on_token = nullptr, .on_finish = [&](GenerationResult&& r) { got[0] = r.token_ids; }});
+  engine.step();  // the first prompt alone
+  engine.add(second, {.on_text = nullptr, .on_token = nullptr, .on_finish = [&](GenerationResult&& r) { got[1] = r.token_ids; }});
+  int64_t prefill_steps = 0;
+  while (!engine.idle()) {
+    const int64_t before = engine.stats().prefill_tokens;
+    engine.step();
+    const int64_t read = engine.stats().prefill_tokens - before;
+    EXPECT_LE(read, 8);
+    prefill_steps += read > 0;
+  }
+  EXPECT_EQ(prefill_steps, 5);  // 40 prompt tokens, 8 a step
+  EXPECT_EQ(got, alone);
+}
+
 TEST(Generator, APoolSizedByABudgetMakesRequestsWaitForBlocks) {
   const Qwen2Config c = tiny();
   InferenceLimits l = limits(64, 8, 64);
