@@ -5,6 +5,7 @@
 # inter-token latency (p50, p99), and their ratios against concurrency 1 from the same run. Writes
 # bench/results/serve-*.json (scripts/bench_results.py tables turns them into the tables).
 # Usage: scripts/bench-serve.sh [prompt=128] [new_tokens=128] [rounds=1]
+# (MEMTUNE_SERVE_FLAGS adds flags to the server, e.g. "--max_decode_step_tokens 0" for the uncapped steps)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 prompt="${1:-128}" new="${2:-128}" rounds="${3:-1}"
@@ -17,7 +18,7 @@ fi
 log="$(mktemp)"
 trap 'kill "$server" 2> /dev/null || true; rm -f "$log"' EXIT
 OMP_NUM_THREADS="$(nproc)" "$root/build/memtune" serve "$model" --port 0 --max_model_len $((prompt + new)) \
-  --max_num_seqs 16 --max_num_batched_tokens 512 > "$log" 2>&1 &
+  --max_num_seqs 16 --max_num_batched_tokens 512 ${MEMTUNE_SERVE_FLAGS:-} > "$log" 2>&1 &
 server=$!
 for _ in $(seq 600); do
   grep -q "on http://" "$log" && break

@@ -44,7 +44,7 @@ struct GenerateArgs {
   bool enable_thinking = true;        // Qwen3's template: false writes an empty think block into the prompt
   std::vector<std::string> adapters;  // --adapter values as given
   std::vector<std::pair<std::string, std::string>> named_adapters;  // --adapter NAME=DIR, in order
-  int64_t decode_step_prefill_tokens = 64;  // serve: prompt tokens a decoding step takes at most
+  int64_t max_decode_step_tokens = kSixteenBitWeightRows;  // serve: tokens of a step that decodes
   int64_t max_new_tokens = 256, max_model_len = 0, max_num_seqs = 8, max_num_batched_tokens = 512, block_size = 16;
   double memory_fraction = 0.9;
   SamplingParams sampling;
@@ -291,7 +291,7 @@ void serve(const GenerateArgs& a) {
     model->parameters().load_adapter_set(k, a.named_adapters[k].second);
   std::cout << inference_plan_text(setup, model->plan()) << std::flush;
   GenerationEngine engine(*model, &tokenizer);
-  engine.set_decode_step_prefill_tokens(a.decode_step_prefill_tokens);
+  engine.set_max_decode_step_tokens(a.max_decode_step_tokens);
   ServeOptions o;
   o.host = a.host;
   o.port = a.port;
@@ -341,9 +341,10 @@ Action add_generate(CLI::App& app, GenerateMode mode) {
     app.add_option("--api_key,--api-key", a->api_key, "require Authorization: Bearer KEY on /v1 routes");
     app.add_option("--max_queue", a->max_queue, "requests waiting beyond this get 429 with Retry-After")
         ->capture_default_str();
-    app.add_option("--decode_step_prefill_tokens", a->decode_step_prefill_tokens,
-                   "prompt tokens a step that also decodes takes at most (0: up to max_num_batched_tokens); lower "
-                   "keeps other streams' inter-token latency near a decode step's while a long prompt is read")
+    app.add_option("--max_decode_step_tokens", a->max_decode_step_tokens,
+                   "tokens a step that decodes holds at most, prompt chunks filling what the decoding streams "
+                   "leave (at least 4; 0: up to max_num_batched_tokens): keeps inter-token latency near a decode "
+                   "step's while prompts are read, at some cost in throughput and time to first token")
         ->capture_default_str()
         ->check(CLI::NonNegativeNumber);
     app.add_option("--shutdown_timeout", a->shutdown_timeout,

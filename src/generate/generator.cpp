@@ -228,7 +228,8 @@ void GenerationEngine::step() {
   };
   for (auto& s : running_)
     if (s->computed >= s->prompt_len) add_tokens(*s, 1);
-  if (!ids_.empty() && decode_step_prefill_tokens_ > 0) budget = std::min(budget, decode_step_prefill_tokens_);
+  if (!ids_.empty() && max_decode_step_tokens_ > 0)
+    budget = std::min(budget, std::max<int64_t>(4, max_decode_step_tokens_ - static_cast<int64_t>(ids_.size())));
   for (auto& s : running_) {
     if (s->computed >= s->prompt_len || budget == 0) continue;
     const int64_t n = std::min(s->prompt_len - s->computed, budget);

@@ -90,10 +90,12 @@ class GenerationEngine {
   bool idle() const { return waiting_.empty() && running_.empty(); }
   // Admits waiting requests in order while the pool holds each whole, then runs one step.
   void step();
-  // A step that decodes takes at most this many prompt tokens (0: up to max_num_batched_tokens),
-  // so a long prompt arriving does not stall every running sequence for a whole chunk: the
-  // inter-token latency of the others stays near a decode step's. Tokens are unchanged.
-  void set_decode_step_prefill_tokens(int64_t tokens) { decode_step_prefill_tokens_ = tokens; }
+  // A step that decodes holds at most this many tokens in all (0: up to max_num_batched_tokens),
+  // its prompt tokens being what the decoding sequences leave (at least 4, so prompts always
+  // advance): a long prompt arriving does not stall the running sequences for a whole chunk, and
+  // with kSixteenBitWeightRows the step reads 16-bit weights as stored instead of widening them.
+  // Tokens are unchanged.
+  void set_max_decode_step_tokens(int64_t tokens) { max_decode_step_tokens_ = tokens; }
 
   int64_t num_waiting() const { return static_cast<int64_t>(waiting_.size()); }
   int64_t num_running() const { return static_cast<int64_t>(running_.size()); }
@@ -115,7 +117,7 @@ class GenerationEngine {
   SamplerScratch scratch_;
   GenerationStats stats_;
   uint64_t next_id_ = 0;
-  int64_t decode_step_prefill_tokens_ = 0;
+  int64_t max_decode_step_tokens_ = 0;
   std::deque<std::unique_ptr<Sequence>> waiting_;
   std::vector<std::unique_ptr<Sequence>> running_;
   std::vector<int32_t> free_blocks_;
