@@ -168,12 +168,7 @@ Action add_merge(CLI::App& app) {
     const std::unique_ptr<Qwen2Model> model = load_model(args->model, options, args->adapter);
     model->parameters().merge_lora();  // W += scaling * B A, rounded to the base's storage dtype
     model->parameters().save(args->out);
-    for (const char* name : {"tokenizer.json", "tokenizer_config.json"}) {
-      const auto from = std::filesystem::path(args->model) / name;
-      if (std::filesystem::exists(from))
-        std::filesystem::copy_file(from, std::filesystem::path(args->out) / name,
-                                   std::filesystem::copy_options::overwrite_existing);
-    }
+    copy_model_side_files(args->model, args->out);
     const LoraConfig& lora = model->options().lora;
     std::cout << fmt::format("merged {} (r={}, {}) into {}: wrote {}\n", args->adapter, lora.rank,
                              fmt::join(lora.target_names(), ","), args->model, args->out);

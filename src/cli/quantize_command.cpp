@@ -156,12 +156,7 @@ Action add_dequantize(CLI::App& app) {
     doc["torch_dtype"] = std::string(dtype_torch_name(dtype));
     doc.erase("dtype");
     write_file_atomically((std::filesystem::path(a->out) / "config.json").string(), doc.dump(2) + "\n");
-    for (const char* name : {"tokenizer.json", "tokenizer_config.json", "generation_config.json"}) {
-      const auto from = std::filesystem::path(a->model) / name;
-      if (std::filesystem::exists(from))
-        std::filesystem::copy_file(from, std::filesystem::path(a->out) / name,
-                                   std::filesystem::copy_options::overwrite_existing);
-    }
+    copy_model_side_files(a->model, a->out);
     std::cout << fmt::format("dequantized {} ({}-bit {}) to {}: wrote {}\n", a->model, c.quant.bits,
                              quant_method_name(c.quant.method), dtype_torch_name(dtype), a->out);
   };

@@ -268,4 +268,13 @@ void write_checkpoint(const std::string& dir, const std::vector<TensorToWrite>& 
   sync_directory(dir);
 }
 
+void copy_model_side_files(const std::string& from_dir, const std::string& to_dir) {
+  for (const char* name : {"tokenizer.json", "tokenizer_config.json", "generation_config.json"}) {
+    const auto from = std::filesystem::path(from_dir) / name;
+    if (std::filesystem::exists(from))
+      std::filesystem::copy_file(from, std::filesystem::path(to_dir) / name,
+                                 std::filesystem::copy_options::overwrite_existing);
+  }
+}
+
 }  // namespace memtune

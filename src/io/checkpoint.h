@@ -56,4 +56,8 @@ class CheckpointReader {
 void write_checkpoint(const std::string& dir, const std::vector<TensorToWrite>& tensors,
                       size_t max_shard_bytes = 5'000'000'000);
 
+// Copies what a model directory holds beside its weights and config (tokenizer.json,
+// tokenizer_config.json, generation_config.json), those present, from one directory to another.
+void copy_model_side_files(const std::string& from_dir, const std::string& to_dir);
+
 }  // namespace memtune

@@ -25,9 +25,8 @@ void check_bits(int bits) {
   if (bits != 4 && bits != 8) throw Error(fmt::format("bits is {}; GPTQ layers here have 4 or 8 bits", bits));
 }
 
-}  // namespace
-
-void gptq_dequantize(const GptqPacked& p, int bits, int64_t in, int64_t out, int64_t groups, std::span<float> w) {
+// A GPTQ layer's bits and tensor sizes (g_idx may be absent when `g_idx_optional`).
+void check_gptq(const GptqPacked& p, int bits, int64_t in, int64_t out, int64_t groups, bool g_idx_optional) {
   check_bits(bits);
   const int per_word = 32 / bits;
   if (in % per_word != 0 || out % per_word != 0)
@@ -35,7 +34,14 @@ void gptq_dequantize(const GptqPacked& p, int bits, int64_t in, int64_t out, int
   check_size(p.qweight.size(), in / per_word * out, "qweight");
   check_size(p.qzeros.size(), groups * (out / per_word), "qzeros");
   check_size(p.scales.size(), groups * out, "scales");
-  check_size(p.g_idx.size(), in, "g_idx");
+  if (!g_idx_optional || !p.g_idx.empty()) check_size(p.g_idx.size(), in, "g_idx");
+}
+
+}  // namespace
+
+void gptq_dequantize(const GptqPacked& p, int bits, int64_t in, int64_t out, int64_t groups, std::span<float> w) {
+  check_gptq(p, bits, in, out, groups, false);
+  const int per_word = 32 / bits;
   check_size(w.size(), in * out, "the output");
   for (int64_t k = 0; k < in; ++k) {
     const int32_t g = p.g_idx[static_cast<size_t>(k)];
@@ -150,14 +156,8 @@ int64_t layer_group(const QuantizedLayer& layer, int64_t k) {
 
 QuantizedLayer gptq_to_layer(const GptqPacked& p, int bits, int64_t in, int64_t out, int64_t groups,
                              int64_t group_size) {
-  check_bits(bits);
+  check_gptq(p, bits, in, out, groups, true);
   const int per_word = 32 / bits;
-  if (in % per_word != 0 || out % per_word != 0)
-    throw Error(fmt::format("a {}-bit GPTQ layer needs in ({}) and out ({}) divisible by {}", bits, in, out, per_word));
-  check_size(p.qweight.size(), in / per_word * out, "qweight");
-  check_size(p.qzeros.size(), groups * (out / per_word), "qzeros");
-  check_size(p.scales.size(), groups * out, "scales");
-  if (!p.g_idx.empty()) check_size(p.g_idx.size(), in, "g_idx");
   const int64_t size = group_size > 0 ? group_size : in;
   QuantizedLayer layer = empty_layer(bits, in, out, groups, size);
   for (int64_t w = 0; w < in / per_word; ++w)

@@ -333,12 +333,7 @@ QuantizeSummary quantize_model(const std::string& model_dir, const std::string& 
   write_checkpoint(out_dir, tensors);
   doc["quantization_config"] = qwen2_config_to_json(target)["quantization_config"];
   write_file_atomically((std::filesystem::path(out_dir) / "config.json").string(), doc.dump(2) + "\n");
-  for (const char* name : {"tokenizer.json", "tokenizer_config.json", "generation_config.json"}) {
-    const auto from = std::filesystem::path(model_dir) / name;
-    if (std::filesystem::exists(from))
-      std::filesystem::copy_file(from, std::filesystem::path(out_dir) / name,
-                                 std::filesystem::copy_options::overwrite_existing);
-  }
+  copy_model_side_files(model_dir, out_dir);
   summary.layers = static_cast<int64_t>(layers.size());
   summary.mean_squared_error = elements > 0 ? squared_error / elements : 0;
   return summary;
