@@ -180,7 +180,9 @@ std::string inference_plan_text(const InferenceSetup& s, const MemoryPlan& plan)
   return fmt::format(
       "inference plan ({}): max_model_len {}, max_num_seqs {}, max_num_batched_tokens {}, blocks of {} tokens\n"
       "KV cache: {} per token; {} blocks = {} tokens = {}: {} sequences of {} tokens fit{}\n\n{}\n{}",
-      dtype_torch_name(s.config.torch_dtype), kv.max_model_len, kv.max_seqs, s.options.max_tokens, kv.block_size,
+      std::string(dtype_torch_name(s.config.torch_dtype)) +
+          (s.config.quant.enabled() ? ", linear layers " + quantization_name(s.config.quant) : std::string()),
+      kv.max_model_len, kv.max_seqs, s.options.max_tokens, kv.block_size,
       format_bytes(kv_bytes_per_token(s.config)), kv.blocks, kv.blocks * kv.block_size,
       format_bytes(plan.live_bytes(Phase::Forward, Category::KvCache)), fit, kv.max_model_len,
       fit < kv.max_seqs ? fmt::format(" (fewer than --max_num_seqs {}: the others wait)", kv.max_seqs) : "",
