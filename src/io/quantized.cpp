@@ -37,6 +37,18 @@ void check_gptq(const GptqPacked& p, int bits, int64_t in, int64_t out, int64_t 
   if (!g_idx_optional || !p.g_idx.empty()) check_size(p.g_idx.size(), in, "g_idx");
 }
 
+// An AWQ layer's shape and tensor sizes; returns its number of groups.
+int64_t check_awq(const AwqPacked& p, int64_t in, int64_t out, int64_t group_size) {
+  if (out % 8 != 0) throw Error(fmt::format("an AWQ layer needs out ({}) divisible by 8", out));
+  if (group_size <= 0 || in % group_size != 0)
+    throw Error(fmt::format("an AWQ layer needs in ({}) divisible by group_size ({})", in, group_size));
+  const int64_t groups = in / group_size;
+  check_size(p.qweight.size(), in * (out / 8), "qweight");
+  check_size(p.qzeros.size(), groups * (out / 8), "qzeros");
+  check_size(p.scales.size(), groups * out, "scales");
+  return groups;
+}
+
 }  // namespace
 
 void gptq_dequantize(const GptqPacked& p, int bits, int64_t in, int64_t out, int64_t groups, std::span<float> w) {
@@ -60,13 +72,7 @@ void gptq_dequantize(const GptqPacked& p, int bits, int64_t in, int64_t out, int
 }
 
 void awq_dequantize(const AwqPacked& p, int64_t in, int64_t out, int64_t group_size, std::span<float> w) {
-  if (out % 8 != 0) throw Error(fmt::format("an AWQ layer needs out ({}) divisible by 8", out));
-  if (group_size <= 0 || in % group_size != 0)
-    throw Error(fmt::format("an AWQ layer needs in ({}) divisible by group_size ({})", in, group_size));
-  const int64_t groups = in / group_size;
-  check_size(p.qweight.size(), in * (out / 8), "qweight");
-  check_size(p.qzeros.size(), groups * (out / 8), "qzeros");
-  check_size(p.scales.size(), groups * out, "scales");
+  const int64_t groups = check_awq(p, in, out, group_size);
   check_size(w.size(), in * out, "the output");
   for (int64_t k = 0; k < in; ++k) {
     const int64_t g = k / group_size;
@@ -183,13 +189,7 @@ QuantizedLayer gptq_to_layer(const GptqPacked& p, int bits, int64_t in, int64_t 
 }
 
 QuantizedLayer awq_to_layer(const AwqPacked& p, int64_t in, int64_t out, int64_t group_size) {
-  if (out % 8 != 0) throw Error(fmt::format("an AWQ layer needs out ({}) divisible by 8", out));
-  if (group_size <= 0 || in % group_size != 0)
-    throw Error(fmt::format("an AWQ layer needs in ({}) divisible by group_size ({})", in, group_size));
-  const int64_t groups = in / group_size;
-  check_size(p.qweight.size(), in * (out / 8), "qweight");
-  check_size(p.qzeros.size(), groups * (out / 8), "qzeros");
-  check_size(p.scales.size(), groups * out, "scales");
+  const int64_t groups = check_awq(p, in, out, group_size);
   QuantizedLayer layer = empty_layer(4, in, out, groups, group_size);
   for (int64_t k = 0; k < in; ++k)
     for (int64_t c = 0; c < out / 8; ++c) {
