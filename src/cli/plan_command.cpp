@@ -271,7 +271,14 @@ Action add_plan(CLI::App& app) {
       if (config.torch_dtype == DType::F32) dtypes.push_back(true);
       // LoRA on a float base may also run on its 4-bit copy (QLoRA) when nothing else fits.
       std::vector<std::string> quantizations = {""};
-      if (lora && !config.quant.enabled()) quantizations.push_back("gptq-int4");
+      if (lora && !config.quant.enabled()) {
+        Qwen2Config probe = config;
+        try {
+          apply_quantization(probe, "gptq-int4");  // the shapes take 4-bit groups of 128: checked once
+          quantizations.push_back("gptq-int4");
+        } catch (const Error&) {
+        }
+      }
       const int64_t effective = r.per_device_train_batch_size * r.gradient_accumulation_steps;
       for (int64_t b : batches)
         for (int64_t length : lengths) {
@@ -287,13 +294,7 @@ Action add_plan(CLI::App& app) {
                       Candidate k{b, (effective + b - 1) / b, length, rank, ckpt, to_bf16, offload, zero, ws, quantization};
                       Qwen2Config cc = config;
                       if (to_bf16) cc.torch_dtype = DType::BF16;
-                      if (!quantization.empty()) {
-                        try {
-                          apply_quantization(cc, quantization);
-                        } catch (const Error&) {
-                          continue;  // shapes that do not take 4-bit groups of 128
-                        }
-                      }
+                      if (!quantization.empty()) cc.quant = parse_quantization_name(quantization);
                       ModelOptions t = base;
                       t.gradient_checkpointing = ckpt;
                       t.loss_workspace_bytes = ws;
