@@ -427,17 +427,29 @@ namespace {
 constexpr int64_t kPagedTaskRows = 32;
 constexpr int64_t kKeyTile = 16;  // keys per tile: one f32x16 of scores per query row
 
-// Widens key rows j0..j0+n-1 of one kv head through the block table: keys transposed
+// Widens key rows j0..j0+n-1 of one kv head through the block table (and prefetches the next
+// tile's rows below prefetch_until): keys transposed
 // (kt[d * 16 + t], so a query's 16 scores are hd broadcast FMAs and no horizontal sum), values as
 // rows (vt[t * hd + d]).
 void widen_key_tile(float* kt, float* vt, const void* k_cache, const void* v_cache, DType dt, const int32_t* table,
-                    int64_t block_size, int64_t kvd, int64_t offset, int64_t hd, int64_t j0, int64_t n) {
-  const size_t elem = dtype_size(dt);
+                    int64_t block_size, int64_t kvd, int64_t offset, int64_t hd, int64_t j0, int64_t n,
+                    int64_t prefetch_until) {
+  const size_t elem = dtype_size(dt), row_bytes = static_cast<size_t>(hd) * elem;
+  auto slot = [&](int64_t j) {
+    return static_cast<size_t>((int64_t{table[j / block_size]} * block_size + j % block_size) * kvd + offset) * elem;
+  };
   for (int64_t t = 0; t < n; ++t) {
     const int64_t j = j0 + t;
-    const size_t at = static_cast<size_t>((int64_t{table[j / block_size]} * block_size + j % block_size) * kvd + offset);
-    const auto* kb = static_cast<const std::byte*>(k_cache) + at * elem;
-    const auto* vb = static_cast<const std::byte*>(v_cache) + at * elem;
+    const size_t at = slot(j);
+    const auto* kb = static_cast<const std::byte*>(k_cache) + at;
+    const auto* vb = static_cast<const std::byte*>(v_cache) + at;
+    if (t + kKeyTile < prefetch_until - j0) {  // the next tile's rows, while this one is computed
+      const size_t next = slot(j + kKeyTile);
+      for (size_t line = 0; line < row_bytes; line += 64) {
+        __builtin_prefetch(static_cast<const std::byte*>(k_cache) + next + line);
+        __builtin_prefetch(static_cast<const std::byte*>(v_cache) + next + line);
+      }
+    }
     float* v = vt + t * hd;
     if (dt == DType::F32) {
       const auto* k = reinterpret_cast<const float*>(kb);
@@ -496,7 +508,7 @@ void paged_attention_forward(float* out, const float* q, const void* k_cache, co
         const int32_t* table = block_tables + s * max_blocks;
         for (int64_t j0 = 0; j0 <= last; j0 += kKeyTile) {
           const int64_t n = std::min(kKeyTile, last + 1 - j0);
-          widen_key_tile(kt, vt, k_cache, v_cache, dt, table, block_size, kvd, g * hd, hd, j0, n);
+          widen_key_tile(kt, vt, k_cache, v_cache, dt, table, block_size, kvd, g * hd, hd, j0, n, last + 1);
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t pos = position(r);
             if (pos < j0) continue;
