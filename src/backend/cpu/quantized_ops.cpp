@@ -12,6 +12,11 @@
 // Many rows (prefill, training): kQuantizedTileRows output rows are dequantized into scratch and
 // multiplied with OpenBLAS, so no float32 copy of the whole weight exists.
 #include <cblas.h>
+// GCC 12 reports its own _mm512_undefined_* placeholders as maybe-uninitialized when inlined.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
 
 #include <algorithm>
 #include <cstring>
@@ -57,6 +62,22 @@ struct Layout {
   bool chunked() const { return !g_idx && group_size % chunk() == 0; }
 };
 
+// Field j of 16 code words as 16 floats. 4-bit codes: the shifted words index a table of the 16
+// values (vpermps reads only an index's low 4 bits, so no mask and no conversion: one instruction
+// instead of two); exact either way.
+template <int Bits>
+inline f32x16 codes_as_floats(u32x16 words, int j) {
+  constexpr uint32_t mask = (1u << Bits) - 1u;
+  const u32x16 shifted = words >> static_cast<uint32_t>(Bits * j);
+#ifdef __AVX512F__
+  if constexpr (Bits == 4) {
+    const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return reinterpret_cast<f32x16>(_mm512_permutexvar_ps(reinterpret_cast<__m512i>(shifted), table));
+  }
+#endif
+  return __builtin_convertvector(shifted & mask, f32x16);
+}
+
 // Rows input rows (already permuted chunk by chunk, xsum their sums per group over whole chunks)
 // against output row o.
 // Rows input rows against output rows o .. o + WR - 1: each input vector loaded once serves the
@@ -66,31 +87,32 @@ void chunked_block(float* out, int64_t OC, const float* xp, const float* xsum, c
                    int64_t o) {
   constexpr int P = 32 / Bits;
   constexpr int64_t K = 16 * P;
-  constexpr uint32_t mask = (1u << Bits) - 1u;
   const int64_t in = w.in, full = in / K, per_group = w.group_size / K;
   const uint32_t* rows[WR];
   for (int r = 0; r < WR; ++r) rows[r] = w.codes + (o + r) * (in / P);
   // Per lane until the end of the row: s * sum(x q) of every group, then one horizontal sum.
+  // A independent accumulators per (row, input row) when there are few, so consecutive fields'
+  // FMAs do not wait on each other's latency.
+  constexpr int A = Rows * WR <= 2 ? 4 : Rows * WR <= 4 ? 2 : 1;
   f32x16 total[WR][Rows] = {};
   float zero_terms[WR][Rows] = {};  // sum over groups of s * z * sum(x)
   for (int64_t g = 0; g * per_group < full; ++g) {
-    f32x16 acc[WR][Rows] = {};
+    f32x16 acc[WR][Rows][A] = {};
     const int64_t c_end = std::min(full, (g + 1) * per_group);
     for (int64_t c = g * per_group; c < c_end; ++c) {
       u32x16 words[WR];
       for (int r = 0; r < WR; ++r) {
-        __builtin_prefetch(rows[r] + c * 16 + 256 * WR);  // rows follow each other: cache lines ahead
+        __builtin_prefetch(rows[r] + c * 16 + 1024 * WR);  // rows follow each other: cache lines ahead
         std::memcpy(&words[r], rows[r] + c * 16, sizeof words[r]);
       }
       for (int j = 0; j < P; ++j) {
         f32x16 q[WR];
-        for (int r = 0; r < WR; ++r)
-          q[r] = __builtin_convertvector((words[r] >> static_cast<uint32_t>(Bits * j)) & mask, f32x16);
+        for (int r = 0; r < WR; ++r) q[r] = codes_as_floats<Bits>(words[r], j);
         for (int m = 0; m < Rows; ++m) {
           f32x16 x;
           std::memcpy(&x, xp + m * in + c * K + j * 16, sizeof x);
           if constexpr (WR > 1) asm("" : "+v"(x));  // in a register, not loaded per FMA (ops.cpp: skinny_block)
-          for (int r = 0; r < WR; ++r) acc[r][m] += x * q[r];
+          for (int r = 0; r < WR; ++r) acc[r][m][j % A] += x * q[r];
         }
       }
     }
@@ -98,7 +120,9 @@ void chunked_block(float* out, int64_t OC, const float* xp, const float* xsum, c
       const float s = half_to_float(w.scales[(o + r) * w.groups + g]);
       const float sz = s * half_to_float(w.zeros[(o + r) * w.groups + g]);
       for (int m = 0; m < Rows; ++m) {
-        total[r][m] += s * acc[r][m];
+        f32x16 sum = acc[r][m][0];
+        for (int a = 1; a < A; ++a) sum += acc[r][m][a];
+        total[r][m] += s * sum;
         zero_terms[r][m] += sz * xsum[m * w.groups + g];
       }
     }
