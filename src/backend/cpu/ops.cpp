@@ -326,9 +326,7 @@ void skinny_block(float* out, const float* inp, const StoredType<S>* w, const fl
       for (int n = 0; n < Rows; ++n) {
         f32x16 x;
         std::memcpy(&x, inp + n * C + c + 16 * u, sizeof x);
-        // Held in a register for its WR products: folded into each FMA as a memory operand
-        // (GCC's choice) it is loaded WR times, and loads, not FMAs, bound the loop.
-        if constexpr (WR > 1) asm("" : "+v"(x));
+        if constexpr (WR > 1) keep_in_register(x);  // loaded once for its WR products
         for (int j = 0; j < WR; ++j) acc[n][j][u] += x * wv[j];
       }
     }

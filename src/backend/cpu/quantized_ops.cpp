@@ -111,7 +111,7 @@ void chunked_block(float* out, int64_t OC, const float* xp, const float* xsum, c
         for (int m = 0; m < Rows; ++m) {
           f32x16 x;
           std::memcpy(&x, xp + m * in + c * K + j * 16, sizeof x);
-          if constexpr (WR > 1) asm("" : "+v"(x));  // in a register, not loaded per FMA (ops.cpp: skinny_block)
+          if constexpr (WR > 1) keep_in_register(x);  // loaded once for its WR products
           for (int r = 0; r < WR; ++r) acc[r][m][j % A] += x * q[r];
         }
       }
