@@ -3,11 +3,10 @@
 #include "backend/cpu/simd.h"
 
 #include <cblas.h>
-// GCC 12 reports its own _mm512_undefined_* placeholders as maybe-uninitialized when inlined.
-#pragma GCC diagnostic push
+// GCC 12 reports its own _mm512_undefined_* placeholders as maybe-uninitialized where the
+// intrinsics are inlined, so the warning is off for the whole file.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
-#pragma GCC diagnostic pop
 
 #include <algorithm>
 #include <bit>

@@ -12,11 +12,10 @@
 // Many rows (prefill, training): kQuantizedTileRows output rows are dequantized into scratch and
 // multiplied with OpenBLAS, so no float32 copy of the whole weight exists.
 #include <cblas.h>
-// GCC 12 reports its own _mm512_undefined_* placeholders as maybe-uninitialized when inlined.
-#pragma GCC diagnostic push
+// GCC 12 reports its own _mm512_undefined_* placeholders as maybe-uninitialized where the
+// intrinsics are inlined, so the warning is off for the whole file.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
-#pragma GCC diagnostic pop
 
 #include <algorithm>
 #include <cstring>
