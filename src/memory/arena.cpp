@@ -39,8 +39,8 @@ void Arena::reset_usage() {
   samples_.fill({});
 }
 
-void Arena::enter_phase(Phase p) {
-  sample();
+void Arena::enter_phase(Phase p, bool sample_left) {
+  if (sample_left) sample();
   if (poison_) {
     for (const auto& b : plan_.buffers()) {
       if (!b.live_in(phase_) || b.live_in(p)) continue;

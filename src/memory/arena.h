@@ -41,8 +41,8 @@ class Arena {
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;
 
-  // Samples the phase being left, then enters p.
-  void enter_phase(Phase p);
+  // Samples the phase being left (unless told not to), then enters p.
+  void enter_phase(Phase p, bool sample_left = true);
   // Samples the current phase now (a step's end: nothing enters a phase after its last one).
   void sample();
   Phase phase() const { return phase_; }

@@ -165,6 +165,8 @@ class Qwen2Model {
   std::unique_ptr<Arena> arena_, host_arena_;
   std::optional<uint64_t> dropout_seed_;
   int64_t num_tokens_ = 0, num_seqs_ = 0;
+  static constexpr int64_t kGenerationSampleSteps = 32;
+  int64_t generation_steps_ = 0;
   // Host staging of the batch's positions and targets (reserved for max_tokens).
   std::vector<int32_t> batch_positions_, batch_targets_;
   std::vector<int32_t> batch_last_rows_;  // generation: the sampled rows (reserved for max_seqs)

@@ -1,5 +1,6 @@
 // CPU implementations of the ops in ops.h. See that header for conventions.
 #include "backend/cpu/ops.h"
+#include "backend/cpu/parallel.h"
 #include "backend/cpu/simd.h"
 
 #include <cblas.h>
@@ -383,14 +384,16 @@ template <Stored S>
 void skinny(float* out, const float* inp, const void* weight, const float* bias, int64_t N, int64_t C, int64_t OC) {
   const auto* w = static_cast<const StoredType<S>*>(weight);
   if (N <= 2) {
-#pragma omp parallel for schedule(static)
-    for (int64_t o = 0; o < OC; ++o) skinny_rows<1, S>(out, inp, w + o * C, bias, N, C, OC, o);
+    parallel_for_balanced(OC, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t o = begin; o < end; ++o) skinny_rows<1, S>(out, inp, w + o * C, bias, N, C, OC, o);
+    });
     return;
   }
   constexpr int64_t WR = S == Stored::F32 ? 4 : 3;
   const int64_t blocks = OC / WR;
-#pragma omp parallel for schedule(static)
-  for (int64_t b = 0; b < blocks; ++b) skinny_rows<WR, S>(out, inp, w + b * WR * C, bias, N, C, OC, b * WR);
+  parallel_for_balanced(blocks, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) skinny_rows<WR, S>(out, inp, w + b * WR * C, bias, N, C, OC, b * WR);
+  });
   for (int64_t o = blocks * WR; o < OC; ++o) skinny_rows<1, S>(out, inp, w + o * C, bias, N, C, OC, o);
 }
 

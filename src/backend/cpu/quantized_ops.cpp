@@ -21,6 +21,7 @@
 #include <cstring>
 
 #include "backend/cpu/ops.h"
+#include "backend/cpu/parallel.h"
 #include "backend/cpu/simd.h"
 #include "core/dtype.h"
 #include "core/error.h"
@@ -211,14 +212,15 @@ void skinny(float* out, const float* inp, const Layout& w, const float* bias, in
     }
   }
   const int64_t pairs = (OC + 1) / 2;
-#pragma omp parallel for schedule(static)
-  for (int64_t p = 0; p < pairs; ++p) {
-    const int64_t o = 2 * p, count = std::min<int64_t>(2, OC - o);
-    if (w.bits == 4)
-      chunked_outputs<4>(out, OC, xp, xsum, w, bias, N, o, count);
-    else
-      chunked_outputs<8>(out, OC, xp, xsum, w, bias, N, o, count);
-  }
+  parallel_for_balanced(pairs, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t o = 2 * p, count = std::min<int64_t>(2, OC - o);
+      if (w.bits == 4)
+        chunked_outputs<4>(out, OC, xp, xsum, w, bias, N, o, count);
+      else
+        chunked_outputs<8>(out, OC, xp, xsum, w, bias, N, o, count);
+    }
+  });
 }
 
 // Output rows o0 .. o0 + rows of the weight as float32 [rows, in]: each word's codes as floats,
