@@ -6,8 +6,9 @@
 // int32 words of a row hold 16 x (32 / bits) consecutive inputs; field j of those words is the
 // inputs 16 c + ... at stride 32 / bits, so the input is first permuted the same way (into the
 // caller's scratch) and every field becomes one contiguous vector of 16 codes against one
-// contiguous vector of 16 inputs. Inputs past the last whole chunk, groups that do not hold whole
-// chunks, and act-order g_idx take a plain per-element loop.
+// contiguous vector of 16 inputs (8-bit codes need no permutation: their bytes are already in
+// input order). Inputs past the last whole chunk, groups that do not hold whole chunks, and
+// act-order g_idx take a plain per-element loop.
 //
 // Many rows (prefill, training): kQuantizedTileRows output rows are dequantized into scratch and
 // multiplied with OpenBLAS, so no float32 copy of the whole weight exists.
@@ -62,23 +63,40 @@ struct Layout {
   bool chunked() const { return !g_idx && group_size % chunk() == 0; }
 };
 
-// Field j of 16 code words as 16 floats. 4-bit codes: the shifted words index a table of the 16
-// values (vpermps reads only an index's low 4 bits, so no mask and no conversion: one instruction
-// instead of two); exact either way.
+// The 16 codes of field j of the 16 words at `words`, as floats. 8-bit codes are bytes in input
+// order in memory (word r holds inputs 4r .. 4r + 3, lowest byte first), so field j is simply
+// bytes 16j .. 16j + 15 (one zero-extending load and a conversion; the input is not permuted for
+// 8 bits). 4-bit codes: the shifted words index a table of the 16 values (vpermps reads only an
+// index's low 4 bits: no mask, no conversion). Exact either way.
 template <int Bits>
-inline f32x16 codes_as_floats(u32x16 words, int j) {
-  constexpr uint32_t mask = (1u << Bits) - 1u;
-  const u32x16 shifted = words >> static_cast<uint32_t>(Bits * j);
+inline f32x16 codes_as_floats(const uint32_t* words, int j) {
+  if constexpr (Bits == 8) {
+    const uint8_t* at = reinterpret_cast<const uint8_t*>(words) + 16 * j;
 #ifdef __AVX512F__
-  if constexpr (Bits == 4) {
+    return reinterpret_cast<f32x16>(
+        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(at)))));
+#else
+    u8x16 bytes;
+    std::memcpy(&bytes, at, sizeof bytes);
+    return __builtin_convertvector(__builtin_convertvector(bytes, u32x16), f32x16);
+#endif
+  } else {
+    u32x16 w;
+    std::memcpy(&w, words, sizeof w);
+    const u32x16 shifted = w >> static_cast<uint32_t>(Bits * j);
+#ifdef __AVX512F__
     const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     return reinterpret_cast<f32x16>(_mm512_permutexvar_ps(reinterpret_cast<__m512i>(shifted), table));
-  }
+#else
+    return __builtin_convertvector(shifted & ((1u << Bits) - 1u), f32x16);
 #endif
-  return __builtin_convertvector(shifted & mask, f32x16);
+  }
 }
 
-// Rows input rows (already permuted chunk by chunk, xsum their sums per group over whole chunks)
+// Whether the chunked path reads its input permuted (4 bits) or in input order (8 bits).
+constexpr bool permuted_input(int bits) { return bits != 8; }
+
+// Rows input rows (permuted chunk by chunk where permuted_input, xsum their sums per group over whole chunks)
 // against output row o.
 // Rows input rows against output rows o .. o + WR - 1: each input vector loaded once serves the
 // WR weight rows (one or two input rows would otherwise load an input vector per FMA).
@@ -100,14 +118,11 @@ void chunked_block(float* out, int64_t OC, const float* xp, const float* xsum, c
     f32x16 acc[WR][Rows][A] = {};
     const int64_t c_end = std::min(full, (g + 1) * per_group);
     for (int64_t c = g * per_group; c < c_end; ++c) {
-      u32x16 words[WR];
-      for (int r = 0; r < WR; ++r) {
+      for (int r = 0; r < WR; ++r)
         __builtin_prefetch(rows[r] + c * 16 + 1024 * WR);  // rows follow each other: cache lines ahead
-        std::memcpy(&words[r], rows[r] + c * 16, sizeof words[r]);
-      }
       for (int j = 0; j < P; ++j) {
         f32x16 q[WR];
-        for (int r = 0; r < WR; ++r) q[r] = codes_as_floats<Bits>(words[r], j);
+        for (int r = 0; r < WR; ++r) q[r] = codes_as_floats<Bits>(rows[r] + c * 16, j);
         for (int m = 0; m < Rows; ++m) {
           f32x16 x;
           std::memcpy(&x, xp + m * in + c * K + j * 16, sizeof x);
@@ -201,10 +216,14 @@ void skinny(float* out, const float* inp, const Layout& w, const float* bias, in
   for (int64_t m = 0; m < N; ++m) {
     const float* x = inp + m * in;
     float* y = xp + m * in;
-    for (int64_t c = 0; c < full; ++c)
-      for (int j = 0; j < P; ++j)
-        for (int lane = 0; lane < 16; ++lane) y[c * K + j * 16 + lane] = x[c * K + lane * P + j];
-    std::copy(x + full * K, x + in, y + full * K);
+    if (permuted_input(w.bits)) {
+      for (int64_t c = 0; c < full; ++c)
+        for (int j = 0; j < P; ++j)
+          for (int lane = 0; lane < 16; ++lane) y[c * K + j * 16 + lane] = x[c * K + lane * P + j];
+      std::copy(x + full * K, x + in, y + full * K);
+    } else {
+      std::copy(x, x + in, y);
+    }
     for (int64_t g = 0; g < w.groups; ++g) {
       float s = 0.0f;
       for (int64_t k = g * per_group * K; k < std::min(full, (g + 1) * per_group) * K; ++k) s += x[k];

@@ -15,6 +15,7 @@ namespace memtune::cpu {
 typedef float f32x16 __attribute__((vector_size(64)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint8_t u8x16 __attribute__((vector_size(16)));
 
 // The sum of the 16 lanes by halving (4 adds of shrinking vectors): a lane-by-lane loop cost more
 // than a whole row of hidden size 896 (Qwen2.5-0.5B) takes to stream.
