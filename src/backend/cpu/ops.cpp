@@ -423,14 +423,14 @@ void kv_cache_write(void* k_cache, void* v_cache, DType dt, const float* k, cons
 
 namespace {
 
-// Online-softmax state of the query rows of one paged-attention task.
+// The most query rows (positions x the query heads of one kv head) a paged-attention task holds
+// online-softmax state for, on its stack.
 constexpr int64_t kPagedTaskRows = 32;
 constexpr int64_t kKeyTile = 16;  // keys per tile: one f32x16 of scores per query row
 
-// Widens key rows j0..j0+n-1 of one kv head through the block table (and prefetches the next
-// tile's rows below prefetch_until): keys transposed
-// (kt[d * 16 + t], so a query's 16 scores are hd broadcast FMAs and no horizontal sum), values as
-// rows (vt[t * hd + d]).
+// Widens key rows j0..j0+n-1 of one kv head through the block table, and prefetches the next
+// tile's rows below prefetch_until. Keys transposed (kt[d * 16 + t]: a query's 16 scores are hd
+// broadcast FMAs, no horizontal sum), values as rows (vt[t * hd + d]).
 void widen_key_tile(float* kt, float* vt, const void* k_cache, const void* v_cache, DType dt, const int32_t* table,
                     int64_t block_size, int64_t kvd, int64_t offset, int64_t hd, int64_t j0, int64_t n,
                     int64_t prefetch_until) {
