@@ -96,9 +96,8 @@ inline f32x16 codes_as_floats(const uint32_t* words, int j) {
 // Whether the chunked path reads its input permuted (4 bits) or in input order (8 bits).
 constexpr bool permuted_input(int bits) { return bits != 8; }
 
-// Rows input rows (permuted chunk by chunk where permuted_input, xsum their sums per group over whole chunks)
-// against output row o.
-// Rows input rows against output rows o .. o + WR - 1: each input vector loaded once serves the
+// Rows input rows (xp: permuted chunk by chunk where permuted_input; xsum: their sums per group
+// over whole chunks) against output rows o .. o + WR - 1: each input vector loaded once serves the
 // WR weight rows (one or two input rows would otherwise load an input vector per FMA).
 template <int Bits, int Rows, int WR>
 void chunked_block(float* out, int64_t OC, const float* xp, const float* xsum, const Layout& w, const float* bias,
