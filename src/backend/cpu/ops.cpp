@@ -633,7 +633,7 @@ void add_inplace(float* y, const float* x, int64_t n) {
 
 double scale_and_sum_squares(float* x, float s, int64_t n) {
   double sumsq = 0.0;
-#pragma omp parallel for simd reduction(+ : sumsq) schedule(static) if (n > 32768)
+#pragma omp parallel for simd reduction(+ : sumsq) schedule(static) if (n > kParallelMinElements)
   for (int64_t i = 0; i < n; ++i) {
     x[i] *= s;
     sumsq += static_cast<double>(x[i]) * x[i];
@@ -651,7 +651,7 @@ void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n
   const float eps = static_cast<float>(c.eps);
   const float keep = step.decay ? static_cast<float>(1.0 - step.learning_rate * c.weight_decay) : 1.0f;
   const float grad_scale = step.grad_scale;
-#pragma omp parallel for simd schedule(static) if (n > 32768)
+#pragma omp parallel for simd schedule(static) if (n > kParallelMinElements)
   for (int64_t i = 0; i < n; ++i) {
     const float g = grad[i] * grad_scale;
     m[i] = b1 * m[i] + (1.0f - b1) * g;
