@@ -17,6 +17,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "backend/cpu/ops.h"
 #include "core/error.h"
 #include "core/rng.h"
 #include "generate/generator.h"
@@ -87,8 +88,10 @@ int main(int argc, char** argv) {
     const double bandwidth = read_bandwidth();
     const double ceiling =
         std::max({sgemm_gflops(prompt, I, D), sgemm_gflops(prompt, c.q_dim(), D), sgemm_gflops(prompt, D, I)});
-    fmt::print("{} threads; memory read bandwidth {:.1f} GB/s; sgemm ceiling at the prefill's shapes {:.1f} GFLOP/s\n",
-               omp_get_max_threads(), bandwidth / 1e9, ceiling);
+    fmt::print(
+        "{} threads; memory read bandwidth {:.1f} GB/s; sgemm ceiling at the prefill's shapes {:.1f} GFLOP/s "
+        "(OpenBLAS {} kernels)\n",
+        omp_get_max_threads(), bandwidth / 1e9, ceiling, cpu::blas_kernels());
     fmt::print("model: {} parameters, {}; {:.1f} MB of weights read per decoded token\n", qwen2_parameter_count(c),
                label, weight_bytes / 1e6);
 
@@ -134,6 +137,7 @@ int main(int argc, char** argv) {
                                 {"new_tokens", new_tokens},
                                 {"memory_read_gb_per_s", bandwidth / 1e9},
                                 {"sgemm_ceiling_gflops", ceiling},
+                                {"blas_kernels", cpu::blas_kernels()},
                                 {"weight_bytes_per_token", weight_bytes},
                                 {"decode_limit_tokens_per_s", limit},
                                 {"decode_tokens_per_s", decode},

@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
+#include "backend/cpu/ops.h"
 #include "core/error.h"
 #include "core/rng.h"
 #include "io/checkpoint.h"
@@ -55,7 +56,7 @@ int main(int argc, char** argv) {
         "model: {} parameters, hidden {}, layers {}, vocab {}; batch {} x {} tokens; logits chunk {} rows; backend "
         "{}\n",
         qwen2_parameter_count(c), D, c.num_hidden_layers, V, batch, seq, chunk, backend);
-    fmt::print("GEMM ceiling (OpenBLAS sgemm at the model's shapes):\n");
+    fmt::print("GEMM ceiling (OpenBLAS sgemm at the model's shapes, {} kernels):\n", cpu::blas_kernels());
     struct Shape {
       const char* what;
       int64_t M, N, K;

@@ -12,6 +12,13 @@
 
 namespace memtune::cpu {
 
+// The OpenBLAS kernel set sgemm runs (e.g. "SkylakeX"). OpenBLAS 0.3.21 (Debian 12) knows no
+// AMD CPU newer than Zen 3 and gives Zen 4 / Zen 5 its AVX2 "Haswell" kernels; on a CPU with
+// AVX-512 (F, CD, BW, DQ, VL) whose kernels came out as "Haswell" or "Zen", the backend switches
+// OpenBLAS to its AVX-512 "SkylakeX" kernels once, before the first GEMM (the later OpenBLAS
+// releases choose those for Zen 4 themselves). OPENBLAS_CORETYPE, when set, is left to decide.
+const char* blas_kernels();
+
 // out[N,OC] = inp[N,C] @ weight[OC,C]^T (+ bias[OC])
 void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int64_t C,
                     int64_t OC);
