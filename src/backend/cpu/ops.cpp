@@ -4,7 +4,6 @@
 #include "backend/cpu/simd.h"
 
 #include <cblas.h>
-#include <strings.h>
 // GCC 12 reports its own _mm512_undefined_* placeholders as maybe-uninitialized where the
 // intrinsics are inlined, so the warning is off for the whole file.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -14,7 +13,6 @@
 #include <bit>
 #include <cmath>
 #include <cstddef>
-#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -29,36 +27,7 @@ namespace memtune::cpu {
 // residual add or SwiGLU over one token takes, and a decode step runs ~16 of them per layer.
 constexpr int64_t kParallelMinElements = 32768;
 
-// OpenBLAS's dynamic-architecture entry points (exported by its DYNAMIC_ARCH builds, Debian's
-// among them; not in its headers): quit forgets the kernel table, init picks one again, reading
-// OPENBLAS_CORETYPE first. Weak, so a build without them keeps OpenBLAS's own choice.
-extern "C" {
-void gotoblas_dynamic_init(void) __attribute__((weak));
-void gotoblas_dynamic_quit(void) __attribute__((weak));
-}
-
-static bool avx512_for_blas() {
-  __builtin_cpu_init();  // this runs before the constructors that would otherwise have called it
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512cd") &&
-         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
-         __builtin_cpu_supports("avx512vl");
-}
-
-static void select_blas_kernels() {
-  const char* core = openblas_get_corename();
-  if (std::getenv("OPENBLAS_CORETYPE") || !gotoblas_dynamic_init || !gotoblas_dynamic_quit || !core) return;
-  if (strcasecmp(core, "Haswell") != 0 && strcasecmp(core, "Zen") != 0) return;
-  if (!avx512_for_blas()) return;
-  setenv("OPENBLAS_CORETYPE", "SkylakeX", 1);
-  gotoblas_dynamic_quit();
-  gotoblas_dynamic_init();
-  unsetenv("OPENBLAS_CORETYPE");  // processes this one starts choose for themselves
-}
-
-// Runs while the program loads: after OpenBLAS's own constructor (the library it links against
-// is initialized first) and before main, so before any GEMM and any thread.
-[[maybe_unused]] static const bool blas_kernels_selected = (select_blas_kernels(), true);
-
+// What OpenBLAS reports it runs: its own choice for this CPU, or OPENBLAS_CORETYPE's.
 const char* blas_kernels() { return openblas_get_corename(); }
 
 // Sums rows of x[N, C] into acc[C] (+=), parallel over column blocks so no two threads write

@@ -12,11 +12,9 @@
 
 namespace memtune::cpu {
 
-// The OpenBLAS kernel set sgemm runs (e.g. "SkylakeX"). OpenBLAS 0.3.21 (Debian 12) knows no
-// AMD CPU newer than Zen 3 and gives Zen 4 / Zen 5 its AVX2 "Haswell" kernels; on a CPU with
-// AVX-512 (F, CD, BW, DQ, VL) whose kernels came out as "Haswell" or "Zen", the backend switches
-// OpenBLAS to its AVX-512 "SkylakeX" kernels once, before the first GEMM (the later OpenBLAS
-// releases choose those for Zen 4 themselves). OPENBLAS_CORETYPE, when set, is left to decide.
+// The OpenBLAS kernel set sgemm runs (e.g. "Cooperlake", "Haswell"), for benchmark reports:
+// OPENBLAS_CORETYPE in the environment pins it (=Haswell keeps an AVX-512 CPU on AVX2 kernels, and
+// sgemm ~1.5x slower on the 2-core AMD EPYC), otherwise OpenBLAS picks by CPU.
 const char* blas_kernels();
 
 // out[N,OC] = inp[N,C] @ weight[OC,C]^T (+ bias[OC])
