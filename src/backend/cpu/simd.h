@@ -32,7 +32,9 @@ inline float hsum(f32x16 v) {
 // uses it (GCC does so even with registers to spare): the loop then loads it once, not once per
 // use, and loads no longer bound it (the 8-row bfloat16 decode kernel: 82 -> 174 GFLOP/s on one
 // thread of the AMD EPYC). Only with AVX-512, where the 16 lanes are one register.
-inline void keep_in_register(f32x16& v) {
+template <class Vector>  // a 64-byte vector: f32x16, u32x16
+inline void keep_in_register(Vector& v) {
+  static_assert(sizeof(Vector) == 64);
 #ifdef __AVX512F__
   asm("" : "+v"(v));
 #else
