@@ -120,6 +120,7 @@ void chunked_block(float* out, int64_t OC, const float* xp, const float* xsum, c
     for (int64_t c = g * per_group; c < c_end; ++c) {
       for (int r = 0; r < WR; ++r)
         __builtin_prefetch(rows[r] + c * 16 + 1024 * WR);  // rows follow each other: cache lines ahead
+#pragma GCC unroll 8  // GCC keeps some instances' fields in a loop, their vectors on the stack
       for (int j = 0; j < P; ++j) {
         f32x16 q[WR];
         for (int r = 0; r < WR; ++r) q[r] = codes_as_floats<Bits>(rows[r] + c * 16, j);
