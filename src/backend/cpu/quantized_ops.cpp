@@ -172,10 +172,10 @@ void chunked_rows(float* out, int64_t OC, const float* xp, const float* xsum, co
 }
 
 // Output rows a task takes at once. One input row goes against all of them in one pass (8
-// accumulators, 8 code vectors), two input rows against half of them at a time: measured on the 2-core AMD EPYC over cold weights, one
-// input row, against the earlier two output rows at a time: int4 15-19 -> 21-25 GB/s of codes,
-// int8 25-29 -> 33-36 (the work between two loads of an input vector, and the independent FMAs,
-// grow fourfold).
+// accumulators, 8 code vectors), two input rows against half of them at a time. Measured on the
+// 2-core AMD EPYC over cold weights with one input row, against two output rows at a time: int4
+// 15-20 -> 21-25 GB/s of codes, int8 25-29 -> 29-36 (four times the work between two loads of an
+// input vector, and as many independent FMA chains).
 constexpr int64_t kOutputsPerTask = 8;
 
 // Output rows o .. o + count - 1 (count <= kOutputsPerTask) against all input rows, 8 at a time.
