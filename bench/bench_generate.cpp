@@ -8,10 +8,11 @@
 // Prints a human-readable report and one final JSON line (for scripts/bench-generate.sh).
 #include <cblas.h>
 #include <omp.h>
-#include <sys/resource.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <fstream>
 #include <vector>
 
 #include <fmt/format.h>
@@ -24,6 +25,7 @@
 #include "generate/generator.h"
 #include "generate/inference_plan.h"
 #include "io/quantized.h"
+#include "memory/process_memory.h"
 #include "model/load.h"
 #include "bench_util.h"
 
@@ -37,7 +39,16 @@ using bench::sgemm_gflops;
 // best of 3 passes without and 3 with a software prefetch 4 KB ahead (which reads ~15% faster on
 // the 2-core AMD EPYC, as the decode kernels' own prefetch does: without it the limit would be
 // set below what decoding reaches).
+//
+// Its 1 GiB buffer would be the process's peak RSS (the probes run beside the loaded model), so the
+// kernel's high-water mark is read before the buffer exists and reset to the current resident set
+// once it is freed (/proc/self/clear_refs "5"); peak_rss_without_probes() is the run without it.
+static size_t peak_rss_outside_probes = 0;
+
+static size_t peak_rss_without_probes() { return std::max(peak_rss_outside_probes, peak_rss_bytes()); }
+
 static double read_bandwidth() {
+  peak_rss_outside_probes = peak_rss_without_probes();
   typedef float f32x16 __attribute__((vector_size(64)));
   const size_t n = size_t{1} << 24;  // 16 Mi vectors of 16 floats: 1 GiB
   std::vector<f32x16> buffer(n + 64);
@@ -62,6 +73,8 @@ static double read_bandwidth() {
       if (total != 0.0f) std::abort();  // the buffer is zero; the check keeps the loop
       best = std::max(best, n * sizeof(f32x16) / s);
     }
+  std::vector<f32x16>().swap(buffer);  // the memory goes back to the kernel
+  std::ofstream("/proc/self/clear_refs") << "5";
   return best;
 }
 
@@ -108,8 +121,7 @@ int main(int argc, char** argv) {
     Generator generator(*model, nullptr);
     Rng rng(1);
     nlohmann::json decode = nlohmann::json::object();
-    double prefill_tps = 0;
-    std::vector<double> bandwidth_samples;
+    double prefill_tps = 0, before_decode = 0, after_decode = 0;
     for (const int64_t batch : batches) {
       std::vector<GenerationRequest> requests(static_cast<size_t>(batch));
       for (auto& r : requests) {
@@ -119,9 +131,9 @@ int main(int argc, char** argv) {
       }
       // This machine's bandwidth drifts by 2x within a minute (other tenants); batch 1's limit
       // takes the higher of two samples taken right before and right after its decode.
-      if (batch == 1) bandwidth_samples.push_back(read_bandwidth());
+      if (batch == 1) before_decode = read_bandwidth();
       generator.generate(requests);
-      if (batch == 1) bandwidth_samples.push_back(read_bandwidth());
+      if (batch == 1) after_decode = read_bandwidth();
       const GenerationStats& st = generator.stats();
       if (batch == 1) prefill_tps = st.prefill_tokens_per_second();
       decode[std::to_string(batch)] = st.decode_tokens_per_second();
@@ -132,11 +144,10 @@ int main(int argc, char** argv) {
     // and the head at the last position only.
     const double attention = 2.0 * c.head_dim() * c.num_attention_heads * double(prompt + 1);
     const double prefill_gflops = prefill_tps * (2.0 * L * layer_params + L * attention + 2.0 * V * D / prompt) / 1e9;
-    const double decode_bandwidth =
-        bandwidth_samples.empty() ? bandwidth : *std::max_element(bandwidth_samples.begin(), bandwidth_samples.end());
-    if (!bandwidth_samples.empty())
+    const double decode_bandwidth = after_decode > 0 ? std::max(before_decode, after_decode) : bandwidth;
+    if (after_decode > 0)
       fmt::print("memory read bandwidth around the batch-1 decode: {:.1f} GB/s before, {:.1f} GB/s after\n",
-                 bandwidth_samples.front() / 1e9, bandwidth_samples.back() / 1e9);
+                 before_decode / 1e9, after_decode / 1e9);
     const double limit = decode_bandwidth / weight_bytes;
     const double b1 = decode.value("1", 0.0);
     // The targets: 85% for float weights, 80% for int8 codes, 60% for int4 ones.
@@ -148,8 +159,6 @@ int main(int argc, char** argv) {
                  decode["8"].get<double>() / b1);
     fmt::print("prefill {:.1f} GFLOP/s = {:.0f}% of the sgemm ceiling (target >= 60%)\n", prefill_gflops,
                100 * prefill_gflops / ceiling);
-    rusage ru{};
-    getrusage(RUSAGE_SELF, &ru);
     const nlohmann::json out = {{"torch_dtype", label},
                                 {"prompt_tokens", prompt},
                                 {"new_tokens", new_tokens},
@@ -163,7 +172,7 @@ int main(int argc, char** argv) {
                                 {"prefill_tokens_per_s", prefill_tps},
                                 {"prefill_gflops", prefill_gflops},
                                 {"arena_bytes", model->plan().peak_bytes()},
-                                {"peak_rss_bytes", size_t(ru.ru_maxrss) * 1024}};
+                                {"peak_rss_bytes", peak_rss_without_probes()}};
     fmt::print("{}\n", out.dump());
   } catch (const Error& e) {
     fmt::print(stderr, "bench_generate: error: {}\n", e.what());
