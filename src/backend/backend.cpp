@@ -15,6 +15,15 @@ Backend& backend_named(std::string_view name) {
   throw Error(fmt::format("--backend: unknown backend \"{}\" (expected one of: {})", name, backend_names()));
 }
 
+void Backend::matmul_forward_group(std::span<const GroupMember> group, const Tensor& inp, const Tensor& scratch) {
+  for (const GroupMember& m : group) {
+    if (m.quantized)
+      quantized_matmul_forward(m.out, inp, *m.quantized, m.bias, scratch);
+    else
+      matmul_forward(m.out, inp, m.weight, m.bias);
+  }
+}
+
 std::vector<float> download_f32(Backend& backend, const Tensor& tensor) {
   std::vector<std::byte> bytes(tensor.bytes());
   backend.copy_to_host(bytes.data(), tensor);

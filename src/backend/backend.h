@@ -85,6 +85,11 @@ struct QuantizedWeight {
   int bits = 4;
   int64_t in = 0, out = 0, group_size = 0, groups = 0;
 };
+// One product of Backend::matmul_forward_group.
+struct GroupMember {
+  Tensor out, weight, bias;
+  const QuantizedWeight* quantized = nullptr;  // set: `weight` is not read
+};
 // Output rows of a quantized weight dequantized at once (into float32 scratch [rows, in]) when a
 // quantized matmul has more input rows than kSixteenBitWeightRows; fewer rows read the codes.
 constexpr int64_t kQuantizedTileRows = 256;
@@ -137,6 +142,12 @@ class Backend {
   // output rows at a time into scratch [kQuantizedTileRows, C] (f32) and multiply those.
   virtual void quantized_matmul_forward(const Tensor& out, const Tensor& inp, const QuantizedWeight& weight,
                                         const Tensor& bias, const Tensor& scratch) = 0;
+  // Several products of one input (decoding's q / k / v, gate / up): for every member, out =
+  // inp @ W^T (+ bias), W its float weight (as matmul_forward takes it: 16-bit for up to
+  // kSixteenBitWeightRows rows) or, when `quantized` is set, that quantized weight (scratch as
+  // quantized_matmul_forward's, for the first quantized member's input). A backend may run them
+  // as one pass; by default they run one after another.
+  virtual void matmul_forward_group(std::span<const GroupMember> group, const Tensor& inp, const Tensor& scratch);
   // dinp[N,C] += dout[N,OC] @ W: the gradient through a frozen quantized weight (QLoRA), tile by
   // tile through the same scratch.
   virtual void quantized_matmul_backward_input(const Tensor& dinp, const Tensor& dout, const QuantizedWeight& weight,

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 
@@ -237,6 +238,60 @@ void Qwen2Model::linear_forward(int64_t l, LinearSite s, const LayerActs& a, con
     const Tensor w = num_tokens_ <= kSixteenBitWeightRows ? params_->param(lin.weight) : weight_f32(lin.weight);
     be.matmul_forward(y, x, w, lin.bias ? weight_f32(*lin.bias) : Tensor{});
   }
+  linear_adapters_forward(l, s, a, x, y);
+}
+
+void Qwen2Model::linear_group_forward(int64_t l, std::span<const SiteOutput> sites, const LayerActs& a,
+                                      const Tensor& x) {
+  // Many rows widen each weight into one shared scratch buffer: one layer at a time.
+  if (num_tokens_ > kSixteenBitWeightRows) {
+    for (const SiteOutput& s : sites) linear_forward(l, s.site, a, x, s.y);
+    return;
+  }
+  constexpr size_t kMaxSites = 3;
+  MT_ASSERT(sites.size() <= kMaxSites);
+  std::array<GroupMember, kMaxSites> group;
+  std::array<Tensor, kMaxSites> stored_bias;
+  std::array<QuantizedWeight, kMaxSites> packed;
+  bool quantized = false;
+  int64_t widened = 0;  // 16-bit bias elements
+  for (size_t i = 0; i < sites.size(); ++i) {
+    const ModelParameters::Linear lin = params_->linear(l, sites[i].site);
+    if (linear_input_observer_) linear_input_observer_(l, sites[i].site, x);
+    group[i].out = sites[i].y;
+    if (lin.bias) stored_bias[i] = params_->param(*lin.bias);
+    if (stored_bias[i] && stored_bias[i].dtype != DType::F32) widened += stored_bias[i].numel();
+    if (params_->quantized(lin.weight)) {
+      packed[i] = params_->quantized_param(lin.weight);
+      group[i].quantized = &packed[i];
+      quantized = true;
+    } else {
+      group[i].weight = params_->param(lin.weight);
+    }
+  }
+  // The members' 16-bit biases are all live at once, so they widen into the matrix scratch (which
+  // holds one vector only), past the quantized members' prepared input (at most 2 x rows x in).
+  const int64_t first = quantized ? 2 * num_tokens_ * x.cols() : 0;
+  const Tensor biases = widened ? arena_->f32(buf_.matrix_f32[static_cast<size_t>(arena_->phase())],
+                                              {first + widened})
+                                : Tensor{};
+  int64_t at = first;
+  for (size_t i = 0; i < sites.size(); ++i) {
+    group[i].bias = stored_bias[i];
+    if (!stored_bias[i] || stored_bias[i].dtype == DType::F32) continue;
+    group[i].bias = biases.flat_range(at, stored_bias[i].numel());
+    backend_->convert(group[i].bias, stored_bias[i]);
+    at += stored_bias[i].numel();
+  }
+  backend_->matmul_forward_group(std::span(group.data(), sites.size()), x,
+                                 quantized ? quantized_scratch(x.cols()) : Tensor{});
+  for (const SiteOutput& s : sites) linear_adapters_forward(l, s.site, a, x, s.y);
+}
+
+void Qwen2Model::linear_adapters_forward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& x,
+                                         const Tensor& y) {
+  const ModelParameters::Linear lin = params_->linear(l, s);
+  Backend& be = *backend_;
   if (!batch_adapters_.empty()) adapter_sets_forward(l, s, a, x, y);
   if (lin.lora < 0) return;
   const int64_t r = options_.lora.rank;
@@ -316,16 +371,17 @@ void Qwen2Model::layer_forward(int64_t l, const LayerActs& a, const Tensor& x, c
   if (c.qk_norm) {
     // Qwen3: q and k are normalized over each head (rows of head_dim) before RoPE.
     const Tensor q_raw = act(a.q_raw, qd), k_raw = act(a.k_raw, kvd);
-    linear_forward(l, LinearSite::Q, a, ln1, q_raw);
-    linear_forward(l, LinearSite::K, a, ln1, k_raw);
+    linear_group_forward(l, std::array{SiteOutput{LinearSite::Q, q_raw}, SiteOutput{LinearSite::K, k_raw},
+                                       SiteOutput{LinearSite::V, v}},
+                         a, ln1);
     be.rmsnorm_forward(per_head(q, hd), act_rows(a.rstd_q, Hq), per_head(q_raw, hd), weight_f32(*p.q_norm), eps);
     be.rmsnorm_forward(per_head(k, hd), act_rows(a.rstd_k, c.num_key_value_heads), per_head(k_raw, hd),
                        weight_f32(*p.k_norm), eps);
   } else {
-    linear_forward(l, LinearSite::Q, a, ln1, q);
-    linear_forward(l, LinearSite::K, a, ln1, k);
+    linear_group_forward(
+        l, std::array{SiteOutput{LinearSite::Q, q}, SiteOutput{LinearSite::K, k}, SiteOutput{LinearSite::V, v}}, a,
+        ln1);
   }
-  linear_forward(l, LinearSite::V, a, ln1, v);
   be.rope_forward(q, pos, freqs);
   be.rope_forward(k, pos, freqs);
   if (options_.inference()) {
@@ -343,8 +399,7 @@ void Qwen2Model::layer_forward(int64_t l, const LayerActs& a, const Tensor& x, c
   linear_forward(l, LinearSite::O, a, att, res1);
   be.add_inplace(res1, x);
   be.rmsnorm_forward(ln2, act(a.rstd2, 1), res1, weight_f32(p.ln2), eps);
-  linear_forward(l, LinearSite::Gate, a, ln2, gate);
-  linear_forward(l, LinearSite::Up, a, ln2, up);
+  linear_group_forward(l, std::array{SiteOutput{LinearSite::Gate, gate}, SiteOutput{LinearSite::Up, up}}, a, ln2);
   be.swiglu_forward(h, gate, up);
   linear_forward(l, LinearSite::Down, a, h, x_out);
   be.add_inplace(x_out, res1);

@@ -182,4 +182,72 @@ TEST(QuantizedOps, BackwardInputAccumulatesDoutTimesTheDequantizedWeight) {
 }
 
 }  // namespace
+// matmul_forward_group (decoding's q / k / v and gate / up in one pass) gives each member exactly
+// what matmul_forward / quantized_matmul_forward give it alone: float32 and 16-bit members, with
+// and without bias, quantized members sharing one prepared input, a group of float and quantized
+// members, quantized members of different layouts, and row counts past the skinny kernels (each
+// product then runs alone).
+TEST(MatmulGroup, EachMemberEqualsItsProductAlone) {
+  struct Member {
+    DType dtype;  // I32: quantized
+    int bits;
+    int64_t out;
+    bool bias;
+  };
+  const std::vector<std::vector<Member>> groups = {
+      {{DType::BF16, 0, 48, true}, {DType::BF16, 0, 16, true}, {DType::BF16, 0, 16, false}},
+      {{DType::F32, 0, 40, true}, {DType::F32, 0, 7, false}},
+      {{DType::F16, 0, 33, false}, {DType::F16, 0, 33, true}},
+      {{DType::I32, 4, 40, true}, {DType::I32, 4, 9, true}, {DType::I32, 4, 24, false}},
+      {{DType::I32, 8, 17, false}, {DType::BF16, 0, 21, true}},
+      {{DType::I32, 4, 16, true}, {DType::I32, 8, 16, false}},  // two layouts: one by one
+  };
+  const int64_t C = 256;
+  for (const char* name : {"cpu", "reference"})
+    for (size_t gi = 0; gi < groups.size(); ++gi)
+      for (const int64_t N : {1, 2, 3, 8, 12, 17}) {
+        Backend& be = backend_named(name);
+        Device d(be);
+        const std::vector<float> x = randn(N * C, 7 + N);
+        const Tensor inp = d.f32(x, {N, C}), scratch = d.alloc(DType::F32, {kQuantizedTileRows, C});
+        std::vector<GroupMember> group;
+        std::vector<QuantizedWeight> packed;
+        packed.reserve(groups[gi].size());
+        std::vector<Tensor> alone;
+        for (size_t i = 0; i < groups[gi].size(); ++i) {
+          const Member& m = groups[gi][i];
+          GroupMember g;
+          g.out = d.alloc(DType::F32, {N, m.out});
+          if (m.bias) g.bias = d.f32(randn(m.out, 40 + i), {m.out});
+          if (m.dtype == DType::I32) {
+            packed.push_back(d.weight(random_layer(m.bits, C, m.out, 128, false, 20 + i)));
+            g.quantized = &packed.back();
+          } else {
+            const std::vector<float> w = randn(m.out * C, 30 + i);
+            std::vector<uint16_t> half(w.size());
+            convert_from_f32(w.data(), half.data(), m.dtype == DType::F32 ? DType::BF16 : m.dtype, w.size());
+            g.weight = d.alloc(m.dtype, {m.out, C});
+            be.copy_to_device(g.weight, m.dtype == DType::F32 ? static_cast<const void*>(w.data()) : half.data());
+          }
+          alone.push_back(d.alloc(DType::F32, {N, m.out}));
+          if (g.quantized)
+            be.quantized_matmul_forward(alone.back(), inp, *g.quantized, g.bias, scratch);
+          else if (g.weight.dtype == DType::F32 || N <= kSixteenBitWeightRows)
+            be.matmul_forward(alone.back(), inp, g.weight, g.bias);
+          else
+            continue;  // many rows take float32 weights (the caller widens them)
+          group.push_back(g);
+        }
+        if (group.size() != groups[gi].size()) continue;
+        be.fill(scratch, 0.0f);  // nothing left from the products alone
+        be.matmul_forward_group(group, inp, scratch);
+        for (size_t i = 0; i < group.size(); ++i) {
+          std::vector<float> got(static_cast<size_t>(group[i].out.numel())), want(got.size());
+          be.copy_to_host(got.data(), group[i].out);
+          be.copy_to_host(want.data(), alone[i]);
+          EXPECT_EQ(got, want) << fmt::format("{}: group {}, member {}, {} rows", name, gi, i, N);
+        }
+      }
+}
+
 }  // namespace memtune

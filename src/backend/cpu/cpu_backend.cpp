@@ -3,9 +3,11 @@
 
 #include <sys/mman.h>
 
+#include <array>
 #include <cstring>
 
 #include "backend/cpu/ops.h"
+#include "backend/cpu/parallel.h"
 
 namespace memtune {
 namespace {
@@ -66,6 +68,48 @@ class CpuBackend final : public Backend {
     check_quantized(weight, scratch);
     MT_ASSERT(inp.cols() == weight.in && out.cols() == weight.out && out.rows() == inp.rows());
     cpu::quantized_matmul_forward(out.f32(), inp.f32(), weight, bias.f32(), inp.rows(), scratch.f32());
+  }
+  // Decoding's products of one input as one parallel region (one fork and join instead of one per
+  // product; the small k / v products no longer run alone), the quantized members reading one
+  // prepared input. Members that would not take the skinny kernels run one by one.
+  void matmul_forward_group(std::span<const GroupMember> group, const Tensor& inp, const Tensor& scratch) override {
+    constexpr size_t kMaxMembers = 4;
+    const int64_t N = inp.rows();
+    std::array<cpu::SkinnyMatmul, kMaxMembers> floats{};
+    std::array<cpu::QuantizedSkinny, kMaxMembers> quantized{};
+    std::array<int64_t, kMaxMembers + 1> first{};
+    const QuantizedWeight* layout = nullptr;
+    bool one_pass = group.size() <= kMaxMembers;
+    for (size_t i = 0; one_pass && i < group.size(); ++i) {
+      const GroupMember& m = group[i];
+      MT_ASSERT(m.out.rows() == N, "matmul_forward_group: a member's output rows differ from the input's");
+      if (m.quantized) {
+        check_quantized(*m.quantized, scratch);
+        MT_ASSERT(inp.cols() == m.quantized->in && m.out.cols() == m.quantized->out);
+        if (!layout) layout = m.quantized;
+        one_pass = N <= kSixteenBitWeightRows && cpu::same_input_layout(*layout, *m.quantized);
+        quantized[i] = {m.out.f32(), m.quantized, m.bias.f32(), N, inp.f32(), scratch.f32()};
+        first[i + 1] = first[i] + quantized[i].tasks();
+      } else {
+        MT_ASSERT(inp.cols() == m.weight.cols() && m.out.cols() == m.weight.rows());
+        one_pass = m.weight.dtype != DType::F32 || N <= kSkinnyRows;
+        floats[i] = {m.out.f32(), inp.f32(), m.weight.data, m.weight.dtype, m.bias.f32(), N, inp.cols(), m.weight.rows()};
+        first[i + 1] = first[i] + floats[i].tasks();
+      }
+    }
+    if (!one_pass) return Backend::matmul_forward_group(group, inp, scratch);
+    if (layout) cpu::QuantizedSkinny{nullptr, layout, nullptr, N, nullptr, nullptr}.prepare(inp.f32(), scratch.f32());
+    const size_t members = group.size();
+    cpu::parallel_for_balanced(first[members], 1, [&](int64_t begin, int64_t end) {
+      size_t i = 0;
+      for (int64_t t = begin; t < end; ++t) {
+        while (t >= first[i + 1]) ++i;
+        if (group[i].quantized)
+          quantized[i].run(t - first[i]);
+        else
+          floats[i].run(t - first[i]);
+      }
+    });
   }
   void quantized_matmul_backward_input(const Tensor& dinp, const Tensor& dout, const QuantizedWeight& weight,
                                        const Tensor& scratch) override {

@@ -383,34 +383,65 @@ void skinny_rows(float* out, const float* inp, const StoredType<S>* w, const flo
 // beat four rows against 4 input rows twice: 149-159 against 115-130 GFLOP/s over one layer's
 // shapes at 8 rows; float32 weights need no widening and keep the four-row form (91-98 against
 // 69-83).
+// Tasks of output rows: 16 rows each with one or two input rows, 8 blocks of WR rows with more
+// (the last task also takes the rows past the last whole block).
 template <Stored S>
-void skinny(float* out, const float* inp, const void* weight, const float* bias, int64_t N, int64_t C, int64_t OC) {
-  const auto* w = static_cast<const StoredType<S>*>(weight);
+constexpr int64_t kBlockRows = S == Stored::F32 ? 4 : 3;
+constexpr int64_t kRowsPerTask = 16, kBlocksPerTask = 8;
+
+template <Stored S>
+int64_t skinny_task_count(int64_t N, int64_t OC) {
+  if (N <= 2) return (OC + kRowsPerTask - 1) / kRowsPerTask;
+  const int64_t blocks = OC / kBlockRows<S>;
+  return std::max<int64_t>(1, (blocks + kBlocksPerTask - 1) / kBlocksPerTask);
+}
+
+template <Stored S>
+void skinny_task(const SkinnyMatmul& m, int64_t t) {
+  const auto* w = static_cast<const StoredType<S>*>(m.weight);
+  const int64_t N = m.N, C = m.C, OC = m.OC;
   if (N <= 2) {
-    parallel_for_balanced(OC, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t o = begin; o < end; ++o) skinny_rows<1, S>(out, inp, w + o * C, bias, N, C, OC, o);
-    });
+    for (int64_t o = t * kRowsPerTask; o < std::min(OC, (t + 1) * kRowsPerTask); ++o)
+      skinny_rows<1, S>(m.out, m.inp, w + o * C, m.bias, N, C, OC, o);
     return;
   }
-  constexpr int64_t WR = S == Stored::F32 ? 4 : 3;
+  constexpr int64_t WR = kBlockRows<S>;
   const int64_t blocks = OC / WR;
-  parallel_for_balanced(blocks, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) skinny_rows<WR, S>(out, inp, w + b * WR * C, bias, N, C, OC, b * WR);
-  });
-  for (int64_t o = blocks * WR; o < OC; ++o) skinny_rows<1, S>(out, inp, w + o * C, bias, N, C, OC, o);
+  for (int64_t b = t * kBlocksPerTask; b < std::min(blocks, (t + 1) * kBlocksPerTask); ++b)
+    skinny_rows<WR, S>(m.out, m.inp, w + b * WR * C, m.bias, N, C, OC, b * WR);
+  if (t == skinny_task_count<S>(N, OC) - 1)
+    for (int64_t o = blocks * WR; o < OC; ++o) skinny_rows<1, S>(m.out, m.inp, w + o * C, m.bias, N, C, OC, o);
 }
 
 }  // namespace
 
-void matmul_skinny(float* out, const float* inp, const void* weight, DType dt, const float* bias, int64_t N,
-                   int64_t C, int64_t OC) {
-  switch (dt) {
-    case DType::F32: return skinny<Stored::F32>(out, inp, weight, bias, N, C, OC);
-    case DType::BF16: return skinny<Stored::BF16>(out, inp, weight, bias, N, C, OC);
-    case DType::F16: return skinny<Stored::F16>(out, inp, weight, bias, N, C, OC);
+int64_t SkinnyMatmul::tasks() const {
+  switch (dtype) {
+    case DType::F32: return skinny_task_count<Stored::F32>(N, OC);
+    case DType::BF16: return skinny_task_count<Stored::BF16>(N, OC);
+    case DType::F16: return skinny_task_count<Stored::F16>(N, OC);
     case DType::I32: break;
   }
   MT_ASSERT(false, "matmul_skinny needs a floating weight");
+  return 0;
+}
+
+void SkinnyMatmul::run(int64_t task) const {
+  switch (dtype) {
+    case DType::F32: return skinny_task<Stored::F32>(*this, task);
+    case DType::BF16: return skinny_task<Stored::BF16>(*this, task);
+    case DType::F16: return skinny_task<Stored::F16>(*this, task);
+    case DType::I32: break;
+  }
+  MT_ASSERT(false, "matmul_skinny needs a floating weight");
+}
+
+void matmul_skinny(float* out, const float* inp, const void* weight, DType dt, const float* bias, int64_t N,
+                   int64_t C, int64_t OC) {
+  const SkinnyMatmul m{out, inp, weight, dt, bias, N, C, OC};
+  parallel_for_balanced(m.tasks(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) m.run(t);
+  });
 }
 
 void kv_cache_write(void* k_cache, void* v_cache, DType dt, const float* k, const float* v, const int32_t* slots,

@@ -61,6 +61,33 @@ void quantized_matmul_backward_input(float* dinp, const float* dout, const Quant
 // output columns. The decode path, memory-bound on the weights; bias may be null.
 void matmul_skinny(float* out, const float* inp, const void* weight, DType weight_dtype, const float* bias, int64_t N,
                    int64_t C, int64_t OC);
+// The same product cut into tasks of output rows (any thread may run any task, each once), so that
+// several products share one parallel region (CpuBackend::matmul_forward_group).
+struct SkinnyMatmul {
+  float* out;
+  const float* inp;
+  const void* weight;
+  DType dtype;
+  const float* bias;
+  int64_t N, C, OC;
+  int64_t tasks() const;
+  void run(int64_t task) const;
+};
+// A quantized product for few rows (N <= kSixteenBitWeightRows) in tasks: prepare() forms what
+// every task reads from the input (its permutation and sums per group, in scratch); tasks can
+// share one prepared input when their weights have the same layout (same_input_layout).
+struct QuantizedSkinny {
+  float* out;
+  const QuantizedWeight* weight;
+  const float* bias;
+  int64_t N;
+  const float* inp;       // set by prepare()
+  const float* prepared;  // scratch, after prepare()
+  void prepare(const float* input, float* scratch);
+  int64_t tasks() const;
+  void run(int64_t task) const;
+};
+bool same_input_layout(const QuantizedWeight& a, const QuantizedWeight& b);
 
 // Paged KV cache (backend.h): caches [slots, Hkv*hd] in cache_dtype (f32, bf16 or f16).
 void kv_cache_write(void* k_cache, void* v_cache, DType cache_dtype, const float* k, const float* v,

@@ -216,16 +216,11 @@ void plain_row(float* out, int64_t OC, const float* inp, int64_t N, const Layout
   }
 }
 
-void skinny(float* out, const float* inp, const Layout& w, const float* bias, int64_t N, float* scratch) {
-  const int64_t OC = w.out, in = w.in;
-  if (!w.chunked()) {
-#pragma omp parallel for schedule(static)
-    for (int64_t o = 0; o < OC; ++o) plain_row(out, OC, inp, N, w, bias, o);
-    return;
-  }
-  // Scratch: the permuted input [N, in], then its sums per group [N, groups].
+// Scratch: the permuted input [N, in], then its sums per group [N, groups] (chunked layouts only).
+void prepare_input(const float* inp, const Layout& w, int64_t N, float* scratch) {
+  if (!w.chunked()) return;
   const int P = w.per_word();
-  const int64_t K = w.chunk(), full = in / K, per_group = w.group_size / K;
+  const int64_t in = w.in, K = w.chunk(), full = in / K, per_group = w.group_size / K;
   float* xp = scratch;
   float* xsum = scratch + N * in;
   for (int64_t m = 0; m < N; ++m) {
@@ -245,16 +240,26 @@ void skinny(float* out, const float* inp, const Layout& w, const float* bias, in
       xsum[m * w.groups + g] = s;
     }
   }
-  const int64_t tasks = (OC + kOutputsPerTask - 1) / kOutputsPerTask;
-  parallel_for_balanced(tasks, 2, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t o = kOutputsPerTask * t, count = std::min(kOutputsPerTask, OC - o);
-      if (w.bits == 4)
-        chunked_outputs<4>(out, OC, xp, xsum, w, bias, N, o, count);
-      else
-        chunked_outputs<8>(out, OC, xp, xsum, w, bias, N, o, count);
-    }
-  });
+}
+
+// A task: 2 x kOutputsPerTask output rows (the per-element path: 16 rows).
+constexpr int64_t kTaskOutputs = 2 * kOutputsPerTask;
+
+void run_task(float* out, const float* inp, const float* prepared, const Layout& w, const float* bias, int64_t N,
+              int64_t t) {
+  const int64_t OC = w.out, end = std::min(OC, (t + 1) * kTaskOutputs);
+  if (!w.chunked()) {
+    for (int64_t o = t * kTaskOutputs; o < end; ++o) plain_row(out, OC, inp, N, w, bias, o);
+    return;
+  }
+  const float* xsum = prepared + N * w.in;
+  for (int64_t o = t * kTaskOutputs; o < end; o += kOutputsPerTask) {
+    const int64_t count = std::min(kOutputsPerTask, OC - o);
+    if (w.bits == 4)
+      chunked_outputs<4>(out, OC, prepared, xsum, w, bias, N, o, count);
+    else
+      chunked_outputs<8>(out, OC, prepared, xsum, w, bias, N, o, count);
+  }
 }
 
 // Output rows o0 .. o0 + rows of the weight as float32 [rows, in]: each word's codes as floats,
@@ -286,10 +291,32 @@ void dequantize_rows(float* tile, const Layout& w, int64_t o0, int64_t rows) {
 
 }  // namespace
 
+void QuantizedSkinny::prepare(const float* in, float* scratch) {
+  inp = in;
+  prepared = scratch;
+  prepare_input(in, Layout(*weight), N, scratch);
+}
+
+int64_t QuantizedSkinny::tasks() const { return (weight->out + kTaskOutputs - 1) / kTaskOutputs; }
+
+void QuantizedSkinny::run(int64_t task) const { run_task(out, inp, prepared, Layout(*weight), bias, N, task); }
+
+bool same_input_layout(const QuantizedWeight& a, const QuantizedWeight& b) {
+  const Layout x(a), y(b);
+  return x.chunked() && y.chunked() && x.bits == y.bits && x.in == y.in && x.group_size == y.group_size;
+}
+
 void quantized_matmul_forward(float* out, const float* inp, const QuantizedWeight& weight, const float* bias,
                               int64_t N, float* scratch) {
   const Layout w(weight);
-  if (N <= kSixteenBitWeightRows) return skinny(out, inp, w, bias, N, scratch);
+  if (N <= kSixteenBitWeightRows) {
+    QuantizedSkinny m{out, &weight, bias, N, nullptr, nullptr};
+    m.prepare(inp, scratch);
+    parallel_for_balanced(m.tasks(), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) m.run(t);
+    });
+    return;
+  }
   const int64_t OC = w.out, C = w.in;
   for (int64_t o0 = 0; o0 < OC; o0 += kQuantizedTileRows) {
     const int64_t rows = std::min(kQuantizedTileRows, OC - o0);
