@@ -4,8 +4,6 @@
 #include <fmt/format.h>
 #include <sys/mman.h>
 
-#include <array>
-
 #include "backend/cpu/cpu_backend.h"
 #include "backend/reference/reference_backend.h"
 
@@ -24,13 +22,6 @@ void Backend::matmul_forward_group(std::span<const GroupMember> group, const Ten
     else
       matmul_forward(m.out, inp, m.weight, m.bias);
   }
-}
-
-void Backend::swiglu_matmul_forward(const Tensor& h, const GroupMember& gate, const GroupMember& up, const Tensor& inp,
-                                    const Tensor& scratch) {
-  const std::array<GroupMember, 2> group{gate, up};
-  matmul_forward_group(group, inp, scratch);
-  swiglu_forward(h, gate.out, up.out);
 }
 
 std::vector<float> download_f32(Backend& backend, const Tensor& tensor) {

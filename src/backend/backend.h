@@ -148,10 +148,6 @@ class Backend {
   // quantized_matmul_forward's, for the first quantized member's input). A backend may run them
   // as one pass; by default they run one after another.
   virtual void matmul_forward_group(std::span<const GroupMember> group, const Tensor& inp, const Tensor& scratch);
-  // The same for decoding's gate and up, and h = silu(gate.out) * up.out (swiglu_forward) with
-  // them; a backend may form h as gate and up are computed. By default: the group, then swiglu.
-  virtual void swiglu_matmul_forward(const Tensor& h, const GroupMember& gate, const GroupMember& up,
-                                     const Tensor& inp, const Tensor& scratch);
   // dinp[N,C] += dout[N,OC] @ W: the gradient through a frozen quantized weight (QLoRA), tile by
   // tile through the same scratch.
   virtual void quantized_matmul_backward_input(const Tensor& dinp, const Tensor& dout, const QuantizedWeight& weight,

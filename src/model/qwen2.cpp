@@ -242,12 +242,10 @@ void Qwen2Model::linear_forward(int64_t l, LinearSite s, const LayerActs& a, con
 }
 
 void Qwen2Model::linear_group_forward(int64_t l, std::span<const SiteOutput> sites, const LayerActs& a,
-                                      const Tensor& x, const Tensor& swiglu) {
-  MT_ASSERT(!swiglu || sites.size() == 2);
+                                      const Tensor& x) {
   // Many rows widen each weight into one shared scratch buffer: one layer at a time.
   if (num_tokens_ > kSixteenBitWeightRows) {
     for (const SiteOutput& s : sites) linear_forward(l, s.site, a, x, s.y);
-    if (swiglu) backend_->swiglu_forward(swiglu, sites[0].y, sites[1].y);
     return;
   }
   constexpr size_t kMaxSites = 3;
@@ -285,13 +283,9 @@ void Qwen2Model::linear_group_forward(int64_t l, std::span<const SiteOutput> sit
     backend_->convert(group[i].bias, stored_bias[i]);
     at += stored_bias[i].numel();
   }
-  const Tensor scratch = quantized ? quantized_scratch(x.cols()) : Tensor{};
-  bool adapted = !batch_adapters_.empty();
-  for (const SiteOutput& s : sites) adapted = adapted || params_->linear(l, s.site).lora >= 0;
-  if (swiglu && !adapted) return backend_->swiglu_matmul_forward(swiglu, group[0], group[1], x, scratch);
-  backend_->matmul_forward_group(std::span(group.data(), sites.size()), x, scratch);
+  backend_->matmul_forward_group(std::span(group.data(), sites.size()), x,
+                                 quantized ? quantized_scratch(x.cols()) : Tensor{});
   for (const SiteOutput& s : sites) linear_adapters_forward(l, s.site, a, x, s.y);
-  if (swiglu) backend_->swiglu_forward(swiglu, sites[0].y, sites[1].y);
 }
 
 void Qwen2Model::linear_adapters_forward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& x,
@@ -405,7 +399,8 @@ void Qwen2Model::layer_forward(int64_t l, const LayerActs& a, const Tensor& x, c
   linear_forward(l, LinearSite::O, a, att, res1);
   be.add_inplace(res1, x);
   be.rmsnorm_forward(ln2, act(a.rstd2, 1), res1, weight_f32(p.ln2), eps);
-  linear_group_forward(l, std::array{SiteOutput{LinearSite::Gate, gate}, SiteOutput{LinearSite::Up, up}}, a, ln2, h);
+  linear_group_forward(l, std::array{SiteOutput{LinearSite::Gate, gate}, SiteOutput{LinearSite::Up, up}}, a, ln2);
+  be.swiglu_forward(h, gate, up);
   linear_forward(l, LinearSite::Down, a, h, x_out);
   be.add_inplace(x_out, res1);
 }

@@ -129,15 +129,12 @@ class Qwen2Model {
   void layer_backward(int64_t l, const LayerActs& a, const Tensor& x, const Tensor& dstream);
   // y = x W^T + b (+ scaling * dropout(x) A^T B^T)
   void linear_forward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& x, const Tensor& y);
-  // Linear layers of one input (q / k / v, gate / up) as one matmul_forward_group when decoding;
-  // given swiglu (sites gate, up), also swiglu = silu(gate) * up, in the same pass when no adapter
-  // changes gate or up first.
+  // Linear layers of one input (q / k / v, gate / up) as one matmul_forward_group when decoding.
   struct SiteOutput {
     LinearSite site;
     Tensor y;
   };
-  void linear_group_forward(int64_t l, std::span<const SiteOutput> sites, const LayerActs& a, const Tensor& x,
-                            const Tensor& swiglu = Tensor{});
+  void linear_group_forward(int64_t l, std::span<const SiteOutput> sites, const LayerActs& a, const Tensor& x);
   // What follows the base product: adapters chosen per sequence, the trained LoRA pair.
   void linear_adapters_forward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& x, const Tensor& y);
   // y += s_k (x A_k^T) B_k^T over the rows of the sequences that use adapter set k.

@@ -24,49 +24,6 @@ void check_quantized(const QuantizedWeight& w, const Tensor& scratch) {
   MT_ASSERT(scratch.dtype == DType::F32 && scratch.numel() >= kQuantizedTileRows * w.in, "quantized matmul scratch");
 }
 
-// A group of products (Backend::matmul_forward_group) as tasks of the skinny kernels.
-struct SkinnyGroup {
-  static constexpr size_t kMaxMembers = 4;
-  std::array<cpu::SkinnyMatmul, kMaxMembers> floats{};
-  std::array<cpu::QuantizedSkinny, kMaxMembers> quantized{};
-  std::array<bool, kMaxMembers> is_quantized{};
-  std::array<int64_t, kMaxMembers + 1> first{};  // member i's tasks: first[i] .. first[i + 1] - 1
-
-  // False when a member would not take the skinny kernels (then each product runs alone). The
-  // quantized members' input is prepared once, into scratch.
-  bool build(std::span<const GroupMember> group, const Tensor& inp, const Tensor& scratch) {
-    if (group.size() > kMaxMembers) return false;
-    const int64_t N = inp.rows();
-    const QuantizedWeight* layout = nullptr;
-    for (size_t i = 0; i < group.size(); ++i) {
-      const GroupMember& m = group[i];
-      MT_ASSERT(m.out.rows() == N, "matmul_forward_group: a member's output rows differ from the input's");
-      is_quantized[i] = m.quantized != nullptr;
-      if (m.quantized) {
-        check_quantized(*m.quantized, scratch);
-        MT_ASSERT(inp.cols() == m.quantized->in && m.out.cols() == m.quantized->out);
-        if (!layout) layout = m.quantized;
-        if (N > kSixteenBitWeightRows || !cpu::same_input_layout(*layout, *m.quantized)) return false;
-        quantized[i] = {m.out.f32(), m.quantized, m.bias.f32(), N, inp.f32(), scratch.f32()};
-        first[i + 1] = first[i] + quantized[i].tasks();
-      } else {
-        MT_ASSERT(inp.cols() == m.weight.cols() && m.out.cols() == m.weight.rows());
-        if (m.weight.dtype == DType::F32 && N > kSkinnyRows) return false;
-        floats[i] = {m.out.f32(), inp.f32(), m.weight.data, m.weight.dtype, m.bias.f32(), N, inp.cols(), m.weight.rows()};
-        first[i + 1] = first[i] + floats[i].tasks();
-      }
-    }
-    if (layout) cpu::QuantizedSkinny{nullptr, layout, nullptr, N, nullptr, nullptr}.prepare(inp.f32(), scratch.f32());
-    return true;
-  }
-  void run(size_t member, int64_t task) const {
-    if (is_quantized[member])
-      quantized[member].run(task);
-    else
-      floats[member].run(task);
-  }
-};
-
 class CpuBackend final : public Backend {
  public:
   std::string_view name() const override { return "cpu"; }
@@ -116,34 +73,41 @@ class CpuBackend final : public Backend {
   // product; the small k / v products no longer run alone), the quantized members reading one
   // prepared input. Members that would not take the skinny kernels run one by one.
   void matmul_forward_group(std::span<const GroupMember> group, const Tensor& inp, const Tensor& scratch) override {
-    SkinnyGroup g;
-    if (!g.build(group, inp, scratch)) return Backend::matmul_forward_group(group, inp, scratch);
-    cpu::parallel_for_balanced(g.first[group.size()], 1, [&](int64_t begin, int64_t end) {
+    constexpr size_t kMaxMembers = 4;
+    const int64_t N = inp.rows();
+    std::array<cpu::SkinnyMatmul, kMaxMembers> floats{};
+    std::array<cpu::QuantizedSkinny, kMaxMembers> quantized{};
+    std::array<int64_t, kMaxMembers + 1> first{};
+    const QuantizedWeight* layout = nullptr;
+    bool one_pass = group.size() <= kMaxMembers;
+    for (size_t i = 0; one_pass && i < group.size(); ++i) {
+      const GroupMember& m = group[i];
+      MT_ASSERT(m.out.rows() == N, "matmul_forward_group: a member's output rows differ from the input's");
+      if (m.quantized) {
+        check_quantized(*m.quantized, scratch);
+        MT_ASSERT(inp.cols() == m.quantized->in && m.out.cols() == m.quantized->out);
+        if (!layout) layout = m.quantized;
+        one_pass = N <= kSixteenBitWeightRows && cpu::same_input_layout(*layout, *m.quantized);
+        quantized[i] = {m.out.f32(), m.quantized, m.bias.f32(), N, inp.f32(), scratch.f32()};
+        first[i + 1] = first[i] + quantized[i].tasks();
+      } else {
+        MT_ASSERT(inp.cols() == m.weight.cols() && m.out.cols() == m.weight.rows());
+        one_pass = m.weight.dtype != DType::F32 || N <= kSkinnyRows;
+        floats[i] = {m.out.f32(), inp.f32(), m.weight.data, m.weight.dtype, m.bias.f32(), N, inp.cols(), m.weight.rows()};
+        first[i + 1] = first[i] + floats[i].tasks();
+      }
+    }
+    if (!one_pass) return Backend::matmul_forward_group(group, inp, scratch);
+    if (layout) cpu::QuantizedSkinny{nullptr, layout, nullptr, N, nullptr, nullptr}.prepare(inp.f32(), scratch.f32());
+    const size_t members = group.size();
+    cpu::parallel_for_balanced(first[members], 1, [&](int64_t begin, int64_t end) {
       size_t i = 0;
       for (int64_t t = begin; t < end; ++t) {
-        while (t >= g.first[i + 1]) ++i;
-        g.run(i, t - g.first[i]);
-      }
-    });
-  }
-  // With gate and up cut into the same tasks, a task also forms h over the rows it computed: h is
-  // written where gate and up were just computed, and no pass over [N, I] follows on one thread.
-  void swiglu_matmul_forward(const Tensor& h, const GroupMember& gate, const GroupMember& up, const Tensor& inp,
-                             const Tensor& scratch) override {
-    const std::array<GroupMember, 2> group{gate, up};
-    SkinnyGroup g;
-    if (!g.build(group, inp, scratch) || gate.out.cols() != up.out.cols() || g.first[1] != g.first[2] - g.first[1] ||
-        (gate.quantized != nullptr) != (up.quantized != nullptr) || (!gate.quantized && gate.weight.dtype != up.weight.dtype))
-      return Backend::swiglu_matmul_forward(h, gate, up, inp, scratch);
-    MT_ASSERT(h.rows() == inp.rows() && h.cols() == gate.out.cols());
-    const int64_t N = inp.rows(), I = h.cols();
-    cpu::parallel_for_balanced(g.first[1], 1, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        g.run(0, t);
-        g.run(1, t);
-        const auto [o0, o1] = gate.quantized ? g.quantized[0].rows(t) : g.floats[0].rows(t);
-        for (int64_t n = 0; n < N; ++n)
-          cpu::swiglu_range(h.f32() + n * I + o0, gate.out.f32() + n * I + o0, up.out.f32() + n * I + o0, o1 - o0);
+        while (t >= first[i + 1]) ++i;
+        if (group[i].quantized)
+          quantized[i].run(t - first[i]);
+        else
+          floats[i].run(t - first[i]);
       }
     });
   }

@@ -436,12 +436,6 @@ void SkinnyMatmul::run(int64_t task) const {
   MT_ASSERT(false, "matmul_skinny needs a floating weight");
 }
 
-std::pair<int64_t, int64_t> SkinnyMatmul::rows(int64_t task) const {
-  if (N <= 2) return {task * kRowsPerTask, std::min(OC, (task + 1) * kRowsPerTask)};
-  const int64_t per_task = kBlocksPerTask * (dtype == DType::F32 ? kBlockRows<Stored::F32> : kBlockRows<Stored::BF16>);
-  return {task * per_task, task == tasks() - 1 ? OC : (task + 1) * per_task};
-}
-
 void matmul_skinny(float* out, const float* inp, const void* weight, DType dt, const float* bias, int64_t N,
                    int64_t C, int64_t OC) {
   const SkinnyMatmul m{out, inp, weight, dt, bias, N, C, OC};
@@ -613,14 +607,6 @@ void gather_rows(float* out, const float* inp, const int32_t* index, int64_t R, 
 
 void swiglu_forward(float* h, const float* gate, const float* up, int64_t n) {
 #pragma omp parallel for simd schedule(static) if (n > kParallelMinElements)
-  for (int64_t i = 0; i < n; ++i) {
-    const float g = gate[i];
-    h[i] = g / (1.0f + fast_exp(-g)) * up[i];
-  }
-}
-
-void swiglu_range(float* h, const float* gate, const float* up, int64_t n) {
-#pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
     const float g = gate[i];
     h[i] = g / (1.0f + fast_exp(-g)) * up[i];

@@ -5,7 +5,6 @@
 #pragma once
 
 #include <cstdint>
-#include <utility>
 
 #include "backend/backend.h"
 #include "core/dtype.h"
@@ -73,7 +72,6 @@ struct SkinnyMatmul {
   int64_t N, C, OC;
   int64_t tasks() const;
   void run(int64_t task) const;
-  std::pair<int64_t, int64_t> rows(int64_t task) const;  // the output rows [first, end) it writes
 };
 // A quantized product for few rows (N <= kSixteenBitWeightRows) in tasks: prepare() forms what
 // every task reads from the input (its permutation and sums per group, in scratch); tasks can
@@ -88,7 +86,6 @@ struct QuantizedSkinny {
   void prepare(const float* input, float* scratch);
   int64_t tasks() const;
   void run(int64_t task) const;
-  std::pair<int64_t, int64_t> rows(int64_t task) const;
 };
 bool same_input_layout(const QuantizedWeight& a, const QuantizedWeight& b);
 
@@ -101,9 +98,8 @@ void paged_attention_forward(float* out, const float* q, const void* k_cache, co
                              int64_t block_size);
 void gather_rows(float* out, const float* inp, const int32_t* index, int64_t R, int64_t C);
 
-// h = silu(gate) * up; swiglu_range on the calling thread only.
+// h = silu(gate) * up
 void swiglu_forward(float* h, const float* gate, const float* up, int64_t n);
-void swiglu_range(float* h, const float* gate, const float* up, int64_t n);
 void swiglu_backward(float* dgate, float* dup, const float* dh, const float* gate, const float* up, int64_t n);
 
 // out[n] = table[ids[n]], the table stored in any storage dtype.

@@ -299,10 +299,6 @@ void QuantizedSkinny::prepare(const float* in, float* scratch) {
 
 int64_t QuantizedSkinny::tasks() const { return (weight->out + kTaskOutputs - 1) / kTaskOutputs; }
 
-std::pair<int64_t, int64_t> QuantizedSkinny::rows(int64_t task) const {
-  return {task * kTaskOutputs, std::min(weight->out, (task + 1) * kTaskOutputs)};
-}
-
 void QuantizedSkinny::run(int64_t task) const { run_task(out, inp, prepared, Layout(*weight), bias, N, task); }
 
 bool same_input_layout(const QuantizedWeight& a, const QuantizedWeight& b) {
