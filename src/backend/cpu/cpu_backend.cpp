@@ -93,7 +93,8 @@ class CpuBackend final : public Backend {
       } else {
         MT_ASSERT(inp.cols() == m.weight.cols() && m.out.cols() == m.weight.rows());
         one_pass = m.weight.dtype != DType::F32 || N <= kSkinnyRows;
-        floats[i] = {m.out.f32(), inp.f32(), m.weight.data, m.weight.dtype, m.bias.f32(), N, inp.cols(), m.weight.rows()};
+        floats[i] = {m.out.f32(),   inp.f32(), m.weight.data, m.weight.dtype,
+                     m.bias.f32(),  N,         inp.cols(),    m.weight.rows()};
         first[i + 1] = first[i] + floats[i].tasks();
       }
     }
