@@ -171,11 +171,14 @@ void chunked_rows(float* out, int64_t OC, const float* xp, const float* xsum, co
   }
 }
 
-// Output rows a task takes at once. One input row goes against all of them in one pass (8
-// accumulators, 8 code vectors), two input rows against half of them at a time. Measured on the
-// 2-core AMD EPYC over cold weights with one input row, against two output rows at a time: int4
-// 15-20 -> 21-25 GB/s of codes, int8 25-29 -> 29-36 (four times the work between two loads of an
-// input vector, and as many independent FMA chains).
+// Output rows a task takes at once. One input row goes against them one weight row after the
+// other (4 accumulators), so each thread reads one sequential stream of codes; two input rows go
+// against 4 weight rows at a time. Over cold weights with one input row (the gate/up shape of
+// Qwen2.5-0.5B, 2 threads): on the AMD EPYC of family 25 (Zen 4) one row at a time streams int8
+// codes at 20-25 GB/s where 8 rows interleaved streamed 13-15 (int4 12-13 against 11-12, bound
+// by its arithmetic); the same lesson as the bfloat16 one-row kernel (ops.cpp). An earlier
+// measurement on a family-26 EPYC had 8 rows beat 2 rows (int8 25-29 -> 29-36 GB/s); one row at a
+// time was not measured there.
 constexpr int64_t kOutputsPerTask = 8;
 
 // Output rows o .. o + count - 1 (count <= kOutputsPerTask) against all input rows, 8 at a time.
@@ -187,8 +190,8 @@ void chunked_outputs(float* out, int64_t OC, const float* xp, const float* xsum,
     float* y = out + n0 * OC;
     const float* x = xp + n0 * w.in;
     const float* xs = xsum + n0 * w.groups;
-    if (count == kOutputsPerTask && rows == 1) {
-      chunked_block<Bits, 1, kOutputsPerTask>(y, OC, x, xs, w, bias, o);
+    if (rows == 1) {  // one weight row after the other: one sequential stream per thread
+      for (int64_t r = 0; r < count; ++r) chunked_block<Bits, 1, 1>(y, OC, x, xs, w, bias, o + r);
     } else if (count == kOutputsPerTask && rows == 2) {  // 2 x 8 accumulators would not fit
       chunked_block<Bits, 2, kOutputsPerTask / 2>(y, OC, x, xs, w, bias, o);
       chunked_block<Bits, 2, kOutputsPerTask / 2>(y, OC, x, xs, w, bias, o + kOutputsPerTask / 2);
