@@ -24,15 +24,23 @@ RESULTS = ROOT / "bench" / "results"
 
 
 def machine():
-    model, flags = "unknown", set()
+    # The model name alone does not tell machines apart (virtual machines report "AMD EPYC" for
+    # several generations with different vector units), so the family and model numbers join it.
+    model, family, number, flags = "unknown", "", "", set()
     with open("/proc/cpuinfo") as f:
         for line in f:
             key, _, value = line.partition(":")
             key = key.strip()
             if key == "model name" and model == "unknown":
                 model = value.strip()
+            elif key == "cpu family" and not family:
+                family = value.strip()
+            elif key == "model" and not number:
+                number = value.strip()
             elif key == "flags" and not flags:
                 flags = set(value.split())
+    if family and number:
+        model += f" (family {family}, model {number})"
     simd = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "SSE"
     return {"cpu": model, "simd": simd, "cores": os.cpu_count(),
             "threads": int(os.environ.get("OMP_NUM_THREADS", os.cpu_count()))}
