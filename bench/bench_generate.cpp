@@ -164,15 +164,14 @@ int main(int argc, char** argv) {
                    i + 1, r.decode, previous / 1e9, next / 1e9, 100 * r.ratio);
         previous = next;
       }
-      std::vector<Round> sorted = measured;
-      std::sort(sorted.begin(), sorted.end(), [](const Round& a, const Round& b) { return a.ratio < b.ratio; });
-      const Round& median = sorted[sorted.size() / 2];
+      std::sort(measured.begin(), measured.end(), [](const Round& a, const Round& b) { return a.ratio < b.ratio; });
+      const Round& median = measured[measured.size() / 2];
       decode["1"] = median.decode;
       prefill_tps = median.prefill;
       decode_bandwidth = median.bandwidth;
       fmt::print("batch 1: prefill {:.1f} tokens/s, decode {:.1f} tokens/s (the median round of {}; {:.0f}-{:.0f}% "
                  "of the limit over the rounds)\n",
-                 median.prefill, median.decode, rounds, 100 * sorted.front().ratio, 100 * sorted.back().ratio);
+                 median.prefill, median.decode, rounds, 100 * measured.front().ratio, 100 * measured.back().ratio);
     }
     // Prefill FLOPs per token: the layers' matmuls, attention over the causal half on average,
     // and the head at the last position only.
