@@ -190,16 +190,14 @@ void chunked_outputs(float* out, int64_t OC, const float* xp, const float* xsum,
     float* y = out + n0 * OC;
     const float* x = xp + n0 * w.in;
     const float* xs = xsum + n0 * w.groups;
-    if (rows == 1) {  // one weight row after the other: one sequential stream per thread
-      for (int64_t r = 0; r < count; ++r) chunked_block<Bits, 1, 1>(y, OC, x, xs, w, bias, o + r);
-    } else if (count == kOutputsPerTask && rows == 2) {  // 2 x 8 accumulators would not fit
+    if (count == kOutputsPerTask && rows == 2) {  // 2 x 8 accumulators would not fit
       chunked_block<Bits, 2, kOutputsPerTask / 2>(y, OC, x, xs, w, bias, o);
       chunked_block<Bits, 2, kOutputsPerTask / 2>(y, OC, x, xs, w, bias, o + kOutputsPerTask / 2);
-    } else if (rows <= 4) {
+    } else if (rows >= 2 && rows <= 4) {
       int64_t r = 0;
       for (; r + 2 <= count; r += 2) chunked_rows<Bits, 2>(y, OC, x, xs, w, bias, rows, o + r);
       if (r < count) chunked_rows<Bits, 1>(y, OC, x, xs, w, bias, rows, o + r);
-    } else {
+    } else {  // one weight row after the other (one input row: one sequential stream per thread)
       for (int64_t r = 0; r < count; ++r) chunked_rows<Bits, 1>(y, OC, x, xs, w, bias, rows, o + r);
     }
   }
