@@ -26,7 +26,7 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "generate/generator.h"
-#include "generate/inference_plan.h"
+#include "model/kv_cache.h"
 #include "io/quantized.h"
 #include "memory/process_memory.h"
 #include "model/load.h"
@@ -97,7 +97,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     const DType dtype = parse_dtype(dtype_name, "--torch_dtype");
-    const Qwen2Config c = load_model_config(model_dir, dtype);
+    const ModelConfig c = load_model_config(model_dir, dtype);
     const int64_t D = c.hidden_size, I = c.intermediate_size, V = c.vocab_size, L = c.num_hidden_layers;
     const int64_t max_batch = *std::max_element(batches.begin(), batches.end());
     // Each decoded token reads every decoder weight and the LM head once (the embedding: one row).
@@ -105,7 +105,7 @@ int main(int argc, char** argv) {
     double weight_bytes = (L * layer_params + double(V) * D) * dtype_size(dtype);
     if (const QuantConfig& q = c.quant; q.enabled()) {  // packed layers: codes, scales, zeros
       weight_bytes = double(V) * D * dtype_size(dtype);
-      for (const ParamSpec& s : qwen2_parameter_specs(c))
+      for (const ParamSpec& s : model_parameter_specs(c))
         if (s.shape.size() == 2 && s.name.starts_with("model.layers."))
           weight_bytes += double(quantized_layer_bytes(q.bits, s.shape[1], s.shape[0], q.groups(s.shape[1]), q.desc_act));
     }
@@ -117,12 +117,12 @@ int main(int argc, char** argv) {
         "{} threads; memory read bandwidth {:.1f} GB/s; sgemm ceiling at the prefill's shapes {:.1f} GFLOP/s "
         "(OpenBLAS {} kernels)\n",
         omp_get_max_threads(), bandwidth / 1e9, ceiling, cpu::blas_kernels());
-    fmt::print("model: {} parameters, {}; {:.1f} MB of weights read per decoded token\n", qwen2_parameter_count(c),
+    fmt::print("model: {} parameters, {}; {:.1f} MB of weights read per decoded token\n", model_parameter_count(c),
                label, weight_bytes / 1e6);
 
     const InferenceLimits limits{.max_model_len = prompt + new_tokens, .max_num_seqs = max_batch,
                                  .max_num_batched_tokens = prompt * max_batch, .block_size = 16};
-    const std::unique_ptr<Qwen2Model> model =
+    const std::unique_ptr<Decoder> model =
         load_model(model_dir, inference_model_options(c, limits, nullptr), "", dtype);
     Generator generator(*model, nullptr);
     Rng rng(1);

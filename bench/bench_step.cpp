@@ -46,16 +46,16 @@ int main(int argc, char** argv) {
     opt.loss_workspace_bytes = workspace;
     opt.gradient_checkpointing = checkpointing;
     opt.backend = &backend_named(backend);
-    const std::unique_ptr<Qwen2Model> loaded = load_model(model_dir, opt);
-    Qwen2Model& model = *loaded;
-    const Qwen2Config& c = model.config();
+    const std::unique_ptr<Decoder> loaded = load_model(model_dir, opt);
+    Decoder& model = *loaded;
+    const ModelConfig& c = model.config();
     const int64_t N = batch * seq, D = c.hidden_size, V = c.vocab_size, I = c.intermediate_size;
     const int64_t chunk = model.loss_chunk_rows();
 
     fmt::print(
         "model: {} parameters, hidden {}, layers {}, vocab {}; batch {} x {} tokens; logits chunk {} rows; backend "
         "{}\n",
-        qwen2_parameter_count(c), D, c.num_hidden_layers, V, batch, seq, chunk, backend);
+        model_parameter_count(c), D, c.num_hidden_layers, V, batch, seq, chunk, backend);
     fmt::print("GEMM ceiling (OpenBLAS sgemm at the model's shapes, {} kernels):\n", cpu::blas_kernels());
     struct Shape {
       const char* what;

@@ -1,5 +1,5 @@
 // libFuzzer harness for the --config reader: drives memtune::parse_config_text
-// (src/train/config_file.h) on arbitrary bytes, as YAML and as JSON, and then
+// (src/options/config_file.h) on arbitrary bytes, as YAML and as JSON, and then
 // memtune::prepare_arguments on `memtune train --config FILE` so the key classification and the
 // flag text built from the values run too. Every input must end in a result or a memtune::Error.
 // Seeds: tests/fuzz-seeds/config_reader/ (scripts/fuzz.sh reads tests/fuzz-seeds/<target>/).
@@ -8,8 +8,8 @@
 #include <string>
 
 #include "fuzz_support.h"
-#include "train/arguments.h"
-#include "train/config_file.h"
+#include "options/arguments.h"
+#include "options/config_file.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string text(reinterpret_cast<const char*>(data), size);

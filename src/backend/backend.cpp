@@ -2,17 +2,34 @@
 #include "backend/backend.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <sys/mman.h>
 
 #include "backend/cpu/cpu_backend.h"
 #include "backend/reference/reference_backend.h"
 
 namespace memtune {
+namespace {
+
+// The registry: every backend of this build, by name, in the order flags list them.
+struct NamedBackend {
+  std::string_view name;
+  Backend& (*get)();
+};
+constexpr NamedBackend kBackends[] = {{"cpu", cpu_backend}, {"reference", reference_backend}};
+
+}  // namespace
 
 Backend& backend_named(std::string_view name) {
-  if (name == "cpu") return cpu_backend();
-  if (name == "reference") return reference_backend();
+  for (const NamedBackend& b : kBackends)
+    if (b.name == name) return b.get();
   throw Error(fmt::format("--backend: unknown backend \"{}\" (expected one of: {})", name, backend_names()));
+}
+
+std::vector<std::string_view> backend_list() {
+  std::vector<std::string_view> names;
+  for (const NamedBackend& b : kBackends) names.push_back(b.name);
+  return names;
 }
 
 void Backend::matmul_forward_group(std::span<const GroupMember> group, const Tensor& inp, const Tensor& scratch) {
@@ -50,8 +67,8 @@ Backend& default_backend() {
   return cpu_backend();
 }
 
-std::string_view backend_names() {
-  return "cpu, reference";
+std::string backend_names() {
+  return fmt::format("{}", fmt::join(backend_list(), ", "));
 }
 
 }  // namespace memtune

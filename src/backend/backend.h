@@ -20,6 +20,7 @@
 #include <functional>
 #include <memory>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -236,7 +237,9 @@ void* map_host_pages(size_t bytes);
 // Backends are process-wide: one instance each, created on first use.
 Backend& backend_named(std::string_view name);
 Backend& default_backend();  // cpu
+// Every backend's name ("cpu", "reference"): what tests run on and flags accept.
+std::vector<std::string_view> backend_list();
 // "cpu, reference": for flag help and error messages.
-std::string_view backend_names();
+std::string backend_names();
 
 }  // namespace memtune

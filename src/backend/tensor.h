@@ -1,8 +1,9 @@
 // Tensor views: what the backend interface passes instead of raw pointers. A view does not own
-// memory; it says where the bytes are (host memory or the backend's device memory), what they
-// hold (dtype) and their shape (up to three dimensions, row-major). Ops check views against
-// what they expect, so a float32 op handed a bfloat16 weight, or a host pointer where device
-// memory is required, fails loudly instead of computing garbage.
+// memory; it says where the bytes are (in the backend's memory: host code only forms views and
+// hands them to the backend), what they hold (dtype) and their shape (up to three dimensions,
+// row-major). Ops check views against what they expect, so a float32 op handed a bfloat16
+// weight fails loudly instead of computing garbage. That host code never dereferences a view is
+// enforced by the reference backend, whose memory is locked outside its own calls.
 #pragma once
 
 #include <array>
@@ -15,20 +16,14 @@
 
 namespace memtune {
 
-// Device memory belongs to a backend (its arena); host code never dereferences it. Host memory
-// is the process's own (staging buffers, offloaded optimizer state).
-enum class MemorySpace : uint8_t { Host, Device };
-
 struct Tensor {
   void* data = nullptr;
   DType dtype = DType::F32;
   std::array<int64_t, 3> dims{0, 0, 0};
   int rank = 0;
-  MemorySpace space = MemorySpace::Device;
 
   Tensor() = default;
-  Tensor(void* data, DType dtype, std::initializer_list<int64_t> shape, MemorySpace space = MemorySpace::Device)
-      : data(data), dtype(dtype), space(space) {
+  Tensor(void* data, DType dtype, std::initializer_list<int64_t> shape) : data(data), dtype(dtype) {
     MT_ASSERT(shape.size() >= 1 && shape.size() <= 3, "a tensor view has 1 to 3 dimensions");
     for (int64_t d : shape) dims[static_cast<size_t>(rank++)] = d;
   }
@@ -58,12 +53,7 @@ struct Tensor {
   // Elements [begin, begin + n) as a flat view.
   Tensor flat_range(int64_t begin, int64_t n) const {
     MT_ASSERT(begin >= 0 && begin + n <= numel(), "range outside the tensor");
-    return Tensor(static_cast<std::byte*>(data) + static_cast<size_t>(begin) * dtype_size(dtype), dtype, {n}, space);
-  }
-  // The first n rows of a matrix.
-  Tensor first_rows(int64_t n) const {
-    MT_ASSERT(n <= rows(), "more rows than the tensor has");
-    return Tensor(data, dtype, {n, cols()}, space);
+    return Tensor(static_cast<std::byte*>(data) + static_cast<size_t>(begin) * dtype_size(dtype), dtype, {n});
   }
 };
 

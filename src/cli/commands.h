@@ -19,10 +19,12 @@ Action add_quantize(CLI::App& app);
 Action add_dequantize(CLI::App& app);
 Action add_train(CLI::App& app);
 Action add_eval(CLI::App& app);
-// generate, `memtune plan --inference` (generate's flags with --preset: the plan, nothing run)
-// and the interactive chat share their flags and their planning.
-enum class GenerateMode { Generate, Plan, Chat, Serve };
-Action add_generate(CLI::App& app, GenerateMode mode = GenerateMode::Generate);
+// generate, chat, serve and `memtune plan --inference` (generate's flags with --preset: the plan,
+// nothing run) share their flags and their planning (cli/inference_flags.h).
+Action add_generate(CLI::App& app);
+Action add_chat(CLI::App& app);
+Action add_serve(CLI::App& app);
+Action add_plan_inference(CLI::App& app);
 Action add_plan(CLI::App& app);
 Action add_tokenize(CLI::App& app);
 Action add_data_stats(CLI::App& app);

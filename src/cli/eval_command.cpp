@@ -20,7 +20,7 @@
 #include "eval/classification.h"
 #include "eval/eval_data.h"
 #include "eval/generation_eval.h"
-#include "generate/inference_plan.h"
+#include "model/kv_cache.h"
 #include "eval/metrics.h"
 #include "io/checkpoint.h"
 #include "io/safetensors.h"
@@ -30,8 +30,8 @@
 #include "model/lora.h"
 #include "report/report.h"
 #include "tokenizer/tokenizer.h"
-#include "train/arguments.h"
-#include "train/run.h"
+#include "options/arguments.h"
+#include "options/command_setup.h"
 
 namespace memtune::cli {
 
@@ -48,6 +48,20 @@ struct EvalArgs {
     bool bf16 = false, fp16 = false;
 };
 
+// The model as the flags name it.
+ModelFlags model_flags(const EvalArgs& a) {
+  return {.model = a.model,
+          .preset = {},
+          .quantization = {},
+          .torch_dtype = a.torch_dtype,
+          .bf16 = a.bf16,
+          .fp16 = a.fp16,
+          .backend = a.backend,
+          .adapter = a.adapter,
+          .adapter_sets = {},
+          .host_memory = a.host_memory};
+}
+
 // --predict_with_generate: the eval file's examples generated on an inference model planned for
 // them (prompts up to their last answer, per_device_eval_batch_size sequences at a time).
 void evaluate_generating(const EvalArgs& a, const std::string& metric_list, std::optional<DType> dtype,
@@ -63,19 +77,9 @@ void evaluate_generating(const EvalArgs& a, const std::string& metric_list, std:
   const GenerationEvalShape shape = generation_eval_shape(data, a.batch_size, a.max_new_tokens, a.eval_file);
   const int64_t max_new = shape.max_new_tokens;
   const std::vector<int32_t> stop_ids = model_stop_ids(a.model, tokenizer, /*chat=*/true);
-  const Qwen2Config config = load_model_config(a.model, dtype);
-  const InferenceLimits& limits = shape.limits;
-  const ModelOptions options = inference_model_options(config, limits, &backend_named(a.backend));
-  ProcessPlan process;
-  process.measure_preparation(startup_rss);
-  {
-    ModelOptions planned = options;
-    planned.allocate = false;
-    if (!a.adapter.empty()) planned.lora = load_lora_adapter_config(a.adapter);
-    add_planned_terms(process, Qwen2Model(config, planned), load_model_config(a.model).torch_dtype, 1);
-    if (!a.host_memory.empty()) check_host_budget(process, parse_bytes(a.host_memory, "--host_memory"), "--host_memory");
-  }
-  const std::unique_ptr<Qwen2Model> model = load_model(a.model, options, a.adapter, dtype);
+  const InferenceSetup setup = inference_setup(model_flags(a), shape.limits, startup_rss);
+  const ProcessPlan& process = setup.process;
+  const std::unique_ptr<Decoder> model = load_model(a.model, setup.options, a.adapter, dtype);
   const GenerationEvalResult r =
       evaluate_by_generation(*model, tokenizer, data, metrics, a.labels, max_new, stop_ids);
   model->arena().sample();
@@ -184,16 +188,8 @@ Action add_eval(CLI::App& app) {
     // for --save_predictions, so it is part of the prepared data).
     ProcessPlan process;
     process.measure_preparation(startup_rss);
-    {
-      Qwen2Config config = load_model_config(a->model, dtype);
-      ModelOptions planned = o;
-      planned.allocate = false;
-      if (!a->adapter.empty()) planned.lora = load_lora_adapter_config(a->adapter);
-      add_planned_terms(process, Qwen2Model(config, planned), load_model_config(a->model).torch_dtype, 1);
-      if (!a->host_memory.empty())
-        check_host_budget(process, parse_bytes(a->host_memory, "--host_memory"), "--host_memory");
-    }
-    const std::unique_ptr<Qwen2Model> model = load_model(a->model, o, a->adapter, dtype);
+    predict_process(process, model_flags(*a), choose_model(model_flags(*a)), o);
+    const std::unique_ptr<Decoder> model = load_model(a->model, o, a->adapter, dtype);
     const std::filesystem::path out_dir(a->output_dir);
     MemoryTimeline timeline;
     if (!a->output_dir.empty()) {

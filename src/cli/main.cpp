@@ -8,7 +8,7 @@
 #include "cli/commands.h"
 #include "core/error.h"
 #include "dist/communicator.h"
-#include "train/config_file.h"
+#include "options/config_file.h"
 
 namespace {
 
@@ -29,14 +29,14 @@ int fail(int code, const char* kind, const char* what) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"memtune: fine-tune and evaluate Qwen2.5-family models with planned memory"};
+  CLI::App app{"memtune: fine-tune, evaluate, quantize and serve Qwen2.5, Qwen3 and Llama 3 models with planned memory"};
   app.require_subcommand(1);
   std::vector<std::pair<CLI::App*, memtune::cli::Action>> commands;
   auto add = [&](const char* name, const char* help, auto adder) {
     CLI::App* sub = app.add_subcommand(name, help);
     commands.emplace_back(sub, adder(*sub));
   };
-  add("init-model", "write a randomly initialized Qwen2 checkpoint (config.json + safetensors)",
+  add("init-model", "write a randomly initialized checkpoint (config.json + safetensors; qwen2, qwen3 or llama)",
       memtune::cli::add_init_model);
   add("dump", "debugging: logits, loss and every parameter gradient for a small batch", memtune::cli::add_dump);
   add("merge", "merge a LoRA adapter into its base model and write a Hugging Face checkpoint", memtune::cli::add_merge);
@@ -47,13 +47,13 @@ int main(int argc, char** argv) {
   add("eval", "streaming evaluation: loss, perplexity, token accuracy without ever holding logits",
       memtune::cli::add_eval);
   add("generate", "text from a model over a planned, paged KV cache (a prompt, or a JSONL file of them)",
-      [](CLI::App& sub) { return memtune::cli::add_generate(sub); });
+      memtune::cli::add_generate);
   add("chat", "an interactive chat in the terminal (chat template, history; /reset, /exit; Ctrl-C stops an answer)",
-      [](CLI::App& sub) { return memtune::cli::add_generate(sub, memtune::cli::GenerateMode::Chat); });
+      memtune::cli::add_chat);
   add("serve", "an OpenAI-compatible server (chat and completions, streaming, LoRA adapters) over a planned KV cache",
-      [](CLI::App& sub) { return memtune::cli::add_generate(sub, memtune::cli::GenerateMode::Serve); });
+      memtune::cli::add_serve);
   CLI::App* plan_inference = app.add_subcommand("plan-inference", "")->group("");  // `plan --inference`
-  commands.emplace_back(plan_inference, memtune::cli::add_generate(*plan_inference, memtune::cli::GenerateMode::Plan));
+  commands.emplace_back(plan_inference, memtune::cli::add_plan_inference(*plan_inference));
   add("plan", "the memory bill of a run before it starts, against a device budget", memtune::cli::add_plan);
   add("report", "regenerate report.html (charts, memory timeline, plan, arguments) from a run's output_dir",
       memtune::cli::add_report);

@@ -49,22 +49,22 @@ Action add_init_model(CLI::App& app) {
     if (args->preset.empty() == args->config.empty())
       throw Error("init-model needs exactly one of --preset or --config");
     nlohmann::json doc =
-        args->preset.empty() ? read_json_file(args->config) : qwen2_config_to_json(qwen2_preset(args->preset));
+        args->preset.empty() ? read_json_file(args->config) : config_to_json(model_preset(args->preset));
     for (const auto& o : args->overrides) apply_override(doc, o);
     if (!args->torch_dtype.empty()) {
       doc["torch_dtype"] = std::string(dtype_torch_name(parse_dtype(args->torch_dtype, "--torch_dtype")));
       doc.erase("dtype");
     }
-    const Qwen2Config cfg = parse_qwen2_config(doc, args->preset.empty() ? args->config : "--preset " + args->preset);
+    const ModelConfig cfg = parse_model_config(doc, args->preset.empty() ? args->config : "--preset " + args->preset);
     ModelOptions options;
     options.max_tokens = 1;
     options.with_grads = false;
     options.loss_workspace_bytes = 0;
     options.backend = &backend_named(args->backend);
-    Qwen2Model model(cfg, options);
+    Decoder model(cfg, options);
     model.parameters().init_random(args->seed);
     model.parameters().save(args->out);
-    std::cout << fmt::format("wrote {} ({} parameters, {}, seed {})\n", args->out, qwen2_parameter_count(cfg),
+    std::cout << fmt::format("wrote {} ({} parameters, {}, seed {})\n", args->out, model_parameter_count(cfg),
                              dtype_torch_name(cfg.torch_dtype), args->seed);
   };
 }
@@ -119,8 +119,8 @@ Action add_dump(CLI::App& app) {
     options.backend = &backend_named(args->backend);
     // A quantized base has no gradients of its own: without an adapter, logits and loss only.
     options.with_grads = !args->adapter.empty() || !load_model_config(args->model).quant.enabled();
-    const std::unique_ptr<Qwen2Model> model = load_model(args->model, options, args->adapter);
-    const Qwen2Config& cfg = model->config();
+    const std::unique_ptr<Decoder> model = load_model(args->model, options, args->adapter);
+    const ModelConfig& cfg = model->config();
     model->parameters().zero_grads();
     std::vector<float> logits(B * T * static_cast<size_t>(cfg.vocab_size));
     const TokenBatch batch{flat_ids, flat_labels, cu};
@@ -165,7 +165,7 @@ Action add_merge(CLI::App& app) {
     options.with_grads = false;
     options.loss_workspace_bytes = 0;
     options.backend = &backend_named(args->backend);
-    const std::unique_ptr<Qwen2Model> model = load_model(args->model, options, args->adapter);
+    const std::unique_ptr<Decoder> model = load_model(args->model, options, args->adapter);
     model->parameters().merge_lora();  // W += scaling * B A, rounded to the base's storage dtype
     model->parameters().save(args->out);
     copy_model_side_files(args->model, args->out);

@@ -126,9 +126,9 @@ Action add_dequantize(CLI::App& app) {
     options.with_grads = false;
     options.loss_workspace_bytes = 0;
     options.backend = &backend_named(a->backend);
-    const std::unique_ptr<Qwen2Model> model = load_model(a->model, options);
+    const std::unique_ptr<Decoder> model = load_model(a->model, options);
     const ModelParameters& params = model->parameters();
-    const Qwen2Config& c = model->config();
+    const ModelConfig& c = model->config();
     if (!c.quant.enabled()) throw Error(a->model + ": the model is not quantized (no quantization_config)");
     const DType dtype = a->torch_dtype.empty() ? c.torch_dtype : parse_dtype(a->torch_dtype, "--torch_dtype");
     // One tensor at a time: each is formed (dequantized or widened) when the writer reaches it.

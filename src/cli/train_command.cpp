@@ -5,7 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
-#include "train/arguments.h"
+#include "options/arguments.h"
 #include "train/run.h"
 
 namespace memtune::cli {

@@ -122,7 +122,7 @@ class SequenceScores final : public ChunkObserver {
 
 }  // namespace
 
-ClassificationResult evaluate_classification(Qwen2Model& model, Batcher& batcher, const ClassificationSet& set,
+ClassificationResult evaluate_classification(Decoder& model, Batcher& batcher, const ClassificationSet& set,
                                              Communicator* comm) {
   const size_t K = set.labels.size(), N = set.truth.size();
   SequenceScores scores(set.candidates.size());

@@ -16,7 +16,7 @@
 #include "data/batcher.h"
 #include "data/dataset.h"
 #include "memory/process_memory.h"
-#include "model/qwen2.h"
+#include "model/decoder.h"
 
 namespace memtune {
 
@@ -51,7 +51,7 @@ struct ClassificationResult {
 // Scores every candidate sequence (the batcher must iterate `set.candidates` in order).
 // With a communicator, each rank scores its share (the batcher's rank split) and the scores are
 // summed over ranks, so every rank returns the whole result.
-ClassificationResult evaluate_classification(Qwen2Model& model, Batcher& batcher, const ClassificationSet& set,
+ClassificationResult evaluate_classification(Decoder& model, Batcher& batcher, const ClassificationSet& set,
                                              Communicator* comm = nullptr);
 
 // --save_predictions: one JSON line per example {"index", "label", "predicted", "loss",

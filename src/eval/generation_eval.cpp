@@ -102,7 +102,7 @@ void GenerationEvalResult::finish() {
   label_accuracy_generated = static_cast<double>(label_matches) / static_cast<double>(examples);
 }
 
-GenerationEvalResult evaluate_by_generation(Qwen2Model& model, const Tokenizer& tokenizer, const Dataset& data,
+GenerationEvalResult evaluate_by_generation(Decoder& model, const Tokenizer& tokenizer, const Dataset& data,
                                             const GenerationMetrics& metrics, std::vector<std::string> labels,
                                             int64_t max_new_tokens, const std::vector<int32_t>& stop_ids, int rank,
                                             int world_size) {

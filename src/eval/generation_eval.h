@@ -19,7 +19,7 @@
 
 #include "data/dataset.h"
 #include "generate/generator.h"
-#include "generate/inference_plan.h"
+#include "model/kv_cache.h"
 
 namespace memtune {
 
@@ -68,7 +68,7 @@ struct GenerationEvalResult {
 // stop_ids and max_new_tokens, and scores the metrics. Under data parallelism rank r generates
 // examples r, r + W, ...; the candidate labels are the same on every rank (--labels, or the
 // distinct references of the whole set), and the counts are to be summed before finish().
-GenerationEvalResult evaluate_by_generation(Qwen2Model& model, const Tokenizer& tokenizer, const Dataset& data,
+GenerationEvalResult evaluate_by_generation(Decoder& model, const Tokenizer& tokenizer, const Dataset& data,
                                             const GenerationMetrics& metrics, std::vector<std::string> labels,
                                             int64_t max_new_tokens, const std::vector<int32_t>& stop_ids,
                                             int rank = 0, int world_size = 1);

@@ -131,7 +131,7 @@ class FanOut final : public ChunkObserver {
 };
 }  // namespace
 
-EvalResult evaluate(Qwen2Model& model, Batcher& batcher, MetricSelection& selection, PredictionWriter* predictions,
+EvalResult evaluate(Decoder& model, Batcher& batcher, MetricSelection& selection, PredictionWriter* predictions,
                     Communicator* comm) {
   for (auto& m : selection.metrics) m->reset();
   FanOut fan_out(selection, predictions);

@@ -16,7 +16,7 @@
 #include "backend/chunk_loss.h"
 #include "data/batcher.h"
 #include "memory/process_memory.h"
-#include "model/qwen2.h"
+#include "model/decoder.h"
 
 namespace memtune {
 
@@ -92,7 +92,7 @@ struct EvalResult {
 // only (a training model's gradients are not touched), with the metrics observing the chunks.
 // With a communicator each rank evaluates its share and the loss sums, counts and metric states
 // are summed over ranks before the values are computed: every rank returns the global result.
-EvalResult evaluate(Qwen2Model& model, Batcher& batcher, MetricSelection& selection,
+EvalResult evaluate(Decoder& model, Batcher& batcher, MetricSelection& selection,
                     PredictionWriter* predictions = nullptr, Communicator* comm = nullptr);
 
 }  // namespace memtune

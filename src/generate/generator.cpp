@@ -37,12 +37,6 @@ struct GenerationEngine::Sequence {
   int64_t output_tokens() const { return static_cast<int64_t>(tokens.size()) - prompt_len; }
 };
 
-namespace {
-int64_t blocks_for(int64_t tokens, int64_t block_size) {
-  return (tokens + block_size - 1) / block_size;
-}
-}  // namespace
-
 std::vector<int32_t> model_stop_ids(const std::string& model_dir, const Tokenizer& tokenizer, bool chat) {
   std::set<int32_t> ids;
   if (const auto eos = tokenizer.eos_token_id()) ids.insert(*eos);
@@ -64,14 +58,11 @@ std::vector<int32_t> model_stop_ids(const std::string& model_dir, const Tokenize
   return {ids.begin(), ids.end()};
 }
 
-GenerationEngine::GenerationEngine(Qwen2Model& model, const Tokenizer* tokenizer)
-    : model_(model), tokenizer_(tokenizer), scratch_(model.config().vocab_size) {
+GenerationEngine::GenerationEngine(Decoder& model, const Tokenizer* tokenizer)
+    : model_(model), tokenizer_(tokenizer), scratch_(model.config().vocab_size), pool_(model.options().kv_cache.blocks) {
   MT_ASSERT(model.options().inference(), "the generator needs a model planned with a KV cache");
   const KvCacheOptions& kv = model_.options().kv_cache;
   MT_ASSERT(kv.blocks >= kv.max_blocks_per_seq, "the pool cannot hold one sequence of max_model_len");
-  free_blocks_.resize(static_cast<size_t>(kv.blocks));
-  for (int64_t b = 0; b < kv.blocks; ++b)
-    free_blocks_[static_cast<size_t>(b)] = static_cast<int32_t>(kv.blocks - 1 - b);
   const size_t S = static_cast<size_t>(kv.max_seqs), N = static_cast<size_t>(model_.options().max_tokens);
   seq_adapters_.reserve(S);
   ids_.reserve(N);
@@ -142,8 +133,7 @@ void GenerationEngine::finish(Sequence& s, const char* reason) {
   tokenizer_detail::append_utf8_lossy(s.bytes, out.text);
   out.finish_reason = s.finish;
   out.prompt_tokens = s.prompt_len;
-  free_blocks_.insert(free_blocks_.end(), s.blocks.rbegin(), s.blocks.rend());
-  s.blocks.clear();
+  pool_.release(s.blocks);
   if (s.callbacks.on_finish) s.callbacks.on_finish(std::move(out));
 }
 
@@ -189,12 +179,7 @@ void GenerationEngine::step() {
   // Admit in arrival order while there is room for a whole request.
   while (!waiting_.empty() && running_.size() < S) {
     Sequence& s = *waiting_.front();
-    const int64_t need = blocks_for(s.prompt_len + s.request.max_new_tokens, kv.block_size);
-    if (need > static_cast<int64_t>(free_blocks_.size())) break;
-    for (int64_t b = 0; b < need; ++b) {
-      s.blocks.push_back(free_blocks_.back());
-      free_blocks_.pop_back();
-    }
+    if (!pool_.reserve(kv_blocks_for(s.prompt_len + s.request.max_new_tokens, kv.block_size), s.blocks)) break;
     s.sampler.emplace(s.request.sampling, s.request.prompt_ids);
     running_.push_back(std::move(waiting_.front()));
     waiting_.pop_front();
@@ -260,7 +245,7 @@ void GenerationEngine::step() {
   std::erase_if(running_, [](const std::unique_ptr<Sequence>& s) { return !s->finish.empty(); });
 }
 
-Generator::Generator(Qwen2Model& model, const Tokenizer* tokenizer) : engine_(model, tokenizer) {}
+Generator::Generator(Decoder& model, const Tokenizer* tokenizer) : engine_(model, tokenizer) {}
 
 std::vector<GenerationResult> Generator::generate(const std::vector<GenerationRequest>& requests,
                                                   const TextCallback& on_text,

@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "generate/sampling.h"
-#include "model/qwen2.h"
+#include "model/decoder.h"
 #include "tokenizer/tokenizer.h"
 
 namespace memtune {
@@ -74,7 +74,7 @@ struct RequestCallbacks {
 class GenerationEngine {
  public:
   // tokenizer may be null when no request has stop strings and no text is wanted.
-  GenerationEngine(Qwen2Model& model, const Tokenizer* tokenizer);
+  GenerationEngine(Decoder& model, const Tokenizer* tokenizer);
   ~GenerationEngine();
   GenerationEngine(const GenerationEngine&) = delete;
   GenerationEngine& operator=(const GenerationEngine&) = delete;
@@ -99,9 +99,9 @@ class GenerationEngine {
 
   int64_t num_waiting() const { return static_cast<int64_t>(waiting_.size()); }
   int64_t num_running() const { return static_cast<int64_t>(running_.size()); }
-  int64_t free_blocks() const { return static_cast<int64_t>(free_blocks_.size()); }
+  int64_t free_blocks() const { return pool_.free_blocks(); }
   int64_t total_blocks() const { return model_.options().kv_cache.blocks; }
-  const Qwen2Model& model() const { return model_; }
+  const Decoder& model() const { return model_; }
   const GenerationStats& stats() const { return stats_; }
   void reset_stats() { stats_ = {}; }
 
@@ -112,7 +112,7 @@ class GenerationEngine {
   const char* append(Sequence& s, int32_t token);
   void emit(Sequence& s, bool all);
 
-  Qwen2Model& model_;
+  Decoder& model_;
   const Tokenizer* tokenizer_;
   SamplerScratch scratch_;
   GenerationStats stats_;
@@ -120,7 +120,7 @@ class GenerationEngine {
   int64_t max_decode_step_tokens_ = 0;
   std::deque<std::unique_ptr<Sequence>> waiting_;
   std::vector<std::unique_ptr<Sequence>> running_;
-  std::vector<int32_t> free_blocks_;
+  KvBlockPool pool_;
   // The step's batch, in host vectors sized once for the plan's limits.
   std::vector<int32_t> ids_, cu_, ctx_, tables_, sample_seqs_, seq_adapters_;
   std::vector<Sequence*> in_step_;
@@ -129,7 +129,7 @@ class GenerationEngine {
 class Generator {
  public:
   // tokenizer may be null when no request has stop strings and no text is wanted.
-  Generator(Qwen2Model& model, const Tokenizer* tokenizer);
+  Generator(Decoder& model, const Tokenizer* tokenizer);
   // Refuses (an Error naming the request) an empty prompt, a prompt + max_new_tokens beyond
   // max_model_len, stop strings without a tokenizer; then generates every request.
   // stop_requested is asked before every step: when it says yes (Ctrl-C in chat), the running

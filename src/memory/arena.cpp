@@ -63,7 +63,7 @@ void* Arena::raw(BufferId id) {
 }
 
 Tensor Arena::view(BufferId id, DType dtype, std::initializer_list<int64_t> shape) {
-  Tensor t(raw(id), dtype, shape, space());
+  Tensor t(raw(id), dtype, shape);
   MT_ASSERT(t.bytes() <= plan_.buffer(id).bytes, fmt::format("a view of {} bytes of buffer {} ({} bytes)", t.bytes(),
                                                              plan_.buffer(id).name, plan_.buffer(id).bytes));
   return t;

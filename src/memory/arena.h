@@ -47,7 +47,6 @@ class Arena {
   void sample();
   Phase phase() const { return phase_; }
   void set_poison_on_release(bool on) { poison_ = on; }
-  MemorySpace space() const { return backend_ ? MemorySpace::Device : MemorySpace::Host; }
 
   // Address of buffer `id`, which must be live in the current phase. For a device arena it is
   // only ever handed to the backend, inside a view.

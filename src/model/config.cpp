@@ -1,7 +1,8 @@
-// Qwen2 config.json parsing, validation, serialization and the named presets. Parsing fills
-// absent optional fields with transformers' Qwen2Config defaults and refuses anything the
-// engine would silently compute differently from transformers (another architecture, RoPE
-// scaling, sliding-window attention, head counts that do not divide).
+// config.json parsing (Qwen2, Qwen3, Llama: the family traits table), validation, serialization
+// and the named presets. Parsing fills absent optional fields with transformers' defaults for
+// the family and refuses anything the engine would silently compute differently from
+// transformers (another architecture, RoPE scaling, sliding-window attention, head counts that
+// do not divide).
 #include "model/config.h"
 
 #include <fmt/format.h>
@@ -36,13 +37,17 @@ std::optional<double> optional_positive_number(const JsonReader& doc, std::strin
   return value ? std::optional(positive_number(*value)) : std::nullopt;
 }
 
-struct Family {
-  ModelFamily family;
-  std::string_view model_type, architecture;
-};
-constexpr Family kFamilies[] = {{ModelFamily::Qwen2, "qwen2", "Qwen2ForCausalLM"},
-                                {ModelFamily::Qwen3, "qwen3", "Qwen3ForCausalLM"},
-                                {ModelFamily::Llama, "llama", "LlamaForCausalLM"}};
+// One row per family: what config.json calls it and how it departs from the shared block.
+constexpr FamilyTraits kFamilyTraits[] = {
+    {.family = ModelFamily::Qwen2, .model_type = "qwen2", .architecture = "Qwen2ForCausalLM",
+     .attention_bias_always = true, .head_dim_in_config = false, .default_head_dim = 0, .qk_norm = false,
+     .llama3_rope_scaling = false, .sliding_window_keys = true, .llama_mlp_keys = false},
+    {.family = ModelFamily::Qwen3, .model_type = "qwen3", .architecture = "Qwen3ForCausalLM",
+     .attention_bias_always = false, .head_dim_in_config = true, .default_head_dim = 128, .qk_norm = true,
+     .llama3_rope_scaling = false, .sliding_window_keys = true, .llama_mlp_keys = false},
+    {.family = ModelFamily::Llama, .model_type = "llama", .architecture = "LlamaForCausalLM",
+     .attention_bias_always = false, .head_dim_in_config = true, .default_head_dim = 0, .qk_norm = false,
+     .llama3_rope_scaling = true, .sliding_window_keys = false, .llama_mlp_keys = true}};
 constexpr std::string_view kSupported = "Qwen2ForCausalLM (qwen2), Qwen3ForCausalLM (qwen3), LlamaForCausalLM (llama)";
 
 ModelFamily check_architecture(const JsonReader& doc) {
@@ -50,13 +55,13 @@ ModelFamily check_architecture(const JsonReader& doc) {
   const std::optional<JsonReader> arch = doc.find("architectures");
   if (arch) {
     for (size_t i = 0; i < arch->size(); ++i)
-      for (const Family& f : kFamilies)
+      for (const FamilyTraits& f : kFamilyTraits)
         if ((*arch)[i].as_string() == f.architecture) by_arch = f.family;
     if (!by_arch) arch->fail(fmt::format("is {}; supported are {}", json_excerpt(arch->value()), kSupported));
   }
   const std::optional<std::string> model_type = doc.optional_string("model_type");
   if (model_type) {
-    for (const Family& f : kFamilies)
+    for (const FamilyTraits& f : kFamilyTraits)
       if (*model_type == f.model_type) by_type = f.family;
     if (!by_type) doc.fail("model_type", fmt::format("is \"{}\"; supported are {}", *model_type, kSupported));
   }
@@ -77,7 +82,8 @@ std::optional<JsonReader> checked_rope_object_theta(const JsonReader& doc, std::
   std::optional<JsonReader> type = rope->find("rope_type");
   if (!type) type = rope->find("type");
   if (!type) rope->fail("has no \"rope_type\"");
-  if (family == ModelFamily::Llama && type->value() == "llama3") {
+  const bool llama3_allowed = family_traits(family).llama3_rope_scaling;
+  if (llama3_allowed && type->value() == "llama3") {
     scaling.llama3 = true;
     scaling.factor = positive_number(rope->get("factor"));
     scaling.low_freq_factor = positive_number(rope->get("low_freq_factor"));
@@ -88,7 +94,7 @@ std::optional<JsonReader> checked_rope_object_theta(const JsonReader& doc, std::
                              scaling.low_freq_factor));
   } else if (type->value() != "default") {
     rope->fail(fmt::format("asks for rope_type {}; supported are \"default\" (no scaling){}",
-                           json_excerpt(type->value()), family == ModelFamily::Llama ? " and \"llama3\"" : ""));
+                           json_excerpt(type->value()), llama3_allowed ? " and \"llama3\"" : ""));
   }
   return rope->find("rope_theta");
 }
@@ -141,7 +147,7 @@ void check_attention_layout(const JsonReader& doc, int64_t num_hidden_layers) {
 
 // quantization_config: GPTQ (4 or 8 bits, AutoGPTQ's "gptq" checkpoint format) and AWQ (4 bits,
 // version "gemm", with zero points); every other method is refused by name.
-QuantConfig parse_quant_config(const JsonReader& doc, const Qwen2Config& c) {
+QuantConfig parse_quant_config(const JsonReader& doc, const ModelConfig& c) {
   QuantConfig q;
   const std::optional<JsonReader> section = doc.find("quantization_config");
   if (!section) return q;
@@ -203,14 +209,14 @@ std::string quantization_name(const QuantConfig& q) {
   return "none";
 }
 
-void apply_quantization(Qwen2Config& c, std::string_view name) {
+void apply_quantization(ModelConfig& c, std::string_view name) {
   if (c.quant.enabled())
     throw Error(fmt::format("--quantization {}: the model is already quantized ({})", name, quantization_name(c.quant)));
   c.quant = parse_quantization_name(name);
-  parse_qwen2_config(qwen2_config_to_json(c), fmt::format("--quantization {}", name));  // the shapes' checks
+  parse_model_config(config_to_json(c), fmt::format("--quantization {}", name));  // the shapes' checks
 }
 
-Qwen2Config parse_qwen2_config(const nlohmann::json& document, const std::string& source) {
+ModelConfig parse_model_config(const nlohmann::json& document, const std::string& source) {
   const JsonReader doc(document, source);
   doc.as_object();
   const ModelFamily family = check_architecture(doc);
@@ -221,7 +227,7 @@ Qwen2Config parse_qwen2_config(const nlohmann::json& document, const std::string
   if (const std::optional<int64_t> tp = doc.optional_integer("pretraining_tp", 1); tp && *tp != 1)
     doc.fail("pretraining_tp", fmt::format("is {}; only 1 (the usual linear layers) is supported", *tp));
 
-  Qwen2Config c;
+  ModelConfig c;
   c.hidden_size = doc.integer("hidden_size", 1);
   c.intermediate_size = doc.integer("intermediate_size", 1);
   c.num_hidden_layers = doc.integer("num_hidden_layers", 1);
@@ -237,24 +243,21 @@ Qwen2Config parse_qwen2_config(const nlohmann::json& document, const std::string
   c.torch_dtype = parse_torch_dtype(doc);
   check_attention_layout(doc, c.num_hidden_layers);
 
-  if (family == ModelFamily::Qwen2) {
+  const FamilyTraits& traits = family_traits(family);
+  c.attention_bias = traits.attention_bias_always || doc.optional_bool("attention_bias").value_or(false);
+  c.qk_norm = traits.qk_norm;
+  if (traits.head_dim_in_config && (doc.has("head_dim") || traits.default_head_dim > 0)) {
+    c.explicit_head_dim = doc.optional_integer("head_dim", 1).value_or(traits.default_head_dim);
+  } else {
     if (c.hidden_size % c.num_attention_heads != 0)
       doc.fail("hidden_size",
                fmt::format("{} is not divisible by num_attention_heads ({})", c.hidden_size, c.num_attention_heads));
-  } else {
-    // transformers' Qwen3Config defaults head_dim to 128; LlamaConfig to hidden_size / heads.
-    if (family == ModelFamily::Llama && !doc.has("head_dim") && c.hidden_size % c.num_attention_heads != 0)
-      doc.fail("hidden_size",
-               fmt::format("{} is not divisible by num_attention_heads ({})", c.hidden_size, c.num_attention_heads));
-    c.explicit_head_dim = doc.optional_integer("head_dim", 1).value_or(
-        family == ModelFamily::Qwen3 ? 128 : c.hidden_size / c.num_attention_heads);
-    c.attention_bias = doc.optional_bool("attention_bias").value_or(false);
-    c.qk_norm = family == ModelFamily::Qwen3;
+    if (traits.head_dim_in_config) c.explicit_head_dim = c.hidden_size / c.num_attention_heads;
   }
   if (c.num_attention_heads % c.num_key_value_heads != 0)
     doc.fail("num_attention_heads", fmt::format("{} is not divisible by num_key_value_heads ({})",
                                                 c.num_attention_heads, c.num_key_value_heads));
-  if (family == ModelFamily::Qwen2) {
+  if (!traits.head_dim_in_config) {
     if (c.head_dim() % 2 != 0)
       doc.fail("hidden_size",
                fmt::format("{} / num_attention_heads ({}) gives head_dim {}, which must be even for rotary embeddings",
@@ -279,11 +282,11 @@ Qwen2Config parse_qwen2_config(const nlohmann::json& document, const std::string
   return c;
 }
 
-Qwen2Config load_qwen2_config(const std::string& path) {
-  return parse_qwen2_config(read_json_file(path), path);
+ModelConfig load_config_json(const std::string& path) {
+  return parse_model_config(read_json_file(path), path);
 }
 
-void check_max_length(const Qwen2Config& config, int64_t max_length, const std::string& source) {
+void check_max_length(const ModelConfig& config, int64_t max_length, const std::string& source) {
   if (max_length > config.max_position_embeddings)
     throw Error(
         fmt::format("--max_length {} exceeds max_position_embeddings {} of {}: the model has not been "
@@ -292,13 +295,16 @@ void check_max_length(const Qwen2Config& config, int64_t max_length, const std::
                     max_length, config.max_position_embeddings, source, config.max_position_embeddings));
 }
 
-std::string_view model_family_name(ModelFamily family) {
-  for (const Family& f : kFamilies)
-    if (f.family == family) return f.model_type;
-  return "qwen2";
+const FamilyTraits& family_traits(ModelFamily family) {
+  for (const FamilyTraits& f : kFamilyTraits)
+    if (f.family == family) return f;
+  MT_ASSERT(false);
+  return kFamilyTraits[0];
 }
 
-std::vector<float> rope_inv_freq(const Qwen2Config& c) {
+std::string_view model_family_name(ModelFamily family) { return family_traits(family).model_type; }
+
+std::vector<float> rope_inv_freq(const ModelConfig& c) {
   const int64_t hd = c.head_dim();
   std::vector<float> out(static_cast<size_t>(hd / 2));
   const RopeScaling& r = c.rope_scaling;
@@ -323,11 +329,11 @@ std::vector<float> rope_inv_freq(const Qwen2Config& c) {
 
 namespace {
 
-nlohmann::json config_json(const Qwen2Config& c);
+nlohmann::json config_json(const ModelConfig& c);
 
 }  // namespace
 
-nlohmann::json qwen2_config_to_json(const Qwen2Config& c) {
+nlohmann::json config_to_json(const ModelConfig& c) {
   nlohmann::json j = config_json(c);
   const QuantConfig& q = c.quant;
   if (q.method == QuantMethod::Gptq)
@@ -342,48 +348,12 @@ nlohmann::json qwen2_config_to_json(const Qwen2Config& c) {
 
 namespace {
 
-nlohmann::json config_json(const Qwen2Config& c) {
-  if (c.family != ModelFamily::Qwen2) {
-    const bool llama = c.family == ModelFamily::Llama;
-    nlohmann::json j = {
-        {"architectures", {llama ? "LlamaForCausalLM" : "Qwen3ForCausalLM"}},
-        {"model_type", model_family_name(c.family)},
-        {"hidden_act", "silu"},
-        {"hidden_size", c.hidden_size},
-        {"intermediate_size", c.intermediate_size},
-        {"num_hidden_layers", c.num_hidden_layers},
-        {"num_attention_heads", c.num_attention_heads},
-        {"num_key_value_heads", c.num_key_value_heads},
-        {"head_dim", c.head_dim()},
-        {"vocab_size", c.vocab_size},
-        {"max_position_embeddings", c.max_position_embeddings},
-        {"rms_norm_eps", c.rms_norm_eps},
-        {"rope_theta", c.rope_theta},
-        {"rope_scaling", nullptr},
-        {"attention_bias", c.attention_bias},
-        {"attention_dropout", 0.0},
-        {"tie_word_embeddings", c.tie_word_embeddings},
-        {"torch_dtype", dtype_torch_name(c.torch_dtype)},
-    };
-    if (llama) {
-      j["mlp_bias"] = false;
-      j["pretraining_tp"] = 1;
-      if (c.rope_scaling.llama3)
-        j["rope_scaling"] = {{"rope_type", "llama3"},
-                             {"factor", c.rope_scaling.factor},
-                             {"low_freq_factor", c.rope_scaling.low_freq_factor},
-                             {"high_freq_factor", c.rope_scaling.high_freq_factor},
-                             {"original_max_position_embeddings", c.rope_scaling.original_max_position_embeddings}};
-    } else {
-      j["use_sliding_window"] = false;
-      j["sliding_window"] = nullptr;
-      j["max_window_layers"] = c.num_hidden_layers;
-    }
-    return j;
-  }
-  return {
-      {"architectures", {"Qwen2ForCausalLM"}},
-      {"model_type", model_family_name(c.family)},
+// The keys every family writes, then each family's own (its traits say which).
+nlohmann::json config_json(const ModelConfig& c) {
+  const FamilyTraits& traits = family_traits(c.family);
+  nlohmann::json j = {
+      {"architectures", {traits.architecture}},
+      {"model_type", traits.model_type},
       {"hidden_act", "silu"},
       {"hidden_size", c.hidden_size},
       {"intermediate_size", c.intermediate_size},
@@ -395,27 +365,42 @@ nlohmann::json config_json(const Qwen2Config& c) {
       {"rms_norm_eps", c.rms_norm_eps},
       {"rope_theta", c.rope_theta},
       {"rope_scaling", nullptr},
+      {"attention_dropout", 0.0},
       {"tie_word_embeddings", c.tie_word_embeddings},
       {"torch_dtype", dtype_torch_name(c.torch_dtype)},
-      {"use_sliding_window", false},
-      {"sliding_window", nullptr},
-      {"max_window_layers", c.num_hidden_layers},
-      {"attention_dropout", 0.0},
   };
+  if (traits.head_dim_in_config) j["head_dim"] = c.head_dim();
+  if (!traits.attention_bias_always) j["attention_bias"] = c.attention_bias;
+  if (traits.sliding_window_keys) {
+    j["use_sliding_window"] = false;
+    j["sliding_window"] = nullptr;
+    j["max_window_layers"] = c.num_hidden_layers;
+  }
+  if (traits.llama_mlp_keys) {
+    j["mlp_bias"] = false;
+    j["pretraining_tp"] = 1;
+  }
+  if (c.rope_scaling.llama3)
+    j["rope_scaling"] = {{"rope_type", "llama3"},
+                         {"factor", c.rope_scaling.factor},
+                         {"low_freq_factor", c.rope_scaling.low_freq_factor},
+                         {"high_freq_factor", c.rope_scaling.high_freq_factor},
+                         {"original_max_position_embeddings", c.rope_scaling.original_max_position_embeddings}};
+  return j;
 }
 
 }  // namespace
 
-Qwen2Config qwen2_preset(const std::string& name) {
+ModelConfig model_preset(const std::string& name) {
   struct Preset {
     const char* name;
-    Qwen2Config config;
+    ModelConfig config;
   };
   // Shapes of the base checkpoints Qwen/Qwen2.5-*B (config.json on the Hub). The -Instruct
   // checkpoints share the shapes but list max_position_embeddings 32768 and rms_norm_eps 1e-6.
   auto qwen25 = [](int64_t hidden, int64_t intermediate, int64_t layers, int64_t heads, int64_t kv_heads, int64_t vocab,
                    bool tied, double eps, int64_t max_positions) {
-    return Qwen2Config{.hidden_size = hidden,
+    return ModelConfig{.hidden_size = hidden,
                        .intermediate_size = intermediate,
                        .num_hidden_layers = layers,
                        .num_attention_heads = heads,
@@ -431,7 +416,7 @@ Qwen2Config qwen2_preset(const std::string& name) {
   };
   // Qwen/Qwen3-*B (config.json on the Hub): head_dim 128, q_norm/k_norm, no biases.
   auto qwen3 = [](int64_t hidden, int64_t intermediate, int64_t layers, int64_t heads, int64_t kv_heads, bool tied) {
-    return Qwen2Config{.hidden_size = hidden,
+    return ModelConfig{.hidden_size = hidden,
                        .intermediate_size = intermediate,
                        .num_hidden_layers = layers,
                        .num_attention_heads = heads,
@@ -453,7 +438,7 @@ Qwen2Config qwen2_preset(const std::string& name) {
   // with Llama 3 scaling (factor 32 for 3.2, 8 for 3.1; low 1, high 4, original 8192 positions).
   auto llama3 = [](int64_t hidden, int64_t intermediate, int64_t layers, int64_t heads, int64_t head_dim, bool tied,
                    double factor) {
-    return Qwen2Config{.hidden_size = hidden,
+    return ModelConfig{.hidden_size = hidden,
                        .intermediate_size = intermediate,
                        .num_hidden_layers = layers,
                        .num_attention_heads = heads,
@@ -475,7 +460,7 @@ Qwen2Config qwen2_preset(const std::string& name) {
                                         .original_max_position_embeddings = 8192},
                        .quant = {}};
   };
-  const Qwen2Config tiny{.hidden_size = 64,
+  const ModelConfig tiny{.hidden_size = 64,
                          .intermediate_size = 176,
                          .num_hidden_layers = 2,
                          .num_attention_heads = 4,
@@ -489,12 +474,12 @@ Qwen2Config qwen2_preset(const std::string& name) {
                          .rope_scaling = {},
                        .quant = {}};
   // The tiny shape in the other families; head_dim differs from hidden / heads on purpose.
-  Qwen2Config tiny_qwen3 = tiny;
+  ModelConfig tiny_qwen3 = tiny;
   tiny_qwen3.family = ModelFamily::Qwen3;
   tiny_qwen3.explicit_head_dim = 24;
   tiny_qwen3.attention_bias = false;
   tiny_qwen3.qk_norm = true;
-  Qwen2Config tiny_llama = tiny;
+  ModelConfig tiny_llama = tiny;
   tiny_llama.family = ModelFamily::Llama;
   tiny_llama.explicit_head_dim = 32;
   tiny_llama.attention_bias = false;

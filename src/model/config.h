@@ -1,5 +1,5 @@
-// Qwen2 model configuration: the fields of a Hugging Face Qwen2ForCausalLM config.json that
-// shape the computation, plus derived sizes. Parsing accepts the classic transformers form and
+// The model configuration: the fields of a Hugging Face config.json (Qwen2ForCausalLM,
+// Qwen3ForCausalLM, LlamaForCausalLM) that shape the computation, plus derived sizes. Parsing accepts the classic transformers form and
 // the transformers-5 form (`dtype`, `rope_parameters.rope_theta`, `layer_types`).
 #pragma once
 
@@ -14,13 +14,32 @@
 
 namespace memtune {
 
-// The decoder families one Qwen2Config describes: they share the block (RMSNorm, GQA attention
-// with RoPE, SwiGLU MLP) and differ in a few explicit details.
+// The decoder families one ModelConfig describes. They share the block (RMSNorm, GQA attention
+// with RoPE, SwiGLU MLP) and differ only in the traits below, one row per family in
+// model/config.cpp (kFamilyTraits). Parsing, serialization and the decoder read the traits,
+// never the family's name:
 //   qwen2   q/k/v biases, head_dim = hidden / heads
-//   qwen3   no biases (attention_bias), head_dim from config.json, RMSNorm over each head of q
-//           and k before RoPE (q_norm, k_norm)
-//   llama   no biases, head_dim from config.json, Llama 3's rope_scaling ("llama3")
+//   qwen3   no biases (attention_bias), head_dim from config.json (default 128), RMSNorm over
+//           each head of q and k before RoPE (q_norm, k_norm)
+//   llama   no biases, head_dim from config.json (default hidden / heads), Llama 3's
+//           rope_scaling ("llama3"), no tied embeddings by default
 enum class ModelFamily { Qwen2, Qwen3, Llama };
+struct FamilyTraits {
+  ModelFamily family;
+  std::string_view model_type;    // config.json's model_type
+  std::string_view architecture;  // config.json's architectures[0]
+  // q/k/v biases: always (qwen2), or config.json's attention_bias with default false.
+  bool attention_bias_always;
+  // config.json's head_dim may differ from hidden_size / heads; default_head_dim applies when it
+  // is absent (0: hidden_size / heads). Otherwise head_dim is hidden_size / heads.
+  bool head_dim_in_config;
+  int64_t default_head_dim;
+  bool qk_norm;              // RMSNorm over each head of q and k before RoPE
+  bool llama3_rope_scaling;  // rope_scaling's rope_type "llama3" is taken
+  bool sliding_window_keys;  // its config.json carries use_sliding_window / max_window_layers
+  bool llama_mlp_keys;       // its config.json carries mlp_bias / pretraining_tp
+};
+const FamilyTraits& family_traits(ModelFamily family);
 std::string_view model_family_name(ModelFamily family);  // the config.json model_type
 
 // Llama 3's RoPE frequency scaling (transformers' rope_type "llama3"): wavelengths above
@@ -52,7 +71,7 @@ std::string_view quant_method_name(QuantMethod method);  // "gptq", "awq"
 QuantConfig parse_quantization_name(std::string_view name);
 std::string quantization_name(const QuantConfig& q);  // "gptq-int4", "awq", "none"
 
-struct Qwen2Config {
+struct ModelConfig {
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;
   int64_t num_hidden_layers = 0;
@@ -61,7 +80,7 @@ struct Qwen2Config {
   int64_t vocab_size = 0;
   int64_t max_position_embeddings = 32768;
   double rms_norm_eps = 1e-6;
-  double rope_theta = 10000.0;  // transformers Qwen2Config default; presets set their own
+  double rope_theta = 10000.0;  // transformers' Qwen2Config default; presets set their own
   bool tie_word_embeddings = false;
   DType torch_dtype = DType::F32;
   ModelFamily family = ModelFamily::Qwen2;
@@ -78,26 +97,26 @@ struct Qwen2Config {
 
 // Plans `config` as if quantized by `name` (a float model's config): an Error when it already is,
 // or when its layer shapes do not take that quantization.
-void apply_quantization(Qwen2Config& config, std::string_view name);
+void apply_quantization(ModelConfig& config, std::string_view name);
 
 // RoPE's inverse frequencies, head_dim / 2 of them: theta^(-2i / head_dim), with rope_scaling
 // applied (as transformers computes them, in double, then rounded to float).
-std::vector<float> rope_inv_freq(const Qwen2Config& config);
+std::vector<float> rope_inv_freq(const ModelConfig& config);
 
 // Parses and validates a config.json document. `source` names the file in error messages.
 // Refuses other architectures, rope scaling, an active sliding window, attention dropout,
 // inconsistent head counts and heads wider than the attention kernels take.
-Qwen2Config parse_qwen2_config(const nlohmann::json& doc, const std::string& source);
-Qwen2Config load_qwen2_config(const std::string& path);
+ModelConfig parse_model_config(const nlohmann::json& doc, const std::string& source);
+ModelConfig load_config_json(const std::string& path);
 // Refuses a run whose sequences may be longer than the model was trained for: an Error naming
 // both values and `source` (the config file) when max_length > max_position_embeddings.
 // max_length 0 means no limit and is not checked.
-void check_max_length(const Qwen2Config& config, int64_t max_length, const std::string& source);
+void check_max_length(const ModelConfig& config, int64_t max_length, const std::string& source);
 // The classic (transformers 4.x) config.json form, with architectures/model_type set.
-nlohmann::json qwen2_config_to_json(const Qwen2Config& config);
+nlohmann::json config_to_json(const ModelConfig& config);
 
 // Named presets: the real Qwen2.5, Qwen3 and Llama 3 shapes, and `tiny` (`tiny-qwen3`,
 // `tiny-llama`) for tests.
-Qwen2Config qwen2_preset(const std::string& name);
+ModelConfig model_preset(const std::string& name);
 
 }  // namespace memtune

@@ -10,7 +10,7 @@ namespace memtune {
 
 namespace {
 
-LayerActs declare_layer_acts(const Qwen2Config& config_, const ModelOptions& options_, MemoryPlan& plan,
+LayerActs declare_layer_acts(const ModelConfig& config_, const ModelOptions& options_, MemoryPlan& plan,
                              const std::string& prefix, Category cat, Phase first, Phase last) {
   const size_t N = static_cast<size_t>(options_.max_tokens);
   const size_t D = config_.hidden_size, I = config_.intermediate_size, qd = config_.q_dim(), kvd = config_.kv_dim();
@@ -51,7 +51,7 @@ size_t largest_vector_elems(const std::vector<ParamSpec>& specs) {
 }
 // The float32 scratch a layer's matrices need: a whole widened 16-bit matrix, or with quantized
 // weights kQuantizedTileRows dequantized rows of the widest input (backend.h).
-size_t layer_matrix_scratch_elems(const Qwen2Config& c, const std::vector<ParamSpec>& specs) {
+size_t layer_matrix_scratch_elems(const ModelConfig& c, const std::vector<ParamSpec>& specs) {
   size_t n = 0;
   for (const auto& s : specs)
     if (s.shape.size() > 1 && s.name.starts_with("model.layers."))
@@ -59,13 +59,13 @@ size_t layer_matrix_scratch_elems(const Qwen2Config& c, const std::vector<ParamS
   return n;
 }
 
-DecoderBuffers declare_inference_buffers(const Qwen2Config& c, const ModelOptions& o,
+DecoderBuffers declare_inference_buffers(const ModelConfig& c, const ModelOptions& o,
                                          const std::vector<ParamSpec>& specs, bool stage_logits, MemoryPlan& plan,
                                          MemoryPlan& host_plan) {
   DecoderBuffers b;
   const KvCacheOptions& kv = o.kv_cache;
   const size_t N = static_cast<size_t>(o.max_tokens), S = static_cast<size_t>(kv.max_seqs);
-  const size_t D = c.hidden_size, V = c.vocab_size, kvd = c.kv_dim();
+  const size_t D = c.hidden_size, V = c.vocab_size;
   const Phase F = Phase::Forward, L = Phase::Loss;
   b.ids = plan.declare_persistent("batch.input_ids", Category::Batch, N * 4);
   b.positions = plan.declare_persistent("batch.positions", Category::Batch, N * 4);
@@ -97,18 +97,13 @@ DecoderBuffers declare_inference_buffers(const Qwen2Config& c, const ModelOption
   b.stages_chunks = stage_logits;
   if (stage_logits)
     b.staging_last_logits = host_plan.declare_persistent("staging.last_logits", Category::LossWorkspace, V * S * 4);
-  const size_t cache_bytes =
-      static_cast<size_t>(kv.blocks * kv.block_size) * kvd * dtype_size(c.torch_dtype);
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    b.kv_k.push_back(plan.declare_persistent(fmt::format("kv.layer{}.k", l), Category::KvCache, cache_bytes));
-    b.kv_v.push_back(plan.declare_persistent(fmt::format("kv.layer{}.v", l), Category::KvCache, cache_bytes));
-  }
+  declare_kv_cache(c, kv, plan, b.kv_k, b.kv_v);
   return b;
 }
 
 }  // namespace
 
-DecoderBuffers declare_decoder_buffers(const Qwen2Config& c, const ModelOptions& options_,
+DecoderBuffers declare_decoder_buffers(const ModelConfig& c, const ModelOptions& options_,
                                        const std::vector<ParamSpec>& specs_, bool stage_chunks, MemoryPlan& plan,
                                        MemoryPlan& host_plan) {
   if (options_.inference()) return declare_inference_buffers(c, options_, specs_, stage_chunks, plan, host_plan);

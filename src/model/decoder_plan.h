@@ -1,7 +1,7 @@
 // Planning, one job: the decoder's buffers for one micro-batch of up to max_tokens tokens, each
 // declared with its category and lifetime over the phases of a step (forward, loss, backward,
 // optimizer), and the host staging a backend without host-addressable memory needs. The
-// compute (model/qwen2.h) only looks buffers up here; the parameters declare their own
+// compute (model/decoder.h) only looks buffers up here; the parameters declare their own
 // (model/parameters.h).
 #pragma once
 
@@ -59,7 +59,7 @@ struct DecoderBuffers {
 // An inference model (options.inference()) declares instead: the step's batch and two residual
 // buffers (persistent), one layer's activations and weight conversion (forward), the last rows
 // and their logits [V, max_seqs] (loss), and the KV cache (persistent).
-DecoderBuffers declare_decoder_buffers(const Qwen2Config& config, const ModelOptions& options,
+DecoderBuffers declare_decoder_buffers(const ModelConfig& config, const ModelOptions& options,
                                        const std::vector<ParamSpec>& specs, bool stage_chunks, MemoryPlan& plan,
                                        MemoryPlan& host_plan);
 

@@ -11,17 +11,17 @@
 
 namespace memtune {
 
-Qwen2Config load_model_config(const std::string& dir, std::optional<DType> dtype) {
-  Qwen2Config config = load_qwen2_config((std::filesystem::path(dir) / "config.json").string());
+ModelConfig load_model_config(const std::string& dir, std::optional<DType> dtype) {
+  ModelConfig config = load_config_json((std::filesystem::path(dir) / "config.json").string());
   if (dtype) config.torch_dtype = *dtype;
   return config;
 }
 
-std::unique_ptr<Qwen2Model> load_model(const std::string& dir, ModelOptions options, const std::string& adapter,
+std::unique_ptr<Decoder> load_model(const std::string& dir, ModelOptions options, const std::string& adapter,
                                        std::optional<DType> dtype) {
-  const Qwen2Config config = load_model_config(dir, dtype);
+  const ModelConfig config = load_model_config(dir, dtype);
   if (!adapter.empty()) options.lora = load_lora_adapter_config(adapter);
-  auto model = std::make_unique<Qwen2Model>(config, options);
+  auto model = std::make_unique<Decoder>(config, options);
   model->parameters().load(CheckpointReader(dir));
   if (!adapter.empty()) model->parameters().load_adapter(adapter);
   // The loading buffers (staging, dtype conversion) were freed; give their pages back too, so
@@ -30,20 +30,20 @@ std::unique_ptr<Qwen2Model> load_model(const std::string& dir, ModelOptions opti
   return model;
 }
 
-void add_planned_terms(ProcessPlan& p, const Qwen2Model& model, DType checkpoint_dtype, int world_size) {
+void add_planned_terms(ProcessPlan& p, const Decoder& model, DType checkpoint_dtype, int world_size) {
   p.arena_bytes = model.plan().peak_bytes();
   p.host_arena_bytes = model.host_plan().peak_bytes();
   // Weights are read in slices of kTransferBytes: one slice's file pages (dropped once copied)
   // and its staging copy at a time.
   int64_t largest = 0;
-  for (const ParamSpec& s : qwen2_parameter_specs(model.config())) largest = std::max(largest, s.numel());
+  for (const ParamSpec& s : model_parameter_specs(model.config())) largest = std::max(largest, s.numel());
   p.weights_mapping_bytes =
       std::min(static_cast<size_t>(largest) * dtype_size(checkpoint_dtype), kTransferBytes) +
       std::min(static_cast<size_t>(largest) * dtype_size(model.config().torch_dtype), kTransferBytes);
   // A packed layer is read whole: its file pages, the tensors read out of them, and the layer in
   // memtune's layout (io/quantized.h) before it is copied over.
   if (const QuantConfig& q = model.config().quant; q.enabled())
-    for (const ParamSpec& s : qwen2_parameter_specs(model.config()))
+    for (const ParamSpec& s : model_parameter_specs(model.config()))
       if (s.shape.size() == 2 && s.name.starts_with("model.layers."))
         p.weights_mapping_bytes = std::max(p.weights_mapping_bytes,
                                            3 * static_cast<size_t>(quantized_layer_bytes(q.bits, s.shape[1], s.shape[0],

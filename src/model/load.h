@@ -8,11 +8,11 @@
 #include <string>
 
 #include "memory/process_plan.h"
-#include "model/qwen2.h"
+#include "model/decoder.h"
 
 namespace memtune {
 
-std::unique_ptr<Qwen2Model> load_model(const std::string& dir, ModelOptions options, const std::string& adapter = "",
+std::unique_ptr<Decoder> load_model(const std::string& dir, ModelOptions options, const std::string& adapter = "",
                                        std::optional<DType> dtype = std::nullopt);
 
 // Fills the planned terms of the process's prediction from a planned model (allocated or
@@ -20,9 +20,9 @@ std::unique_ptr<Qwen2Model> load_model(const std::string& dir, ModelOptions opti
 // checkpoint's file pages, stored as `checkpoint_dtype`, and its staging copy), the compute
 // runtime, and MPI's reduction buffers with more than one rank. The
 // measured terms are the caller's (ProcessPlan::measure_preparation).
-void add_planned_terms(ProcessPlan& p, const Qwen2Model& model, DType checkpoint_dtype, int world_size);
+void add_planned_terms(ProcessPlan& p, const Decoder& model, DType checkpoint_dtype, int world_size);
 
 // The config of a model directory, with an optional storage dtype override.
-Qwen2Config load_model_config(const std::string& dir, std::optional<DType> dtype = std::nullopt);
+ModelConfig load_model_config(const std::string& dir, std::optional<DType> dtype = std::nullopt);
 
 }  // namespace memtune

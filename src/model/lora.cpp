@@ -99,7 +99,7 @@ LoraConfig parse_lora_adapter_config(const nlohmann::json& document, const std::
   c.use_rslora = doc.optional_bool("use_rslora").value_or(c.use_rslora);
   if (doc.optional_string("bias").value_or("none") != "none") doc.fail("bias", "only \"none\" is supported");
   if (doc.optional_bool("use_dora").value_or(false)) doc.fail("use_dora", "DoRA is not supported");
-  if (doc.optional_bool("fan_in_fan_out").value_or(false)) doc.fail("fan_in_fan_out", "must be false for Qwen2");
+  if (doc.optional_bool("fan_in_fan_out").value_or(false)) doc.fail("fan_in_fan_out", "must be false (the linear weights are stored [out, in])");
   for (const char* key : {"rank_pattern", "alpha_pattern"})
     if (const std::optional<JsonReader> pattern = doc.optional_object(key); pattern && !pattern->value().empty())
       pattern->fail("per-module patterns are not supported");

@@ -16,7 +16,7 @@
 
 namespace memtune {
 
-// The seven linear layers of a Qwen2 decoder layer, in PEFT's module names.
+// The seven linear layers of a decoder layer, in PEFT's module names.
 enum class LinearSite { Q, K, V, O, Gate, Up, Down, kCount };
 constexpr size_t kNumLinearSites = static_cast<size_t>(LinearSite::kCount);
 std::string_view linear_site_name(LinearSite site);  // "q_proj", ..., "down_proj"

@@ -39,7 +39,7 @@ int64_t ParamSpec::numel() const {
   return n;
 }
 
-std::vector<ParamSpec> qwen2_parameter_specs(const Qwen2Config& c) {
+std::vector<ParamSpec> model_parameter_specs(const ModelConfig& c) {
   const int64_t D = c.hidden_size, I = c.intermediate_size, qd = c.q_dim(), kvd = c.kv_dim();
   std::vector<ParamSpec> specs;
   specs.push_back({"model.embed_tokens.weight", {c.vocab_size, D}});
@@ -67,15 +67,15 @@ std::vector<ParamSpec> qwen2_parameter_specs(const Qwen2Config& c) {
   return specs;
 }
 
-int64_t qwen2_parameter_count(const Qwen2Config& config) {
+int64_t model_parameter_count(const ModelConfig& config) {
   int64_t total = 0;
-  for (const auto& s : qwen2_parameter_specs(config)) total += s.numel();
+  for (const auto& s : model_parameter_specs(config)) total += s.numel();
   return total;
 }
 
-ModelParameters::ModelParameters(const Qwen2Config& config, const ModelOptions& options, MemoryPlan& device_plan,
+ModelParameters::ModelParameters(const ModelConfig& config, const ModelOptions& options, MemoryPlan& device_plan,
                                  MemoryPlan& host_plan)
-    : config_(config), options_(options), specs_(qwen2_parameter_specs(config)) {
+    : config_(config), options_(options), specs_(model_parameter_specs(config)) {
   std::unordered_map<std::string, size_t> index;
   for (size_t k = 0; k < specs_.size(); ++k) index[specs_[k].name] = k;
   auto find = [&](const std::string& name) -> std::optional<size_t> {
@@ -201,7 +201,7 @@ void ModelParameters::declare_trainables(MemoryPlan& device_plan, MemoryPlan& ho
   }
   const LoraConfig& lora = options_.lora;
   if (!lora.enabled()) return;
-  const Qwen2Config& c = config_;
+  const ModelConfig& c = config_;
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     std::array<int, kNumLinearSites> index;
     index.fill(-1);
@@ -226,7 +226,7 @@ void ModelParameters::declare_trainables(MemoryPlan& device_plan, MemoryPlan& ho
 
 ModelParameters::Linear ModelParameters::linear(int64_t l, LinearSite s) const {
   const LayerParams& p = layer_params_[l];
-  const Qwen2Config& c = config_;
+  const ModelConfig& c = config_;
   const int64_t D = c.hidden_size, I = c.intermediate_size, qd = c.q_dim(), kvd = c.kv_dim();
   // While declare_trainables builds lora_index_, later layers have no entry yet.
   const int lora = !lora_merged_ && static_cast<size_t>(l) < lora_index_.size() ? lora_index_[l][static_cast<size_t>(s)]
@@ -540,8 +540,8 @@ void ModelParameters::load(const CheckpointReader& checkpoint) {
     // RoPE's inv_freq buffer. Anything else means the checkpoint does not match the config.
     if (name.ends_with("rotary_emb.inv_freq")) continue;
     if (name == "lm_head.weight" && config_.tie_word_embeddings) continue;
-    throw Error(fmt::format("checkpoint tensor \"{}\" (in {}) is not a parameter of this Qwen2 config", name,
-                            checkpoint.file_of(name).path()));
+    throw Error(fmt::format("checkpoint tensor \"{}\" (in {}) is not a parameter of this {} config", name,
+                            checkpoint.file_of(name).path(), model_family_name(config_.family)));
   }
 }
 
@@ -614,7 +614,7 @@ void ModelParameters::save(const std::string& dir) const {
     tensors.push_back(device_tensor_to_write(*backend_, specs_[i].name, specs_[i].shape, param(i)));
   write_checkpoint(dir, tensors);
   write_file_atomically((std::filesystem::path(dir) / "config.json").string(),
-                        qwen2_config_to_json(config_).dump(2) + "\n");
+                        config_to_json(config_).dump(2) + "\n");
 }
 
 }  // namespace memtune

@@ -2,7 +2,7 @@
 // lives in the plan (weights, gradients, the trainables the optimizer updates, AdamW state, float32
 // masters), the LoRA sites, and everything that moves them between files and the backend's memory
 // (initialization, loading and saving checkpoints, PEFT adapter files, merging). The decoder's
-// compute (model/qwen2.h) reads them through views; it never declares or moves them.
+// compute (model/decoder.h) reads them through views; it never declares or moves them.
 #pragma once
 
 #include <array>
@@ -19,6 +19,7 @@
 #include "memory/arena.h"
 #include "memory/plan.h"
 #include "model/config.h"
+#include "model/kv_cache.h"
 #include "model/lora.h"
 
 namespace memtune {
@@ -31,8 +32,8 @@ struct ParamSpec {
   int64_t numel() const;
 };
 // All parameters of a Qwen2ForCausalLM in Hugging Face order (lm_head.weight only when untied).
-std::vector<ParamSpec> qwen2_parameter_specs(const Qwen2Config& config);
-int64_t qwen2_parameter_count(const Qwen2Config& config);
+std::vector<ParamSpec> model_parameter_specs(const ModelConfig& config);
+int64_t model_parameter_count(const ModelConfig& config);
 
 // A tensor in backend memory for the safetensors writer: fetched through the backend slice by
 // slice while the file is written, so no host copy of the whole tensor exists.
@@ -42,18 +43,6 @@ TensorToWrite device_tensor_to_write(Backend& backend, const std::string& name, 
 // Default budget of the fused LM head's logits chunk: large enough that the chunk's GEMMs run
 // near the machine's sgemm ceiling (measured in docs/benchmarks.md), small next to the model.
 constexpr size_t kDefaultLossWorkspaceBytes = size_t{192} << 20;
-
-// Inference over a paged KV cache (model/qwen2.h: Qwen2Model::generation_step). The cache is a
-// pool of `blocks` blocks of `block_size` tokens per layer for K and V, in the storage dtype; a
-// sequence holds whole blocks listed in its block table, so sequences of any length share the
-// pool without fragmentation.
-struct KvCacheOptions {
-  int64_t blocks = 0;              // 0: a training / evaluation model
-  int64_t block_size = 16;         // tokens per block (vLLM's default)
-  int64_t max_seqs = 1;            // sequences one step holds (max_num_seqs)
-  int64_t max_model_len = 16;      // the most tokens (prompt + output) one sequence may hold
-  int64_t max_blocks_per_seq = 1;  // ceil(max_model_len / block_size)
-};
 
 struct ModelOptions {
   int64_t max_tokens = 2048;  // capacity of one micro-batch's flat token stream
@@ -91,7 +80,7 @@ class ModelParameters {
  public:
   // Declares the weights (device plan), their gradients and the trainables with their optimizer
   // state (device plan, or the host plan with optim_offload).
-  ModelParameters(const Qwen2Config& config, const ModelOptions& options, MemoryPlan& device_plan,
+  ModelParameters(const ModelConfig& config, const ModelOptions& options, MemoryPlan& device_plan,
                   MemoryPlan& host_plan);
   // Once the plans are allocated: the arenas that hold the buffers and the backend that moves them.
   void bind(Arena* device, Arena* host, Backend& backend);
@@ -176,7 +165,6 @@ class ModelParameters {
   void save_adapter(const std::string& dir, const std::string& base_model_name_or_path) const;
   // After merging, the linear layers no longer apply the adapters (the base holds them).
   void merge_lora();
-  bool lora_merged() const { return lora_merged_; }
 
   // Adapter sets (options.adapter_sets, inference): adapter k's A [r, in] and B [out, r] at layer
   // l, site s as float32 views, empty when k does not target that site.
@@ -203,7 +191,7 @@ class ModelParameters {
     return *device_;
   }
 
-  Qwen2Config config_;
+  ModelConfig config_;
   ModelOptions options_;
   std::vector<ParamSpec> specs_;
   std::vector<LayerParams> layer_params_;

@@ -210,19 +210,19 @@ QuantizeSummary quantize_model(const std::string& model_dir, const std::string& 
                                const std::vector<std::vector<int32_t>>& calibration, Backend& backend) {
   const std::string config_path = (std::filesystem::path(model_dir) / "config.json").string();
   nlohmann::json doc = read_json_file(config_path);
-  const Qwen2Config source = parse_qwen2_config(doc, config_path);
+  const ModelConfig source = parse_model_config(doc, config_path);
   if (source.quant.enabled())
     throw Error(fmt::format("{}: the model is already quantized ({}-bit {})", config_path, source.quant.bits,
                             quant_method_name(source.quant.method)));
-  Qwen2Config target = source;
+  ModelConfig target = source;
   target.quant = o.target;
   // The writer's checks (whole words, AWQ's whole groups) on this model's shapes.
-  parse_qwen2_config(qwen2_config_to_json(target), "the quantized model's config");
+  parse_model_config(config_to_json(target), "the quantized model's config");
   if (o.target.desc_act && !o.gptq) throw Error("act-order (desc_act) needs the GPTQ method");
   if (o.gptq && calibration.empty()) throw Error("the GPTQ method needs calibration data (--calibration_file)");
 
   const CheckpointReader checkpoint(model_dir);
-  const std::vector<ParamSpec> specs = qwen2_parameter_specs(source);
+  const std::vector<ParamSpec> specs = model_parameter_specs(source);
   std::map<std::string, QuantizedLayer> layers;  // by spec name
   QuantizeSummary summary;
   double squared_error = 0, elements = 0;
@@ -252,9 +252,9 @@ QuantizeSummary quantize_model(const std::string& model_dir, const std::string& 
     options.with_grads = false;
     options.loss_workspace_bytes = size_t{16} << 20;
     options.backend = &backend;
-    const std::unique_ptr<Qwen2Model> model = load_model(model_dir, options);
+    const std::unique_ptr<Decoder> model = load_model(model_dir, options);
     ModelParameters& params = model->parameters();
-    const Qwen2Config& c = model->config();
+    const ModelConfig& c = model->config();
     auto width = [&](LinearSite s) { return params.linear(0, s).in; };
     size_t layer_bytes = 0;
     for (const LinearSite s : kInputSites) layer_bytes += static_cast<size_t>(width(s) * width(s)) * 4;
@@ -331,7 +331,7 @@ QuantizeSummary quantize_model(const std::string& model_dir, const std::string& 
       summary.packed_bytes += tensors[k].nbytes();
   }
   write_checkpoint(out_dir, tensors);
-  doc["quantization_config"] = qwen2_config_to_json(target)["quantization_config"];
+  doc["quantization_config"] = config_to_json(target)["quantization_config"];
   write_file_atomically((std::filesystem::path(out_dir) / "config.json").string(), doc.dump(2) + "\n");
   copy_model_side_files(model_dir, out_dir);
   summary.layers = static_cast<int64_t>(layers.size());

@@ -29,10 +29,11 @@
 #include "memory/process_plan.h"
 #include "generate/generator.h"
 #include "model/load.h"
+#include "options/command_setup.h"
 #include "report/report.h"
 #include "tokenizer/tokenizer.h"
 #include "train/checkpoint.h"
-#include "train/console.h"
+#include "core/console.h"
 #include "train/trainer.h"
 
 namespace memtune {
@@ -102,10 +103,10 @@ class TrainingRun {
   std::optional<GenerationMetrics> generation_;
   GenerationEvalShape generation_shape_;
   std::vector<int32_t> generation_stop_ids_;
-  std::unique_ptr<Qwen2Model> generation_model_;
+  std::unique_ptr<Decoder> generation_model_;
   std::string best_key_;         // the log key metric_for_best_model names, e.g. eval_loss
   bool greater_is_better_ = false;
-  std::unique_ptr<Qwen2Model> model_;
+  std::unique_ptr<Decoder> model_;
   std::unique_ptr<CrossEntropyLoss> loss_;
   std::unique_ptr<Trainer> trainer_;
   int64_t steps_per_epoch_ = 0, total_steps_ = 0;
@@ -238,7 +239,7 @@ void TrainingRun::load_data() {
 
 void TrainingRun::build_model() {
   const std::optional<DType> dtype = storage_dtype(args_.torch_dtype, args_.bf16, args_.fp16);
-  const Qwen2Config config = load_model_config(args_.model_name_or_path, dtype);
+  const ModelConfig config = load_model_config(args_.model_name_or_path, dtype);
   if (!args_.ignore_max_position_embeddings)
     check_max_length(config, args_.max_length, (fs::path(args_.model_name_or_path) / "config.json").string());
   if (tokenizer_vocab_size_ > config.vocab_size)
@@ -253,13 +254,13 @@ void TrainingRun::build_model() {
     // The whole process, predicted from the plan before any of its memory exists.
     ModelOptions planned = o;
     planned.allocate = false;
-    Qwen2Model preview(config, planned);
+    Decoder preview(config, planned);
     add_planned_terms(process_, preview, load_model_config(args_.model_name_or_path).torch_dtype, comm_.world_size());
     if (eval_ && args_.eval_strategy != "no") process_.evaluation_bytes = kEvaluationRuntimeBytes;
     if (generation_) {
       generation_shape_ = generation_eval_shape(eval_->tokens(), args_.per_device_eval_batch_size,
                                                 args_.max_new_tokens, args_.eval_file);
-      const Qwen2Model view(preview, inference_model_options(config, generation_shape_.limits, o.backend, false));
+      const Decoder view(preview, inference_model_options(config, generation_shape_.limits, o.backend, false));
       process_.generation_arena_bytes = view.plan().peak_bytes() + view.host_plan().peak_bytes();
     }
     if (!args_.host_memory.empty()) {
@@ -279,7 +280,7 @@ void TrainingRun::build_model() {
   if (o.lora.enabled()) model_->parameters().init_lora(args_.seed);
   if (generation_)
     generation_model_ =
-        std::make_unique<Qwen2Model>(*model_, inference_model_options(config, generation_shape_.limits, o.backend, true));
+        std::make_unique<Decoder>(*model_, inference_model_options(config, generation_shape_.limits, o.backend, true));
   loss_ = std::make_unique<CrossEntropyLoss>(static_cast<float>(args_.label_smoothing_factor));
   model_->set_loss(*loss_);
 
@@ -300,7 +301,7 @@ void TrainingRun::build_model() {
     trainable += model_->parameters().trainable_spec(i).numel();
   out_ << fmt::format(
       "model: {} parameters ({}), {} trainable ({}), micro-batch up to {} tokens, {} steps ({} per epoch)\n",
-      qwen2_parameter_count(config), dtype_torch_name(config.torch_dtype), trainable,
+      model_parameter_count(config), dtype_torch_name(config.torch_dtype), trainable,
       o.lora.enabled() ? fmt::format("LoRA r={} on {}", o.lora.rank, fmt::join(o.lora.target_names(), ","))
                        : std::string("full fine-tuning"),
       o.max_tokens, total_steps_, steps_per_epoch_);
@@ -614,54 +615,6 @@ void TrainingRun::write_memory_and_report() const {
 }
 
 }  // namespace
-
-DataOptions data_options(const TrainingArguments& args) {
-  DataOptions d;
-  d.max_length = args.max_length;
-  d.truncation_strategy = parse_truncation_strategy(args.truncation_strategy);
-  d.train_on_prompt = args.train_on_prompt;
-  d.skip_bad_lines = args.skip_bad_lines;
-  d.chat_template = args.template_name;
-  if (!args.system.empty()) d.record.system = args.system;
-  return d;
-}
-
-std::optional<DType> storage_dtype(const std::string& torch_dtype, bool bf16, bool fp16) {
-  if (bf16 && fp16) throw Error("--bf16 and --fp16 are mutually exclusive");
-  std::optional<DType> dtype;
-  if (bf16) dtype = DType::BF16;
-  if (fp16) dtype = DType::F16;
-  if (!torch_dtype.empty()) {
-    const DType asked = parse_dtype(torch_dtype, "--torch_dtype");
-    if (dtype && *dtype != asked)
-      throw Error(fmt::format("--torch_dtype {} contradicts --{}: give one of them", torch_dtype, bf16 ? "bf16" : "fp16"));
-    dtype = asked;
-  }
-  return dtype;
-}
-
-ModelOptions training_model_options(const TrainingArguments& args, int64_t max_tokens, int64_t max_targets, int rank,
-                                    int world_size) {
-  ModelOptions o;
-  o.max_tokens = max_tokens;
-  o.max_targets = max_targets;
-  o.gradient_checkpointing = args.gradient_checkpointing;
-  o.loss_workspace_bytes = static_cast<size_t>(args.loss_workspace_bytes);
-  o.with_optimizer = true;
-  o.optim_offload = args.optim_offload;
-  o.zero_stage = static_cast<int>(args.zero_stage);
-  o.rank = rank;
-  o.world_size = world_size;
-  o.backend = &backend_named(args.backend);
-  if (args.tuner_type == "lora") {
-    o.lora.rank = args.lora_rank;
-    o.lora.alpha = args.lora_alpha;
-    o.lora.dropout = args.lora_dropout;
-    o.lora.use_rslora = args.use_rslora;
-    set_lora_targets(o.lora, args.target_modules);
-  }
-  return o;
-}
 
 void run_training(const TrainingArguments& args, std::ostream& out, const json& arguments) {
   Communicator& comm = world();

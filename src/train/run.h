@@ -14,23 +14,12 @@
 
 #include <nlohmann/json_fwd.hpp>
 
-#include "data/dataset.h"
-#include "model/parameters.h"
-#include "train/arguments.h"
+#include "options/arguments.h"
 
 namespace memtune {
 
 // `arguments` (the command line as given, see cli::arguments_json) is written to
 // output_dir/run_args.json for the run report.
 void run_training(const TrainingArguments& args, std::ostream& out, const nlohmann::json& arguments);
-
-// The pieces of a run that `memtune plan` repeats, so that the plan of a command line is that
-// run's plan: how the data is tokenized, the storage dtype the flags ask for (an Error when
-// they contradict each other), and the model's options for micro-batches of at most
-// `max_tokens` tokens and `max_targets` loss targets.
-DataOptions data_options(const TrainingArguments& args);
-std::optional<DType> storage_dtype(const std::string& torch_dtype, bool bf16, bool fp16);
-ModelOptions training_model_options(const TrainingArguments& args, int64_t max_tokens, int64_t max_targets, int rank,
-                                    int world_size);
 
 }  // namespace memtune

@@ -10,7 +10,7 @@
 
 namespace memtune {
 
-Trainer::Trainer(Qwen2Model& model, const TrainerConfig& config, Communicator* comm)
+Trainer::Trainer(Decoder& model, const TrainerConfig& config, Communicator* comm)
     : model_(model),
       params_(model.parameters()),
       backend_(model.backend()),

@@ -10,7 +10,7 @@
 #include <memory>
 #include <span>
 
-#include "model/qwen2.h"
+#include "model/decoder.h"
 #include "train/optimizer.h"
 #include "train/schedule.h"
 
@@ -53,7 +53,7 @@ class Trainer {
   // moments zeroed.
   // With a communicator of N ranks each rank passes its own micro-batches; gradients and item
   // counts are summed over ranks before the one division, so every rank makes the same update.
-  Trainer(Qwen2Model& model, const TrainerConfig& config, Communicator* comm = nullptr);
+  Trainer(Decoder& model, const TrainerConfig& config, Communicator* comm = nullptr);
   ~Trainer();
 
   // One optimizer step over the micro-batches of a gradient-accumulation cycle.
@@ -70,7 +70,7 @@ class Trainer {
   }
 
  private:
-  Qwen2Model& model_;
+  Decoder& model_;
   ModelParameters& params_;
   Backend& backend_;
   TrainerConfig config_;

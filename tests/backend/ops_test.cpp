@@ -28,7 +28,8 @@
 namespace memtune {
 namespace {
 
-const char* const kBackends[] = {"cpu", "reference"};
+// Every backend of the build (the registry), each checked against reference.
+const std::vector<std::string_view> kBackends = backend_list();
 
 struct Input {
   std::string name;
@@ -173,7 +174,7 @@ void check_case(const OpCase& c) {
 
   Backend& ref = backend_named("reference");
   const RunResult expected = run_case(ref, c, dout_values, prior, c.inputs);
-  for (const char* name : kBackends) {
+  for (const std::string_view name : kBackends) {
     SCOPED_TRACE(name);
     Backend& be = backend_named(name);
     const RunResult got = run_case(be, c, dout_values, prior, c.inputs);
@@ -301,9 +302,9 @@ TEST(BackendOps, RopeAtAnOffset) {
   std::vector<int32_t> pos;
   for (int32_t t = 0; t < N; ++t) pos.push_back(37 + t);
   // Frequencies as a Qwen model's and as a Llama 3 model's (scaled) table holds them.
-  Qwen2Config llama = qwen2_preset("tiny-llama");
+  ModelConfig llama = model_preset("tiny-llama");
   llama.explicit_head_dim = hd;
-  for (const std::vector<float>& freqs : {rope_inv_freq(qwen2_preset("tiny")), rope_inv_freq(llama)}) {
+  for (const std::vector<float>& freqs : {rope_inv_freq(model_preset("tiny")), rope_inv_freq(llama)}) {
     const Input inv_freq{.name = "inv_freq",
                          .shape = {hd / 2},
                          .values = std::vector<float>(freqs.begin(), freqs.begin() + hd / 2),
@@ -401,7 +402,7 @@ TEST(BackendOps, PagedAttentionEqualsPackedAttentionForWholeSequences) {
   const int64_t T = p.tokens(), kvd = p.Hkv * p.hd, qd = p.Hq * p.hd, slots = p.kBlocks * p.kBlock;
   const std::vector<int32_t> cu = {0, p.context[0], p.context[0] + p.context[1]};
   const std::vector<float> q = randn(T * qd, 31), k = randn(T * kvd, 32), v = randn(T * kvd, 33);
-  for (const char* name : kBackends) {
+  for (const std::string_view name : kBackends) {
     SCOPED_TRACE(name);
     Backend& be = backend_named(name);
     DeviceTensors mem(be);
@@ -569,7 +570,7 @@ TEST(BackendOps, ScaleAndSumSquares) {
 }
 
 TEST(BackendOps, ConvertRoundsLikeTheHostConversion) {
-  for (const char* name : kBackends) {
+  for (const std::string_view name : kBackends) {
     Backend& be = backend_named(name);
     DeviceTensors mem(be);
     const std::vector<float> x = randn(100, 20);
@@ -589,7 +590,7 @@ TEST(BackendOps, AdamWMatchesTheTorchAlgorithmInDouble) {
   // torch.optim.AdamW, written out from its documentation in double precision, on every backend.
   const AdamWConfig c{0.9, 0.95, 1e-6, 0.1};
   const double lr = 1e-2;
-  for (const char* name : kBackends) {
+  for (const std::string_view name : kBackends) {
     Backend& be = backend_named(name);
     DeviceTensors mem(be);
     const Tensor p = mem.make(DType::F32, {3}), g = mem.make(DType::F32, {3}), m = mem.make(DType::F32, {3}),

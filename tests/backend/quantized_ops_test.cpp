@@ -124,10 +124,10 @@ const Shape kShapes[] = {
 
 TEST(QuantizedOps, ForwardEqualsDequantizeThenMatmul) {
   const int64_t OC = kQuantizedTileRows + 9;  // a full tile of output rows, a partial one, an odd count
-  for (const char* name : {"cpu", "reference"})
+  for (const std::string_view name : backend_list())
     for (const Shape& s : kShapes)
       for (const int64_t N : {1, 2, 3, 4, 5, 8, 9, 16, 17, 33}) {  // every row-count path
-        if (std::string(name) == "reference" && N > 9) continue;  // slow, and one path only
+        if (name == "reference" && N > 9) continue;  // slow, and one path only
         Backend& be = backend_named(name);
         const QuantizedLayer layer = random_layer(s.bits, s.in, OC, s.group_size, s.act_order, 11 + s.in + N);
         const std::vector<float> w = dequantize_layer(layer), x = randn(N * s.in, 3 + N), bias = randn(OC, 5);
@@ -155,7 +155,7 @@ TEST(QuantizedOps, ForwardEqualsDequantizeThenMatmul) {
 
 TEST(QuantizedOps, BackwardInputAccumulatesDoutTimesTheDequantizedWeight) {
   const int64_t OC = kQuantizedTileRows + 9;
-  for (const char* name : {"cpu", "reference"})
+  for (const std::string_view name : backend_list())
     for (const Shape& s : kShapes)
       for (const int64_t N : {3, 20}) {
         Backend& be = backend_named(name);
@@ -203,7 +203,7 @@ TEST(MatmulGroup, EachMemberEqualsItsProductAlone) {
       {{DType::I32, 4, 16, true}, {DType::I32, 8, 16, false}},  // two layouts: one by one
   };
   const int64_t C = 256;
-  for (const char* name : {"cpu", "reference"})
+  for (const std::string_view name : backend_list())
     for (size_t gi = 0; gi < groups.size(); ++gi)
       for (const int64_t N : {1, 2, 3, 8, 12, 17}) {
         Backend& be = backend_named(name);

@@ -10,7 +10,7 @@
 
 #include "data/synthetic_tokenizer.h"
 #include "model/load.h"
-#include "model/qwen2.h"
+#include "model/decoder.h"
 #include "support/run_command.h"
 #include "support/test_util.h"
 #include "tokenizer/unicode.h"
@@ -234,7 +234,7 @@ TEST_F(GenerateCliTest, EvalByGenerationComparesTheGeneratedText) {
 // --adapter NAME=DIR, repeated: each input line's "adapter" picks one; a line gets the tokens it
 // gets with that adapter alone (--adapter DIR), and without "adapter" the base model's.
 TEST_F(GenerateCliTest, NamedAdaptersArePickedPerLine) {
-  const Qwen2Config config = load_model_config(path("model"));
+  const ModelConfig config = load_model_config(path("model"));
   for (int k = 0; k < 2; ++k) {
     ModelOptions o;
     o.max_tokens = 8;
@@ -242,7 +242,7 @@ TEST_F(GenerateCliTest, NamedAdaptersArePickedPerLine) {
     o.lora.rank = 4;
     o.lora.alpha = 16;
     o.lora.targets.fill(true);
-    Qwen2Model m(config, o);
+    Decoder m(config, o);
     for (size_t i = 0; i < m.parameters().num_trainable(); ++i) {
       const Tensor t = m.parameters().trainable_value(i);
       std::vector<float> v(static_cast<size_t>(t.numel()));

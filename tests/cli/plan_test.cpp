@@ -9,7 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "memory/plan.h"
-#include "model/qwen2.h"
+#include "model/decoder.h"
 #include "support/run_command.h"
 #include "data/synthetic_tokenizer.h"
 #include "support/test_util.h"
@@ -100,11 +100,11 @@ TEST(PlanCommand, ZeroOnePlansTheRankWithTheLargestShards) {
   o.with_optimizer = true;
   o.zero_stage = 1;
   o.world_size = 3;
-  const Qwen2Config config = load_qwen2_config((dir / "config.json").string());
+  const ModelConfig config = load_config_json((dir / "config.json").string());
   std::vector<size_t> peaks;
   for (int r = 0; r < 3; ++r) {
     o.rank = r;
-    peaks.push_back(Qwen2Model(config, o).plan().peak_bytes());
+    peaks.push_back(Decoder(config, o).plan().peak_bytes());
   }
   EXPECT_LT(peaks[0], peaks[2]);
   EXPECT_EQ(*std::max_element(peaks.begin(), peaks.end()), peaks[2]);
@@ -164,7 +164,7 @@ TEST(PlanCommand, ThePlanIsWhatARunOfTheSameConfigurationMeasures) {
         o.lora.dropout = 0.05;  // memtune train's default, which plan takes from the same flags
         set_lora_targets(o.lora, {"all-linear"});
       }
-      Qwen2Model m(qwen2_preset("tiny"), o);
+      Decoder m(model_preset("tiny"), o);
       m.parameters().init_random(1);
       std::vector<int32_t> ids(64), cu = {0, 32, 64};
       for (int i = 0; i < 64; ++i) ids[i] = (i * 7) % 512;

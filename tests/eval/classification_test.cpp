@@ -43,14 +43,14 @@ TEST(Classification, ScoresAndMetricsMatchMaterializedLogits) {
   o.max_tokens = batcher.max_micro_batch_tokens();
   o.with_grads = false;
   o.loss_workspace_bytes = 5 * (512 + 128) * 4;  // 5-row chunks
-  Qwen2Model m(qwen2_preset("tiny"), o);
+  Decoder m(model_preset("tiny"), o);
   m.parameters().init_random(3);
   const ClassificationResult r = evaluate_classification(m, batcher, set);
 
   // Reference: each candidate alone, full logits, log-softmax in double.
   ModelOptions one = o;
   one.max_tokens = static_cast<int64_t>(set.candidates.max_length());
-  Qwen2Model ref(qwen2_preset("tiny"), one);
+  Decoder ref(model_preset("tiny"), one);
   ref.parameters().init_random(3);
   std::vector<int> predicted;
   double true_logp = 0;

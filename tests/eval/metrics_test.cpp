@@ -45,7 +45,7 @@ TEST(Metrics, MatchADirectComputationOnMaterializedLogits) {
   Batcher batcher(data, b);
   batcher.start_epoch(0);
   // A 3-row logits chunk, so every metric sees many chunks.
-  Qwen2Model m(qwen2_preset("tiny"), eval_options(batcher.max_micro_batch_tokens(), 3 * (512 + 128) * 4));
+  Decoder m(model_preset("tiny"), eval_options(batcher.max_micro_batch_tokens(), 3 * (512 + 128) * 4));
   ASSERT_EQ(m.loss_chunk_rows(), 3);
   m.parameters().init_random(2);
   MetricSelection s = parse_metrics("eval_loss,perplexity,token_accuracy,top50_accuracy");
@@ -96,7 +96,7 @@ TEST(Metrics, ResultsDoNotDependOnTheEvalBatchSize) {
     b.shuffle = false;
     Batcher batcher(data, b);
     batcher.start_epoch(0);
-    Qwen2Model m(qwen2_preset("tiny"), eval_options(batcher.max_micro_batch_tokens(), 1 << 20));
+    Decoder m(model_preset("tiny"), eval_options(batcher.max_micro_batch_tokens(), 1 << 20));
     m.parameters().init_random(4);
     MetricSelection s = parse_metrics("eval_loss,token_accuracy,top3_accuracy");
     results.push_back(evaluate(m, batcher, s));
@@ -116,7 +116,7 @@ TEST(Metrics, EvaluationMemoryIsFixedAndBelowTraining) {
     ModelOptions o = eval_options(batcher.max_micro_batch_tokens(), 1 << 20);
     o.with_grads = training;
     o.with_optimizer = training;
-    return Qwen2Model(qwen2_preset("tiny"), o).plan().peak_bytes();
+    return Decoder(model_preset("tiny"), o).plan().peak_bytes();
   };
   // The plan depends on the longest micro-batch, not on how many there are.
   const Dataset small = make_dataset(1, 5, {20, 20, 20, 20, 20, 20}),

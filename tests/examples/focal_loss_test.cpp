@@ -7,7 +7,7 @@
 
 #include "../../examples/focal_loss/focal_loss.h"
 #include "core/rng.h"
-#include "model/qwen2.h"
+#include "model/decoder.h"
 
 namespace memtune {
 namespace {
@@ -46,14 +46,14 @@ TEST(FocalLossExample, GammaZeroIsCrossEntropy) {
   for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], 1e-6);
 }
 
-class FocalLossOnBackends : public ::testing::TestWithParam<const char*> {};
+class FocalLossOnBackends : public ::testing::TestWithParam<std::string_view> {};
 
 // On cpu the loss reads the chunk in place; on reference it gets staged host copies.
 TEST_P(FocalLossOnBackends, PlugsIntoTheModel) {
   ModelOptions o;
   o.max_tokens = 16;
   o.backend = &backend_named(GetParam());
-  Qwen2Model m(qwen2_preset("tiny"), o);
+  Decoder m(model_preset("tiny"), o);
   m.parameters().init_random(1);
   std::vector<int32_t> ids(16), cu = {0, 16};
   for (int i = 0; i < 16; ++i) ids[i] = (i * 37) % 512;
@@ -69,7 +69,7 @@ TEST_P(FocalLossOnBackends, PlugsIntoTheModel) {
   EXPECT_GT(fl.sum, 0.99 * ce);
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, FocalLossOnBackends, ::testing::Values("cpu", "reference"));
+INSTANTIATE_TEST_SUITE_P(Backends, FocalLossOnBackends, ::testing::ValuesIn(backend_list()));
 
 }  // namespace
 }  // namespace memtune

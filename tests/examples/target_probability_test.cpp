@@ -10,7 +10,7 @@
 namespace memtune {
 namespace {
 
-class TargetProbabilityOnBackends : public ::testing::TestWithParam<const char*> {};
+class TargetProbabilityOnBackends : public ::testing::TestWithParam<std::string_view> {};
 
 // On cpu the observer reads each chunk in place; on reference it gets staged host copies.
 TEST_P(TargetProbabilityOnBackends, MatchesMaterializedLogitsAndMerges) {
@@ -31,7 +31,7 @@ TEST_P(TargetProbabilityOnBackends, MatchesMaterializedLogitsAndMerges) {
   o.with_grads = false;
   o.loss_workspace_bytes = 4 * (512 + 128) * 4;
   o.backend = &backend_named(GetParam());
-  Qwen2Model m(qwen2_preset("tiny"), o);
+  Decoder m(model_preset("tiny"), o);
   m.parameters().init_random(5);
   MetricSelection s;
   s.metrics.push_back(std::make_unique<examples::TargetProbability>());
@@ -64,7 +64,7 @@ TEST_P(TargetProbabilityOnBackends, MatchesMaterializedLogitsAndMerges) {
   EXPECT_NEAR(a.compute()[0].second, sum / count, 1e-6) << "merging equal states keeps the mean";
 }
 
-INSTANTIATE_TEST_SUITE_P(Backends, TargetProbabilityOnBackends, ::testing::Values("cpu", "reference"));
+INSTANTIATE_TEST_SUITE_P(Backends, TargetProbabilityOnBackends, ::testing::ValuesIn(backend_list()));
 
 }  // namespace
 }  // namespace memtune

@@ -11,9 +11,9 @@
 #include "core/rng.h"
 #include "data/synthetic_tokenizer.h"
 #include "generate/generator.h"
-#include "generate/inference_plan.h"
+#include "model/kv_cache.h"
 #include "memory/process_memory.h"
-#include "model/qwen2.h"
+#include "model/decoder.h"
 #include "support/test_util.h"
 #include "tokenizer/unicode.h"
 
@@ -22,8 +22,8 @@ namespace {
 
 constexpr uint64_t kWeightsSeed = 7;
 
-Qwen2Config tiny(DType dtype = DType::F32, bool tied = true, const char* preset = "tiny") {
-  Qwen2Config c = qwen2_preset(preset);
+ModelConfig tiny(DType dtype = DType::F32, bool tied = true, const char* preset = "tiny") {
+  ModelConfig c = model_preset(preset);
   c.torch_dtype = dtype;
   c.tie_word_embeddings = tied;
   return c;
@@ -34,9 +34,9 @@ InferenceLimits limits(int64_t max_model_len, int64_t max_num_seqs = 8, int64_t 
           .max_num_batched_tokens = max_num_batched_tokens, .block_size = 16};
 }
 
-std::unique_ptr<Qwen2Model> inference_model(const Qwen2Config& c, const InferenceLimits& l,
+std::unique_ptr<Decoder> inference_model(const ModelConfig& c, const InferenceLimits& l,
                                             Backend* backend = nullptr) {
-  auto m = std::make_unique<Qwen2Model>(c, inference_model_options(c, l, backend));
+  auto m = std::make_unique<Decoder>(c, inference_model_options(c, l, backend));
   m->parameters().init_random(kWeightsSeed);
   return m;
 }
@@ -52,11 +52,11 @@ class CollectLogits final : public ChunkObserver {
   }
   std::vector<std::vector<float>> rows;
 };
-std::vector<std::vector<float>> full_forward_logits(const Qwen2Config& c, const std::vector<int32_t>& tokens) {
+std::vector<std::vector<float>> full_forward_logits(const ModelConfig& c, const std::vector<int32_t>& tokens) {
   ModelOptions o;
   o.max_tokens = static_cast<int64_t>(tokens.size());
   o.with_grads = false;
-  Qwen2Model m(c, o);
+  Decoder m(c, o);
   m.parameters().init_random(kWeightsSeed);
   CollectLogits observer(tokens.size());
   m.set_observer(&observer);
@@ -90,7 +90,7 @@ class GenerationVariants : public ::testing::TestWithParam<Variant> {};
 
 TEST_P(GenerationVariants, GreedyTokensAreTheArgmaxOfFullForwardPasses) {
   const Variant v = GetParam();
-  const Qwen2Config c = tiny(v.dtype, v.tied, v.preset);
+  const ModelConfig c = tiny(v.dtype, v.tied, v.preset);
   const int64_t P = 9, T = 300;
   auto m = inference_model(c, limits(P + T, 1, 16));
   Generator g(*m, nullptr);
@@ -115,7 +115,7 @@ TEST_P(GenerationVariants, GreedyTokensAreTheArgmaxOfFullForwardPasses) {
 
 TEST_P(GenerationVariants, CacheLogitsEqualFullForwardLogitsAtEveryStep) {
   const Variant v = GetParam();
-  const Qwen2Config c = tiny(v.dtype, v.tied, v.preset);
+  const ModelConfig c = tiny(v.dtype, v.tied, v.preset);
   const int64_t P = 37, T = 40;
   auto m = inference_model(c, limits(P + T, 1, 8));
   // Prefill in chunks of 8 (the last one samples), then one token per step, greedily.
@@ -165,7 +165,7 @@ INSTANTIATE_TEST_SUITE_P(Models, GenerationVariants,
                          });
 
 // Five requests of mixed lengths, greedy and sampled.
-std::vector<GenerationRequest> mixed_requests(const Qwen2Config& c) {
+std::vector<GenerationRequest> mixed_requests(const ModelConfig& c) {
   std::vector<GenerationRequest> rs;
   const int64_t lengths[] = {3, 17, 9, 30, 1};
   for (int i = 0; i < 5; ++i) {
@@ -185,7 +185,7 @@ std::vector<std::vector<int32_t>> tokens_of(const std::vector<GenerationResult>&
 }
 
 TEST(Generator, BatchedChunkedAndWaitingRequestsGiveTheSameTokensAsOneByOne) {
-  const Qwen2Config c = tiny();
+  const ModelConfig c = tiny();
   const std::vector<GenerationRequest> rs = mixed_requests(c);
   std::vector<std::vector<int32_t>> alone;
   for (const auto& r : rs) {
@@ -219,7 +219,7 @@ TEST(Generator, BatchedChunkedAndWaitingRequestsGiveTheSameTokensAsOneByOne) {
 // A prompt arriving while another sequence decodes is read in chunks that fill a step up to N
 // tokens (set_max_decode_step_tokens), so the decoding one keeps stepping; the tokens are unchanged.
 TEST(Generator, DecodingStepsTakeAtMostTheirPrefillShareOfAPrompt) {
-  const Qwen2Config c = tiny();
+  const ModelConfig c = tiny();
   const GenerationRequest first = request(random_ids(2, c.vocab_size, 3), 24);
   const GenerationRequest second = request(random_ids(40, c.vocab_size, 4), 6);
   std::vector<std::vector<int32_t>> alone;
@@ -247,18 +247,18 @@ TEST(Generator, DecodingStepsTakeAtMostTheirPrefillShareOfAPrompt) {
 }
 
 TEST(Generator, APoolSizedByABudgetMakesRequestsWaitForBlocks) {
-  const Qwen2Config c = tiny();
+  const ModelConfig c = tiny();
   InferenceLimits l = limits(64, 8, 64);
   // The budget: everything but the pool, plus 6 blocks (two requests of 3 blocks each at most).
   ModelOptions one = inference_model_options(c, l, nullptr, false);
   one.kv_cache.blocks = 1;
-  const Qwen2Model probe(c, one);
+  const Decoder probe(c, one);
   const size_t per_block = kv_bytes_per_token(c) * 16;
   l.device_memory = probe.plan().peak_bytes() + 5 * per_block;
   l.memory_fraction = 1.0;
   const ModelOptions o = inference_model_options(c, l, nullptr);
   EXPECT_EQ(o.kv_cache.blocks, 6);
-  Qwen2Model m(c, o);
+  Decoder m(c, o);
   m.parameters().init_random(kWeightsSeed);
   EXPECT_LE(m.plan().peak_bytes(), l.device_memory);
   Generator g(m, nullptr);
@@ -286,7 +286,7 @@ LoraConfig test_lora() {
   l.targets.fill(true);
   return l;
 }
-void randomize_adapter(Qwen2Model& m, uint64_t seed) {
+void randomize_adapter(Decoder& m, uint64_t seed) {
   m.parameters().init_lora(3);
   for (size_t i = 0; i < m.parameters().num_trainable(); ++i) {
     const Tensor t = m.parameters().trainable_value(i);
@@ -300,11 +300,11 @@ void randomize_adapter(Qwen2Model& m, uint64_t seed) {
 // An adapter applied on the fly (y = Wx + s B(Ax)) gives the logits of the same adapter merged
 // into W, at every step of a greedy generation.
 TEST(Generator, UnmergedLoraEqualsMergedLora) {
-  const Qwen2Config c = tiny();
+  const ModelConfig c = tiny();
   ModelOptions o = inference_model_options(c, limits(64, 2, 16), nullptr);
   o.lora = test_lora();
   auto with_adapter = [&] {
-    auto m = std::make_unique<Qwen2Model>(c, o);
+    auto m = std::make_unique<Decoder>(c, o);
     m->parameters().init_random(kWeightsSeed);
     randomize_adapter(*m, 100);
     return m;
@@ -336,20 +336,20 @@ TEST(Generator, UnmergedLoraEqualsMergedLora) {
 // generates what an inference model holding copies of them generates, follows their updates,
 // and plans no weights of its own.
 TEST(Generator, AGenerationViewUsesItsBaseModelsCurrentParameters) {
-  const Qwen2Config c = tiny(DType::BF16);
+  const ModelConfig c = tiny(DType::BF16);
   ModelOptions train_options;
   train_options.max_tokens = 64;
   train_options.with_optimizer = true;
   train_options.lora = test_lora();
-  Qwen2Model training(c, train_options);
+  Decoder training(c, train_options);
   training.parameters().init_random(kWeightsSeed);
   randomize_adapter(training, 100);
-  Qwen2Model view(training, inference_model_options(c, limits(64, 2, 16), nullptr));
+  Decoder view(training, inference_model_options(c, limits(64, 2, 16), nullptr));
 
   ModelOptions copy_options = inference_model_options(c, limits(64, 2, 16), nullptr);
   copy_options.lora = test_lora();
   auto copy_with_adapter = [&](uint64_t seed) {
-    auto m = std::make_unique<Qwen2Model>(c, copy_options);
+    auto m = std::make_unique<Decoder>(c, copy_options);
     m->parameters().init_random(kWeightsSeed);
     randomize_adapter(*m, seed);
     return m;
@@ -373,7 +373,7 @@ TEST(Generator, AGenerationViewUsesItsBaseModelsCurrentParameters) {
 // Two adapters held side by side and chosen per request, in one batch, give each request the
 // tokens of a model with only its adapter (or none).
 TEST(Generator, AdaptersChosenPerRequestEqualEachAlone) {
-  const Qwen2Config c = tiny();
+  const ModelConfig c = tiny();
   const auto dir = testing_support::make_temp_dir("adapter_sets");
   std::vector<LoraConfig> configs;
   for (int k = 0; k < 2; ++k) {  // two adapters of different ranks and targets, saved as PEFT files
@@ -386,7 +386,7 @@ TEST(Generator, AdaptersChosenPerRequestEqualEachAlone) {
     o.max_tokens = 8;
     o.with_grads = false;
     o.lora = lora;
-    Qwen2Model m(c, o);
+    Decoder m(c, o);
     m.parameters().init_random(kWeightsSeed);
     for (size_t i = 0; i < m.parameters().num_trainable(); ++i) {
       const Tensor t = m.parameters().trainable_value(i);
@@ -400,7 +400,7 @@ TEST(Generator, AdaptersChosenPerRequestEqualEachAlone) {
   }
   ModelOptions o = inference_model_options(c, limits(64, 6, 64), nullptr);
   o.adapter_sets = configs;
-  Qwen2Model both(c, o);
+  Decoder both(c, o);
   both.parameters().init_random(kWeightsSeed);
   for (size_t k = 0; k < 2; ++k) both.parameters().load_adapter_set(k, (dir / std::to_string(k)).string());
   std::vector<GenerationRequest> rs = mixed_requests(c);
@@ -410,7 +410,7 @@ TEST(Generator, AdaptersChosenPerRequestEqualEachAlone) {
   for (size_t i = 0; i < rs.size(); ++i) {
     ModelOptions alone_options = inference_model_options(c, limits(64, 1, 64), nullptr);
     if (rs[i].adapter >= 0) alone_options.lora = configs[static_cast<size_t>(rs[i].adapter)];
-    Qwen2Model alone(c, alone_options);
+    Decoder alone(c, alone_options);
     alone.parameters().init_random(kWeightsSeed);
     if (rs[i].adapter >= 0) alone.parameters().load_adapter((dir / std::to_string(rs[i].adapter)).string());
     GenerationRequest r = rs[i];
@@ -423,7 +423,7 @@ TEST(Generator, AdaptersChosenPerRequestEqualEachAlone) {
 }
 
 TEST(Generator, RefusesARequestLongerThanMaxModelLen) {
-  const Qwen2Config c = tiny();
+  const ModelConfig c = tiny();
   auto m = inference_model(c, limits(32));
   Generator g(*m, nullptr);
   GenerationRequest ok = request(random_ids(4, c.vocab_size, 1), 28);
@@ -434,7 +434,7 @@ TEST(Generator, RefusesARequestLongerThanMaxModelLen) {
 }
 
 TEST(Generator, ReferenceBackendGeneratesTheSameTokens) {
-  const Qwen2Config c = tiny(DType::BF16, false);
+  const ModelConfig c = tiny(DType::BF16, false);
   std::vector<GenerationRequest> rs = mixed_requests(c);
   rs.resize(3);
   auto cpu = inference_model(c, limits(64, 4, 16));
@@ -444,7 +444,7 @@ TEST(Generator, ReferenceBackendGeneratesTheSameTokens) {
 
 TEST(Generator, StopIdsStopStringsAndStreamedText) {
   const Tokenizer tok = testing_support::synthetic_tokenizer();
-  Qwen2Config c = tiny();
+  ModelConfig c = tiny();
   c.vocab_size = tok.vocab_size();
   auto m = inference_model(c, limits(96, 2, 32));
   Generator g(*m, &tok);
@@ -460,7 +460,7 @@ TEST(Generator, StopIdsStopStringsAndStreamedText) {
   // A model whose vocabulary is padded past the tokenizer's (as Qwen2.5's 151936 rows over 151665
   // tokens): ids without a token add no text instead of failing.
   {
-    Qwen2Config padded = c;
+    ModelConfig padded = c;
     padded.vocab_size = tok.vocab_size() + 64;
     auto pm = inference_model(padded, limits(96, 2, 32));
     GenerationRequest beyond = r;
@@ -504,7 +504,7 @@ TEST(Generator, StopIdsStopStringsAndStreamedText) {
 }
 
 TEST(Generator, AStopRequestEndsEveryRequestWhereItIs) {
-  const Qwen2Config c = tiny();
+  const ModelConfig c = tiny();
   auto m = inference_model(c, limits(64, 2, 64));
   Generator g(*m, nullptr);
   int asked = 0;

@@ -1,4 +1,4 @@
-// Tests for Qwen2 config.json parsing: the classic transformers-4 form as published for
+// Tests for config.json parsing (Qwen2, Qwen3, Llama): the classic transformers-4 form as published for
 // Qwen2.5, the transformers-5 form, every refusal (each naming the file and field), the presets
 // (checked against published parameter counts) and the to_json -> parse round trip.
 #include "model/config.h"
@@ -50,7 +50,7 @@ json qwen25_05b_v5() {
   return doc;
 }
 
-void expect_qwen25_05b(const Qwen2Config& c) {
+void expect_qwen25_05b(const ModelConfig& c) {
   EXPECT_EQ(c.hidden_size, 896);
   EXPECT_EQ(c.intermediate_size, 4864);
   EXPECT_EQ(c.num_hidden_layers, 24);
@@ -72,37 +72,37 @@ template <class Edit>
 std::string refusal(Edit edit, const std::string& field) {
   json doc = qwen25_05b_classic();
   edit(doc);
-  std::string msg = error_of([&] { parse_qwen2_config(doc, "ckpt/config.json"); });
+  std::string msg = error_of([&] { parse_model_config(doc, "ckpt/config.json"); });
   EXPECT_CONTAINS(msg, "ckpt/config.json");
   EXPECT_CONTAINS(msg, "\"" + field + "\"");
   return msg;
 }
 
-int64_t parameter_count(const Qwen2Config& c) {
+int64_t parameter_count(const ModelConfig& c) {
   const int64_t d = c.hidden_size, kv = c.kv_dim(), i = c.intermediate_size;
   const int64_t per_layer = (d * d + d) + 2 * (d * kv + kv) + d * d + 3 * d * i + 2 * d;
   const int64_t embeddings = c.vocab_size * d * (c.tie_word_embeddings ? 1 : 2);
   return embeddings + c.num_hidden_layers * per_layer + d;
 }
 
-TEST(Qwen2ConfigTest, ParsesTheClassicForm) {
-  expect_qwen25_05b(parse_qwen2_config(qwen25_05b_classic(), "c.json"));
+TEST(ModelConfigTest, ParsesTheClassicForm) {
+  expect_qwen25_05b(parse_model_config(qwen25_05b_classic(), "c.json"));
 }
 
-TEST(Qwen2ConfigTest, ParsesTheTransformers5Form) {
-  expect_qwen25_05b(parse_qwen2_config(qwen25_05b_v5(), "c.json"));
+TEST(ModelConfigTest, ParsesTheTransformers5Form) {
+  expect_qwen25_05b(parse_model_config(qwen25_05b_v5(), "c.json"));
 }
 
-TEST(Qwen2ConfigTest, SlidingAttentionLayerTypesAreFullAttentionWhenTheWindowIsOff) {
+TEST(ModelConfigTest, SlidingAttentionLayerTypesAreFullAttentionWhenTheWindowIsOff) {
   json doc = qwen25_05b_v5();
   doc["layer_types"][23] = "sliding_attention";
-  EXPECT_EQ(parse_qwen2_config(doc, "c.json").num_hidden_layers, 24);
+  EXPECT_EQ(parse_model_config(doc, "c.json").num_hidden_layers, 24);
 }
 
-TEST(Qwen2ConfigTest, AppliesTransformersDefaults) {
+TEST(ModelConfigTest, AppliesTransformersDefaults) {
   json doc = {{"model_type", "qwen2"},  {"hidden_size", 64},        {"intermediate_size", 128},
               {"num_hidden_layers", 2}, {"num_attention_heads", 4}, {"vocab_size", 100}};
-  Qwen2Config c = parse_qwen2_config(doc, "c.json");
+  ModelConfig c = parse_model_config(doc, "c.json");
   EXPECT_EQ(c.num_key_value_heads, 4);
   EXPECT_EQ(c.max_position_embeddings, 32768);
   EXPECT_DOUBLE_EQ(c.rms_norm_eps, 1e-6);
@@ -111,12 +111,12 @@ TEST(Qwen2ConfigTest, AppliesTransformersDefaults) {
   EXPECT_EQ(c.torch_dtype, DType::F32);
 
   doc["num_key_value_heads"] = nullptr;
-  EXPECT_EQ(parse_qwen2_config(doc, "c.json").num_key_value_heads, 4);
+  EXPECT_EQ(parse_model_config(doc, "c.json").num_key_value_heads, 4);
   doc["rope_scaling"] = {{"type", "default"}};
-  EXPECT_DOUBLE_EQ(parse_qwen2_config(doc, "c.json").rope_theta, 10000.0);
+  EXPECT_DOUBLE_EQ(parse_model_config(doc, "c.json").rope_theta, 10000.0);
 }
 
-TEST(Qwen2ConfigTest, RefusesOtherArchitectures) {
+TEST(ModelConfigTest, RefusesOtherArchitectures) {
   std::string msg = refusal([](json& d) { d["architectures"] = {"MistralForCausalLM"}; }, "architectures");
   EXPECT_CONTAINS(msg, "MistralForCausalLM");
   EXPECT_CONTAINS(msg, "Qwen2ForCausalLM");
@@ -130,13 +130,13 @@ TEST(Qwen2ConfigTest, RefusesOtherArchitectures) {
   json doc = qwen25_05b_classic();
   doc.erase("architectures");
   doc.erase("model_type");
-  std::string missing = error_of([&] { parse_qwen2_config(doc, "ckpt/config.json"); });
+  std::string missing = error_of([&] { parse_model_config(doc, "ckpt/config.json"); });
   EXPECT_CONTAINS(missing, "ckpt/config.json");
   EXPECT_CONTAINS(missing, "\"architectures\"");
   EXPECT_CONTAINS(missing, "\"model_type\"");
 }
 
-TEST(Qwen2ConfigTest, RefusesMissingRequiredFields) {
+TEST(ModelConfigTest, RefusesMissingRequiredFields) {
   for (const char* field :
        {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"}) {
     std::string msg = refusal([&](json& d) { d.erase(field); }, field);
@@ -144,7 +144,7 @@ TEST(Qwen2ConfigTest, RefusesMissingRequiredFields) {
   }
 }
 
-TEST(Qwen2ConfigTest, RefusesWrongJsonTypes) {
+TEST(ModelConfigTest, RefusesWrongJsonTypes) {
   refusal([](json& d) { d["hidden_size"] = "896"; }, "hidden_size");
   refusal([](json& d) { d["hidden_size"] = 896.5; }, "hidden_size");
   refusal([](json& d) { d["num_key_value_heads"] = true; }, "num_key_value_heads");
@@ -155,11 +155,11 @@ TEST(Qwen2ConfigTest, RefusesWrongJsonTypes) {
   refusal([](json& d) { d["sliding_window"] = "none"; }, "sliding_window");
   refusal([](json& d) { d["layer_types"] = "full_attention"; }, "layer_types");
   refusal([](json& d) { d["rope_scaling"] = "linear"; }, "rope_scaling");
-  std::string msg = error_of([] { parse_qwen2_config(json::array(), "ckpt/config.json"); });
+  std::string msg = error_of([] { parse_model_config(json::array(), "ckpt/config.json"); });
   EXPECT_CONTAINS(msg, "expected a JSON object");
 }
 
-TEST(Qwen2ConfigTest, RefusesNonPositiveSizes) {
+TEST(ModelConfigTest, RefusesNonPositiveSizes) {
   refusal([](json& d) { d["hidden_size"] = 0; }, "hidden_size");
   refusal([](json& d) { d["vocab_size"] = -5; }, "vocab_size");
   refusal([](json& d) { d["num_key_value_heads"] = 0; }, "num_key_value_heads");
@@ -169,19 +169,19 @@ TEST(Qwen2ConfigTest, RefusesNonPositiveSizes) {
   refusal([](json& d) { d["hidden_size"] = 18446744073709551615u; }, "hidden_size");
 }
 
-TEST(Qwen2ConfigTest, RefusesRopeScaling) {
+TEST(ModelConfigTest, RefusesRopeScaling) {
   std::string msg = refusal([](json& d) { d["rope_scaling"] = {{"type", "yarn"}, {"factor", 4.0}}; }, "rope_scaling");
   EXPECT_CONTAINS(msg, "yarn");
   refusal([](json& d) { d["rope_scaling"] = {{"factor", 4.0}}; }, "rope_scaling");
   json doc = qwen25_05b_v5();
   doc["rope_parameters"]["rope_type"] = "linear";
-  msg = error_of([&] { parse_qwen2_config(doc, "v5/config.json"); });
+  msg = error_of([&] { parse_model_config(doc, "v5/config.json"); });
   EXPECT_CONTAINS(msg, "v5/config.json");
   EXPECT_CONTAINS(msg, "\"rope_parameters\"");
   EXPECT_CONTAINS(msg, "linear");
 }
 
-TEST(Qwen2ConfigTest, RefusesConflictingDuplicates) {
+TEST(ModelConfigTest, RefusesConflictingDuplicates) {
   refusal(
       [](json& d) {
         d["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 5.0}};
@@ -192,18 +192,18 @@ TEST(Qwen2ConfigTest, RefusesConflictingDuplicates) {
   EXPECT_CONTAINS(msg, "int8");
 }
 
-TEST(Qwen2ConfigTest, RefusesSlidingWindowAttention) {
+TEST(ModelConfigTest, RefusesSlidingWindowAttention) {
   refusal([](json& d) { d["use_sliding_window"] = true; }, "use_sliding_window");
   json doc = qwen25_05b_v5();
   doc["use_sliding_window"] = true;
   doc["sliding_window"] = 4096;
   doc["layer_types"][0] = "sliding_attention";
-  std::string msg = error_of([&] { parse_qwen2_config(doc, "v5/config.json"); });
+  std::string msg = error_of([&] { parse_model_config(doc, "v5/config.json"); });
   EXPECT_CONTAINS(msg, "v5/config.json");
   EXPECT_CONTAINS(msg, "sliding");
 }
 
-TEST(Qwen2ConfigTest, RefusesBadLayerTypes) {
+TEST(ModelConfigTest, RefusesBadLayerTypes) {
   std::string msg =
       refusal([](json& d) { d["layer_types"] = json(std::vector<std::string>(3, "full_attention")); }, "layer_types");
   EXPECT_CONTAINS(msg, "num_hidden_layers is 24");
@@ -215,7 +215,7 @@ TEST(Qwen2ConfigTest, RefusesBadLayerTypes) {
       "layer_types[5]");
 }
 
-TEST(Qwen2ConfigTest, RefusesInconsistentHeads) {
+TEST(ModelConfigTest, RefusesInconsistentHeads) {
   std::string msg = refusal([](json& d) { d["num_attention_heads"] = 13; }, "hidden_size");
   EXPECT_CONTAINS(msg, "not divisible by num_attention_heads");
   msg = refusal([](json& d) { d["num_key_value_heads"] = 4; }, "num_attention_heads");
@@ -223,7 +223,7 @@ TEST(Qwen2ConfigTest, RefusesInconsistentHeads) {
   msg = refusal([](json& d) { d["hidden_size"] = 14 * 63; }, "hidden_size");
   EXPECT_CONTAINS(msg, "even");
   refusal([](json& d) { d["head_dim"] = 128; }, "head_dim");
-  EXPECT_EQ(parse_qwen2_config(
+  EXPECT_EQ(parse_model_config(
                 [] {
                   json d = qwen25_05b_classic();
                   d["head_dim"] = 64;
@@ -234,11 +234,11 @@ TEST(Qwen2ConfigTest, RefusesInconsistentHeads) {
             64);
 }
 
-TEST(Qwen2ConfigTest, RefusesOtherActivations) {
+TEST(ModelConfigTest, RefusesOtherActivations) {
   refusal([](json& d) { d["hidden_act"] = "gelu"; }, "hidden_act");
 }
 
-class Qwen2ConfigFileTest : public ::testing::Test {
+class ModelConfigFileTest : public ::testing::Test {
  protected:
   void SetUp() override { dir_ = testing_support::make_temp_dir("config_test"); }
   void TearDown() override { fs::remove_all(dir_); }
@@ -250,50 +250,50 @@ class Qwen2ConfigFileTest : public ::testing::Test {
   fs::path dir_;
 };
 
-TEST_F(Qwen2ConfigFileTest, LoadsAFile) {
-  expect_qwen25_05b(load_qwen2_config(write(qwen25_05b_classic().dump(2))));
+TEST_F(ModelConfigFileTest, LoadsAFile) {
+  expect_qwen25_05b(load_config_json(write(qwen25_05b_classic().dump(2))));
 }
 
-TEST_F(Qwen2ConfigFileTest, MissingFileAndInvalidJson) {
+TEST_F(ModelConfigFileTest, MissingFileAndInvalidJson) {
   std::string absent = (dir_ / "absent.json").string();
-  std::string msg = error_of([&] { load_qwen2_config(absent); });
+  std::string msg = error_of([&] { load_config_json(absent); });
   EXPECT_CONTAINS(msg, absent);
   EXPECT_CONTAINS(msg, "cannot open");
 
   std::string p = write("{\n  \"hidden_size\": 896,\n  \"vocab_size\": }");
-  msg = error_of([&] { load_qwen2_config(p); });
+  msg = error_of([&] { load_config_json(p); });
   EXPECT_CONTAINS(msg, p);
   EXPECT_CONTAINS(msg, "invalid JSON");
   EXPECT_CONTAINS(msg, "line 3");
 
-  msg = error_of([&] { load_qwen2_config(dir_.string()); });
+  msg = error_of([&] { load_config_json(dir_.string()); });
   EXPECT_CONTAINS(msg, "is a directory");
 
   json llama = qwen25_05b_classic();
   llama["model_type"] = "llama";
   p = write(llama.dump());
-  msg = error_of([&] { load_qwen2_config(p); });
+  msg = error_of([&] { load_config_json(p); });
   EXPECT_CONTAINS(msg, p);
   EXPECT_CONTAINS(msg, "\"model_type\"");
 }
 
-TEST_F(Qwen2ConfigFileTest, NumberTooLargeForADoubleIsAnError) {
+TEST_F(ModelConfigFileTest, NumberTooLargeForADoubleIsAnError) {
   const std::string p = write(R"({"model_type": "qwen2", "rms_norm_eps": 1e400})");
-  const std::string msg = error_of([&] { load_qwen2_config(p); });
+  const std::string msg = error_of([&] { load_config_json(p); });
   EXPECT_CONTAINS(msg, p + ": invalid JSON");
   EXPECT_CONTAINS(msg, "1e400");
 }
 
-TEST(Qwen2ConfigTest, RefusesAttentionDropout) {
+TEST(ModelConfigTest, RefusesAttentionDropout) {
   std::string msg = refusal([](json& d) { d["attention_dropout"] = 0.1; }, "attention_dropout");
   EXPECT_CONTAINS(msg, "not supported");
   refusal([](json& d) { d["attention_dropout"] = "0"; }, "attention_dropout");
   json zero = qwen25_05b_classic();
   zero["attention_dropout"] = 0;
-  EXPECT_NO_THROW(parse_qwen2_config(zero, "config.json"));
+  EXPECT_NO_THROW(parse_model_config(zero, "config.json"));
 }
 
-TEST(Qwen2ConfigTest, RefusesHeadsWiderThanTheAttentionKernels) {
+TEST(ModelConfigTest, RefusesHeadsWiderThanTheAttentionKernels) {
   // 2 heads of 512: refused when the config is read, not at the first step.
   std::string msg = refusal(
       [](json& d) {
@@ -306,8 +306,8 @@ TEST(Qwen2ConfigTest, RefusesHeadsWiderThanTheAttentionKernels) {
   EXPECT_CONTAINS(msg, "at most 256");
 }
 
-TEST(Qwen2ConfigTest, MaxLengthAboveMaxPositionEmbeddingsIsAnError) {
-  const Qwen2Config c = qwen2_preset("tiny");  // max_position_embeddings 2048
+TEST(ModelConfigTest, MaxLengthAboveMaxPositionEmbeddingsIsAnError) {
+  const ModelConfig c = model_preset("tiny");  // max_position_embeddings 2048
   EXPECT_NO_THROW(check_max_length(c, 2048, "tiny/config.json"));
   EXPECT_NO_THROW(check_max_length(c, 0, "tiny/config.json"));
   const std::string msg = error_of([&] { check_max_length(c, 4096, "tiny/config.json"); });
@@ -316,17 +316,17 @@ TEST(Qwen2ConfigTest, MaxLengthAboveMaxPositionEmbeddingsIsAnError) {
   EXPECT_CONTAINS(msg, "tiny/config.json");
 }
 
-TEST(Qwen2ConfigTest, ToJsonRoundTrips) {
+TEST(ModelConfigTest, ToJsonRoundTrips) {
   for (const char* name : {"tiny", "qwen2.5-0.5b", "qwen2.5-7b", "qwen2.5-72b"}) {
-    Qwen2Config c = qwen2_preset(name);
-    json doc = qwen2_config_to_json(c);
+    ModelConfig c = model_preset(name);
+    json doc = config_to_json(c);
     EXPECT_EQ(doc["architectures"], json({"Qwen2ForCausalLM"}));
     EXPECT_EQ(doc["model_type"], "qwen2");
     EXPECT_EQ(doc["hidden_act"], "silu");
     EXPECT_EQ(doc["use_sliding_window"], false);
     EXPECT_TRUE(doc["sliding_window"].is_null());
     EXPECT_EQ(doc["torch_dtype"], dtype_torch_name(c.torch_dtype));
-    Qwen2Config back = parse_qwen2_config(json::parse(doc.dump()), name);
+    ModelConfig back = parse_model_config(json::parse(doc.dump()), name);
     EXPECT_EQ(back.hidden_size, c.hidden_size);
     EXPECT_EQ(back.intermediate_size, c.intermediate_size);
     EXPECT_EQ(back.num_hidden_layers, c.num_hidden_layers);
@@ -339,11 +339,11 @@ TEST(Qwen2ConfigTest, ToJsonRoundTrips) {
     EXPECT_EQ(back.tie_word_embeddings, c.tie_word_embeddings);
     EXPECT_EQ(back.torch_dtype, c.torch_dtype);
   }
-  EXPECT_EQ(qwen2_config_to_json(qwen2_preset("tiny"))["torch_dtype"], "float32");
+  EXPECT_EQ(config_to_json(model_preset("tiny"))["torch_dtype"], "float32");
 }
 
-TEST(Qwen2ConfigTest, TinyPreset) {
-  Qwen2Config c = qwen2_preset("tiny");
+TEST(ModelConfigTest, TinyPreset) {
+  ModelConfig c = model_preset("tiny");
   EXPECT_EQ(c.hidden_size, 64);
   EXPECT_EQ(c.intermediate_size, 176);
   EXPECT_EQ(c.num_hidden_layers, 2);
@@ -357,26 +357,26 @@ TEST(Qwen2ConfigTest, TinyPreset) {
   EXPECT_EQ(c.torch_dtype, DType::F32);
 }
 
-TEST(Qwen2ConfigTest, Qwen25PresetsMatchThePublishedModels) {
+TEST(ModelConfigTest, Qwen25PresetsMatchThePublishedModels) {
   // Exact counts: 0.5B as published; 3B, 7B and 32B from the bf16 total_size of their
   // model.safetensors.index.json (6171877376, 15231233024, 65527752704 bytes).
-  EXPECT_EQ(parameter_count(qwen2_preset("qwen2.5-0.5b")), 494'032'768);
-  EXPECT_EQ(parameter_count(qwen2_preset("qwen2.5-3b")), 3'085'938'688);
-  EXPECT_EQ(parameter_count(qwen2_preset("qwen2.5-7b")), 7'615'616'512);
-  EXPECT_EQ(parameter_count(qwen2_preset("qwen2.5-32b")), 32'763'876'352);
+  EXPECT_EQ(parameter_count(model_preset("qwen2.5-0.5b")), 494'032'768);
+  EXPECT_EQ(parameter_count(model_preset("qwen2.5-3b")), 3'085'938'688);
+  EXPECT_EQ(parameter_count(model_preset("qwen2.5-7b")), 7'615'616'512);
+  EXPECT_EQ(parameter_count(model_preset("qwen2.5-32b")), 32'763'876'352);
   // The rest against their model cards: 1.54B, 14.7B, 72.7B.
-  EXPECT_NEAR(parameter_count(qwen2_preset("qwen2.5-1.5b")) / 1e9, 1.54, 0.005);
-  EXPECT_NEAR(parameter_count(qwen2_preset("qwen2.5-14b")) / 1e9, 14.7, 0.1);
-  EXPECT_NEAR(parameter_count(qwen2_preset("qwen2.5-72b")) / 1e9, 72.7, 0.05);
+  EXPECT_NEAR(parameter_count(model_preset("qwen2.5-1.5b")) / 1e9, 1.54, 0.005);
+  EXPECT_NEAR(parameter_count(model_preset("qwen2.5-14b")) / 1e9, 14.7, 0.1);
+  EXPECT_NEAR(parameter_count(model_preset("qwen2.5-72b")) / 1e9, 72.7, 0.05);
   for (const char* name :
        {"qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b", "qwen2.5-14b", "qwen2.5-32b", "qwen2.5-72b"}) {
-    Qwen2Config c = qwen2_preset(name);
+    ModelConfig c = model_preset(name);
     EXPECT_EQ(c.torch_dtype, DType::BF16) << name;
     EXPECT_DOUBLE_EQ(c.rope_theta, 1e6) << name;
     EXPECT_EQ(c.head_dim(), c.hidden_size == 896 ? 64 : 128) << name;
-    EXPECT_NO_THROW(parse_qwen2_config(qwen2_config_to_json(c), name)) << name;
+    EXPECT_NO_THROW(parse_model_config(config_to_json(c), name)) << name;
   }
-  EXPECT_EQ(qwen2_preset("Qwen2.5-7B").hidden_size, 3584);
+  EXPECT_EQ(model_preset("Qwen2.5-7B").hidden_size, 3584);
 }
 
 // Qwen/Qwen3-0.6B's config.json as published.
@@ -401,7 +401,7 @@ json llama32_1b() {
     "transformers_version": "4.45.0.dev0", "use_cache": true, "vocab_size": 128256})");
 }
 
-void expect_same_shape(const Qwen2Config& a, const Qwen2Config& b) {
+void expect_same_shape(const ModelConfig& a, const ModelConfig& b) {
   EXPECT_EQ(a.family, b.family);
   EXPECT_EQ(a.hidden_size, b.hidden_size);
   EXPECT_EQ(a.intermediate_size, b.intermediate_size);
@@ -423,36 +423,36 @@ void expect_same_shape(const Qwen2Config& a, const Qwen2Config& b) {
   EXPECT_EQ(a.rope_scaling.original_max_position_embeddings, b.rope_scaling.original_max_position_embeddings);
 }
 
-TEST(Qwen2ConfigTest, ParsesQwen3AndLlama3Configs) {
-  const Qwen2Config q = parse_qwen2_config(qwen3_06b(), "qwen3/config.json");
+TEST(ModelConfigTest, ParsesQwen3AndLlama3Configs) {
+  const ModelConfig q = parse_model_config(qwen3_06b(), "qwen3/config.json");
   EXPECT_EQ(q.family, ModelFamily::Qwen3);
   EXPECT_EQ(q.head_dim(), 128);  // not 1024 / 16
   EXPECT_EQ(q.q_dim(), 2048);
   EXPECT_FALSE(q.attention_bias);
   EXPECT_TRUE(q.qk_norm);
-  expect_same_shape(q, qwen2_preset("qwen3-0.6b"));
-  const Qwen2Config l = parse_qwen2_config(llama32_1b(), "llama/config.json");
+  expect_same_shape(q, model_preset("qwen3-0.6b"));
+  const ModelConfig l = parse_model_config(llama32_1b(), "llama/config.json");
   EXPECT_EQ(l.family, ModelFamily::Llama);
   EXPECT_TRUE(l.rope_scaling.llama3);
   EXPECT_DOUBLE_EQ(l.rope_scaling.factor, 32.0);
-  expect_same_shape(l, qwen2_preset("llama-3.2-1b"));
+  expect_same_shape(l, model_preset("llama-3.2-1b"));
   // Round trips through the config.json memtune writes.
   for (const char* name : {"qwen3-4b", "llama-3.1-8b", "tiny-qwen3", "tiny-llama"})
-    expect_same_shape(parse_qwen2_config(qwen2_config_to_json(qwen2_preset(name)), name), qwen2_preset(name));
+    expect_same_shape(parse_model_config(config_to_json(model_preset(name)), name), model_preset(name));
   // Qwen3Config's default head_dim is 128, LlamaConfig's hidden / heads.
   json doc = qwen3_06b();
   doc.erase("head_dim");
-  EXPECT_EQ(parse_qwen2_config(doc, "c.json").head_dim(), 128);
+  EXPECT_EQ(parse_model_config(doc, "c.json").head_dim(), 128);
   doc = llama32_1b();
   doc.erase("head_dim");
-  EXPECT_EQ(parse_qwen2_config(doc, "c.json").head_dim(), 64);
+  EXPECT_EQ(parse_model_config(doc, "c.json").head_dim(), 64);
   doc["attention_bias"] = true;
-  EXPECT_TRUE(parse_qwen2_config(doc, "c.json").attention_bias);
+  EXPECT_TRUE(parse_model_config(doc, "c.json").attention_bias);
 }
 
-TEST(Qwen2ConfigTest, RefusesWhatQwen3AndLlamaDoNotSupport) {
+TEST(ModelConfigTest, RefusesWhatQwen3AndLlamaDoNotSupport) {
   auto refused = [](json doc, const std::string& field) {
-    const std::string msg = error_of([&] { parse_qwen2_config(doc, "ckpt/config.json"); });
+    const std::string msg = error_of([&] { parse_model_config(doc, "ckpt/config.json"); });
     EXPECT_CONTAINS(msg, "ckpt/config.json");
     EXPECT_CONTAINS(msg, "\"" + field + "\"");
     return msg;
@@ -481,7 +481,7 @@ TEST(Qwen2ConfigTest, RefusesWhatQwen3AndLlamaDoNotSupport) {
   EXPECT_CONTAINS(refused(doc, "architectures"), "Qwen3MoeForCausalLM");
 }
 
-TEST(Qwen2ConfigTest, Qwen3AndLlama3PresetsMatchThePublishedModels) {
+TEST(ModelConfigTest, Qwen3AndLlama3PresetsMatchThePublishedModels) {
   // Model cards: Qwen3 0.6B / 1.7B / 4.0B / 8.2B / 14.8B / 32.8B parameters; Llama 3.2 1.23B and
   // 3.21B (the 1B has 1,235,814,400: its card truncates), Llama 3.1 8.03B and 70.6B.
   const std::pair<const char*, double> published[] = {
@@ -490,26 +490,26 @@ TEST(Qwen2ConfigTest, Qwen3AndLlama3PresetsMatchThePublishedModels) {
       {"llama-3.1-8b", 8.03}, {"llama-3.1-70b", 70.6}};
   for (const auto& [name, billions] : published) {
     const double digits = billions < 1.0 || std::string(name).starts_with("qwen3") || billions > 50 ? 0.05 : 0.01;
-    EXPECT_NEAR(static_cast<double>(qwen2_parameter_count(qwen2_preset(name))) / 1e9, billions, digits) << name;
+    EXPECT_NEAR(static_cast<double>(model_parameter_count(model_preset(name))) / 1e9, billions, digits) << name;
   }
   // Exactly, from the bf16 total_size of meta-llama/Llama-3.1-8B's model.safetensors.index.json
   // (16060522496 bytes).
-  EXPECT_EQ(qwen2_parameter_count(qwen2_preset("llama-3.1-8b")), 8'030'261'248);
+  EXPECT_EQ(model_parameter_count(model_preset("llama-3.1-8b")), 8'030'261'248);
   // Qwen3 adds q_norm and k_norm (head_dim each) per layer and drops the q/k/v biases.
-  const Qwen2Config q = qwen2_preset("qwen3-0.6b");
+  const ModelConfig q = model_preset("qwen3-0.6b");
   const int64_t attention = 2 * q.hidden_size * q.q_dim() + 2 * q.hidden_size * q.kv_dim() + 2 * q.head_dim();
   const int64_t mlp = 3 * q.hidden_size * q.intermediate_size;
-  EXPECT_EQ(qwen2_parameter_count(q),
+  EXPECT_EQ(model_parameter_count(q),
             q.vocab_size * q.hidden_size + q.num_hidden_layers * (attention + mlp + 2 * q.hidden_size) + q.hidden_size);
 }
 
-TEST(Qwen2ConfigTest, Llama3RopeScalingKeepsHighFrequenciesAndSlowsLowOnes) {
-  const Qwen2Config plain = [] {
-    Qwen2Config c = qwen2_preset("llama-3.1-8b");
+TEST(ModelConfigTest, Llama3RopeScalingKeepsHighFrequenciesAndSlowsLowOnes) {
+  const ModelConfig plain = [] {
+    ModelConfig c = model_preset("llama-3.1-8b");
     c.rope_scaling.llama3 = false;
     return c;
   }();
-  const std::vector<float> base = rope_inv_freq(plain), scaled = rope_inv_freq(qwen2_preset("llama-3.1-8b"));
+  const std::vector<float> base = rope_inv_freq(plain), scaled = rope_inv_freq(model_preset("llama-3.1-8b"));
   ASSERT_EQ(base.size(), 64u);
   const double pi = 3.14159265358979323846;
   int kept = 0, divided = 0, between = 0;
@@ -532,8 +532,8 @@ TEST(Qwen2ConfigTest, Llama3RopeScalingKeepsHighFrequenciesAndSlowsLowOnes) {
   EXPECT_GT(between, 0);
 }
 
-TEST(Qwen2ConfigTest, UnknownPresetListsTheValidNames) {
-  std::string msg = error_of([] { qwen2_preset("qwen2.5-8b"); });
+TEST(ModelConfigTest, UnknownPresetListsTheValidNames) {
+  std::string msg = error_of([] { model_preset("qwen2.5-8b"); });
   EXPECT_CONTAINS(msg, "qwen2.5-8b");
   EXPECT_CONTAINS(msg, "tiny");
   EXPECT_CONTAINS(msg, "qwen2.5-0.5b");

@@ -9,7 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/rng.h"
-#include "model/qwen2.h"
+#include "model/decoder.h"
 #include "memory/process_memory.h"
 #include "support/test_util.h"
 
@@ -43,7 +43,7 @@ Batch make_batch(uint64_t seed) {
 }
 
 // Random, nonzero adapters (PEFT's B = 0 would make A's gradient vanish and hide bugs).
-void randomize_adapters(Qwen2Model& m, uint64_t seed) {
+void randomize_adapters(Decoder& m, uint64_t seed) {
   Rng rng(seed);
   for (size_t i = 0; i < m.parameters().num_trainable(); ++i) {
     std::vector<float> v(static_cast<size_t>(m.parameters().trainable_spec(i).numel()));
@@ -110,7 +110,7 @@ TEST(Lora, FreshAdaptersLeaveTheBaseModelUnchanged) {
   ModelOptions base_opt, lora_opt;
   base_opt.max_tokens = lora_opt.max_tokens = 30;
   lora_opt.lora = lora(4, {"all-linear"});
-  Qwen2Model base(qwen2_preset("tiny"), base_opt), adapted(qwen2_preset("tiny"), lora_opt);
+  Decoder base(model_preset("tiny"), base_opt), adapted(model_preset("tiny"), lora_opt);
   base.parameters().init_random(1);
   adapted.parameters().init_random(1);
   adapted.parameters().init_lora(2);
@@ -127,13 +127,13 @@ class LoraGradTest : public ::testing::TestWithParam<GradCase> {};
 
 TEST_P(LoraGradTest, AdapterGradientsMatchFiniteDifferences) {
   const auto [checkpointing, dropout, dtype] = GetParam();
-  Qwen2Config cfg = qwen2_preset("tiny");
+  ModelConfig cfg = model_preset("tiny");
   cfg.torch_dtype = dtype;
   ModelOptions o;
   o.max_tokens = 30;
   o.gradient_checkpointing = checkpointing;
   o.lora = lora(3, {"q_proj", "k_proj", "o_proj", "up_proj", "down_proj"}, dropout);
-  Qwen2Model m(cfg, o);
+  Decoder m(cfg, o);
   m.arena().set_poison_on_release(true);
   m.parameters().init_random(4);
   randomize_adapters(m, 5);
@@ -181,13 +181,13 @@ INSTANTIATE_TEST_SUITE_P(Variants, LoraGradTest,
                          });
 
 TEST(Lora, FrozenBaseHasNoGradientOrOptimizerMemoryAndStaysInThePlan) {
-  Qwen2Config cfg = qwen2_preset("tiny");
+  ModelConfig cfg = model_preset("tiny");
   cfg.torch_dtype = DType::BF16;
   ModelOptions o;
   o.max_tokens = 30;
   o.with_optimizer = true;
   o.lora = lora(4, {"all-linear"}, 0.1);
-  Qwen2Model m(cfg, o);
+  Decoder m(cfg, o);
   m.parameters().init_random(1);
   m.parameters().init_lora(2);
   m.set_dropout_seed(9);
@@ -202,7 +202,7 @@ TEST(Lora, FrozenBaseHasNoGradientOrOptimizerMemoryAndStaysInThePlan) {
   EXPECT_EQ(m.plan().live_bytes(Phase::Optimizer, Category::OptimizerState), 2 * grad_bytes);
   // The base stays bfloat16.
   EXPECT_LT(m.plan().live_bytes(Phase::Forward, Category::Weights),
-            static_cast<size_t>(qwen2_parameter_count(cfg)) * 2 + 64 * m.parameters().specs().size());
+            static_cast<size_t>(model_parameter_count(cfg)) * 2 + 64 * m.parameters().specs().size());
   const Batch b = make_batch(3);
   m.parameters().zero_grads();
   m.forward_backward(b.view());
@@ -216,7 +216,7 @@ TEST(Lora, MergedWeightsEqualTheAdapterAndFilesRoundTrip) {
   ModelOptions o;
   o.max_tokens = 30;
   o.lora = lora(4, {"v_proj", "o_proj", "gate_proj"}, 0.0, true);
-  Qwen2Model m(qwen2_preset("tiny"), o);
+  Decoder m(model_preset("tiny"), o);
   m.parameters().init_random(1);
   randomize_adapters(m, 2);
   const Batch b = make_batch(3);
@@ -226,21 +226,21 @@ TEST(Lora, MergedWeightsEqualTheAdapterAndFilesRoundTrip) {
   m.parameters().save_adapter(dir.string(), "tiny-base");
   const auto cfg = nlohmann::json::parse(std::ifstream(dir / "adapter_config.json"));
   EXPECT_EQ(cfg["base_model_name_or_path"], "tiny-base");
-  Qwen2Model reloaded(qwen2_preset("tiny"), o);
+  Decoder reloaded(model_preset("tiny"), o);
   reloaded.parameters().init_random(1);
   reloaded.parameters().load_adapter(dir.string());
   EXPECT_EQ(reloaded.forward_backward(b.view()).sum, with_adapter);
   // A model planned for other targets refuses the file by tensor name.
   ModelOptions other = o;
   other.lora = lora(4, {"q_proj"});
-  Qwen2Model wrong(qwen2_preset("tiny"), other);
+  Decoder wrong(model_preset("tiny"), other);
   EXPECT_CONTAINS(testing_support::error_of([&] { wrong.parameters().load_adapter(dir.string()); }), "q_proj.lora_A");
   std::filesystem::remove_all(dir);
 
   m.parameters().merge_lora();
   ModelOptions plain;
   plain.max_tokens = 30;
-  Qwen2Model merged(qwen2_preset("tiny"), plain);
+  Decoder merged(model_preset("tiny"), plain);
   for (size_t i = 0; i < m.parameters().specs().size(); ++i)
     upload_f32(merged.backend(), merged.parameters().param(i), download_f32(m.backend(), m.parameters().param(i)));
   EXPECT_NEAR(merged.forward_backward(b.view()).sum, with_adapter, 1e-5 * std::abs(with_adapter));

@@ -34,14 +34,14 @@ class QuantizedModelTest : public ::testing::Test {
     dir_ = testing_support::make_temp_dir("quantized_model");
     // A tiny model with weights 8x Hugging Face's initialization, so greedy decoding does not
     // collapse to one repeated token and a different weight shows in the tokens.
-    Qwen2Config config = qwen2_preset("tiny");
+    ModelConfig config = model_preset("tiny");
     config.vocab_size = 269;
     config.tie_word_embeddings = false;
     ModelOptions o;
     o.max_tokens = 1;
     o.with_grads = false;
     o.loss_workspace_bytes = 0;
-    Qwen2Model m(config, o);
+    Decoder m(config, o);
     m.parameters().init_random(5);
     for (size_t i = 0; i < m.parameters().specs().size(); ++i) {
       if (m.parameters().specs()[i].shape.size() != 2) continue;
@@ -146,14 +146,14 @@ TEST_F(QuantizedModelTest, FilesReadBackByAnIndependentReaderAndComputeLikeTheir
 TEST_F(QuantizedModelTest, LoraOnAQuantizedBaseHasTheGradientsOfItsFloatCopy) {
   quantize("qlora", "--bits 4 --group_size 32");
   {
-    const Qwen2Config config = load_model_config(path("qlora_f32"));
+    const ModelConfig config = load_model_config(path("qlora_f32"));
     ModelOptions o;
     o.max_tokens = 8;
     o.with_grads = false;
     o.lora.rank = 4;
     o.lora.alpha = 8;
     o.lora.targets.fill(true);
-    Qwen2Model m(config, o);
+    Decoder m(config, o);
     for (size_t i = 0; i < m.parameters().num_trainable(); ++i) {
       const Tensor t = m.parameters().trainable_value(i);
       std::vector<float> v(static_cast<size_t>(t.numel()));

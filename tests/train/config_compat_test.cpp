@@ -14,8 +14,8 @@
 #include "data/synthetic_tokenizer.h"
 #include "support/run_command.h"
 #include "support/test_util.h"
-#include "train/arguments.h"
-#include "train/config_file.h"
+#include "options/arguments.h"
+#include "options/config_file.h"
 
 namespace memtune {
 namespace {

@@ -87,7 +87,7 @@ ModelOptions train_options(int64_t max_tokens) {
   return o;
 }
 
-std::vector<float> flat_params(Qwen2Model& m) {
+std::vector<float> flat_params(Decoder& m) {
   std::vector<float> out;
   for (size_t i = 0; i < m.parameters().specs().size(); ++i) {
     const std::vector<float> p = download_f32(m.backend(), m.parameters().param(i));
@@ -102,9 +102,9 @@ TEST(Trainer, AccumulationOverUnequalMicroBatchesEqualsOneBigBatch) {
   tc.learning_rate = 1e-3;
   tc.adam.weight_decay = 0.01;
   tc.schedule = {LrScheduleType::Linear, 1, 4, 0.0};
-  const Qwen2Config cfg = qwen2_preset("tiny");
+  const ModelConfig cfg = model_preset("tiny");
 
-  Qwen2Model big(cfg, train_options(77)), small(cfg, train_options(41));
+  Decoder big(cfg, train_options(77)), small(cfg, train_options(41));
   big.parameters().init_random(5);
   small.parameters().init_random(5);
   Trainer tb(big, tc), ts(small, tc);
@@ -147,10 +147,10 @@ TEST(Trainer, AccumulationOverUnequalMicroBatchesEqualsOneBigBatch) {
 TEST(Trainer, MeanOfMicroBatchMeansWouldGiveADifferentGradient) {
   // The rule a custom compute_loss falls into: average each micro-batch's mean loss.
   const Seqs data = make_seqs({3, 41, 7, 26}, 1);
-  const Qwen2Config cfg = qwen2_preset("tiny");
+  const ModelConfig cfg = model_preset("tiny");
   ModelOptions o;
   o.max_tokens = 77;
-  Qwen2Model m(cfg, o);
+  Decoder m(cfg, o);
   m.parameters().init_random(5);
   auto grads = [&](const Packed& p, double scale, std::vector<double>& acc) {
     m.parameters().zero_grads();
@@ -160,7 +160,7 @@ TEST(Trainer, MeanOfMicroBatchMeansWouldGiveADifferentGradient) {
       for (float g : download_f32(m.backend(), m.parameters().grad(i))) acc[k++] += g * scale / r.count;
     return r.count;
   };
-  const size_t total = static_cast<size_t>(qwen2_parameter_count(cfg));
+  const size_t total = static_cast<size_t>(model_parameter_count(cfg));
   std::vector<double> global(total, 0.0), mean_of_means(total, 0.0);
   grads(pack(data, 0, 4), 1.0, global);
   for (size_t i = 0; i < 4; ++i) grads(pack(data, i, i + 1), 0.25, mean_of_means);
@@ -173,9 +173,9 @@ TEST(Trainer, MeanOfMicroBatchMeansWouldGiveADifferentGradient) {
 }
 
 TEST(Trainer, Bfloat16WeightsFollowTheirFloat32Masters) {
-  Qwen2Config cfg = qwen2_preset("tiny");
+  ModelConfig cfg = model_preset("tiny");
   cfg.torch_dtype = DType::BF16;
-  Qwen2Model m(cfg, train_options(32));
+  Decoder m(cfg, train_options(32));
   m.parameters().init_random(2);
   TrainerConfig tc;
   tc.learning_rate = 1e-3;
@@ -197,11 +197,11 @@ TEST(Trainer, Bfloat16WeightsFollowTheirFloat32Masters) {
 
 TEST(Trainer, AStepStaysInsideThePlanAndDoesNotAllocate) {
   for (DType dtype : {DType::F32, DType::BF16}) {
-    Qwen2Config cfg = qwen2_preset("tiny");
+    ModelConfig cfg = model_preset("tiny");
     cfg.torch_dtype = dtype;
     ModelOptions o = train_options(41);
     o.gradient_checkpointing = true;
-    Qwen2Model m(cfg, o);
+    Decoder m(cfg, o);
     m.arena().set_poison_on_release(true);
     m.parameters().init_random(3);
     Trainer t(m, TrainerConfig{});
@@ -220,7 +220,7 @@ TEST(Trainer, AStepStaysInsideThePlanAndDoesNotAllocate) {
 }
 
 TEST(Trainer, DynamicLossScalingSkipsOverflowAndBacksOff) {
-  Qwen2Config cfg = qwen2_preset("tiny");
+  ModelConfig cfg = model_preset("tiny");
   cfg.torch_dtype = DType::F16;
   const Packed p = pack(make_seqs({20, 9}, 3), 0, 2);
   const TokenBatch mb[] = {p.view()};
@@ -228,7 +228,7 @@ TEST(Trainer, DynamicLossScalingSkipsOverflowAndBacksOff) {
   tc.learning_rate = 1e-3;
   tc.schedule.type = LrScheduleType::Constant;
   tc.loss_scaling = {true, 1e38, 2.0, 0.5, 3};  // absurd start: the scaled gradients overflow
-  Qwen2Model m(cfg, train_options(29));
+  Decoder m(cfg, train_options(29));
   m.parameters().init_random(1);
   Trainer t(m, tc);
   const auto before = flat_params(m);
@@ -250,7 +250,7 @@ TEST(Trainer, DynamicLossScalingSkipsOverflowAndBacksOff) {
   EXPECT_DOUBLE_EQ(t.loss_scale(), settled * 2);
 
   // A finite scale gives the same update as no scaling (the scale divides out).
-  Qwen2Model a(cfg, train_options(29)), b(cfg, train_options(29));
+  Decoder a(cfg, train_options(29)), b(cfg, train_options(29));
   a.parameters().init_random(1);
   b.parameters().init_random(1);
   TrainerConfig scaled = tc, plain = tc;
@@ -268,7 +268,7 @@ TEST(Trainer, DynamicLossScalingSkipsOverflowAndBacksOff) {
 TEST(Trainer, TinyModelMemorizesASmallDataset) {
   const Seqs data = make_seqs({16, 12, 20, 9}, 7);
   const Packed all = pack(data, 0, 4);
-  Qwen2Model m(qwen2_preset("tiny"), train_options(57));
+  Decoder m(model_preset("tiny"), train_options(57));
   m.parameters().init_random(1);
   TrainerConfig tc;
   tc.learning_rate = 1e-2;

@@ -157,7 +157,6 @@ void rope_backward(float* dx, const int32_t* positions, int64_t N, int64_t heads
 }
 
 namespace {
-constexpr int64_t kMaxHeadDim = kMaxAttentionHeadDim;
 constexpr int64_t kKeyBlock = 64;
 
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -173,7 +172,7 @@ inline float dot(const float* a, const float* b, int64_t n) {
 template <class Key, class Value>
 float attend_row(float* out, const float* q, int64_t first, int64_t last, int64_t hd, float scale, Key key,
                  Value value) {
-  float acc[kMaxHeadDim], scores[kKeyBlock];
+  float acc[kMaxAttentionHeadDim], scores[kKeyBlock];
   float m = -std::numeric_limits<float>::infinity(), l = 0.0f;
   std::fill(acc, acc + hd, 0.0f);
   for (int64_t j0 = first; j0 <= last; j0 += kKeyBlock) {
@@ -206,7 +205,7 @@ float attend_row(float* out, const float* q, int64_t first, int64_t last, int64_
 
 void attention_forward(float* out, float* lse, const float* q, const float* k, const float* v,
                        const int32_t* cu_seqlens, int64_t num_seqs, int64_t Hq, int64_t Hkv, int64_t hd) {
-  MT_ASSERT(hd <= kMaxHeadDim && Hq % Hkv == 0);
+  MT_ASSERT(hd <= kMaxAttentionHeadDim && Hq % Hkv == 0);
   const int64_t qd = Hq * hd, kvd = Hkv * hd, group = Hq / Hkv;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   // One task per (sequence, query head); each query row runs an online softmax over key blocks.
@@ -226,7 +225,7 @@ void attention_forward(float* out, float* lse, const float* q, const float* k, c
 void attention_backward(float* dq, float* dk, float* dv, const float* dout, const float* out, const float* lse,
                         const float* q, const float* k, const float* v, const int32_t* cu_seqlens, int64_t num_seqs,
                         int64_t Hq, int64_t Hkv, int64_t hd) {
-  MT_ASSERT(hd <= kMaxHeadDim && Hq % Hkv == 0);
+  MT_ASSERT(hd <= kMaxAttentionHeadDim && Hq % Hkv == 0);
   const int64_t qd = Hq * hd, kvd = Hkv * hd, group = Hq / Hkv;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   // One task per (sequence, KV head): it owns dk/dv of that head and dq of the query heads of its
@@ -512,7 +511,7 @@ void paged_attention_forward(float* out, const float* q, const void* k_cache, co
                              const int32_t* block_tables, int64_t max_blocks, const int32_t* cu_seqlens,
                              const int32_t* context_lens, int64_t num_seqs, int64_t Hq, int64_t Hkv, int64_t hd,
                              int64_t block_size) {
-  MT_ASSERT(hd <= kMaxHeadDim && Hq % Hkv == 0 && Hq / Hkv <= kPagedTaskRows);
+  MT_ASSERT(hd <= kMaxAttentionHeadDim && Hq % Hkv == 0 && Hq / Hkv <= kPagedTaskRows);
   const int64_t qd = Hq * hd, kvd = Hkv * hd, group = Hq / Hkv;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   // A task is (sequence, kv head, a few consecutive query positions): its rows are those
@@ -532,8 +531,8 @@ void paged_attention_forward(float* out, const float* q, const void* k_cache, co
         const int64_t i1 = std::min(end, i0 + positions_per_task), rows = (i1 - i0) * group;
         auto position = [&](int64_t r) { return ctx - (end - begin) + (i0 + r / group - begin); };
         auto row_offset = [&](int64_t r) { return (i0 + r / group) * qd + (g * group + r % group) * hd; };
-        alignas(64) float kt[kMaxHeadDim * kKeyTile], vt[kKeyTile * kMaxHeadDim];
-        alignas(64) float acc[kPagedTaskRows * kMaxHeadDim];
+        alignas(64) float kt[kMaxAttentionHeadDim * kKeyTile], vt[kKeyTile * kMaxAttentionHeadDim];
+        alignas(64) float acc[kPagedTaskRows * kMaxAttentionHeadDim];
         float m[kPagedTaskRows], l[kPagedTaskRows];
         std::fill(acc, acc + rows * hd, 0.0f);
         std::fill(m, m + rows, -std::numeric_limits<float>::infinity());

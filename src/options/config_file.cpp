@@ -1,4 +1,4 @@
-#include "train/config_file.h"
+#include "options/config_file.h"
 
 #include <fmt/format.h>
 #include <yaml-cpp/yaml.h>
@@ -15,7 +15,7 @@
 
 #include "core/error.h"
 #include "core/json_reader.h"
-#include "train/arguments.h"
+#include "options/arguments.h"
 
 namespace memtune {
 

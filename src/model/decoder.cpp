@@ -1,6 +1,6 @@
 // The decoder's compute graph: forward, fused LM head and backward, written against the backend
-// interface (see qwen2.h).
-#include "model/qwen2.h"
+// interface (see decoder.h).
+#include "model/decoder.h"
 
 #include <fmt/format.h>
 
@@ -14,11 +14,11 @@
 
 namespace memtune {
 
-Qwen2Model::Qwen2Model(const Qwen2Config& config, const ModelOptions& options) : Qwen2Model(config, options, nullptr) {}
+Decoder::Decoder(const ModelConfig& config, const ModelOptions& options) : Decoder(config, options, nullptr) {}
 
 namespace {
 // A generation view's options: the base's LoRA (applied from the base's trainables) and backend.
-ModelOptions view_options(const Qwen2Model& base, ModelOptions options) {
+ModelOptions view_options(const Decoder& base, ModelOptions options) {
   if (!options.inference()) throw Error("a generation view needs KV cache options");
   if (!options.adapter_sets.empty()) throw Error("a generation view uses its base model's adapter, not adapter sets");
   options.lora = base.options().lora;
@@ -29,10 +29,10 @@ ModelOptions view_options(const Qwen2Model& base, ModelOptions options) {
 }
 }  // namespace
 
-Qwen2Model::Qwen2Model(Qwen2Model& base, const ModelOptions& options)
-    : Qwen2Model(base.config(), view_options(base, options), &base.parameters()) {}
+Decoder::Decoder(Decoder& base, const ModelOptions& options)
+    : Decoder(base.config(), view_options(base, options), &base.parameters()) {}
 
-Qwen2Model::Qwen2Model(const Qwen2Config& config, const ModelOptions& options, ModelParameters* borrowed)
+Decoder::Decoder(const ModelConfig& config, const ModelOptions& options, ModelParameters* borrowed)
     : config_(config),
       options_(options),
       backend_(options.backend ? options.backend : &default_backend()),
@@ -66,7 +66,7 @@ Qwen2Model::Qwen2Model(const Qwen2Config& config, const ModelOptions& options, M
   if (own_params_) own_params_->bind(arena_.get(), host_arena_.get(), *backend_);
 }
 
-Tensor Qwen2Model::weight_f32(size_t p) {
+Tensor Decoder::weight_f32(size_t p) {
   const Tensor w = params_->param(p);
   if (w.dtype == DType::F32) return w;
   const size_t phase = static_cast<size_t>(arena_->phase());
@@ -77,11 +77,11 @@ Tensor Qwen2Model::weight_f32(size_t p) {
   return out;
 }
 
-Tensor Qwen2Model::quantized_scratch(int64_t in) const {
+Tensor Decoder::quantized_scratch(int64_t in) const {
   return arena_->f32(buf_.matrix_f32[static_cast<size_t>(arena_->phase())], {kQuantizedTileRows, in});
 }
 
-void Qwen2Model::upload_batch(const TokenBatch& batch) {
+void Decoder::upload_batch(const TokenBatch& batch) {
   const int64_t N = static_cast<int64_t>(batch.input_ids.size());
   if (N > options_.max_tokens)
     throw Error(fmt::format("micro-batch has {} tokens, the plan was made for at most {}", N, options_.max_tokens));
@@ -122,7 +122,7 @@ void Qwen2Model::upload_batch(const TokenBatch& batch) {
   backend_->copy_to_device(arena_->i32(buf_.cu_seqlens, {S + 1}), batch.cu_seqlens.data());
 }
 
-void Qwen2Model::upload_generation_batch(const GenerationBatch& batch) {
+void Decoder::upload_generation_batch(const GenerationBatch& batch) {
   const KvCacheOptions& kv = options_.kv_cache;
   const int64_t N = static_cast<int64_t>(batch.input_ids.size());
   const int64_t S = static_cast<int64_t>(batch.cu_seqlens.size()) - 1;
@@ -181,11 +181,11 @@ void Qwen2Model::upload_generation_batch(const GenerationBatch& batch) {
   if (R > 0) backend_->copy_to_device(A.i32(buf_.last_rows_index, {R}), rows.data());
 }
 
-StepLogits Qwen2Model::generation_step(const GenerationBatch& batch) {
+StepLogits Decoder::generation_step(const GenerationBatch& batch) {
   MT_ASSERT(options_.inference(), "generation_step needs a model planned with a KV cache");
   Arena& A = *arena_;
   Backend& be = *backend_;
-  const Qwen2Config& c = config_;
+  const ModelConfig& c = config_;
   const int64_t D = c.hidden_size, V = c.vocab_size, L = c.num_hidden_layers;
   // Residency is sampled every kGenerationSampleSteps steps: mincore over the whole arena cost
   // 1.7% of a batch-1 decode step of Qwen2.5-0.5B (1.1 GB arena), and decoding steps repeat.
@@ -212,12 +212,12 @@ StepLogits Qwen2Model::generation_step(const GenerationBatch& batch) {
   return {host, R, V};
 }
 
-uint64_t Qwen2Model::dropout_key(int64_t l, LinearSite s) const {
+uint64_t Decoder::dropout_key(int64_t l, LinearSite s) const {
   return *dropout_seed_ ^
          (static_cast<uint64_t>(l) * kNumLinearSites + static_cast<uint64_t>(s) + 1) * 0x9e3779b97f4a7c15ull;
 }
 
-Tensor Qwen2Model::lora_input(int64_t l, LinearSite s, const Tensor& x) {
+Tensor Decoder::lora_input(int64_t l, LinearSite s, const Tensor& x) {
   const float p = static_cast<float>(options_.lora.dropout);
   if (p <= 0.0f || !dropout_seed_) return x;
   const Tensor out = act(buf_.lora_xd[static_cast<size_t>(arena_->phase())], x.cols());
@@ -225,7 +225,7 @@ Tensor Qwen2Model::lora_input(int64_t l, LinearSite s, const Tensor& x) {
   return out;
 }
 
-void Qwen2Model::linear_forward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& x, const Tensor& y) {
+void Decoder::linear_forward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& x, const Tensor& y) {
   const ModelParameters::Linear lin = params_->linear(l, s);
   Backend& be = *backend_;
   if (linear_input_observer_) linear_input_observer_(l, s, x);
@@ -241,7 +241,7 @@ void Qwen2Model::linear_forward(int64_t l, LinearSite s, const LayerActs& a, con
   linear_adapters_forward(l, s, a, x, y);
 }
 
-void Qwen2Model::linear_group_forward(int64_t l, std::span<const SiteOutput> sites, const LayerActs& a,
+void Decoder::linear_group_forward(int64_t l, std::span<const SiteOutput> sites, const LayerActs& a,
                                       const Tensor& x) {
   // Many rows widen each weight into one shared scratch buffer: one layer at a time.
   if (num_tokens_ > kSixteenBitWeightRows) {
@@ -288,7 +288,7 @@ void Qwen2Model::linear_group_forward(int64_t l, std::span<const SiteOutput> sit
   for (const SiteOutput& s : sites) linear_adapters_forward(l, s.site, a, x, s.y);
 }
 
-void Qwen2Model::linear_adapters_forward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& x,
+void Decoder::linear_adapters_forward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& x,
                                          const Tensor& y) {
   const ModelParameters::Linear lin = params_->linear(l, s);
   Backend& be = *backend_;
@@ -301,7 +301,7 @@ void Qwen2Model::linear_adapters_forward(int64_t l, LinearSite s, const LayerAct
   be.matmul_accumulate(y, u, Tensor(B.data, DType::F32, {lin.out, r}), static_cast<float>(options_.lora.scaling()));
 }
 
-void Qwen2Model::adapter_sets_forward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& x, const Tensor& y) {
+void Decoder::adapter_sets_forward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& x, const Tensor& y) {
   auto rows = [](const Tensor& t, int64_t begin, int64_t end) {
     return Tensor(t.as<float>() + begin * t.cols(), DType::F32, {end - begin, t.cols()});
   };
@@ -323,7 +323,7 @@ void Qwen2Model::adapter_sets_forward(int64_t l, LinearSite s, const LayerActs& 
   }
 }
 
-void Qwen2Model::linear_backward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& dy, const Tensor& x,
+void Decoder::linear_backward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& dy, const Tensor& x,
                                  const Tensor& dx) {
   const ModelParameters::Linear lin = params_->linear(l, s);
   Backend& be = *backend_;
@@ -356,9 +356,9 @@ void Qwen2Model::linear_backward(int64_t l, LinearSite s, const LayerActs& a, co
   be.add_inplace(dx, dxd);
 }
 
-void Qwen2Model::layer_forward(int64_t l, const LayerActs& a, const Tensor& x, const Tensor& x_out) {
+void Decoder::layer_forward(int64_t l, const LayerActs& a, const Tensor& x, const Tensor& x_out) {
   const auto& p = params_->layer(l);
-  const Qwen2Config& c = config_;
+  const ModelConfig& c = config_;
   const int64_t D = c.hidden_size, I = c.intermediate_size, qd = c.q_dim(), kvd = c.kv_dim();
   const int64_t Hq = c.num_attention_heads, hd = c.head_dim();
   const float eps = static_cast<float>(c.rms_norm_eps);
@@ -406,9 +406,9 @@ void Qwen2Model::layer_forward(int64_t l, const LayerActs& a, const Tensor& x, c
 }
 
 // Gradient of layer l. On entry dstream holds d(loss)/d(layer output); on exit d(loss)/d(x).
-void Qwen2Model::layer_backward(int64_t l, const LayerActs& a, const Tensor& x, const Tensor& dstream) {
+void Decoder::layer_backward(int64_t l, const LayerActs& a, const Tensor& x, const Tensor& dstream) {
   const auto& p = params_->layer(l);
-  const Qwen2Config& c = config_;
+  const ModelConfig& c = config_;
   const int64_t D = c.hidden_size, I = c.intermediate_size, qd = c.q_dim(), kvd = c.kv_dim();
   const int64_t Hq = c.num_attention_heads, hd = c.head_dim();
   Backend& be = *backend_;
@@ -452,14 +452,14 @@ void Qwen2Model::layer_backward(int64_t l, const LayerActs& a, const Tensor& x, 
   be.rmsnorm_backward(dstream, base_grad_or_none(p.ln1), dln, x, weight_f32(p.ln1), act(a.rstd1, 1));
 }
 
-LossSum Qwen2Model::forward_backward(const TokenBatch& batch, float* logits_out) {
+LossSum Decoder::forward_backward(const TokenBatch& batch, float* logits_out) {
   return run_step(batch, logits_out, options_.with_grads);
 }
 
-LossSum Qwen2Model::run_step(const TokenBatch& batch, float* logits_out, bool backward) {
+LossSum Decoder::run_step(const TokenBatch& batch, float* logits_out, bool backward) {
   Arena& A = *arena_;
   Backend& be = *backend_;
-  const Qwen2Config& c = config_;
+  const ModelConfig& c = config_;
   const int64_t D = c.hidden_size, V = c.vocab_size, L = c.num_hidden_layers;
   const bool ckpt = options_.gradient_checkpointing || !options_.with_grads;
 

@@ -1,4 +1,4 @@
-#include "train/arguments.h"
+#include "options/arguments.h"
 
 #include <fmt/format.h>
 

@@ -1,19 +1,20 @@
-// Sizing an inference model (see inference_plan.h).
-#include "generate/inference_plan.h"
+// The KV cache's planning and blocks (see kv_cache.h).
+#include "model/kv_cache.h"
 
 #include <fmt/format.h>
 
 #include "core/error.h"
-#include "memory/plan.h"
-#include "model/qwen2.h"
+#include "model/decoder.h"
 
 namespace memtune {
 
-size_t kv_bytes_per_token(const Qwen2Config& c) {
+size_t kv_bytes_per_token(const ModelConfig& c) {
   return 2 * static_cast<size_t>(c.num_hidden_layers * c.kv_dim()) * dtype_size(c.torch_dtype);
 }
 
-ModelOptions inference_model_options(const Qwen2Config& config, const InferenceLimits& limits, Backend* backend,
+int64_t kv_blocks_for(int64_t tokens, int64_t block_size) { return (tokens + block_size - 1) / block_size; }
+
+ModelOptions inference_model_options(const ModelConfig& config, const InferenceLimits& limits, Backend* backend,
                                      bool allocate) {
   auto positive = [](const char* flag, int64_t value) {
     if (value <= 0) throw Error(fmt::format("--{} must be positive, got {}", flag, value));
@@ -40,7 +41,7 @@ ModelOptions inference_model_options(const Qwen2Config& config, const InferenceL
   kv.block_size = limits.block_size;
   kv.max_seqs = limits.max_num_seqs;
   kv.max_model_len = limits.max_model_len;
-  kv.max_blocks_per_seq = (limits.max_model_len + limits.block_size - 1) / limits.block_size;
+  kv.max_blocks_per_seq = kv_blocks_for(limits.max_model_len, limits.block_size);
   kv.blocks = kv.max_seqs * kv.max_blocks_per_seq;
   if (limits.device_memory == 0) return o;
 
@@ -49,7 +50,7 @@ ModelOptions inference_model_options(const Qwen2Config& config, const InferenceL
   ModelOptions probe = o;
   probe.allocate = false;
   probe.kv_cache.blocks = 1;
-  const Qwen2Model one_block(config, probe);
+  const Decoder one_block(config, probe);
   const size_t per_block = kv_bytes_per_token(config) * static_cast<size_t>(kv.block_size);
   const size_t rest = one_block.plan().peak_bytes() - one_block.plan().live_bytes(Phase::Forward, Category::KvCache);
   const size_t least = rest + per_block * static_cast<size_t>(kv.max_blocks_per_seq);
@@ -63,10 +64,38 @@ ModelOptions inference_model_options(const Qwen2Config& config, const InferenceL
   for (;;) {
     ModelOptions check = o;
     check.allocate = false;
-    if (Qwen2Model(config, check).plan().peak_bytes() <= budget || kv.blocks <= kv.max_blocks_per_seq) break;
+    if (Decoder(config, check).plan().peak_bytes() <= budget || kv.blocks <= kv.max_blocks_per_seq) break;
     --kv.blocks;
   }
   return o;
+}
+
+void declare_kv_cache(const ModelConfig& c, const KvCacheOptions& kv, MemoryPlan& plan, std::vector<BufferId>& k,
+                      std::vector<BufferId>& v) {
+  const size_t bytes =
+      static_cast<size_t>(kv.blocks * kv.block_size) * static_cast<size_t>(c.kv_dim()) * dtype_size(c.torch_dtype);
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    k.push_back(plan.declare_persistent(fmt::format("kv.layer{}.k", l), Category::KvCache, bytes));
+    v.push_back(plan.declare_persistent(fmt::format("kv.layer{}.v", l), Category::KvCache, bytes));
+  }
+}
+
+KvBlockPool::KvBlockPool(int64_t blocks) : free_(static_cast<size_t>(blocks)) {
+  for (int64_t b = 0; b < blocks; ++b) free_[static_cast<size_t>(b)] = static_cast<int32_t>(blocks - 1 - b);
+}
+
+bool KvBlockPool::reserve(int64_t count, std::vector<int32_t>& table) {
+  if (count > free_blocks()) return false;
+  for (int64_t b = 0; b < count; ++b) {
+    table.push_back(free_.back());
+    free_.pop_back();
+  }
+  return true;
+}
+
+void KvBlockPool::release(std::vector<int32_t>& table) {
+  free_.insert(free_.end(), table.rbegin(), table.rend());
+  table.clear();
 }
 
 }  // namespace memtune

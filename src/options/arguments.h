@@ -13,7 +13,7 @@
 
 #include <CLI/CLI.hpp>
 
-#include "model/qwen2.h"
+#include "model/decoder.h"
 
 namespace memtune {
 

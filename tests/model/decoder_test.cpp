@@ -13,7 +13,7 @@
 #include "core/rng.h"
 #include "io/checkpoint.h"
 #include "io/safetensors.h"
-#include "model/qwen2.h"
+#include "model/decoder.h"
 #include "memory/process_memory.h"
 #include "support/test_util.h"
 
@@ -40,14 +40,14 @@ Sample make_sample(const std::vector<int32_t>& lengths, int64_t vocab, uint64_t 
   return s;
 }
 
-Qwen2Config tiny(DType dtype = DType::F32, bool tied = true) {
-  Qwen2Config c = qwen2_preset("tiny");
+ModelConfig tiny(DType dtype = DType::F32, bool tied = true) {
+  ModelConfig c = model_preset("tiny");
   c.torch_dtype = dtype;
   c.tie_word_embeddings = tied;
   return c;
 }
 
-std::vector<std::vector<float>> grads_of(const Qwen2Model& m) {
+std::vector<std::vector<float>> grads_of(const Decoder& m) {
   std::vector<std::vector<float>> out;
   for (size_t i = 0; i < m.parameters().specs().size(); ++i)
     out.push_back(download_f32(m.backend(), m.parameters().grad(i)));
@@ -55,7 +55,7 @@ std::vector<std::vector<float>> grads_of(const Qwen2Model& m) {
 }
 
 void expect_close(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b, double rel,
-                  const Qwen2Model& m) {
+                  const Decoder& m) {
   ASSERT_EQ(a.size(), b.size());
   for (size_t i = 0; i < a.size(); ++i) {
     double maxref = 0, maxdiff = 0;
@@ -75,7 +75,7 @@ TEST_P(PlanTest, ArenaHighWaterEqualsPlannedPeakAndNoHeapAllocationInAStep) {
   opt.max_tokens = 48;
   opt.gradient_checkpointing = checkpointing;
   opt.loss_workspace_bytes = 16 * 512 * 4;
-  Qwen2Model model(tiny(dtype, tied), opt);
+  Decoder model(tiny(dtype, tied), opt);
   model.arena().set_poison_on_release(true);
   model.parameters().init_random(1);
   model.parameters().zero_grads();
@@ -95,7 +95,7 @@ TEST_P(PlanTest, ArenaHighWaterEqualsPlannedPeakAndNoHeapAllocationInAStep) {
   EXPECT_EQ(high, model.plan().peak_bytes());  // no padding besides per-buffer alignment
   // 16-bit storage is not silently widened: weights take 2 bytes per parameter.
   EXPECT_EQ(model.plan().live_bytes(Phase::Forward, Category::Weights) / 64,
-            static_cast<size_t>(qwen2_parameter_count(model.config())) * dtype_size(dtype) / 64);
+            static_cast<size_t>(model_parameter_count(model.config())) * dtype_size(dtype) / 64);
   for (const auto& g : grads_of(model))
     for (float x : g) ASSERT_TRUE(std::isfinite(x));
 }
@@ -115,7 +115,7 @@ TEST(Qwen2, CheckpointingSavesActivationMemoryAndGivesTheSameGradients) {
     ModelOptions opt;
     opt.max_tokens = 48;
     opt.gradient_checkpointing = ckpt;
-    Qwen2Model m(tiny(), opt);
+    Decoder m(tiny(), opt);
     m.parameters().init_random(4);
     m.parameters().zero_grads();
     const double loss = m.forward_backward(s.batch()).sum;
@@ -128,7 +128,7 @@ TEST(Qwen2, CheckpointingSavesActivationMemoryAndGivesTheSameGradients) {
   const double l_full = run(false, g_full, saved_full), l_ckpt = run(true, g_ckpt, saved_ckpt);
   EXPECT_EQ(l_full, l_ckpt);
   ModelOptions opt;
-  Qwen2Model shape(tiny(), opt);
+  Decoder shape(tiny(), opt);
   expect_close(g_ckpt, g_full, 1e-6, shape);
   EXPECT_LT(saved_ckpt * 4, saved_full);
 }
@@ -142,7 +142,7 @@ TEST(Qwen2, LossChunkSizeDoesNotChangeResults) {
     ModelOptions opt;
     opt.max_tokens = 40;
     opt.loss_workspace_bytes = budgets[i];
-    Qwen2Model m(tiny(DType::F32, false), opt);
+    Decoder m(tiny(DType::F32, false), opt);
     EXPECT_EQ(m.loss_chunk_rows(), i == 0 ? 1 : 40);
     m.parameters().init_random(6);
     m.parameters().zero_grads();
@@ -151,7 +151,7 @@ TEST(Qwen2, LossChunkSizeDoesNotChangeResults) {
   }
   EXPECT_NEAR(losses[0], losses[1], 1e-5 * std::abs(losses[1]));
   ModelOptions opt;
-  expect_close(grads[0], grads[1], 1e-5, Qwen2Model(tiny(DType::F32, false), opt));
+  expect_close(grads[0], grads[1], 1e-5, Decoder(tiny(DType::F32, false), opt));
 }
 
 TEST(Qwen2, PackedSequencesAreIndependent) {
@@ -160,7 +160,7 @@ TEST(Qwen2, PackedSequencesAreIndependent) {
   const Sample packed = make_sample({17, 9, 22}, 512, 7);
   ModelOptions opt;
   opt.max_tokens = 48;
-  Qwen2Model m(tiny(), opt);
+  Decoder m(tiny(), opt);
   m.parameters().init_random(8);
   m.parameters().zero_grads();
   const LossSum whole = m.forward_backward(packed.batch());
@@ -186,7 +186,7 @@ TEST(Qwen2, PackedSequencesAreIndependent) {
 TEST(Qwen2, RejectsBadBatches) {
   ModelOptions opt;
   opt.max_tokens = 8;
-  Qwen2Model m(tiny(), opt);
+  Decoder m(tiny(), opt);
   m.parameters().init_random(1);
   Sample s = make_sample({9}, 512, 1);
   EXPECT_THROW(m.forward_backward(s.batch()), Error);  // more tokens than planned
@@ -203,13 +203,13 @@ TEST(Qwen2, SaveLoadRoundTripAndLoadErrors) {
   } cleanup{dir};
   ModelOptions opt;
   opt.max_tokens = 4;
-  Qwen2Model a(tiny(DType::BF16, false), opt);
+  Decoder a(tiny(DType::BF16, false), opt);
   a.parameters().init_random(9);
   a.parameters().save(dir.string());
-  const Qwen2Config loaded = load_qwen2_config(dir.string() + "/config.json");
+  const ModelConfig loaded = load_config_json(dir.string() + "/config.json");
   EXPECT_EQ(loaded.torch_dtype, DType::BF16);
   EXPECT_FALSE(loaded.tie_word_embeddings);
-  Qwen2Model b(loaded, opt);
+  Decoder b(loaded, opt);
   b.parameters().load(CheckpointReader(dir.string()));
   for (size_t i = 0; i < a.parameters().specs().size(); ++i) {
     std::vector<uint16_t> wa(a.parameters().specs()[i].numel()), wb(wa.size());
@@ -219,21 +219,21 @@ TEST(Qwen2, SaveLoadRoundTripAndLoadErrors) {
   }
 
   // A config with one more layer than the checkpoint: the missing tensor is named.
-  Qwen2Config deeper = loaded;
+  ModelConfig deeper = loaded;
   deeper.num_hidden_layers = 3;
-  Qwen2Model c(deeper, opt);
+  Decoder c(deeper, opt);
   EXPECT_CONTAINS(testing_support::error_of([&] { c.parameters().load(CheckpointReader(dir.string())); }),
                   "model.layers.2.input_layernorm.weight");
   // A tied config reading an untied checkpoint is fine (lm_head ignored), a shallower one is not.
-  Qwen2Config shallower = loaded;
+  ModelConfig shallower = loaded;
   shallower.num_hidden_layers = 1;
-  Qwen2Model d(shallower, opt);
+  Decoder d(shallower, opt);
   EXPECT_CONTAINS(testing_support::error_of([&] { d.parameters().load(CheckpointReader(dir.string())); }),
                   "model.layers.1.");
   // Another hidden size: the shape mismatch names the tensor.
-  Qwen2Config wider = loaded;
+  ModelConfig wider = loaded;
   wider.intermediate_size = 180;
-  Qwen2Model w(wider, opt);
+  Decoder w(wider, opt);
   EXPECT_CONTAINS(testing_support::error_of([&] { w.parameters().load(CheckpointReader(dir.string())); }),
                   "mlp.gate_proj.weight");
 }
@@ -242,7 +242,7 @@ TEST(Qwen2, Bfloat16StorageComputesLikeFloat32OnTheSameValues) {
   // A bf16 model and an f32 model holding the same (bf16-representable) values agree.
   ModelOptions opt;
   opt.max_tokens = 32;
-  Qwen2Model half(tiny(DType::BF16), opt), full(tiny(DType::F32), opt);
+  Decoder half(tiny(DType::BF16), opt), full(tiny(DType::F32), opt);
   half.parameters().init_random(10);
   for (size_t i = 0; i < half.parameters().specs().size(); ++i)
     upload_f32(full.backend(), full.parameters().param(i), download_f32(half.backend(), half.parameters().param(i)));
@@ -268,7 +268,7 @@ TEST_P(BackendModelTest, LossAndGradientsEqualTheReferenceBackend) {
     opt.gradient_checkpointing = checkpointing;
     opt.loss_workspace_bytes = 5 * 512 * 4;  // several chunks
     opt.backend = &backend_named(backend);
-    Qwen2Model m(tiny(dtype, false), opt);
+    Decoder m(tiny(dtype, false), opt);
     m.arena().set_poison_on_release(true);
     m.parameters().init_random(13);
     m.parameters().zero_grads();
@@ -282,7 +282,7 @@ TEST_P(BackendModelTest, LossAndGradientsEqualTheReferenceBackend) {
   EXPECT_NEAR(cpu.sum, ref.sum, 1e-5 * std::abs(ref.sum));
   ModelOptions opt;
   opt.allocate = false;
-  expect_close(cpu_grads, ref_grads, 2e-4, Qwen2Model(tiny(dtype, false), opt));
+  expect_close(cpu_grads, ref_grads, 2e-4, Decoder(tiny(dtype, false), opt));
 }
 
 INSTANTIATE_TEST_SUITE_P(Configs, BackendModelTest,

@@ -1,5 +1,5 @@
-// The Qwen2 decoder's compute graph, written once against the backend interface
-// (backend/backend.h): an explicit forward and backward, gradient checkpointing as a choice of
+// The decoder's compute graph (Qwen2, Qwen3, Llama: model/config.h's family traits), written
+// once against the backend interface (backend/backend.h): an explicit forward and backward, gradient checkpointing as a choice of
 // saved buffers, and the fused chunked LM-head loss. The model is split by job: its parameters
 // (model/parameters.h: specs, trainables, load/save/init, LoRA files, merge), its buffers
 // (model/decoder_plan.h: declarations per phase) and this file, the compute. Every byte it
@@ -66,16 +66,16 @@ struct StepTimings {
   double forward = 0, loss = 0, backward = 0;
 };
 
-class Qwen2Model {
+class Decoder {
  public:
-  Qwen2Model(const Qwen2Config& config, const ModelOptions& options);
+  Decoder(const ModelConfig& config, const ModelOptions& options);
   // A generation view of `base` (evaluation by generation during training): an inference model
   // (options.kv_cache) whose plan holds only its KV cache and step buffers, computing with the
   // base's parameters as they are now (weights and, with LoRA, the adapters being trained). The
   // base must outlive it; options' LoRA, gradient and optimizer settings are the base's.
-  Qwen2Model(Qwen2Model& base, const ModelOptions& options);
+  Decoder(Decoder& base, const ModelOptions& options);
 
-  const Qwen2Config& config() const { return config_; }
+  const ModelConfig& config() const { return config_; }
   const ModelOptions& options() const { return options_; }
   const MemoryPlan& plan() const { return *plan_; }
   // Host-side buffers (optimizer state offloaded with optim_offload); empty otherwise.
@@ -121,7 +121,7 @@ class Qwen2Model {
   void set_layer_grads_ready(std::function<void(int64_t layer)> callback) { layer_grads_ready_ = std::move(callback); }
 
  private:
-  Qwen2Model(const Qwen2Config& config, const ModelOptions& options, ModelParameters* borrowed);
+  Decoder(const ModelConfig& config, const ModelOptions& options, ModelParameters* borrowed);
   void upload_batch(const TokenBatch& batch);
   void upload_generation_batch(const GenerationBatch& batch);
   LossSum run_step(const TokenBatch& batch, float* logits_out, bool backward);
@@ -158,12 +158,12 @@ class Qwen2Model {
   Tensor act_rows(BufferId id, int64_t heads) const { return arena_->f32(id, {num_tokens_ * heads, 1}); }
   // [tokens, heads * head_dim] seen as [tokens * heads, head_dim]: a norm over each head.
   static Tensor per_head(const Tensor& t, int64_t head_dim) {
-    return Tensor(t.data, t.dtype, {t.numel() / head_dim, head_dim}, t.space);
+    return Tensor(t.data, t.dtype, {t.numel() / head_dim, head_dim});
   }
   // RoPE's frequency table (head_dim / 2 floats, set at construction).
   Tensor rope_freqs() const { return arena_->f32(buf_.rope_inv_freq, {config_.head_dim() / 2}); }
 
-  Qwen2Config config_;
+  ModelConfig config_;
   ModelOptions options_;
   Backend* backend_;
   std::unique_ptr<MemoryPlan> plan_, host_plan_;

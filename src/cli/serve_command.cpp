@@ -1,0 +1,64 @@
+// `memtune serve`: the plan of the flags, then the OpenAI-compatible server until SIGTERM or Ctrl-C.
+#include <fmt/format.h>
+
+#include <iostream>
+#include <memory>
+#include <optional>
+
+#include "cli/commands.h"
+#include "cli/inference_flags.h"
+#include "core/console.h"
+#include "core/error.h"
+#include "memory/process_memory.h"
+#include "model/load.h"
+#include "serve/server.h"
+#include "tokenizer/chat_template.h"
+
+namespace memtune::cli {
+
+namespace {
+
+void serve(const InferenceArgs& a) {
+  const size_t startup_rss = current_rss_bytes();
+  const Tokenizer tokenizer = Tokenizer::load(a.tokenizer.empty() ? a.model : a.tokenizer);
+  const ChatTemplate templ = resolve_chat_template(a.templ, tokenizer, "tokenizer_config.json");
+  const InferenceSetup setup = plan_inference_setup(a, {}, startup_rss);
+  const std::optional<DType> dtype = storage_dtype(a.torch_dtype, a.bf16, a.fp16);
+  const std::unique_ptr<Decoder> model = load_model(a.model, setup.options, "", dtype);
+  for (size_t k = 0; k < a.named_adapters.size(); ++k)
+    model->parameters().load_adapter_set(k, a.named_adapters[k].second);
+  std::cout << inference_plan_text(setup, model->plan()) << std::flush;
+  GenerationEngine engine(*model, &tokenizer);
+  engine.set_max_decode_step_tokens(a.max_decode_step_tokens);
+  ServeOptions o;
+  o.host = a.host;
+  o.port = a.port;
+  o.api_key = a.api_key;
+  o.model_name = a.served_model_name.empty() ? a.model : a.served_model_name;
+  for (const auto& [name, dir] : a.named_adapters) o.adapter_names.push_back(name);
+  o.max_queue = a.max_queue;
+  o.shutdown_grace_seconds = a.shutdown_timeout;
+  o.chat_template = templ;
+  o.chat_stop_ids = model_stop_ids(a.model, tokenizer, /*chat=*/true);
+  o.completion_stop_ids = model_stop_ids(a.model, tokenizer, /*chat=*/false);
+  Server server(engine, tokenizer, o);
+  const int port = server.bind();
+  std::cout << fmt::format("serving {}{} on http://{}:{} (OpenAI API under /v1; /health, /metrics)\n", o.model_name,
+                           o.adapter_names.empty() ? std::string()
+                                                   : fmt::format(" and LoRA {}", fmt::join(o.adapter_names, ", ")),
+                           a.host, port)
+            << std::flush;
+  const InterruptRequests interrupts(/*also_sigterm=*/true);
+  server.run([&] { return interrupts.requested(); });
+  std::cout << "stopped\n" << std::flush;
+}
+
+}  // namespace
+
+Action add_serve(CLI::App& app) {
+  auto a = std::make_shared<InferenceArgs>();
+  add_inference_flags(app, *a, InferenceCommand::Serve);
+  return [a] { serve(*a); };
+}
+
+}  // namespace memtune::cli

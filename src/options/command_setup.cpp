@@ -1,0 +1,91 @@
+// A command's model, plan and process prediction from its flags (see command_setup.h).
+#include "options/command_setup.h"
+
+#include <fmt/format.h>
+
+#include "backend/backend.h"
+#include "core/error.h"
+#include "model/decoder.h"
+#include "model/load.h"
+#include "model/lora.h"
+
+namespace memtune {
+
+DataOptions data_options(const TrainingArguments& args) {
+  DataOptions d;
+  d.max_length = args.max_length;
+  d.truncation_strategy = parse_truncation_strategy(args.truncation_strategy);
+  d.train_on_prompt = args.train_on_prompt;
+  d.skip_bad_lines = args.skip_bad_lines;
+  d.chat_template = args.template_name;
+  if (!args.system.empty()) d.record.system = args.system;
+  return d;
+}
+
+std::optional<DType> storage_dtype(const std::string& torch_dtype, bool bf16, bool fp16) {
+  if (bf16 && fp16) throw Error("--bf16 and --fp16 are mutually exclusive");
+  std::optional<DType> dtype;
+  if (bf16) dtype = DType::BF16;
+  if (fp16) dtype = DType::F16;
+  if (!torch_dtype.empty()) {
+    const DType asked = parse_dtype(torch_dtype, "--torch_dtype");
+    if (dtype && *dtype != asked)
+      throw Error(fmt::format("--torch_dtype {} contradicts --{}: give one of them", torch_dtype, bf16 ? "bf16" : "fp16"));
+    dtype = asked;
+  }
+  return dtype;
+}
+
+ModelOptions training_model_options(const TrainingArguments& args, int64_t max_tokens, int64_t max_targets, int rank,
+                                    int world_size) {
+  ModelOptions o;
+  o.max_tokens = max_tokens;
+  o.max_targets = max_targets;
+  o.gradient_checkpointing = args.gradient_checkpointing;
+  o.loss_workspace_bytes = static_cast<size_t>(args.loss_workspace_bytes);
+  o.with_optimizer = true;
+  o.optim_offload = args.optim_offload;
+  o.zero_stage = static_cast<int>(args.zero_stage);
+  o.rank = rank;
+  o.world_size = world_size;
+  o.backend = &backend_named(args.backend);
+  if (args.tuner_type == "lora") {
+    o.lora.rank = args.lora_rank;
+    o.lora.alpha = args.lora_alpha;
+    o.lora.dropout = args.lora_dropout;
+    o.lora.use_rslora = args.use_rslora;
+    set_lora_targets(o.lora, args.target_modules);
+  }
+  return o;
+}
+
+ModelChoice choose_model(const ModelFlags& flags) {
+  const std::optional<DType> dtype = storage_dtype(flags.torch_dtype, flags.bf16, flags.fp16);
+  ModelChoice m;
+  m.config = flags.preset.empty() ? load_model_config(flags.model) : model_preset(flags.preset);
+  m.checkpoint_dtype = m.config.torch_dtype;
+  if (dtype) m.config.torch_dtype = *dtype;
+  if (!flags.quantization.empty()) apply_quantization(m.config, flags.quantization);
+  return m;
+}
+
+void predict_process(ProcessPlan& process, const ModelFlags& flags, const ModelChoice& model, ModelOptions options,
+                     int world_size) {
+  options.allocate = false;
+  if (!flags.adapter.empty()) options.lora = load_lora_adapter_config(flags.adapter);
+  add_planned_terms(process, Decoder(model.config, options), model.checkpoint_dtype, world_size);
+  if (!flags.host_memory.empty())
+    check_host_budget(process, parse_bytes(flags.host_memory, "--host_memory"), "--host_memory");
+}
+
+InferenceSetup inference_setup(const ModelFlags& flags, const InferenceLimits& limits, size_t startup_rss) {
+  InferenceSetup s;
+  s.model = choose_model(flags);
+  s.options = inference_model_options(s.model.config, limits, &backend_named(flags.backend));
+  for (const std::string& dir : flags.adapter_sets) s.options.adapter_sets.push_back(load_lora_adapter_config(dir));
+  if (startup_rss > 0) s.process.measure_preparation(startup_rss);
+  predict_process(s.process, flags, s.model, s.options);
+  return s;
+}
+
+}  // namespace memtune
