@@ -1,0 +1,43 @@
+// OpenAI request bodies, as POST /v1/chat/completions and /v1/completions receive them, with the
+// real Qwen2.5 tokenizer: any bytes, given to both endpoints, become a request the engine can be
+// handed (a prompt, 1 <= max_tokens <= max_model_len) or an ApiError with a client status (400,
+// 404) and a message that is valid UTF-8; another exception, another status or a crash is a
+// finding (the server would answer it with a 5xx, or die).
+//
+// The fuzz targets link the layers up to train/, and serve/ is not below it, so the parser's two
+// sources are compiled into this harness.
+#include <cstdlib>
+
+#include <nlohmann/json.hpp>
+
+#include "fuzz_support.h"
+#include "serve/api_error.cpp"
+#include "serve/request_parser.cpp"
+#include "tokenizer/unicode.h"
+
+MEMTUNE_FUZZ_LOAD_QWEN_TOKENIZER_FIRST()
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  using namespace memtune;
+  static const ServedModel served{.tokenizer = fuzz::qwen_tokenizer(),
+                                  .name = "base",
+                                  .adapter_names = {"sql", "poems"},
+                                  .chat_template = ChatTemplate::Qwen2_5,
+                                  .chat_stop_ids = {151643, 151645},
+                                  .completion_stop_ids = {151643},
+                                  .max_model_len = 4096};
+  const std::string_view body = fuzz::text_of(data, size);
+  for (const Endpoint endpoint : {Endpoint::ChatCompletions, Endpoint::Completions}) {
+    try {
+      const ParsedRequest p = parse_request(body, endpoint, served);
+      const GenerationRequest& r = p.request;
+      if (r.prompt_ids.empty() || r.max_new_tokens < 1 || r.max_new_tokens > served.max_model_len || r.adapter < -1 ||
+          r.adapter >= static_cast<int32_t>(served.adapter_names.size()) || !tokenizer_detail::is_valid_utf8(p.model))
+        std::abort();
+    } catch (const ApiError& e) {
+      if ((e.status != 400 && e.status != 404) || !tokenizer_detail::is_valid_utf8(e.what())) std::abort();
+      if (!nlohmann::json::parse(api_error_body(e.status, e.what(), e.param, e.code)).contains("error")) std::abort();
+    }
+  }
+  return 0;
+}
