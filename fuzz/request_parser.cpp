@@ -3,16 +3,13 @@
 // handed (a prompt, 1 <= max_tokens <= max_model_len) or an ApiError with a client status (400,
 // 404) and a message that is valid UTF-8; another exception, another status or a crash is a
 // finding (the server would answer it with a 5xx, or die).
-//
-// The fuzz targets link the layers up to train/, and serve/ is not below it, so the parser's two
-// sources are compiled into this harness.
 #include <cstdlib>
 
 #include <nlohmann/json.hpp>
 
 #include "fuzz_support.h"
-#include "serve/api_error.cpp"
-#include "serve/request_parser.cpp"
+#include "serve/api_error.h"
+#include "serve/request_parser.h"
 #include "tokenizer/unicode.h"
 
 MEMTUNE_FUZZ_LOAD_QWEN_TOKENIZER_FIRST()

@@ -91,14 +91,6 @@ struct GroupMember {
   Tensor out, weight, bias;
   const QuantizedWeight* quantized = nullptr;  // set: `weight` is not read
 };
-// Output rows of a quantized weight dequantized at once (into float32 scratch [rows, in]) when a
-// quantized matmul has more input rows than kSixteenBitWeightRows; fewer rows read the codes.
-constexpr int64_t kQuantizedTileRows = 256;
-
-// Up to this many rows a caller hands matmul_forward a 16-bit weight as it is stored (widened
-// in registers); with more rows it widens the weight into float32 scratch first.
-constexpr int64_t kSixteenBitWeightRows = 16;
-
 // The largest head_dim the attention ops take (a query row's accumulator lives on the stack);
 // config loading refuses larger heads before any memory is planned.
 constexpr int64_t kMaxAttentionHeadDim = 256;
@@ -117,6 +109,19 @@ class Backend {
   // True when allocate() hands out pages of this process's own memory (map_host_pages), so
   // the process's resident set holds them and mincore can say which are resident.
   virtual bool memory_in_host_pages() const = 0;
+
+  // How the model hands weights to the matmuls is the backend's choice, asked here, never known
+  // by the model. Products with at most stored_weight_rows() input rows take 16-bit weights as
+  // stored (matmul_forward, matmul_forward_group); with more rows the model widens a 16-bit
+  // weight into float32 scratch first and passes that.
+  virtual int64_t stored_weight_rows() const = 0;
+  // The float32 scratch a quantized product (quantized_matmul_forward, matmul_forward_group's
+  // quantized members, quantized_matmul_backward_input) of a weight with `in` inputs needs, for
+  // any number of input rows: what the model plans.
+  virtual size_t quantized_scratch_elems(int64_t in) const = 0;
+  // Of that scratch, the elements (from its start) a product of `rows` input rows uses; the
+  // caller may put other values past them while the product runs.
+  virtual size_t quantized_scratch_used(int64_t rows, int64_t in) const = 0;
 
   // Transfers between host memory and device views, and within the device.
   virtual void copy_to_device(const Tensor& dst, const void* src) = 0;  // dst.bytes() from host src
@@ -138,14 +143,14 @@ class Backend {
   // dweight += scale * dout^T @ inp; dbias += colsum(dout) (scale 1). Absent views are skipped.
   virtual void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
                                const Tensor& inp, const Tensor& weight, float scale) = 0;
-  // out[N,OC] = inp[N,C] @ W^T (+ bias) for a quantized W, never dequantized whole: up to
-  // kSixteenBitWeightRows rows read the codes directly; more rows dequantize kQuantizedTileRows
-  // output rows at a time into scratch [kQuantizedTileRows, C] (f32) and multiply those.
+  // out[N,OC] = inp[N,C] @ W^T (+ bias) for a quantized W, never dequantized whole (the cpu
+  // backend reads the codes directly for few rows and dequantizes tiles of output rows into the
+  // scratch for many); scratch: quantized_scratch_elems(C) float32 elements.
   virtual void quantized_matmul_forward(const Tensor& out, const Tensor& inp, const QuantizedWeight& weight,
                                         const Tensor& bias, const Tensor& scratch) = 0;
   // Several products of one input (decoding's q / k / v, gate / up): for every member, out =
   // inp @ W^T (+ bias), W its float weight (as matmul_forward takes it: 16-bit for up to
-  // kSixteenBitWeightRows rows) or, when `quantized` is set, that quantized weight (scratch as
+  // stored_weight_rows() rows) or, when `quantized` is set, that quantized weight (scratch as
   // quantized_matmul_forward's, for the first quantized member's input). A backend may run them
   // as one pass; by default they run one after another.
   virtual void matmul_forward_group(std::span<const GroupMember> group, const Tensor& inp, const Tensor& scratch);

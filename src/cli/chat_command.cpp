@@ -71,9 +71,7 @@ void chat(const InferenceArgs& a) {
 }  // namespace
 
 Action add_chat(CLI::App& app) {
-  auto a = std::make_shared<InferenceArgs>();
-  add_inference_flags(app, *a, InferenceCommand::Chat);
-  return [a] { chat(*a); };
+  return inference_action(app, InferenceCommand::Chat, chat);
 }
 
 }  // namespace memtune::cli

@@ -89,9 +89,7 @@ void generate(const InferenceArgs& a) {
 }  // namespace
 
 Action add_generate(CLI::App& app) {
-  auto a = std::make_shared<InferenceArgs>();
-  add_inference_flags(app, *a, InferenceCommand::Generate);
-  return [a] { generate(*a); };
+  return inference_action(app, InferenceCommand::Generate, generate);
 }
 
 }  // namespace memtune::cli

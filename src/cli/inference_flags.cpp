@@ -135,7 +135,8 @@ std::string inference_plan_text(const InferenceSetup& s, const MemoryPlan& plan)
       "inference plan ({}): max_model_len {}, max_num_seqs {}, max_num_batched_tokens {}, blocks of {} tokens\n"
       "KV cache: {} per token; {} blocks = {} tokens = {}: {} sequences of {} tokens fit{}\n\n{}\n{}",
       std::string(dtype_torch_name(s.model.config.torch_dtype)) +
-          (s.model.config.quant.enabled() ? ", linear layers " + quantization_name(s.model.config.quant) : std::string()),
+          (s.model.config.quant.enabled() ? ", linear layers " + quantization_name(s.model.config.quant)
+                                          : std::string()),
       kv.max_model_len, kv.max_seqs, s.options.max_tokens, kv.block_size,
       format_bytes(kv_bytes_per_token(s.model.config)), kv.blocks, kv.blocks * kv.block_size,
       format_bytes(plan.live_bytes(Phase::Forward, Category::KvCache)), fit, kv.max_model_len,
@@ -170,8 +171,8 @@ void add_inference_flags(CLI::App& app, InferenceArgs& args, InferenceCommand co
     app.add_option("--max_decode_step_tokens", a->max_decode_step_tokens,
                    "tokens a step that decodes holds at most, prompt chunks filling what the decoding streams "
                    "leave (at least 4; 0: up to max_num_batched_tokens): keeps inter-token latency near a decode "
-                   "step's while prompts are read, at some cost in throughput and time to first token")
-        ->capture_default_str()
+                   "step's while prompts are read, at some cost in throughput and time to first token; default: "
+                   "the most rows the backend reads 16-bit weights as stored for, 16 on cpu)")
         ->check(CLI::NonNegativeNumber);
     app.add_option("--shutdown_timeout", a->shutdown_timeout,
                    "seconds in-flight requests may take to finish after SIGTERM / Ctrl-C before they are cancelled")
@@ -268,6 +269,12 @@ void add_inference_flags(CLI::App& app, InferenceArgs& args, InferenceCommand co
       throw Error("plan needs exactly one of --model or --preset");
     check_local_dataset(a->input, "--input");
   });
+}
+
+std::function<void()> inference_action(CLI::App& app, InferenceCommand command, void (*run)(const InferenceArgs&)) {
+  auto a = std::make_shared<InferenceArgs>();
+  add_inference_flags(app, *a, command);
+  return [a, run] { run(*a); };
 }
 
 }  // namespace memtune::cli

@@ -4,6 +4,9 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -27,7 +30,8 @@ struct InferenceArgs {
   bool enable_thinking = true;        // Qwen3's template: false writes an empty think block into the prompt
   std::vector<std::string> adapters;  // --adapter values as given
   std::vector<std::pair<std::string, std::string>> named_adapters;  // --adapter NAME=DIR, in order
-  int64_t max_decode_step_tokens = kSixteenBitWeightRows;  // serve: tokens of a step that decodes
+  // serve: tokens of a step that decodes (unset: the backend's Backend::stored_weight_rows)
+  std::optional<int64_t> max_decode_step_tokens;
   int64_t max_new_tokens = 256, max_model_len = 0, max_num_seqs = 8, max_num_batched_tokens = 512, block_size = 16;
   double memory_fraction = 0.9;
   SamplingParams sampling;
@@ -42,6 +46,9 @@ struct InferenceArgs {
 
 // Registers the flags `command` takes on `app`, and their checks once parsed.
 void add_inference_flags(CLI::App& app, InferenceArgs& a, InferenceCommand command);
+
+// Registers the flags of `command` and returns the action that runs `run` on them once parsed.
+std::function<void()> inference_action(CLI::App& app, InferenceCommand command, void (*run)(const InferenceArgs&));
 
 // The stop ids of a request: --stop_token_ids and, unless --ignore_eos, the model's.
 std::vector<int32_t> stop_ids(const InferenceArgs& a, const Tokenizer& tokenizer, bool chat);

@@ -75,24 +75,24 @@ Action add_plan(CLI::App& app) {
     // What Hugging Face Trainer's evaluation keeps with a custom compute_metrics: float32 logits
     // [batch, seq, vocab] per batch, accumulated over the eval set (on device, or on the host
     // with eval_accumulation_steps).
-    const double hf_batch =
-        4.0 * static_cast<double>(r.per_device_eval_batch_size * r.max_length * config.vocab_size);
+    const double hf_batch = 4.0 * static_cast<double>(r.per_device_eval_batch_size * r.max_length * config.vocab_size);
     const double hf_total = 4.0 * static_cast<double>(a->eval_sequences * r.max_length * config.vocab_size);
 
-    nlohmann::json out = {{"parameters", model_parameter_count(config)},
-                          {"trainable_parameters", trainable},
-                          {"peak_bytes", peak},
-                          {"process_peak_bytes", process.peak_bytes()},
-                          {"process", process.to_json()},
-                          {"micro_batch_tokens", train.max_tokens},
-                          {"micro_batch_targets", train.max_targets},
-                          {"world_size", a->world_size},
-                          {"zero_stage", r.zero_stage},
-                          {"training", plan_to_json(train_model.plan())},
-                          {"evaluation", plan_to_json(eval_model.plan())},
-                          {"generation_arena_bytes", generation_bytes ? nlohmann::json(*generation_bytes) : nlohmann::json()},
-                          {"hf_eval_logits_bytes_per_batch", hf_batch},
-                          {"hf_eval_logits_bytes_accumulated", hf_total}};
+    nlohmann::json out = {
+        {"parameters", model_parameter_count(config)},
+        {"trainable_parameters", trainable},
+        {"peak_bytes", peak},
+        {"process_peak_bytes", process.peak_bytes()},
+        {"process", process.to_json()},
+        {"micro_batch_tokens", train.max_tokens},
+        {"micro_batch_targets", train.max_targets},
+        {"world_size", a->world_size},
+        {"zero_stage", r.zero_stage},
+        {"training", plan_to_json(train_model.plan())},
+        {"evaluation", plan_to_json(eval_model.plan())},
+        {"generation_arena_bytes", generation_bytes ? nlohmann::json(*generation_bytes) : nlohmann::json()},
+        {"hf_eval_logits_bytes_per_batch", hf_batch},
+        {"hf_eval_logits_bytes_accumulated", hf_total}};
     out["categories"] = out["training"]["categories"];
     out["phases"] = out["training"]["phases"];
     out["host_arena_bytes"] = train_model.host_plan().peak_bytes();
@@ -120,10 +120,10 @@ Action add_plan(CLI::App& app) {
       nlohmann::json candidates = nlohmann::json::array();
       for (const FitCandidate& k : fitting)
         candidates.push_back({{"flags", k.flags()},
-                       {"quantization", k.quantization.empty() ? "none" : k.quantization},
-                       {"peak_bytes", k.peak},
-                       {"process_peak_bytes", k.process_peak},
-                       {"relative_step_time", k.cost / fitting[0].cost}});
+                              {"quantization", k.quantization.empty() ? "none" : k.quantization},
+                              {"peak_bytes", k.peak},
+                              {"process_peak_bytes", k.process_peak},
+                              {"relative_step_time", k.cost / fitting[0].cost}});
       out["fit"] = candidates;
       out["smallest_peak_bytes"] = fit.smallest->peak;
     }
@@ -157,24 +157,22 @@ Action add_plan(CLI::App& app) {
     std::cout << process.summary();
     if (budget) {
       const size_t need = std::max(peak, eval_model.plan().peak_bytes());
-      std::cout << (need <= *budget ? fmt::format("fits in {}: {} to spare\n", format_bytes(*budget),
-                                                  format_bytes(*budget - need))
-                                    : fmt::format("does NOT fit in {}: {} over\n", format_bytes(*budget),
-                                                  format_bytes(need - *budget)));
+      std::cout << (need <= *budget
+                        ? fmt::format("fits in {}: {} to spare\n", format_bytes(*budget), format_bytes(*budget - need))
+                        : fmt::format("does NOT fit in {}: {} over\n", format_bytes(*budget),
+                                      format_bytes(need - *budget)));
     }
     if (host_budget) {
       const size_t need = process.peak_bytes();
-      std::cout << (need <= *host_budget
-                        ? fmt::format("process fits in {} of host memory: {} to spare\n", format_bytes(*host_budget),
-                                      format_bytes(*host_budget - need))
-                        : fmt::format("process does NOT fit in {} of host memory: {} over\n",
-                                      format_bytes(*host_budget), format_bytes(need - *host_budget)));
+      std::cout << (need <= *host_budget ? fmt::format("process fits in {} of host memory: {} to spare\n",
+                                                       format_bytes(*host_budget), format_bytes(*host_budget - need))
+                                         : fmt::format("process does NOT fit in {} of host memory: {} over\n",
+                                                       format_bytes(*host_budget), format_bytes(need - *host_budget)));
     }
     if (a->fit) {
-      const std::string within =
-          budget && host_budget
-              ? fmt::format("{} (device) and {} (process)", format_bytes(*budget), format_bytes(*host_budget))
-              : format_bytes(budget ? *budget : *host_budget);
+      const std::string within = budget && host_budget ? fmt::format("{} (device) and {} (process)",
+                                                                     format_bytes(*budget), format_bytes(*host_budget))
+                                                       : format_bytes(budget ? *budget : *host_budget);
       const std::vector<FitCandidate>& fitting = fit.fitting;
       if (fitting.empty()) {
         std::cout << fmt::format(

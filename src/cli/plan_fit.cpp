@@ -96,37 +96,40 @@ FitResult fit_search(const TrainingPlanner& planner, const ProcessPlan& process,
               for (int zero : zeros)
                 for (int64_t rank : ranks)
                   for (const std::string& quantization : quantizations) {
-                  FitCandidate k{b, (effective + b - 1) / b, length, rank, ckpt, to_bf16, offload, zero, ws, quantization};
-                  ModelConfig cc = config;
-                  if (to_bf16) cc.torch_dtype = DType::BF16;
-                  if (!quantization.empty()) cc.quant = parse_quantization_name(quantization);
-                  ModelOptions t = base;
-                  t.gradient_checkpointing = ckpt;
-                  t.loss_workspace_bytes = ws;
-                  t.optim_offload = offload;
-                  t.zero_stage = zero;
-                  if (rank > 0) t.lora.rank = rank;
-                  ModelOptions e = eval;
-                  e.max_tokens = em.tokens;
-                  e.max_targets = em.targets;
-                  e.loss_workspace_bytes = ws;
-                  if (rank > 0) e.lora.rank = rank;
-                  const Decoder tm(cc, t), em_model(cc, e);
-                  k.peak = std::max(tm.plan().peak_bytes(), em_model.plan().peak_bytes());
-                  ProcessPlan kp = process;
-                  add_planned_terms(kp, tm, checkpoint_dtype, a.world_size);
-                  k.process_peak = kp.peak_bytes();
-                  int64_t k_trainable = 0;
-                  for (size_t i = 0; i < tm.parameters().num_trainable(); ++i)
-                    k_trainable += tm.parameters().trainable_spec(i).numel();
-                  k.cost = estimate_cost(cc, k, tm.loss_chunk_rows(), k_trainable);
-                  if (!result.smallest || k.peak < result.smallest->peak) result.smallest = k;
-                  if ((!device_budget || k.peak <= *device_budget) && (!host_budget || k.process_peak <= *host_budget))
-                    result.fitting.push_back(k);
-                }
+                    FitCandidate k{b,           (effective + b - 1) / b, length, rank, ckpt, to_bf16, offload, zero, ws,
+                                   quantization};
+                    ModelConfig cc = config;
+                    if (to_bf16) cc.torch_dtype = DType::BF16;
+                    if (!quantization.empty()) cc.quant = parse_quantization_name(quantization);
+                    ModelOptions t = base;
+                    t.gradient_checkpointing = ckpt;
+                    t.loss_workspace_bytes = ws;
+                    t.optim_offload = offload;
+                    t.zero_stage = zero;
+                    if (rank > 0) t.lora.rank = rank;
+                    ModelOptions e = eval;
+                    e.max_tokens = em.tokens;
+                    e.max_targets = em.targets;
+                    e.loss_workspace_bytes = ws;
+                    if (rank > 0) e.lora.rank = rank;
+                    const Decoder tm(cc, t), em_model(cc, e);
+                    k.peak = std::max(tm.plan().peak_bytes(), em_model.plan().peak_bytes());
+                    ProcessPlan kp = process;
+                    add_planned_terms(kp, tm, checkpoint_dtype, a.world_size);
+                    k.process_peak = kp.peak_bytes();
+                    int64_t k_trainable = 0;
+                    for (size_t i = 0; i < tm.parameters().num_trainable(); ++i)
+                      k_trainable += tm.parameters().trainable_spec(i).numel();
+                    k.cost = estimate_cost(cc, k, tm.loss_chunk_rows(), k_trainable);
+                    if (!result.smallest || k.peak < result.smallest->peak) result.smallest = k;
+                    if ((!device_budget || k.peak <= *device_budget) &&
+                        (!host_budget || k.process_peak <= *host_budget))
+                      result.fitting.push_back(k);
+                  }
     }
   // A 4-bit base costs quality: it is suggested only when no float base fits.
-  if (std::any_of(result.fitting.begin(), result.fitting.end(), [](const FitCandidate& k) { return k.quantization.empty(); }))
+  if (std::any_of(result.fitting.begin(), result.fitting.end(),
+                  [](const FitCandidate& k) { return k.quantization.empty(); }))
     std::erase_if(result.fitting, [](const FitCandidate& k) { return !k.quantization.empty(); });
   // Equal estimated times (ZeRO-1 moves as many bytes as ZeRO-0's allreduce): smaller first.
   std::sort(result.fitting.begin(), result.fitting.end(), [](const FitCandidate& x, const FitCandidate& y) {

@@ -29,7 +29,7 @@ struct FitCandidate {
 };
 
 struct FitResult {
-  std::vector<FitCandidate> fitting;   // fastest first
+  std::vector<FitCandidate> fitting;     // fastest first
   std::optional<FitCandidate> smallest;  // the smallest peak found, fitting or not
 };
 

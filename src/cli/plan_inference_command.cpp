@@ -63,9 +63,7 @@ void plan_inference(const InferenceArgs& a) {
 }  // namespace
 
 Action add_plan_inference(CLI::App& app) {
-  auto a = std::make_shared<InferenceArgs>();
-  add_inference_flags(app, *a, InferenceCommand::Plan);
-  return [a] { plan_inference(*a); };
+  return inference_action(app, InferenceCommand::Plan, plan_inference);
 }
 
 }  // namespace memtune::cli

@@ -29,7 +29,7 @@ void serve(const InferenceArgs& a) {
     model->parameters().load_adapter_set(k, a.named_adapters[k].second);
   std::cout << inference_plan_text(setup, model->plan()) << std::flush;
   GenerationEngine engine(*model, &tokenizer);
-  engine.set_max_decode_step_tokens(a.max_decode_step_tokens);
+  engine.set_max_decode_step_tokens(a.max_decode_step_tokens.value_or(model->backend().stored_weight_rows()));
   ServeOptions o;
   o.host = a.host;
   o.port = a.port;
@@ -56,9 +56,7 @@ void serve(const InferenceArgs& a) {
 }  // namespace
 
 Action add_serve(CLI::App& app) {
-  auto a = std::make_shared<InferenceArgs>();
-  add_inference_flags(app, *a, InferenceCommand::Serve);
-  return [a] { serve(*a); };
+  return inference_action(app, InferenceCommand::Serve, serve);
 }
 
 }  // namespace memtune::cli

@@ -93,7 +93,8 @@ class GenerationEngine {
   // A step that decodes holds at most this many tokens in all (0: up to max_num_batched_tokens),
   // its prompt tokens being what the decoding sequences leave (at least 4, so prompts always
   // advance): a long prompt arriving does not stall the running sequences for a whole chunk, and
-  // with kSixteenBitWeightRows the step reads 16-bit weights as stored instead of widening them.
+  // with the backend's stored_weight_rows() the step reads 16-bit weights as stored instead of
+  // widening them.
   // Tokens are unchanged.
   void set_max_decode_step_tokens(int64_t tokens) { max_decode_step_tokens_ = tokens; }
 

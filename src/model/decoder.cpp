@@ -40,8 +40,7 @@ Decoder::Decoder(const ModelConfig& config, const ModelOptions& options, ModelPa
       host_plan_(std::make_unique<MemoryPlan>()),
       own_params_(borrowed ? nullptr : std::make_unique<ModelParameters>(config, options, *plan_, *host_plan_)),
       params_(borrowed ? borrowed : own_params_.get()),
-      buf_(declare_decoder_buffers(config, options, params_->specs(), !backend_->host_addressable(), *plan_,
-                                   *host_plan_)) {
+      buf_(declare_decoder_buffers(config, options, params_->specs(), *backend_, *plan_, *host_plan_)) {
   if (options.max_tokens <= 0) throw Error(fmt::format("max_tokens must be positive, got {}", options.max_tokens));
   const KvCacheOptions& kv = options.kv_cache;
   if (options.inference()) {
@@ -78,7 +77,8 @@ Tensor Decoder::weight_f32(size_t p) {
 }
 
 Tensor Decoder::quantized_scratch(int64_t in) const {
-  return arena_->f32(buf_.matrix_f32[static_cast<size_t>(arena_->phase())], {kQuantizedTileRows, in});
+  return arena_->f32(buf_.matrix_f32[static_cast<size_t>(arena_->phase())],
+                     {static_cast<int64_t>(backend_->quantized_scratch_elems(in))});
 }
 
 void Decoder::upload_batch(const TokenBatch& batch) {
@@ -235,7 +235,8 @@ void Decoder::linear_forward(int64_t l, LinearSite s, const LayerActs& a, const 
     be.quantized_matmul_forward(y, x, params_->quantized_param(lin.weight), lin.bias ? weight_f32(*lin.bias) : Tensor{},
                                 quantized_scratch(lin.in));
   } else {
-    const Tensor w = num_tokens_ <= kSixteenBitWeightRows ? params_->param(lin.weight) : weight_f32(lin.weight);
+    const Tensor w =
+        num_tokens_ <= backend_->stored_weight_rows() ? params_->param(lin.weight) : weight_f32(lin.weight);
     be.matmul_forward(y, x, w, lin.bias ? weight_f32(*lin.bias) : Tensor{});
   }
   linear_adapters_forward(l, s, a, x, y);
@@ -244,7 +245,7 @@ void Decoder::linear_forward(int64_t l, LinearSite s, const LayerActs& a, const 
 void Decoder::linear_group_forward(int64_t l, std::span<const SiteOutput> sites, const LayerActs& a,
                                       const Tensor& x) {
   // Many rows widen each weight into one shared scratch buffer: one layer at a time.
-  if (num_tokens_ > kSixteenBitWeightRows) {
+  if (num_tokens_ > backend_->stored_weight_rows()) {
     for (const SiteOutput& s : sites) linear_forward(l, s.site, a, x, s.y);
     return;
   }
@@ -269,9 +270,10 @@ void Decoder::linear_group_forward(int64_t l, std::span<const SiteOutput> sites,
       group[i].weight = params_->param(lin.weight);
     }
   }
-  // The members' 16-bit biases are all live at once, so they widen into the matrix scratch (which
-  // holds one vector only), past the quantized members' prepared input (at most 2 x rows x in).
-  const int64_t first = quantized ? 2 * num_tokens_ * x.cols() : 0;
+  // The members' 16-bit biases are all live at once, so they widen into the matrix scratch (the
+  // vector scratch holds one vector only), past what the quantized members use of it.
+  const int64_t first =
+      quantized ? static_cast<int64_t>(backend_->quantized_scratch_used(num_tokens_, x.cols())) : 0;
   const Tensor biases = widened ? arena_->f32(buf_.matrix_f32[static_cast<size_t>(arena_->phase())],
                                               {first + widened})
                                 : Tensor{};

@@ -50,18 +50,19 @@ size_t largest_vector_elems(const std::vector<ParamSpec>& specs) {
   return n;
 }
 // The float32 scratch a layer's matrices need: a whole widened 16-bit matrix, or with quantized
-// weights kQuantizedTileRows dequantized rows of the widest input (backend.h).
-size_t layer_matrix_scratch_elems(const ModelConfig& c, const std::vector<ParamSpec>& specs) {
+// weights what the backend's quantized products need for the widest input.
+size_t layer_matrix_scratch_elems(const ModelConfig& c, const std::vector<ParamSpec>& specs, const Backend& backend) {
   size_t n = 0;
   for (const auto& s : specs)
     if (s.shape.size() > 1 && s.name.starts_with("model.layers."))
-      n = std::max<size_t>(n, c.quant.enabled() ? kQuantizedTileRows * s.shape[1] : s.numel());
+      n = std::max<size_t>(n, c.quant.enabled() ? backend.quantized_scratch_elems(s.shape[1]) : s.numel());
   return n;
 }
 
 DecoderBuffers declare_inference_buffers(const ModelConfig& c, const ModelOptions& o,
-                                         const std::vector<ParamSpec>& specs, bool stage_logits, MemoryPlan& plan,
-                                         MemoryPlan& host_plan) {
+                                         const std::vector<ParamSpec>& specs, const Backend& backend,
+                                         MemoryPlan& plan, MemoryPlan& host_plan) {
+  const bool stage_logits = !backend.host_addressable();
   DecoderBuffers b;
   const KvCacheOptions& kv = o.kv_cache;
   const size_t N = static_cast<size_t>(o.max_tokens), S = static_cast<size_t>(kv.max_seqs);
@@ -82,7 +83,7 @@ DecoderBuffers declare_inference_buffers(const ModelConfig& c, const ModelOption
   b.fwd_scratch = declare_layer_acts(c, o, plan, "fwd.layer.", Category::Working, F, F);
   if (c.torch_dtype != DType::F32 || c.quant.enabled()) {
     b.matrix_f32[static_cast<size_t>(F)] =
-        plan.declare("forward.matrix_f32", Category::Working, layer_matrix_scratch_elems(c, specs) * 4, F, F);
+        plan.declare("forward.matrix_f32", Category::Working, layer_matrix_scratch_elems(c, specs, backend) * 4, F, F);
     b.vector_f32[static_cast<size_t>(F)] =
         plan.declare("forward.vector_f32", Category::Working, largest_vector_elems(specs) * 4, F, F);
     b.vector_f32[static_cast<size_t>(L)] =
@@ -92,7 +93,7 @@ DecoderBuffers declare_inference_buffers(const ModelConfig& c, const ModelOption
   b.last_normed = plan.declare("loss.last_normed_rows", Category::LossWorkspace, S * D * 4, L, L);
   b.last_rstd = plan.declare("loss.last_rstd", Category::LossWorkspace, S * 4, L, L);
   // [max_seqs, V]: read by the sampler after the step, so they outlive the loss phase. The head
-  // is applied in its storage dtype (max_seqs rows count as few, see kSixteenBitWeightRows).
+  // is applied in its storage dtype (max_seqs rows count as few, see Backend::stored_weight_rows).
   b.last_logits = plan.declare_persistent("head.last_logits", Category::LossWorkspace, V * S * 4);
   b.stages_chunks = stage_logits;
   if (stage_logits)
@@ -104,9 +105,10 @@ DecoderBuffers declare_inference_buffers(const ModelConfig& c, const ModelOption
 }  // namespace
 
 DecoderBuffers declare_decoder_buffers(const ModelConfig& c, const ModelOptions& options_,
-                                       const std::vector<ParamSpec>& specs_, bool stage_chunks, MemoryPlan& plan,
+                                       const std::vector<ParamSpec>& specs_, const Backend& backend, MemoryPlan& plan,
                                        MemoryPlan& host_plan) {
-  if (options_.inference()) return declare_inference_buffers(c, options_, specs_, stage_chunks, plan, host_plan);
+  const bool stage_chunks = !backend.host_addressable();
+  if (options_.inference()) return declare_inference_buffers(c, options_, specs_, backend, plan, host_plan);
   DecoderBuffers b;
   const size_t N = static_cast<size_t>(options_.max_tokens);
   const size_t D = c.hidden_size, I = c.intermediate_size, V = c.vocab_size, qd = c.q_dim(), kvd = c.kv_dim();
@@ -132,7 +134,7 @@ DecoderBuffers declare_decoder_buffers(const ModelConfig& c, const ModelOptions&
   }
 
   // 16-bit storage: weights are widened right before use into per-phase scratch.
-  const size_t largest_matrix = layer_matrix_scratch_elems(c, specs_), largest_vector = largest_vector_elems(specs_);
+  const size_t largest_matrix = layer_matrix_scratch_elems(c, specs_, backend), largest_vector = largest_vector_elems(specs_);
   const bool widen = dt != DType::F32 || c.quant.enabled();
   auto declare_widening = [&](Phase ph, size_t matrix_elems) {
     const std::string p{phase_name(ph)};

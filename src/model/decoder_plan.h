@@ -58,9 +58,11 @@ struct DecoderBuffers {
 //   backward     activation gradients; checkpointing: one recomputed layer; weight conversion
 // An inference model (options.inference()) declares instead: the step's batch and two residual
 // buffers (persistent), one layer's activations and weight conversion (forward), the last rows
-// and their logits [V, max_seqs] (loss), and the KV cache (persistent).
+// and their logits [V, max_seqs] (loss), and the KV cache (persistent). The backend says how
+// much scratch its quantized products need, and whether logits chunks are staged on the host
+// (a backend whose memory the host cannot address).
 DecoderBuffers declare_decoder_buffers(const ModelConfig& config, const ModelOptions& options,
-                                       const std::vector<ParamSpec>& specs, bool stage_chunks, MemoryPlan& plan,
+                                       const std::vector<ParamSpec>& specs, const Backend& backend, MemoryPlan& plan,
                                        MemoryPlan& host_plan);
 
 }  // namespace memtune

@@ -12,7 +12,9 @@ size_t kv_bytes_per_token(const ModelConfig& c) {
   return 2 * static_cast<size_t>(c.num_hidden_layers * c.kv_dim()) * dtype_size(c.torch_dtype);
 }
 
-int64_t kv_blocks_for(int64_t tokens, int64_t block_size) { return (tokens + block_size - 1) / block_size; }
+int64_t kv_blocks_for(int64_t tokens, int64_t block_size) {
+  return (tokens + block_size - 1) / block_size;
+}
 
 ModelOptions inference_model_options(const ModelConfig& config, const InferenceLimits& limits, Backend* backend,
                                      bool allocate) {
@@ -25,9 +27,10 @@ ModelOptions inference_model_options(const ModelConfig& config, const InferenceL
   positive("block_size", limits.block_size);
   check_max_length(config, limits.max_model_len, "config.json");
   if (limits.max_num_batched_tokens < limits.max_num_seqs)
-    throw Error(fmt::format("--max_num_batched_tokens {} is below --max_num_seqs {}: every running sequence needs a "
-                            "token in each decode step",
-                            limits.max_num_batched_tokens, limits.max_num_seqs));
+    throw Error(
+        fmt::format("--max_num_batched_tokens {} is below --max_num_seqs {}: every running sequence needs a "
+                    "token in each decode step",
+                    limits.max_num_batched_tokens, limits.max_num_seqs));
   if (!(limits.memory_fraction > 0 && limits.memory_fraction <= 1))
     throw Error(fmt::format("--memory_fraction must be in (0, 1], got {}", limits.memory_fraction));
 
@@ -55,10 +58,11 @@ ModelOptions inference_model_options(const ModelConfig& config, const InferenceL
   const size_t rest = one_block.plan().peak_bytes() - one_block.plan().live_bytes(Phase::Forward, Category::KvCache);
   const size_t least = rest + per_block * static_cast<size_t>(kv.max_blocks_per_seq);
   if (budget < least)
-    throw Error(fmt::format("--device_memory {} x --memory_fraction {} = {} bytes cannot hold the model and its step "
-                            "workspace ({} bytes) plus one sequence of --max_model_len {} ({} bytes of KV cache)",
-                            limits.device_memory, limits.memory_fraction, budget, rest, limits.max_model_len,
-                            per_block * static_cast<size_t>(kv.max_blocks_per_seq)));
+    throw Error(
+        fmt::format("--device_memory {} x --memory_fraction {} = {} bytes cannot hold the model and its step "
+                    "workspace ({} bytes) plus one sequence of --max_model_len {} ({} bytes of KV cache)",
+                    limits.device_memory, limits.memory_fraction, budget, rest, limits.max_model_len,
+                    per_block * static_cast<size_t>(kv.max_blocks_per_seq)));
   kv.blocks = static_cast<int64_t>((budget - rest) / per_block);
   // Each layer's K and V are padded to the plan's alignment: step down until the plan fits.
   for (;;) {

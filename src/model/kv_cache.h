@@ -60,8 +60,8 @@ ModelOptions inference_model_options(const ModelConfig& config, const InferenceL
                                      bool allocate = true);
 
 // Declares each layer's K and V buffers (persistent, Category::KvCache) into `plan`.
-void declare_kv_cache(const ModelConfig& config, const KvCacheOptions& kv, MemoryPlan& plan,
-                      std::vector<BufferId>& k, std::vector<BufferId>& v);
+void declare_kv_cache(const ModelConfig& config, const KvCacheOptions& kv, MemoryPlan& plan, std::vector<BufferId>& k,
+                      std::vector<BufferId>& v);
 
 // The free blocks of the pool. Blocks are handed out lowest first and taken back in any order.
 class KvBlockPool {

@@ -3,6 +3,9 @@
 // masters), the LoRA sites, and everything that moves them between files and the backend's memory
 // (initialization, loading and saving checkpoints, PEFT adapter files, merging). The decoder's
 // compute (model/decoder.h) reads them through views; it never declares or moves them.
+// The definitions are split by job: parameter_specs.cpp (Hugging Face names and shapes),
+// parameters.cpp (plan declarations, ZeRO-1 shards, views), lora_parameters.cpp (LoRA init,
+// PEFT files, adapter sets, merge), parameter_files.cpp (checkpoints and GPTQ / AWQ layers).
 #pragma once
 
 #include <array>

@@ -30,7 +30,8 @@ std::optional<DType> storage_dtype(const std::string& torch_dtype, bool bf16, bo
   if (!torch_dtype.empty()) {
     const DType asked = parse_dtype(torch_dtype, "--torch_dtype");
     if (dtype && *dtype != asked)
-      throw Error(fmt::format("--torch_dtype {} contradicts --{}: give one of them", torch_dtype, bf16 ? "bf16" : "fp16"));
+      throw Error(
+          fmt::format("--torch_dtype {} contradicts --{}: give one of them", torch_dtype, bf16 ? "bf16" : "fp16"));
     dtype = asked;
   }
   return dtype;

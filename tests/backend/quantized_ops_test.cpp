@@ -1,7 +1,7 @@
 // Quantized matmuls on every backend against dequantize-then-matmul: the layer's float32 weights
 // from io/quantized's dequantize_layer (the formula of the files, checked against numpy vectors
 // in tests/io), multiplied on the host in double. Shapes cover both cpu paths (codes read
-// directly up to kSixteenBitWeightRows rows, dequantized tiles beyond), inputs that end in a
+// directly up to cpu::kSixteenBitWeightRows rows, dequantized tiles beyond), inputs that end in a
 // partial chunk, groups smaller than a chunk, one group per row, act-order g_idx, and output
 // rows that leave a partial tile.
 #include <gtest/gtest.h>
@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cpu/ops.h"
 #include "core/dtype.h"
 #include "core/rng.h"
 #include "io/quantized.h"
@@ -123,7 +124,7 @@ const Shape kShapes[] = {
 };
 
 TEST(QuantizedOps, ForwardEqualsDequantizeThenMatmul) {
-  const int64_t OC = kQuantizedTileRows + 9;  // a full tile of output rows, a partial one, an odd count
+  const int64_t OC = cpu::kQuantizedTileRows + 9;  // a full tile of output rows, a partial one, an odd count
   for (const std::string_view name : backend_list())
     for (const Shape& s : kShapes)
       for (const int64_t N : {1, 2, 3, 4, 5, 8, 9, 16, 17, 33}) {  // every row-count path
@@ -142,7 +143,7 @@ TEST(QuantizedOps, ForwardEqualsDequantizeThenMatmul) {
         Device d(be);
         const Tensor out = d.alloc(DType::F32, {N, OC});
         be.quantized_matmul_forward(out, d.f32(x, {N, s.in}), d.weight(layer), with_bias ? d.f32(bias, {OC}) : Tensor{},
-                                    d.alloc(DType::F32, {kQuantizedTileRows, s.in}));
+                                    d.alloc(DType::F32, {static_cast<int64_t>(be.quantized_scratch_elems(s.in))}));
         std::vector<float> got(static_cast<size_t>(N * OC));
         be.copy_to_host(got.data(), out);
         double worst = 0;
@@ -154,7 +155,7 @@ TEST(QuantizedOps, ForwardEqualsDequantizeThenMatmul) {
 }
 
 TEST(QuantizedOps, BackwardInputAccumulatesDoutTimesTheDequantizedWeight) {
-  const int64_t OC = kQuantizedTileRows + 9;
+  const int64_t OC = cpu::kQuantizedTileRows + 9;
   for (const std::string_view name : backend_list())
     for (const Shape& s : kShapes)
       for (const int64_t N : {3, 20}) {
@@ -170,7 +171,7 @@ TEST(QuantizedOps, BackwardInputAccumulatesDoutTimesTheDequantizedWeight) {
         Device d(be);
         const Tensor dinp = d.f32(start, {N, s.in});
         be.quantized_matmul_backward_input(dinp, d.f32(dout, {N, OC}), d.weight(layer),
-                                           d.alloc(DType::F32, {kQuantizedTileRows, s.in}));
+                                           d.alloc(DType::F32, {static_cast<int64_t>(be.quantized_scratch_elems(s.in))}));
         std::vector<float> got(static_cast<size_t>(N * s.in));
         be.copy_to_host(got.data(), dinp);
         double worst = 0;
@@ -209,7 +210,7 @@ TEST(MatmulGroup, EachMemberEqualsItsProductAlone) {
         Backend& be = backend_named(name);
         Device d(be);
         const std::vector<float> x = randn(N * C, 7 + N);
-        const Tensor inp = d.f32(x, {N, C}), scratch = d.alloc(DType::F32, {kQuantizedTileRows, C});
+        const Tensor inp = d.f32(x, {N, C}), scratch = d.alloc(DType::F32, {static_cast<int64_t>(be.quantized_scratch_elems(C))});
         std::vector<GroupMember> group;
         std::vector<QuantizedWeight> packed;
         packed.reserve(groups[gi].size());
@@ -232,7 +233,7 @@ TEST(MatmulGroup, EachMemberEqualsItsProductAlone) {
           alone.push_back(d.alloc(DType::F32, {N, m.out}));
           if (g.quantized)
             be.quantized_matmul_forward(alone.back(), inp, *g.quantized, g.bias, scratch);
-          else if (g.weight.dtype == DType::F32 || N <= kSixteenBitWeightRows)
+          else if (g.weight.dtype == DType::F32 || N <= be.stored_weight_rows())
             be.matmul_forward(alone.back(), inp, g.weight, g.bias);
           else
             continue;  // many rows take float32 weights (the caller widens them)

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
 
 #include "data/synthetic_tokenizer.h"
 #include "model/load.h"
@@ -279,6 +280,61 @@ TEST_F(GenerateCliTest, NamedAdaptersArePickedPerLine) {
   EXPECT_NE(r.output.find("lines.jsonl:1: adapter \"b\" is not one of the --adapter NAME=DIR given"),
             std::string::npos)
       << r.output;
+}
+
+// The commands that run an inference model, classification scoring and GPTQ's calibration run on
+// the reference backend too (whose memory the process cannot touch outside its calls, so a stray
+// host access would crash), and agree with cpu.
+TEST_F(GenerateCliTest, InferenceCommandsRunOnTheReferenceBackendAndAgreeWithCpu) {
+  std::ofstream(path("ids.jsonl")) << "{\"prompt_ids\": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]}\n"
+                                      "{\"prompt_ids\": [200, 17]}\n{\"prompt\": \"hello world\"}\n";
+  std::ofstream(path("cls.jsonl")) << "{\"text\": \"hello world\", \"label\": \"a\"}\n"
+                                      "{\"text\": \"good day\", \"label\": \"b\"}\n"
+                                      "{\"text\": \"bye\", \"label\": \"a\"}\n";
+  std::ofstream(path("answers.jsonl"))
+      << nlohmann::json{{"messages", {{{"role", "user"}, {"content", "hi"}}, {{"role", "assistant"}, {"content", "x"}}}}}
+             .dump()
+      << "\n";
+  std::ofstream(path("calibration.jsonl")) << "{\"text\": \"the quick brown fox jumps over the lazy dog\"}\n"
+                                              "{\"text\": \"hello world, good day\"}\n";
+  std::map<std::string, std::vector<nlohmann::json>> generated;
+  std::map<std::string, nlohmann::json> classified, by_generation, quantized_loss;
+  for (const std::string backend : {"cpu", "reference"}) {
+    SCOPED_TRACE(backend);
+    const std::string b = " --backend " + backend;
+    auto r = run_memtune("generate --model " + path("model") + " --input " + path("ids.jsonl") +
+                         " --ignore_eos --max_new_tokens 6 --temperature 0 --json --output " +
+                         path("gen_" + backend + ".jsonl") + b);
+    ASSERT_EQ(r.status, 0) << r.output;
+    generated[backend] = testing_support::read_jsonl(path("gen_" + backend + ".jsonl"));
+    r = run_memtune("eval --model " + path("model") + " --eval_file " + path("cls.jsonl") +
+                    " --metrics label_accuracy,macro_f1 --json" + b);
+    ASSERT_EQ(r.status, 0) << r.output;
+    classified[backend] = nlohmann::json::parse(r.output);
+    r = run_memtune("eval --model " + path("model") + " --eval_file " + path("answers.jsonl") +
+                    " --predict_with_generate --max_new_tokens 4 --metrics exact_match --json --save_predictions " +
+                    path("pred_" + backend + ".jsonl") + b);
+    ASSERT_EQ(r.status, 0) << r.output;
+    by_generation[backend] = testing_support::read_jsonl(path("pred_" + backend + ".jsonl"))[0]["prediction"];
+    r = run_memtune("quantize --model " + path("model") + " --out " + path("gptq_" + backend) +
+                    " --bits 8 --group_size 32 --method gptq --calibration_file " + path("calibration.jsonl") + b);
+    ASSERT_EQ(r.status, 0) << r.output;
+    r = run_memtune("eval --model " + path("gptq_" + backend) + " --eval_file " + path("cls.jsonl") +
+                    " --metrics eval_loss --json" + b);
+    ASSERT_EQ(r.status, 0) << r.output;
+    quantized_loss[backend] = nlohmann::json::parse(r.output)["eval_loss"];
+  }
+  ASSERT_EQ(generated["cpu"].size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(generated["reference"][i]["token_ids"], generated["cpu"][i]["token_ids"]) << i;
+    EXPECT_EQ(generated["reference"][i]["token_ids"].size(), 6u);
+  }
+  EXPECT_EQ(classified["reference"]["label_accuracy"], classified["cpu"]["label_accuracy"]);
+  EXPECT_NEAR(classified["reference"]["eval_loss"].get<double>(), classified["cpu"]["eval_loss"].get<double>(),
+              1e-4 * classified["cpu"]["eval_loss"].get<double>());
+  EXPECT_EQ(by_generation["reference"], by_generation["cpu"]);
+  EXPECT_NEAR(quantized_loss["reference"].get<double>(), quantized_loss["cpu"].get<double>(),
+              1e-3 * quantized_loss["cpu"].get<double>());
 }
 
 TEST_F(GenerateCliTest, PlanInferenceIsTheBillOfTheSameCommandLine) {

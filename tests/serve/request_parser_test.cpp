@@ -15,7 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "data/synthetic_tokenizer.h"
-#include "generate/inference_plan.h"
+#include "model/kv_cache.h"
 #include "support/test_util.h"
 #include "tokenizer/unicode.h"
 
@@ -347,10 +347,10 @@ TEST(ApiErrorBody, HasOpenAIsShape) {
 // What the engine refuses after parsing (the server runs GenerationEngine::validate next) is a
 // 400 naming max_tokens when the body set it, else the prompt.
 TEST_F(RequestParser, EngineRefusalsNameMaxTokensOrThePrompt) {
-  const Qwen2Config config = qwen2_preset("tiny");  // vocabulary of 512
+  const ModelConfig config = model_preset("tiny");  // vocabulary of 512
   const InferenceLimits limits{
       .max_model_len = kMaxModelLen, .max_num_seqs = 2, .max_num_batched_tokens = 64, .block_size = 16};
-  Qwen2Model model(config, inference_model_options(config, limits, nullptr));
+  Decoder model(config, inference_model_options(config, limits, nullptr));
   const GenerationEngine engine(model, &tokenizer);
   const auto engine_error = [&](const std::string& body) {
     const ParsedRequest p = completion(body);

@@ -21,7 +21,7 @@ void check_quantized(const QuantizedWeight& w, const Tensor& scratch) {
   MT_ASSERT(w.scales.dtype == DType::F16 && w.scales.numel() == w.out * w.groups);
   MT_ASSERT(w.zeros.dtype == DType::F16 && w.zeros.numel() == w.out * w.groups);
   MT_ASSERT(!w.g_idx || (w.g_idx.dtype == DType::I32 && w.g_idx.numel() == w.in));
-  MT_ASSERT(scratch.dtype == DType::F32 && scratch.numel() >= kQuantizedTileRows * w.in, "quantized matmul scratch");
+  MT_ASSERT(scratch.dtype == DType::F32 && scratch.numel() >= cpu::kQuantizedTileRows * w.in, "quantized matmul scratch");
 }
 
 class CpuBackend final : public Backend {
@@ -32,6 +32,15 @@ class CpuBackend final : public Backend {
   void deallocate(void* base, size_t bytes) override { munmap(base, bytes); }
   bool host_addressable() const override { return true; }
   bool memory_in_host_pages() const override { return true; }
+  int64_t stored_weight_rows() const override { return cpu::kSixteenBitWeightRows; }
+  size_t quantized_scratch_elems(int64_t in) const override {
+    return static_cast<size_t>(cpu::kQuantizedTileRows * in);
+  }
+  // Few rows: the prepared input (its permutation and its sums per group) takes at most 2 x rows
+  // x in; many rows: the tile.
+  size_t quantized_scratch_used(int64_t rows, int64_t in) const override {
+    return rows <= cpu::kSixteenBitWeightRows ? static_cast<size_t>(2 * rows * in) : quantized_scratch_elems(in);
+  }
 
   void copy_to_device(const Tensor& dst, const void* src) override { std::memcpy(dst.data, src, dst.bytes()); }
   void copy_to_host(void* dst, const Tensor& src) override { std::memcpy(dst, src.data, src.bytes()); }
@@ -87,7 +96,7 @@ class CpuBackend final : public Backend {
         check_quantized(*m.quantized, scratch);
         MT_ASSERT(inp.cols() == m.quantized->in && m.out.cols() == m.quantized->out);
         if (!layout) layout = m.quantized;
-        one_pass = N <= kSixteenBitWeightRows && cpu::same_input_layout(*layout, *m.quantized);
+        one_pass = N <= cpu::kSixteenBitWeightRows && cpu::same_input_layout(*layout, *m.quantized);
         quantized[i] = {m.out.f32(), m.quantized, m.bias.f32(), N, inp.f32(), scratch.f32()};
         first[i + 1] = first[i] + quantized[i].tasks();
       } else {

@@ -12,6 +12,16 @@
 
 namespace memtune::cpu {
 
+// The cpu backend's tuning (Backend::stored_weight_rows, quantized_scratch_elems):
+// Up to this many rows matmul_forward takes a 16-bit weight as it is stored (widened in
+// registers: decoding reads each weight once); with more rows the caller widens it into float32
+// scratch first and sgemm runs on it. Quantized products read the codes directly up to this many
+// rows.
+constexpr int64_t kSixteenBitWeightRows = 16;
+// Output rows of a quantized weight dequantized at once (into float32 scratch [rows, in]) when a
+// quantized product has more input rows than kSixteenBitWeightRows.
+constexpr int64_t kQuantizedTileRows = 256;
+
 // The OpenBLAS kernel set sgemm runs (e.g. "Cooperlake", "Haswell"), for benchmark reports:
 // OPENBLAS_CORETYPE in the environment pins it (=Haswell keeps an AVX-512 CPU on AVX2 kernels, and
 // sgemm ~1.5x slower on the 2-core AMD EPYC), otherwise OpenBLAS picks by CPU.

@@ -12,6 +12,7 @@
 
 #include <fmt/format.h>
 
+#include "backend/cpu/cpu_backend.h"
 #include "core/labels.h"
 
 namespace memtune {
@@ -47,6 +48,11 @@ class ReferenceBackend final : public Backend {
   }
   bool host_addressable() const override { return false; }
   bool memory_in_host_pages() const override { return true; }
+  // The cpu backend's split, so that a model plans and computes the same paths on both and the
+  // comparisons between them compare like with like; the formulas need no scratch.
+  int64_t stored_weight_rows() const override { return cpu_backend().stored_weight_rows(); }
+  size_t quantized_scratch_elems(int64_t in) const override { return cpu_backend().quantized_scratch_elems(in); }
+  size_t quantized_scratch_used(int64_t, int64_t) const override { return 0; }
 
   void copy_to_device(const Tensor& dst, const void* src) override {
     Access a(*this);
