@@ -152,6 +152,9 @@ std::vector<int32_t> completion_prompt(const Fields& body, const ServedModel& se
     const bool in_range = id.is_number_unsigned() ? id.get<uint64_t>() <= INT32_MAX
                                                   : id.get<int64_t>() >= 0 && id.get<int64_t>() <= INT32_MAX;
     if (!in_range) throw ApiError(400, fmt::format("token id {} is out of range", id.dump()), "prompt");
+    if (served.vocab_size > 0 && id.get<int64_t>() >= served.vocab_size)
+      throw ApiError(400, fmt::format("token id {} is outside the vocabulary [0, {})", id.dump(), served.vocab_size),
+                     "prompt");
     ids.push_back(id.get<int32_t>());
   }
   return ids;

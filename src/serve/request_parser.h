@@ -33,6 +33,7 @@ struct ServedModel {
   ChatTemplate chat_template = ChatTemplate::Qwen2_5;
   std::vector<int32_t> chat_stop_ids, completion_stop_ids;
   int64_t max_model_len = 0;  // prompt + output tokens of one sequence
+  int64_t vocab_size = 0;     // > 0: a prompt's token ids must be below it (the model's vocab_size)
 };
 
 // The parts of a request body the engine needs, and how to answer.

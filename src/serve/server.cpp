@@ -52,7 +52,8 @@ struct Server::State {
                .chat_template = options.chat_template,
                .chat_stop_ids = options.chat_stop_ids,
                .completion_stop_ids = options.completion_stop_ids,
-               .max_model_len = e.model().options().kv_cache.max_model_len},
+               .max_model_len = e.model().options().kv_cache.max_model_len,
+               .vocab_size = e.model().config().vocab_size},
         loop(e, metrics, options.max_queue, options.shutdown_grace_seconds) {}
   GenerationEngine& engine;
   ServeOptions options;

@@ -344,6 +344,27 @@ TEST(ApiErrorBody, HasOpenAIsShape) {
   EXPECT_EQ(json::parse(api_error_body(400, "got \xFF"))["error"]["message"], "got \xEF\xBF\xBD");
 }
 
+// With the model's vocabulary known (the server passes it), a token id outside it is the
+// prompt's fault, whatever else the body sets.
+TEST_F(RequestParser, TokenIdsOutsideTheVocabularyNameThePrompt) {
+  ServedModel with_vocab = served;
+  with_vocab.vocab_size = 512;
+  const auto refused = [&](const std::string& body) {
+    try {
+      parse_request(body, Endpoint::Completions, with_vocab);
+    } catch (const ApiError& e) {
+      return e;
+    }
+    ADD_FAILURE() << "accepted: " << body;
+    return ApiError(0, "");
+  };
+  EXPECT_REFUSED(refused(R"({"prompt": [600], "max_tokens": 4})"), 400, "prompt",
+                 "token id 600 is outside the vocabulary [0, 512)");
+  EXPECT_REFUSED(refused(R"({"prompt": [[1, 512]]})"), 400, "prompt", "token id 512");
+  EXPECT_EQ(parse_request(R"({"prompt": [0, 511], "max_tokens": 4})", Endpoint::Completions, with_vocab).request.prompt_ids,
+            (std::vector<int32_t>{0, 511}));
+}
+
 // What the engine refuses after parsing (the server runs GenerationEngine::validate next) is a
 // 400 naming max_tokens when the body set it, else the prompt.
 TEST_F(RequestParser, EngineRefusalsNameMaxTokensOrThePrompt) {
@@ -364,7 +385,6 @@ TEST_F(RequestParser, EngineRefusalsNameMaxTokensOrThePrompt) {
   };
   EXPECT_REFUSED(engine_error(R"({"prompt": [600]})"), 400, "prompt", "token id 600 is outside the vocabulary");
   EXPECT_EQ(std::string(engine_error(R"({"prompt": [600]})").what()).find("request"), std::string::npos);
-  EXPECT_REFUSED(engine_error(R"({"prompt": [600], "max_tokens": 4})"), 400, "max_tokens", "token id 600");
   EXPECT_REFUSED(engine_error(json{{"prompt", std::vector<int32_t>(200, 7)}, {"max_tokens", 100}}.dump()), 400,
                  "max_tokens", "the prompt's 200 tokens + max_new_tokens 100 = 300 exceed max_model_len 256");
   EXPECT_REFUSED(engine_error(R"({"prompt": [1], "max_completion_tokens": 1, "model": "sql"})"), 400,
