@@ -113,9 +113,7 @@ InferenceSetup plan_inference_setup(const InferenceArgs& a, const std::vector<Ge
   int64_t longest = 0;
   for (const auto& r : requests)
     longest = std::max<int64_t>(longest, static_cast<int64_t>(r.prompt_ids.size()) + r.max_new_tokens);
-  int64_t max_model_len = a.max_model_len > 0 ? a.max_model_len : longest;
-  if (max_model_len == 0) max_model_len = choose_model(model_flags(a)).config.max_position_embeddings;
-  InferenceLimits limits{.max_model_len = max_model_len,
+  InferenceLimits limits{.max_model_len = a.max_model_len > 0 ? a.max_model_len : longest,
                          .max_num_seqs = a.max_num_seqs,
                          .max_num_batched_tokens = a.max_num_batched_tokens,
                          .block_size = a.block_size,

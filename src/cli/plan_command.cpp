@@ -55,7 +55,8 @@ Action add_plan(CLI::App& app) {
     ProcessPlan process = planner.prepared_process();
     const ModelOptions train = planner.run_options(r.per_device_train_batch_size, r.max_length);
     Decoder train_model(config, train);
-    const Decoder eval_model(config, planner.eval_options());
+    const ModelOptions eval = planner.eval_options(train);
+    const Decoder eval_model(config, eval);
     int64_t trainable = 0;
     for (size_t i = 0; i < train_model.parameters().num_trainable(); ++i)
       trainable += train_model.parameters().trainable_spec(i).numel();
@@ -115,7 +116,7 @@ Action add_plan(CLI::App& app) {
     FitResult fit;
     if (a->fit) {
       if (!budget && !host_budget) throw Error("--fit needs --device_memory or --host_memory");
-      fit = fit_search(planner, process, budget, host_budget);
+      fit = fit_search(planner, eval, process, budget, host_budget);
       const std::vector<FitCandidate>& fitting = fit.fitting;
       nlohmann::json candidates = nlohmann::json::array();
       for (const FitCandidate& k : fitting)

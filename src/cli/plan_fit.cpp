@@ -53,13 +53,12 @@ double estimate_cost(const ModelConfig& c, const FitCandidate& k, int64_t chunk_
 
 }  // namespace
 
-FitResult fit_search(const TrainingPlanner& planner, const ProcessPlan& process, std::optional<size_t> device_budget,
-                     std::optional<size_t> host_budget) {
+FitResult fit_search(const TrainingPlanner& planner, const ModelOptions& eval, const ProcessPlan& process,
+                     std::optional<size_t> device_budget, std::optional<size_t> host_budget) {
   const PlanArgs& a = planner.args();
   const TrainingArguments& r = a.run;
   const ModelConfig& config = planner.config();
   const DType checkpoint_dtype = planner.checkpoint_dtype();
-  const ModelOptions eval = planner.eval_options();
   FitResult result;
   const bool lora = r.tuner_type == "lora";
   std::vector<int64_t> batches, ranks = {lora ? r.lora_rank : 0}, lengths = {r.max_length};

@@ -33,9 +33,10 @@ struct FitResult {
   std::optional<FitCandidate> smallest;  // the smallest peak found, fitting or not
 };
 
-// `process`: the command line's own prediction (its terms besides the model's are kept for every
-// candidate). At least one of the budgets is given.
-FitResult fit_search(const TrainingPlanner& planner, const ProcessPlan& process, std::optional<size_t> device_budget,
-                     std::optional<size_t> host_budget);
+// `eval`: the command line's evaluation model (planner.eval_options); `process`: its own
+// prediction (its terms besides the model's are kept for every candidate). At least one of the
+// budgets is given.
+FitResult fit_search(const TrainingPlanner& planner, const ModelOptions& eval, const ProcessPlan& process,
+                     std::optional<size_t> device_budget, std::optional<size_t> host_budget);
 
 }  // namespace memtune::cli

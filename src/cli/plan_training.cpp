@@ -86,9 +86,9 @@ ModelOptions TrainingPlanner::run_options(int64_t batch, int64_t length) const {
   return o;
 }
 
-ModelOptions TrainingPlanner::eval_options() const {
+ModelOptions TrainingPlanner::eval_options(const ModelOptions& train) const {
   const TrainingArguments& r = args_.run;
-  ModelOptions eval = run_options(r.per_device_train_batch_size, r.max_length);
+  ModelOptions eval = train;
   const MicroBatch e = eval_micro(r.per_device_eval_batch_size, r.max_length);
   eval.max_tokens = e.tokens;
   eval.max_targets = e.targets;

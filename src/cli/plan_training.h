@@ -50,8 +50,9 @@ class TrainingPlanner {
   // The run's one plan serves training and, with an eval file, evaluation: the larger
   // micro-batch of the two. Plan-only (nothing allocated).
   ModelOptions run_options(int64_t batch, int64_t length) const;
-  // The evaluation model of the run's flags.
-  ModelOptions eval_options() const;
+  // The evaluation model beside the training model `train` (run_options of the flags' batch
+  // size and length).
+  ModelOptions eval_options(const ModelOptions& train) const;
 
  private:
   const PlanArgs& args_;

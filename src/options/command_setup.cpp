@@ -79,9 +79,10 @@ void predict_process(ProcessPlan& process, const ModelFlags& flags, const ModelC
     check_host_budget(process, parse_bytes(flags.host_memory, "--host_memory"), "--host_memory");
 }
 
-InferenceSetup inference_setup(const ModelFlags& flags, const InferenceLimits& limits, size_t startup_rss) {
+InferenceSetup inference_setup(const ModelFlags& flags, InferenceLimits limits, size_t startup_rss) {
   InferenceSetup s;
   s.model = choose_model(flags);
+  if (limits.max_model_len == 0) limits.max_model_len = s.model.config.max_position_embeddings;
   s.options = inference_model_options(s.model.config, limits, &backend_named(flags.backend));
   for (const std::string& dir : flags.adapter_sets) s.options.adapter_sets.push_back(load_lora_adapter_config(dir));
   if (startup_rss > 0) s.process.measure_preparation(startup_rss);

@@ -59,13 +59,14 @@ ModelChoice choose_model(const ModelFlags& flags);
 void predict_process(ProcessPlan& process, const ModelFlags& flags, const ModelChoice& model, ModelOptions options,
                      int world_size = 1);
 
-// An inference command's model: its config, its options for `limits` and the whole process's
-// prediction (`startup_rss` > 0: the preparation so far is measured against it).
+// An inference command's model: its config, its options for `limits` (max_model_len 0: the
+// model's max_position_embeddings) and the whole process's prediction (`startup_rss` > 0: the
+// preparation so far is measured against it).
 struct InferenceSetup {
   ModelChoice model;
   ModelOptions options;
   ProcessPlan process;
 };
-InferenceSetup inference_setup(const ModelFlags& flags, const InferenceLimits& limits, size_t startup_rss);
+InferenceSetup inference_setup(const ModelFlags& flags, InferenceLimits limits, size_t startup_rss);
 
 }  // namespace memtune
