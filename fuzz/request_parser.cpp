@@ -16,7 +16,7 @@ MEMTUNE_FUZZ_LOAD_QWEN_TOKENIZER_FIRST()
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace memtune;
-  static const ServedModel served{.tokenizer = fuzz::qwen_tokenizer(),
+  static const ServedModel served{.tokenizer = &fuzz::qwen_tokenizer(),
                                   .name = "base",
                                   .adapter_names = {"sql", "poems"},
                                   .chat_template = ChatTemplate::Qwen2_5,

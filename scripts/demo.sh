@@ -88,7 +88,8 @@ run_once "$out/run/.done" "$memtune" train --model_name_or_path "$model" --train
   --eval_file "$eval_file" --output_dir "$out/run" --tuner_type full "${steps[@]}" "${fit_flags[@]}" \
   --per_device_eval_batch_size 8 --learning_rate 2e-3 --lr_scheduler_type cosine --warmup_ratio 0.05 \
   --weight_decay 0.01 --logging_steps 25 --eval_strategy steps --eval_steps "$eval_every" \
-  --metrics label_accuracy,macro_f1 --system "$system" --save_strategy no --seed 7 --host_memory "$host_budget"
+  --metrics label_accuracy,macro_f1 --system "$system" --save_strategy no --seed 7 --host_memory "$host_budget" \
+  --overwrite_output_dir
 
 echo
 echo "== 5. evaluation of the trained model ($(wc -l < "$eval_file") examples, every label scored)"

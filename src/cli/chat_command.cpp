@@ -49,7 +49,7 @@ void chat(const InferenceArgs& a) {
                         .max_new_tokens = a.max_new_tokens,
                         .sampling = a.sampling,
                         .stop = a.stop,
-                        .stop_ids = stop_ids(a, tokenizer, true)};
+                        .stop_ids = stop_ids(a, &tokenizer, true)};
     r.sampling.stream = turn++;
     const int64_t room = max_model_len - static_cast<int64_t>(r.prompt_ids.size());
     if (room < 1) {

@@ -76,7 +76,7 @@ void evaluate_generating(const EvalArgs& a, const std::string& metric_list, std:
   const Dataset data = load_dataset(a.eval_file, tokenizer, d);
   const GenerationEvalShape shape = generation_eval_shape(data, a.batch_size, a.max_new_tokens, a.eval_file);
   const int64_t max_new = shape.max_new_tokens;
-  const std::vector<int32_t> stop_ids = model_stop_ids(a.model, tokenizer, /*chat=*/true);
+  const std::vector<int32_t> stop_ids = model_stop_ids(a.model, &tokenizer, /*chat=*/true);
   const InferenceSetup setup = inference_setup(model_flags(a), shape.limits, startup_rss);
   const ProcessPlan& process = setup.process;
   const std::unique_ptr<Decoder> model = load_model(a.model, setup.options, a.adapter, dtype);

@@ -25,8 +25,8 @@ namespace {
 void generate(const InferenceArgs& a) {
   const size_t startup_rss = current_rss_bytes();
   const std::optional<DType> dtype = storage_dtype(a.torch_dtype, a.bf16, a.fp16);
-  const Tokenizer tokenizer = Tokenizer::load(a.tokenizer.empty() ? a.model : a.tokenizer);
-  const std::vector<GenerationRequest> requests = read_requests(a, tokenizer);
+  const std::optional<Tokenizer> tokenizer = load_tokenizer(a);
+  const std::vector<GenerationRequest> requests = read_requests(a, tokenizer ? &*tokenizer : nullptr);
   const InferenceSetup setup = plan_inference_setup(a, requests, startup_rss);
   const ProcessPlan& process = setup.process;
   const std::unique_ptr<Decoder> model = load_model(a.model, setup.options, a.adapter, dtype);
@@ -36,7 +36,7 @@ void generate(const InferenceArgs& a) {
     if (a.adapter.empty()) throw Error("--merge_adapter needs --adapter");
     model->parameters().merge_lora();
   }
-  Generator generator(*model, &tokenizer);
+  Generator generator(*model, tokenizer ? &*tokenizer : nullptr);
   const bool stream = !a.prompt.empty() && !a.json;
   const std::vector<GenerationResult> results = generator.generate(requests, [&](size_t, std::string_view piece) {
     if (!stream) return;

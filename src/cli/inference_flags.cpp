@@ -20,17 +20,27 @@
 
 namespace memtune::cli {
 
-std::vector<int32_t> stop_ids(const InferenceArgs& a, const Tokenizer& tokenizer, bool chat) {
+std::optional<Tokenizer> load_tokenizer(const InferenceArgs& a) {
+  if (a.skip_tokenizer_init) return std::nullopt;
+  return Tokenizer::load(a.tokenizer.empty() ? a.model : a.tokenizer);
+}
+
+std::vector<int32_t> stop_ids(const InferenceArgs& a, const Tokenizer* tokenizer, bool chat) {
   std::set<int32_t> ids(a.stop_token_ids.begin(), a.stop_token_ids.end());
   if (!a.ignore_eos)
     for (const int32_t id : model_stop_ids(a.model, tokenizer, chat)) ids.insert(id);
   return {ids.begin(), ids.end()};
 }
 
-std::vector<GenerationRequest> read_requests(const InferenceArgs& a, const Tokenizer& tokenizer) {
+std::vector<GenerationRequest> read_requests(const InferenceArgs& a, const Tokenizer* tokenizer) {
+  auto text = [&]() -> const Tokenizer& {
+    if (!tokenizer)
+      throw Error("with --skip_tokenizer_init there is no tokenizer: give \"prompt_ids\" lines (token ids)");
+    return *tokenizer;
+  };
   std::optional<ChatTemplate> templ;
   auto chat_template = [&] {
-    if (!templ) templ = resolve_chat_template(a.templ, tokenizer, "tokenizer_config.json");
+    if (!templ) templ = resolve_chat_template(a.templ, text(), "tokenizer_config.json");
     return *templ;
   };
   std::vector<GenerationRequest> requests;
@@ -43,13 +53,13 @@ std::vector<GenerationRequest> read_requests(const InferenceArgs& a, const Token
     r.sampling.stream = requests.size();
     requests.push_back(std::move(r));
   };
-  auto text_prompt = [&](const std::string& text) {
+  auto text_prompt = [&](const std::string& prompt) {
     if (a.chat)
       add_request(
-          chat_prompt_ids(tokenizer, chat_template(), {{.role = "user", .content = text}}, a.system, a.enable_thinking),
+          chat_prompt_ids(text(), chat_template(), {{.role = "user", .content = prompt}}, a.system, a.enable_thinking),
           true);
     else
-      add_request(tokenizer.encode(text), false);
+      add_request(text().encode(prompt), false);
   };
   if (!a.prompt.empty()) {
     text_prompt(a.prompt);
@@ -77,7 +87,7 @@ std::vector<GenerationRequest> read_requests(const InferenceArgs& a, const Token
           v.push_back(static_cast<int32_t>((*ids)[i].as_integer(0, INT32_MAX)));
         add_request(std::move(v), false);
       } else if (const auto messages = r.find("messages")) {
-        add_request(chat_prompt_ids(tokenizer, chat_template(), parse_messages(*messages), a.system, a.enable_thinking),
+        add_request(chat_prompt_ids(text(), chat_template(), parse_messages(*messages), a.system, a.enable_thinking),
                     true);
       } else if (r.has("prompt")) {
         text_prompt(r.string("prompt"));
@@ -165,7 +175,8 @@ void add_inference_flags(CLI::App& app, InferenceArgs& args, InferenceCommand co
     app.add_option("--port", a->port, "port to listen on (0: any free port, printed)")->capture_default_str();
     app.add_option("--api_key,--api-key", a->api_key, "require Authorization: Bearer KEY on /v1 routes");
     app.add_option("--max_queue", a->max_queue, "requests waiting beyond this get 429 with Retry-After")
-        ->capture_default_str();
+        ->capture_default_str()
+        ->check(CLI::PositiveNumber);
     app.add_option("--max_decode_step_tokens", a->max_decode_step_tokens,
                    "tokens a step that decodes holds at most, prompt chunks filling what the decoding streams "
                    "leave (at least 4; 0: up to max_num_batched_tokens): keeps inter-token latency near a decode "
@@ -174,7 +185,8 @@ void add_inference_flags(CLI::App& app, InferenceArgs& args, InferenceCommand co
         ->check(CLI::NonNegativeNumber);
     app.add_option("--shutdown_timeout", a->shutdown_timeout,
                    "seconds in-flight requests may take to finish after SIGTERM / Ctrl-C before they are cancelled")
-        ->capture_default_str();
+        ->capture_default_str()
+        ->check(CLI::NonNegativeNumber);
   } else {
     app.add_option("--adapter", a->adapters,
                    "PEFT LoRA adapter directory, applied without merging; or NAME=DIR, repeated: several adapters "
@@ -183,6 +195,12 @@ void add_inference_flags(CLI::App& app, InferenceArgs& args, InferenceCommand co
                  "merge the adapter into the weights at load (faster: no adapter path in each step)");
   }
   app.add_option("--tokenizer", a->tokenizer, "tokenizer directory (default: the model directory)");
+  if (command == InferenceCommand::Generate || command == InferenceCommand::Serve)
+    app.add_flag("--skip_tokenizer_init", a->skip_tokenizer_init,
+                 serving ? "serve token ids only, without tokenizer files: /v1/completions with a prompt of token "
+                           "ids; answers carry token_ids (text is empty); chat and text prompts are refused"
+                         : "generate from \"prompt_ids\" lines without tokenizer files: results carry token_ids "
+                           "(text is empty)");
   add_backend_option(app, a->backend);
   add_template_option(app, a->templ);
   if (!serving)
@@ -197,7 +215,8 @@ void add_inference_flags(CLI::App& app, InferenceArgs& args, InferenceCommand co
     app.add_flag("--chat", a->chat, "render --prompt and \"prompt\" lines as a user message with the chat template");
     app.add_option("--system", a->system, "system message for chat prompts without one");
     app.add_option("--max_new_tokens", a->max_new_tokens, "the most tokens generated per request")
-        ->capture_default_str();
+        ->capture_default_str()
+        ->check(CLI::PositiveNumber);
     SamplingParams& s = a->sampling;
     app.add_option("--temperature", s.temperature, "0: greedy")->capture_default_str();
     app.add_option("--top_k", s.top_k, "keep the k most likely tokens (0 or -1: all)")->capture_default_str();
@@ -214,12 +233,18 @@ void add_inference_flags(CLI::App& app, InferenceArgs& args, InferenceCommand co
   }
   app.add_option("--max_model_len,--max-model-len", a->max_model_len,
                  serving ? "the most tokens (prompt + output) of one sequence (default: max_position_embeddings)"
-                         : "the most tokens (prompt + output) of one sequence (default: the longest request)");
-  app.add_option("--max_num_seqs,--max-num-seqs", a->max_num_seqs, "sequences decoded together")->capture_default_str();
+                         : "the most tokens (prompt + output) of one sequence (default: the longest request)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--max_num_seqs,--max-num-seqs", a->max_num_seqs, "sequences decoded together")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("--max_num_batched_tokens,--max-num-batched-tokens", a->max_num_batched_tokens,
                  "tokens one step computes: prompts are prefilled in chunks of at most this")
-      ->capture_default_str();
-  app.add_option("--block_size,--block-size", a->block_size, "tokens per KV cache block")->capture_default_str();
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  app.add_option("--block_size,--block-size", a->block_size, "tokens per KV cache block")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("--device_memory", a->device_memory,
                  "size the KV cache from this budget (e.g. 24GiB): what is left after weights and workspace");
   app.add_option("--memory_fraction,--gpu_memory_utilization,--gpu-memory-utilization", a->memory_fraction,
@@ -246,6 +271,9 @@ void add_inference_flags(CLI::App& app, InferenceArgs& args, InferenceCommand co
       throw Error("--adapter: give one adapter DIR, or NAME=DIR for each of several, not both");
     if (a->merge_adapter && !a->named_adapters.empty())
       throw Error("--merge_adapter merges one adapter: it cannot be combined with named adapters");
+    if (a->skip_tokenizer_init && !a->stop.empty())
+      throw Error("--stop: stop strings are matched in text, which --skip_tokenizer_init does not make (use "
+                  "--stop_token_ids)");
     if (command == InferenceCommand::Chat) {
       if (!a->prompt.empty() || !a->input.empty()) throw Error("chat reads its prompts from the terminal");
       return;
@@ -256,7 +284,6 @@ void add_inference_flags(CLI::App& app, InferenceArgs& args, InferenceCommand co
         if (name == (a->served_model_name.empty() ? a->model : a->served_model_name))
           throw Error(fmt::format("--lora_modules {}: the name is the base model's", name));
       if (a->port < 0 || a->port > 65535) throw Error(fmt::format("--port {}: expected 0 to 65535", a->port));
-      if (a->max_queue < 0) throw Error("--max_queue must not be negative");
       return;
     }
     if (!plan_only && a->prompt.empty() == a->input.empty())

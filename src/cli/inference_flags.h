@@ -27,6 +27,7 @@ struct InferenceArgs {
   std::string device_memory, host_memory, preset, quantization;
   bool chat = false, json = false, ignore_eos = false, bf16 = false, fp16 = false, inference = false;
   bool merge_adapter = false;
+  bool skip_tokenizer_init = false;   // generate, serve: token ids in and out, no tokenizer files read
   bool enable_thinking = true;        // Qwen3's template: false writes an empty think block into the prompt
   std::vector<std::string> adapters;  // --adapter values as given
   std::vector<std::pair<std::string, std::string>> named_adapters;  // --adapter NAME=DIR, in order
@@ -50,11 +51,15 @@ void add_inference_flags(CLI::App& app, InferenceArgs& a, InferenceCommand comma
 // Registers the flags of `command` and returns the action that runs `run` on them once parsed.
 std::function<void()> inference_action(CLI::App& app, InferenceCommand command, void (*run)(const InferenceArgs&));
 
-// The stop ids of a request: --stop_token_ids and, unless --ignore_eos, the model's.
-std::vector<int32_t> stop_ids(const InferenceArgs& a, const Tokenizer& tokenizer, bool chat);
+// The tokenizer of --tokenizer (default: the model directory); none with --skip_tokenizer_init.
+std::optional<Tokenizer> load_tokenizer(const InferenceArgs& a);
 
-// The requests of --prompt or --input, each with its prompt ids.
-std::vector<GenerationRequest> read_requests(const InferenceArgs& a, const Tokenizer& tokenizer);
+// The stop ids of a request: --stop_token_ids and, unless --ignore_eos, the model's.
+std::vector<int32_t> stop_ids(const InferenceArgs& a, const Tokenizer* tokenizer, bool chat);
+
+// The requests of --prompt or --input, each with its prompt ids. Without a tokenizer only
+// "prompt_ids" lines are taken (anything else is an Error naming the line).
+std::vector<GenerationRequest> read_requests(const InferenceArgs& a, const Tokenizer* tokenizer);
 
 // What generation will hold: the model's options for the limits (max_model_len: the flag, else
 // the longest request, else the model's max_position_embeddings) and the whole process around it.

@@ -8,6 +8,7 @@
 #include "cli/commands.h"
 #include "core/error.h"
 #include "dist/communicator.h"
+#include "options/arguments.h"
 #include "options/config_file.h"
 
 namespace {
@@ -63,6 +64,7 @@ int main(int argc, char** argv) {
   data->require_subcommand(1);
   CLI::App* data_stats = data->add_subcommand("stats", "token-length statistics of a JSONL dataset");
   commands.emplace_back(data_stats, memtune::cli::add_data_stats(*data_stats));
+  memtune::refuse_non_finite_numbers(app);
   try {
     // The subcommand named on the command line (e.g. "train", or "data stats"), then its flags
     // made into CLI11's: boolean flag values, a --config file (train, plan, eval) and the

@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <iostream>
 #include <memory>
+#include <optional>
 
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
@@ -74,6 +75,7 @@ Action add_dump(CLI::App& app) {
     std::string model, input, out, adapter, backend = "cpu";
     bool gradient_checkpointing = false;
     size_t loss_workspace_bytes = kDefaultLossWorkspaceBytes;
+    std::optional<uint64_t> dropout_seed;
   };
   auto args = std::make_shared<Args>();
   app.add_option("--model", args->model, "model directory (config.json + safetensors)")->required();
@@ -84,6 +86,9 @@ Action add_dump(CLI::App& app) {
   app.add_flag("--gradient_checkpointing", args->gradient_checkpointing, "recompute layer activations in backward");
   app.add_option("--loss_workspace_bytes", args->loss_workspace_bytes, "budget for the LM head's logits chunk")
       ->capture_default_str();
+  app.add_option("--dropout_seed", args->dropout_seed,
+                 "apply the adapter's lora_dropout as training does, its masks drawn from this seed (the mask of "
+                 "layer l, site s is the documented hash of seed ^ ((l * 7 + s + 1) * 0x9e3779b97f4a7c15))");
   add_backend_option(app, args->backend);
   return [args] {
     const nlohmann::json doc = read_json_file(args->input);
@@ -121,6 +126,10 @@ Action add_dump(CLI::App& app) {
     options.with_grads = !args->adapter.empty() || !load_model_config(args->model).quant.enabled();
     const std::unique_ptr<Decoder> model = load_model(args->model, options, args->adapter);
     const ModelConfig& cfg = model->config();
+    if (args->dropout_seed) {
+      if (args->adapter.empty()) throw Error("--dropout_seed applies an adapter's lora_dropout: give --adapter");
+      model->set_dropout_seed(*args->dropout_seed);
+    }
     model->parameters().zero_grads();
     std::vector<float> logits(B * T * static_cast<size_t>(cfg.vocab_size));
     const TokenBatch batch{flat_ids, flat_labels, cu};

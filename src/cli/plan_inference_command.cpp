@@ -26,8 +26,8 @@ void plan_inference(const InferenceArgs& a) {
   const size_t startup_rss = current_rss_bytes();
   std::vector<GenerationRequest> requests;
   if (!a.prompt.empty() || !a.input.empty()) {
-    const Tokenizer tokenizer = Tokenizer::load(a.tokenizer.empty() ? a.model : a.tokenizer);
-    requests = read_requests(a, tokenizer);
+    const std::optional<Tokenizer> tokenizer = load_tokenizer(a);
+    requests = read_requests(a, tokenizer ? &*tokenizer : nullptr);
   }
   InferenceSetup s = plan_inference_setup(a, requests, requests.empty() ? 0 : startup_rss);
   if (requests.empty()) s.process.startup_bytes = startup_rss;

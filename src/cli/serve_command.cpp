@@ -20,15 +20,17 @@ namespace {
 
 void serve(const InferenceArgs& a) {
   const size_t startup_rss = current_rss_bytes();
-  const Tokenizer tokenizer = Tokenizer::load(a.tokenizer.empty() ? a.model : a.tokenizer);
-  const ChatTemplate templ = resolve_chat_template(a.templ, tokenizer, "tokenizer_config.json");
+  const std::optional<Tokenizer> tokenizer = load_tokenizer(a);
+  const Tokenizer* tok = tokenizer ? &*tokenizer : nullptr;
+  const ChatTemplate templ =
+      tok ? resolve_chat_template(a.templ, *tok, "tokenizer_config.json") : ChatTemplate::Qwen2_5;
   const InferenceSetup setup = plan_inference_setup(a, {}, startup_rss);
   const std::optional<DType> dtype = storage_dtype(a.torch_dtype, a.bf16, a.fp16);
   const std::unique_ptr<Decoder> model = load_model(a.model, setup.options, "", dtype);
   for (size_t k = 0; k < a.named_adapters.size(); ++k)
     model->parameters().load_adapter_set(k, a.named_adapters[k].second);
   std::cout << inference_plan_text(setup, model->plan()) << std::flush;
-  GenerationEngine engine(*model, &tokenizer);
+  GenerationEngine engine(*model, tok);
   engine.set_max_decode_step_tokens(a.max_decode_step_tokens.value_or(model->backend().stored_weight_rows()));
   ServeOptions o;
   o.host = a.host;
@@ -39,9 +41,9 @@ void serve(const InferenceArgs& a) {
   o.max_queue = a.max_queue;
   o.shutdown_grace_seconds = a.shutdown_timeout;
   o.chat_template = templ;
-  o.chat_stop_ids = model_stop_ids(a.model, tokenizer, /*chat=*/true);
-  o.completion_stop_ids = model_stop_ids(a.model, tokenizer, /*chat=*/false);
-  Server server(engine, tokenizer, o);
+  o.chat_stop_ids = model_stop_ids(a.model, tok, /*chat=*/true);
+  o.completion_stop_ids = model_stop_ids(a.model, tok, /*chat=*/false);
+  Server server(engine, tok, o);
   const int port = server.bind();
   std::cout << fmt::format("serving {}{} on http://{}:{} (OpenAI API under /v1; /health, /metrics)\n", o.model_name,
                            o.adapter_names.empty() ? std::string()

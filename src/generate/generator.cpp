@@ -37,24 +37,29 @@ struct GenerationEngine::Sequence {
   int64_t output_tokens() const { return static_cast<int64_t>(tokens.size()) - prompt_len; }
 };
 
-std::vector<int32_t> model_stop_ids(const std::string& model_dir, const Tokenizer& tokenizer, bool chat) {
+std::vector<int32_t> model_stop_ids(const std::string& model_dir, const Tokenizer* tokenizer, bool chat) {
   std::set<int32_t> ids;
-  if (const auto eos = tokenizer.eos_token_id()) ids.insert(*eos);
-  if (chat)
-    for (const char* end : {"<|im_end|>", "<|eot_id|>"})  // ChatML's and Llama 3's end of a turn
-      if (const auto id = tokenizer.token_to_id(end)) ids.insert(*id);
-  const std::filesystem::path gen = std::filesystem::path(model_dir) / "generation_config.json";
-  if (std::filesystem::exists(gen)) {
-    const nlohmann::json doc = read_json_file(gen);
-    const JsonReader r(doc, gen.string());
-    if (const auto eos = r.find("eos_token_id")) {
-      if (eos->value().is_array()) {
-        for (size_t i = 0; i < eos->size(); ++i) ids.insert(static_cast<int32_t>((*eos)[i].as_integer(0, INT32_MAX)));
-      } else {
-        ids.insert(static_cast<int32_t>(eos->as_integer(0, INT32_MAX)));
-      }
-    }
+  if (tokenizer) {
+    if (const auto eos = tokenizer->eos_token_id()) ids.insert(*eos);
+    if (chat)
+      for (const char* end : {"<|im_end|>", "<|eot_id|>"})  // ChatML's and Llama 3's end of a turn
+        if (const auto id = tokenizer->token_to_id(end)) ids.insert(*id);
   }
+  auto read_eos = [&](const char* name) {
+    const std::filesystem::path file = std::filesystem::path(model_dir) / name;
+    if (!std::filesystem::exists(file)) return;
+    const nlohmann::json doc = read_json_file(file);
+    const JsonReader r(doc, file.string());
+    const auto eos = r.find("eos_token_id");
+    if (!eos || eos->value().is_null()) return;
+    if (eos->value().is_array()) {
+      for (size_t i = 0; i < eos->size(); ++i) ids.insert(static_cast<int32_t>((*eos)[i].as_integer(0, INT32_MAX)));
+    } else {
+      ids.insert(static_cast<int32_t>(eos->as_integer(0, INT32_MAX)));
+    }
+  };
+  read_eos("generation_config.json");
+  if (!tokenizer) read_eos("config.json");
   return {ids.begin(), ids.end()};
 }
 

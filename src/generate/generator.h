@@ -58,8 +58,9 @@ using TextCallback = std::function<void(size_t index, std::string_view piece)>;
 
 // The ids that end a reply: the tokenizer's eos, the model directory's generation_config.json
 // eos_token_id (a number or a list) and, for chat prompts, <|im_end|> and <|eot_id|> (where the
-// tokenizer has them); sorted, no repeats.
-std::vector<int32_t> model_stop_ids(const std::string& model_dir, const Tokenizer& tokenizer, bool chat);
+// tokenizer has them); sorted, no repeats. Without a tokenizer (--skip_tokenizer_init), config.json's
+// eos_token_id stands in for the tokenizer's.
+std::vector<int32_t> model_stop_ids(const std::string& model_dir, const Tokenizer* tokenizer, bool chat);
 
 // What one request reports while it runs, on the thread that calls GenerationEngine::step().
 struct RequestCallbacks {

@@ -153,13 +153,15 @@ size_t parse_bytes(const std::string& text, std::string_view flag) {
   } catch (const std::exception&) {
     throw Error(fmt::format("{} \"{}\": expected a size such as 24GiB or 16GB", flag, text));
   }
+  if (!std::isfinite(value) || value <= 0)
+    throw Error(fmt::format("{} \"{}\": expected a positive size such as 24GiB or 16GB", flag, text));
   std::string unit = text.substr(pos);
   unit.erase(0, unit.find_first_not_of(' '));
   const std::pair<const char*, double> units[] = {
       {"", 1},     {"B", 1},    {"KiB", 1024.0}, {"MiB", 1048576.0}, {"GiB", 1073741824.0}, {"TiB", 1099511627776.0},
       {"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9},     {"TB", 1e12}};
   for (const auto& [name, factor] : units)
-    if (unit == name && value >= 0) return static_cast<size_t>(std::llround(value * factor));
+    if (unit == name) return static_cast<size_t>(std::llround(value * factor));
   throw Error(fmt::format("{} \"{}\": unknown unit (use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)", flag, text));
 }
 

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
+#include <cstdlib>
 #include <filesystem>
 
 #include "core/error.h"
@@ -63,6 +65,9 @@ void add_training_arguments(CLI::App& app, TrainingArguments& a, ArgumentsFor us
   app.add_option("--save_steps", a.save_steps)->capture_default_str();
   app.add_option("--save_total_limit", a.save_total_limit, "keep at most this many checkpoints (0: all)");
   app.add_option("--resume_from_checkpoint", a.resume_from_checkpoint, "a checkpoint directory, or \"last\"");
+  app.add_flag("--overwrite_output_dir", a.overwrite_output_dir,
+               "replace the outputs of an earlier run in --output_dir (checkpoints, model or adapter, logs), removed "
+               "once this run has passed its checks; without it such a directory is refused unless resuming");
   app.add_flag("--ignore_data_mismatch", a.ignore_data_mismatch,
                "resume although the training file differs from the one the checkpoint was trained on");
   app.add_option("--seed", a.seed)->capture_default_str();
@@ -112,6 +117,19 @@ void add_template_option(CLI::App& app, std::string& name) {
       ->transform([](std::string t) { return t == "qwen" ? std::string("qwen2_5") : t; });
 }
 
+void refuse_non_finite_numbers(CLI::App& app) {
+  const CLI::Validator finite(
+      [](std::string& text) {
+        char* end = nullptr;
+        const double value = std::strtod(text.c_str(), &end);
+        return end != text.c_str() && !std::isfinite(value) ? "expected a finite number, got " + text : std::string();
+      },
+      "");
+  for (CLI::Option* option : app.get_options())
+    if (option->get_type_name().find("FLOAT") != std::string::npos) option->check(finite);
+  for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) refuse_non_finite_numbers(*sub);
+}
+
 void check_local_dataset(const std::string& path, const char* flags) {
   if (path.empty() || std::filesystem::exists(path)) return;
   throw Error(
@@ -132,8 +150,22 @@ void validate_training_arguments(const TrainingArguments& a) {
   positive(a.gradient_accumulation_steps, "gradient_accumulation_steps");
   positive(a.max_length, "max_length");
   positive(a.logging_steps, "logging_steps");
-  if (a.max_steps <= 0 && a.num_train_epochs <= 0)
-    throw Error("nothing to train: --max_steps and --num_train_epochs are both <= 0");
+  if (a.max_steps == 0 || a.max_steps < -1)
+    throw Error(fmt::format("--max_steps must be positive, or -1 (train --num_train_epochs), got {}", a.max_steps));
+  if (a.num_train_epochs < 0) throw Error(fmt::format("--num_train_epochs must not be negative, got {}", a.num_train_epochs));
+  if (a.max_steps < 0 && a.num_train_epochs == 0)
+    throw Error("nothing to train: --num_train_epochs is 0 and --max_steps is not set");
+  auto not_negative = [](double v, const char* name) {
+    if (v < 0) throw Error(fmt::format("--{} must not be negative, got {}", name, v));
+  };
+  not_negative(a.learning_rate, "learning_rate");
+  not_negative(a.weight_decay, "weight_decay");
+  not_negative(a.adam_epsilon, "adam_epsilon");
+  not_negative(static_cast<double>(a.warmup_steps), "warmup_steps");
+  not_negative(static_cast<double>(a.save_total_limit), "save_total_limit");
+  not_negative(static_cast<double>(a.eval_steps), "eval_steps");
+  for (const auto& [beta, name] : {std::pair{a.adam_beta1, "adam_beta1"}, std::pair{a.adam_beta2, "adam_beta2"}})
+    if (beta < 0 || beta >= 1) throw Error(fmt::format("--{} must be in [0, 1), got {}", name, beta));
   if (a.bf16 && a.fp16) throw Error("--bf16 and --fp16 are mutually exclusive");
   if (a.tuner_type != "lora" && a.tuner_type != "full")
     throw Error(
@@ -141,6 +173,7 @@ void validate_training_arguments(const TrainingArguments& a) {
                     "\"{}\"; memtune trains LoRA adapters or every weight, not {}",
                     a.tuner_type, a.tuner_type == "freeze" ? "frozen layers (freeze)" : "that method"));
   if (a.tuner_type == "lora" && a.lora_rank <= 0) throw Error("--lora_rank must be positive with --tuner_type lora");
+  if (a.tuner_type == "lora" && a.lora_alpha <= 0) throw Error("--lora_alpha must be positive with --tuner_type lora");
   if (a.lora_dropout < 0 || a.lora_dropout >= 1) throw Error("--lora_dropout must be in [0, 1)");
   if (a.save_strategy != "steps" && a.save_strategy != "epoch" && a.save_strategy != "no")
     throw Error(fmt::format("--save_strategy must be steps, epoch or no, got \"{}\"", a.save_strategy));

@@ -57,6 +57,7 @@ struct TrainingArguments {
   int64_t save_total_limit = 0;        // 0: keep all
   std::string resume_from_checkpoint;  // a checkpoint dir, or "last"
   bool ignore_data_mismatch = false;   // resume although the training file changed
+  bool overwrite_output_dir = false;   // replace an earlier run's outputs in output_dir (else refused)
   uint64_t seed = 42;
   std::optional<uint64_t> data_seed;
   // Precision and memory.
@@ -97,6 +98,10 @@ void add_template_option(CLI::App& app, std::string& name);
 
 // A dataset flag's value must be an existing local file; `flags` names the flag and its aliases.
 void check_local_dataset(const std::string& path, const char* flags);
+
+// Every floating-point option of `app` and its subcommands refuses nan and inf (a flag or a
+// --config key alike): "--learning_rate: expected a finite number, got nan".
+void refuse_non_finite_numbers(CLI::App& app);
 
 // Refuses impossible combinations, naming the flags.
 void validate_training_arguments(const TrainingArguments& args);

@@ -33,7 +33,7 @@ std::string lower(std::string s) {
 const std::set<std::string, std::less<>>& ignored_keys() {
   static const std::set<std::string, std::less<>> keys = {
       // Hugging Face TrainingArguments
-      "overwrite_output_dir", "do_train", "do_eval", "do_predict", "prediction_loss_only", "torch_empty_cache_steps",
+      "do_train", "do_eval", "do_predict", "prediction_loss_only", "torch_empty_cache_steps",
       "log_level", "log_level_replica", "log_on_each_node", "logging_dir", "logging_strategy", "logging_first_step",
       "logging_nan_inf_filter", "save_safetensors", "save_on_each_node", "save_only_model",
       "restore_callback_states_from_checkpoint", "no_cuda", "use_cpu", "use_mps_device", "jit_mode_eval", "use_ipex",

@@ -48,8 +48,9 @@ json stream_choice(bool chat, const std::string& text, const json& finish) {
 
 }  // namespace
 
-CompletionResponse::CompletionResponse(Endpoint endpoint, std::string model, int64_t prompt_tokens)
+CompletionResponse::CompletionResponse(Endpoint endpoint, std::string model, int64_t prompt_tokens, bool token_ids)
     : chat_(endpoint == Endpoint::ChatCompletions),
+      token_ids_(token_ids),
       id_((chat_ ? "chatcmpl-" : "cmpl-") + random_hex()),
       model_(std::move(model)),
       created_(static_cast<int64_t>(std::time(nullptr))),
@@ -61,6 +62,7 @@ std::string CompletionResponse::whole(const GenerationResult& result) const {
     choice["message"] = {{"role", "assistant"}, {"content", result.text}};
   else
     choice["text"] = result.text;
+  if (token_ids_) choice["token_ids"] = result.token_ids;
   const json out = {
       {"id", id_},           {"object", chat_ ? "chat.completion" : "text_completion"},
       {"created", created_}, {"model", model_},
@@ -75,6 +77,12 @@ std::string CompletionResponse::opening_event() const {
 
 std::string CompletionResponse::text_event(const std::string& text) const {
   return event(chunk(json::array({stream_choice(chat_, text, nullptr)})));
+}
+
+std::string CompletionResponse::token_ids_event(const std::vector<int32_t>& ids) const {
+  json choice = stream_choice(chat_, "", nullptr);
+  choice["token_ids"] = ids;
+  return event(chunk(json::array({choice})));
 }
 
 std::string CompletionResponse::finish_event(const std::string& finish_reason) const {

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json_fwd.hpp>
 
@@ -16,8 +17,9 @@ namespace memtune {
 
 class CompletionResponse {
  public:
-  // A fresh id (chatcmpl-... or cmpl-...) and the creation time, shared by all its events.
-  CompletionResponse(Endpoint endpoint, std::string model, int64_t prompt_tokens);
+  // A fresh id (chatcmpl-... or cmpl-...) and the creation time, shared by all its events. With
+  // token_ids (a server without a tokenizer), each choice also carries its tokens' ids.
+  CompletionResponse(Endpoint endpoint, std::string model, int64_t prompt_tokens, bool token_ids = false);
 
   // The non-streamed answer (JSON).
   std::string whole(const GenerationResult& result) const;
@@ -25,6 +27,8 @@ class CompletionResponse {
   // Server-sent events ("data: ...\n\n"). The opening event is chat's alone (empty otherwise).
   std::string opening_event() const;
   std::string text_event(const std::string& text) const;
+  std::string token_ids_event(const std::vector<int32_t>& ids) const;  // a completion chunk: "", token_ids
+  bool with_token_ids() const { return token_ids_; }
   std::string finish_event(const std::string& finish_reason) const;
   std::string usage_event(int64_t completion_tokens) const;
   static std::string error_event(const std::string& message);
@@ -35,7 +39,7 @@ class CompletionResponse {
  private:
   nlohmann::json chunk(nlohmann::json choices) const;  // a stream chunk's fields around its choices
 
-  bool chat_;
+  bool chat_, token_ids_;
   std::string id_, model_;
   int64_t created_, prompt_tokens_;
 };

@@ -64,7 +64,14 @@ void EngineLoop::start(GenerationRequest request, const std::shared_ptr<Channel>
     }
     channel->cv.notify_all();
   };
-  callbacks.on_token = [this, channel](int32_t) {
+  callbacks.on_token = [this, channel](int32_t id) {
+    if (channel->collect_ids) {
+      {
+        const std::lock_guard lock(channel->mu);
+        channel->ids.push_back(id);
+      }
+      channel->cv.notify_all();
+    }
     const auto now = Clock::now();
     if (channel->has_token)
       metrics_.observe_token_gap(std::chrono::duration<double>(now - channel->last_token).count());

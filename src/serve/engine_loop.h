@@ -31,6 +31,8 @@ struct Channel {
   std::mutex mu;
   std::condition_variable cv;
   std::deque<std::string> pieces;  // text not yet sent (streaming)
+  bool collect_ids = false;        // a server without a tokenizer streams token ids instead
+  std::vector<int32_t> ids;        // token ids not yet sent (streaming, collect_ids)
   bool finished = false;
   GenerationResult result;
   std::string error;  // set with finished when the engine refused the request

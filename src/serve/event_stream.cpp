@@ -8,7 +8,7 @@
 namespace memtune {
 
 void stream_completion(httplib::Response& res, const std::shared_ptr<Channel>& channel, CompletionResponse response,
-                       bool include_usage, std::function<void()> on_disconnect) {
+                       bool include_usage, std::function<void(bool)> on_end) {
   using Clock = Channel::Clock;
   res.set_header("Cache-Control", "no-cache");
   auto started = std::make_shared<bool>(false);
@@ -26,16 +26,20 @@ void stream_completion(httplib::Response& res, const std::shared_ptr<Channel>& c
           if (!opening.empty() && !send(opening)) return false;
         }
         std::deque<std::string> pieces;
+        std::vector<int32_t> ids;
         bool finished = false;
         {
           std::unique_lock lock(channel->mu);
-          channel->cv.wait_for(lock, std::chrono::milliseconds(100),
-                               [&] { return !channel->pieces.empty() || channel->finished; });
+          channel->cv.wait_for(lock, std::chrono::milliseconds(100), [&] {
+            return !channel->pieces.empty() || !channel->ids.empty() || channel->finished;
+          });
           pieces.swap(channel->pieces);
+          ids.swap(channel->ids);
           finished = channel->finished;
         }
         for (const std::string& piece : pieces)
           if (!send(response.text_event(piece))) return false;
+        if (!ids.empty() && !send(response.token_ids_event(ids))) return false;
         if (!finished) {
           if (Clock::now() - *last_write > std::chrono::seconds(1)) return send(CompletionResponse::kKeepAlive);
           return true;
@@ -51,9 +55,7 @@ void stream_completion(httplib::Response& res, const std::shared_ptr<Channel>& c
         sink.done();
         return true;
       },
-      [on_disconnect = std::move(on_disconnect)](bool success) {
-        if (!success) on_disconnect();
-      });
+      [on_end = std::move(on_end)](bool success) { on_end(success); });
 }
 
 }  // namespace memtune

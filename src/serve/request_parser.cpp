@@ -132,7 +132,7 @@ std::vector<int32_t> chat_prompt(const Fields& body, const ServedModel& served) 
     enable_thinking = v.get<bool>();
   }
   try {
-    return chat_prompt_ids(served.tokenizer, served.chat_template, std::move(messages), {}, enable_thinking);
+    return chat_prompt_ids(*served.tokenizer, served.chat_template, std::move(messages), {}, enable_thinking);
   } catch (const Error& e) {
     throw ApiError(400, e.what(), "messages");
   }
@@ -143,7 +143,14 @@ std::vector<int32_t> completion_prompt(const Fields& body, const ServedModel& se
   const json* prompt = &body["prompt"];
   if (prompt->is_array() && prompt->size() == 1 && ((*prompt)[0].is_string() || (*prompt)[0].is_array()))
     prompt = &(*prompt)[0];
-  if (prompt->is_string()) return served.tokenizer.encode(prompt->get<std::string>());
+  if (prompt->is_string()) {
+    if (!served.tokenizer)
+      throw ApiError(400,
+                     "this server was started with --skip_tokenizer_init: the prompt must be token ids, e.g. "
+                     "\"prompt\": [9707, 1879]",
+                     "prompt");
+    return served.tokenizer->encode(prompt->get<std::string>());
+  }
   if (!prompt->is_array() ||
       !std::all_of(prompt->begin(), prompt->end(), [](const json& x) { return x.is_number_integer(); }))
     throw ApiError(400, "prompt must be a string or an array of token ids (one prompt per request)", "prompt");
@@ -188,6 +195,11 @@ ParsedRequest parse_request(std::string_view text, Endpoint endpoint, const Serv
   if (body.has("suffix")) throw ApiError(400, "suffix is not supported", "suffix");
 
   // The prompt.
+  if (chat && !served.tokenizer)
+    throw ApiError(400,
+                   "this server was started with --skip_tokenizer_init: chat messages need the tokenizer; send "
+                   "token ids to /v1/completions",
+                   "messages");
   if (chat) {
     r.prompt_ids = chat_prompt(body, served);
     r.stop_ids = served.chat_stop_ids;
@@ -265,8 +277,24 @@ ParsedRequest parse_request(std::string_view text, Endpoint endpoint, const Serv
     }
     for (const std::string& x : r.stop)
       if (x.empty()) throw ApiError(400, "a stop string is empty", "stop");
+    if (!r.stop.empty() && !served.tokenizer)
+      throw ApiError(400,
+                     "stop strings are matched in text, which a server started with --skip_tokenizer_init does not "
+                     "make: use stop_token_ids",
+                     "stop");
   }
   if (body.flag("ignore_eos")) r.stop_ids.clear();  // vLLM's extension: always max_tokens
+  if (body.has("stop_token_ids")) {  // vLLM's extension: more ids that end the reply
+    const json& ids = body["stop_token_ids"];
+    if (!ids.is_array()) throw ApiError(400, "stop_token_ids must be an array of token ids", "stop_token_ids");
+    for (const json& id : ids) {
+      if (!id.is_number_integer() || id.get<int64_t>() < 0 ||
+          (served.vocab_size > 0 && id.get<int64_t>() >= served.vocab_size))
+        throw ApiError(400, fmt::format("stop_token_ids: {} is not a token id of this model", id.dump()),
+                       "stop_token_ids");
+      r.stop_ids.push_back(id.get<int32_t>());
+    }
+  }
   p.stream = body.flag("stream");
   if (body.has("stream_options") && body["stream_options"].is_object() &&
       body["stream_options"].contains("include_usage") && !body["stream_options"]["include_usage"].is_null()) {

@@ -27,7 +27,9 @@ enum class Endpoint { ChatCompletions, Completions };
 
 // What a request may ask for: the model names it can select and how its prompt becomes ids.
 struct ServedModel {
-  const Tokenizer& tokenizer;
+  // Null with --skip_tokenizer_init: completions take token ids only; chat, text prompts and stop
+  // strings are refused.
+  const Tokenizer* tokenizer = nullptr;
   std::string name;                        // the base model's name in requests
   std::vector<std::string> adapter_names;  // the name of the engine model's adapter set k
   ChatTemplate chat_template = ChatTemplate::Qwen2_5;

@@ -7,6 +7,10 @@
 #include <fmt/format.h>
 #include <httplib.h>
 
+#include <sys/socket.h>
+
+#include <atomic>
+#include <chrono>
 #include <csignal>
 #include <ctime>
 #include <thread>
@@ -43,7 +47,7 @@ bool keys_equal(const std::string& presented, const std::string& expected) {
 }
 
 struct Server::State {
-  State(GenerationEngine& e, const Tokenizer& t, ServeOptions o)
+  State(GenerationEngine& e, const Tokenizer* t, ServeOptions o)
       : engine(e),
         options(std::move(o)),
         served{.tokenizer = t,
@@ -62,6 +66,12 @@ struct Server::State {
   EngineLoop loop;
   httplib::Server http;
   int port = 0;
+  // The listening socket, while it listens: shutting it down makes the library's accept loop end
+  // (it closes the socket and waits for its workers) without cutting the streams in progress,
+  // which httplib::Server::stop() would.
+  std::atomic<int> listen_fd{-1};
+
+  void stop_listening();
 
   void handle_completion(const httplib::Request& req, httplib::Response& res, Endpoint endpoint);
   std::string models_json() const;
@@ -76,7 +86,9 @@ void Server::State::handle_completion(const httplib::Request& req, httplib::Resp
     throw engine_refusal(e, p);
   }
   auto channel = std::make_shared<Channel>();
-  const CompletionResponse response(endpoint, p.model, static_cast<int64_t>(p.request.prompt_ids.size()));
+  channel->collect_ids = p.stream && served.tokenizer == nullptr;
+  const CompletionResponse response(endpoint, p.model, static_cast<int64_t>(p.request.prompt_ids.size()),
+                                    served.tokenizer == nullptr);
   loop.submit(std::move(p.request), channel);
 
   if (!p.stream) {
@@ -88,7 +100,14 @@ void Server::State::handle_completion(const httplib::Request& req, httplib::Resp
     res.set_content(response.whole(channel->result), "application/json");
     return;
   }
-  stream_completion(res, channel, response, p.include_usage, [this, channel] { loop.cancel(channel); });
+  stream_completion(res, channel, response, p.include_usage, [this, channel](bool complete) {
+    if (!complete) loop.cancel(channel);
+  });
+}
+
+void Server::State::stop_listening() {
+  const int fd = listen_fd.exchange(-1);
+  if (fd >= 0) ::shutdown(fd, SHUT_RDWR);
 }
 
 std::string Server::State::models_json() const {
@@ -112,13 +131,20 @@ std::string Server::State::models_json() const {
   return json{{"object", "list"}, {"data", data}}.dump();
 }
 
-Server::Server(GenerationEngine& engine, const Tokenizer& tokenizer, ServeOptions options)
+Server::Server(GenerationEngine& engine, const Tokenizer* tokenizer, ServeOptions options)
     : state_(std::make_unique<State>(engine, tokenizer, std::move(options))) {
   State& s = *state_;
   httplib::Server& http = s.http;
   const size_t threads = s.options.http_threads;
   http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
   http.set_payload_max_length(s.options.max_body_bytes);
+  // The library's default also sets SO_REUSEPORT, which would let a second server bind a port in
+  // use; this one records the listening socket for a graceful stop.
+  http.set_socket_options([&s](int sock) {
+    const int yes = 1;
+    ::setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
+    s.listen_fd = sock;
+  });
   http.set_keep_alive_timeout(5);
   http.set_read_timeout(30);
   http.set_write_timeout(30);
@@ -196,15 +222,29 @@ int Server::bind() {
 void Server::run(const std::function<bool()>& stop_requested) {
   State& s = *state_;
   std::signal(SIGPIPE, SIG_IGN);  // a client gone mid-write is an error return, not a signal
-  std::thread listener([&s] { s.http.listen_after_bind(); });
-  try {
-    s.loop.run(stop_requested, [&s] { s.http.stop(); });
-  } catch (...) {
-    s.http.stop();
+  std::atomic<bool> listener_done{false};
+  std::thread listener([&s, &listener_done] {
+    s.http.listen_after_bind();
+    listener_done = true;
+  });
+  // Stopped listening, the library ends once its workers have written their last responses
+  // (streams end promptly once their requests have finished or been aborted; an idle keep-alive
+  // connection is held for its 5-second timeout). Should it not, it is stopped outright.
+  auto finish = [&] {
+    using Clock = std::chrono::steady_clock;
+    const auto give_up = Clock::now() + std::chrono::seconds(15);
+    while (!listener_done && Clock::now() < give_up) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    if (!listener_done) s.http.stop();
     listener.join();
+  };
+  try {
+    s.loop.run(stop_requested, [&s] { s.stop_listening(); });
+  } catch (...) {
+    s.stop_listening();
+    finish();
     throw;
   }
-  listener.join();
+  finish();
 }
 
 }  // namespace memtune

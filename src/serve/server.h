@@ -48,15 +48,18 @@ struct ServeOptions {
 
 class Server {
  public:
-  Server(GenerationEngine& engine, const Tokenizer& tokenizer, ServeOptions options);
+  // tokenizer: null serves token ids only (--skip_tokenizer_init).
+  Server(GenerationEngine& engine, const Tokenizer* tokenizer, ServeOptions options);
   ~Server();
   Server(const Server&) = delete;
   Server& operator=(const Server&) = delete;
   // Binds the listening socket; returns the port. An Error naming host and port on failure.
   int bind();
   // Serves (on the calling thread: the engine; HTTP on worker threads) until stop_requested()
-  // says yes, asked every few milliseconds. Then it stops accepting, lets in-flight requests
-  // finish for up to shutdown_grace_seconds, cancels what is left, and returns.
+  // says yes, asked every few milliseconds. Then it closes the listening socket (new connections
+  // are refused), lets running and queued requests finish for up to shutdown_grace_seconds,
+  // ends what is left with finish_reason "abort" (a stream still gets its last chunk and
+  // [DONE]; a whole answer gets 503), waits until the responses are written, and returns.
   void run(const std::function<bool()>& stop_requested);
 
   struct State;  // shared between the HTTP workers and the engine thread (server.cpp)

@@ -18,6 +18,34 @@ namespace memtune {
 
 namespace fs = std::filesystem;
 
+namespace {
+
+bool is_run_output(const std::string& name) {
+  static const char* const kFiles[] = {"run_args.json", "trainer_state.json", "log.jsonl", "memory.json",
+                                       "memory.jsonl", "report.html", "config.json", "generation_config.json",
+                                       "adapter_config.json", "adapter_model.safetensors", "tokenizer.json",
+                                       "tokenizer_config.json", "model.safetensors.index.json"};
+  for (const char* file : kFiles)
+    if (name == file) return true;
+  return name.starts_with("checkpoint-") || name.starts_with("tmp-checkpoint-") ||
+         (name.starts_with("model") && name.ends_with(".safetensors"));
+}
+
+}  // namespace
+
+std::vector<std::string> earlier_run_outputs(const fs::path& output_dir) {
+  std::vector<std::string> out;
+  if (!fs::is_directory(output_dir)) return out;
+  for (const auto& e : fs::directory_iterator(output_dir))
+    if (const std::string name = e.path().filename().string(); is_run_output(name)) out.push_back(name);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+void remove_earlier_run_outputs(const fs::path& output_dir) {
+  for (const std::string& name : earlier_run_outputs(output_dir)) fs::remove_all(output_dir / name);
+}
+
 std::vector<std::pair<int64_t, fs::path>> list_checkpoints(const fs::path& output_dir) {
   std::vector<std::pair<int64_t, fs::path>> out;
   if (!fs::exists(output_dir)) return out;

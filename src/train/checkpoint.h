@@ -24,6 +24,13 @@ namespace memtune {
 // The checkpoint-{N} directories of output_dir, oldest first.
 std::vector<std::pair<int64_t, std::filesystem::path>> list_checkpoints(const std::filesystem::path& output_dir);
 
+// What an earlier run (or a model) left in output_dir that a new run would overwrite or mix with:
+// checkpoint-*, tmp-checkpoint-*, run_args.json, trainer_state.json, log.jsonl, memory.json(l),
+// report.html, and model or adapter files. Names, sorted; empty when none (or no directory).
+std::vector<std::string> earlier_run_outputs(const std::filesystem::path& output_dir);
+// Removes them (--overwrite_output_dir); anything else in the directory stays.
+void remove_earlier_run_outputs(const std::filesystem::path& output_dir);
+
 // Keeps at most `limit` checkpoints: the oldest go first, but never `keep` (the best
 // checkpoint) nor the newest (with a limit of 1 and a best that is not the newest, two remain,
 // as in Hugging Face).

@@ -74,6 +74,8 @@ class TrainingRun {
   void write_model_files(const fs::path& dir) const;
   json trainer_state() const;
 
+  void check_output_dir() const;
+  void prepare_output_dir() const;
   void show_progress(const StepResult& r, double elapsed);
   void run_evaluation();
   bool is_best_step(int64_t step) const { return progress_.best_global_step == step; }
@@ -137,21 +139,15 @@ void TrainingRun::run() {
                                                                : "eval_" + args_.metric_for_best_model;
   greater_is_better_ = args_.greater_is_better.value_or(!best_key_.ends_with("loss"));
   output_dir_ = args_.output_dir;
-  if (root_) {
-    create_directory(output_dir_.string(), "--output_dir");
-    // A save interrupted by a crash leaves only a tmp-checkpoint-N behind; it was never complete.
-    for (const auto& e : fs::directory_iterator(output_dir_))
-      if (e.path().filename().string().starts_with("tmp-checkpoint-")) fs::remove_all(e.path());
-    json recorded = arguments_;
-    recorded["world_size"] = comm_.world_size();
-    write_file_atomically((output_dir_ / "run_args.json").string(), recorded.dump(2) + "\n");
-  }
-  comm_.barrier();  // the output directory exists before any rank looks at it
+  check_output_dir();
   const size_t startup_rss = current_rss_bytes();
   load_data();
   process_.measure_preparation(startup_rss);
   build_model();
   if (!args_.resume_from_checkpoint.empty()) resume();
+  // Every check has passed: only now is anything written into the output directory.
+  if (root_) prepare_output_dir();
+  comm_.barrier();  // the output directory exists before any rank writes into it
   if (root_) {
     log_file_.open(output_dir_ / "log.jsonl", std::ios::app);
     if (!log_file_) throw Error(fmt::format("{}: cannot write log.jsonl", output_dir_.string()));
@@ -175,6 +171,32 @@ void TrainingRun::run() {
                                   (output_dir_ / fmt::format("checkpoint-{}", progress_.global_step)).string()));
   }
   save_final();
+}
+
+// A directory holding an earlier run's outputs (or a model) is refused unless this run resumes
+// from it or replaces them: a new run's files mixed with another run's would describe neither.
+void TrainingRun::check_output_dir() const {
+  if (!args_.resume_from_checkpoint.empty() || args_.overwrite_output_dir) return;
+  const std::vector<std::string> earlier = earlier_run_outputs(output_dir_);
+  if (earlier.empty()) return;
+  throw Error(fmt::format(
+      "--output_dir {} holds the outputs of an earlier run or a model ({}): continue that run with "
+      "--resume_from_checkpoint last, replace its outputs with --overwrite_output_dir, or choose another directory",
+      output_dir_.string(), fmt::join(earlier, ", ")));
+}
+
+void TrainingRun::prepare_output_dir() const {
+  create_directory(output_dir_.string(), "--output_dir");
+  if (args_.overwrite_output_dir && args_.resume_from_checkpoint.empty()) {
+    remove_earlier_run_outputs(output_dir_);
+  } else {
+    // A save interrupted by a crash leaves only a tmp-checkpoint-N behind; it was never complete.
+    for (const auto& e : fs::directory_iterator(output_dir_))
+      if (e.path().filename().string().starts_with("tmp-checkpoint-")) fs::remove_all(e.path());
+  }
+  json recorded = arguments_;
+  recorded["world_size"] = comm_.world_size();
+  write_file_atomically((output_dir_ / "run_args.json").string(), recorded.dump(2) + "\n");
 }
 
 void TrainingRun::show_progress(const StepResult& r, double elapsed) {
@@ -214,7 +236,7 @@ void TrainingRun::load_data() {
   // decodes with it, so there it stays (and counts as prepared data).
   tokenizer_vocab_size_ = tokenizer_->vocab_size();
   if (generation_) {
-    generation_stop_ids_ = model_stop_ids(args_.model_name_or_path, *tokenizer_, /*chat=*/true);
+    generation_stop_ids_ = model_stop_ids(args_.model_name_or_path, &*tokenizer_, /*chat=*/true);
   } else {
     tokenizer_.reset();
     malloc_trim(0);
@@ -356,31 +378,40 @@ void TrainingRun::save_checkpoint() {
   // on rank 0 first (every rank takes part), otherwise rank 0 writes its own copy.
   const fs::path final_dir = output_dir_ / fmt::format("checkpoint-{}", progress_.global_step);
   const fs::path tmp = output_dir_ / fmt::format("tmp-checkpoint-{}", progress_.global_step);
-  if (root_) {
-    fs::remove_all(tmp);
-    fs::create_directories(tmp);
-    write_model_files(tmp);
+  try {
+    if (root_) {
+      fs::remove_all(tmp);
+      fs::create_directories(tmp);
+      write_model_files(tmp);
+    }
+    write_optimizer_state(model_->parameters(), model_->arena(), comm_, tmp / "optimizer.safetensors");
+    if (!root_) return;
+    write_file_atomically((tmp / "trainer_state.json").string(), trainer_state().dump(2) + "\n");
+    json position = {{"global_step", progress_.global_step},
+                     {"optimizer_steps", trainer_->global_step()},
+                     {"loss_scale", trainer_->loss_scale()},
+                     {"good_steps", trainer_->good_steps()},
+                     {"epoch", progress_.epoch},
+                     {"batches_in_epoch", progress_.batches_in_epoch},
+                     {"num_input_tokens_seen", progress_.num_input_tokens_seen}};
+    position.update(run_identity_json(run_identity()));
+    write_file_atomically((tmp / "memtune_state.json").string(), position.dump(2) + "\n");
+    fs::remove_all(final_dir);
+    fs::rename(tmp, final_dir);
+    if (is_best_step(progress_.global_step)) {
+      progress_.best_model_checkpoint = final_dir.string();
+      write_file_atomically((final_dir / "trainer_state.json").string(), trainer_state().dump(2) + "\n");
+    }
+    rotate_checkpoints(output_dir_, args_.save_total_limit, progress_.best_model_checkpoint);
+    out_ << (terminal_ ? "\r\x1b[2K" : "") << fmt::format("saved {}\n", final_dir.string());
+  } catch (...) {
+    // A save that failed (a full disk, say) leaves nothing behind; the earlier checkpoints stay.
+    if (root_) {
+      std::error_code ignored;
+      fs::remove_all(tmp, ignored);
+    }
+    throw;
   }
-  write_optimizer_state(model_->parameters(), model_->arena(), comm_, tmp / "optimizer.safetensors");
-  if (!root_) return;
-  write_file_atomically((tmp / "trainer_state.json").string(), trainer_state().dump(2) + "\n");
-  json position = {{"global_step", progress_.global_step},
-                   {"optimizer_steps", trainer_->global_step()},
-                   {"loss_scale", trainer_->loss_scale()},
-                   {"good_steps", trainer_->good_steps()},
-                   {"epoch", progress_.epoch},
-                   {"batches_in_epoch", progress_.batches_in_epoch},
-                   {"num_input_tokens_seen", progress_.num_input_tokens_seen}};
-  position.update(run_identity_json(run_identity()));
-  write_file_atomically((tmp / "memtune_state.json").string(), position.dump(2) + "\n");
-  fs::remove_all(final_dir);
-  fs::rename(tmp, final_dir);
-  if (is_best_step(progress_.global_step)) {
-    progress_.best_model_checkpoint = final_dir.string();
-    write_file_atomically((final_dir / "trainer_state.json").string(), trainer_state().dump(2) + "\n");
-  }
-  rotate_checkpoints(output_dir_, args_.save_total_limit, progress_.best_model_checkpoint);
-  out_ << (terminal_ ? "\r\x1b[2K" : "") << fmt::format("saved {}\n", final_dir.string());
 }
 
 void TrainingRun::resume() {
@@ -488,6 +519,11 @@ bool TrainingRun::train_loop(InterruptRequests& interrupts) {
   std::vector<TokenBatch> views;
   double window_loss = 0, window_grad_norm = 0;
   int64_t window_items = 0, window_steps = 0, window_tokens = 0;
+  // Steps in a row whose gradients were not finite although loss scaling (if any) could no longer
+  // help: the run is ruined (a learning rate that blew the weights up, corrupt weights), and
+  // saving it as a success would hide that.
+  static constexpr int64_t kMaxNonFiniteSteps = 10;
+  int64_t nonfinite_in_a_row = 0;
   auto window_start = Clock::now();
   const auto run_start = Clock::now();
   batcher_->start_epoch(progress_.epoch);
@@ -530,6 +566,13 @@ bool TrainingRun::train_loop(InterruptRequests& interrupts) {
     static constexpr Phase kStepPhases[] = {Phase::Forward, Phase::Loss, Phase::Backward, Phase::Optimizer};
     timeline_.record(model_->arena(), progress_.global_step, "train", kStepPhases);
     if (r.skipped_nonfinite) {
+      // fp16's loss scale backs off from 65536 by halving: only steps at a scale of 1 or below count.
+      if (r.loss_scale <= 1.0 && ++nonfinite_in_a_row >= kMaxNonFiniteSteps)
+        throw Error(fmt::format(
+            "training stopped at step {}: the gradients of the last {} steps were not finite (nan or inf), so "
+            "nothing was updated; the weights or the learning rate ({}) have diverged. Nothing was saved for "
+            "these steps; earlier checkpoints in {} are intact",
+            progress_.global_step, kMaxNonFiniteSteps, args_.learning_rate, args_.output_dir));
       // Counted as a step like Hugging Face does, but nothing was updated.
       log({{"skipped", "non-finite gradients"},
            {"loss_scale", r.loss_scale},
@@ -537,6 +580,7 @@ bool TrainingRun::train_loop(InterruptRequests& interrupts) {
       progress_.num_input_tokens_seen += r.num_tokens;
       continue;
     }
+    nonfinite_in_a_row = 0;
     progress_.num_input_tokens_seen += r.num_tokens;
     window_loss += r.loss_sum;
     window_items += r.num_items;

@@ -397,6 +397,56 @@ TEST(BackendOps, PagedAttentionOverABfloat16Cache) { check_paged_attention(DType
 
 // Independent of the reference: when every token of a sequence is a query, attention through
 // the paged cache is the packed causal attention of training.
+// Inverted dropout, as statistics rather than against another backend (which could share a wrong
+// mask): over 2^20 elements of ones the dropped share is p within 5 standard deviations, every
+// kept element is exactly 1 / (1 - p), so the mean stays 1; neighbours and two keys are
+// independent (their joint drop rate is p^2), and the same key gives the same mask.
+TEST(BackendOps, DropoutDropsAShareOfPAndScalesTheRestByTheInverseOfTheKeepRate) {
+  const int64_t n = int64_t{1} << 20;
+  const std::vector<float> ones(static_cast<size_t>(n), 1.0f);
+  for (const std::string_view name : kBackends) {
+    SCOPED_TRACE(name);
+    Backend& be = backend_named(name);
+    DeviceTensors mem(be);
+    const Tensor x = mem.make(DType::F32, {n}), out = mem.make(DType::F32, {n});
+    upload_f32(be, x, ones);
+    auto mask = [&](uint64_t key, float p) {
+      be.dropout_forward(out, x, key, p);
+      return download_f32(be, out);
+    };
+    for (const float p : {0.1f, 0.5f}) {
+      SCOPED_TRACE(p);
+      const std::vector<float> a = mask(0x1234, p), a_again = mask(0x1234, p), b = mask(0x9876, p);
+      EXPECT_EQ(a, a_again) << "the same key must give the same mask (backward regenerates it)";
+      const float kept_value = 1.0f / (1.0f - p);
+      int64_t dropped = 0, both_keys = 0, neighbours = 0;
+      double sum = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        const bool drop = a[static_cast<size_t>(i)] == 0.0f;
+        if (!drop) {
+          ASSERT_EQ(a[static_cast<size_t>(i)], kept_value) << i;
+        }
+        dropped += drop;
+        both_keys += drop && b[static_cast<size_t>(i)] == 0.0f;
+        neighbours += drop && i + 1 < n && a[static_cast<size_t>(i + 1)] == 0.0f;
+        sum += a[static_cast<size_t>(i)];
+      }
+      const double N = static_cast<double>(n), q = p;
+      auto within = [&](int64_t count, double rate, const char* what) {
+        const double sigma = std::sqrt(N * rate * (1 - rate));
+        EXPECT_NEAR(static_cast<double>(count), N * rate, 5 * sigma) << what;
+      };
+      within(dropped, q, "dropped share");
+      within(both_keys, q * q, "dropped under two keys (independent masks)");
+      within(neighbours, q * q, "dropped neighbours (independent elements)");
+      // The mean of the output is 1 (inverted dropout is unbiased): kept share x 1/(1-p).
+      EXPECT_NEAR(sum / N, 1.0, 5 * std::sqrt(q / (1 - q) / N));
+    }
+    // p = 0 keeps everything unchanged.
+    EXPECT_EQ(mask(0x1234, 0.0f), ones);
+  }
+}
+
 TEST(BackendOps, PagedAttentionEqualsPackedAttentionForWholeSequences) {
   const PagedLayout p;
   const int64_t T = p.tokens(), kvd = p.Hkv * p.hd, qd = p.Hq * p.hd, slots = p.kBlocks * p.kBlock;

@@ -51,12 +51,14 @@ TEST_P(FamiliesCliTest, EveryCommandRunsTheFamily) {
   EXPECT_EQ(config["model_type"], preset == "tiny-qwen3" ? "qwen3" : "llama");
 
   const std::string train = "train --model " + model + " --train_file " + path("train.jsonl") +
-                            " --max_steps 3 --per_device_train_batch_size 4 --learning_rate 0.01 --save_strategy no";
-  ok(train + " --output_dir " + path("lora"));
+                            " --max_steps 3 --per_device_train_batch_size 4 --save_strategy no";
+  // A learning rate at which the adapter changes the greedy tokens (checked below), so that the
+  // merged model's tokens equal the adapter's for a reason.
+  ok(train + " --learning_rate 0.05 --output_dir " + path("lora"));
   const SafetensorsFile adapter(path("lora/adapter_model.safetensors"));
   for (const TensorInfo& t : adapter.tensors()) EXPECT_EQ(t.name.find("norm"), std::string::npos) << t.name;
   EXPECT_NE(adapter.find("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"), nullptr);
-  ok(train + " --tuner_type full --output_dir " + path("full"));
+  ok(train + " --learning_rate 0.01 --tuner_type full --output_dir " + path("full"));
   const SafetensorsFile full(path("full/model.safetensors"));
   if (preset == "tiny-qwen3") {
     EXPECT_NE(full.find("model.layers.1.self_attn.k_norm.weight"), nullptr);
@@ -76,6 +78,10 @@ TEST_P(FamiliesCliTest, EveryCommandRunsTheFamily) {
   const std::string unmerged = last_output_.substr(0, last_output_.find('\n'));
   ok("generate --model " + model + " --adapter " + path("lora") + " --merge_adapter" + generate);
   EXPECT_EQ(last_output_.substr(0, last_output_.find('\n')), unmerged);
+  ok("generate --model " + model + generate);
+  EXPECT_NE(nlohmann::json::parse(last_output_.substr(0, last_output_.find('\n')))["token_ids"],
+            nlohmann::json::parse(unmerged)["token_ids"])
+      << "the adapter does not change the output: a merge that dropped it would pass";
   ok("merge --model " + model + " --adapter " + path("lora") + " --out " + path("merged"));
   ok("generate --model " + path("merged") + generate);
   EXPECT_EQ(nlohmann::json::parse(last_output_.substr(0, last_output_.find('\n')))["token_ids"],

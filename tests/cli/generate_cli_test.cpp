@@ -94,6 +94,63 @@ TEST_F(GenerateCliTest, RefusesTooLongRequestsAndBadLinesWritingNothing) {
   EXPECT_NE(r.output.find("give one of --prompt TEXT and --input FILE.jsonl"), std::string::npos) << r.output;
 }
 
+// Zero, negative and non-finite values are refused naming the flag, before any work: no output.
+TEST_F(GenerateCliTest, ZeroNegativeAndNonFiniteValuesAreRefusedNamingTheFlag) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"--max_model_len 0", "--max_model_len"},       {"--max_model_len -5", "--max_model_len"},
+      {"--max_num_seqs 0", "--max_num_seqs"},         {"--max_num_batched_tokens 0", "--max_num_batched_tokens"},
+      {"--block_size -16", "--block_size"},           {"--max_new_tokens 0", "--max_new_tokens"},
+      {"--device_memory 0GiB", "--device_memory"},    {"--host_memory -1GiB", "--host_memory"},
+      {"--device_memory inf", "--device_memory"},     {"--temperature nan", "--temperature"},
+      {"--top_p inf", "--top_p"},                     {"--memory_fraction nan", "--memory_fraction"},
+      {"--repetition_penalty -inf", "--repetition_penalty"}};
+  for (const auto& [flags, name] : cases) {
+    const auto r = run_memtune(generate(std::string(flags) + " --output " + path("out.jsonl")));
+    EXPECT_NE(r.status, 0) << flags << " was accepted:\n" << r.output;
+    EXPECT_CONTAINS(r.output, name);
+    EXPECT_FALSE(fs::exists(path("out.jsonl"))) << flags;
+  }
+  const char* serve_cases[] = {"--max_queue 0", "--max_queue -1", "--shutdown_timeout -2", "--max_model_len 0"};
+  for (const char* flags : serve_cases) {
+    const auto r = run_memtune("serve " + path("model") + " --port 0 " + flags);
+    EXPECT_NE(r.status, 0) << flags << " was accepted:\n" << r.output;
+    EXPECT_CONTAINS(r.output, std::string(flags).substr(0, std::string(flags).find(' ')));
+  }
+}
+
+// --skip_tokenizer_init (vLLM's flag): "prompt_ids" lines generate the same tokens from a model
+// directory without tokenizer files; text prompts and stop strings are refused, naming why.
+TEST_F(GenerateCliTest, SkipTokenizerInitGeneratesFromTokenIdsWithoutTokenizerFiles) {
+  fs::create_directories(dir_ / "bare");
+  for (const char* name : {"config.json", "model.safetensors"}) fs::copy_file(dir_ / "model" / name, dir_ / "bare" / name);
+  std::ofstream(path("ids.jsonl")) << "{\"prompt_ids\": [1, 2, 3, 4]}\n{\"prompt_ids\": [200, 7]}\n";
+  const std::string flags = " --input " + path("ids.jsonl") + " --max_new_tokens 8 --temperature 0 --output ";
+  const auto with = run_memtune("generate --model " + path("model") + flags + path("with.jsonl"));
+  ASSERT_EQ(with.status, 0) << with.output;
+  const auto bare = run_memtune("generate --model " + path("bare") + " --skip_tokenizer_init" + flags + path("bare.jsonl"));
+  ASSERT_EQ(bare.status, 0) << bare.output;
+  const auto a = testing_support::read_jsonl(path("with.jsonl")), b = testing_support::read_jsonl(path("bare.jsonl"));
+  ASSERT_EQ(a.size(), 2u);
+  ASSERT_EQ(b.size(), 2u);
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(b[i]["token_ids"], a[i]["token_ids"]) << i;
+    EXPECT_EQ(b[i]["text"], "");
+  }
+  const auto no_flag = run_memtune("generate --model " + path("bare") + flags + path("x.jsonl"));
+  EXPECT_NE(no_flag.status, 0);
+  EXPECT_CONTAINS(no_flag.output, "tokenizer.json");
+  const auto text = run_memtune("generate --model " + path("bare") + " --skip_tokenizer_init --input " +
+                                path("in.jsonl") + " --output " + path("x.jsonl"));
+  EXPECT_NE(text.status, 0);
+  EXPECT_CONTAINS(text.output, "in.jsonl:1:");
+  EXPECT_CONTAINS(text.output, "prompt_ids");
+  const auto stop = run_memtune("generate --model " + path("bare") + " --skip_tokenizer_init --stop x" + flags +
+                                path("x.jsonl"));
+  EXPECT_NE(stop.status, 0);
+  EXPECT_CONTAINS(stop.output, "--stop_token_ids");
+  EXPECT_FALSE(fs::exists(path("x.jsonl")));
+}
+
 TEST_F(GenerateCliTest, StreamsAPromptsTextAndStopsBeforeAStopString) {
   auto r = run_memtune("generate --model " + path("model") +
                        " --prompt 'hello' --max_new_tokens 30 --temperature 1 --seed 2 --ignore_eos --json");

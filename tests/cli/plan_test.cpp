@@ -220,7 +220,7 @@ TEST(PlanCommand, WithTheRunsDataThePlanIsTheRunsAndTheProcessIsPredicted) {
   ASSERT_FALSE(fit["fit"].empty());
   for (const json& k : fit["fit"]) EXPECT_LE(k["process_peak_bytes"].get<size_t>(), process * 11 / 10) << k.dump();
   // A run with a budget below its prediction stops before allocating, with the numbers.
-  const auto refused = testing_support::run_memtune("train " + flags + " --host_memory 1MiB");
+  const auto refused = testing_support::run_memtune("train " + flags + " --overwrite_output_dir --host_memory 1MiB");
   EXPECT_EQ(refused.status, 1);
   EXPECT_CONTAINS(refused.output, "--host_memory 1.00 MiB: the process is predicted to need");
   std::filesystem::remove_all(dir);

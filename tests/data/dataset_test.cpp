@@ -324,8 +324,7 @@ TEST_F(DatasetTest, LoadsFromAFileAndNamesAMissingOne) {
 // tokenizer_config.json: what Hugging Face's apply_chat_template gives, the reply and its
 // <|im_end|> trainable.
 TEST(DatasetRealTokenizer, Qwen2_5MessagesIdsAndLabels) {
-  const auto dir = testing_support::real_tokenizer_dir();
-  if (!dir) GTEST_SKIP() << "set MEMTUNE_TOKENIZER_DIR to a Qwen2.5 tokenizer directory";
+  REQUIRE_QWEN_TOKENIZER(dir);
   const Tokenizer tokenizer = Tokenizer::load(*dir);
   std::istringstream in(
       R"({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]})");

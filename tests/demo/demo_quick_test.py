@@ -14,6 +14,11 @@ import subprocess
 import sys
 import time
 
+# The checks below are assert statements: under python -O (PYTHONOPTIMIZE) they would vanish and
+# the test pass without checking anything, so it refuses to run there.
+if not __debug__:
+    sys.exit(f"{__file__}: run without python -O / PYTHONOPTIMIZE (its checks are assert statements)")
+
 
 def main():
     parser = argparse.ArgumentParser()

@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <memory>
@@ -31,7 +32,7 @@ constexpr int64_t kMaxModelLen = 256;  // Qwen2.5's default system message is 98
 class RequestParser : public ::testing::Test {
  protected:
   const Tokenizer tokenizer = testing_support::synthetic_tokenizer();
-  const ServedModel served{.tokenizer = tokenizer,
+  const ServedModel served{.tokenizer = &tokenizer,
                            .name = "base",
                            .adapter_names = {"sql", "poems"},
                            .chat_template = ChatTemplate::Qwen2_5,
@@ -367,6 +368,34 @@ TEST_F(RequestParser, TokenIdsOutsideTheVocabularyNameThePrompt) {
 
 // What the engine refuses after parsing (the server runs GenerationEngine::validate next) is a
 // 400 naming max_tokens when the body set it, else the prompt.
+// Without a tokenizer (--skip_tokenizer_init) a completion's prompt is token ids; text, chat and
+// stop strings are refused naming their field, and stop_token_ids (vLLM's) end the reply.
+TEST_F(RequestParser, WithoutATokenizerOnlyTokenIdsAreTaken) {
+  ServedModel ids_only = served;
+  ids_only.tokenizer = nullptr;
+  ids_only.vocab_size = 300;
+  auto refuse = [&](const std::string& body, Endpoint endpoint = Endpoint::Completions) {
+    try {
+      parse_request(body, endpoint, ids_only);
+    } catch (const ApiError& e) {
+      return e;
+    }
+    ADD_FAILURE() << "accepted: " << body;
+    return ApiError(0, "");
+  };
+  const ParsedRequest p =
+      parse_request(R"({"prompt": [5, 6, 7], "stop_token_ids": [9, 12], "max_tokens": 3})", Endpoint::Completions,
+                    ids_only);
+  EXPECT_EQ(p.request.prompt_ids, (std::vector<int32_t>{5, 6, 7}));
+  EXPECT_NE(std::find(p.request.stop_ids.begin(), p.request.stop_ids.end(), 12), p.request.stop_ids.end());
+  EXPECT_REFUSED(refuse(R"({"prompt": "hello"})"), 400, "prompt", "--skip_tokenizer_init");
+  EXPECT_REFUSED(refuse(R"({"messages": [{"role": "user", "content": "hi"}]})", Endpoint::ChatCompletions), 400,
+                 "messages", "--skip_tokenizer_init");
+  EXPECT_REFUSED(refuse(R"({"prompt": [5], "stop": "x"})"), 400, "stop", "stop_token_ids");
+  EXPECT_REFUSED(refuse(R"({"prompt": [5], "stop_token_ids": [300]})"), 400, "stop_token_ids", "300");
+  EXPECT_REFUSED(refuse(R"({"prompt": [5], "stop_token_ids": 4})"), 400, "stop_token_ids", "array");
+}
+
 TEST_F(RequestParser, EngineRefusalsNameMaxTokensOrThePrompt) {
   const ModelConfig config = model_preset("tiny");  // vocabulary of 512
   const InferenceLimits limits{

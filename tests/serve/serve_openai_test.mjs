@@ -8,6 +8,7 @@
 // Usage: node tests/serve/serve_openai_test.mjs --memtune BIN --workdir DIR
 import { execFileSync, spawn } from "node:child_process";
 import fs from "node:fs";
+import net from "node:net";
 import { createRequire } from "node:module";
 import path from "node:path";
 import { fileURLToPath } from "node:url";
@@ -78,8 +79,8 @@ assert.ok(expected.some((e) => e.text.trim().length > 0), "every reference gener
 assert.ok(new Set(expected.map((e) => e.text)).size > 4, "the references hardly differ: adapters or prompts change nothing");
 
 // Starts a server; resolves with its base URL and the child process.
-function startServer(extra) {
-  const child = spawn(memtune, ["serve", model, "--port", "0", "--max_model_len", "96",
+function startServer(extra, maxModelLen = 96, modelDir = model) {
+  const child = spawn(memtune, ["serve", modelDir, "--port", "0", "--max_model_len", String(maxModelLen),
                                 "--lora_modules", `a=${at("adapter_a")}`, `b=${at("adapter_b")}`, ...extra],
                       { stdio: ["ignore", "pipe", "pipe"] });
   let out = "";
@@ -206,5 +207,87 @@ results = await Promise.all(requests.map((r) => complete(client, r, true)));
 results.forEach((got, i) => checkAgainstReference(got, i, "max_num_seqs 2"));
 stopped = await stopServer(server);
 assert.equal(stopped.code, 0, `SIGTERM: exit code ${stopped.code}\n${server.output()}`);
+
+// 4. SIGTERM with streams running and queued: the port closes at once, every stream ends with its
+// finish chunk and [DONE] (finished within --shutdown_timeout, or "abort" after it), exit 0.
+const refused = (url) => new Promise((resolve) => {
+  const socket = net.connect(Number(new URL(url).port), "127.0.0.1");
+  socket.on("connect", () => { socket.destroy(); resolve(false); });
+  socket.on("error", (e) => resolve(e.code === "ECONNREFUSED"));
+});
+async function shutdownWhileStreaming(grace, maxTokens) {
+  server = await startServer(["--max_num_seqs", "2", "--shutdown_timeout", String(grace)], 2048);
+  client = new OpenAI({ baseURL: `${server.url}/v1`, apiKey: "unused", maxRetries: 0 });
+  let firstChunk;
+  const started = new Promise((resolve) => { firstChunk = resolve; });
+  // Four streams through the client (two of them wait for a sequence), one read raw for [DONE].
+  const viaClient = Array.from({ length: 4 }, async (_, k) => {
+    const s = await client.completions.create({ model, prompt: `${words[k]} ${words[k + 1]}`, max_tokens: maxTokens,
+                                               stream: true, ignore_eos: true, stream_options: { include_usage: true } });
+    let finish = null, usage = null;
+    for await (const chunk of s) {
+      firstChunk();
+      if (chunk.usage) usage = chunk.usage;
+      for (const c of chunk.choices) if (c.finish_reason) finish = c.finish_reason;
+    }
+    return { finish, usage };
+  });
+  const raw = (async () => {
+    const response = await fetch(`${server.url}/v1/completions`, {
+      method: "POST", headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ prompt: "river stone", max_tokens: maxTokens, stream: true, ignore_eos: true }) });
+    return await response.text();
+  })();
+  await started;
+  const signalled = Date.now();
+  const stopping = stopServer(server);
+  await new Promise((r) => setTimeout(r, 300));
+  assert.ok(await refused(server.url), "a new connection was accepted after SIGTERM");
+  const streams = await Promise.all(viaClient);
+  const events = (await raw).trim().split("\n\n");
+  stopped = await stopping;
+  const seconds = (Date.now() - signalled) / 1000;
+  assert.equal(stopped.code, 0, `SIGTERM while streaming: exit code ${stopped.code} (${stopped.signal})\n${server.output()}`);
+  assert.equal(events.at(-1), "data: [DONE]", `the raw stream's last event: ${events.at(-1)}`);
+  const rawFinish = JSON.parse(events.at(-2).slice("data: ".length)).choices[0].finish_reason;
+  return { streams, finishes: [...streams.map((s) => s.finish), rawFinish], seconds };
+}
+// Within the grace period, running and queued streams all finish their max_tokens.
+let drained = await shutdownWhileStreaming(60, 400);
+assert.deepEqual(drained.finishes, Array(5).fill("length"), "streams finishing within --shutdown_timeout");
+drained.streams.forEach((s) => assert.equal(s.usage.completion_tokens, 400));
+// Past it, what is left ends with "abort" (queued ones too), its last chunk and [DONE].
+drained = await shutdownWhileStreaming(0.5, 1900);
+assert.ok(drained.finishes.every((f) => f === "abort"), `streams cut by --shutdown_timeout: ${drained.finishes}`);
+assert.ok(drained.seconds < 0.5 + 12, `exit ${drained.seconds} s after SIGTERM with --shutdown_timeout 0.5`);
+
+// 5. --skip_tokenizer_init on a model directory without tokenizer files: token ids in, token_ids
+// out (whole and streamed), the same tokens as `memtune generate`; chat and text prompts refused.
+const bare = at("bare_model");
+fs.mkdirSync(bare, { recursive: true });
+for (const f of ["config.json", "model.safetensors"]) fs.copyFileSync(path.join(model, f), path.join(bare, f));
+const promptIds = [9707, 11, 1879, 0, 42];
+writeJsonl(at("ids.jsonl"), [{ prompt_ids: promptIds }]);
+run(["generate", "--model", model, "--input", at("ids.jsonl"), "--temperature", "0", "--max_new_tokens", "8",
+     "--ignore_eos", "--output", at("ids_out.jsonl")]);
+const wantIds = readJsonl(at("ids_out.jsonl"))[0].token_ids;
+server = await startServer(["--skip_tokenizer_init"], 96, bare);
+client = new OpenAI({ baseURL: `${server.url}/v1`, apiKey: "unused", maxRetries: 0 });
+const whole = await client.completions.create({ model: bare, prompt: promptIds, max_tokens: 8, temperature: 0,
+                                                ignore_eos: true });
+assert.deepEqual(whole.choices[0].token_ids, wantIds, "--skip_tokenizer_init: token_ids of a whole answer");
+assert.equal(whole.choices[0].text, "");
+const streamed = [];
+for await (const chunk of await client.completions.create({ model: bare, prompt: promptIds, max_tokens: 8,
+                                                            temperature: 0, ignore_eos: true, stream: true }))
+  for (const c of chunk.choices) streamed.push(...(c.token_ids ?? []));
+assert.deepEqual(streamed, wantIds, "--skip_tokenizer_init: token_ids of a stream");
+await assert.rejects(client.completions.create({ model: bare, prompt: "hello", max_tokens: 4 }),
+                     (e) => e.status === 400 && e.param === "prompt");
+await assert.rejects(client.chat.completions.create({ model: bare, messages: [{ role: "user", content: "hi" }] }),
+                     (e) => e.status === 400 && e.param === "messages");
+stopped = await stopServer(server);
+assert.equal(stopped.code, 0, `SIGTERM: exit code ${stopped.code}\n${server.output()}`);
+
 console.log(`serve_openai_test: ${requests.length} requests x (non-streamed, streamed, 16 concurrent, 2 at a time) ` +
             `equal memtune generate; bad requests, disconnects and SIGTERM as documented`);

@@ -186,8 +186,7 @@ TEST(ChatTemplate, EncodeSegmentsMasksUntrainableTokens) {
 
 // The ids Hugging Face's apply_chat_template gives for Qwen2.5-Instruct.
 TEST(ChatTemplate, Qwen2_5IdsMatchTheRealTokenizer) {
-  const auto dir = testing_support::real_tokenizer_dir();
-  if (!dir) GTEST_SKIP() << "set MEMTUNE_TOKENIZER_DIR to a Qwen2.5 tokenizer directory";
+  REQUIRE_QWEN_TOKENIZER(dir);
   const Tokenizer tokenizer = Tokenizer::load(*dir);
   RenderOptions options;
   options.add_generation_prompt = true;

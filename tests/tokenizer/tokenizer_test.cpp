@@ -18,6 +18,7 @@
 #include <random>
 #include <thread>
 
+#include "data/synthetic_tokenizer.h"
 #include "support/test_util.h"
 #include "tokenizer/split_regex.h"
 #include "tokenizer/unicode.h"
@@ -512,19 +513,6 @@ TEST(Tokenizer, LoadsADirectory) {
   EXPECT_CONTAINS(error_of([&] { Tokenizer::load((dir / "missing").string()); }), "missing/tokenizer.json");
   std::filesystem::remove_all(dir);
 }
-
-// The real Qwen2.5 tokenizer directory, or nullopt (the test is then skipped).
-std::optional<std::string> qwen_dir() {
-  const char* dir = std::getenv("MEMTUNE_TOKENIZER_DIR");
-  if (!dir || !*dir) return std::nullopt;
-  return std::string(dir);
-}
-
-#define REQUIRE_QWEN_TOKENIZER(dir)                                                            \
-  const std::optional<std::string> dir = qwen_dir();                                           \
-  if (!dir)                                                                                    \
-  GTEST_SKIP() << "MEMTUNE_TOKENIZER_DIR is not set (scripts/prepare-tokenizer.sh prints the " \
-                  "directory to set it to)"
 
 TEST(QwenTokenizer, ChatPromptHasTheExactIds) {
   REQUIRE_QWEN_TOKENIZER(dir);

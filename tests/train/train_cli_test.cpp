@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <array>
 #include <cstdio>
 #include <cstring>
@@ -88,24 +89,34 @@ TEST_F(TrainCliTest, LoraWritesAPeftAdapter) {
   EXPECT_NE(f.find("base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"), nullptr);
   EXPECT_FALSE(fs::exists(dir_ / "lora/model.safetensors"));
 
-  // The merged checkpoint computes what base + adapter compute.
-  ASSERT_EQ(run("merge --model " + path("model") + " --adapter " + path("lora") + " --out " + path("merged")).status,
+  // The merged checkpoint computes what base + adapter compute. The adapter must change the
+  // output for this to mean anything (PEFT's B starts at zero): a larger learning rate, and the
+  // base model's logits as the control that a merge which dropped the adapter would match.
+  const Result trained = run(base_flags("strong") + " --max_steps 4 --lora_rank 4 --learning_rate 0.05");
+  ASSERT_EQ(trained.status, 0) << trained.output;
+  ASSERT_EQ(run("merge --model " + path("model") + " --adapter " + path("strong") + " --out " + path("merged")).status,
             0);
   std::ofstream(dir_ / "in.json") << R"({"input_ids": [[5, 17, 200, 3, 99, 42]]})";
-  ASSERT_EQ(run("dump --model " + path("model") + " --adapter " + path("lora") + " --input " + path("in.json") +
-                " --out " + path("a.safetensors"))
-                .status,
-            0);
-  ASSERT_EQ(
-      run("dump --model " + path("merged") + " --input " + path("in.json") + " --out " + path("m.safetensors")).status,
-      0);
-  auto loss_of = [&](const std::string& file) {
+  auto logits_of = [&](const std::string& flags, const std::string& file) {
+    const Result r = run("dump " + flags + " --input " + path("in.json") + " --out " + path(file));
+    EXPECT_EQ(r.status, 0) << r.output;
     SafetensorsFile d(path(file));
-    float v;
-    std::memcpy(&v, d.data(*d.find("loss")).data(), 4);
+    const auto bytes = d.data(*d.find("logits"));
+    std::vector<float> v(bytes.size() / 4);
+    std::memcpy(v.data(), bytes.data(), bytes.size());
     return v;
   };
-  EXPECT_NEAR(loss_of("m.safetensors"), loss_of("a.safetensors"), 1e-5);
+  auto max_diff = [](const std::vector<float>& a, const std::vector<float>& b) {
+    float m = 0;
+    for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::abs(a[i] - b[i]));
+    return m;
+  };
+  const auto base = logits_of("--model " + path("model"), "base.safetensors");
+  const auto adapted = logits_of("--model " + path("model") + " --adapter " + path("strong"), "a.safetensors");
+  const auto merged = logits_of("--model " + path("merged"), "m.safetensors");
+  ASSERT_EQ(merged.size(), adapted.size());
+  EXPECT_GT(max_diff(base, adapted), 0.05f) << "the adapter hardly changes the logits: the test could not fail";
+  EXPECT_LT(max_diff(merged, adapted), 1e-4f);
 }
 
 TEST_F(TrainCliTest, ResumeContinuesBitIdentically) {
@@ -193,8 +204,8 @@ TEST_F(TrainCliTest, CtrlCSavesACheckpointAndResumes) {
   const std::string train =
       std::string(MEMTUNE_BINARY) + " " + base_flags("int") + " --max_steps 100000 --save_steps 100000";
   const Result r = run_shell(dir_, train +
-                                       " > int.out 2>&1 & pid=$!; while [ ! -s int/log.jsonl ]; do sleep 0.02; done; "
-                                       "kill -INT $pid; wait $pid; echo rc=$?");
+                                       " > int.out 2>&1 & pid=$!; n=0; while [ ! -s int/log.jsonl ] && [ $n -lt 3000 ]; do "
+                                       "sleep 0.02; n=$((n+1)); done; kill -INT $pid; wait $pid; echo rc=$?");
   EXPECT_CONTAINS(r.output, "rc=130");
   const int64_t saved = newest_checkpoint(dir_ / "int");
   ASSERT_GT(saved, 0) << "Ctrl-C must leave a checkpoint";
@@ -208,8 +219,8 @@ TEST_F(TrainCliTest, KillDuringSavesLeavesLoadableCheckpoints) {
   const std::string flags = " --save_steps 1 --save_total_limit 3";
   const std::string train = std::string(MEMTUNE_BINARY) + " " + base_flags("kill") + flags + " --max_steps 100000";
   run_shell(dir_, train +
-                      " > kill.out 2>&1 & pid=$!; while [ ! -d kill/checkpoint-3 ]; do sleep 0.01; done; kill -9 $pid; "
-                      "wait $pid");
+                      " > kill.out 2>&1 & pid=$!; n=0; while [ ! -d kill/checkpoint-3 ] && [ $n -lt 6000 ]; do sleep 0.01; "
+                      "n=$((n+1)); done; kill -9 $pid; wait $pid");
   for (const auto& e : fs::directory_iterator(dir_ / "kill"))
     if (e.path().filename().string().starts_with("checkpoint-")) {
       EXPECT_TRUE(fs::exists(e.path() / "trainer_state.json")) << e.path();
@@ -386,6 +397,96 @@ TEST_F(TrainCliTest, SaveTotalLimitKeepsTheNewest) {
     if (e.path().filename().string().find("checkpoint") != std::string::npos) names.push_back(e.path().filename());
   std::sort(names.begin(), names.end());
   EXPECT_EQ(names, (std::vector<std::string>{"checkpoint-4", "checkpoint-5"}));
+}
+
+// nan and inf are refused for every floating-point flag and config key, as are sizes and rates
+// out of range, naming the flag, before anything is written.
+TEST_F(TrainCliTest, NonFiniteAndOutOfRangeValuesAreRefusedNamingTheFlag) {
+  const std::pair<const char*, const char*> cases[] = {
+      {"--learning_rate nan", "--learning_rate"},     {"--max_grad_norm inf", "--max_grad_norm"},
+      {"--weight_decay -inf", "--weight_decay"},      {"--label_smoothing_factor nan", "--label_smoothing_factor"},
+      {"--lora_dropout nan", "--lora_dropout"},       {"--num_train_epochs inf", "--num_train_epochs"},
+      {"--learning_rate -1e-4", "--learning_rate"},   {"--max_steps 0", "--max_steps"},
+      {"--max_steps -2", "--max_steps"},              {"--num_train_epochs -1", "--num_train_epochs"},
+      {"--warmup_steps -3", "--warmup_steps"},        {"--save_total_limit -1", "--save_total_limit"},
+      {"--eval_steps -1", "--eval_steps"},            {"--lora_alpha 0", "--lora_alpha"},
+      {"--adam_beta2 1", "--adam_beta2"},             {"--host_memory 0", "--host_memory"}};
+  for (const auto& [flags, name] : cases) {
+    const std::string extra = std::string(flags).starts_with("--max_steps") || std::string(flags).starts_with("--num")
+                                  ? ""
+                                  : " --max_steps 1";
+    const Result r = run(base_flags("bad") + extra + " " + flags);
+    EXPECT_NE(r.status, 0) << flags << " was accepted:\n" << r.output;
+    EXPECT_CONTAINS(r.output, name);
+    EXPECT_FALSE(fs::exists(dir_ / "bad")) << flags << ": the output directory was written";
+  }
+  std::ofstream(dir_ / "nan.yaml") << "max_steps: 1\nlearning_rate: nan\n";
+  const Result r = run(base_flags("bad") + " --config " + path("nan.yaml"));
+  EXPECT_NE(r.status, 0) << r.output;
+  EXPECT_CONTAINS(r.output, "--learning_rate: expected a finite number, got nan");
+}
+
+// A run whose gradients stay non-finite (a learning rate that blows the weights up) stops with an
+// error after 10 such steps in a row instead of saving a ruined model as a success.
+TEST_F(TrainCliTest, TenNonFiniteStepsInARowStopTheRun) {
+  const Result r = run(base_flags("diverged") +
+                       " --tuner_type full --learning_rate 1e30 --max_grad_norm 0 --max_steps 40 --save_strategy no");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_CONTAINS(r.output, "the gradients of the last 10 steps were not finite");
+  EXPECT_FALSE(fs::exists(dir_ / "diverged/model.safetensors")) << "the ruined weights were saved";
+  // One run stopped at its first non-finite step: the steps before it had finite gradients.
+  int skipped = 0;
+  for (const auto& record : read_jsonl(dir_ / "diverged/log.jsonl")) skipped += record.contains("skipped");
+  EXPECT_EQ(skipped, 9) << "the tenth skip stops the run before it is logged";
+}
+
+// Nothing is written into --output_dir before the run has passed its checks; a new run into a
+// directory holding an earlier run's outputs is refused unless it resumes or overwrites them.
+TEST_F(TrainCliTest, OutputDirHoldsOneRunsCoherentOutputs) {
+  Result r = run(base_flags("out") + " --max_steps 2 --save_steps 1 --lora_rank 2");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::string run_args = testing_support::read_text(dir_ / "out/run_args.json");
+  // A run rejected at startup (no trainable example) leaves the directory as it was.
+  r = run(base_flags("out") + " --max_steps 2 --max_length 1 --overwrite_output_dir");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_EQ(testing_support::read_text(dir_ / "out/run_args.json"), run_args);
+  EXPECT_TRUE(fs::exists(dir_ / "out/checkpoint-2"));
+  // A new run without --overwrite_output_dir is refused, naming what is there and the ways out.
+  r = run(base_flags("out") + " --max_steps 1 --lora_rank 2");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_CONTAINS(r.output, "checkpoint-1, checkpoint-2");
+  EXPECT_CONTAINS(r.output, "--overwrite_output_dir");
+  EXPECT_EQ(testing_support::read_text(dir_ / "out/run_args.json"), run_args);
+  // Resuming is the same run; overwriting replaces every output of the earlier one.
+  r = run(base_flags("out") + " --max_steps 3 --save_steps 1 --lora_rank 2 --resume_from_checkpoint last");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_TRUE(fs::exists(dir_ / "out/checkpoint-3"));
+  std::ofstream(dir_ / "out/notes.txt") << "mine";
+  r = run(base_flags("out") + " --max_steps 1 --save_strategy no --tuner_type full --overwrite_output_dir");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_FALSE(fs::exists(dir_ / "out/checkpoint-1"));
+  EXPECT_FALSE(fs::exists(dir_ / "out/adapter_model.safetensors")) << "the earlier run's adapter beside a full model";
+  EXPECT_TRUE(fs::exists(dir_ / "out/model.safetensors"));
+  EXPECT_TRUE(fs::exists(dir_ / "out/notes.txt")) << "a file the runs did not write was removed";
+  for (const auto& record : read_jsonl(dir_ / "out/log.jsonl")) {
+    if (record.contains("step")) {
+      EXPECT_LE(record["step"].get<int>(), 1) << "the earlier run's log was kept";
+    }
+  }
+}
+
+// A save that fails (here: a file-size limit, as a full disk would) leaves no tmp-checkpoint-N
+// behind and names the file it could not write.
+TEST_F(TrainCliTest, AFailedSaveRemovesItsPartialCheckpoint) {
+  // The tiny model's float32 weights fit under 1 MiB, its optimizer state (twice the weights) does not.
+  const Result r = testing_support::run_command(
+      "trap '' XFSZ; ulimit -f 1024; " + std::string(MEMTUNE_BINARY) + " " + base_flags("full") +
+      " --tuner_type full --max_steps 1 --save_steps 1");
+  EXPECT_EQ(r.status, 1) << r.output;
+  EXPECT_CONTAINS(r.output, "optimizer.safetensors");
+  for (const auto& e : fs::directory_iterator(dir_ / "full"))
+    EXPECT_FALSE(e.path().filename().string().starts_with("tmp-checkpoint-")) << e.path();
+  EXPECT_FALSE(fs::exists(dir_ / "full/checkpoint-1"));
 }
 
 TEST_F(TrainCliTest, ConfigFileAndArgumentErrors) {

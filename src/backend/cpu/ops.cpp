@@ -698,13 +698,20 @@ namespace {
 
 // The LM head's weight as float32 slices of vocabulary rows: the weight itself when it is
 // float32, otherwise each slice widened into the workspace right before use.
+inline constexpr int64_t kF32HeadSliceRows = 4096;
+
 class HeadSlices {
  public:
   explicit HeadSlices(const LmHeadArgs& a) : a_(a), V_(a.weight.rows()), D_(a.weight.cols()) {
     MT_ASSERT(a.weight.dtype == DType::F32 || (a.weight_slice && a.weight_slice.rows() > 0),
               "16-bit head needs a slice buffer");
   }
-  int64_t slice_rows() const { return a_.weight.dtype == DType::F32 ? V_ : a_.weight_slice.rows(); }
+  // A float32 head is read in place, but still a slice at a time: OpenBLAS packs a whole operand
+  // per thread (a [vocab, hidden] gradient GEMM touched ~2x the head's bytes of buffers beyond the
+  // plan with 2 threads), a slice keeps that to a slice's worth.
+  int64_t slice_rows() const {
+    return a_.weight.dtype == DType::F32 ? std::min<int64_t>(V_, kF32HeadSliceRows) : a_.weight_slice.rows();
+  }
   const float* slice(int64_t v0, int64_t v1) const {
     if (a_.weight.dtype == DType::F32) return a_.weight.as<const float>() + v0 * D_;
     const auto* bytes = a_.weight.as<const std::byte>() + v0 * D_ * dtype_size(a_.weight.dtype);
