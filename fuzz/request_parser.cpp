@@ -23,18 +23,26 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                                   .chat_stop_ids = {151643, 151645},
                                   .completion_stop_ids = {151643},
                                   .max_model_len = 4096};
+  static const ServedModel ids_only = [] {  // --skip_tokenizer_init
+    ServedModel m = served;
+    m.tokenizer = nullptr;
+    m.vocab_size = 151936;
+    return m;
+  }();
   const std::string_view body = fuzz::text_of(data, size);
-  for (const Endpoint endpoint : {Endpoint::ChatCompletions, Endpoint::Completions}) {
-    try {
-      const ParsedRequest p = parse_request(body, endpoint, served);
-      const GenerationRequest& r = p.request;
-      if (r.prompt_ids.empty() || r.max_new_tokens < 1 || r.max_new_tokens > served.max_model_len || r.adapter < -1 ||
-          r.adapter >= static_cast<int32_t>(served.adapter_names.size()) || !tokenizer_detail::is_valid_utf8(p.model))
-        std::abort();
-    } catch (const ApiError& e) {
-      if ((e.status != 400 && e.status != 404) || !tokenizer_detail::is_valid_utf8(e.what())) std::abort();
-      if (!nlohmann::json::parse(api_error_body(e.status, e.what(), e.param, e.code)).contains("error")) std::abort();
+  for (const ServedModel* model : {&served, &ids_only})
+    for (const Endpoint endpoint : {Endpoint::ChatCompletions, Endpoint::Completions}) {
+      try {
+        const ParsedRequest p = parse_request(body, endpoint, *model);
+        const GenerationRequest& r = p.request;
+        if (r.prompt_ids.empty() || r.max_new_tokens < 1 || r.max_new_tokens > served.max_model_len || r.adapter < -1 ||
+            r.adapter >= static_cast<int32_t>(served.adapter_names.size()) || !tokenizer_detail::is_valid_utf8(p.model))
+          std::abort();
+        if (!model->tokenizer && (endpoint == Endpoint::ChatCompletions || !r.stop.empty())) std::abort();
+      } catch (const ApiError& e) {
+        if ((e.status != 400 && e.status != 404) || !tokenizer_detail::is_valid_utf8(e.what())) std::abort();
+        if (!nlohmann::json::parse(api_error_body(e.status, e.what(), e.param, e.code)).contains("error")) std::abort();
+      }
     }
-  }
   return 0;
 }

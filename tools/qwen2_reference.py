@@ -13,6 +13,7 @@ throughput/memory benchmark.
 Run it with Debian's /usr/bin/python3 (torch + numpy); it has no other dependencies.
 
     qwen2_reference.py dump  --model DIR --input IN.json --out OUT.safetensors [--adapter ADIR]
+                             [--dropout_seed N]
     qwen2_reference.py bench --model DIR --batch B --seq T --steps N [--threads K]
     qwen2_reference.py train-bench --model DIR --batch B --seq T --steps N [--threads K]
                                    [--tuner full|lora] [--lora_rank R] [--lora_alpha A]
@@ -31,6 +32,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -259,6 +261,9 @@ class LoraAdapter:
     target_modules: tuple
     scaling: float
     weights: dict  # {PEFT tensor name: leaf tensor}, model order, A before B
+    dropout: float = 0.0      # adapter_config.json's lora_dropout
+    dropout_seed: int = None  # None: evaluation mode (dropout is the identity); else training
+                              # mode with memtune's masks (lora_dropout_keep)
 
     def pair(self, module):
         """(A [r, in], B [out, r]) for the module `model.layers.{i}.self_attn.q_proj` etc.,
@@ -285,7 +290,8 @@ def lora_shapes(cfg, target_modules):
 def read_lora_config(path):
     """Validates a PEFT LoraConfig (adapter_config.json) against what this reference computes:
     plain LoRA on some of the seven Qwen2 linears, same r and alpha everywhere, no bias, no
-    DoRA, no extra trainable modules. Returns (r, lora_alpha, use_rslora, target_modules)."""
+    DoRA, no extra trainable modules. Returns (r, lora_alpha, use_rslora, target_modules,
+    lora_dropout)."""
     with open(path) as f:
         doc = json.load(f)
     if not isinstance(doc, dict):
@@ -325,14 +331,16 @@ def read_lora_config(path):
         fail(f"target_modules must be a nonempty list of {list(LORA_TARGETS)}, got {targets!r}")
     if any(t not in LORA_TARGETS for t in targets) or len(set(targets)) != len(targets):
         fail(f"target_modules must be distinct names among {list(LORA_TARGETS)}, got {targets!r}")
-    return r, float(alpha), use_rslora, tuple(t for t in LORA_TARGETS if t in targets)
+    return r, float(alpha), use_rslora, tuple(t for t in LORA_TARGETS if t in targets), float(dropout)
 
 
-def load_adapter(adapter_dir, cfg, dtype=torch.float32):
+def load_adapter(adapter_dir, cfg, dtype=torch.float32, dropout_seed=None):
     """Reads ADIR/adapter_config.json and ADIR/adapter_model.safetensors. The file must hold
     exactly lora_A/lora_B for every targeted linear of every layer, with PEFT's names and shapes.
-    Tensors are upcast to `dtype` and become leaves that require grad."""
-    r, alpha, use_rslora, targets = read_lora_config(os.path.join(adapter_dir, "adapter_config.json"))
+    Tensors are upcast to `dtype` and become leaves that require grad. `dropout_seed`: apply the
+    config's lora_dropout as in training, with the masks memtune draws from that seed."""
+    r, alpha, use_rslora, targets, dropout = read_lora_config(
+        os.path.join(adapter_dir, "adapter_config.json"))
     path = os.path.join(adapter_dir, "adapter_model.safetensors")
     stored = read_safetensors(path)
     shapes = lora_shapes(cfg, targets)
@@ -348,7 +356,40 @@ def load_adapter(adapter_dir, cfg, dtype=torch.float32):
         weights[name] = stored.pop(name).to(dtype).requires_grad_(True)
     # PEFT LoraLayer.update_layer: alpha / sqrt(r) with rank-stabilized LoRA, alpha / r otherwise.
     scaling = alpha / math.sqrt(r) if use_rslora else alpha / r
-    return LoraAdapter(r, alpha, use_rslora, targets, scaling, weights)
+    return LoraAdapter(r, alpha, use_rslora, targets, scaling, weights, dropout, dropout_seed)
+
+
+# LoRA dropout masks. PEFT draws them from torch's RNG; to compare against memtune with the SAME
+# masks they are recomputed here from memtune's documented contract (`memtune dump --dropout_seed`,
+# src/backend/backend.h): the input x [N, in] of the linear at site s of layer l (the batch's rows
+# packed one after another, N = B * T) has its element i = n * in + c kept when the top 24 bits of
+# splitmix64(key + i * GOLDEN) are >= p * 2^24 (p rounded to float32 first, as memtune holds it),
+# key = seed ^ ((l * 7 + s + 1) * GOLDEN), all modulo 2^64, sites in the order of LORA_TARGETS.
+# Kept elements are scaled by 1 / (1 - p) (inverted dropout, as torch.nn.Dropout in training).
+_U64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def lora_dropout_key(seed, layer, site):
+    return (seed ^ ((layer * len(LORA_TARGETS) + site + 1) * _GOLDEN)) & _U64
+
+
+def lora_dropout_keep(key, numel, p):
+    """bool numpy [numel]: which elements of a flat tensor the mask of `key` keeps."""
+    threshold = int(float(np.float32(p)) * 16777216.0)  # (uint64_t)((double)(float)p * 2^24)
+    with np.errstate(over="ignore"):  # uint64 arithmetic wraps modulo 2^64, as in C++
+        z = np.uint64(key) + np.arange(numel, dtype=np.uint64) * np.uint64(_GOLDEN)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    return (z >> np.uint64(40)) >= np.uint64(threshold)
+
+
+def lora_dropout(x, lora, layer, site):
+    """Inverted dropout of x [B, T, in] (flattened row-major over the batch, as memtune packs it)
+    with the mask of (layer, site): x * keep / (1 - p), as torch.nn.Dropout in training."""
+    keep = lora_dropout_keep(lora_dropout_key(lora.dropout_seed, layer, site), x.numel(), lora.dropout)
+    return x * torch.from_numpy(keep).view(x.shape).to(x.dtype) / (1.0 - lora.dropout)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -357,13 +398,18 @@ def load_adapter(adapter_dir, cfg, dtype=torch.float32):
 
 def linear(h, params, module, lora, bias=False):
     """The linear `module` (e.g. model.layers.0.mlp.up_proj), plus its LoRA update where the
-    adapter targets it. PEFT LoraLayer.forward in eval mode (dropout is the identity):
-    base(x) + lora_B(lora_A(x)) * scaling, i.e. y = x W^T + b + ((x A^T) B^T) * scaling."""
+    adapter targets it. PEFT LoraLayer.forward: base(x) + lora_B(lora_A(dropout(x))) * scaling,
+    i.e. y = x W^T + b + ((dropout(x) A^T) B^T) * scaling: only the LoRA branch sees the dropped
+    input; dropout is the identity in evaluation mode (the adapter has no dropout_seed)."""
     y = F.linear(h, params[module + ".weight"], params[module + ".bias"] if bias else None)
     pair = lora.pair(module) if lora is not None else None
     if pair is not None:
         a, b = pair
-        y = y + F.linear(F.linear(h, a), b) * lora.scaling
+        x = h
+        if lora.dropout_seed is not None and lora.dropout > 0:
+            _, _, layer, _, name = module.split(".")  # model.layers.{l}.{self_attn|mlp}.{name}
+            x = lora_dropout(h, lora, int(layer), LORA_TARGETS.index(name))
+        y = y + F.linear(F.linear(x, a), b) * lora.scaling
     return y
 
 
@@ -498,18 +544,21 @@ def read_batch(path, vocab_size):
     return ids, lab
 
 
-def dump(model_dir, input_path, out_path, dtype=torch.float32, adapter_dir=None):
+def dump(model_dir, input_path, out_path, dtype=torch.float32, adapter_dir=None, dropout_seed=None):
     """Computes logits, loss and gradients for one batch; writes them as F32 safetensors:
     `logits` [B, T, V], `loss` [], `grad.<name>` for every checkpoint parameter. With
     `adapter_dir` (a PEFT LoRA adapter) the base model is frozen and the gradients are those of
     the adapter tensors only, `grad.<PEFT tensor name>`. `dtype` is the compute dtype (base and
     adapter are upcast to it): float32 for the oracle; the --self-check of the comparison adds
-    float64."""
+    float64. `dropout_seed` (needs `adapter_dir`): apply the adapter's lora_dropout as in
+    training, with the masks `memtune dump --dropout_seed` draws (lora_dropout_keep)."""
+    if dropout_seed is not None and adapter_dir is None:
+        raise ValueError("dropout_seed applies an adapter's lora_dropout: give adapter_dir")
     cfg, params = load_model(model_dir, dtype)
     lora = None
     trainable = params
     if adapter_dir is not None:
-        lora = load_adapter(adapter_dir, cfg, dtype)
+        lora = load_adapter(adapter_dir, cfg, dtype, dropout_seed)
         for p in params.values():
             p.requires_grad_(False)
         trainable = lora.weights
@@ -702,6 +751,8 @@ def main(argv):
     p_dump.add_argument("--out", required=True, help="output .safetensors path")
     p_dump.add_argument("--adapter", help="PEFT LoRA adapter directory (adapter_config.json + "
                         "adapter_model.safetensors); gradients are then the adapter's only")
+    p_dump.add_argument("--dropout_seed", type=int, help="apply the adapter's lora_dropout as in "
+                        "training, with the masks `memtune dump --dropout_seed` draws from this seed")
     # The options every timed command shares.
     shape = argparse.ArgumentParser(add_help=False)
     shape.add_argument("--model", required=True)
@@ -739,13 +790,15 @@ def main(argv):
             parser.error(f"train-bench: --target_modules must be all-linear or distinct names "
                          f"among {list(LORA_TARGETS)}")
         args.target_modules = tuple(t for t in LORA_TARGETS if t in targets)
+    if args.command == "dump" and args.dropout_seed is not None and not 0 <= args.dropout_seed < 2**64:
+        parser.error("dump: --dropout_seed must be in [0, 2^64)")
     if args.command == "eval-bench":
         if min(args.batch, args.num_sequences, args.threads) < 1 or args.seq < 2:
             parser.error("eval-bench: --batch, --num_sequences and --threads must be positive, "
                          "--seq at least 2")
     try:
         if args.command == "dump":
-            dump(args.model, args.input, args.out, adapter_dir=args.adapter)
+            dump(args.model, args.input, args.out, adapter_dir=args.adapter, dropout_seed=args.dropout_seed)
         elif args.command == "bench":
             bench(args.model, args.batch, args.seq, args.steps, args.threads)
         elif args.command == "eval-bench":

@@ -13,7 +13,13 @@ For each case of CASES:
      input_ids), masked with -100 (scattered, a whole span, a whole row), or independent of ids.
   3. For a LoRA case, a PEFT adapter directory is written (adapter_config.json with every
      LoraConfig key, adapter_model.safetensors in F32 with random, nonzero lora_A and lora_B;
-     PEFT's zero-initialized B would make A's gradient zero and hide bugs).
+     PEFT's zero-initialized B would make A's gradient zero and hide bugs). A case with a
+     dropout seed writes lora_dropout > 0 and runs `memtune dump --dropout_seed N`, which applies
+     dropout as training does; the reference applies the same masks, recomputed from memtune's
+     documented mask contract (qwen2_reference.lora_dropout_keep), as PEFT applies dropout: on the
+     LoRA branch's input only, kept elements scaled by 1 / (1 - p). Logits, loss and every adapter
+     gradient then check the masks, their scale, and that backward routes the gradient through
+     the forward's masks.
   4. `memtune dump` and the reference's dump compute logits, the mean causal-LM loss and the
      gradient of every parameter; with an adapter (`--adapter DIR`), the gradient of every
      adapter tensor (`grad.<PEFT tensor name>`) and of no base parameter.
@@ -25,6 +31,12 @@ same comparison. It smoke-tests the reference and shows how much of each toleran
 float32 rounding uses.
 
 Exit status 0 only if every comparison passes.
+
+--break-dropout MODE (hidden; shows that the dropout cases can fail) makes the reference's
+dropout deliberately wrong: `seed` (masks of seed ^ 1), `shift` (every mask shifted by one
+element), `scale` (kept elements not scaled by 1 / (1 - p)), `off` (no dropout) or `backward`
+(the forward's masks, but the gradient into x goes through masks shifted by one element); the
+dropout cases must then fail.
 """
 
 import argparse
@@ -71,6 +83,7 @@ class Lora:
     lora_alpha: int
     target_modules: tuple
     use_rslora: bool = False
+    lora_dropout: float = 0.0  # applied only where the case has a dropout_seed
 
     @property
     def scaling(self):
@@ -90,6 +103,8 @@ class Case:
     dump_args: tuple = ()     # extra `memtune dump` arguments
     lora: Lora = None         # a LoRA adapter to train instead of the base parameters
     preset: str = "tiny"      # `memtune init-model --preset`: tiny (Qwen2), tiny-qwen3, tiny-llama
+    dropout_seed: int = None  # LoRA dropout as in training, masks from this seed (memtune dump
+                              # --dropout_seed); None: evaluation mode
 
     @property
     def has_targets(self):
@@ -131,10 +146,21 @@ CASES = [
          lora=Lora(r=4, lora_alpha=8, target_modules=ref.LORA_TARGETS)),
     Case("llama3_f32", seed=17, batch=2, seq=96, preset="tiny-llama"),
     Case("llama3_bf16", seed=18, batch=3, seq=40, preset="tiny-llama", init_args=BF16, labels="masked"),
+    # LoRA dropout (p = 0.3) with the same masks on both sides: several rows (the mask index runs
+    # over the batch's packed rows) and a seed above 2^63; gradient checkpointing (backward
+    # recomputes the masks twice); and 16 tokens, where q/k/v run as one grouped product (Qwen3).
+    Case("lora_dropout_f32_all", seed=19, batch=3, seq=24, labels="masked", dropout_seed=0xD1B54A32D192ED03,
+         lora=Lora(r=4, lora_alpha=8, target_modules=ref.LORA_TARGETS, lora_dropout=0.3)),
+    Case("lora_dropout_bf16_ckpt", seed=20, batch=2, seq=40, init_args=BF16 + UNTIED, dropout_seed=7,
+         dump_args=("--gradient_checkpointing",),
+         lora=Lora(r=2, lora_alpha=16, target_modules=("k_proj", "o_proj", "up_proj", "down_proj"),
+                   use_rslora=True, lora_dropout=0.3)),
+    Case("qwen3_lora_dropout_16tok", seed=21, batch=2, seq=8, preset="tiny-qwen3", dropout_seed=123456789,
+         lora=Lora(r=4, lora_alpha=8, target_modules=ref.LORA_TARGETS, lora_dropout=0.3)),
 ]
 
 SELF_CHECK_CASES = ["tied_f32", "untied_bf16", "mha_kv4", "seq1_no_targets", "masked_labels",
-                    "lora_tied_f32_all", "lora_untied_bf16_rslora"]
+                    "lora_tied_f32_all", "lora_untied_bf16_rslora", "lora_dropout_f32_all"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,7 +198,7 @@ def write_adapter(adapter_dir, lora, cfg, seed, base_model):
         "alpha_pattern": {}, "auto_mapping": None, "base_model_name_or_path": base_model,
         "bias": "none", "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True,
         "layers_pattern": None, "layers_to_transform": None, "lora_alpha": lora.lora_alpha,
-        "lora_dropout": 0.0, "modules_to_save": None, "peft_type": "LORA", "r": lora.r,
+        "lora_dropout": lora.lora_dropout, "modules_to_save": None, "peft_type": "LORA", "r": lora.r,
         "rank_pattern": {}, "revision": None, "target_modules": list(lora.target_modules),
         "task_type": "CAUSAL_LM", "use_rslora": lora.use_rslora, "use_dora": False,
     }
@@ -323,6 +349,42 @@ def check_memtune_checkpoint(model_dir, case):
         raise CaseError(f"init-model stored {len(wrong)} tensors not as {want}, e.g. {wrong[0]}")
 
 
+def break_dropout(mode):
+    """--break-dropout: makes the reference's LoRA dropout wrong in one way (see the docstring)."""
+    keep, dropout, key = ref.lora_dropout_keep, ref.lora_dropout, ref.lora_dropout_key
+    if mode == "seed":
+        ref.lora_dropout_key = lambda seed, layer, site: key(seed ^ 1, layer, site)
+    elif mode == "shift":
+        ref.lora_dropout_keep = lambda k, numel, p: np.roll(keep(k, numel, p), 1)
+    elif mode == "scale":
+        ref.lora_dropout = lambda x, lora, layer, site: dropout(x, lora, layer, site) * (1.0 - lora.dropout)
+    elif mode == "off":
+        ref.lora_dropout = lambda x, lora, layer, site: x
+    elif mode == "backward":
+        class WrongBackward(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, fwd_mask, bwd_mask):
+                ctx.save_for_backward(bwd_mask)
+                return x * fwd_mask
+
+            @staticmethod
+            def backward(ctx, grad):
+                (bwd_mask,) = ctx.saved_tensors
+                return grad * bwd_mask, None, None
+
+        def wrong_backward(x, lora, layer, site):
+            mask = keep(key(lora.dropout_seed, layer, site), x.numel(), lora.dropout)
+            fwd, bwd = (torch.from_numpy(m).view(x.shape).to(x.dtype) / (1.0 - lora.dropout)
+                        for m in (mask, np.roll(mask, 1)))
+            return WrongBackward.apply(x, fwd, bwd)
+
+        ref.lora_dropout = wrong_backward
+
+
+def dropout_args(case):
+    return [] if case.dropout_seed is None else ["--dropout_seed", str(case.dropout_seed)]
+
+
 def run_case_memtune(case, memtune, case_dir):
     model_dir = os.path.join(case_dir, "model")
     run([memtune, "init-model", "--preset", case.preset, "--out", model_dir, "--seed", str(case.seed),
@@ -342,9 +404,9 @@ def run_case_memtune(case, memtune, case_dir):
 
     memtune_out = os.path.join(case_dir, "memtune.safetensors")
     run([memtune, "dump", "--model", model_dir, "--input", input_path, "--out", memtune_out,
-         *adapter_args, *case.dump_args])
+         *adapter_args, *dropout_args(case), *case.dump_args])
     ref_out = os.path.join(case_dir, "reference.safetensors")
-    ref.dump(model_dir, input_path, ref_out, adapter_dir=adapter_dir)
+    ref.dump(model_dir, input_path, ref_out, adapter_dir=adapter_dir, dropout_seed=case.dropout_seed)
     return compare(case, ref.read_safetensors(memtune_out), ref.read_safetensors(ref_out))
 
 
@@ -367,9 +429,10 @@ def run_case_self_check(case, case_dir):
         write_adapter(adapter_dir, case.lora, cfg, 2000 + case.seed, model_dir)
 
     f32_out = os.path.join(case_dir, "reference.safetensors")
-    ref.dump(model_dir, input_path, f32_out, adapter_dir=adapter_dir)
+    ref.dump(model_dir, input_path, f32_out, adapter_dir=adapter_dir, dropout_seed=case.dropout_seed)
     f64_out = os.path.join(case_dir, "reference_f64.safetensors")
-    ref.dump(model_dir, input_path, f64_out, dtype=torch.float64, adapter_dir=adapter_dir)
+    ref.dump(model_dir, input_path, f64_out, dtype=torch.float64, adapter_dir=adapter_dir,
+             dropout_seed=case.dropout_seed)
     return compare(case, ref.read_safetensors(f32_out), ref.read_safetensors(f64_out))
 
 
@@ -379,6 +442,9 @@ def main():
     parser.add_argument("--workdir", help="scratch directory (default: a temporary one)")
     parser.add_argument("--self-check", action="store_true",
                         help="skip memtune: compare the float32 reference against float64")
+    parser.add_argument("--break-dropout", choices=("seed", "shift", "scale", "off", "backward"),
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--cases", nargs="+", help=argparse.SUPPRESS)  # run only these (debugging)
     args = parser.parse_args()
     if not args.self_check and not args.memtune:
         parser.error("--memtune is required unless --self-check is given")
@@ -387,6 +453,15 @@ def main():
     workdir = args.workdir or tempfile.mkdtemp(prefix="memtune_reference_")
     os.makedirs(workdir, exist_ok=True)
     cases = [c for c in CASES if c.name in SELF_CHECK_CASES] if args.self_check else CASES
+    if args.cases:
+        unknown = sorted(set(args.cases) - {c.name for c in CASES})
+        if unknown:
+            parser.error(f"--cases: unknown {unknown}")
+        cases = [c for c in cases if c.name in args.cases]
+    if args.break_dropout:
+        break_dropout(args.break_dropout)
+        print(f"--break-dropout {args.break_dropout}: the reference's LoRA dropout is wrong on purpose; "
+              f"the dropout cases must FAIL")
     against = "float32 reference vs float64 reference" if args.self_check else "memtune vs reference"
 
     print(f"{against}; tolerances: logits/loss abs <= {REL_TOL:g}*max(1,max|ref|), "
