@@ -370,8 +370,15 @@ _U64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 
 
+def _mix64(z):
+    """splitmix64's finalizer on a Python int (memtune's core/rng.h mix64)."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    return z ^ (z >> 31)
+
+
 def lora_dropout_key(seed, layer, site):
-    return (seed ^ ((layer * len(LORA_TARGETS) + site + 1) * _GOLDEN)) & _U64
+    return _mix64((seed ^ ((layer * len(LORA_TARGETS) + site + 1) * _GOLDEN)) & _U64)
 
 
 def lora_dropout_keep(key, numel, p):

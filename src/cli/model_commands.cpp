@@ -88,7 +88,7 @@ Action add_dump(CLI::App& app) {
       ->capture_default_str();
   app.add_option("--dropout_seed", args->dropout_seed,
                  "apply the adapter's lora_dropout as training does, its masks drawn from this seed (the mask of "
-                 "layer l, site s is the documented hash of seed ^ ((l * 7 + s + 1) * 0x9e3779b97f4a7c15))");
+                 "layer l, site s is keyed by mix64(seed ^ ((l * 7 + s + 1) * 0x9e3779b97f4a7c15)), core/rng.h)");
   add_backend_option(app, args->backend);
   return [args] {
     const nlohmann::json doc = read_json_file(args->input);

@@ -9,6 +9,13 @@
 
 namespace memtune {
 
+// splitmix64's finalizer: a bijection of 64-bit words whose outputs for nearby inputs look unrelated.
+constexpr uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
 class Rng {
  public:
   explicit Rng(uint64_t seed) : state_(seed) {}
@@ -17,10 +24,7 @@ class Rng {
   }
 
   uint64_t next_u64() {
-    uint64_t z = (state_ += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
+    return mix64(state_ += 0x9e3779b97f4a7c15ull);
   }
   // Uniform in (0, 1).
   double uniform() { return (static_cast<double>(next_u64() >> 11) + 0.5) * (1.0 / 9007199254740992.0); }

@@ -10,6 +10,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "core/rng.h"
 #include "core/labels.h"
 
 namespace memtune {
@@ -212,9 +213,12 @@ StepLogits Decoder::generation_step(const GenerationBatch& batch) {
   return {host, R, V};
 }
 
+// Mixed: a mask hashes key + i * golden, so two sites' masks are one sequence offset by
+// (key difference) / golden; unmixed keys of neighbouring sites made k_proj's mask q_proj's
+// shifted by one element under seed 0.
 uint64_t Decoder::dropout_key(int64_t l, LinearSite s) const {
-  return *dropout_seed_ ^
-         (static_cast<uint64_t>(l) * kNumLinearSites + static_cast<uint64_t>(s) + 1) * 0x9e3779b97f4a7c15ull;
+  return mix64(*dropout_seed_ ^
+               (static_cast<uint64_t>(l) * kNumLinearSites + static_cast<uint64_t>(s) + 1) * 0x9e3779b97f4a7c15ull);
 }
 
 Tensor Decoder::lora_input(int64_t l, LinearSite s, const Tensor& x) {

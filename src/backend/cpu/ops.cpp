@@ -19,6 +19,7 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/rng.h"
 
 namespace memtune::cpu {
 
@@ -651,10 +652,7 @@ void dropout_forward(float* out, const float* x, int64_t n, uint64_t key, float 
   const uint64_t threshold = static_cast<uint64_t>(static_cast<double>(p) * 16777216.0);  // p in 24-bit units
 #pragma omp parallel for simd schedule(static)
   for (int64_t i = 0; i < n; ++i) {
-    uint64_t z = key + static_cast<uint64_t>(i) * 0x9e3779b97f4a7c15ull;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    z ^= z >> 31;
+    const uint64_t z = mix64(key + static_cast<uint64_t>(i) * 0x9e3779b97f4a7c15ull);
     out[i] = (z >> 40) >= threshold ? x[i] * scale : 0.0f;
   }
 }

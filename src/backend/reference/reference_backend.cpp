@@ -14,6 +14,7 @@
 
 #include "backend/cpu/cpu_backend.h"
 #include "core/labels.h"
+#include "core/rng.h"
 
 namespace memtune {
 namespace {
@@ -333,10 +334,7 @@ class ReferenceBackend final : public Backend {
     // when the top 24 bits of splitmix64(key + i * golden) are at least p * 2^24.
     const uint64_t threshold = static_cast<uint64_t>(static_cast<double>(p) * 16777216.0);
     for (int64_t i = 0; i < x.numel(); ++i) {
-      uint64_t z = key + static_cast<uint64_t>(i) * 0x9e3779b97f4a7c15ull;
-      z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-      z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-      z ^= z >> 31;
+      const uint64_t z = mix64(key + static_cast<uint64_t>(i) * 0x9e3779b97f4a7c15ull);
       out.f32()[i] = (z >> 40) >= threshold ? static_cast<float>(x.f32()[i] / (1.0 - p)) : 0.0f;
     }
   }
