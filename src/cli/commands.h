@@ -29,6 +29,7 @@ Action add_plan(CLI::App& app);
 Action add_tokenize(CLI::App& app);
 Action add_data_stats(CLI::App& app);
 Action add_report(CLI::App& app);
+Action add_devices(CLI::App& app);
 
 // --backend NAME on a command that builds a model: where its memory lives and its ops run.
 inline void add_backend_option(CLI::App& app, std::string& name) {

@@ -56,6 +56,8 @@ int main(int argc, char** argv) {
   CLI::App* plan_inference = app.add_subcommand("plan-inference", "")->group("");  // `plan --inference`
   commands.emplace_back(plan_inference, memtune::cli::add_plan_inference(*plan_inference));
   add("plan", "the memory bill of a run before it starts, against a device budget", memtune::cli::add_plan);
+  add("devices", "the Vulkan devices of this machine (memory, features) and the one --backend vulkan would take",
+      memtune::cli::add_devices);
   add("report", "regenerate report.html (charts, memory timeline, plan, arguments) from a run's output_dir",
       memtune::cli::add_report);
   add("tokenize", "encode JSONL text (or chat messages) to token ids, or decode ids", memtune::cli::add_tokenize);

@@ -1,0 +1,201 @@
+// The Vulkan devices of this machine (see device.h).
+#include "backend/vulkan/device.h"
+
+#include <vulkan/vulkan.h>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+
+namespace memtune {
+
+namespace {
+
+std::string version_text(uint32_t v) {
+  return fmt::format("{}.{}.{}", VK_API_VERSION_MAJOR(v), VK_API_VERSION_MINOR(v), VK_API_VERSION_PATCH(v));
+}
+
+std::string bytes_text(uint64_t b) {
+  if (b >= (uint64_t{1} << 30)) return fmt::format("{:.2f} GiB", static_cast<double>(b) / (1 << 30));
+  if (b >= (uint64_t{1} << 20)) return fmt::format("{:.2f} MiB", static_cast<double>(b) / (1 << 20));
+  return fmt::format("{:.2f} KiB", static_cast<double>(b) / (1 << 10));
+}
+
+VulkanDeviceInfo read_device(VkPhysicalDevice pd, int index) {
+  VulkanDeviceInfo d;
+  d.index = index;
+  VkPhysicalDeviceProperties props{};
+  vkGetPhysicalDeviceProperties(pd, &props);
+  d.name = props.deviceName;
+  d.api_version = version_text(props.apiVersion);
+  switch (props.deviceType) {
+    case VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU: d.type = "discrete GPU", d.type_rank = 0; break;
+    case VK_PHYSICAL_DEVICE_TYPE_INTEGRATED_GPU: d.type = "integrated GPU", d.type_rank = 1; break;
+    case VK_PHYSICAL_DEVICE_TYPE_VIRTUAL_GPU: d.type = "virtual GPU", d.type_rank = 2; break;
+    case VK_PHYSICAL_DEVICE_TYPE_CPU: d.type = "CPU", d.type_rank = 4; break;
+    default: d.type = "other", d.type_rank = 3; break;
+  }
+  d.max_storage_buffer_range = props.limits.maxStorageBufferRange;
+  d.shared_memory_bytes = props.limits.maxComputeSharedMemorySize;
+  d.timestamps = props.limits.timestampComputeAndGraphics == VK_TRUE;
+
+  uint32_t count = 0;
+  vkEnumerateDeviceExtensionProperties(pd, nullptr, &count, nullptr);
+  std::vector<VkExtensionProperties> extensions(count);
+  vkEnumerateDeviceExtensionProperties(pd, nullptr, &count, extensions.data());
+  auto has = [&](const char* name) {
+    return std::any_of(extensions.begin(), extensions.end(),
+                       [&](const VkExtensionProperties& e) { return std::strcmp(e.extensionName, name) == 0; });
+  };
+  d.memory_budget = has("VK_EXT_memory_budget");
+  d.cooperative_matrix = has("VK_NV_cooperative_matrix") || has("VK_KHR_cooperative_matrix");
+
+  VkPhysicalDeviceMemoryProperties memory{};
+  vkGetPhysicalDeviceMemoryProperties(pd, &memory);
+  for (uint32_t h = 0; h < memory.memoryHeapCount; ++h)
+    d.heaps.push_back({memory.memoryHeaps[h].size, (memory.memoryHeaps[h].flags & VK_MEMORY_HEAP_DEVICE_LOCAL_BIT) != 0});
+
+  if (props.apiVersion < VK_API_VERSION_1_2) return d;  // the backend needs Vulkan 1.2: not usable
+  VkPhysicalDeviceDriverProperties driver{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_DRIVER_PROPERTIES};
+  VkPhysicalDeviceMaintenance3Properties maintenance{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES};
+  VkPhysicalDeviceSubgroupProperties subgroup{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES};
+  maintenance.pNext = &driver;
+  subgroup.pNext = &maintenance;
+  VkPhysicalDeviceProperties2 props2{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2};
+  props2.pNext = &subgroup;
+  vkGetPhysicalDeviceProperties2(pd, &props2);
+  d.driver = driver.driverName;
+  d.driver_info = driver.driverInfo;
+  d.max_allocation_bytes = maintenance.maxMemoryAllocationSize;
+  d.subgroup_size = subgroup.subgroupSize;
+
+  VkPhysicalDeviceVulkan11Features f11{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES};
+  VkPhysicalDeviceVulkan12Features f12{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES};
+  f11.pNext = &f12;
+  VkPhysicalDeviceFeatures2 features{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2};
+  features.pNext = &f11;
+  vkGetPhysicalDeviceFeatures2(pd, &features);
+  d.storage_16bit = f11.storageBuffer16BitAccess == VK_TRUE;
+  d.shader_int64 = features.features.shaderInt64 == VK_TRUE;
+  d.buffer_device_address = f12.bufferDeviceAddress == VK_TRUE;
+  return d;
+}
+
+}  // namespace
+
+uint64_t VulkanDeviceInfo::device_heap_bytes() const {
+  uint64_t largest = 0;
+  for (const VulkanHeap& h : heaps)
+    if (h.device_local) largest = std::max(largest, h.bytes);
+  return largest;
+}
+
+VulkanDevices vulkan_devices() {
+  VulkanDevices out;
+  uint32_t loader = 0;
+  if (vkEnumerateInstanceVersion(&loader) != VK_SUCCESS) {
+    out.problem = "the Vulkan loader (libvulkan) does not answer";
+    return out;
+  }
+  out.loader_version = version_text(loader);
+  VkApplicationInfo app{VK_STRUCTURE_TYPE_APPLICATION_INFO};
+  app.pApplicationName = "memtune";
+  app.apiVersion = VK_API_VERSION_1_2;
+  VkInstanceCreateInfo info{VK_STRUCTURE_TYPE_INSTANCE_CREATE_INFO};
+  info.pApplicationInfo = &app;
+  VkInstance instance = VK_NULL_HANDLE;
+  if (const VkResult r = vkCreateInstance(&info, nullptr, &instance); r != VK_SUCCESS) {
+    out.problem = fmt::format("no Vulkan driver (vkCreateInstance: {}); on Debian, mesa-vulkan-drivers provides "
+                              "lavapipe, a Vulkan device on the CPU",
+                              static_cast<int>(r));
+    return out;
+  }
+  uint32_t count = 0;
+  vkEnumeratePhysicalDevices(instance, &count, nullptr);
+  std::vector<VkPhysicalDevice> devices(count);
+  vkEnumeratePhysicalDevices(instance, &count, devices.data());
+  for (uint32_t i = 0; i < count; ++i) out.devices.push_back(read_device(devices[i], static_cast<int>(i)));
+  vkDestroyInstance(instance, nullptr);
+  if (out.devices.empty()) out.problem = "the Vulkan loader lists no device";
+  return out;
+}
+
+const VulkanDeviceInfo& choose_vulkan_device(const VulkanDevices& found, std::optional<int> requested) {
+  std::string source = "--vulkan_device";
+  if (!requested) {
+    if (const char* env = std::getenv("MEMTUNE_VULKAN_DEVICE"); env && *env) {
+      char* end = nullptr;
+      const long v = std::strtol(env, &end, 10);
+      if (*end != '\0') throw Error(fmt::format("MEMTUNE_VULKAN_DEVICE=\"{}\": expected a device index", env));
+      requested = static_cast<int>(v);
+      source = "MEMTUNE_VULKAN_DEVICE";
+    }
+  }
+  if (found.devices.empty()) throw Error(fmt::format("--backend vulkan: {}", found.problem));
+  if (requested) {
+    if (*requested < 0 || *requested >= static_cast<int>(found.devices.size()))
+      throw Error(fmt::format("{} {}: this machine has Vulkan devices 0 to {} (memtune devices lists them)", source,
+                              *requested, found.devices.size() - 1));
+    const VulkanDeviceInfo& d = found.devices[static_cast<size_t>(*requested)];
+    if (!d.usable())
+      throw Error(fmt::format("{} {}: {} lacks what the backend needs (Vulkan 1.2 with buffer device addresses, "
+                              "64-bit integers and 16-bit storage)",
+                              source, *requested, d.name));
+    return d;
+  }
+  const VulkanDeviceInfo* best = nullptr;
+  for (const VulkanDeviceInfo& d : found.devices)
+    if (d.usable() && (!best || d.type_rank < best->type_rank)) best = &d;
+  if (!best)
+    throw Error("--backend vulkan: no Vulkan device has buffer device addresses, 64-bit integers and 16-bit storage "
+                "(memtune devices lists them)");
+  return *best;
+}
+
+std::string describe_vulkan_device(const VulkanDeviceInfo& d) {
+  std::string heaps;
+  for (size_t h = 0; h < d.heaps.size(); ++h)
+    heaps += fmt::format("{}heap {} {}{}", h ? ", " : "", h, bytes_text(d.heaps[h].bytes),
+                         d.heaps[h].device_local ? " device-local" : "");
+  auto yes = [](bool b) { return b ? "yes" : "no"; };
+  return fmt::format(
+      "{} ({}; {} {}, Vulkan {})\n  memory: {}; one allocation up to {}, one storage binding up to {}\n"
+      "  features: 16-bit storage {}, 64-bit integers {}, buffer device address {}, subgroup {}, shared memory {}, "
+      "cooperative matrix {}, memory budget {}, timestamps {}",
+      d.name, d.type, d.driver, d.driver_info, d.api_version, heaps, bytes_text(d.max_allocation_bytes),
+      bytes_text(d.max_storage_buffer_range), yes(d.storage_16bit), yes(d.shader_int64), yes(d.buffer_device_address),
+      d.subgroup_size, bytes_text(d.shared_memory_bytes), yes(d.cooperative_matrix), yes(d.memory_budget),
+      yes(d.timestamps));
+}
+
+nlohmann::json vulkan_device_json(const VulkanDeviceInfo& d) {
+  nlohmann::json heaps = nlohmann::json::array();
+  for (const VulkanHeap& h : d.heaps) heaps.push_back({{"bytes", h.bytes}, {"device_local", h.device_local}});
+  return {{"index", d.index},
+          {"name", d.name},
+          {"type", d.type},
+          {"driver", d.driver},
+          {"driver_info", d.driver_info},
+          {"api_version", d.api_version},
+          {"heaps", heaps},
+          {"device_heap_bytes", d.device_heap_bytes()},
+          {"max_allocation_bytes", d.max_allocation_bytes},
+          {"max_storage_buffer_range", d.max_storage_buffer_range},
+          {"subgroup_size", d.subgroup_size},
+          {"shared_memory_bytes", d.shared_memory_bytes},
+          {"storage_16bit", d.storage_16bit},
+          {"shader_int64", d.shader_int64},
+          {"buffer_device_address", d.buffer_device_address},
+          {"cooperative_matrix", d.cooperative_matrix},
+          {"memory_budget", d.memory_budget},
+          {"timestamps", d.timestamps},
+          {"usable", d.usable()}};
+}
+
+}  // namespace memtune
