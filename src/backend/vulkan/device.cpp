@@ -35,11 +35,21 @@ VulkanDeviceInfo read_device(VkPhysicalDevice pd, int index) {
   d.name = props.deviceName;
   d.api_version = version_text(props.apiVersion);
   switch (props.deviceType) {
-    case VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU: d.type = "discrete GPU", d.type_rank = 0; break;
-    case VK_PHYSICAL_DEVICE_TYPE_INTEGRATED_GPU: d.type = "integrated GPU", d.type_rank = 1; break;
-    case VK_PHYSICAL_DEVICE_TYPE_VIRTUAL_GPU: d.type = "virtual GPU", d.type_rank = 2; break;
-    case VK_PHYSICAL_DEVICE_TYPE_CPU: d.type = "CPU", d.type_rank = 4; break;
-    default: d.type = "other", d.type_rank = 3; break;
+    case VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU:
+      d.type = "discrete GPU", d.type_rank = 0;
+      break;
+    case VK_PHYSICAL_DEVICE_TYPE_INTEGRATED_GPU:
+      d.type = "integrated GPU", d.type_rank = 1;
+      break;
+    case VK_PHYSICAL_DEVICE_TYPE_VIRTUAL_GPU:
+      d.type = "virtual GPU", d.type_rank = 2;
+      break;
+    case VK_PHYSICAL_DEVICE_TYPE_CPU:
+      d.type = "CPU", d.type_rank = 4;
+      break;
+    default:
+      d.type = "other", d.type_rank = 3;
+      break;
   }
   d.max_storage_buffer_range = props.limits.maxStorageBufferRange;
   d.shared_memory_bytes = props.limits.maxComputeSharedMemorySize;
@@ -59,15 +69,17 @@ VulkanDeviceInfo read_device(VkPhysicalDevice pd, int index) {
   VkPhysicalDeviceMemoryProperties memory{};
   vkGetPhysicalDeviceMemoryProperties(pd, &memory);
   for (uint32_t h = 0; h < memory.memoryHeapCount; ++h)
-    d.heaps.push_back({memory.memoryHeaps[h].size, (memory.memoryHeaps[h].flags & VK_MEMORY_HEAP_DEVICE_LOCAL_BIT) != 0});
+    d.heaps.push_back(
+        {memory.memoryHeaps[h].size, (memory.memoryHeaps[h].flags & VK_MEMORY_HEAP_DEVICE_LOCAL_BIT) != 0});
 
   if (props.apiVersion < VK_API_VERSION_1_2) return d;  // the backend needs Vulkan 1.2: not usable
-  VkPhysicalDeviceDriverProperties driver{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_DRIVER_PROPERTIES};
-  VkPhysicalDeviceMaintenance3Properties maintenance{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES};
-  VkPhysicalDeviceSubgroupProperties subgroup{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES};
+  auto driver = vk_struct<VkPhysicalDeviceDriverProperties>(VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_DRIVER_PROPERTIES);
+  auto maintenance =
+      vk_struct<VkPhysicalDeviceMaintenance3Properties>(VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES);
+  auto subgroup = vk_struct<VkPhysicalDeviceSubgroupProperties>(VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES);
   maintenance.pNext = &driver;
   subgroup.pNext = &maintenance;
-  VkPhysicalDeviceProperties2 props2{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2};
+  auto props2 = vk_struct<VkPhysicalDeviceProperties2>(VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2);
   props2.pNext = &subgroup;
   vkGetPhysicalDeviceProperties2(pd, &props2);
   d.driver = driver.driverName;
@@ -75,10 +87,10 @@ VulkanDeviceInfo read_device(VkPhysicalDevice pd, int index) {
   d.max_allocation_bytes = maintenance.maxMemoryAllocationSize;
   d.subgroup_size = subgroup.subgroupSize;
 
-  VkPhysicalDeviceVulkan11Features f11{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES};
-  VkPhysicalDeviceVulkan12Features f12{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES};
+  auto f11 = vk_struct<VkPhysicalDeviceVulkan11Features>(VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES);
+  auto f12 = vk_struct<VkPhysicalDeviceVulkan12Features>(VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES);
   f11.pNext = &f12;
-  VkPhysicalDeviceFeatures2 features{VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2};
+  auto features = vk_struct<VkPhysicalDeviceFeatures2>(VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2);
   features.pNext = &f11;
   vkGetPhysicalDeviceFeatures2(pd, &features);
   d.storage_16bit = f11.storageBuffer16BitAccess == VK_TRUE;
@@ -104,16 +116,17 @@ VulkanDevices vulkan_devices() {
     return out;
   }
   out.loader_version = version_text(loader);
-  VkApplicationInfo app{VK_STRUCTURE_TYPE_APPLICATION_INFO};
+  auto app = vk_struct<VkApplicationInfo>(VK_STRUCTURE_TYPE_APPLICATION_INFO);
   app.pApplicationName = "memtune";
   app.apiVersion = VK_API_VERSION_1_2;
-  VkInstanceCreateInfo info{VK_STRUCTURE_TYPE_INSTANCE_CREATE_INFO};
+  auto info = vk_struct<VkInstanceCreateInfo>(VK_STRUCTURE_TYPE_INSTANCE_CREATE_INFO);
   info.pApplicationInfo = &app;
   VkInstance instance = VK_NULL_HANDLE;
   if (const VkResult r = vkCreateInstance(&info, nullptr, &instance); r != VK_SUCCESS) {
-    out.problem = fmt::format("no Vulkan driver (vkCreateInstance: {}); on Debian, mesa-vulkan-drivers provides "
-                              "lavapipe, a Vulkan device on the CPU",
-                              static_cast<int>(r));
+    out.problem = fmt::format(
+        "no Vulkan driver (vkCreateInstance: {}); on Debian, mesa-vulkan-drivers provides "
+        "lavapipe, a Vulkan device on the CPU",
+        static_cast<int>(r));
     return out;
   }
   uint32_t count = 0;
@@ -144,17 +157,19 @@ const VulkanDeviceInfo& choose_vulkan_device(const VulkanDevices& found, std::op
                               *requested, found.devices.size() - 1));
     const VulkanDeviceInfo& d = found.devices[static_cast<size_t>(*requested)];
     if (!d.usable())
-      throw Error(fmt::format("{} {}: {} lacks what the backend needs (Vulkan 1.2 with buffer device addresses, "
-                              "64-bit integers and 16-bit storage)",
-                              source, *requested, d.name));
+      throw Error(
+          fmt::format("{} {}: {} lacks what the backend needs (Vulkan 1.2 with buffer device addresses, "
+                      "64-bit integers and 16-bit storage)",
+                      source, *requested, d.name));
     return d;
   }
   const VulkanDeviceInfo* best = nullptr;
   for (const VulkanDeviceInfo& d : found.devices)
     if (d.usable() && (!best || d.type_rank < best->type_rank)) best = &d;
   if (!best)
-    throw Error("--backend vulkan: no Vulkan device has buffer device addresses, 64-bit integers and 16-bit storage "
-                "(memtune devices lists them)");
+    throw Error(
+        "--backend vulkan: no Vulkan device has buffer device addresses, 64-bit integers and 16-bit storage "
+        "(memtune devices lists them)");
   return *best;
 }
 

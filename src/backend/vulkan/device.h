@@ -14,6 +14,14 @@
 
 namespace memtune {
 
+// A Vulkan structure with its sType set and every other member zero.
+template <class T, class Type>
+T vk_struct(Type type) {
+  T t{};
+  t.sType = type;
+  return t;
+}
+
 struct VulkanHeap {
   uint64_t bytes = 0;
   bool device_local = false;

@@ -1,0 +1,302 @@
+// One Vulkan device opened for compute (see context.h).
+#include "backend/vulkan/context.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/vulkan/shaders.h"
+#include "core/error.h"
+
+namespace memtune {
+
+namespace {
+
+void check(VkResult r, const char* what) {
+  if (r != VK_SUCCESS) throw Error(fmt::format("--backend vulkan: {} failed (VkResult {})", what, static_cast<int>(r)));
+}
+
+std::string bytes_text(uint64_t b) {
+  return fmt::format("{:.2f} MiB", static_cast<double>(b) / (1 << 20));
+}
+
+}  // namespace
+
+VulkanContext::VulkanContext(std::optional<int> requested_device) {
+  const VulkanDevices found = vulkan_devices();
+  info_ = choose_vulkan_device(found, requested_device);
+
+  auto app = vk_struct<VkApplicationInfo>(VK_STRUCTURE_TYPE_APPLICATION_INFO);
+  app.pApplicationName = "memtune";
+  app.apiVersion = VK_API_VERSION_1_2;
+  auto instance_info = vk_struct<VkInstanceCreateInfo>(VK_STRUCTURE_TYPE_INSTANCE_CREATE_INFO);
+  instance_info.pApplicationInfo = &app;
+  check(vkCreateInstance(&instance_info, nullptr, &instance_), "vkCreateInstance");
+  uint32_t count = 0;
+  vkEnumeratePhysicalDevices(instance_, &count, nullptr);
+  std::vector<VkPhysicalDevice> devices(count);
+  vkEnumeratePhysicalDevices(instance_, &count, devices.data());
+  MT_ASSERT(static_cast<uint32_t>(info_.index) < count, "the Vulkan device list changed");
+  physical_ = devices[static_cast<size_t>(info_.index)];
+
+  vkGetPhysicalDeviceQueueFamilyProperties(physical_, &count, nullptr);
+  std::vector<VkQueueFamilyProperties> families(count);
+  vkGetPhysicalDeviceQueueFamilyProperties(physical_, &count, families.data());
+  bool found_compute = false;
+  for (uint32_t i = 0; i < count && !found_compute; ++i)
+    if (families[i].queueFlags & VK_QUEUE_COMPUTE_BIT) queue_family_ = i, found_compute = true;
+  if (!found_compute) throw Error(fmt::format("--backend vulkan: {} has no compute queue", info_.name));
+
+  const float priority = 1.0f;
+  auto queue_info = vk_struct<VkDeviceQueueCreateInfo>(VK_STRUCTURE_TYPE_DEVICE_QUEUE_CREATE_INFO);
+  queue_info.queueFamilyIndex = queue_family_;
+  queue_info.queueCount = 1;
+  queue_info.pQueuePriorities = &priority;
+  auto f11 = vk_struct<VkPhysicalDeviceVulkan11Features>(VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES);
+  f11.storageBuffer16BitAccess = VK_TRUE;
+  auto f12 = vk_struct<VkPhysicalDeviceVulkan12Features>(VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES);
+  f12.bufferDeviceAddress = VK_TRUE;
+  f12.pNext = &f11;
+  auto features = vk_struct<VkPhysicalDeviceFeatures2>(VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2);
+  features.features.shaderInt64 = VK_TRUE;
+  features.pNext = &f12;
+  // 16-bit integer arithmetic in shaders (the uint16_t words of bfloat16 storage).
+  auto supported = vk_struct<VkPhysicalDeviceFeatures2>(VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2);
+  vkGetPhysicalDeviceFeatures2(physical_, &supported);
+  features.features.shaderInt16 = supported.features.shaderInt16;
+  auto device_info = vk_struct<VkDeviceCreateInfo>(VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO);
+  device_info.pNext = &features;
+  device_info.queueCreateInfoCount = 1;
+  device_info.pQueueCreateInfos = &queue_info;
+  check(vkCreateDevice(physical_, &device_info, nullptr, &device_), "vkCreateDevice");
+  vkGetDeviceQueue(device_, queue_family_, 0, &queue_);
+
+  auto pool_info = vk_struct<VkCommandPoolCreateInfo>(VK_STRUCTURE_TYPE_COMMAND_POOL_CREATE_INFO);
+  pool_info.flags = VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT;
+  pool_info.queueFamilyIndex = queue_family_;
+  check(vkCreateCommandPool(device_, &pool_info, nullptr, &pool_), "vkCreateCommandPool");
+  auto command_info = vk_struct<VkCommandBufferAllocateInfo>(VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO);
+  command_info.commandPool = pool_;
+  command_info.level = VK_COMMAND_BUFFER_LEVEL_PRIMARY;
+  command_info.commandBufferCount = 1;
+  check(vkAllocateCommandBuffers(device_, &command_info, &commands_), "vkAllocateCommandBuffers");
+  auto fence_info = vk_struct<VkFenceCreateInfo>(VK_STRUCTURE_TYPE_FENCE_CREATE_INFO);
+  check(vkCreateFence(device_, &fence_info, nullptr, &fence_), "vkCreateFence");
+
+  VkPushConstantRange range{VK_SHADER_STAGE_COMPUTE_BIT, 0, 128};
+  auto layout_info = vk_struct<VkPipelineLayoutCreateInfo>(VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO);
+  layout_info.pushConstantRangeCount = 1;
+  layout_info.pPushConstantRanges = &range;
+  check(vkCreatePipelineLayout(device_, &layout_info, nullptr, &layout_), "vkCreatePipelineLayout");
+
+  // Host-visible staging: planned host memory of kTransferBytes, as the host backends stage.
+  staging_ = make_buffer(kTransferBytes, VK_BUFFER_USAGE_TRANSFER_SRC_BIT | VK_BUFFER_USAGE_TRANSFER_DST_BIT,
+                         VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | VK_MEMORY_PROPERTY_HOST_COHERENT_BIT);
+  check(vkMapMemory(device_, staging_.memory, 0, kTransferBytes, 0, &staging_host_), "vkMapMemory");
+}
+
+VulkanContext::~VulkanContext() {
+  if (device_) vkDeviceWaitIdle(device_);
+  for (auto& [name, p] : pipelines_) {
+    vkDestroyPipeline(device_, p.pipeline, nullptr);
+    vkDestroyShaderModule(device_, p.module, nullptr);
+  }
+  for (auto& [address, a] : allocations_) destroy(a);
+  if (staging_.memory) {
+    vkUnmapMemory(device_, staging_.memory);
+    destroy(staging_);
+  }
+  if (layout_) vkDestroyPipelineLayout(device_, layout_, nullptr);
+  if (fence_) vkDestroyFence(device_, fence_, nullptr);
+  if (pool_) vkDestroyCommandPool(device_, pool_, nullptr);
+  if (device_) vkDestroyDevice(device_, nullptr);
+  if (instance_) vkDestroyInstance(instance_, nullptr);
+}
+
+uint32_t VulkanContext::memory_type(uint32_t allowed, VkMemoryPropertyFlags wanted) const {
+  VkPhysicalDeviceMemoryProperties memory{};
+  vkGetPhysicalDeviceMemoryProperties(physical_, &memory);
+  for (uint32_t i = 0; i < memory.memoryTypeCount; ++i)
+    if ((allowed & (1u << i)) && (memory.memoryTypes[i].propertyFlags & wanted) == wanted) return i;
+  throw Error(fmt::format("--backend vulkan: {} has no memory type with properties {:#x}", info_.name, wanted));
+}
+
+VulkanContext::Allocation VulkanContext::make_buffer(size_t bytes, VkBufferUsageFlags usage,
+                                                     VkMemoryPropertyFlags properties) {
+  Allocation a;
+  a.bytes = bytes;
+  auto buffer_info = vk_struct<VkBufferCreateInfo>(VK_STRUCTURE_TYPE_BUFFER_CREATE_INFO);
+  buffer_info.size = bytes;
+  buffer_info.usage = usage;
+  buffer_info.sharingMode = VK_SHARING_MODE_EXCLUSIVE;
+  check(vkCreateBuffer(device_, &buffer_info, nullptr, &a.buffer), "vkCreateBuffer");
+  VkMemoryRequirements needs{};
+  vkGetBufferMemoryRequirements(device_, a.buffer, &needs);
+  auto flags = vk_struct<VkMemoryAllocateFlagsInfo>(VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_FLAGS_INFO);
+  flags.flags = VK_MEMORY_ALLOCATE_DEVICE_ADDRESS_BIT;
+  auto memory_info = vk_struct<VkMemoryAllocateInfo>(VK_STRUCTURE_TYPE_MEMORY_ALLOCATE_INFO);
+  memory_info.pNext = (usage & VK_BUFFER_USAGE_SHADER_DEVICE_ADDRESS_BIT) ? &flags : nullptr;
+  memory_info.allocationSize = needs.size;
+  memory_info.memoryTypeIndex = memory_type(needs.memoryTypeBits, properties);
+  if (const VkResult r = vkAllocateMemory(device_, &memory_info, nullptr, &a.memory); r != VK_SUCCESS) {
+    vkDestroyBuffer(device_, a.buffer, nullptr);
+    throw Error(fmt::format("--backend vulkan: {} refused an allocation of {} (VkResult {}): the device's heap is {}",
+                            info_.name, bytes_text(bytes), static_cast<int>(r), bytes_text(info_.device_heap_bytes())));
+  }
+  check(vkBindBufferMemory(device_, a.buffer, a.memory, 0), "vkBindBufferMemory");
+  return a;
+}
+
+void VulkanContext::destroy(Allocation& a) {
+  vkDestroyBuffer(device_, a.buffer, nullptr);
+  vkFreeMemory(device_, a.memory, nullptr);
+  a = {};
+}
+
+uint64_t VulkanContext::allocate(size_t bytes) {
+  bytes = std::max<size_t>((bytes + 255) / 256 * 256, 256);
+  if (bytes > info_.max_allocation_bytes)
+    throw Error(fmt::format("--backend vulkan: an arena of {} is more than one allocation may hold on {} ({})",
+                            bytes_text(bytes), info_.name, bytes_text(info_.max_allocation_bytes)));
+  Allocation a = make_buffer(bytes,
+                             VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | VK_BUFFER_USAGE_SHADER_DEVICE_ADDRESS_BIT |
+                                 VK_BUFFER_USAGE_TRANSFER_SRC_BIT | VK_BUFFER_USAGE_TRANSFER_DST_BIT,
+                             VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT);
+  auto address_info = vk_struct<VkBufferDeviceAddressInfo>(VK_STRUCTURE_TYPE_BUFFER_DEVICE_ADDRESS_INFO);
+  address_info.buffer = a.buffer;
+  const uint64_t address = vkGetBufferDeviceAddress(device_, &address_info);
+  allocations_[address] = a;
+  fill_words(address, 0, bytes);
+  return address;
+}
+
+void VulkanContext::deallocate(uint64_t address) {
+  const auto it = allocations_.find(address);
+  MT_ASSERT(it != allocations_.end(), "vulkan: freeing memory that was not allocated");
+  flush();
+  destroy(it->second);
+  allocations_.erase(it);
+}
+
+std::pair<const VulkanContext::Allocation*, size_t> VulkanContext::locate(uint64_t address, size_t bytes) const {
+  auto it = allocations_.upper_bound(address);
+  MT_ASSERT(it != allocations_.begin(), "vulkan: an address outside the device's allocations");
+  --it;
+  const size_t offset = address - it->first;
+  MT_ASSERT(offset + bytes <= it->second.bytes, "vulkan: a range beyond its allocation");
+  return {&it->second, offset};
+}
+
+VkCommandBuffer VulkanContext::recording() {
+  if (!recording_) {
+    auto begin = vk_struct<VkCommandBufferBeginInfo>(VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO);
+    begin.flags = VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT;
+    check(vkBeginCommandBuffer(commands_, &begin), "vkBeginCommandBuffer");
+    recording_ = true;
+  }
+  return commands_;
+}
+
+void VulkanContext::barrier() {
+  auto b = vk_struct<VkMemoryBarrier>(VK_STRUCTURE_TYPE_MEMORY_BARRIER);
+  b.srcAccessMask = VK_ACCESS_SHADER_WRITE_BIT | VK_ACCESS_TRANSFER_WRITE_BIT;
+  b.dstAccessMask = VK_ACCESS_SHADER_READ_BIT | VK_ACCESS_SHADER_WRITE_BIT | VK_ACCESS_TRANSFER_READ_BIT |
+                    VK_ACCESS_TRANSFER_WRITE_BIT | VK_ACCESS_HOST_READ_BIT;
+  vkCmdPipelineBarrier(
+      recording(), VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | VK_PIPELINE_STAGE_TRANSFER_BIT,
+      VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | VK_PIPELINE_STAGE_TRANSFER_BIT | VK_PIPELINE_STAGE_HOST_BIT, 0, 1, &b, 0,
+      nullptr, 0, nullptr);
+}
+
+void VulkanContext::flush() {
+  if (!recording_) return;
+  check(vkEndCommandBuffer(commands_), "vkEndCommandBuffer");
+  recording_ = false;
+  auto submit = vk_struct<VkSubmitInfo>(VK_STRUCTURE_TYPE_SUBMIT_INFO);
+  submit.commandBufferCount = 1;
+  submit.pCommandBuffers = &commands_;
+  check(vkQueueSubmit(queue_, 1, &submit, fence_), "vkQueueSubmit");
+  check(vkWaitForFences(device_, 1, &fence_, VK_TRUE, UINT64_MAX), "vkWaitForFences");
+  check(vkResetFences(device_, 1, &fence_), "vkResetFences");
+  check(vkResetCommandBuffer(commands_, 0), "vkResetCommandBuffer");
+}
+
+void VulkanContext::upload(uint64_t dst, const void* src, size_t bytes) {
+  const auto [a, offset] = locate(dst, bytes);
+  for (size_t done = 0; done < bytes; done += kTransferBytes) {
+    const size_t n = std::min(kTransferBytes, bytes - done);
+    flush();  // the staging buffer is free again
+    std::memcpy(staging_host_, static_cast<const std::byte*>(src) + done, n);
+    const VkBufferCopy region{0, offset + done, n};
+    vkCmdCopyBuffer(recording(), staging_.buffer, a->buffer, 1, &region);
+    barrier();
+  }
+  flush();
+}
+
+void VulkanContext::download(void* dst, uint64_t src, size_t bytes) {
+  const auto [a, offset] = locate(src, bytes);
+  for (size_t done = 0; done < bytes; done += kTransferBytes) {
+    const size_t n = std::min(kTransferBytes, bytes - done);
+    const VkBufferCopy region{offset + done, 0, n};
+    vkCmdCopyBuffer(recording(), a->buffer, staging_.buffer, 1, &region);
+    barrier();
+    flush();
+    std::memcpy(static_cast<std::byte*>(dst) + done, staging_host_, n);
+  }
+}
+
+void VulkanContext::copy(uint64_t dst, uint64_t src, size_t bytes) {
+  if (bytes == 0) return;
+  const auto [to, to_offset] = locate(dst, bytes);
+  const auto [from, from_offset] = locate(src, bytes);
+  const VkBufferCopy region{from_offset, to_offset, bytes};
+  vkCmdCopyBuffer(recording(), from->buffer, to->buffer, 1, &region);
+  barrier();
+}
+
+void VulkanContext::fill_words(uint64_t dst, uint32_t word, size_t bytes) {
+  if (bytes == 0) return;
+  const auto [a, offset] = locate(dst, bytes);
+  MT_ASSERT(offset % 4 == 0 && bytes % 4 == 0, "vulkan: a fill of whole 4-byte words");
+  vkCmdFillBuffer(recording(), a->buffer, offset, bytes, word);
+  barrier();
+}
+
+const VulkanContext::Pipeline& VulkanContext::pipeline(std::string_view shader) {
+  const auto it = pipelines_.find(std::string(shader));
+  if (it != pipelines_.end()) return it->second;
+  const std::span<const uint32_t> code = vulkan_shader(shader);
+  MT_ASSERT(!code.empty(), "vulkan: no embedded shader of that name");
+  Pipeline p;
+  auto module_info = vk_struct<VkShaderModuleCreateInfo>(VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO);
+  module_info.codeSize = code.size_bytes();
+  module_info.pCode = code.data();
+  check(vkCreateShaderModule(device_, &module_info, nullptr, &p.module), "vkCreateShaderModule");
+  auto pipeline_info = vk_struct<VkComputePipelineCreateInfo>(VK_STRUCTURE_TYPE_COMPUTE_PIPELINE_CREATE_INFO);
+  pipeline_info.stage = vk_struct<VkPipelineShaderStageCreateInfo>(VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_CREATE_INFO);
+  pipeline_info.stage.stage = VK_SHADER_STAGE_COMPUTE_BIT;
+  pipeline_info.stage.module = p.module;
+  pipeline_info.stage.pName = "main";
+  pipeline_info.layout = layout_;
+  check(vkCreateComputePipelines(device_, VK_NULL_HANDLE, 1, &pipeline_info, nullptr, &p.pipeline),
+        "vkCreateComputePipelines");
+  return pipelines_.emplace(std::string(shader), p).first->second;
+}
+
+void VulkanContext::dispatch(std::string_view shader, std::span<const std::byte> push, uint32_t groups_x,
+                             uint32_t groups_y, uint32_t groups_z) {
+  MT_ASSERT(push.size() <= 128, "vulkan: push constants of at most 128 bytes");
+  if (groups_x == 0 || groups_y == 0 || groups_z == 0) return;
+  const Pipeline& p = pipeline(shader);
+  VkCommandBuffer c = recording();
+  vkCmdBindPipeline(c, VK_PIPELINE_BIND_POINT_COMPUTE, p.pipeline);
+  vkCmdPushConstants(c, layout_, VK_SHADER_STAGE_COMPUTE_BIT, 0, static_cast<uint32_t>(push.size()), push.data());
+  vkCmdDispatch(c, groups_x, groups_y, groups_z);
+  barrier();
+}
+
+}  // namespace memtune

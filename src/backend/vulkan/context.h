@@ -1,0 +1,99 @@
+// One Vulkan device opened for compute: its queue, the device memory the arenas live in, the
+// host staging that transfers pass through, the pipelines of the embedded shaders, and the
+// command buffer that dispatches are recorded into.
+//
+// Memory: allocate(bytes) makes ONE device-local VkDeviceMemory with one VkBuffer over it and
+// returns the buffer's device address (VK_KHR_buffer_device_address) as the arena's base; every
+// tensor view's data pointer is such an address plus an offset, and shaders reach tensors through
+// those 64-bit addresses in push constants, so maxStorageBufferRange (128 MiB on lavapipe) never
+// limits a tensor. The host never dereferences these addresses.
+//
+// Submission: dispatches and device-side copies are recorded into one command buffer with a
+// memory barrier after each (every op may read what the previous one wrote) and submitted in a
+// batch; the host waits (flush) only where a value must come back or host memory is touched: a
+// download, an upload through the staging buffer, freeing memory.
+#pragma once
+
+#include <vulkan/vulkan.h>
+
+#include <cstdint>
+#include <map>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+
+#include "backend/vulkan/device.h"
+
+namespace memtune {
+
+class VulkanContext {
+ public:
+  // Opens the device --backend vulkan takes (choose_vulkan_device); an Error naming it on failure.
+  explicit VulkanContext(std::optional<int> requested_device = std::nullopt);
+  ~VulkanContext();
+  VulkanContext(const VulkanContext&) = delete;
+  VulkanContext& operator=(const VulkanContext&) = delete;
+
+  const VulkanDeviceInfo& info() const { return info_; }
+
+  // Device-local memory of `bytes`, zero-filled; returns its device address. An Error naming
+  // the device's limit when one allocation cannot hold it.
+  uint64_t allocate(size_t bytes);
+  void deallocate(uint64_t address);
+
+  // Transfers between host memory and device addresses, through the staging buffer.
+  void upload(uint64_t dst, const void* src, size_t bytes);
+  void download(void* dst, uint64_t src, size_t bytes);
+  // Recorded: a device-to-device copy, and a fill of 4-byte words.
+  void copy(uint64_t dst, uint64_t src, size_t bytes);
+  void fill_words(uint64_t dst, uint32_t word, size_t bytes);
+
+  // Records a dispatch of shaders/NAME.comp with `push` as its push constants (at most 128
+  // bytes, laid out as the shader declares them).
+  void dispatch(std::string_view shader, std::span<const std::byte> push, uint32_t groups_x, uint32_t groups_y = 1,
+                uint32_t groups_z = 1);
+  template <class Push>
+  void dispatch(std::string_view shader, const Push& push, uint32_t gx, uint32_t gy = 1, uint32_t gz = 1) {
+    dispatch(shader, std::as_bytes(std::span<const Push>(&push, 1)), gx, gy, gz);
+  }
+  // Submits what is recorded and waits for it.
+  void flush();
+
+ private:
+  struct Allocation {
+    VkBuffer buffer = VK_NULL_HANDLE;
+    VkDeviceMemory memory = VK_NULL_HANDLE;
+    size_t bytes = 0;
+  };
+  struct Pipeline {
+    VkShaderModule module = VK_NULL_HANDLE;
+    VkPipeline pipeline = VK_NULL_HANDLE;
+  };
+  // The allocation holding [address, address + bytes) and the offset of address in it.
+  std::pair<const Allocation*, size_t> locate(uint64_t address, size_t bytes) const;
+  uint32_t memory_type(uint32_t allowed, VkMemoryPropertyFlags wanted) const;
+  Allocation make_buffer(size_t bytes, VkBufferUsageFlags usage, VkMemoryPropertyFlags properties);
+  void destroy(Allocation& a);
+  VkCommandBuffer recording();
+  void barrier();
+  const Pipeline& pipeline(std::string_view shader);
+
+  VulkanDeviceInfo info_;
+  VkInstance instance_ = VK_NULL_HANDLE;
+  VkPhysicalDevice physical_ = VK_NULL_HANDLE;
+  VkDevice device_ = VK_NULL_HANDLE;
+  VkQueue queue_ = VK_NULL_HANDLE;
+  uint32_t queue_family_ = 0;
+  VkCommandPool pool_ = VK_NULL_HANDLE;
+  VkCommandBuffer commands_ = VK_NULL_HANDLE;
+  bool recording_ = false;
+  VkFence fence_ = VK_NULL_HANDLE;
+  VkPipelineLayout layout_ = VK_NULL_HANDLE;
+  std::map<uint64_t, Allocation> allocations_;  // by device address
+  Allocation staging_;
+  void* staging_host_ = nullptr;
+  std::unordered_map<std::string, Pipeline> pipelines_;
+};
+
+}  // namespace memtune
