@@ -7,6 +7,7 @@
 
 #include "backend/cpu/cpu_backend.h"
 #include "backend/reference/reference_backend.h"
+#include "backend/vulkan/vulkan_backend.h"
 
 namespace memtune {
 namespace {
@@ -16,7 +17,8 @@ struct NamedBackend {
   std::string_view name;
   Backend& (*get)();
 };
-constexpr NamedBackend kBackends[] = {{"cpu", cpu_backend}, {"reference", reference_backend}};
+constexpr NamedBackend kBackends[] = {
+    {"cpu", cpu_backend}, {"reference", reference_backend}, {"vulkan", vulkan_backend}};
 
 }  // namespace
 
@@ -28,7 +30,8 @@ Backend& backend_named(std::string_view name) {
 
 std::vector<std::string_view> backend_list() {
   std::vector<std::string_view> names;
-  for (const NamedBackend& b : kBackends) names.push_back(b.name);
+  for (const NamedBackend& b : kBackends)
+    if (b.name != "vulkan" || vulkan_backend_available()) names.push_back(b.name);
   return names;
 }
 
@@ -68,7 +71,9 @@ Backend& default_backend() {
 }
 
 std::string backend_names() {
-  return fmt::format("{}", fmt::join(backend_list(), ", "));
+  std::vector<std::string_view> names;
+  for (const NamedBackend& b : kBackends) names.push_back(b.name);
+  return fmt::format("{}", fmt::join(names, ", "));
 }
 
 }  // namespace memtune

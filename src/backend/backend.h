@@ -238,13 +238,15 @@ void upload_f32(Backend& backend, const Tensor& tensor, std::span<const float> v
 // measured RSS can be checked against the plan. An Error naming the size when it is refused.
 void* map_host_pages(size_t bytes);
 
-// The backends of this build by name ("cpu", "reference"); an Error listing them otherwise.
+// The backends of this build by name ("cpu", "reference", "vulkan"); an Error listing them
+// otherwise (and for vulkan, one naming the problem when this machine has no usable device).
 // Backends are process-wide: one instance each, created on first use.
 Backend& backend_named(std::string_view name);
 Backend& default_backend();  // cpu
-// Every backend's name ("cpu", "reference"): what tests run on and flags accept.
+// Every backend this machine can run ("cpu", "reference", and "vulkan" where a Vulkan device is
+// usable): what tests run on.
 std::vector<std::string_view> backend_list();
-// "cpu, reference": for flag help and error messages.
+// "cpu, reference, vulkan" (every backend of the build): for flag help and error messages.
 std::string backend_names();
 
 }  // namespace memtune

@@ -35,7 +35,8 @@ Action add_devices(CLI::App& app);
 inline void add_backend_option(CLI::App& app, std::string& name) {
   app.add_option("--backend", name,
                  "where the model's memory lives and its ops run: cpu (fast) | reference (plain "
-                 "float64 loops, the correctness oracle; slow)")
+                 "float64 loops, the correctness oracle; slow) | vulkan (a Vulkan device: a GPU, or lavapipe on the "
+                 "CPU; memtune devices lists them)")
       ->capture_default_str();
 }
 

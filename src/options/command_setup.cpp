@@ -50,6 +50,11 @@ ModelOptions training_model_options(const TrainingArguments& args, int64_t max_t
   o.rank = rank;
   o.world_size = world_size;
   o.backend = &backend_named(args.backend);
+  // The communicator reads gradients as host memory; a device backend's would need host staging.
+  if (world_size > 1 && !o.backend->host_addressable() && !o.backend->memory_in_host_pages())
+    throw Error(fmt::format("--backend {}: data-parallel training (mpirun -np {}) does not run on a device backend yet: "
+                            "its gradients live in device memory, which MPI cannot read without host staging",
+                            args.backend, world_size));
   if (args.tuner_type == "lora") {
     o.lora.rank = args.lora_rank;
     o.lora.alpha = args.lora_alpha;

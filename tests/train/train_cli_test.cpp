@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -287,6 +288,83 @@ TEST_F(TrainCliTest, EveryCommandRunsOnTheReferenceBackendAndAgreesWithCpu) {
   const Result bad = run(base_flags("bad") + " --backend tpu --max_steps 1");
   EXPECT_EQ(bad.status, 1);
   EXPECT_CONTAINS(bad.output, "--backend");
+}
+
+// The same commands on a Vulkan device (lavapipe in CI): training equals cpu step by step and
+// resumes bit-identically on the device, eval, greedy generation and a merged adapter equal cpu.
+TEST_F(TrainCliTest, EveryCommandRunsOnVulkanAndAgreesWithCpu) {
+  if (run("devices --json").output.find("\"backend_vulkan_device\": null") != std::string::npos ||
+      run("devices --json").status != 0) {
+    if (testing_support::all_tests_required()) FAIL() << "no usable Vulkan device: " << run("devices").output;
+    GTEST_SKIP() << "no usable Vulkan device";
+  }
+  for (const char* backend : {"cpu", "vulkan"}) {
+    const std::string b = std::string(" --backend ") + backend;
+    Result r = run(base_flags(std::string("lora_") + backend) + b + " --max_steps 4 --lora_rank 4 --learning_rate 5e-3");
+    ASSERT_EQ(r.status, 0) << r.output;
+    r = run(base_flags(std::string("full_") + backend) + b + " --tuner_type full --bf16 --max_steps 4 --save_steps 2");
+    ASSERT_EQ(r.status, 0) << r.output;
+  }
+  auto losses = [&](const std::string& out) {
+    std::vector<double> v;
+    for (const auto& rec : read_jsonl(dir_ / out / "log.jsonl"))
+      if (rec.contains("loss")) v.push_back(rec["loss"].get<double>());
+    return v;
+  };
+  for (const char* run_name : {"lora", "full"}) {
+    const auto c = losses(std::string(run_name) + "_cpu"), v = losses(std::string(run_name) + "_vulkan");
+    ASSERT_EQ(c.size(), 4u);
+    ASSERT_EQ(v.size(), c.size());
+    for (size_t i = 0; i < c.size(); ++i) EXPECT_NEAR(v[i], c[i], 1e-4 * c[i]) << run_name << " step " << i + 1;
+  }
+  // Resume on the device from checkpoint-2: the same steps 3 and 4, bit for bit.
+  fs::rename(dir_ / "full_vulkan", dir_ / "full_vulkan_whole");
+  fs::create_directories(dir_ / "full_vulkan");
+  fs::copy(dir_ / "full_vulkan_whole/checkpoint-2", dir_ / "full_vulkan/checkpoint-2", fs::copy_options::recursive);
+  const Result resumed = run(base_flags("full_vulkan") + " --backend vulkan --tuner_type full --bf16 --max_steps 4 "
+                             "--save_steps 2 --resume_from_checkpoint last");
+  ASSERT_EQ(resumed.status, 0) << resumed.output;
+  const auto whole = losses("full_vulkan_whole"), again = losses("full_vulkan");
+  ASSERT_EQ(again.size(), 2u);
+  EXPECT_EQ(again[0], whole[2]);
+  EXPECT_EQ(again[1], whole[3]);
+  // eval and greedy generation of the trained model, and the adapter merged on the device.
+  std::ofstream(dir_ / "p.jsonl") << R"({"prompt_ids": [5, 17, 200, 3]})" << "\n" << R"({"prompt_ids": [9]})" << "\n";
+  std::map<std::string, json> eval;
+  std::map<std::string, json> generated;
+  for (const char* backend : {"cpu", "vulkan"}) {
+    const std::string b = std::string(" --backend ") + backend;
+    const Result e = run("eval" + b + " --model_name_or_path " + path("full_cpu") + " --eval_file " +
+                         path("train.jsonl") + " --json");
+    ASSERT_EQ(e.status, 0) << e.output;
+    eval[backend] = json::parse(e.output.substr(e.output.find("{\"")));
+    const Result g = run("generate" + b + " --model " + path("model") + " --adapter " + path("lora_cpu") + " --input " +
+                         path("p.jsonl") + " --max_new_tokens 8 --temperature 0 --ignore_eos --output " +
+                         path(std::string("gen_") + backend + ".jsonl"));
+    ASSERT_EQ(g.status, 0) << g.output;
+    generated[backend] = read_jsonl(dir_ / (std::string("gen_") + backend + ".jsonl"));
+    ASSERT_EQ(run("merge" + b + " --model " + path("model") + " --adapter " + path("lora_cpu") + " --out " +
+                  path(std::string("merged_") + backend))
+                  .status,
+              0);
+  }
+  EXPECT_NEAR(eval["vulkan"]["eval_loss"].get<double>(), eval["cpu"]["eval_loss"].get<double>(),
+              1e-4 * eval["cpu"]["eval_loss"].get<double>());
+  EXPECT_EQ(eval["vulkan"]["token_accuracy"], eval["cpu"]["token_accuracy"]);
+  for (size_t i = 0; i < 2; ++i) EXPECT_EQ(generated["vulkan"][i]["token_ids"], generated["cpu"][i]["token_ids"]) << i;
+  SafetensorsFile mc(path("merged_cpu/model.safetensors")), mv(path("merged_vulkan/model.safetensors"));
+  const TensorInfo* q = mv.find("model.layers.0.self_attn.q_proj.weight");
+  ASSERT_NE(q, nullptr);
+  const auto a = mc.data(*mc.find("model.layers.0.self_attn.q_proj.weight")), v = mv.data(*q);
+  ASSERT_EQ(a.size(), v.size());
+  float worst = 0;
+  for (size_t i = 0; i + 4 <= a.size(); i += 4) {
+    float x, y;
+    std::memcpy(&x, a.data() + i, 4);
+    std::memcpy(&y, v.data() + i, 4);
+    worst = std::max(worst, std::abs(x - y));
+  }
+  EXPECT_LT(worst, 1e-5f);
 }
 
 TEST_F(TrainCliTest, EvalStreamsMetricsForABaseModelAndAnAdapter) {

@@ -4,6 +4,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -96,10 +99,15 @@ VulkanContext::VulkanContext(std::optional<int> requested_device) {
   staging_ = make_buffer(kTransferBytes, VK_BUFFER_USAGE_TRANSFER_SRC_BIT | VK_BUFFER_USAGE_TRANSFER_DST_BIT,
                          VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | VK_MEMORY_PROPERTY_HOST_COHERENT_BIT);
   check(vkMapMemory(device_, staging_.memory, 0, kTransferBytes, 0, &staging_host_), "vkMapMemory");
+  const char* profile = std::getenv("MEMTUNE_VULKAN_PROFILE");
+  profile_ = profile && std::string(profile) == "1";
 }
 
 VulkanContext::~VulkanContext() {
   if (device_) vkDeviceWaitIdle(device_);
+  for (const auto& [shader, t] : profile_seconds_)
+    std::fprintf(stderr, "vulkan profile: %-22s %8.3f s in %lld dispatches\n", shader.c_str(), t.first,
+                 static_cast<long long>(t.second));
   for (auto& [name, p] : pipelines_) {
     vkDestroyPipeline(device_, p.pipeline, nullptr);
     vkDestroyShaderModule(device_, p.module, nullptr);
@@ -292,11 +300,19 @@ void VulkanContext::dispatch(std::string_view shader, std::span<const std::byte>
   MT_ASSERT(push.size() <= 128, "vulkan: push constants of at most 128 bytes");
   if (groups_x == 0 || groups_y == 0 || groups_z == 0) return;
   const Pipeline& p = pipeline(shader);
+  if (profile_) flush();  // time this dispatch alone
+  const auto start = std::chrono::steady_clock::now();
   VkCommandBuffer c = recording();
   vkCmdBindPipeline(c, VK_PIPELINE_BIND_POINT_COMPUTE, p.pipeline);
   vkCmdPushConstants(c, layout_, VK_SHADER_STAGE_COMPUTE_BIT, 0, static_cast<uint32_t>(push.size()), push.data());
   vkCmdDispatch(c, groups_x, groups_y, groups_z);
   barrier();
+  if (profile_) {
+    flush();
+    auto& [seconds, count] = profile_seconds_[std::string(shader)];
+    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    ++count;
+  }
 }
 
 }  // namespace memtune

@@ -94,6 +94,10 @@ class VulkanContext {
   Allocation staging_;
   void* staging_host_ = nullptr;
   std::unordered_map<std::string, Pipeline> pipelines_;
+  // MEMTUNE_VULKAN_PROFILE=1: every dispatch waits for itself and is timed; the seconds per
+  // shader go to stderr when the context closes (a diagnostic: it serializes the device).
+  bool profile_ = false;
+  std::map<std::string, std::pair<double, int64_t>> profile_seconds_;
 };
 
 }  // namespace memtune

@@ -5,11 +5,17 @@
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <string>
 
 #include "backend/vulkan/context.h"
+#include "backend/vulkan/device.h"
 #include "core/error.h"
+#include "core/labels.h"
 
 namespace memtune {
 
@@ -46,16 +52,22 @@ uint32_t weight_dtype_code(DType d) {
 
 class VulkanBackend final : public Backend {
  public:
-  VulkanBackend() : ctx_(std::make_unique<VulkanContext>()) {}
+  // The run's first lines name the device, its memory and the features used (stderr).
+  VulkanBackend() : ctx_(std::make_unique<VulkanContext>()) {
+    std::fprintf(stderr, "vulkan: device %d, %s\n", ctx_->info().index, describe_vulkan_device(ctx_->info()).c_str());
+  }
   std::string_view name() const override { return "vulkan"; }
+  // Collectives would read device addresses as host memory: data-parallel training refuses this
+  // backend before it starts (train/run.cpp) until the communicator stages through host memory.
+  bool overlaps_collectives() const override { return false; }
 
   void* allocate(size_t bytes) override { return reinterpret_cast<void*>(ctx_->allocate(bytes)); }
   void deallocate(void* base, size_t) override { ctx_->deallocate(address(base)); }
   bool host_addressable() const override { return false; }
   bool memory_in_host_pages() const override { return false; }
-  // The tiled matmul reads 16-bit weights as stored for any number of rows: the model never
-  // widens them into scratch.
-  int64_t stored_weight_rows() const override { return INT64_MAX; }
+  // The tiled matmul reads 16-bit weights as stored for any number of rows; the model's default
+  // split (16, as on cpu) also sets serve's --max_decode_step_tokens, so it is kept.
+  int64_t stored_weight_rows() const override { return 16; }
   size_t quantized_scratch_elems(int64_t) const override { return 0; }
   size_t quantized_scratch_used(int64_t, int64_t) const override { return 0; }
 
@@ -91,7 +103,9 @@ class VulkanBackend final : public Backend {
     ctx_->fill_words(address(dst), std::bit_cast<uint32_t>(value), dst.bytes());
   }
   void fill_bytes(void* device, unsigned char byte, size_t bytes) override {
-    ctx_->fill_words(address(device), 0x01010101u * byte, bytes);
+    if (address(device) % 4 == 0 && bytes % 4 == 0) return ctx_->fill_words(address(device), 0x01010101u * byte, bytes);
+    const std::vector<unsigned char> host(bytes, byte);  // a ragged range: rare, through staging
+    ctx_->upload(address(device), host.data(), bytes);
   }
 
   void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& bias) override {
@@ -116,59 +130,255 @@ class VulkanBackend final : public Backend {
     ctx_->dispatch("swiglu", push, groups_for(h.numel()));
   }
 
-  // Not yet on the device.
-  void matmul_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                       float) override {
-    missing("matmul_backward");
+  void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
+                       const Tensor& inp, const Tensor& weight, float scale) override {
+    const int64_t N = inp.rows(), C = inp.cols(), OC = weight.rows();
+    MT_ASSERT(weight.cols() == C && dout.rows() == N && dout.cols() == OC, "matmul_backward shapes");
+    if (dinp) {  // dinp[N, C] += scale dout[N, OC] @ W[OC, C] (W float32 or 16-bit)
+      gemm(dinp, dout, weight, N, C, OC, /*a_m=*/OC, /*a_k=*/1, /*b_k=*/C, /*b_n=*/1, scale);
+    }
+    if (dweight)  // dweight[OC, C] += scale dout^T[OC, N] @ inp[N, C]
+      gemm(dweight, dout, inp, OC, C, N, /*a_m=*/1, /*a_k=*/OC, /*b_k=*/C, /*b_n=*/1, scale);
+    if (dbias) {
+      struct {
+        uint64_t out, x;
+        uint32_t N, C;
+        float alpha;
+      } push{address(dbias), address(dout), u32(N), u32(OC), scale};
+      ctx_->dispatch("column_sum", push, groups_for(OC));
+    }
   }
-  void quantized_matmul_forward(const Tensor&, const Tensor&, const QuantizedWeight&, const Tensor&,
+  void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, const Tensor& w, float eps) override {
+    struct {
+      uint64_t out, rstd, inp, w;
+      uint32_t C;
+      float eps;
+    } push{address(out), address(rstd), address(inp), address(w), u32(inp.cols()), eps};
+    ctx_->dispatch("rmsnorm", push, u32(inp.rows()));
+  }
+  void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
+                        const Tensor& w, const Tensor& rstd) override {
+    struct {
+      uint64_t dinp, dweight, dout, inp, w, rstd;
+      uint32_t N, C, mode;
+    } push{address(dinp),   address(dweight), address(dout),
+           address(inp),    address(w),       address(rstd),
+           u32(inp.rows()), u32(inp.cols()),  0};
+    ctx_->dispatch("rmsnorm_backward", push, u32(inp.rows()));
+    if (dweight) {
+      push.mode = 1;
+      ctx_->dispatch("rmsnorm_backward", push, groups_for(inp.cols()));
+    }
+  }
+  void rope_forward(const Tensor& x, const Tensor& positions, const Tensor& inv_freq) override {
+    rope(x, positions, inv_freq, 1.0f);
+  }
+  void rope_backward(const Tensor& dx, const Tensor& positions, const Tensor& inv_freq) override {
+    rope(dx, positions, inv_freq, -1.0f);
+  }
+  void kv_cache_write(const Tensor& k_cache, const Tensor& v_cache, const Tensor& k, const Tensor& v,
+                      const Tensor& slots) override {
+    MT_ASSERT(k_cache.dtype == v_cache.dtype, "kv caches of one dtype");
+    struct {
+      uint64_t k_cache, v_cache, k, v, slots;
+      uint32_t N, C, cdtype;
+    } push{address(k_cache), address(v_cache), address(k),    address(v),
+           address(slots),   u32(k.rows()),    u32(k.cols()), weight_dtype_code(k_cache.dtype)};
+    ctx_->dispatch("kv_cache_write", push, groups_for(k.numel()));
+  }
+  void gather_rows(const Tensor& out, const Tensor& inp, const Tensor& index) override { rows_op(out, inp, index, 0); }
+  void swiglu_backward(const Tensor& dgate, const Tensor& dup, const Tensor& dh, const Tensor& gate,
+                       const Tensor& up) override {
+    struct {
+      uint64_t dgate, dup, dh, gate, up;
+      uint32_t n;
+    } push{address(dgate), address(dup), address(dh), address(gate), address(up), u32(dh.numel())};
+    ctx_->dispatch("swiglu_backward", push, groups_for(dh.numel()));
+  }
+  void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& table) override {
+    embedding(table, out, ids, weight_dtype_code(table.dtype), 0, groups_for(out.numel()));
+  }
+  void embedding_backward(const Tensor& dtable, const Tensor& dout, const Tensor& ids) override {
+    dtable.f32();
+    embedding(dtable, dout, ids, 0, 1, groups_for(dtable.cols()));
+  }
+  void dropout_forward(const Tensor& out, const Tensor& x, uint64_t key, float p) override {
+    struct {
+      uint64_t out, x, key;
+      uint32_t n, threshold;
+      float scale;
+    } push{
+        address(out),     address(x), key, u32(x.numel()), static_cast<uint32_t>(static_cast<double>(p) * 16777216.0),
+        1.0f / (1.0f - p)};
+    ctx_->dispatch("dropout", push, groups_for(x.numel()));
+  }
+  double scale_and_sum_squares(const Tensor& x, float scale) override {
+    const uint32_t groups = std::min<uint32_t>(groups_for(x.numel()), kPartials);
+    struct {
+      uint64_t x, partials;
+      uint32_t n;
+      float scale;
+    } push{address(x), partials_, u32(x.numel()), scale};
+    ctx_->dispatch("scale_sum_squares", push, groups);
+    std::vector<float> sums(groups);
+    ctx_->download(sums.data(), partials_, groups * sizeof(float));
+    double total = 0.0;
+    for (const float s : sums) total += s;
+    return total;
+  }
+  void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
+                    const AdamWStep& step) override {
+    const AdamWConfig& c = step.config;
+    const double bias1 = 1.0 - std::pow(c.beta1, static_cast<double>(step.t));
+    const double bias2 = 1.0 - std::pow(c.beta2, static_cast<double>(step.t));
+    struct {
+      uint64_t param, grad, m, v;
+      uint32_t n;
+      float b1, b2, step_size, inv_sqrt_bias2, eps, keep, grad_scale;
+    } push{address(param),
+           address(grad),
+           address(m),
+           address(v),
+           u32(param.numel()),
+           static_cast<float>(c.beta1),
+           static_cast<float>(c.beta2),
+           static_cast<float>(step.learning_rate / bias1),
+           static_cast<float>(1.0 / std::sqrt(bias2)),
+           static_cast<float>(c.eps),
+           step.decay ? static_cast<float>(1.0 - step.learning_rate * c.weight_decay) : 1.0f,
+           step.grad_scale};
+    ctx_->dispatch("adamw", push, groups_for(param.numel()));
+  }
+
+  void quantized_matmul_forward(const Tensor& out, const Tensor& inp, const QuantizedWeight& w, const Tensor& bias,
                                 const Tensor&) override {
-    missing("quantized_matmul_forward");
+    MT_ASSERT(w.in == inp.cols() && out.rows() == inp.rows() && out.cols() == w.out, "quantized matmul shapes");
+    quantized(out, inp, w, bias, 0, u32((w.out + 15) / 16));
   }
-  void quantized_matmul_backward_input(const Tensor&, const Tensor&, const QuantizedWeight&, const Tensor&) override {
-    missing("quantized_matmul_backward_input");
+  void quantized_matmul_backward_input(const Tensor& dinp, const Tensor& dout, const QuantizedWeight& w,
+                                       const Tensor&) override {
+    MT_ASSERT(dout.cols() == w.out && dinp.rows() == dout.rows() && dinp.cols() == w.in, "quantized backward shapes");
+    quantized(dinp, dout, w, Tensor{}, 1, u32((w.in + 15) / 16));
   }
-  void rmsnorm_forward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, float) override {
-    missing("rmsnorm_forward");
+  void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
+                         const Tensor& cu_seqlens, int64_t hd) override {
+    check_head_dim(hd);
+    struct {
+      uint64_t out, lse, q, k, v, cu;
+      uint32_t S, Hq, Hkv, hd;
+      float scale;
+    } push{address(out),
+           address(lse),
+           address(q),
+           address(k),
+           address(v),
+           address(cu_seqlens),
+           u32(cu_seqlens.numel() - 1),
+           u32(q.cols() / hd),
+           u32(k.cols() / hd),
+           u32(hd),
+           static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)))};
+    ctx_->dispatch("attention", push, u32(q.rows()), u32(q.cols() / hd));
   }
-  void rmsnorm_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                        const Tensor&) override {
-    missing("rmsnorm_backward");
+  void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& out,
+                          const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
+                          const Tensor& cu_seqlens, int64_t hd) override {
+    check_head_dim(hd);
+    struct {
+      uint64_t dq, dk, dv, dout, out, lse, q, k, v, cu;
+      uint32_t S, Hq, Hkv, hd, mode;
+      float scale;
+    } push{address(dq),
+           address(dk),
+           address(dv),
+           address(dout),
+           address(out),
+           address(lse),
+           address(q),
+           address(k),
+           address(v),
+           address(cu_seqlens),
+           u32(cu_seqlens.numel() - 1),
+           u32(q.cols() / hd),
+           u32(k.cols() / hd),
+           u32(hd),
+           0,
+           static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)))};
+    ctx_->dispatch("attention_backward", push, u32(q.rows()), u32(q.cols() / hd));
+    push.mode = 1;
+    ctx_->dispatch("attention_backward", push, u32(k.rows()), u32(k.cols() / hd));
   }
-  void rope_forward(const Tensor&, const Tensor&, const Tensor&) override { missing("rope_forward"); }
-  void rope_backward(const Tensor&, const Tensor&, const Tensor&) override { missing("rope_backward"); }
-  void attention_forward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                         int64_t) override {
-    missing("attention_forward");
+  void paged_attention_forward(const Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                               const Tensor& block_tables, const Tensor& cu_seqlens, const Tensor& context_lens,
+                               int64_t hd, int64_t block_size) override {
+    check_head_dim(hd);
+    struct {
+      uint64_t out, q, k_cache, v_cache, tables, cu, context;
+      uint32_t S, Hq, Hkv, hd, max_blocks, block_size, cdtype;
+      float scale;
+    } push{address(out),
+           address(q),
+           address(k_cache),
+           address(v_cache),
+           address(block_tables),
+           address(cu_seqlens),
+           address(context_lens),
+           u32(cu_seqlens.numel() - 1),
+           u32(q.cols() / hd),
+           u32(k_cache.cols() / hd),
+           u32(hd),
+           u32(block_tables.cols()),
+           u32(block_size),
+           weight_dtype_code(k_cache.dtype),
+           static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)))};
+    ctx_->dispatch("paged_attention", push, u32(q.rows()), u32(q.cols() / hd));
   }
-  void attention_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                          const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t) override {
-    missing("attention_backward");
-  }
-  void kv_cache_write(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&) override {
-    missing("kv_cache_write");
-  }
-  void paged_attention_forward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
-                               const Tensor&, int64_t, int64_t) override {
-    missing("paged_attention_forward");
-  }
-  void gather_rows(const Tensor&, const Tensor&, const Tensor&) override { missing("gather_rows"); }
-  void swiglu_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&) override {
-    missing("swiglu_backward");
-  }
-  void embedding_forward(const Tensor&, const Tensor&, const Tensor&) override { missing("embedding_forward"); }
-  void embedding_backward(const Tensor&, const Tensor&, const Tensor&) override { missing("embedding_backward"); }
-  void dropout_forward(const Tensor&, const Tensor&, uint64_t, float) override { missing("dropout_forward"); }
-  LossSum lm_head_loss(const LmHeadArgs&) override { missing("lm_head_loss"); }
-  double scale_and_sum_squares(const Tensor&, float) override { missing("scale_and_sum_squares"); }
-  void adamw_update(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const AdamWStep&) override {
-    missing("adamw_update");
+  // The fused head on the device, the loss on the host: each chunk's logits are computed here
+  // (16-bit heads read as stored), handed to the loss and observers through the planned host
+  // staging, and the loss's gradient comes back for drows = dlogits @ W and dW += dlogits^T rows.
+  // (Recognizing CrossEntropyLoss and running it on the device is the next step.)
+  LossSum lm_head_loss(const LmHeadArgs& a) override {
+    MT_ASSERT(a.staging.logits && a.staging.targets && a.staging.positions,
+              "the vulkan backend hands chunks to host code through staging buffers");
+    const int64_t N = a.hidden.rows(), D = a.weight.cols(), V = a.weight.rows(), chunk_rows = a.logits.rows();
+    std::vector<int32_t> targets(static_cast<size_t>(N)), positions;
+    ctx_->download(targets.data(), address(a.targets), targets.size() * sizeof(int32_t));
+    for (int64_t n = 0; n < N; ++n) {
+      const int32_t t = targets[static_cast<size_t>(n)];
+      if (t == kIgnoreIndex) continue;
+      MT_ASSERT(t >= 0 && t < V, "target id out of range");
+      positions.push_back(static_cast<int32_t>(n));
+    }
+    const auto count = static_cast<int64_t>(positions.size());
+    if (count > 0) ctx_->upload(address(a.positions), positions.data(), positions.size() * sizeof(int32_t));
+    const bool backward = static_cast<bool>(a.dhidden);
+    if (backward) fill(a.dhidden, 0.0f);
+    double total = 0.0;
+    for (int64_t c0 = 0; c0 < count; c0 += chunk_rows) {
+      const int64_t m = std::min(chunk_rows, count - c0);
+      const Tensor pos = a.positions.flat_range(c0, m);
+      const Tensor rows(a.rows.data, DType::F32, {m, D}), logits(a.logits.data, DType::F32, {m, V});
+      rows_op(rows, a.hidden, pos, 0);
+      matmul(logits, rows, a.weight, Tensor{}, false, 1.0f);
+      ctx_->download(a.staging.logits, address(logits), logits.bytes());
+      for (int64_t r = 0; r < m; ++r) {
+        a.staging.positions[r] = positions[static_cast<size_t>(c0 + r)];
+        a.staging.targets[r] = targets[static_cast<size_t>(a.staging.positions[r])];
+      }
+      if (a.observer) a.observer->observe({a.staging.logits, a.staging.targets, a.staging.positions, m, V});
+      total += a.loss->chunk(a.staging.logits, a.staging.targets, m, V, backward);
+      if (!backward) continue;
+      ctx_->upload(address(logits), a.staging.logits, logits.bytes());  // now d(sum)/d(logits)
+      const Tensor drows(a.drows.data, DType::F32, {m, D});
+      fill(drows, 0.0f);
+      gemm(drows, logits, a.weight, m, D, V, /*a_m=*/V, /*a_k=*/1, /*b_k=*/D, /*b_n=*/1, a.grad_scale);
+      rows_op(a.dhidden, drows, pos, 1);
+      if (a.dweight) gemm(a.dweight, logits, rows, V, D, m, /*a_m=*/1, /*a_k=*/V, /*b_k=*/D, /*b_n=*/1, a.grad_scale);
+    }
+    return LossSum{total, count};
   }
 
  private:
-  [[noreturn]] static void missing(const char* op) {
-    throw Error(fmt::format("--backend vulkan: the op {} does not run on the device yet", op));
-  }
   void matmul(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& bias, bool accumulate,
               float scale) {
     const int64_t N = inp.rows(), C = inp.cols(), OC = weight.rows();
@@ -193,7 +403,87 @@ class VulkanBackend final : public Backend {
     ctx_->dispatch("matmul", push, u32((OC + 15) / 16), u32((N + 15) / 16));
   }
 
+  // out[M, Nc] += alpha A @ B, A float32 and B float32 or 16-bit, both given by strides (gemm.comp).
+  void gemm(const Tensor& out, const Tensor& a, const Tensor& b, int64_t M, int64_t Nc, int64_t K, int64_t a_m,
+            int64_t a_k, int64_t b_k, int64_t b_n, float alpha) {
+    out.f32();
+    a.f32();
+    struct {
+      uint64_t out, a, b;
+      uint32_t M, Nc, K, a_m, a_k, b_k, b_n, b_dtype;
+      float alpha;
+    } push{address(out),
+           address(a),
+           address(b),
+           u32(M),
+           u32(Nc),
+           u32(K),
+           u32(a_m),
+           u32(a_k),
+           u32(b_k),
+           u32(b_n),
+           weight_dtype_code(b.dtype),
+           alpha};
+    ctx_->dispatch("gemm", push, u32((Nc + 15) / 16), u32((M + 15) / 16));
+  }
+  // mode 0: out[r] = inp[index[r]]; mode 1: out[index[r]] = inp[r] (rows of float32 matrices).
+  void rows_op(const Tensor& out, const Tensor& inp, const Tensor& index, uint32_t mode) {
+    const Tensor& rows = mode == 0 ? out : inp;
+    struct {
+      uint64_t out, inp, index;
+      uint32_t R, C, mode;
+    } push{address(out), address(inp), address(index), u32(rows.rows()), u32(rows.cols()), mode};
+    ctx_->dispatch("gather_rows", push, groups_for(rows.numel()));
+  }
+  void quantized(const Tensor& out, const Tensor& inp, const QuantizedWeight& w, const Tensor& bias, uint32_t mode,
+                 uint32_t groups_x) {
+    MT_ASSERT(w.bits == 4 || w.bits == 8 || w.bits == 2, "quantized weights of 2, 4 or 8 bits");
+    struct {
+      uint64_t out, inp, codes, scales, zeros, g_idx, bias;
+      uint32_t N, IN, OUT, bits, group_size, groups, has_g_idx, bdtype, mode;
+    } push{address(out),
+           address(inp),
+           address(w.codes),
+           address(w.scales),
+           address(w.zeros),
+           address(w.g_idx),
+           address(bias),
+           u32(inp.rows()),
+           u32(w.in),
+           u32(w.out),
+           static_cast<uint32_t>(w.bits),
+           u32(w.group_size),
+           u32(w.groups),
+           w.g_idx ? 1u : 0u,
+           bias ? weight_dtype_code(bias.dtype) : 0u,
+           mode};
+    ctx_->dispatch("quantized_matmul", push, groups_x, u32((inp.rows() + 15) / 16));
+  }
+  static void check_head_dim(int64_t hd) {
+    MT_ASSERT(hd > 0 && hd <= kMaxAttentionHeadDim, "head_dim within kMaxAttentionHeadDim");
+  }
+  void rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float direction) {
+    const int64_t half = inv_freq.numel(), heads = x.cols() / (2 * half);
+    struct {
+      uint64_t x, positions, inv_freq;
+      uint32_t N, half_dim, heads;
+      float direction;
+    } push{address(x), address(positions), address(inv_freq), u32(x.rows()), u32(half), u32(heads), direction};
+    ctx_->dispatch("rope", push, groups_for(x.rows() * half * heads));
+  }
+  void embedding(const Tensor& table, const Tensor& rows, const Tensor& ids, uint32_t tdtype, uint32_t mode,
+                 uint32_t groups) {
+    struct {
+      uint64_t table, rows, ids;
+      uint32_t N, D, tdtype, mode;
+    } push{address(table), address(rows), address(ids), u32(ids.numel()), u32(table.cols()), tdtype, mode};
+    ctx_->dispatch("embedding", push, groups);
+  }
+
+  // Partial sums of scale_and_sum_squares: one float per workgroup, the backend's own small buffer.
+  static constexpr uint32_t kPartials = 1024;
   std::unique_ptr<VulkanContext> ctx_;
+  uint64_t partials_ = ctx_->allocate(kPartials * sizeof(float));
 };
 
 }  // namespace
@@ -203,9 +493,14 @@ Backend& vulkan_backend() {
   return backend;
 }
 
-std::vector<std::string_view> implemented_vulkan_ops() {
-  return {"copy_to_device", "copy_to_host",      "copy",        "convert",       "fill", "fill_bytes",
-          "matmul_forward", "matmul_accumulate", "add_inplace", "swiglu_forward"};
+bool vulkan_backend_available() {
+  static const bool available = [] {
+    if (const char* off = std::getenv("MEMTUNE_VULKAN"); off && std::string(off) == "off") return false;
+    const VulkanDevices found = vulkan_devices();
+    return std::any_of(found.devices.begin(), found.devices.end(),
+                       [](const VulkanDeviceInfo& d) { return d.usable(); });
+  }();
+  return available;
 }
 
 }  // namespace memtune

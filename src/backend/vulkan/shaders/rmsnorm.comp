@@ -1,0 +1,22 @@
+#version 460
+// RMSNorm forward, one 256-wide workgroup per row: the row's sum of squares reduced in shared
+// memory in a fixed order (deterministic), then out = x * rstd * w; rstd[n] saved for backward.
+#include "common.glsl"
+layout(local_size_x = 256) in;
+layout(push_constant) uniform Push { F32 out_; F32 rstd; F32 inp; F32 w; uint C; float eps; } p;
+shared float partial[256];
+void main() {
+  const uint n = gl_WorkGroupID.x, t = gl_LocalInvocationID.x;
+  const uint row = n * p.C;
+  float s = 0.0;
+  for (uint c = t; c < p.C; c += 256u) s += p.inp.v[row + c] * p.inp.v[row + c];
+  partial[t] = s;
+  barrier();
+  for (uint half_ = 128u; half_ > 0u; half_ >>= 1) {
+    if (t < half_) partial[t] += partial[t + half_];
+    barrier();
+  }
+  const float r = inversesqrt(partial[0] / float(p.C) + p.eps);
+  if (t == 0u) p.rstd.v[n] = r;
+  for (uint c = t; c < p.C; c += 256u) p.out_.v[row + c] = p.inp.v[row + c] * r * p.w.v[c];
+}
