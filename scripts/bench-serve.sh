@@ -8,6 +8,7 @@
 # (MEMTUNE_SERVE_FLAGS adds flags to the server, e.g. "--max_decode_step_tokens 0" for the uncapped steps)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
+source "$root/scripts/serve-common.sh"
 prompt="${1:-128}" new="${2:-128}" rounds="${3:-1}"
 "$root/scripts/install-deps.sh"
 "$root/scripts/build.sh" "$root/build" > /dev/null
@@ -20,12 +21,7 @@ trap 'kill "$server" 2> /dev/null || true; rm -f "$log"' EXIT
 OMP_NUM_THREADS="$(nproc)" "$root/build/memtune" serve "$model" --port 0 --max_model_len $((prompt + new)) \
   --max_num_seqs 16 --max_num_batched_tokens 512 ${MEMTUNE_SERVE_FLAGS:-} > "$log" 2>&1 &
 server=$!
-for _ in $(seq 600); do
-  grep -q "on http://" "$log" && break
-  kill -0 "$server" 2> /dev/null || { cat "$log"; exit 1; }
-  sleep 0.2
-done
-url="$(grep -o 'http://127.0.0.1:[0-9]*' "$log" | head -1)"
+url="$(wait_for_server "$server" "$log")"
 echo "server at $url ($(nproc) threads)"
 rows="$(node "$root/bench/bench_serve.mjs" "$url" "$prompt" "$new" 1 4 16 --rounds "$rounds" | tee /dev/stderr |
   python3 -c 'import json, sys; print(json.dumps([json.loads(l) for l in sys.stdin]))')"

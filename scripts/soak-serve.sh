@@ -6,6 +6,7 @@
 # Usage: scripts/soak-serve.sh [seconds=120] [concurrency=24]
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
+source "$root/scripts/serve-common.sh"
 seconds="${1:-120}" concurrency="${2:-24}"
 "$root/scripts/install-deps.sh"
 "$root/scripts/build.sh" "$root/build" > /dev/null
@@ -20,12 +21,7 @@ log="$(mktemp)"
 trap 'kill "$server" 2> /dev/null || true; rm -f "$log"' EXIT
 "$root/build/memtune" serve "$model" --port 0 --max_model_len 256 --max_num_seqs 8 --max_queue 64 > "$log" 2>&1 &
 server=$!
-for _ in $(seq 600); do
-  grep -q "on http://" "$log" && break
-  kill -0 "$server" 2> /dev/null || { cat "$log"; exit 1; }
-  sleep 0.2
-done
-url="$(grep -o 'http://127.0.0.1:[0-9]*' "$log" | head -1)"
+url="$(wait_for_server "$server" "$log")"
 status=0
 node "$root/bench/soak_serve.mjs" "$url" "$server" "$seconds" "$concurrency" || status=$?
 kill -TERM "$server"

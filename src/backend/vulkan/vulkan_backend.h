@@ -18,7 +18,8 @@ namespace memtune {
 Backend& vulkan_backend();
 
 // Whether this machine has a Vulkan device the backend can use (asked once); MEMTUNE_VULKAN=off
-// says no (the sanitizer run: Mesa's drivers keep allocations to process exit).
+// says no, and so does an AddressSanitizer build (Mesa's drivers keep allocations to process exit,
+// which LeakSanitizer would report in every test process).
 bool vulkan_backend_available();
 
 }  // namespace memtune
