@@ -41,6 +41,17 @@ bool progress_line_on_terminal(const std::ostream& out, int world_size) {
   return world_size == 1 && &out == &std::cout && isatty(STDOUT_FILENO);
 }
 
+std::string format_bytes(size_t bytes) {
+  constexpr const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(bytes);
+  size_t u = 0;
+  while (v >= 1024.0 && u + 1 < std::size(units)) {
+    v /= 1024.0;
+    ++u;
+  }
+  return u == 0 ? fmt::format("{} B", bytes) : fmt::format("{:.2f} {}", v, units[u]);
+}
+
 std::string format_duration(double seconds) {
   const auto s = static_cast<int64_t>(seconds);
   return s >= 3600 ? fmt::format("{}h{:02}m", s / 3600, s / 60 % 60) : fmt::format("{}m{:02}s", s / 60, s % 60);

@@ -33,5 +33,7 @@ bool progress_line_on_terminal(const std::ostream& out, int world_size);
 
 // "1h02m" or "3m05s".
 std::string format_duration(double seconds);
+// "512 B", "1.50 KiB", "24.00 GiB".
+std::string format_bytes(size_t bytes);
 
 }  // namespace memtune

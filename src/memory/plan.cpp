@@ -107,17 +107,6 @@ size_t MemoryPlan::live_bytes(Phase p, Category c) const {
   return total;
 }
 
-std::string format_bytes(size_t bytes) {
-  constexpr const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double v = static_cast<double>(bytes);
-  size_t u = 0;
-  while (v >= 1024.0 && u + 1 < std::size(units)) {
-    v /= 1024.0;
-    ++u;
-  }
-  return u == 0 ? fmt::format("{} B", bytes) : fmt::format("{:.2f} {}", v, units[u]);
-}
-
 std::string MemoryPlan::summary(const MemoryPlan* evaluation, Phase last) const {
   const size_t shown = static_cast<size_t>(last) + 1;
   std::string out = fmt::format("{:<20}", "category");

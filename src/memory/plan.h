@@ -16,6 +16,8 @@
 #include <string_view>
 #include <vector>
 
+#include "core/console.h"  // format_bytes
+
 namespace memtune {
 
 enum class Category {
@@ -88,7 +90,6 @@ class MemoryPlan {
   bool finalized_ = false;
 };
 
-std::string format_bytes(size_t bytes);
 // "24GiB", "24 GB", "1.5e9", "512MiB" (binary and decimal units); an Error naming `flag`.
 size_t parse_bytes(const std::string& text, std::string_view flag);
 

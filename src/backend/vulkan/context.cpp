@@ -12,6 +12,7 @@
 
 #include "backend/backend.h"
 #include "backend/vulkan/shaders.h"
+#include "core/console.h"
 #include "core/error.h"
 
 namespace memtune {
@@ -20,10 +21,6 @@ namespace {
 
 void check(VkResult r, const char* what) {
   if (r != VK_SUCCESS) throw Error(fmt::format("--backend vulkan: {} failed (VkResult {})", what, static_cast<int>(r)));
-}
-
-std::string bytes_text(uint64_t b) {
-  return fmt::format("{:.2f} MiB", static_cast<double>(b) / (1 << 20));
 }
 
 }  // namespace
@@ -152,7 +149,8 @@ VulkanContext::Allocation VulkanContext::make_buffer(size_t bytes, VkBufferUsage
   if (const VkResult r = vkAllocateMemory(device_, &memory_info, nullptr, &a.memory); r != VK_SUCCESS) {
     vkDestroyBuffer(device_, a.buffer, nullptr);
     throw Error(fmt::format("--backend vulkan: {} refused an allocation of {} (VkResult {}): the device's heap is {}",
-                            info_.name, bytes_text(bytes), static_cast<int>(r), bytes_text(info_.device_heap_bytes())));
+                            info_.name, format_bytes(bytes), static_cast<int>(r),
+                            format_bytes(info_.device_heap_bytes())));
   }
   check(vkBindBufferMemory(device_, a.buffer, a.memory, 0), "vkBindBufferMemory");
   return a;
@@ -168,7 +166,7 @@ uint64_t VulkanContext::allocate(size_t bytes) {
   bytes = std::max<size_t>((bytes + 255) / 256 * 256, 256);
   if (bytes > info_.max_allocation_bytes)
     throw Error(fmt::format("--backend vulkan: an arena of {} is more than one allocation may hold on {} ({})",
-                            bytes_text(bytes), info_.name, bytes_text(info_.max_allocation_bytes)));
+                            format_bytes(bytes), info_.name, format_bytes(info_.max_allocation_bytes)));
   Allocation a = make_buffer(bytes,
                              VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | VK_BUFFER_USAGE_SHADER_DEVICE_ADDRESS_BIT |
                                  VK_BUFFER_USAGE_TRANSFER_SRC_BIT | VK_BUFFER_USAGE_TRANSFER_DST_BIT,

@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/console.h"
 #include "core/error.h"
 
 namespace memtune {
@@ -19,12 +20,6 @@ namespace {
 
 std::string version_text(uint32_t v) {
   return fmt::format("{}.{}.{}", VK_API_VERSION_MAJOR(v), VK_API_VERSION_MINOR(v), VK_API_VERSION_PATCH(v));
-}
-
-std::string bytes_text(uint64_t b) {
-  if (b >= (uint64_t{1} << 30)) return fmt::format("{:.2f} GiB", static_cast<double>(b) / (1 << 30));
-  if (b >= (uint64_t{1} << 20)) return fmt::format("{:.2f} MiB", static_cast<double>(b) / (1 << 20));
-  return fmt::format("{:.2f} KiB", static_cast<double>(b) / (1 << 10));
 }
 
 VulkanDeviceInfo read_device(VkPhysicalDevice pd, int index) {
@@ -176,16 +171,16 @@ const VulkanDeviceInfo& choose_vulkan_device(const VulkanDevices& found, std::op
 std::string describe_vulkan_device(const VulkanDeviceInfo& d) {
   std::string heaps;
   for (size_t h = 0; h < d.heaps.size(); ++h)
-    heaps += fmt::format("{}heap {} {}{}", h ? ", " : "", h, bytes_text(d.heaps[h].bytes),
+    heaps += fmt::format("{}heap {} {}{}", h ? ", " : "", h, format_bytes(d.heaps[h].bytes),
                          d.heaps[h].device_local ? " device-local" : "");
   auto yes = [](bool b) { return b ? "yes" : "no"; };
   return fmt::format(
       "{} ({}; {} {}, Vulkan {})\n  memory: {}; one allocation up to {}, one storage binding up to {}\n"
       "  features: 16-bit storage {}, 64-bit integers {}, buffer device address {}, subgroup {}, shared memory {}, "
       "cooperative matrix {}, memory budget {}, timestamps {}",
-      d.name, d.type, d.driver, d.driver_info, d.api_version, heaps, bytes_text(d.max_allocation_bytes),
-      bytes_text(d.max_storage_buffer_range), yes(d.storage_16bit), yes(d.shader_int64), yes(d.buffer_device_address),
-      d.subgroup_size, bytes_text(d.shared_memory_bytes), yes(d.cooperative_matrix), yes(d.memory_budget),
+      d.name, d.type, d.driver, d.driver_info, d.api_version, heaps, format_bytes(d.max_allocation_bytes),
+      format_bytes(d.max_storage_buffer_range), yes(d.storage_16bit), yes(d.shader_int64), yes(d.buffer_device_address),
+      d.subgroup_size, format_bytes(d.shared_memory_bytes), yes(d.cooperative_matrix), yes(d.memory_budget),
       yes(d.timestamps));
 }
 

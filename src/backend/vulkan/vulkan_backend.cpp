@@ -7,7 +7,6 @@
 #include <bit>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -58,7 +57,8 @@ class VulkanBackend final : public Backend {
   }
   std::string_view name() const override { return "vulkan"; }
   // Collectives would read device addresses as host memory: data-parallel training refuses this
-  // backend before it starts (train/run.cpp) until the communicator stages through host memory.
+  // backend before it starts (options/command_setup.cpp) until the communicator stages through host
+  // memory.
   bool overlaps_collectives() const override { return false; }
 
   void* allocate(size_t bytes) override { return reinterpret_cast<void*>(ctx_->allocate(bytes)); }
@@ -262,7 +262,6 @@ class VulkanBackend final : public Backend {
   }
   void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
                          const Tensor& cu_seqlens, int64_t hd) override {
-    check_head_dim(hd);
     struct {
       uint64_t out, lse, q, k, v, cu;
       uint32_t S, Hq, Hkv, hd;
@@ -277,13 +276,12 @@ class VulkanBackend final : public Backend {
            u32(q.cols() / hd),
            u32(k.cols() / hd),
            u32(hd),
-           static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)))};
+           attention_scale(hd)};
     ctx_->dispatch("attention", push, u32(q.rows()), u32(q.cols() / hd));
   }
   void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& out,
                           const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
                           const Tensor& cu_seqlens, int64_t hd) override {
-    check_head_dim(hd);
     struct {
       uint64_t dq, dk, dv, dout, out, lse, q, k, v, cu;
       uint32_t S, Hq, Hkv, hd, mode;
@@ -303,7 +301,7 @@ class VulkanBackend final : public Backend {
            u32(k.cols() / hd),
            u32(hd),
            0,
-           static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)))};
+           attention_scale(hd)};
     ctx_->dispatch("attention_backward", push, u32(q.rows()), u32(q.cols() / hd));
     push.mode = 1;
     ctx_->dispatch("attention_backward", push, u32(k.rows()), u32(k.cols() / hd));
@@ -311,7 +309,6 @@ class VulkanBackend final : public Backend {
   void paged_attention_forward(const Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                                const Tensor& block_tables, const Tensor& cu_seqlens, const Tensor& context_lens,
                                int64_t hd, int64_t block_size) override {
-    check_head_dim(hd);
     struct {
       uint64_t out, q, k_cache, v_cache, tables, cu, context;
       uint32_t S, Hq, Hkv, hd, max_blocks, block_size, cdtype;
@@ -330,7 +327,7 @@ class VulkanBackend final : public Backend {
            u32(block_tables.cols()),
            u32(block_size),
            weight_dtype_code(k_cache.dtype),
-           static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)))};
+           attention_scale(hd)};
     ctx_->dispatch("paged_attention", push, u32(q.rows()), u32(q.cols() / hd));
   }
   // The fused head on the device, the loss on the host: each chunk's logits are computed here
@@ -459,8 +456,10 @@ class VulkanBackend final : public Backend {
            mode};
     ctx_->dispatch("quantized_matmul", push, groups_x, u32((inp.rows() + 15) / 16));
   }
-  static void check_head_dim(int64_t hd) {
+  // 1 / sqrt(head_dim), after checking head_dim against what the shaders hold per thread.
+  static float attention_scale(int64_t hd) {
     MT_ASSERT(hd > 0 && hd <= kMaxAttentionHeadDim, "head_dim within kMaxAttentionHeadDim");
+    return static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
   }
   void rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float direction) {
     const int64_t half = inv_freq.numel(), heads = x.cols() / (2 * half);
@@ -498,7 +497,6 @@ bool vulkan_backend_available() {
 #if defined(__SANITIZE_ADDRESS__)
     return false;  // a sanitizer build: Mesa's drivers keep allocations to exit, which LeakSanitizer reports
 #endif
-    if (const char* off = std::getenv("MEMTUNE_VULKAN"); off && std::string(off) == "off") return false;
     const VulkanDevices found = vulkan_devices();
     return std::any_of(found.devices.begin(), found.devices.end(),
                        [](const VulkanDeviceInfo& d) { return d.usable(); });

@@ -17,9 +17,9 @@ namespace memtune {
 // an Error when this machine has no usable Vulkan device).
 Backend& vulkan_backend();
 
-// Whether this machine has a Vulkan device the backend can use (asked once); MEMTUNE_VULKAN=off
-// says no, and so does an AddressSanitizer build (Mesa's drivers keep allocations to process exit,
-// which LeakSanitizer would report in every test process).
+// Whether this machine has a Vulkan device the backend can use (asked once). An AddressSanitizer
+// build says no: Mesa's drivers keep allocations to process exit, which LeakSanitizer would report
+// in every test process.
 bool vulkan_backend_available();
 
 }  // namespace memtune
