@@ -43,12 +43,16 @@ struct AdamWStep {
   float grad_scale = 1.0f;  // multiplies the gradient (clipping) inside the update
 };
 
-// Host memory the fused LM head uses to hand chunks to host-side losses and observers when the
-// backend's own memory is not host-addressable (null members otherwise).
+// Host memory the fused LM head uses when the backend's own memory is not host-addressable
+// (null members otherwise): the [N]-sized arrays hold the targets' positions, their targets,
+// their RowStats and per-row losses in order; logits stage a chunk for host losses and for
+// observers that need logits.
 struct HostChunkStaging {
-  float* logits = nullptr;       // [chunk_rows, V]
-  int32_t* targets = nullptr;    // [chunk_rows]
-  int32_t* positions = nullptr;  // [chunk_rows]
+  float* logits = nullptr;         // [chunk_rows, V]
+  int32_t* targets = nullptr;      // [N]
+  int32_t* positions = nullptr;    // [N]
+  RowStats* row_stats = nullptr;   // [N]
+  float* row_losses = nullptr;     // [N]
 };
 
 // The fused LM head + loss over the positions whose target is not kIgnoreIndex. Logits exist
@@ -57,6 +61,9 @@ struct HostChunkStaging {
 // the loss is computed; dhidden rows are OVERWRITTEN (zero at ignored positions); dweight
 // (float32, may be absent for a frozen head) is accumulated. A 16-bit weight is widened
 // weight_slice.rows() vocabulary rows at a time, so no float32 copy of the head exists.
+// A backend may compute a CrossEntropyLoss where the logits are (a device backend does: then
+// only per-row losses come back, once per call), and an observer gets every row's RowStats
+// (observe_rows) before any logits (observe, only when it needs_logits()).
 struct LmHeadArgs {
   Tensor hidden;   // [N, D] f32
   Tensor targets;  // [N] i32
@@ -65,7 +72,10 @@ struct LmHeadArgs {
   Tensor dhidden;  // [N, D] f32, optional
   Tensor dweight;  // [V, D] f32, optional
   float grad_scale = 1.0f;
-  ChunkObserver* observer = nullptr;  // sees each chunk's logits before the loss touches them
+  ChunkObserver* observer = nullptr;
+  // The same targets in host memory when the caller has them there (the decoder built them):
+  // a backend whose memory the host cannot address then need not download them.
+  std::span<const int32_t> host_targets = {};
   // Workspace (device memory).
   Tensor logits;        // [chunk_rows, V] f32
   Tensor rows;          // [chunk_rows, D] f32, the gathered hidden rows
@@ -73,6 +83,8 @@ struct LmHeadArgs {
   Tensor positions;     // [N] i32, the positions that have a target
   Tensor row_targets;   // [chunk_rows] i32
   Tensor weight_slice;  // [slice_rows, D] f32, only for a 16-bit weight
+  Tensor row_stats;     // [N, 4] i32 (RowStats), for an observer
+  Tensor row_losses;    // [N] f32, a loss computed on the device
   HostChunkStaging staging = {};
 };
 
@@ -207,8 +219,9 @@ class Backend {
   virtual void add_inplace(const Tensor& y, const Tensor& x) = 0;  // y += x
   virtual LossSum lm_head_loss(const LmHeadArgs& args) = 0;
 
-  // x *= scale; returns sum(x^2) after scaling (float64), for the gradient norm.
-  virtual double scale_and_sum_squares(const Tensor& x, float scale) = 0;
+  // x *= scale for every tensor; returns the sum of all their squares after scaling (float64):
+  // a step's gradient norm, one value handed back per call, however many tensors.
+  virtual double scale_and_sum_squares(std::span<const Tensor> xs, float scale) = 0;
   // One AdamW update of param (f32) with grad, moments m and v (all of the same size; each may
   // be in host or device memory, as optimizer offload places them).
   virtual void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,

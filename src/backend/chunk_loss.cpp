@@ -36,6 +36,17 @@ float row_logsumexp(const float* z, int64_t V, float* sum_out) {
   return row_max + std::log(row_sum);
 }
 
+RowStats row_stats(const float* z, int64_t V, int32_t target) {
+  const float zt = z[target];
+  int64_t above = 0;
+#pragma omp simd reduction(+ : above)
+  for (int64_t v = 0; v < V; ++v) above += (z[v] > zt) | ((z[v] == zt) & (v < target));
+  return {.logsumexp = row_logsumexp(z, V),
+          .target_logit = zt,
+          .argmax = static_cast<int32_t>(std::max_element(z, z + V) - z),
+          .target_rank = static_cast<int32_t>(above)};
+}
+
 double CrossEntropyLoss::chunk(float* logits, const int32_t* targets, int64_t rows, int64_t V, bool gradient) const {
   const float eps = label_smoothing_;
   const float inv_v = 1.0f / static_cast<float>(V);

@@ -69,10 +69,36 @@ struct LogitsChunk {
   int64_t rows, V;
 };
 
+// What the built-in metrics need of one logits row (eval_loss and perplexity come from the loss
+// sum). It is computed where the logits are, on the device for a GPU backend, so 16 bytes per
+// row cross to the host instead of V floats.
+struct RowStats {
+  float logsumexp = 0;     // log sum_v exp(z_v)
+  float target_logit = 0;  // z_target
+  int32_t argmax = 0;      // the first maximum, as torch.argmax
+  int32_t target_rank = 0; // tokens scoring above the target, plus equal ones with a lower id
+};
+static_assert(sizeof(RowStats) == 16, "a device backend writes RowStats as four 32-bit words");
+// The statistics of `rows` rows, in the order the chunks produced them.
+struct RowStatsChunk {
+  const RowStats* stats;
+  const int32_t* targets;
+  const int32_t* positions;
+  int64_t rows;
+};
+// One row's statistics on the host (backends whose logits are in host memory).
+RowStats row_stats(const float* z, int64_t V, int32_t target);
+
+// Observers see the statistics of every row (observe_rows) and, when needs_logits() says so,
+// the logits chunks themselves (observe). Full logits are for custom metrics: a device backend
+// copies each chunk into host staging for them, rows x V floats, which is what the statistics
+// avoid. The default asks for logits, so an observer written against observe() alone works.
 class ChunkObserver {
  public:
   virtual ~ChunkObserver() = default;
-  virtual void observe(const LogitsChunk& chunk) = 0;
+  virtual bool needs_logits() const { return true; }
+  virtual void observe(const LogitsChunk&) {}
+  virtual void observe_rows(const RowStatsChunk&) {}
 };
 
 // log(sum_v exp(z_v)) of one row in a single streaming pass (block max and sum merged online);

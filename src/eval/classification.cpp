@@ -83,25 +83,18 @@ class SequenceScores final : public ChunkObserver {
   void start_batch(std::span<const int32_t> cu_seqlens, int64_t first_sequence) {
     cu_.assign(cu_seqlens.begin(), cu_seqlens.end());
     first_ = static_cast<size_t>(first_sequence);
-    // A chunk never has more rows than the batch has tokens: observing allocates nothing.
-    if (!cu_seqlens.empty()) row_logp_.reserve(static_cast<size_t>(cu_seqlens.back()));
   }
   // Data parallel: each rank scored its own sequences; the sums make every rank see all.
   void allreduce(Communicator& comm) {
     comm.allreduce_sum(logp_);
     comm.allreduce_sum(tokens_);
   }
-  void observe(const LogitsChunk& c) override {
-    row_logp_.resize(static_cast<size_t>(c.rows));
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < c.rows; ++r) {
-      const float* z = c.logits + r * c.V;
-      row_logp_[r] = z[c.targets[r]] - row_logsumexp(z, c.V);
-    }
+  bool needs_logits() const override { return false; }
+  void observe_rows(const RowStatsChunk& c) override {
     for (int64_t r = 0; r < c.rows; ++r) {
       const size_t seq =
           first_ + static_cast<size_t>(std::upper_bound(cu_.begin(), cu_.end(), c.positions[r]) - cu_.begin() - 1);
-      logp_.at(seq) += row_logp_[r];
+      logp_.at(seq) += static_cast<double>(c.stats[r].target_logit) - c.stats[r].logsumexp;
       ++tokens_.at(seq);
     }
   }
@@ -116,7 +109,6 @@ class SequenceScores final : public ChunkObserver {
   std::vector<double> logp_;
   std::vector<int64_t> tokens_;
   std::vector<int32_t> cu_;
-  std::vector<double> row_logp_;
   size_t first_ = 0;
 };
 

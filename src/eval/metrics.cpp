@@ -15,20 +15,8 @@
 
 namespace memtune {
 
-void TopKAccuracy::observe(const LogitsChunk& c) {
-  int64_t hits = 0;
-#pragma omp parallel for schedule(static) reduction(+ : hits)
-  for (int64_t r = 0; r < c.rows; ++r) {
-    const float* z = c.logits + r * c.V;
-    const int32_t t = c.targets[r];
-    const float zt = z[t];
-    // Rank of the target: tokens scoring higher, plus equal ones with a lower id.
-    int64_t above = 0;
-#pragma omp simd reduction(+ : above)
-    for (int64_t v = 0; v < c.V; ++v) above += (z[v] > zt) | ((z[v] == zt) & (v < t));
-    hits += above < k_;
-  }
-  hits_ += hits;
+void TopKAccuracy::observe_rows(const RowStatsChunk& c) {
+  for (int64_t r = 0; r < c.rows; ++r) hits_ += c.stats[r].target_rank < k_;
   count_ += c.rows;
 }
 
@@ -87,19 +75,11 @@ void PredictionWriter::start_batch(std::span<const int32_t> cu_seqlens) {
   loss_.assign(cu_.size() - 1, 0.0);
 }
 
-void PredictionWriter::observe(const LogitsChunk& c) {
-  row_argmax_.resize(static_cast<size_t>(c.rows));
-  row_loss_.resize(static_cast<size_t>(c.rows));
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < c.rows; ++r) {
-    const float* z = c.logits + r * c.V;
-    row_argmax_[r] = static_cast<int32_t>(std::max_element(z, z + c.V) - z);  // first maximum, like torch
-    row_loss_[r] = row_logsumexp(z, c.V) - z[c.targets[r]];
-  }
+void PredictionWriter::observe_rows(const RowStatsChunk& c) {
   for (int64_t r = 0; r < c.rows; ++r) {
     const size_t seq = static_cast<size_t>(std::upper_bound(cu_.begin(), cu_.end(), c.positions[r]) - cu_.begin() - 1);
-    argmax_[seq].push_back(row_argmax_[r]);
-    loss_[seq] += row_loss_[r];
+    argmax_[seq].push_back(c.stats[r].argmax);
+    loss_[seq] += static_cast<double>(c.stats[r].logsumexp) - c.stats[r].target_logit;
   }
 }
 
@@ -120,9 +100,16 @@ namespace {
 class FanOut final : public ChunkObserver {
  public:
   FanOut(MetricSelection& s, PredictionWriter* predictions) : s_(s), predictions_(predictions) {}
+  bool needs_logits() const override {
+    return std::any_of(s_.metrics.begin(), s_.metrics.end(), [](const auto& m) { return m->needs_logits(); });
+  }
+  void observe_rows(const RowStatsChunk& rows) override {
+    for (auto& m : s_.metrics) m->observe_rows(rows);
+    if (predictions_) predictions_->observe_rows(rows);
+  }
   void observe(const LogitsChunk& chunk) override {
-    for (auto& m : s_.metrics) m->observe(chunk);
-    if (predictions_) predictions_->observe(chunk);
+    for (auto& m : s_.metrics)
+      if (m->needs_logits()) m->observe(chunk);
   }
 
  private:

@@ -1,6 +1,7 @@
-// Streaming evaluation. A metric sees each logits chunk of the fused LM head once (only
-// positions that have a target), reduces it to a small state (counts), and never keeps the
-// chunk, so evaluation memory is the model's forward plan and nothing grows with the eval set.
+// Streaming evaluation. A metric sees each row of the fused LM head's logits once (only
+// positions that have a target): the built-in ones through the row's RowStats (computed where the
+// logits are), a custom one through the logits chunk itself. It reduces them to a small state
+// (counts), and never keeps the chunk, so evaluation memory is the model's forward plan and nothing grows with the eval set.
 // States merge (for data-parallel ranks). eval_loss is the global token mean: the sum of every
 // target token's loss over the whole eval set divided by their count (Hugging Face Trainer's
 // eval_loss is instead a mean of per-batch means, which weighs short batches more).
@@ -41,7 +42,8 @@ class Metric : public ChunkObserver {
 class TopKAccuracy final : public Metric {
  public:
   explicit TopKAccuracy(int64_t k) : k_(k) {}
-  void observe(const LogitsChunk& chunk) override;
+  bool needs_logits() const override { return false; }
+  void observe_rows(const RowStatsChunk& rows) override;
   void reset() override { hits_ = count_ = 0; }
   std::vector<double> state() const override { return {static_cast<double>(hits_), static_cast<double>(count_)}; }
   void set_state(std::span<const double> s) override;
@@ -67,7 +69,8 @@ class PredictionWriter final : public ChunkObserver {
  public:
   explicit PredictionWriter(std::ostream& out) : out_(out) {}
   void start_batch(std::span<const int32_t> cu_seqlens);
-  void observe(const LogitsChunk& chunk) override;
+  bool needs_logits() const override { return false; }
+  void observe_rows(const RowStatsChunk& rows) override;
   void finish_batch();
 
  private:
@@ -75,8 +78,6 @@ class PredictionWriter final : public ChunkObserver {
   std::vector<int32_t> cu_;
   std::vector<std::vector<int32_t>> argmax_;  // per sequence of the batch
   std::vector<double> loss_;
-  std::vector<int32_t> row_argmax_;
-  std::vector<double> row_loss_;
   int64_t next_index_ = 0;
 };
 

@@ -1,6 +1,7 @@
-// Choosing the next token from one row of logits, the way vLLM's sampler does it: penalties on
-// the raw logits, then temperature, then the top-k / top-p / min-p filters, then one draw from
-// the request's own random stream (so a request's tokens depend on its seed only, never on
+// A request's sampling settings and state. The arithmetic of choosing a token from a row of
+// logits is backend/sampling.h's (every backend runs it where the logits are); what stays here
+// is the request's side, the way vLLM's sampler keeps it: one draw per token from the
+// request's own random stream (so a request's tokens depend on its seed only, never on
 // which requests shared its batch). temperature 0 is greedy: the argmax of the penalized logits
 // (the lowest id on ties).
 #pragma once
@@ -12,6 +13,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "backend/sampling.h"
 #include "core/rng.h"
 
 namespace memtune {
@@ -37,23 +39,18 @@ struct SamplingParams {
 // (0, 1], min_p in [0, 1], repetition_penalty > 0, top_k >= -1).
 void validate_sampling(const SamplingParams& params);
 
-// Vocabulary-sized working memory of the sampler, shared by every request of a generator (one
-// request samples at a time): the penalized logits, the probabilities, the candidate order.
-struct SamplerScratch {
-  std::vector<float> logits;
-  std::vector<double> probs;  // after sample(): the distribution the draw used, for tests
-  std::vector<int32_t> order;
-  explicit SamplerScratch(int64_t vocab)
-      : logits(static_cast<size_t>(vocab)), probs(static_cast<size_t>(vocab)), order(static_cast<size_t>(vocab)) {}
-};
-
 // What a request's sampler remembers between its tokens: its random stream and the tokens seen
-// (kept sparse: a running request costs its distinct tokens, not the vocabulary).
+// (kept sparse: a running request costs its distinct tokens, not the vocabulary). Each token is
+// chosen by the backend (Backend::sample_tokens) from the row this hands it.
 class TokenSampler {
  public:
   TokenSampler(const SamplingParams& params, std::span<const int32_t> prompt);
-  // The next token from logits[v * stride] = logit(v), v < scratch's vocabulary. Records the
-  // token as part of the output.
+  // The row for the next token (drawing from the request's stream when it samples), its
+  // penalty tokens appended to `penalties`.
+  SampleRow next_row(std::vector<PenaltyToken>& penalties);
+  // Records the chosen token as part of the output.
+  void accept(int32_t token);
+  // next_row, the host sampler, accept: the next token from logits[v * stride] = logit(v).
   int32_t sample(const float* logits, int64_t stride, SamplerScratch& scratch);
 
  private:
@@ -62,6 +59,7 @@ class TokenSampler {
   std::unordered_set<int32_t> in_prompt_;
   std::unordered_map<int32_t, int32_t> output_counts_;
   std::vector<int32_t> seen_;  // distinct ids of the prompt and the output, for the penalties
+  std::vector<PenaltyToken> own_penalties_;  // sample()'s penalty list
 };
 
 }  // namespace memtune

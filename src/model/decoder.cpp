@@ -505,17 +505,24 @@ LossSum Decoder::run_step(const TokenBatch& batch, float* logits_out, bool backw
                   .dweight = grads ? base_grad_or_none(params_->head()) : Tensor{},
                   .grad_scale = grad_scale_,
                   .observer = observer_,
+                  .host_targets = batch_targets_,
                   .logits = A.f32(buf_.logits_chunk, {chunk, V}),
                   .rows = A.f32(buf_.rows, {chunk, D}),
                   .drows = A.f32(buf_.drows, {chunk, D}),
                   .positions = A.i32(buf_.loss_positions, {N}),
                   .row_targets = A.i32(buf_.row_targets, {chunk}),
                   .weight_slice = buf_.head_slice_rows ? A.f32(buf_.head_slice, {buf_.head_slice_rows, D}) : Tensor{},
+                  .row_stats = A.i32(buf_.row_stats, {N, 4}),
+                  .row_losses = buf_.stages_chunks ? A.f32(buf_.row_losses, {N}) : Tensor{},
                   .staging = {}};
-  if (buf_.stages_chunks)
-    head.staging = {host_arena_->f32(buf_.staging_logits, {chunk, V}).as<float>(),
-                    host_arena_->i32(buf_.staging_targets, {chunk}).as<int32_t>(),
-                    host_arena_->i32(buf_.staging_positions, {chunk}).as<int32_t>()};
+  if (buf_.stages_chunks) {
+    Arena& H = *host_arena_;
+    head.staging = {.logits = H.f32(buf_.staging_logits, {chunk, V}).as<float>(),
+                    .targets = H.i32(buf_.staging_targets, {N}).as<int32_t>(),
+                    .positions = H.i32(buf_.staging_positions, {N}).as<int32_t>(),
+                    .row_stats = H.i32(buf_.staging_row_stats, {N, 4}).as<RowStats>(),
+                    .row_losses = H.f32(buf_.staging_row_losses, {N}).as<float>()};
+  }
   const LossSum loss = be.lm_head_loss(head);
   timings_.loss = seconds_since(t0);
   if (!grads) return loss;

@@ -156,13 +156,19 @@ DecoderBuffers declare_decoder_buffers(const ModelConfig& c, const ModelOptions&
   b.drows = plan.declare("loss.dhidden_rows", Category::LossWorkspace, chunk * D * 4, L, L);
   b.loss_positions = plan.declare("loss.target_positions", Category::LossWorkspace, N * 4, L, L);
   b.row_targets = plan.declare("loss.row_targets", Category::LossWorkspace, chunk * 4, L, L);
+  b.row_stats = plan.declare("loss.row_stats", Category::LossWorkspace, N * sizeof(RowStats), L, L);
   // Host losses and observers read the chunk from host memory: a staged copy when the backend's
-  // memory is not the host's.
+  // memory is not the host's. Such a backend computes cross-entropy where the logits are and
+  // hands back per-row losses and statistics.
   b.stages_chunks = stage_chunks;
   if (stage_chunks) {
+    b.row_losses = plan.declare("loss.row_losses", Category::LossWorkspace, N * 4, L, L);
     b.staging_logits = host_plan.declare_persistent("staging.logits_chunk", Category::LossWorkspace, chunk * V * 4);
-    b.staging_targets = host_plan.declare_persistent("staging.row_targets", Category::LossWorkspace, chunk * 4);
-    b.staging_positions = host_plan.declare_persistent("staging.row_positions", Category::LossWorkspace, chunk * 4);
+    b.staging_targets = host_plan.declare_persistent("staging.row_targets", Category::LossWorkspace, N * 4);
+    b.staging_positions = host_plan.declare_persistent("staging.row_positions", Category::LossWorkspace, N * 4);
+    b.staging_row_stats =
+        host_plan.declare_persistent("staging.row_stats", Category::LossWorkspace, N * sizeof(RowStats));
+    b.staging_row_losses = host_plan.declare_persistent("staging.row_losses", Category::LossWorkspace, N * 4);
   }
   if (widen) {
     // The final norm's weight, and the LM head widened a vocabulary slice at a time.

@@ -34,11 +34,13 @@ struct DecoderBuffers {
   LayerActs fwd_scratch{}, recompute{};                         // with checkpointing (or without gradients)
   std::array<BufferId, kNumPhases> matrix_f32{}, vector_f32{};  // 16-bit weights widened per phase
   BufferId normed, rstd_final, dnormed;
-  BufferId logits_chunk, rows, drows, loss_positions, row_targets, head_slice{};
+  BufferId logits_chunk, rows, drows, loss_positions, row_targets, row_stats, head_slice{};
   int64_t chunk_rows = 1, head_slice_rows = 0;
-  // Host staging of the logits chunk for host losses and observers (host plan).
+  // Host staging of the logits chunk for host losses and observers, and of the per-row values a
+  // device backend hands back (host plan); row_losses is the device side of the latter.
   bool stages_chunks = false;
-  BufferId staging_logits{}, staging_targets{}, staging_positions{};
+  BufferId row_losses{}, staging_logits{}, staging_targets{}, staging_positions{}, staging_row_stats{},
+      staging_row_losses{};
   BufferId dstream, dln, datt, dq, dk, dv, dh, dgate, dup;  // activation gradients
   BufferId dq_raw{}, dk_raw{};                               // qk_norm: gradients before the norm
   BufferId lora_du{}, lora_dxd{};

@@ -26,6 +26,7 @@ Trainer::Trainer(Decoder& model, const TrainerConfig& config, Communicator* comm
   }
   params_.load_masters();
   model_.arena().enter_phase(Phase::Forward);
+  for (size_t i = 0; i < params_.num_trainable(); ++i) shard_grads_.push_back(params_.shard_grad(i));
   // Buckets by name: "...layers.{l}." belongs to layer l (base weights and LoRA adapters alike).
   layer_buckets_.resize(static_cast<size_t>(model_.config().num_hidden_layers));
   for (size_t i = 0; i < params_.num_trainable(); ++i) {
@@ -116,8 +117,7 @@ StepResult Trainer::step(std::span<const TokenBatch> micro_batches) {
   // rank normalizes the elements it updates (all, or its ZeRO-1 shard); with shards the squared
   // norm is summed over ranks.
   const float inv_items = static_cast<float>(1.0 / (static_cast<double>(r.num_items) * scale_));
-  double sumsq = 0.0;
-  for (size_t i = 0; i < P; ++i) sumsq += backend_.scale_and_sum_squares(params_.shard_grad(i), inv_items);
+  double sumsq = backend_.scale_and_sum_squares(shard_grads_, inv_items);
   if (sharded) {
     std::array<double, 1> total{sumsq};
     comm_->allreduce_sum(total);

@@ -81,6 +81,7 @@ class Trainer {
   std::vector<std::vector<size_t>> layer_buckets_;
   std::vector<size_t> rest_bucket_;
   void start_bucket(const std::vector<size_t>& bucket);
+  std::vector<Tensor> shard_grads_;  // what each rank normalizes and takes the norm of, in order
   int64_t step_ = 0;  // optimizer updates made (AdamW's t, the schedule's step)
   double scale_ = 1.0;
   int64_t good_steps_ = 0;

@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <functional>
 #include <map>
@@ -568,8 +569,8 @@ void check_lm_head(DType weight_dtype, float label_smoothing) {
   // legitimately differ between backends, so only the loss and the gradients are compared.
   auto run = [=](Backend& be, const Views& in, Tensor dhidden, Tensor dweight) {
     DeviceTensors ws(be);
-    std::vector<float> host_logits(chunk * V);
-    std::vector<int32_t> host_ints(2 * chunk);
+    std::vector<float> host_logits(chunk * V), host_losses(N);
+    std::vector<int32_t> host_ints(2 * N);
     LmHeadArgs a{.hidden = in.at("hidden"),
                  .targets = in.at("targets"),
                  .weight = in.at("weight"),
@@ -581,8 +582,14 @@ void check_lm_head(DType weight_dtype, float label_smoothing) {
                  .drows = ws.make(DType::F32, {chunk, D}),
                  .positions = ws.make(DType::I32, {N}),
                  .row_targets = ws.make(DType::I32, {chunk}),
-                 .weight_slice = weight_dtype == DType::F32 ? Tensor{} : ws.make(DType::F32, {slice, D})};
-    if (!be.host_addressable()) a.staging = {host_logits.data(), host_ints.data(), host_ints.data() + chunk};
+                 .weight_slice = weight_dtype == DType::F32 ? Tensor{} : ws.make(DType::F32, {slice, D}),
+                 .row_stats = ws.make(DType::I32, {N, 4}),
+                 .row_losses = ws.make(DType::F32, {N})};
+    if (!be.host_addressable())
+      a.staging = {.logits = host_logits.data(),
+                   .targets = host_ints.data(),
+                   .positions = host_ints.data() + N,
+                   .row_losses = host_losses.data()};
     return be.lm_head_loss(a);
   };
   check_case({.name = fmt::format("lm_head_loss {} smoothing {}", dtype_torch_name(weight_dtype), label_smoothing),
@@ -608,14 +615,157 @@ TEST(BackendOps, LmHeadLossBfloat16Head) {
   check_lm_head(DType::BF16, 0.0f);
 }
 
+// What observers get from the fused head, on every backend and through every path (a device
+// backend's cross-entropy on the device, a custom loss on the host, an observer that also wants
+// logits): RowStats against a float64 computation of the logits on the host, and the logits
+// chunks themselves against the same.
+class Recorder final : public ChunkObserver {
+ public:
+  explicit Recorder(bool wants_logits) : wants_logits_(wants_logits) {}
+  bool needs_logits() const override { return wants_logits_; }
+  void observe_rows(const RowStatsChunk& c) override {
+    for (int64_t r = 0; r < c.rows; ++r) {
+      stats.push_back(c.stats[r]);
+      positions.push_back(c.positions[r]);
+      targets.push_back(c.targets[r]);
+    }
+  }
+  void observe(const LogitsChunk& c) override {
+    logits.insert(logits.end(), c.logits, c.logits + c.rows * c.V);
+    logit_positions.insert(logit_positions.end(), c.positions, c.positions + c.rows);
+  }
+  std::vector<RowStats> stats;
+  std::vector<int32_t> positions, targets, logit_positions;
+  std::vector<float> logits;
+
+ private:
+  bool wants_logits_;
+};
+// Twice the cross-entropy: a loss the device does not know, so it runs on the host.
+class DoubledCrossEntropy final : public ChunkLoss {
+ public:
+  double chunk(float* logits, const int32_t* targets, int64_t rows, int64_t V, bool gradient) const override {
+    const double sum = ce_.chunk(logits, targets, rows, V, gradient);
+    if (gradient)
+      for (int64_t i = 0; i < rows * V; ++i) logits[i] *= 2.0f;
+    return 2.0 * sum;
+  }
+
+ private:
+  CrossEntropyLoss ce_;
+};
+
+TEST(BackendOps, LmHeadObserversGetRowStatsAndLogits) {
+  const int64_t N = 9, D = 5, V = 13, chunk = 4;
+  const std::vector<int32_t> targets = {3, kIgnoreIndex, 12, 0, 9, kIgnoreIndex, 7, 7, 1};
+  std::vector<float> hidden = randn(N * D, 41), weight = randn(V * D, 42);
+  // Quarters: every product and partial sum is exact in float32, so the logits are the same in
+  // any summation order and ties are ties on every backend. Rows 6 and 7 share a hidden vector
+  // and the head has two equal rows (2 and 9): ties for the argmax and for the target's rank.
+  for (float& x : hidden) x = std::round(4 * x) / 4;
+  for (float& x : weight) x = std::round(4 * x) / 4;
+  std::copy_n(hidden.begin() + 6 * D, D, hidden.begin() + 7 * D);
+  std::fill_n(weight.begin() + 2 * D, D, 3.0f);
+  std::copy_n(weight.begin() + 2 * D, D, weight.begin() + 9 * D);
+  std::fill_n(hidden.begin() + 8 * D, D, 1.0f);  // row 8's maximum is the tie of 2 and 9
+  // The oracle: logits in float64 from the definitions.
+  std::vector<int32_t> want_positions;
+  std::vector<double> want_logits;
+  for (int64_t n = 0; n < N; ++n) {
+    if (targets[n] == kIgnoreIndex) continue;
+    want_positions.push_back(static_cast<int32_t>(n));
+    for (int64_t v = 0; v < V; ++v) {
+      double s = 0.0;
+      for (int64_t d = 0; d < D; ++d) s += double(hidden[n * D + d]) * weight[v * D + d];
+      want_logits.push_back(s);
+    }
+  }
+  const size_t row8 = want_positions.size() - 1;
+  ASSERT_EQ(want_logits[row8 * V + 2], want_logits[row8 * V + 9]);
+  const DoubledCrossEntropy doubled;
+  const CrossEntropyLoss plain;
+  for (const std::string_view name : kBackends)
+    for (const bool custom_loss : {false, true})
+      for (const bool wants_logits : {false, true}) {
+        SCOPED_TRACE(fmt::format("{} custom loss {} wants logits {}", name, custom_loss, wants_logits));
+        Backend& be = backend_named(name);
+        DeviceTensors ws(be);
+        const Tensor h = ws.make(DType::F32, {N, D}), w = ws.make(DType::F32, {V, D}), t = ws.make(DType::I32, {N});
+        upload_f32(be, h, hidden);
+        upload_f32(be, w, weight);
+        be.copy_to_device(t, targets.data());
+        std::vector<float> host_logits(chunk * V), host_losses(N);
+        std::vector<int32_t> host_ints(2 * N);
+        std::vector<RowStats> host_stats(N);
+        Recorder rec(wants_logits);
+        LmHeadArgs a{.hidden = h,
+                     .targets = t,
+                     .weight = w,
+                     .loss = custom_loss ? static_cast<const ChunkLoss*>(&doubled) : &plain,
+                     .observer = &rec,
+                     .host_targets = targets,
+                     .logits = ws.make(DType::F32, {chunk, V}),
+                     .rows = ws.make(DType::F32, {chunk, D}),
+                     .drows = ws.make(DType::F32, {chunk, D}),
+                     .positions = ws.make(DType::I32, {N}),
+                     .row_targets = ws.make(DType::I32, {chunk}),
+                     .row_stats = ws.make(DType::I32, {N, 4}),
+                     .row_losses = ws.make(DType::F32, {N})};
+        if (!be.host_addressable())
+          a.staging = {.logits = host_logits.data(),
+                       .targets = host_ints.data(),
+                       .positions = host_ints.data() + N,
+                       .row_stats = host_stats.data(),
+                       .row_losses = host_losses.data()};
+        const LossSum loss = be.lm_head_loss(a);
+        const size_t M = want_positions.size();
+        ASSERT_EQ(loss.count, static_cast<int64_t>(M));
+        ASSERT_EQ(rec.positions, want_positions);
+        double want_loss = 0.0;
+        for (size_t r = 0; r < M; ++r) {
+          const double* z = want_logits.data() + r * V;
+          const int32_t target = targets[static_cast<size_t>(want_positions[r])];
+          EXPECT_EQ(rec.targets[r], target);
+          int32_t argmax = 0, rank = 0;
+          double sum = 0.0;
+          for (int64_t v = 0; v < V; ++v) {
+            if (z[v] > z[argmax]) argmax = static_cast<int32_t>(v);
+            sum += std::exp(z[v]);
+          }
+          const float zt = static_cast<float>(z[target]);
+          // Ties are exact in float32 (equal inputs): compare the ranks in float32 too.
+          for (int64_t v = 0; v < V; ++v)
+            rank += static_cast<float>(z[v]) > zt || (static_cast<float>(z[v]) == zt && v < target);
+          want_loss += std::log(sum) - z[target];
+          const RowStats& got = rec.stats[r];
+          EXPECT_NEAR(got.logsumexp, std::log(sum), 1e-5 * (1 + std::abs(std::log(sum)))) << "row " << r;
+          EXPECT_NEAR(got.target_logit, z[target], 1e-5 * (1 + std::abs(z[target]))) << "row " << r;
+          EXPECT_EQ(got.argmax, argmax) << "row " << r;
+          EXPECT_EQ(got.target_rank, rank) << "row " << r;
+        }
+        EXPECT_NEAR(loss.sum, (custom_loss ? 2 : 1) * want_loss, 1e-5 * want_loss);
+        if (!wants_logits) {
+          EXPECT_TRUE(rec.logits.empty());
+          continue;
+        }
+        ASSERT_EQ(rec.logit_positions, want_positions);
+        ASSERT_EQ(rec.logits.size(), want_logits.size());
+        for (size_t i = 0; i < want_logits.size(); ++i)
+          EXPECT_NEAR(rec.logits[i], want_logits[i], 1e-5 * (1 + std::abs(want_logits[i])));
+      }
+}
+
 TEST(BackendOps, ScaleAndSumSquares) {
   const int64_t n = 50;
   check_case({.name = "scale_and_sum_squares",
               .inputs = {f32_input("x", {n}, 19, false)},
               .outputs = {{"x_scaled", {n}}},
               .forward = [](Backend& be, const Views& in, const Views& out) {
+                // Two tensors in one call: both scaled, one sum.
                 be.copy(out.at("x_scaled"), in.at("x"));
-                return be.scale_and_sum_squares(out.at("x_scaled"), 0.5f);
+                const Tensor x = out.at("x_scaled");
+                const std::array<Tensor, 2> parts = {x.flat_range(0, 20), x.flat_range(20, n - 20)};
+                return be.scale_and_sum_squares(parts, 0.5f);
               }});
 }
 

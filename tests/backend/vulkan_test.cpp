@@ -255,6 +255,28 @@ TEST_F(VulkanOps, NormRopeSwigluEmbeddingGatherDropoutAndCacheEqualTheReference)
   }
 }
 
+TEST_F(VulkanOps, OneGradientNormOverManyTensorsEqualsTheReference) {
+  // 300 tensors of different sizes in one call: each tensor's partial sums land beside the
+  // others' and come back together; every tensor is scaled.
+  const std::vector<float> values = randn(300 * 700, 35);
+  auto run = [&](Backend& be) {
+    std::vector<Tensor> parts;
+    for (int64_t i = 0; i < 300; ++i) {
+      const auto n = 1 + (i * 37) % 700;
+      parts.push_back(make(be, DType::F32, {n}, std::vector<float>(values.begin() + i * 700, values.begin() + i * 700 + n)));
+    }
+    const double sumsq = be.scale_and_sum_squares(parts, 0.25f);
+    std::vector<float> scaled;
+    for (const Tensor& t : parts)
+      for (const float x : download_f32(be, t)) scaled.push_back(x);
+    return std::pair{sumsq, scaled};
+  };
+  const auto [vs, vx] = run(vk());
+  const auto [rs, rx] = run(ref());
+  EXPECT_NEAR(vs, rs, 1e-5 * rs);
+  expect_close(vx, rx, 0.0f);
+}
+
 TEST_F(VulkanOps, GradientNormAndAdamWEqualTheReference) {
   const int64_t n = 300001;  // more than one workgroup's share per partial sum
   const std::vector<float> g = randn(n, 31), p0 = randn(n, 32), m0 = randn(n, 33);
@@ -264,7 +286,7 @@ TEST_F(VulkanOps, GradientNormAndAdamWEqualTheReference) {
     auto run = [&](Backend& be) {
       const Tensor tg = make(be, DType::F32, {n}, g), tp = make(be, DType::F32, {n}, p0),
                    tm = make(be, DType::F32, {n}, m0), tv = make(be, DType::F32, {n}, v0);
-      const double sumsq = be.scale_and_sum_squares(tg, 0.5f);
+      const double sumsq = be.scale_and_sum_squares(std::span(&tg, 1), 0.5f);
       AdamWStep step;
       step.t = 3;
       step.learning_rate = 1e-3;

@@ -202,8 +202,10 @@ class CpuBackend final : public Backend {
   void add_inplace(const Tensor& y, const Tensor& x) override { cpu::add_inplace(y.f32(), x.f32(), y.numel()); }
   LossSum lm_head_loss(const LmHeadArgs& args) override { return cpu::lm_head_loss(args); }
 
-  double scale_and_sum_squares(const Tensor& x, float scale) override {
-    return cpu::scale_and_sum_squares(x.f32(), scale, x.numel());
+  double scale_and_sum_squares(std::span<const Tensor> xs, float scale) override {
+    double sum = 0.0;
+    for (const Tensor& x : xs) sum += cpu::scale_and_sum_squares(x.f32(), scale, x.numel());
+    return sum;
   }
   void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                     const AdamWStep& step) override {

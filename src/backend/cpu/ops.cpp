@@ -759,7 +759,13 @@ LossSum lm_head_loss(const LmHeadArgs& a) {
     }
 
     for (int64_t r = 0; r < m; ++r) row_targets[r] = targets[pos[r]];
-    if (a.observer) a.observer->observe({logits, row_targets, pos, m, V});
+    if (a.observer) {
+      RowStats* stats = a.row_stats.as<RowStats>() + c0;
+#pragma omp parallel for schedule(static)
+      for (int64_t r = 0; r < m; ++r) stats[r] = row_stats(logits + r * V, V, row_targets[r]);
+      a.observer->observe_rows({stats, row_targets, pos, m});
+      if (a.observer->needs_logits()) a.observer->observe({logits, row_targets, pos, m, V});
+    }
     total += a.loss->chunk(logits, row_targets, m, V, backward);
     if (!backward) continue;
     // drows = dlogits @ W and dW += dlogits^T @ rows, one vocabulary slice at a time.

@@ -343,6 +343,20 @@ class ReferenceBackend final : public Backend {
     for (int64_t i = 0; i < y.numel(); ++i) y.f32()[i] += x.f32()[i];
   }
 
+  // RowStats with the log-sum-exp in float64, written out from the definitions.
+  static RowStats reference_row_stats(const float* z, int64_t V, int32_t t) {
+    RowStats s{.logsumexp = 0, .target_logit = z[t], .argmax = 0, .target_rank = 0};
+    for (int64_t v = 1; v < V; ++v)
+      if (z[v] > z[s.argmax]) s.argmax = static_cast<int32_t>(v);
+    double sum = 0.0;
+    for (int64_t v = 0; v < V; ++v) {
+      sum += std::exp(double(z[v]) - z[s.argmax]);
+      if (z[v] > z[t] || (z[v] == z[t] && v < t)) ++s.target_rank;
+    }
+    s.logsumexp = static_cast<float>(z[s.argmax] + std::log(sum));
+    return s;
+  }
+
   LossSum lm_head_loss(const LmHeadArgs& args) override {
     Access a(*this);
     const Tensor& W = args.weight;
@@ -371,13 +385,20 @@ class ReferenceBackend final : public Backend {
         }
       // Host code sees the chunk in host memory only, with the device memory locked meanwhile.
       std::copy_n(logits, m * V, args.staging.logits);
-      for (int64_t r = 0; r < m; ++r) args.staging.targets[r] = args.targets.i32()[pos[r]];
-      std::copy_n(pos, m, args.staging.positions);
+      int32_t* row_targets = args.staging.targets + c0;
+      int32_t* row_positions = args.staging.positions + c0;
+      for (int64_t r = 0; r < m; ++r) row_targets[r] = args.targets.i32()[pos[r]];
+      std::copy_n(pos, m, row_positions);
       {
         Unlocked u(*this);
-        if (args.observer)
-          args.observer->observe({args.staging.logits, args.staging.targets, args.staging.positions, m, V});
-        total += args.loss->chunk(args.staging.logits, args.staging.targets, m, V, static_cast<bool>(args.dhidden));
+        if (args.observer) {
+          RowStats* stats = args.staging.row_stats + c0;
+          for (int64_t r = 0; r < m; ++r) stats[r] = reference_row_stats(args.staging.logits + r * V, V, row_targets[r]);
+          args.observer->observe_rows({stats, row_targets, row_positions, m});
+          if (args.observer->needs_logits())
+            args.observer->observe({args.staging.logits, row_targets, row_positions, m, V});
+        }
+        total += args.loss->chunk(args.staging.logits, row_targets, m, V, static_cast<bool>(args.dhidden));
       }
       if (!args.dhidden) continue;
       const float* dlogits = args.staging.logits;  // d(sum)/d(logits), in host memory
@@ -398,13 +419,14 @@ class ReferenceBackend final : public Backend {
     return LossSum{total, count};
   }
 
-  double scale_and_sum_squares(const Tensor& x, float scale) override {
+  double scale_and_sum_squares(std::span<const Tensor> xs, float scale) override {
     Access a(*this);
     double sumsq = 0.0;
-    for (int64_t i = 0; i < x.numel(); ++i) {
-      x.f32()[i] *= scale;
-      sumsq += double(x.f32()[i]) * x.f32()[i];
-    }
+    for (const Tensor& x : xs)
+      for (int64_t i = 0; i < x.numel(); ++i) {
+        x.f32()[i] *= scale;
+        sumsq += double(x.f32()[i]) * x.f32()[i];
+      }
     return sumsq;
   }
   void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,

@@ -232,6 +232,12 @@ void VulkanContext::flush() {
 
 void VulkanContext::upload(uint64_t dst, const void* src, size_t bytes) {
   const auto [a, offset] = locate(dst, bytes);
+  if (bytes <= kRecordedUploadBytes && bytes % 4 == 0 && offset % 4 == 0) {
+    // Small: the bytes go into the command buffer itself, so nothing waits (a step's batch).
+    if (bytes > 0) vkCmdUpdateBuffer(recording(), a->buffer, offset, bytes, src);
+    barrier();
+    return;
+  }
   for (size_t done = 0; done < bytes; done += kTransferBytes) {
     const size_t n = std::min(kTransferBytes, bytes - done);
     flush();  // the staging buffer is free again

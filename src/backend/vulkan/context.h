@@ -11,7 +11,7 @@
 // Submission: dispatches and device-side copies are recorded into one command buffer with a
 // memory barrier after each (every op may read what the previous one wrote) and submitted in a
 // batch; the host waits (flush) only where a value must come back or host memory is touched: a
-// download, an upload through the staging buffer, freeing memory.
+// download, a large upload through the staging buffer, freeing memory.
 #pragma once
 
 #include <vulkan/vulkan.h>
@@ -42,7 +42,10 @@ class VulkanContext {
   uint64_t allocate(size_t bytes);
   void deallocate(uint64_t address);
 
-  // Transfers between host memory and device addresses, through the staging buffer.
+  // Transfers between host memory and device addresses, through the staging buffer. An upload
+  // of at most kRecordedUploadBytes (whole 4-byte words) is recorded into the command buffer
+  // instead (vkCmdUpdateBuffer's limit), so it does not wait for the work before it.
+  static constexpr size_t kRecordedUploadBytes = 65536;
   void upload(uint64_t dst, const void* src, size_t bytes);
   void download(void* dst, uint64_t src, size_t bytes);
   // Recorded: a device-to-device copy, and a fill of 4-byte words.

@@ -212,18 +212,28 @@ class VulkanBackend final : public Backend {
         1.0f / (1.0f - p)};
     ctx_->dispatch("dropout", push, groups_for(x.numel()));
   }
-  double scale_and_sum_squares(const Tensor& x, float scale) override {
-    const uint32_t groups = std::min<uint32_t>(groups_for(x.numel()), kPartials);
-    struct {
-      uint64_t x, partials;
-      uint32_t n;
-      float scale;
-    } push{address(x), partials_, u32(x.numel()), scale};
-    ctx_->dispatch("scale_sum_squares", push, groups);
-    std::vector<float> sums(groups);
-    ctx_->download(sums.data(), partials_, groups * sizeof(float));
+  // Every tensor's workgroups write their partial sums side by side, and they come back in one
+  // download. A tensor gets fewer workgroups when the call's tensors would need more partials
+  // than the buffer holds (each workgroup then strides over more elements); the split depends on
+  // the tensors only, so the same call gives the same sum every run.
+  double scale_and_sum_squares(std::span<const Tensor> xs, float scale) override {
+    if (xs.empty()) return 0.0;
+    MT_ASSERT(xs.size() <= kPartials, "vulkan: more tensors than partial sums");
+    const auto share = static_cast<uint32_t>(std::min<size_t>(kPartialsPerTensor, kPartials / xs.size()));
+    uint32_t used = 0;
+    for (const Tensor& x : xs) {
+      const uint32_t groups = std::min(groups_for(x.numel()), share);
+      struct {
+        uint64_t x, partials;
+        uint32_t n;
+        float scale;
+      } push{address(x), partials_ + used * sizeof(float), u32(x.numel()), scale};
+      ctx_->dispatch("scale_sum_squares", push, groups);
+      used += groups;
+    }
+    ctx_->download(partial_sums_.data(), partials_, used * sizeof(float));
     double total = 0.0;
-    for (const float s : sums) total += s;
+    for (uint32_t i = 0; i < used; ++i) total += partial_sums_[i];
     return total;
   }
   void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
@@ -334,21 +344,35 @@ class VulkanBackend final : public Backend {
   // (16-bit heads read as stored), handed to the loss and observers through the planned host
   // staging, and the loss's gradient comes back for drows = dlogits @ W and dW += dlogits^T rows.
   // (Recognizing CrossEntropyLoss and running it on the device is the next step.)
+  // Cross-entropy runs on the device (cross_entropy.comp) and hands back per-row losses once
+  // per call; a custom loss, or an observer that needs logits, gets each chunk through host
+  // staging. RowStats for observers are always computed on the device and come back once.
   LossSum lm_head_loss(const LmHeadArgs& a) override {
-    MT_ASSERT(a.staging.logits && a.staging.targets && a.staging.positions,
-              "the vulkan backend hands chunks to host code through staging buffers");
+    const HostChunkStaging& st = a.staging;
+    MT_ASSERT(st.targets && st.positions && st.row_losses && (!a.observer || st.row_stats),
+              "the vulkan backend hands values to host code through staging buffers");
     const int64_t N = a.hidden.rows(), D = a.weight.cols(), V = a.weight.rows(), chunk_rows = a.logits.rows();
-    std::vector<int32_t> targets(static_cast<size_t>(N)), positions;
-    ctx_->download(targets.data(), address(a.targets), targets.size() * sizeof(int32_t));
+    // The targets' positions, found on the host (from the caller's copy of the targets, or a
+    // download into the staging that then holds them compacted in place).
+    const int32_t* targets = a.host_targets.data();
+    if (a.host_targets.empty()) {
+      ctx_->download(st.targets, address(a.targets), static_cast<size_t>(N) * sizeof(int32_t));
+      targets = st.targets;
+    }
+    int64_t count = 0;
     for (int64_t n = 0; n < N; ++n) {
-      const int32_t t = targets[static_cast<size_t>(n)];
+      const int32_t t = targets[n];
       if (t == kIgnoreIndex) continue;
       MT_ASSERT(t >= 0 && t < V, "target id out of range");
-      positions.push_back(static_cast<int32_t>(n));
+      st.positions[count] = static_cast<int32_t>(n);
+      st.targets[count++] = t;
     }
-    const auto count = static_cast<int64_t>(positions.size());
-    if (count > 0) ctx_->upload(address(a.positions), positions.data(), positions.size() * sizeof(int32_t));
+    if (count > 0) ctx_->upload(address(a.positions), st.positions, static_cast<size_t>(count) * sizeof(int32_t));
     const bool backward = static_cast<bool>(a.dhidden);
+    const auto* cross_entropy = dynamic_cast<const CrossEntropyLoss*>(a.loss);
+    const bool logits_to_host = !cross_entropy || (a.observer && a.observer->needs_logits());
+    if (!logits_to_host) MT_ASSERT(a.row_losses.numel() >= count, "vulkan: no row_losses workspace");
+    if (a.observer) MT_ASSERT(a.row_stats.numel() >= 4 * count, "vulkan: no row_stats workspace");
     if (backward) fill(a.dhidden, 0.0f);
     double total = 0.0;
     for (int64_t c0 = 0; c0 < count; c0 += chunk_rows) {
@@ -357,20 +381,44 @@ class VulkanBackend final : public Backend {
       const Tensor rows(a.rows.data, DType::F32, {m, D}), logits(a.logits.data, DType::F32, {m, V});
       rows_op(rows, a.hidden, pos, 0);
       matmul(logits, rows, a.weight, Tensor{}, false, 1.0f);
-      ctx_->download(a.staging.logits, address(logits), logits.bytes());
-      for (int64_t r = 0; r < m; ++r) {
-        a.staging.positions[r] = positions[static_cast<size_t>(c0 + r)];
-        a.staging.targets[r] = targets[static_cast<size_t>(a.staging.positions[r])];
+      const uint32_t flags = (logits_to_host ? 0u : 1u | (backward ? 2u : 0u)) | (a.observer ? 4u : 0u);
+      if (flags != 0) {
+        struct {
+          uint64_t logits, targets, positions, losses, stats;
+          uint32_t V, flags;
+          float smoothing;
+        } push{address(logits),
+               address(a.targets),
+               address(pos),
+               logits_to_host ? 0 : address(a.row_losses.flat_range(c0, m)),
+               a.observer ? address(a.row_stats.flat_range(4 * c0, 4 * m)) : 0,
+               u32(V),
+               flags,
+               cross_entropy ? cross_entropy->label_smoothing() : 0.0f};
+        ctx_->dispatch("cross_entropy", push, u32(m));
       }
-      if (a.observer) a.observer->observe({a.staging.logits, a.staging.targets, a.staging.positions, m, V});
-      total += a.loss->chunk(a.staging.logits, a.staging.targets, m, V, backward);
+      if (logits_to_host) {
+        ctx_->download(st.logits, address(logits), logits.bytes());
+        const int32_t* row_targets = st.targets + c0;
+        if (a.observer && a.observer->needs_logits())
+          a.observer->observe({st.logits, row_targets, st.positions + c0, m, V});
+        total += a.loss->chunk(st.logits, row_targets, m, V, backward);
+        if (backward) ctx_->upload(address(logits), st.logits, logits.bytes());  // now d(sum)/d(logits)
+      }
       if (!backward) continue;
-      ctx_->upload(address(logits), a.staging.logits, logits.bytes());  // now d(sum)/d(logits)
       const Tensor drows(a.drows.data, DType::F32, {m, D});
       fill(drows, 0.0f);
       gemm(drows, logits, a.weight, m, D, V, /*a_m=*/V, /*a_k=*/1, /*b_k=*/D, /*b_n=*/1, a.grad_scale);
       rows_op(a.dhidden, drows, pos, 1);
       if (a.dweight) gemm(a.dweight, logits, rows, V, D, m, /*a_m=*/1, /*a_k=*/V, /*b_k=*/D, /*b_n=*/1, a.grad_scale);
+    }
+    if (!logits_to_host && count > 0) {
+      ctx_->download(st.row_losses, address(a.row_losses), static_cast<size_t>(count) * sizeof(float));
+      for (int64_t r = 0; r < count; ++r) total += st.row_losses[r];  // in row order: the same sum every run
+    }
+    if (a.observer && count > 0) {
+      ctx_->download(st.row_stats, address(a.row_stats), static_cast<size_t>(count) * sizeof(RowStats));
+      a.observer->observe_rows({st.row_stats, st.targets, st.positions, count});
     }
     return LossSum{total, count};
   }
@@ -479,10 +527,12 @@ class VulkanBackend final : public Backend {
     ctx_->dispatch("embedding", push, groups);
   }
 
-  // Partial sums of scale_and_sum_squares: one float per workgroup, the backend's own small buffer.
-  static constexpr uint32_t kPartials = 1024;
+  // Partial sums of scale_and_sum_squares: one float per workgroup, at most kPartialsPerTensor
+  // workgroups per tensor, in the backend's own small buffer and its host copy.
+  static constexpr uint32_t kPartials = 1u << 18, kPartialsPerTensor = 1024;
   std::unique_ptr<VulkanContext> ctx_;
   uint64_t partials_ = ctx_->allocate(kPartials * sizeof(float));
+  std::vector<float> partial_sums_ = std::vector<float>(kPartials);
 };
 
 }  // namespace

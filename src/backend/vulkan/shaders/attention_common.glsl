@@ -1,6 +1,5 @@
-// Shared by the attention shaders: int32 views, the sum of one value per thread over a 64-wide
+// Shared by the attention shaders: the sum of one value per thread over a 64-wide
 // workgroup (a shared-memory tree: the same order every run), and the sequence of a token.
-layout(buffer_reference, std430, buffer_reference_align = 4) buffer I32 { int v[]; };
 shared float reduce_buffer[64];
 // Every thread of the workgroup must call it (it holds barriers); all get the sum.
 float workgroup_sum(float x) {

@@ -1,6 +1,6 @@
 // What every shader shares: tensors are reached through 64-bit buffer device addresses handed
-// in push constants (no descriptor sets, no binding-size limit), as float32 arrays or as 16-bit
-// words (bfloat16 / float16 storage, widened in the shader).
+// in push constants (no descriptor sets, no binding-size limit), as float32 or int32 arrays or as
+// 16-bit words (bfloat16 / float16 storage, widened in the shader).
 #extension GL_EXT_buffer_reference : require
 #extension GL_EXT_shader_explicit_arithmetic_types_int64 : require
 #extension GL_EXT_shader_explicit_arithmetic_types_int16 : require
@@ -8,6 +8,7 @@
 
 layout(buffer_reference, std430, buffer_reference_align = 4) buffer F32 { float v[]; };
 layout(buffer_reference, std430, buffer_reference_align = 2) buffer U16 { uint16_t v[]; };
+layout(buffer_reference, std430, buffer_reference_align = 4) buffer I32 { int v[]; };
 
 // A grid-stride loop over n elements for a 1-D dispatch of 256-wide workgroups.
 #define FOR_EACH(i, n) for (uint i = gl_GlobalInvocationID.x; i < (n); i += gl_NumWorkGroups.x * 256u)

@@ -4,7 +4,6 @@
 // per column d walking the tokens in order: no two threads touch one element, and repeated ids
 // add up in the same order every run.
 #include "common.glsl"
-layout(buffer_reference, std430, buffer_reference_align = 4) buffer I32 { int v[]; };
 layout(local_size_x = 256) in;
 layout(push_constant) uniform Push { uint64_t table; F32 rows; I32 ids; uint N; uint D; uint tdtype; uint mode; } p;
 float table_at(uint i) {

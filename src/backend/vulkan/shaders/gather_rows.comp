@@ -1,7 +1,6 @@
 #version 460
 // mode 0: out[r, c] = inp[index[r], c]; mode 1 (scatter): out[index[r], c] = inp[r, c] (float32).
 #include "common.glsl"
-layout(buffer_reference, std430, buffer_reference_align = 4) buffer I32 { int v[]; };
 layout(local_size_x = 256) in;
 layout(push_constant) uniform Push { F32 out_; F32 inp; I32 index; uint R; uint C; uint mode; } p;
 void main() {

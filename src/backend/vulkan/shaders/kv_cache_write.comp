@@ -2,7 +2,6 @@
 // k_cache[slots[n], c] = k[n, c] and the same for v, the caches in float32 or 16-bit storage
 // (cdtype 0 f32, 1 bf16, 2 f16).
 #include "common.glsl"
-layout(buffer_reference, std430, buffer_reference_align = 4) buffer I32 { int v[]; };
 layout(local_size_x = 256) in;
 layout(push_constant) uniform Push { uint64_t k_cache; uint64_t v_cache; F32 k; F32 v; I32 slots; uint N; uint C; uint cdtype; } p;
 void store(uint64_t cache, uint i, float x) {

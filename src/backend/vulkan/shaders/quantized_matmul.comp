@@ -5,7 +5,6 @@
 // mode 0: out[N, OUT] = inp[N, IN] @ W^T (+ bias, bdtype 0 f32, 1 bf16, 2 f16).
 // mode 1: dinp[N, IN] += dout[N, OUT] @ W.
 #include "common.glsl"
-layout(buffer_reference, std430, buffer_reference_align = 4) buffer I32 { int v[]; };
 layout(local_size_x = 16, local_size_y = 16) in;
 layout(push_constant) uniform Push {
   F32 out_; F32 inp; I32 codes; U16 scales; U16 zeros; I32 g_idx; uint64_t bias;

@@ -3,7 +3,6 @@
 // head of token n turns by positions[n] * inv_freq[i] (the angle in float32, as transformers
 // forms it); direction -1 rotates back (backward). One thread per (token, pair, head).
 #include "common.glsl"
-layout(buffer_reference, std430, buffer_reference_align = 4) buffer I32 { int v[]; };
 layout(local_size_x = 256) in;
 layout(push_constant) uniform Push { F32 x; I32 positions; F32 inv_freq; uint N; uint half_dim; uint heads; float direction; } p;
 void main() {
