@@ -17,7 +17,7 @@ Run it with Debian's /usr/bin/python3 (torch + numpy); it has no other dependenc
     qwen2_reference.py bench --model DIR --batch B --seq T --steps N [--threads K]
     qwen2_reference.py train-bench --model DIR --batch B --seq T --steps N [--threads K]
                                    [--tuner full|lora] [--lora_rank R] [--lora_alpha A]
-                                   [--target_modules all-linear|NAME...] [--lr LR]
+                                   [--target_modules all-linear|NAME...] [--lr LR] [--device cuda]
     qwen2_reference.py eval-bench --model DIR --batch B --seq T --num_sequences S
                                   [--threads K] [--mode full|argmax]
 """
@@ -624,26 +624,38 @@ def new_lora_adapter(cfg, r, alpha, targets, gen):
 
 
 def train_bench(model_dir, batch, seq, steps, threads, tuner, lora_rank, lora_alpha,
-                target_modules, lr):
+                target_modules, lr, device="cpu"):
     """Eager PyTorch fine-tuning throughput, written the way a Hugging Face Trainer step runs:
     forward with materialized logits, ForCausalLMLoss, backward, clip_grad_norm_(1.0),
     AdamW.step, zero_grad(set_to_none=True); `steps` optimizer steps on one batch of random
     tokens (labels = input_ids), the first a warm-up that is not timed. tuner "full" trains
-    every parameter in float32; "lora" freezes the base and trains fresh PEFT-style adapters."""
+    every parameter in float32; "lora" freezes the base and trains fresh PEFT-style adapters.
+    device "cuda" runs it on the GPU (the same float32 arithmetic; the weights, adapters and
+    batch are made on the host with the same seeds, then moved)."""
     torch.set_num_threads(threads)
     cfg, params = load_model(model_dir)
     gen = torch.Generator().manual_seed(0)
     lora = None
-    if tuner == "full":
-        trainable = list(params.values())
-    else:
+    if tuner != "full":
         for p in params.values():
             p.requires_grad_(False)
         lora = new_lora_adapter(cfg, lora_rank, lora_alpha, target_modules, gen)
-        trainable = list(lora.weights.values())
-    optimizer = torch.optim.AdamW(trainable, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     input_ids = torch.randint(cfg.vocab_size, (batch, seq), generator=gen)
+    if device != "cpu":
+        torch.set_default_device(device)  # what forward() makes (positions, masks) goes there too
+
+        def moved(t):
+            return t.detach().to(device).requires_grad_(t.requires_grad)
+
+        params = {name: moved(p) for name, p in params.items()}
+        if lora is not None:
+            for name in list(lora.weights):
+                lora.weights[name] = moved(lora.weights[name])
+        input_ids = input_ids.to(device)
+    trainable = list(params.values()) if tuner == "full" else list(lora.weights.values())
+    optimizer = torch.optim.AdamW(trainable, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     labels = input_ids.clone()
+    synchronize = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
     def step():
         logits = forward(cfg, params, input_ids, lora)
@@ -656,18 +668,25 @@ def train_bench(model_dir, batch, seq, steps, threads, tuner, lora_rank, lora_al
         return loss.item()
 
     step()
+    synchronize()
     start = time.perf_counter()
     for _ in range(steps - 1):
         step()
+    synchronize()
     seconds_per_step = (time.perf_counter() - start) / (steps - 1)
-    print(json.dumps({
+    result = {
         "tokens_per_s": batch * seq / seconds_per_step,
         "seconds_per_step": seconds_per_step,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "threads": threads,
         "tuner": tuner,
+        "device": device,
         "trainable_parameters": sum(p.numel() for p in trainable),
-    }))
+    }
+    if device.startswith("cuda"):
+        result["device_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+        result["device_name"] = torch.cuda.get_device_name()
+    print(json.dumps(result))
 
 
 def eval_bench(model_dir, batch, seq, num_sequences, threads, mode):
@@ -777,6 +796,7 @@ def main(argv):
     p_train.add_argument("--target_modules", nargs="+", default=["all-linear"],
                          help=f"all-linear, or names among {list(LORA_TARGETS)}")
     p_train.add_argument("--lr", type=float, default=1e-4)
+    p_train.add_argument("--device", default="cpu", help="cpu, or cuda to time the step on the GPU")
     p_eval = sub.add_parser("eval-bench", parents=[shape], help="time and measure a Trainer-style "
                             "evaluation loop that keeps full logits or their argmax for compute_metrics")
     p_eval.add_argument("--num_sequences", type=int, required=True)
@@ -813,7 +833,7 @@ def main(argv):
                        args.mode)
         else:
             train_bench(args.model, args.batch, args.seq, args.steps, args.threads, args.tuner,
-                        args.lora_rank, args.lora_alpha, args.target_modules, args.lr)
+                        args.lora_rank, args.lora_alpha, args.target_modules, args.lr, args.device)
     except (ValueError, KeyError, OSError) as e:
         sys.exit(f"qwen2_reference: error: {e}")
 

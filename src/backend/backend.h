@@ -19,12 +19,14 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "backend/chunk_loss.h"
+#include "backend/sampling.h"
 #include "backend/tensor.h"
 
 namespace memtune {
@@ -107,10 +109,25 @@ struct GroupMember {
 // config loading refuses larger heads before any memory is planned.
 constexpr int64_t kMaxAttentionHeadDim = 256;
 
+// What a backend's device says about its memory, measured by the device rather than derived
+// from the plan (memory.json's "device"; --device_memory auto).
+struct DeviceMemoryFigures {
+  std::string device;                // the device's name
+  uint64_t heap_bytes = 0;           // its device-local heap(s)
+  uint64_t max_allocation_bytes = 0; // what one allocation may hold
+  // The driver's own figures where it has them (VK_EXT_memory_budget): this process's usage of
+  // the device's memory, and what it may use now.
+  std::optional<uint64_t> usage_bytes, budget_bytes;
+  // What a plan may take: the budget where known, else the heap.
+  uint64_t available_bytes() const { return budget_bytes.value_or(heap_bytes); }
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
   virtual std::string_view name() const = 0;
+  // The device's memory figures; none for a backend in host memory (the process's RSS covers it).
+  virtual std::optional<DeviceMemoryFigures> device_memory_figures() const { return std::nullopt; }
 
   // Device memory for an arena: zero-filled, page aligned. Host code must not dereference it.
   virtual void* allocate(size_t bytes) = 0;
@@ -218,6 +235,10 @@ class Backend {
   virtual void dropout_forward(const Tensor& out, const Tensor& x, uint64_t key, float p) = 0;
   virtual void add_inplace(const Tensor& y, const Tensor& x) = 0;  // y += x
   virtual LossSum lm_head_loss(const LmHeadArgs& args) = 0;
+  // One token per row of args.logits (backend/sampling.h), chosen where the logits are: only
+  // the token ids come back, never [rows, V] logits. By default the host sampler, row by row,
+  // over memory the host can address.
+  virtual void sample_tokens(const SampleArgs& args);
 
   // x *= scale for every tensor; returns the sum of all their squares after scaling (float64):
   // a step's gradient norm, one value handed back per call, however many tensors.

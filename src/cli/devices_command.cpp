@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "backend/vulkan/device.h"
+#include "backend/vulkan/vulkan_backend.h"
 #include "cli/commands.h"
 #include "core/error.h"
 
@@ -31,6 +32,10 @@ Action add_devices(CLI::App& app) {
     } catch (const Error& e) {
       if (a->vulkan_device) throw;
       why_none = e.what();
+    }
+    if (chosen && !vulkan_backend_available()) {  // a sanitizer build leaves the backend out
+      chosen.reset();
+      why_none = "this build of memtune has no vulkan backend (a sanitizer build)";
     }
     if (a->json) {
       nlohmann::json out = {{"loader_version", found.loader_version},

@@ -127,7 +127,7 @@ InferenceSetup plan_inference_setup(const InferenceArgs& a, const std::vector<Ge
                          .max_num_seqs = a.max_num_seqs,
                          .max_num_batched_tokens = a.max_num_batched_tokens,
                          .block_size = a.block_size,
-                         .device_memory = a.device_memory.empty() ? 0 : parse_bytes(a.device_memory, "--device_memory"),
+                         .device_memory = a.device_memory.empty() ? 0 : device_memory_bytes(a.device_memory, a.backend),
                          .memory_fraction = a.memory_fraction};
   if (!requests.empty()) {  // no more sequences than requests
     limits.max_num_seqs = std::min<int64_t>(limits.max_num_seqs, static_cast<int64_t>(requests.size()));
@@ -246,7 +246,8 @@ void add_inference_flags(CLI::App& app, InferenceArgs& args, InferenceCommand co
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   app.add_option("--device_memory", a->device_memory,
-                 "size the KV cache from this budget (e.g. 24GiB): what is left after weights and workspace");
+                 "size the KV cache from this budget (e.g. 24GiB, or auto: the device's budget or heap): what is left "
+                 "after weights and workspace");
   app.add_option("--memory_fraction,--gpu_memory_utilization,--gpu-memory-utilization", a->memory_fraction,
                  "the share of --device_memory the plan may use")
       ->capture_default_str();

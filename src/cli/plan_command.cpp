@@ -5,11 +5,14 @@
 // predicts the whole process around them, checks both against device and host budgets, and
 // shows what Hugging Face Trainer's evaluation with compute_metrics would hold in logits.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <iostream>
 #include <memory>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -35,7 +38,8 @@ Action add_plan(CLI::App& app) {
                  "plan the base's linear layers quantized (QLoRA): gptq-int4 | gptq-int8 | awq (group 128)");
   app.add_option("--eval_sequences", a->eval_sequences, "eval set size for the Hugging Face comparison")
       ->capture_default_str();
-  app.add_option("--device_memory", a->device_memory, "budget of the device part (the arena), e.g. 24GiB");
+  app.add_option("--device_memory", a->device_memory,
+                 "budget of the device part (the arena), e.g. 24GiB, or auto: the --backend device's budget or heap");
   app.add_option("--world_size", a->world_size, "data-parallel ranks (mpirun -np N): the plan is per rank")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
@@ -102,10 +106,31 @@ Action add_plan(CLI::App& app) {
     out["cuda_fixed_costs"] = {{"context_bytes", kCudaContextBytes},
                                {"library_workspace_bytes", kCudaLibraryWorkspaceBytes},
                                {"measured", false}};
+    // A device backend: the training arena as the device's allocations (cut where no buffer
+    // crosses when one allocation cannot hold it).
+    const std::optional<DeviceMemoryFigures> device = backend_named(r.backend).device_memory_figures();
+    std::vector<size_t> allocations;
+    std::string unsplittable;
+    if (device) {
+      try {
+        for (const PlanSegment& s : plan_segments(train_model.plan(), device->max_allocation_bytes))
+          allocations.push_back(s.bytes);
+      } catch (const Error& e) {
+        unsplittable = e.what();
+      }
+      out["device"] = {{"name", device->device},
+                       {"device_heap_bytes", device->heap_bytes},
+                       {"max_allocation_bytes", device->max_allocation_bytes},
+                       {"allocations", allocations},
+                       {"fits", unsplittable.empty() && peak <= device->available_bytes()}};
+      if (!unsplittable.empty()) out["device"]["unsplittable"] = unsplittable;
+    }
     std::optional<size_t> budget, host_budget;
     if (!a->device_memory.empty()) {
-      budget = parse_bytes(a->device_memory, "--device_memory");
+      std::string source;
+      budget = device_memory_bytes(a->device_memory, r.backend, &source);
       out["device_memory_bytes"] = *budget;
+      if (!source.empty()) out["device_memory_source"] = source;
       out["fits"] = std::max(peak, eval_model.plan().peak_bytes()) <= *budget;
     }
     if (!r.host_memory.empty()) {
@@ -156,6 +181,20 @@ Action add_plan(CLI::App& app) {
           "RAM, so this only moves bytes between two accounts (a device backend makes it real)\n",
           format_bytes(train_model.host_plan().peak_bytes()));
     std::cout << process.summary();
+    if (device) {
+      std::vector<std::string> sizes;
+      for (const size_t b : allocations) sizes.push_back(format_bytes(b));
+      std::cout << fmt::format("device {} ({}): the training arena is {} ({} one may hold; {} {}){}\n",
+                               device->device, r.backend,
+                               unsplittable.empty()
+                                   ? fmt::format("{} allocation{} of {}", allocations.size(),
+                                                 allocations.size() == 1 ? "" : "s", fmt::join(sizes, " + "))
+                                   : unsplittable,
+                               format_bytes(device->max_allocation_bytes),
+                               device->budget_bytes ? "memory budget" : "device-local heap",
+                               format_bytes(device->available_bytes()),
+                               out["device"]["fits"].get<bool>() ? "" : ": does NOT fit");
+    }
     if (budget) {
       const size_t need = std::max(peak, eval_model.plan().peak_bytes());
       std::cout << (need <= *budget

@@ -75,6 +75,8 @@ GenerationEngine::GenerationEngine(Decoder& model, const Tokenizer* tokenizer)
   ctx_.reserve(S);
   tables_.reserve(S * static_cast<size_t>(kv.max_blocks_per_seq));
   sample_seqs_.reserve(S);
+  sample_rows_.reserve(S);
+  tokens_.reserve(S);
   in_step_.reserve(S);
   running_.reserve(S);
 }
@@ -229,17 +231,23 @@ void GenerationEngine::step() {
 
   using Clock = std::chrono::steady_clock;
   const auto t0 = Clock::now();
-  const StepLogits logits = model_.generation_step({.input_ids = ids_,
-                                                    .cu_seqlens = cu_,
-                                                    .context_lens = ctx_,
-                                                    .block_tables = tables_,
-                                                    .sample_seqs = sample_seqs_,
-                                                    .seq_adapters = seq_adapters_});
+  model_.generation_forward({.input_ids = ids_,
+                             .cu_seqlens = cu_,
+                             .context_lens = ctx_,
+                             .block_tables = tables_,
+                             .sample_seqs = sample_seqs_,
+                             .seq_adapters = seq_adapters_});
   for (size_t i = 0; i < in_step_.size(); ++i) in_step_[i]->computed = ctx_[i];
+  sample_rows_.clear();
+  penalties_.clear();
+  for (const int32_t seq : sample_seqs_)
+    sample_rows_.push_back(in_step_[static_cast<size_t>(seq)]->sampler->next_row(penalties_));
+  tokens_.resize(sample_seqs_.size());
+  model_.sample_tokens(sample_rows_, penalties_, tokens_, scratch_);
   for (size_t r = 0; r < sample_seqs_.size(); ++r) {
     Sequence& s = *in_step_[static_cast<size_t>(sample_seqs_[r])];
-    const int32_t token = s.sampler->sample(logits.row(static_cast<int64_t>(r)), 1, scratch_);
-    if (const char* reason = append(s, token)) finish(s, reason);
+    s.sampler->accept(tokens_[r]);
+    if (const char* reason = append(s, tokens_[r])) finish(s, reason);
   }
   const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   ++stats_.steps;

@@ -124,7 +124,9 @@ class GenerationEngine {
   std::vector<std::unique_ptr<Sequence>> running_;
   KvBlockPool pool_;
   // The step's batch, in host vectors sized once for the plan's limits.
-  std::vector<int32_t> ids_, cu_, ctx_, tables_, sample_seqs_, seq_adapters_;
+  std::vector<int32_t> ids_, cu_, ctx_, tables_, sample_seqs_, seq_adapters_, tokens_;
+  std::vector<SampleRow> sample_rows_;
+  std::vector<PenaltyToken> penalties_;
   std::vector<Sequence*> in_step_;
 };
 

@@ -1,4 +1,6 @@
-// The arena: one allocation of exactly the plan's peak, carved at the planned offsets. It is the
+// The arena: one allocation of exactly the plan's peak (or, on a device that limits one
+// allocation below it, as few allocations as the placement can be cut into), carved at the
+// planned offsets. It is the
 // only source of compute-path memory. Its memory comes from a backend (device memory: host code
 // never dereferences it, it only passes views of it to the backend), or, for host plans such
 // as offloaded optimizer state, from the process itself. It tracks the current phase, refuses
@@ -35,8 +37,9 @@ struct ResidentSample {
 
 class Arena {
  public:
-  // Device memory of `backend`; host memory when backend is null.
-  Arena(const MemoryPlan& plan, Backend* backend);
+  // Device memory of `backend`; host memory when backend is null. allocation_limit (> 0) caps one
+  // allocation below what the device allows (tests of the cut arena).
+  Arena(const MemoryPlan& plan, Backend* backend, size_t allocation_limit = 0);
   ~Arena();
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;
@@ -57,6 +60,13 @@ class Arena {
   Tensor i32(BufferId id, std::initializer_list<int64_t> shape) { return view(id, DType::I32, shape); }
 
   size_t capacity_bytes() const { return capacity_; }
+  // The allocations the arena is made of: one, unless the backend's device limits an allocation
+  // below the plan's extent (then cut where no buffer crosses, memory/plan.h plan_segments).
+  struct Segment {
+    size_t offset = 0, bytes = 0;
+    std::byte* base = nullptr;
+  };
+  const std::vector<Segment>& segments() const { return segments_; }
   // Largest end offset of any buffer handed out so far (the plan's arithmetic).
   size_t high_water_bytes() const { return high_water_; }
   // Usage for the memory timeline: which buffers were handed out since the last reset_usage()
@@ -69,10 +79,22 @@ class Arena {
   const ResidentSample& resident_peak() const { return peak_; }
   Phase resident_peak_phase() const { return peak_phase_; }
   const MemoryPlan& plan() const { return plan_; }
+  // A device backend's own memory figures (Backend::device_memory_figures): before the arena
+  // was allocated, right after, and the largest usage the samples saw; none for host memory.
+  struct DeviceSamples {
+    DeviceMemoryFigures before, after;
+    uint64_t peak_usage_bytes = 0;
+  };
+  const std::optional<DeviceSamples>& device_samples() const { return device_; }
+  Backend* backend() const { return backend_; }
 
  private:
+  void release();
+  std::byte* address(size_t offset);  // of the planned offset, in the segment that holds it
   const MemoryPlan& plan_;
   Backend* backend_;
+  std::vector<Segment> segments_;
+  std::optional<DeviceSamples> device_;
   std::byte* base_ = nullptr;
   size_t capacity_ = 0;
   size_t high_water_ = 0;

@@ -42,6 +42,25 @@ json memory_json(const MemoryPlan& plan, const Arena& arena, const MemoryPlan& h
   result["arena_resident_bytes"] = arena.resident_peak().arena_resident_bytes;
   result["arena_resident_phase"] = phase_name(arena.resident_peak_phase());
   result["heap_allocations_during_steps"] = {{"count", during_steps.count}, {"bytes", during_steps.bytes}};
+  if (const auto& d = arena.device_samples()) {
+    // The device's own figures beside the plan. Without VK_EXT_memory_budget there are none:
+    // a device in this process's memory (lavapipe) is then measured by the process's RSS.
+    const auto now = arena.backend()->device_memory_figures();
+    json device = {{"name", d->after.device}, {"device_heap_bytes", d->after.heap_bytes}};
+    if (d->after.usage_bytes && now && now->usage_bytes) {
+      device["device_usage_bytes"] = {{"before_arena", d->before.usage_bytes.value_or(0)},
+                                      {"after_arena", *d->after.usage_bytes},
+                                      {"peak", std::max(d->peak_usage_bytes, *now->usage_bytes)},
+                                      {"end", *now->usage_bytes}};
+      device["device_budget_bytes"] = d->before.budget_bytes.value_or(0);
+      device["measurement"] = "device_usage_bytes (the driver's VK_EXT_memory_budget figures)";
+    } else {
+      device["measurement"] =
+          "process_peak_rss_bytes (no VK_EXT_memory_budget; a CPU device such as lavapipe allocates this process's "
+          "memory)";
+    }
+    result["device"] = device;
+  }
   return result;
 }
 

@@ -7,6 +7,7 @@
 #include <string_view>
 #include <utility>
 
+#include "core/console.h"
 #include "core/error.h"
 
 namespace memtune {
@@ -134,6 +135,42 @@ std::string MemoryPlan::summary(const MemoryPlan* evaluation, Phase last) const 
 }
 
 // "24GiB", "24 GB", "1.5e9", "512MiB": binary and decimal units.
+std::vector<PlanSegment> plan_segments(const MemoryPlan& plan, size_t limit) {
+  const size_t extent = plan.peak_bytes();
+  if (extent == 0) return {};
+  if (extent <= limit) return {{0, extent}};
+  // The offsets a cut may take: where every buffer starting before has ended.
+  std::vector<const BufferDecl*> by_offset;
+  for (const BufferDecl& b : plan.buffers()) by_offset.push_back(&b);
+  std::sort(by_offset.begin(), by_offset.end(), [](const BufferDecl* a, const BufferDecl* b) { return a->offset < b->offset; });
+  std::vector<size_t> cuts;
+  size_t reach = 0;
+  for (const BufferDecl* b : by_offset) {
+    if (b->offset >= reach && b->offset > 0) cuts.push_back(b->offset);
+    reach = std::max(reach, b->offset + b->padded_bytes);
+  }
+  cuts.push_back(extent);
+  auto unsplittable = [&](size_t from, size_t to) {
+    return Error(fmt::format("the arena's buffers from offset {} to {} ({}) cannot be split into allocations of at "
+                             "most {} (the device's limit on one allocation): plan less, e.g. a smaller micro-batch or "
+                             "--loss_workspace_bytes",
+                             from, to, format_bytes(to - from), format_bytes(limit)));
+  };
+  std::vector<PlanSegment> segments;
+  size_t start = 0, last_cut = 0;
+  for (const size_t c : cuts) {
+    if (c - start > limit) {
+      if (last_cut == start) throw unsplittable(start, c);
+      segments.push_back({start, last_cut - start});
+      start = last_cut;
+      if (c - start > limit) throw unsplittable(start, c);
+    }
+    last_cut = c;
+  }
+  segments.push_back({start, extent - start});
+  return segments;
+}
+
 size_t parse_bytes(const std::string& text, std::string_view flag) {
   size_t pos = 0;
   double value = 0;

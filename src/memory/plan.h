@@ -90,6 +90,15 @@ class MemoryPlan {
   bool finalized_ = false;
 };
 
+// The plan's extent [0, peak_bytes) cut into consecutive segments of at most `limit` bytes, each
+// cut where no buffer crosses it, as few as the placement allows (greedy from the start): the
+// allocations of a device whose single allocation is limited (Vulkan's maxMemoryAllocationSize).
+// An Error naming the limit and the stretch of buffers that no cut can split below it.
+struct PlanSegment {
+  size_t offset = 0, bytes = 0;
+};
+std::vector<PlanSegment> plan_segments(const MemoryPlan& plan, size_t limit);
+
 // "24GiB", "24 GB", "1.5e9", "512MiB" (binary and decimal units); an Error naming `flag`.
 size_t parse_bytes(const std::string& text, std::string_view flag);
 

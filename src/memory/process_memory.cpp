@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <new>
 
@@ -33,6 +34,17 @@ size_t current_rss_bytes() {
   std::strtoull(text, &end, 10);                    // size
   const unsigned long long resident = std::strtoull(end, nullptr, 10);
   return static_cast<size_t>(resident) * static_cast<size_t>(sysconf(_SC_PAGESIZE));
+}
+
+size_t available_host_memory_bytes() {
+  FILE* f = std::fopen("/proc/meminfo", "r");
+  if (!f) return 0;
+  char line[256];
+  unsigned long long kib = 0;
+  while (std::fgets(line, sizeof(line), f))
+    if (std::sscanf(line, "MemAvailable: %llu kB", &kib) == 1) break;
+  std::fclose(f);
+  return static_cast<size_t>(kib) * 1024;
 }
 
 ResidencyMeter::ResidencyMeter(const void* base, size_t bytes) : base_(base), bytes_(bytes) {

@@ -14,6 +14,9 @@ namespace memtune {
 size_t peak_rss_bytes();
 // Resident set size now (/proc/self/statm). Allocates nothing, so it may be sampled mid-step.
 size_t current_rss_bytes();
+// The memory the kernel says new allocations can have without swapping (/proc/meminfo
+// MemAvailable); 0 when it cannot be read.
+size_t available_host_memory_bytes();
 
 // Operator new calls and the bytes they asked for since the process started (all threads).
 struct HeapAllocations {

@@ -182,7 +182,7 @@ void Decoder::upload_generation_batch(const GenerationBatch& batch) {
   if (R > 0) backend_->copy_to_device(A.i32(buf_.last_rows_index, {R}), rows.data());
 }
 
-StepLogits Decoder::generation_step(const GenerationBatch& batch) {
+void Decoder::generation_forward(const GenerationBatch& batch) {
   MT_ASSERT(options_.inference(), "generation_step needs a model planned with a KV cache");
   Arena& A = *arena_;
   Backend& be = *backend_;
@@ -198,19 +198,46 @@ StepLogits Decoder::generation_step(const GenerationBatch& batch) {
   for (int64_t l = 0; l < L; ++l)
     layer_forward(l, buf_.fwd_scratch, act(buf_.residual[l % 2], D), act(buf_.residual[(l + 1) % 2], D));
   A.enter_phase(Phase::Loss, sample);
-  if (R == 0) return {};
+  if (R == 0) return;
   // The final norm and the head over the sampled rows only.
   const Tensor rows = A.f32(buf_.last_rows, {R, D}), normed = A.f32(buf_.last_normed, {R, D});
   be.gather_rows(rows, act(buf_.residual[L % 2], D), A.i32(buf_.last_rows_index, {R}));
   be.rmsnorm_forward(normed, A.f32(buf_.last_rstd, {R}), rows, weight_f32(params_->final_norm()),
                      static_cast<float>(c.rms_norm_eps));
   // The head over at most max_seqs rows, in its storage dtype (widened in registers).
-  const Tensor logits = A.f32(buf_.last_logits, {R, V});
-  be.matmul_forward(logits, normed, params_->param(params_->head()), Tensor{});
+  be.matmul_forward(A.f32(buf_.last_logits, {R, V}), normed, params_->param(params_->head()), Tensor{});
+}
+
+StepLogits Decoder::generation_step(const GenerationBatch& batch) {
+  generation_forward(batch);
+  const int64_t R = sample_rows_, V = config_.vocab_size;
+  if (R == 0) return {};
+  const Tensor logits = arena_->f32(buf_.last_logits, {R, V});
   if (!buf_.stages_chunks) return {logits.as<const float>(), R, V};
   float* host = host_arena_->f32(buf_.staging_last_logits, {R, V}).as<float>();
-  be.copy_to_host(host, logits);
+  backend_->copy_to_host(host, logits);
   return {host, R, V};
+}
+
+void Decoder::sample_tokens(std::span<const SampleRow> rows, std::span<const PenaltyToken> penalties,
+                            std::span<int32_t> tokens, SamplerScratch& scratch) {
+  const int64_t R = sample_rows_;
+  MT_ASSERT(static_cast<int64_t>(rows.size()) == R && static_cast<int64_t>(tokens.size()) == R,
+            "one sampling row and one token per sampled sequence");
+  if (R == 0) return;
+  SampleArgs args{.logits = arena_->f32(buf_.last_logits, {R, config_.vocab_size}),
+                  .rows = rows,
+                  .penalties = penalties,
+                  .tokens = tokens,
+                  .host_scratch = &scratch};
+  if (buf_.stages_chunks) {
+    const auto P = static_cast<int64_t>(penalties.size());
+    MT_ASSERT(P <= buf_.sample_penalty_capacity, "more penalty tokens than the sequences' planned cache slots");
+    args.device_rows = arena_->i32(buf_.sample_rows, {R * kSampleRowWords});
+    args.device_penalties = P ? arena_->i32(buf_.sample_penalties, {3 * P}) : Tensor{};
+    args.device_tokens = arena_->i32(buf_.sampled_tokens, {R});
+  }
+  backend_->sample_tokens(args);
 }
 
 // Mixed: a mask hashes key + i * golden, so two sites' masks are one sequence offset by

@@ -102,9 +102,17 @@ class Decoder {
   // With logits_out ([N, V] host memory, debugging only) the full logits are written there.
   LossSum forward_loss(const TokenBatch& batch, float* logits_out = nullptr) { return run_step(batch, logits_out, false); }
   const StepTimings& last_step_timings() const { return timings_; }
-  // Inference models only: runs one generation step and returns the sampled rows' logits, valid
-  // until the next step. Keys and values of the new tokens go to the slots their block tables
-  // give; queries attend to everything cached for their sequence up to their own position.
+  // Inference models only: runs one generation step, leaving the sampled rows' logits [R, V] in
+  // device memory until the next step. Keys and values of the new tokens go to the slots their
+  // block tables give; queries attend to everything cached for their sequence up to their own
+  // position.
+  void generation_forward(const GenerationBatch& batch);
+  // Then one token per sampled row, chosen by the backend where the logits are (the logits may
+  // be overwritten): rows[r] for sample_seqs[r], tokens[r] receives its token.
+  void sample_tokens(std::span<const SampleRow> rows, std::span<const PenaltyToken> penalties,
+                     std::span<int32_t> tokens, SamplerScratch& scratch);
+  // generation_forward, then the logits in host-readable memory (copied there for a backend
+  // whose memory the host cannot address), valid until the next step: tests and diagnostics.
   StepLogits generation_step(const GenerationBatch& batch);
   // The token-level loss the fused LM head applies (cross-entropy by default). Not owned.
   void set_loss(const ChunkLoss& loss) { loss_ = &loss; }

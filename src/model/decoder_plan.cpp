@@ -96,8 +96,17 @@ DecoderBuffers declare_inference_buffers(const ModelConfig& c, const ModelOption
   // is applied in its storage dtype (max_seqs rows count as few, see Backend::stored_weight_rows).
   b.last_logits = plan.declare_persistent("head.last_logits", Category::LossWorkspace, V * S * 4);
   b.stages_chunks = stage_logits;
-  if (stage_logits)
+  if (stage_logits) {
+    // Tests and diagnostics read the logits on the host (Decoder::generation_step); decoding
+    // samples on the device and reads back token ids only.
     b.staging_last_logits = host_plan.declare_persistent("staging.last_logits", Category::LossWorkspace, V * S * 4);
+    b.sample_penalty_capacity =
+        std::min(kv.blocks * kv.block_size, kv.max_seqs * kv.max_blocks_per_seq * kv.block_size);
+    b.sample_rows = plan.declare_persistent("sample.rows", Category::LossWorkspace, S * kSampleRowWords * 4);
+    b.sample_penalties = plan.declare_persistent("sample.penalty_tokens", Category::LossWorkspace,
+                                                 static_cast<size_t>(b.sample_penalty_capacity) * 3 * 4);
+    b.sampled_tokens = plan.declare_persistent("sample.tokens", Category::LossWorkspace, S * 4);
+  }
   declare_kv_cache(c, kv, plan, b.kv_k, b.kv_v);
   return b;
 }

@@ -50,6 +50,10 @@ struct DecoderBuffers {
   std::vector<BufferId> kv_k, kv_v;
   BufferId block_tables{}, context_lens{}, slots{}, last_rows_index{};
   BufferId last_rows{}, last_normed{}, last_rstd{}, last_logits{}, staging_last_logits{};
+  // Sampling on the device (a backend whose memory the host cannot address): the rows' settings,
+  // the penalty tokens (at most one per cache slot of the step's sequences), the chosen ids.
+  BufferId sample_rows{}, sample_penalties{}, sampled_tokens{};
+  int64_t sample_penalty_capacity = 0;
 };
 
 // Lifetimes, chosen so they nest (see MemoryPlan):

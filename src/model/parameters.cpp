@@ -69,6 +69,21 @@ ModelParameters::ModelParameters(const ModelConfig& config, const ModelOptions& 
         device_plan.declare_persistent(s.name, Category::Weights, s.numel() * dtype_size(config.torch_dtype)));
   }
   declare_trainables(device_plan, host_plan);
+  // Data parallel on a backend whose memory the host cannot address: MPI reads host memory, so a
+  // collective runs on a host copy of one tensor at a time, as large as the largest trainable.
+  const Backend& backend = options_.backend ? *options_.backend : default_backend();
+  if (options_.world_size > 1 && options_.with_grads && !backend.host_addressable() &&
+      !backend.memory_in_host_pages()) {
+    size_t largest = 0;
+    for (const Trainable& t : trainables_) largest = std::max(largest, static_cast<size_t>(t.spec.numel()) * 4);
+    collective_staging_ = host_plan.declare_persistent("collective.staging", Category::Gradients, largest);
+  }
+}
+
+std::byte* ModelParameters::collective_staging() const {
+  if (!collective_staging_) return nullptr;
+  MT_ASSERT(host_, "this model was built plan-only (allocate = false)");
+  return static_cast<std::byte*>(host_->raw(*collective_staging_));
 }
 
 void ModelParameters::bind(Arena* device, Arena* host, Backend& backend) {

@@ -157,6 +157,9 @@ class ModelParameters {
   // The storage every rank must hold whole after an update (the ZeRO-1 allgather): the 16-bit
   // weight a master rounds into, or the float32 value itself.
   Tensor trainable_storage(size_t i) const;
+  // Host memory for one trainable tensor's bytes, where collectives run on a host copy (data
+  // parallel on a backend whose memory the host cannot address); null otherwise.
+  std::byte* collective_staging() const;
   // Sets every float32 master from its 16-bit weight (after loading or initializing weights).
   void load_masters();
   void zero_grads();
@@ -210,6 +213,7 @@ class ModelParameters {
   std::vector<std::array<int, kNumLinearSites>> lora_index_;  // per layer and site, into trainables_
   Arena* device_ = nullptr;
   Arena* host_ = nullptr;
+  std::optional<BufferId> collective_staging_;
   Backend* backend_ = nullptr;
   bool lora_merged_ = false;
   struct AdapterSet {

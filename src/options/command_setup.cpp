@@ -22,6 +22,20 @@ DataOptions data_options(const TrainingArguments& args) {
   return d;
 }
 
+size_t device_memory_bytes(const std::string& value, const std::string& backend, std::string* source) {
+  if (value != "auto") return parse_bytes(value, "--device_memory");
+  if (const auto figures = backend_named(backend).device_memory_figures()) {
+    if (source)
+      *source = fmt::format("{} of {} ({})", figures->budget_bytes ? "the memory budget" : "the device-local heap",
+                            figures->device, backend);
+    return figures->available_bytes();
+  }
+  const size_t available = available_host_memory_bytes();
+  if (available == 0) throw Error("--device_memory auto: /proc/meminfo has no MemAvailable; give a size, e.g. 24GiB");
+  if (source) *source = fmt::format("the host's available memory (MemAvailable; --backend {} runs in it)", backend);
+  return available;
+}
+
 std::optional<DType> storage_dtype(const std::string& torch_dtype, bool bf16, bool fp16) {
   if (bf16 && fp16) throw Error("--bf16 and --fp16 are mutually exclusive");
   std::optional<DType> dtype;
@@ -50,11 +64,6 @@ ModelOptions training_model_options(const TrainingArguments& args, int64_t max_t
   o.rank = rank;
   o.world_size = world_size;
   o.backend = &backend_named(args.backend);
-  // The communicator reads gradients as host memory; a device backend's would need host staging.
-  if (world_size > 1 && !o.backend->host_addressable() && !o.backend->memory_in_host_pages())
-    throw Error(fmt::format("--backend {}: data-parallel training (mpirun -np {}) does not run on a device backend yet: "
-                            "its gradients live in device memory, which MPI cannot read without host staging",
-                            args.backend, world_size));
   if (args.tuner_type == "lora") {
     o.lora.rank = args.lora_rank;
     o.lora.alpha = args.lora_alpha;

@@ -32,6 +32,11 @@ std::optional<DType> storage_dtype(const std::string& torch_dtype, bool bf16, bo
 ModelOptions training_model_options(const TrainingArguments& args, int64_t max_tokens, int64_t max_targets, int rank,
                                     int world_size);
 
+// --device_memory's bytes: a size ("24GiB"), or "auto": what the backend's device says a plan may
+// take (its memory budget where the driver reports one, else its device-local heap), or for a
+// backend in host memory the kernel's MemAvailable. `source` receives where "auto" came from.
+size_t device_memory_bytes(const std::string& value, const std::string& backend, std::string* source = nullptr);
+
 // A command's model as its flags name it.
 struct ModelFlags {
   std::string model;         // a Hugging Face model directory, or

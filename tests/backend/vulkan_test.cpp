@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -15,6 +16,7 @@
 #include "backend/vulkan/device.h"
 #include "backend/vulkan/vulkan_backend.h"
 #include "core/rng.h"
+#include "memory/arena.h"
 #include "data/synthetic_tokenizer.h"
 #include "support/test_util.h"
 
@@ -253,6 +255,86 @@ TEST_F(VulkanOps, NormRopeSwigluEmbeddingGatherDropoutAndCacheEqualTheReference)
       expect_close(v[i], r[i], 2e-5f);
     }
   }
+}
+
+TEST_F(VulkanOps, SamplingOnTheDeviceChoosesTheHostSamplersTokens) {
+  // The same logits, settings and draws: the device's bisection thresholds and id-order walk
+  // against the host sampler's sort in float64. Random logits have no ties, and no draw here
+  // falls within float32 rounding of a boundary, so every token must agree.
+  const int64_t R = 5, V = 1000;
+  std::vector<float> logits = randn(R * V, 36);
+  for (float& x : logits) x *= 3.0f;
+  std::vector<PenaltyToken> penalties;
+  for (int64_t r = 0; r < R; ++r)
+    for (int32_t i = 0; i < 12; ++i) penalties.push_back({static_cast<int32_t>((r * 97 + i * 31) % V), i % 3});
+  struct Setting {
+    double temperature;
+    int64_t top_k;
+    double top_p, min_p, repetition, presence, frequency;
+  };
+  const std::vector<Setting> settings = {{0, 0, 1, 0, 1, 0, 0},       {0, 0, 1, 0, 1.3, 0.5, 0.2},
+                                         {1.0, 0, 1, 0, 1, 0, 0},     {0.7, 5, 1, 0, 1, 0, 0},
+                                         {1.2, 0, 0.9, 0, 1, 0, 0},   {0.8, 0, 1, 0.05, 1, 0, 0},
+                                         {0.9, 40, 0.8, 0.02, 1.2, 0.3, 0.1}, {1.0, 1, 1, 0, 1, 0, 0}};
+  const Tensor dev_logits = make(vk(), DType::F32, {R, V});
+  const Tensor dev_rows = make(vk(), DType::I32, {R * kSampleRowWords});
+  const Tensor dev_pen = make(vk(), DType::I32, {3 * static_cast<int64_t>(penalties.size())});
+  const Tensor dev_tokens = make(vk(), DType::I32, {R});
+  SamplerScratch scratch(V);
+  Rng rng(37);
+  int64_t checked = 0;
+  for (const Setting& st : settings)
+    for (int draw = 0; draw < 40; ++draw) {
+      std::vector<SampleRow> rows;
+      for (int64_t r = 0; r < R; ++r)
+        rows.push_back({.temperature = st.temperature,
+                        .top_k = st.top_k,
+                        .top_p = st.top_p,
+                        .min_p = st.min_p,
+                        .repetition_penalty = st.repetition,
+                        .presence_penalty = st.presence,
+                        .frequency_penalty = st.frequency,
+                        .penalty_begin = static_cast<uint32_t>(r * 12),
+                        .penalty_count = st.repetition != 1 || st.presence != 0 ? 12u : 0u,
+                        .uniform = rng.uniform()});
+      upload_f32(vk(), dev_logits, logits);
+      std::vector<int32_t> tokens(R, -1);
+      vk().sample_tokens({.logits = dev_logits,
+                          .rows = rows,
+                          .penalties = penalties,
+                          .tokens = tokens,
+                          .device_rows = dev_rows,
+                          .device_penalties = dev_pen,
+                          .device_tokens = dev_tokens});
+      for (int64_t r = 0; r < R; ++r) {
+        const int32_t want = sample_row(logits.data() + r * V, 1, rows[r], penalties, scratch);
+        ASSERT_EQ(tokens[r], want) << "setting " << (&st - settings.data()) << " draw " << draw << " row " << r;
+        ++checked;
+      }
+      if (st.temperature == 0) break;  // greedy ignores the draw
+    }
+  EXPECT_GT(checked, 1000);
+}
+
+TEST_F(VulkanOps, AnArenaCutIntoSeveralAllocationsWorksAcrossThem) {
+  // Three device allocations (a limit of two buffers each): ops read one and write another.
+  MemoryPlan plan;
+  std::vector<BufferId> ids;
+  for (int i = 0; i < 5; ++i) ids.push_back(plan.declare_persistent("t" + std::to_string(i), Category::Working, 4096));
+  plan.finalize();
+  Arena arena(plan, &vk(), 8192);
+  ASSERT_EQ(arena.segments().size(), 3u);
+  std::vector<Tensor> t;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    t.push_back(arena.f32(ids[i], {1024}));
+    upload_f32(vk(), t.back(), std::vector<float>(1024, static_cast<float>(i + 1)));
+  }
+  vk().add_inplace(t[4], t[0]);  // third allocation += first
+  vk().add_inplace(t[2], t[1]);  // second += first
+  vk().copy(t[0], t[3]);         // first = second
+  const std::vector<float> want = {4, 2, 5, 4, 6};
+  for (size_t i = 0; i < t.size(); ++i)
+    for (const float x : download_f32(vk(), t[i])) ASSERT_EQ(x, want[i]) << "buffer " << i;
 }
 
 TEST_F(VulkanOps, OneGradientNormOverManyTensorsEqualsTheReference) {

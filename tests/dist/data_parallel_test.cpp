@@ -152,6 +152,31 @@ TEST_F(DataParallelTest, TwoReferenceRanksEqualOneCpuProcess) {
   EXPECT_LT(max_relative_difference(dir_ / "ref2z" / "model.safetensors", dir_ / "cpu1" / "model.safetensors"), 2e-5);
 }
 
+// Data parallel on a device backend: MPI reads host memory, so each collective runs on a host copy
+// of the tensor (the parameters' planned collective staging). Two vulkan ranks (lavapipe in CI),
+// plain and ZeRO-1, equal one cpu process.
+TEST_F(DataParallelTest, TwoVulkanRanksEqualOneCpuProcess) {
+  const Result devices = testing_support::run_memtune("devices --json");
+  if (devices.status != 0 || devices.output.find("\"backend_vulkan_device\": null") != std::string::npos) {
+    if (testing_support::all_tests_required()) FAIL() << "no usable Vulkan device: " << devices.output;
+    GTEST_SKIP() << "no usable Vulkan device";
+  }
+  const std::string steps = " --max_steps 2";
+  const Result two = mpirun(
+      2, train_args("vk2", "--backend vulkan --per_device_train_batch_size 1 --gradient_accumulation_steps 2" + steps));
+  ASSERT_EQ(two.status, 0) << two.output;
+  const Result zero = mpirun(2, train_args("vk2z",
+                                           "--backend vulkan --zero_stage 1 --per_device_train_batch_size "
+                                           "1 --gradient_accumulation_steps 2" +
+                                               steps));
+  ASSERT_EQ(zero.status, 0) << zero.output;
+  const Result one = testing_support::run_memtune(
+      train_args("vkcpu1", "--per_device_train_batch_size 2 --gradient_accumulation_steps 2" + steps));
+  ASSERT_EQ(one.status, 0) << one.output;
+  EXPECT_LT(max_relative_difference(dir_ / "vk2" / "model.safetensors", dir_ / "vkcpu1" / "model.safetensors"), 2e-5);
+  EXPECT_LT(max_relative_difference(dir_ / "vk2z" / "model.safetensors", dir_ / "vkcpu1" / "model.safetensors"), 2e-5);
+}
+
 TEST_F(DataParallelTest, EvaluationMergesAcrossRanks) {
   const std::string flags = "--per_device_train_batch_size 2 --max_steps 2 --eval_strategy steps --eval_steps 2";
   // Evaluation by generation: rank r generates examples r, r + 2, ...; the counts are summed.

@@ -2,6 +2,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
 
 #include "core/error.h"
 #include "memory/arena.h"
@@ -39,6 +42,58 @@ TEST(MemoryPlan, LaminarLifetimesPackToTheLivePeak) {
     }
   // The logits workspace reuses bytes of the forward scratch.
   EXPECT_LT(b[4].offset, b[2].offset + b[2].padded_bytes);
+}
+
+// A device that limits one allocation: the plan is cut where no buffer crosses, each piece within
+// the limit, as few as possible; a stretch no cut can bring under the limit is refused.
+TEST(MemoryPlan, SegmentsCutWhereNoBufferCrossesWithinTheLimit) {
+  MemoryPlan plan;
+  for (int i = 0; i < 6; ++i) plan.declare_persistent("w" + std::to_string(i), Category::Weights, 1000);
+  plan.declare("saved", Category::SavedActivations, 640, Phase::Forward, Phase::Backward);
+  plan.declare("fwd", Category::Working, 300, Phase::Forward, Phase::Forward);
+  plan.declare("logits", Category::LossWorkspace, 2500, Phase::Loss, Phase::Loss);
+  plan.declare("bwd", Category::Working, 2000, Phase::Backward, Phase::Backward);
+  plan.finalize();
+  EXPECT_EQ(plan_segments(plan, plan.peak_bytes()).size(), 1u);
+  const size_t limit = 3100;
+  const std::vector<PlanSegment> segments = plan_segments(plan, limit);
+  ASSERT_GT(segments.size(), 1u);
+  size_t at = 0;
+  for (const PlanSegment& s : segments) {
+    EXPECT_EQ(s.offset, at);
+    EXPECT_LE(s.bytes, limit);
+    at += s.bytes;
+    for (const BufferDecl& b : plan.buffers())  // no buffer crosses the segment's start
+      EXPECT_FALSE(b.offset < s.offset && s.offset < b.offset + b.padded_bytes) << b.name << " at " << s.offset;
+  }
+  EXPECT_EQ(at, plan.peak_bytes());
+  // Greedy: no two neighbours would fit in one allocation.
+  for (size_t i = 0; i + 1 < segments.size(); ++i) EXPECT_GT(segments[i].bytes + segments[i + 1].bytes, limit);
+  try {
+    plan_segments(plan, 2000);  // the 2560-byte logits buffer alone is larger
+    FAIL() << "a buffer larger than the limit was split";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("1.95 KiB"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Arena, ACutArenaHandsOutEveryBufferInsideOneAllocation) {
+  MemoryPlan plan;
+  std::vector<BufferId> ids;
+  for (int i = 0; i < 5; ++i) ids.push_back(plan.declare_persistent("w" + std::to_string(i), Category::Weights, 4096));
+  plan.finalize();
+  Arena arena(plan, nullptr, 8192);
+  ASSERT_EQ(arena.segments().size(), 3u);
+  for (size_t i = 0; i < ids.size(); ++i) {
+    auto* p = static_cast<std::byte*>(arena.raw(ids[i]));
+    const BufferDecl& b = plan.buffer(ids[i]);
+    bool inside = false;
+    for (const Arena::Segment& s : arena.segments())
+      inside |= p >= s.base && p + b.padded_bytes <= s.base + s.bytes && p - s.base == static_cast<std::ptrdiff_t>(b.offset - s.offset);
+    EXPECT_TRUE(inside) << b.name;
+    std::memset(p, static_cast<int>(i + 1), b.padded_bytes);  // every byte is writable
+  }
+  for (size_t i = 0; i < ids.size(); ++i) EXPECT_EQ(*static_cast<unsigned char*>(arena.raw(ids[i])), i + 1);
 }
 
 TEST(MemoryPlan, CrossingLifetimesAreRefused) {

@@ -335,7 +335,8 @@ TEST_F(TrainCliTest, EveryCommandRunsOnVulkanAndAgreesWithCpu) {
   for (const char* backend : {"cpu", "vulkan"}) {
     const std::string b = std::string(" --backend ") + backend;
     const Result e = run("eval" + b + " --model_name_or_path " + path("full_cpu") + " --eval_file " +
-                         path("train.jsonl") + " --json");
+                         path("train.jsonl") + " --json --metrics eval_loss,token_accuracy,top5_accuracy" +
+                         " --save_predictions " + path(std::string("pred_") + backend + ".jsonl"));
     ASSERT_EQ(e.status, 0) << e.output;
     eval[backend] = json::parse(e.output.substr(e.output.find("{\"")));
     const Result g = run("generate" + b + " --model " + path("model") + " --adapter " + path("lora_cpu") + " --input " +
@@ -343,6 +344,14 @@ TEST_F(TrainCliTest, EveryCommandRunsOnVulkanAndAgreesWithCpu) {
                          path(std::string("gen_") + backend + ".jsonl"));
     ASSERT_EQ(g.status, 0) << g.output;
     generated[backend] = read_jsonl(dir_ / (std::string("gen_") + backend + ".jsonl"));
+    // Sampling with every filter and penalty, chosen on the device for vulkan (token ids come
+    // back, not logits): the same draws pick the same tokens as the host sampler on cpu.
+    const Result s = run("generate" + b + " --model " + path("model") + " --input " + path("p.jsonl") +
+                         " --max_new_tokens 12 --temperature 0.9 --top_k 50 --top_p 0.95 --min_p 0.01"
+                         " --repetition_penalty 1.2 --presence_penalty 0.3 --seed 5 --ignore_eos --output " +
+                         path(std::string("sampled_") + backend + ".jsonl"));
+    ASSERT_EQ(s.status, 0) << s.output;
+    generated[std::string("sampled_") + backend] = read_jsonl(dir_ / (std::string("sampled_") + backend + ".jsonl"));
     ASSERT_EQ(run("merge" + b + " --model " + path("model") + " --adapter " + path("lora_cpu") + " --out " +
                   path(std::string("merged_") + backend))
                   .status,
@@ -351,7 +360,45 @@ TEST_F(TrainCliTest, EveryCommandRunsOnVulkanAndAgreesWithCpu) {
   EXPECT_NEAR(eval["vulkan"]["eval_loss"].get<double>(), eval["cpu"]["eval_loss"].get<double>(),
               1e-4 * eval["cpu"]["eval_loss"].get<double>());
   EXPECT_EQ(eval["vulkan"]["token_accuracy"], eval["cpu"]["token_accuracy"]);
-  for (size_t i = 0; i < 2; ++i) EXPECT_EQ(generated["vulkan"][i]["token_ids"], generated["cpu"][i]["token_ids"]) << i;
+  EXPECT_EQ(eval["vulkan"]["top5_accuracy"], eval["cpu"]["top5_accuracy"]);
+  // Predictions from the device's per-row statistics: the same argmax, the same per-sequence loss.
+  const auto pred_cpu = read_jsonl(dir_ / "pred_cpu.jsonl"), pred_vulkan = read_jsonl(dir_ / "pred_vulkan.jsonl");
+  ASSERT_EQ(pred_vulkan.size(), pred_cpu.size());
+  for (size_t i = 0; i < pred_cpu.size(); ++i) {
+    EXPECT_EQ(pred_vulkan[i]["argmax"], pred_cpu[i]["argmax"]) << i;
+    EXPECT_NEAR(pred_vulkan[i]["loss"].get<double>(), pred_cpu[i]["loss"].get<double>(),
+                1e-4 * pred_cpu[i]["loss"].get<double>());
+  }
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(generated["vulkan"][i]["token_ids"], generated["cpu"][i]["token_ids"]) << i;
+    EXPECT_EQ(generated["sampled_vulkan"][i]["token_ids"], generated["sampled_cpu"][i]["token_ids"]) << i;
+    EXPECT_EQ(generated["sampled_vulkan"][i]["token_ids"].size(), 12u);
+  }
+  // The device's own memory figures beside the plan: lavapipe has no VK_EXT_memory_budget, so
+  // the process's RSS is the measurement; a GPU driver's usage must hold the arena.
+  const json memory = json::parse(std::ifstream(dir_ / "full_vulkan_whole" / "memory.json"));
+  ASSERT_TRUE(memory.contains("device")) << memory.dump();
+  const json& device = memory["device"];
+  EXPECT_GT(device["device_heap_bytes"].get<uint64_t>(), 0u);
+  if (device.contains("device_usage_bytes")) {
+    const json& u = device["device_usage_bytes"];
+    EXPECT_GE(u["after_arena"].get<uint64_t>() - u["before_arena"].get<uint64_t>(), memory["arena_bytes"].get<uint64_t>());
+    EXPECT_GE(u["peak"].get<uint64_t>(), u["after_arena"].get<uint64_t>());
+  } else {
+    EXPECT_TRUE(device["measurement"].get<std::string>().starts_with("process_peak_rss_bytes")) << device.dump();
+  }
+  EXPECT_FALSE(json::parse(std::ifstream(dir_ / "full_cpu" / "memory.json")).contains("device"));
+  // The plan names the device and the allocation; --device_memory auto is the device's memory.
+  const Result plan = run("plan --backend vulkan --json --device_memory auto --model_name_or_path " + path("model"));
+  ASSERT_EQ(plan.status, 0) << plan.output;
+  const json pj = json::parse(plan.output.substr(plan.output.find("{\"")));
+  EXPECT_EQ(pj["device"]["device_heap_bytes"], device["device_heap_bytes"]);
+  ASSERT_EQ(pj["device"]["allocations"].size(), 1u);  // lavapipe holds 2 GiB in one allocation
+  EXPECT_EQ(pj["device"]["allocations"][0].get<uint64_t>(), pj["peak_bytes"].get<uint64_t>());
+  EXPECT_TRUE(pj["device"]["fits"].get<bool>());
+  EXPECT_GT(pj["device_memory_bytes"].get<uint64_t>(), 0u);
+  EXPECT_LE(pj["device_memory_bytes"].get<uint64_t>(), device["device_heap_bytes"].get<uint64_t>());
+  EXPECT_NE(pj["device_memory_source"].get<std::string>().find(device["name"].get<std::string>()), std::string::npos);
   SafetensorsFile mc(path("merged_cpu/model.safetensors")), mv(path("merged_vulkan/model.safetensors"));
   const TensorInfo* q = mv.find("model.layers.0.self_attn.q_proj.weight");
   ASSERT_NE(q, nullptr);

@@ -71,6 +71,12 @@ VulkanContext::VulkanContext(std::optional<int> requested_device) {
   device_info.pNext = &features;
   device_info.queueCreateInfoCount = 1;
   device_info.pQueueCreateInfos = &queue_info;
+  // The device's own usage and budget figures (memory.json), where the driver has them.
+  const char* budget_extension = "VK_EXT_memory_budget";
+  if (info_.memory_budget) {
+    device_info.enabledExtensionCount = 1;
+    device_info.ppEnabledExtensionNames = &budget_extension;
+  }
   check(vkCreateDevice(physical_, &device_info, nullptr, &device_), "vkCreateDevice");
   vkGetDeviceQueue(device_, queue_family_, 0, &queue_);
 
@@ -167,6 +173,22 @@ uint64_t VulkanContext::allocate(size_t bytes) {
   if (bytes > info_.max_allocation_bytes)
     throw Error(fmt::format("--backend vulkan: an arena of {} is more than one allocation may hold on {} ({})",
                             format_bytes(bytes), info_.name, format_bytes(info_.max_allocation_bytes)));
+  // What the device can still give: its budget less this process's usage where the driver says,
+  // else the device-local heap less what this context holds.
+  uint64_t free_bytes = 0;
+  std::string what;
+  if (const auto b = memory_budget()) {
+    free_bytes = b->budget_bytes > b->usage_bytes ? b->budget_bytes - b->usage_bytes : 0;
+    what = fmt::format("the driver's memory budget leaves {}", format_bytes(free_bytes));
+  } else {
+    const uint64_t heap = info_.device_heap_bytes();
+    free_bytes = heap > allocated_bytes_ ? heap - allocated_bytes_ : 0;
+    what = fmt::format("the device-local heap of {} has {} left", format_bytes(heap), format_bytes(free_bytes));
+  }
+  if (bytes > free_bytes)
+    throw Error(fmt::format("--backend vulkan: an arena of {} does not fit on {}: {} (a smaller plan: memtune plan "
+                            "--fit --device_memory auto)",
+                            format_bytes(bytes), info_.name, what));
   Allocation a = make_buffer(bytes,
                              VK_BUFFER_USAGE_STORAGE_BUFFER_BIT | VK_BUFFER_USAGE_SHADER_DEVICE_ADDRESS_BIT |
                                  VK_BUFFER_USAGE_TRANSFER_SRC_BIT | VK_BUFFER_USAGE_TRANSFER_DST_BIT,
@@ -175,6 +197,7 @@ uint64_t VulkanContext::allocate(size_t bytes) {
   address_info.buffer = a.buffer;
   const uint64_t address = vkGetBufferDeviceAddress(device_, &address_info);
   allocations_[address] = a;
+  allocated_bytes_ += bytes;
   fill_words(address, 0, bytes);
   return address;
 }
@@ -183,6 +206,7 @@ void VulkanContext::deallocate(uint64_t address) {
   const auto it = allocations_.find(address);
   MT_ASSERT(it != allocations_.end(), "vulkan: freeing memory that was not allocated");
   flush();
+  allocated_bytes_ -= it->second.bytes;
   destroy(it->second);
   allocations_.erase(it);
 }
@@ -194,6 +218,23 @@ std::pair<const VulkanContext::Allocation*, size_t> VulkanContext::locate(uint64
   const size_t offset = address - it->first;
   MT_ASSERT(offset + bytes <= it->second.bytes, "vulkan: a range beyond its allocation");
   return {&it->second, offset};
+}
+
+std::optional<VulkanContext::MemoryBudget> VulkanContext::memory_budget() const {
+  if (!info_.memory_budget) return std::nullopt;
+  auto budget = vk_struct<VkPhysicalDeviceMemoryBudgetPropertiesEXT>(
+      VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MEMORY_BUDGET_PROPERTIES_EXT);
+  auto props = vk_struct<VkPhysicalDeviceMemoryProperties2>(VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MEMORY_PROPERTIES_2);
+  props.pNext = &budget;
+  vkGetPhysicalDeviceMemoryProperties2(physical_, &props);
+  // The device-local heaps together (the arena's memory type is device-local).
+  MemoryBudget b;
+  for (uint32_t h = 0; h < props.memoryProperties.memoryHeapCount; ++h) {
+    if (!(props.memoryProperties.memoryHeaps[h].flags & VK_MEMORY_HEAP_DEVICE_LOCAL_BIT)) continue;
+    b.usage_bytes += budget.heapUsage[h];
+    b.budget_bytes += budget.heapBudget[h];
+  }
+  return b;
 }
 
 VkCommandBuffer VulkanContext::recording() {

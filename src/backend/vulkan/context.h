@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -62,6 +63,12 @@ class VulkanContext {
   }
   // Submits what is recorded and waits for it.
   void flush();
+  // The driver's figures for the device-local heaps (VK_EXT_memory_budget): what this process
+  // uses and what it may use; none without the extension (lavapipe).
+  struct MemoryBudget {
+    uint64_t usage_bytes = 0, budget_bytes = 0;
+  };
+  std::optional<MemoryBudget> memory_budget() const;
 
  private:
   struct Allocation {
@@ -94,6 +101,7 @@ class VulkanContext {
   VkFence fence_ = VK_NULL_HANDLE;
   VkPipelineLayout layout_ = VK_NULL_HANDLE;
   std::map<uint64_t, Allocation> allocations_;  // by device address
+  uint64_t allocated_bytes_ = 0;
   Allocation staging_;
   void* staging_host_ = nullptr;
   std::unordered_map<std::string, Pipeline> pipelines_;

@@ -56,9 +56,18 @@ class VulkanBackend final : public Backend {
     std::fprintf(stderr, "vulkan: device %d, %s\n", ctx_->info().index, describe_vulkan_device(ctx_->info()).c_str());
   }
   std::string_view name() const override { return "vulkan"; }
-  // Collectives would read device addresses as host memory: data-parallel training refuses this
-  // backend before it starts (options/command_setup.cpp) until the communicator stages through host
-  // memory.
+  std::optional<DeviceMemoryFigures> device_memory_figures() const override {
+    DeviceMemoryFigures f{.device = ctx_->info().name,
+                          .heap_bytes = ctx_->info().device_heap_bytes(),
+                          .max_allocation_bytes = ctx_->info().max_allocation_bytes};
+    if (const auto b = ctx_->memory_budget()) {
+      f.usage_bytes = b->usage_bytes;
+      f.budget_bytes = b->budget_bytes;
+    }
+    return f;
+  }
+  // Data parallel: the trainer runs each collective on a host copy of the tensor (its planned
+  // collective staging), after backward.
   bool overlaps_collectives() const override { return false; }
 
   void* allocate(size_t bytes) override { return reinterpret_cast<void*>(ctx_->allocate(bytes)); }
@@ -212,6 +221,54 @@ class VulkanBackend final : public Backend {
         1.0f / (1.0f - p)};
     ctx_->dispatch("dropout", push, groups_for(x.numel()));
   }
+  // Sampling on the device (sample_penalties.comp, sample.comp): the rows' settings and the
+  // penalty tokens go up with the step, R token ids come back.
+  void sample_tokens(const SampleArgs& a) override {
+    const auto R = static_cast<int64_t>(a.rows.size());
+    if (R == 0) return;
+    MT_ASSERT(a.device_rows.numel() >= R * kSampleRowWords && a.device_tokens.numel() >= R &&
+                  a.device_penalties.numel() >= 3 * static_cast<int64_t>(a.penalties.size()),
+              "vulkan: sampling needs its planned device buffers");
+    const int64_t V = a.logits.cols();
+    sample_words_.assign(static_cast<size_t>(R * kSampleRowWords), 0);
+    penalty_words_.clear();
+    for (int64_t r = 0; r < R; ++r) {
+      const SampleRow& row = a.rows[static_cast<size_t>(r)];
+      int32_t* w = sample_words_.data() + r * kSampleRowWords;
+      auto f = [](double x) { return std::bit_cast<int32_t>(static_cast<float>(x)); };
+      // The draw in float, kept below 1 so it never equals the kept mass.
+      const float u = std::min(static_cast<float>(row.uniform), std::nextafter(1.0f, 0.0f));
+      w[0] = f(row.temperature);
+      w[1] = static_cast<int32_t>(std::clamp<int64_t>(row.top_k, -1, V));
+      w[2] = f(row.top_p);
+      w[3] = f(row.min_p);
+      w[4] = f(row.repetition_penalty);
+      w[5] = f(row.presence_penalty);
+      w[6] = f(row.frequency_penalty);
+      w[7] = std::bit_cast<int32_t>(u);
+      w[8] = static_cast<int32_t>(row.penalty_begin);
+      w[9] = static_cast<int32_t>(row.penalty_count);
+      for (const PenaltyToken& t : a.penalties.subspan(row.penalty_begin, row.penalty_count))
+        penalty_words_.insert(penalty_words_.end(), {t.id, t.output_count, static_cast<int32_t>(r)});
+    }
+    ctx_->upload(address(a.device_rows), sample_words_.data(), sample_words_.size() * sizeof(int32_t));
+    if (!penalty_words_.empty()) {
+      ctx_->upload(address(a.device_penalties), penalty_words_.data(), penalty_words_.size() * sizeof(int32_t));
+      const auto n = static_cast<int64_t>(penalty_words_.size() / 3);
+      struct {
+        uint64_t logits, rows, entries;
+        uint32_t n, V;
+      } push{address(a.logits), address(a.device_rows), address(a.device_penalties), u32(n), u32(V)};
+      ctx_->dispatch("sample_penalties", push, groups_for(n));
+    }
+    struct {
+      uint64_t logits, rows, tokens;
+      uint32_t V;
+    } push{address(a.logits), address(a.device_rows), address(a.device_tokens), u32(V)};
+    ctx_->dispatch("sample", push, u32(R));
+    ctx_->download(a.tokens.data(), address(a.device_tokens), static_cast<size_t>(R) * sizeof(int32_t));
+  }
+
   // Every tensor's workgroups write their partial sums side by side, and they come back in one
   // download. A tensor gets fewer workgroups when the call's tensors would need more partials
   // than the buffer holds (each workgroup then strides over more elements); the split depends on
@@ -274,7 +331,7 @@ class VulkanBackend final : public Backend {
                          const Tensor& cu_seqlens, int64_t hd) override {
     struct {
       uint64_t out, lse, q, k, v, cu;
-      uint32_t S, Hq, Hkv, hd;
+      uint32_t N, S, Hq, Hkv, hd;
       float scale;
     } push{address(out),
            address(lse),
@@ -282,19 +339,20 @@ class VulkanBackend final : public Backend {
            address(k),
            address(v),
            address(cu_seqlens),
+           u32(q.rows()),
            u32(cu_seqlens.numel() - 1),
            u32(q.cols() / hd),
            u32(k.cols() / hd),
            u32(hd),
            attention_scale(hd)};
-    ctx_->dispatch("attention", push, u32(q.rows()), u32(q.cols() / hd));
+    ctx_->dispatch("attention", push, groups_for(q.rows() * (q.cols() / hd)));
   }
   void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& out,
                           const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
                           const Tensor& cu_seqlens, int64_t hd) override {
     struct {
       uint64_t dq, dk, dv, dout, out, lse, q, k, v, cu;
-      uint32_t S, Hq, Hkv, hd, mode;
+      uint32_t N, S, Hq, Hkv, hd, mode;
       float scale;
     } push{address(dq),
            address(dk),
@@ -306,22 +364,23 @@ class VulkanBackend final : public Backend {
            address(k),
            address(v),
            address(cu_seqlens),
+           u32(q.rows()),
            u32(cu_seqlens.numel() - 1),
            u32(q.cols() / hd),
            u32(k.cols() / hd),
            u32(hd),
            0,
            attention_scale(hd)};
-    ctx_->dispatch("attention_backward", push, u32(q.rows()), u32(q.cols() / hd));
+    ctx_->dispatch("attention_backward", push, groups_for(q.rows() * (q.cols() / hd)));
     push.mode = 1;
-    ctx_->dispatch("attention_backward", push, u32(k.rows()), u32(k.cols() / hd));
+    ctx_->dispatch("attention_backward", push, groups_for(k.rows() * (k.cols() / hd)));
   }
   void paged_attention_forward(const Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                                const Tensor& block_tables, const Tensor& cu_seqlens, const Tensor& context_lens,
                                int64_t hd, int64_t block_size) override {
     struct {
       uint64_t out, q, k_cache, v_cache, tables, cu, context;
-      uint32_t S, Hq, Hkv, hd, max_blocks, block_size, cdtype;
+      uint32_t N, S, Hq, Hkv, hd, max_blocks, block_size, cdtype;
       float scale;
     } push{address(out),
            address(q),
@@ -330,6 +389,7 @@ class VulkanBackend final : public Backend {
            address(block_tables),
            address(cu_seqlens),
            address(context_lens),
+           u32(q.rows()),
            u32(cu_seqlens.numel() - 1),
            u32(q.cols() / hd),
            u32(k_cache.cols() / hd),
@@ -338,7 +398,7 @@ class VulkanBackend final : public Backend {
            u32(block_size),
            weight_dtype_code(k_cache.dtype),
            attention_scale(hd)};
-    ctx_->dispatch("paged_attention", push, u32(q.rows()), u32(q.cols() / hd));
+    ctx_->dispatch("paged_attention", push, groups_for(q.rows() * (q.cols() / hd)));
   }
   // The fused head on the device, the loss on the host: each chunk's logits are computed here
   // (16-bit heads read as stored), handed to the loss and observers through the planned host
@@ -533,6 +593,7 @@ class VulkanBackend final : public Backend {
   std::unique_ptr<VulkanContext> ctx_;
   uint64_t partials_ = ctx_->allocate(kPartials * sizeof(float));
   std::vector<float> partial_sums_ = std::vector<float>(kPartials);
+  std::vector<int32_t> sample_words_, penalty_words_;  // sample_tokens' uploads
 };
 
 }  // namespace

@@ -1,19 +1,8 @@
-// Shared by the attention shaders: the sum of one value per thread over a 64-wide
-// workgroup (a shared-memory tree: the same order every run), and the sequence of a token.
-shared float reduce_buffer[64];
-// Every thread of the workgroup must call it (it holds barriers); all get the sum.
-float workgroup_sum(float x) {
-  const uint t = gl_LocalInvocationID.x;
-  reduce_buffer[t] = x;
-  barrier();
-  for (uint half_ = 32u; half_ > 0u; half_ >>= 1) {
-    if (t < half_) reduce_buffer[t] += reduce_buffer[t + half_];
-    barrier();
-  }
-  const float sum = reduce_buffer[0];
-  barrier();
-  return sum;
-}
+// Shared by the attention shaders: one invocation per (token, head) row walks its keys in order
+// (every output row is written by one invocation, its sums in a fixed order: the same results
+// every run, no barriers, no atomics), and the sequence of a token.
+// The largest head_dim (kMaxAttentionHeadDim): a row's accumulators live in the invocation.
+#define MAX_HD 256
 // The sequence s with cu[s] <= token < cu[s + 1] among S sequences.
 uint sequence_of(I32 cu, uint S, uint token) {
   uint lo = 0u, hi = S;
@@ -23,5 +12,8 @@ uint sequence_of(I32 cu, uint S, uint token) {
   }
   return lo;
 }
-// Each thread holds dims tid, tid + 64, ... of a head (head_dim <= 256).
-#define DIMS 4
+float dot_rows(F32 a, uint at_a, F32 b, uint at_b, uint n) {
+  float s = 0.0;
+  for (uint d = 0u; d < n; ++d) s += a.v[at_a + d] * b.v[at_b + d];
+  return s;
+}
