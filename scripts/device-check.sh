@@ -17,7 +17,8 @@
 # the tree with DIR to that machine, and run there
 #   scripts/device-check.sh --from DIR
 # Without --from, build/ is built and used. MEMTUNE_VULKAN_DEVICE picks another device;
-# MEMTUNE_CHECK_PRESET=tiny runs the same script small (a smoke test of the script on lavapipe).
+# MEMTUNE_CHECK_PRESET=tiny MEMTUNE_CHECK_BATCH=1 MEMTUNE_CHECK_STEPS=2 MEMTUNE_CHECK_NEW_TOKENS=4
+# MEMTUNE_CHECK_ALLOW_CPU=1 runs the same script small on lavapipe (a smoke test of the script).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 mode=run bundle=""
@@ -58,7 +59,8 @@ else
   memtune="$root/build/memtune" tests="$root/build/memtune_tests"
   export MEMTUNE_TOKENIZER_DIR="${MEMTUNE_TOKENIZER_DIR:-$("$root/scripts/prepare-tokenizer.sh" | tail -n 1)}"
 fi
-preset="${MEMTUNE_CHECK_PRESET:-qwen2.5-0.5b}"
+preset="${MEMTUNE_CHECK_PRESET:-qwen2.5-0.5b}" batch="${MEMTUNE_CHECK_BATCH:-8}"
+steps="${MEMTUNE_CHECK_STEPS:-6}" new_tokens="${MEMTUNE_CHECK_NEW_TOKENS:-128}"
 out="$root/out/device-check"
 rm -rf "$out"
 mkdir -p "$out"
@@ -68,13 +70,13 @@ echo "== 1. devices"
 "$memtune" devices
 "$memtune" devices --json > "$out/devices.json"
 python3 - "$out/devices.json" <<'EOF'
-import json, sys
+import json, os, sys
 d = json.load(open(sys.argv[1]))
 chosen = d.get("backend_vulkan_device")
 if chosen is None:
     sys.exit("device-check: no usable Vulkan device (is the GPU driver's Vulkan ICD installed?)")
 device = next(x for x in d["devices"] if x["index"] == chosen)
-if "CPU" in device["type"]:
+if "CPU" in device["type"] and os.environ.get("MEMTUNE_CHECK_ALLOW_CPU") != "1":
     sys.exit(f"device-check: --backend vulkan would take {device['name']} ({device['type']}), not a GPU")
 print(f"--backend vulkan takes device {chosen}: {device['name']} ({device['type']})")
 EOF
@@ -93,8 +95,8 @@ model="$out/model"
 cp "$MEMTUNE_TOKENIZER_DIR"/tokenizer*.json "$model/"
 python3 "$root/tools/make_bench_text.py" "$out/train.jsonl" 64 0  # 501-510 tokens each
 "$memtune" train --backend vulkan --model_name_or_path "$model" --train_file "$out/train.jsonl" \
-  --output_dir "$out/train" --tuner_type full --bf16 --per_device_train_batch_size 8 --max_length 512 \
-  --max_steps 6 --logging_steps 1 --save_strategy no --learning_rate 1e-5 --lr_scheduler_type constant \
+  --output_dir "$out/train" --tuner_type full --bf16 --per_device_train_batch_size "$batch" --max_length 512 \
+  --max_steps "$steps" --logging_steps 1 --save_strategy no --learning_rate 1e-5 --lr_scheduler_type constant \
   --overwrite_output_dir 2>&1 | tail -n 4
 python3 - "$out/prompts.jsonl" <<'EOF'
 import json, random, sys
@@ -107,7 +109,7 @@ head -n 1 "$out/prompts.jsonl" > "$out/prompt1.jsonl"
 for batch in 1 8; do
   input="$out/prompts.jsonl"
   [[ $batch == 1 ]] && input="$out/prompt1.jsonl"
-  "$memtune" generate --backend vulkan --model "$model" --input "$input" --max_new_tokens 128 --temperature 0 \
+  "$memtune" generate --backend vulkan --model "$model" --input "$input" --max_new_tokens "$new_tokens" --temperature 0 \
     --ignore_eos --max_num_seqs "$batch" --max_num_batched_tokens 4096 --json --output "$out/gen$batch.jsonl" \
     > "$out/generate$batch.json"
 done
@@ -115,7 +117,7 @@ done
 echo "== 4. the same training step in PyTorch on the GPU"
 torch_json=null
 if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-  torch_json="$(python3 "$root/tools/qwen2_reference.py" train-bench --model "$model" --batch 8 --seq 512 \
+  torch_json="$(python3 "$root/tools/qwen2_reference.py" train-bench --model "$model" --batch "$batch" --seq 512 \
     --steps 4 --tuner full --device cuda | tail -n 1)"
 else
   echo "(no PyTorch with CUDA here: no ratio)"
@@ -143,13 +145,14 @@ decode_bound = hbm / (2 * params)  # batch 1: every bfloat16 weight read once pe
 result = {
     "devices": json.load(open(f"{out}/devices.json")),
     "preset": os.environ.get("MEMTUNE_CHECK_PRESET", "qwen2.5-0.5b"),
-    "train_full_bf16_8x512": {"tokens_per_s": tokens_per_s, "mfu": tokens_per_s * flops_per_token / peak_flops,
-                              "peak_flops": peak_flops, "plan_arena_bytes": memory["arena_bytes"],
-                              "device": memory.get("device")},
+    "train_full_bf16": {"batch": int(os.environ.get("MEMTUNE_CHECK_BATCH", 8)), "seq": 512,
+                        "tokens_per_s": tokens_per_s, "mfu": tokens_per_s * flops_per_token / peak_flops,
+                        "peak_flops": peak_flops, "plan_arena_bytes": memory["arena_bytes"],
+                        "device": memory.get("device")},
     "generate": {f"batch{b}": {k: s.get(k) for k in ("prefill_tokens_per_second", "decode_tokens_per_second")}
                  for b, s in summary.items()},
     "decode_batch1_hbm_bound_tokens_per_s": decode_bound,
-    "pytorch_train_full_8x512": torch_json,
+    "pytorch_train_full": torch_json,
     "memtune_vs_pytorch_train": tokens_per_s / torch_json["tokens_per_s"] if torch_json else None,
     "seconds": seconds,
 }

@@ -4,6 +4,8 @@
 // every test is required (MEMTUNE_REQUIRE_ALL_TESTS: CI installs lavapipe).
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -133,11 +135,13 @@ TEST_F(VulkanOps, ConvertRoundsToSixteenBitsAsTheReferenceDoes) {
 
 // out = inp @ W^T + bias for float32 and 16-bit weights, shapes that are no multiple of the
 // 16 x 16 tile; matmul_accumulate (float32 weights) adds scale * product.
+// 7 rows take matvec.comp (an invocation per output), 37 the tiled matmul.comp.
 TEST_F(VulkanOps, MatmulEqualsTheReferenceForEveryWeightDtype) {
-  const int64_t N = 7, C = 37, OC = 19;
-  const std::vector<float> x = randn(N * C, 3), w = randn(OC * C, 4), b = randn(OC, 5), prior = randn(N * OC, 6);
+  for (const int64_t N : {7, 37})
   for (const DType dtype : {DType::F32, DType::BF16, DType::F16}) {
-    SCOPED_TRACE(dtype_torch_name(dtype));
+    const int64_t C = 37, OC = 19;
+    const std::vector<float> x = randn(N * C, 3), w = randn(OC * C, 4), b = randn(OC, 5), prior = randn(N * OC, 6);
+    SCOPED_TRACE(fmt::format("{} rows, {}", N, dtype_torch_name(dtype)));
     auto run = [&](Backend& be) {
       const Tensor tx = make(be, DType::F32, {N, C}, x), tw = make(be, dtype, {OC, C}, w),
                    tb = make(be, DType::F32, {OC}, b), out = make(be, DType::F32, {N, OC}),

@@ -505,7 +505,10 @@ class VulkanBackend final : public Backend {
            weight_dtype_code(weight.dtype),
            accumulate ? 1u : 0u,
            scale};
-    ctx_->dispatch("matmul", push, u32((OC + 15) / 16), u32((N + 15) / 16));
+    if (N <= kMatvecRows)
+      ctx_->dispatch("matvec", push, groups_for(N * OC));
+    else
+      ctx_->dispatch("matmul", push, u32((OC + 15) / 16), u32((N + 15) / 16));
   }
 
   // out[M, Nc] += alpha A @ B, A float32 and B float32 or 16-bit, both given by strides (gemm.comp).
@@ -590,6 +593,9 @@ class VulkanBackend final : public Backend {
   // Partial sums of scale_and_sum_squares: one float per workgroup, at most kPartialsPerTensor
   // workgroups per tensor, in the backend's own small buffer and its host copy.
   static constexpr uint32_t kPartials = 1u << 18, kPartialsPerTensor = 1024;
+  // Products of at most this many input rows (decoding) run as matvec.comp: an invocation per
+  // output element instead of 16 x 16 tiles that a few rows would leave mostly idle.
+  static constexpr int64_t kMatvecRows = 16;
   std::unique_ptr<VulkanContext> ctx_;
   uint64_t partials_ = ctx_->allocate(kPartials * sizeof(float));
   std::vector<float> partial_sums_ = std::vector<float>(kPartials);
