@@ -128,6 +128,10 @@ class Backend {
   virtual std::string_view name() const = 0;
   // The device's memory figures; none for a backend in host memory (the process's RSS covers it).
   virtual std::optional<DeviceMemoryFigures> device_memory_figures() const { return std::nullopt; }
+  // Host memory the backend's own runtime holds beyond its arena once steps run (a driver, its
+  // compiled code, staging): a term of the process prediction. The cpu backend's runtime is the
+  // compute runtime term itself (OpenBLAS, OpenMP).
+  virtual size_t runtime_bytes() const { return 0; }
 
   // Device memory for an arena: zero-filled, page aligned. Host code must not dereference it.
   virtual void* allocate(size_t bytes) = 0;

@@ -154,7 +154,7 @@ Action add_eval(CLI::App& app) {
                  "write eval_results.json, memory.json, memory.jsonl, run_args.json and report.html here");
   app.parse_complete_callback([a] { check_local_dataset(a->eval_file, "--eval_file (--val_dataset, --dataset)"); });
   return [a, &app] {
-    const size_t startup_rss = current_rss_bytes();
+    const size_t startup_rss = startup_rss_bytes(a->backend);
     if (a->batch_size <= 0) throw Error("--per_device_eval_batch_size must be positive");
     const std::optional<DType> dtype = storage_dtype(a->torch_dtype, a->bf16, a->fp16);
     check_max_length(load_model_config(a->model), a->max_length,

@@ -17,13 +17,14 @@
 #include "memory/process_memory.h"
 #include "model/load.h"
 #include "tokenizer/chat_template.h"
+#include "options/command_setup.h"
 
 namespace memtune::cli {
 
 namespace {
 
 void generate(const InferenceArgs& a) {
-  const size_t startup_rss = current_rss_bytes();
+  const size_t startup_rss = startup_rss_bytes(a.backend);
   const std::optional<DType> dtype = storage_dtype(a.torch_dtype, a.bf16, a.fp16);
   const std::optional<Tokenizer> tokenizer = load_tokenizer(a);
   const std::vector<GenerationRequest> requests = read_requests(a, tokenizer ? &*tokenizer : nullptr);

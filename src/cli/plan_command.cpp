@@ -26,6 +26,7 @@
 #include "memory/process_plan.h"
 #include "model/decoder.h"
 #include "model/load.h"
+#include "options/command_setup.h"
 
 namespace memtune::cli {
 
@@ -50,8 +51,8 @@ Action add_plan(CLI::App& app) {
                "within --device_memory and --host_memory");
   app.add_flag("--allow_shorter_max_length", a->allow_shorter_max_length, "let --fit also halve max_length");
   return [a] {
-    // Measured before anything is loaded: what the binary and its libraries hold.
-    const size_t startup_rss = current_rss_bytes();
+    // Measured before anything is loaded: what the binary, its libraries and the backend hold.
+    const size_t startup_rss = startup_rss_bytes(a->run.backend);
     const TrainingPlanner planner(*a, startup_rss);
     const TrainingArguments& r = a->run;
     const ModelConfig& config = planner.config();

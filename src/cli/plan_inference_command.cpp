@@ -17,13 +17,14 @@
 #include "model/load.h"
 #include "model/lora.h"
 #include "tokenizer/chat_template.h"
+#include "options/command_setup.h"
 
 namespace memtune::cli {
 
 namespace {
 
 void plan_inference(const InferenceArgs& a) {
-  const size_t startup_rss = current_rss_bytes();
+  const size_t startup_rss = startup_rss_bytes(a.backend);
   std::vector<GenerationRequest> requests;
   if (!a.prompt.empty() || !a.input.empty()) {
     const std::optional<Tokenizer> tokenizer = load_tokenizer(a);

@@ -13,13 +13,14 @@
 #include "model/load.h"
 #include "serve/server.h"
 #include "tokenizer/chat_template.h"
+#include "options/command_setup.h"
 
 namespace memtune::cli {
 
 namespace {
 
 void serve(const InferenceArgs& a) {
-  const size_t startup_rss = current_rss_bytes();
+  const size_t startup_rss = startup_rss_bytes(a.backend);
   const std::optional<Tokenizer> tokenizer = load_tokenizer(a);
   const Tokenizer* tok = tokenizer ? &*tokenizer : nullptr;
   const ChatTemplate templ =

@@ -48,7 +48,8 @@ void add_planned_terms(ProcessPlan& p, const Decoder& model, DType checkpoint_dt
         p.weights_mapping_bytes = std::max(p.weights_mapping_bytes,
                                            3 * static_cast<size_t>(quantized_layer_bytes(q.bits, s.shape[1], s.shape[0],
                                                                                        q.groups(s.shape[1]), q.desc_act)));
-  p.compute_runtime_bytes = model.options().with_grads ? kTrainingRuntimeBytes : kForwardRuntimeBytes;
+  p.compute_runtime_bytes =
+      (model.options().with_grads ? kTrainingRuntimeBytes : kForwardRuntimeBytes) + model.backend().runtime_bytes();
   // With more than one rank, MPI's non-blocking allreduce (and ZeRO-1's reduce-scatter) copies
   // the gradients it reduces into buffers of its own while backward runs: measured ~74 MiB for
   // 77 MiB of float32 gradients.

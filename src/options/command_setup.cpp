@@ -5,6 +5,7 @@
 
 #include "backend/backend.h"
 #include "core/error.h"
+#include "memory/process_memory.h"
 #include "model/decoder.h"
 #include "model/load.h"
 #include "model/lora.h"
@@ -20,6 +21,11 @@ DataOptions data_options(const TrainingArguments& args) {
   d.chat_template = args.template_name;
   if (!args.system.empty()) d.record.system = args.system;
   return d;
+}
+
+size_t startup_rss_bytes(const std::string& backend) {
+  backend_named(backend);
+  return current_rss_bytes();
 }
 
 size_t device_memory_bytes(const std::string& value, const std::string& backend, std::string* source) {

@@ -32,6 +32,10 @@ std::optional<DType> storage_dtype(const std::string& torch_dtype, bool bf16, bo
 ModelOptions training_model_options(const TrainingArguments& args, int64_t max_tokens, int64_t max_targets, int rank,
                                     int world_size);
 
+// The process's resident memory when a command starts, with its backend made first, so what the
+// backend's runtime holds from its start (a Vulkan driver and its libraries) is measured there.
+size_t startup_rss_bytes(const std::string& backend);
+
 // --device_memory's bytes: a size ("24GiB"), or "auto": what the backend's device says a plan may
 // take (its memory budget where the driver reports one, else its device-local heap), or for a
 // backend in host memory the kernel's MemAvailable. `source` receives where "auto" came from.

@@ -140,7 +140,7 @@ void TrainingRun::run() {
   greater_is_better_ = args_.greater_is_better.value_or(!best_key_.ends_with("loss"));
   output_dir_ = args_.output_dir;
   check_output_dir();
-  const size_t startup_rss = current_rss_bytes();
+  const size_t startup_rss = startup_rss_bytes(args_.backend);
   load_data();
   process_.measure_preparation(startup_rss);
   build_model();
