@@ -556,6 +556,35 @@ TEST(BackendOps, AddInplace) {
                              const Views& din) { be.add_inplace(din.at("x"), dout.at("y")); }});
 }
 
+// The fused head's workspace for N rows in chunks of `chunk` (device memory of `be`) and, for a
+// backend whose memory the host cannot address, its host staging; slice > 0: a 16-bit head's
+// widening slice.
+struct HeadWorkspace {
+  HeadWorkspace(Backend& be, int64_t N, int64_t D, int64_t V, int64_t chunk, int64_t slice = 0)
+      : ws(be), logits(static_cast<size_t>(chunk * V)), losses(static_cast<size_t>(N)), ints(static_cast<size_t>(2 * N)),
+        stats(static_cast<size_t>(N)) {
+    args.logits = ws.make(DType::F32, {chunk, V});
+    args.rows = ws.make(DType::F32, {chunk, D});
+    args.drows = ws.make(DType::F32, {chunk, D});
+    args.positions = ws.make(DType::I32, {N});
+    args.row_targets = ws.make(DType::I32, {chunk});
+    if (slice > 0) args.weight_slice = ws.make(DType::F32, {slice, D});
+    args.row_stats = ws.make(DType::I32, {N, 4});
+    args.row_losses = ws.make(DType::F32, {N});
+    if (!be.host_addressable())
+      args.staging = {.logits = logits.data(),
+                      .targets = ints.data(),
+                      .positions = ints.data() + N,
+                      .row_stats = stats.data(),
+                      .row_losses = losses.data()};
+  }
+  DeviceTensors ws;
+  std::vector<float> logits, losses;
+  std::vector<int32_t> ints;
+  std::vector<RowStats> stats;
+  LmHeadArgs args;  // the workspace and staging filled in; the caller sets the rest
+};
+
 // The fused LM head: loss SUM, d(hidden) (overwritten) and d(weight) (accumulated), with
 // ignored targets, chunks smaller than the number of targets, label smoothing, and a 16-bit
 // weight widened a slice at a time.
@@ -568,28 +597,14 @@ void check_lm_head(DType weight_dtype, float label_smoothing) {
   // One call with its own workspace (device) and staging (host); contents of the workspace
   // legitimately differ between backends, so only the loss and the gradients are compared.
   auto run = [=](Backend& be, const Views& in, Tensor dhidden, Tensor dweight) {
-    DeviceTensors ws(be);
-    std::vector<float> host_logits(chunk * V), host_losses(N);
-    std::vector<int32_t> host_ints(2 * N);
-    LmHeadArgs a{.hidden = in.at("hidden"),
-                 .targets = in.at("targets"),
-                 .weight = in.at("weight"),
-                 .loss = loss.get(),
-                 .dhidden = dhidden,
-                 .dweight = dweight,
-                 .logits = ws.make(DType::F32, {chunk, V}),
-                 .rows = ws.make(DType::F32, {chunk, D}),
-                 .drows = ws.make(DType::F32, {chunk, D}),
-                 .positions = ws.make(DType::I32, {N}),
-                 .row_targets = ws.make(DType::I32, {chunk}),
-                 .weight_slice = weight_dtype == DType::F32 ? Tensor{} : ws.make(DType::F32, {slice, D}),
-                 .row_stats = ws.make(DType::I32, {N, 4}),
-                 .row_losses = ws.make(DType::F32, {N})};
-    if (!be.host_addressable())
-      a.staging = {.logits = host_logits.data(),
-                   .targets = host_ints.data(),
-                   .positions = host_ints.data() + N,
-                   .row_losses = host_losses.data()};
+    HeadWorkspace head(be, N, D, V, chunk, weight_dtype == DType::F32 ? 0 : slice);
+    LmHeadArgs& a = head.args;
+    a.hidden = in.at("hidden");
+    a.targets = in.at("targets");
+    a.weight = in.at("weight");
+    a.loss = loss.get();
+    a.dhidden = dhidden;
+    a.dweight = dweight;
     return be.lm_head_loss(a);
   };
   check_case({.name = fmt::format("lm_head_loss {} smoothing {}", dtype_torch_name(weight_dtype), label_smoothing),
@@ -694,29 +709,15 @@ TEST(BackendOps, LmHeadObserversGetRowStatsAndLogits) {
         upload_f32(be, h, hidden);
         upload_f32(be, w, weight);
         be.copy_to_device(t, targets.data());
-        std::vector<float> host_logits(chunk * V), host_losses(N);
-        std::vector<int32_t> host_ints(2 * N);
-        std::vector<RowStats> host_stats(N);
         Recorder rec(wants_logits);
-        LmHeadArgs a{.hidden = h,
-                     .targets = t,
-                     .weight = w,
-                     .loss = custom_loss ? static_cast<const ChunkLoss*>(&doubled) : &plain,
-                     .observer = &rec,
-                     .host_targets = targets,
-                     .logits = ws.make(DType::F32, {chunk, V}),
-                     .rows = ws.make(DType::F32, {chunk, D}),
-                     .drows = ws.make(DType::F32, {chunk, D}),
-                     .positions = ws.make(DType::I32, {N}),
-                     .row_targets = ws.make(DType::I32, {chunk}),
-                     .row_stats = ws.make(DType::I32, {N, 4}),
-                     .row_losses = ws.make(DType::F32, {N})};
-        if (!be.host_addressable())
-          a.staging = {.logits = host_logits.data(),
-                       .targets = host_ints.data(),
-                       .positions = host_ints.data() + N,
-                       .row_stats = host_stats.data(),
-                       .row_losses = host_losses.data()};
+        HeadWorkspace head(be, N, D, V, chunk);
+        LmHeadArgs& a = head.args;
+        a.hidden = h;
+        a.targets = t;
+        a.weight = w;
+        a.loss = custom_loss ? static_cast<const ChunkLoss*>(&doubled) : &plain;
+        a.observer = &rec;
+        a.host_targets = targets;
         const LossSum loss = be.lm_head_loss(a);
         const size_t M = want_positions.size();
         ASSERT_EQ(loss.count, static_cast<int64_t>(M));

@@ -83,6 +83,7 @@ class DataParallelTest : public ::testing::Test {
     }
   }
   void TearDown() override { fs::remove_all(dir_); }
+  void two_ranks_equal_one_cpu_process(const std::string& backend);
   std::string path(const std::string& name) const { return (dir_ / name).string(); }
   // adam_epsilon 1e-3: with the default 1e-8, AdamW turns a gradient that is exactly 0 in one
   // summation order and 1e-12 in another into updates of opposite full size, so runs that differ
@@ -134,47 +135,31 @@ TEST_F(DataParallelTest, TwoRanksEqualOneProcessWithTheSameGlobalBatch) {
 
 // Two ranks on the reference backend (its memory locked outside its calls, collectives inside
 // them; ZeRO-1 for the reduce-scatter and allgather paths) train like one cpu process.
-TEST_F(DataParallelTest, TwoReferenceRanksEqualOneCpuProcess) {
-  const std::string steps = " --max_steps 2";
-  const Result two = mpirun(
-      2, train_args("ref2",
-                    "--backend reference --per_device_train_batch_size 1 --gradient_accumulation_steps 2" + steps));
-  ASSERT_EQ(two.status, 0) << two.output;
-  const Result zero = mpirun(2, train_args("ref2z",
-                                           "--backend reference --zero_stage 1 --per_device_train_batch_size "
-                                           "1 --gradient_accumulation_steps 2" +
-                                               steps));
-  ASSERT_EQ(zero.status, 0) << zero.output;
-  const Result one = testing_support::run_memtune(
-      train_args("cpu1", "--per_device_train_batch_size 2 --gradient_accumulation_steps 2" + steps));
-  ASSERT_EQ(one.status, 0) << one.output;
-  EXPECT_LT(max_relative_difference(dir_ / "ref2" / "model.safetensors", dir_ / "cpu1" / "model.safetensors"), 2e-5);
-  EXPECT_LT(max_relative_difference(dir_ / "ref2z" / "model.safetensors", dir_ / "cpu1" / "model.safetensors"), 2e-5);
+// Two ranks on `backend`, plain and ZeRO-1, equal one cpu process with the same global batch.
+void DataParallelTest::two_ranks_equal_one_cpu_process(const std::string& backend) {
+  const std::string steps = " --max_steps 2", two = backend + "2", zero = backend + "2z", one = backend + "_cpu1";
+  const std::string flags = "--backend " + backend + " --per_device_train_batch_size 1 --gradient_accumulation_steps 2";
+  Result r = mpirun(2, train_args(two, flags + steps));
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = mpirun(2, train_args(zero, flags + " --zero_stage 1" + steps));
+  ASSERT_EQ(r.status, 0) << r.output;
+  r = testing_support::run_memtune(train_args(one, "--per_device_train_batch_size 2 --gradient_accumulation_steps 2" + steps));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_LT(max_relative_difference(dir_ / two / "model.safetensors", dir_ / one / "model.safetensors"), 2e-5);
+  EXPECT_LT(max_relative_difference(dir_ / zero / "model.safetensors", dir_ / one / "model.safetensors"), 2e-5);
 }
 
+TEST_F(DataParallelTest, TwoReferenceRanksEqualOneCpuProcess) { two_ranks_equal_one_cpu_process("reference"); }
+
 // Data parallel on a device backend: MPI reads host memory, so each collective runs on a host copy
-// of the tensor (the parameters' planned collective staging). Two vulkan ranks (lavapipe in CI),
-// plain and ZeRO-1, equal one cpu process.
+// of the tensor (the parameters' planned collective staging).
 TEST_F(DataParallelTest, TwoVulkanRanksEqualOneCpuProcess) {
   const Result devices = testing_support::run_memtune("devices --json");
   if (devices.status != 0 || devices.output.find("\"backend_vulkan_device\": null") != std::string::npos) {
     if (testing_support::all_tests_required()) FAIL() << "no usable Vulkan device: " << devices.output;
     GTEST_SKIP() << "no usable Vulkan device";
   }
-  const std::string steps = " --max_steps 2";
-  const Result two = mpirun(
-      2, train_args("vk2", "--backend vulkan --per_device_train_batch_size 1 --gradient_accumulation_steps 2" + steps));
-  ASSERT_EQ(two.status, 0) << two.output;
-  const Result zero = mpirun(2, train_args("vk2z",
-                                           "--backend vulkan --zero_stage 1 --per_device_train_batch_size "
-                                           "1 --gradient_accumulation_steps 2" +
-                                               steps));
-  ASSERT_EQ(zero.status, 0) << zero.output;
-  const Result one = testing_support::run_memtune(
-      train_args("vkcpu1", "--per_device_train_batch_size 2 --gradient_accumulation_steps 2" + steps));
-  ASSERT_EQ(one.status, 0) << one.output;
-  EXPECT_LT(max_relative_difference(dir_ / "vk2" / "model.safetensors", dir_ / "vkcpu1" / "model.safetensors"), 2e-5);
-  EXPECT_LT(max_relative_difference(dir_ / "vk2z" / "model.safetensors", dir_ / "vkcpu1" / "model.safetensors"), 2e-5);
+  two_ranks_equal_one_cpu_process("vulkan");
 }
 
 TEST_F(DataParallelTest, EvaluationMergesAcrossRanks) {
