@@ -139,6 +139,9 @@ class Backend {
   // True when host code may read the backend's memory directly (host losses and observers then
   // run on the chunk in place; no staging is planned).
   virtual bool host_addressable() const = 0;
+  // True when lm_head_loss computes a CrossEntropyLoss where the logits are, so the built-in
+  // losses and metrics need no host copy of a logits chunk (a GPU backend).
+  virtual bool runs_cross_entropy() const { return false; }
   // True when allocate() hands out pages of this process's own memory (map_host_pages), so
   // the process's resident set holds them and mincore can say which are resident.
   virtual bool memory_in_host_pages() const = 0;

@@ -544,7 +544,7 @@ LossSum Decoder::run_step(const TokenBatch& batch, float* logits_out, bool backw
                   .staging = {}};
   if (buf_.stages_chunks) {
     Arena& H = *host_arena_;
-    head.staging = {.logits = H.f32(buf_.staging_logits, {chunk, V}).as<float>(),
+    head.staging = {.logits = buf_.staging_logits ? H.f32(*buf_.staging_logits, {chunk, V}).as<float>() : nullptr,
                     .targets = H.i32(buf_.staging_targets, {N}).as<int32_t>(),
                     .positions = H.i32(buf_.staging_positions, {N}).as<int32_t>(),
                     .row_stats = H.i32(buf_.staging_row_stats, {N, 4}).as<RowStats>(),

@@ -172,7 +172,8 @@ DecoderBuffers declare_decoder_buffers(const ModelConfig& c, const ModelOptions&
   b.stages_chunks = stage_chunks;
   if (stage_chunks) {
     b.row_losses = plan.declare("loss.row_losses", Category::LossWorkspace, N * 4, L, L);
-    b.staging_logits = host_plan.declare_persistent("staging.logits_chunk", Category::LossWorkspace, chunk * V * 4);
+    if (options_.host_logits || !backend.runs_cross_entropy())
+      b.staging_logits = host_plan.declare_persistent("staging.logits_chunk", Category::LossWorkspace, chunk * V * 4);
     b.staging_targets = host_plan.declare_persistent("staging.row_targets", Category::LossWorkspace, N * 4);
     b.staging_positions = host_plan.declare_persistent("staging.row_positions", Category::LossWorkspace, N * 4);
     b.staging_row_stats =

@@ -7,6 +7,7 @@
 
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -39,8 +40,8 @@ struct DecoderBuffers {
   // Host staging of the logits chunk for host losses and observers, and of the per-row values a
   // device backend hands back (host plan); row_losses is the device side of the latter.
   bool stages_chunks = false;
-  BufferId row_losses{}, staging_logits{}, staging_targets{}, staging_positions{}, staging_row_stats{},
-      staging_row_losses{};
+  BufferId row_losses{}, staging_targets{}, staging_positions{}, staging_row_stats{}, staging_row_losses{};
+  std::optional<BufferId> staging_logits;  // only where host code may read logits (ModelOptions::host_logits)
   BufferId dstream, dln, datt, dq, dk, dv, dh, dgate, dup;  // activation gradients
   BufferId dq_raw{}, dk_raw{};                               // qk_norm: gradients before the norm
   BufferId lora_du{}, lora_dxd{};

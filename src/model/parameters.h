@@ -55,6 +55,11 @@ struct ModelOptions {
   int64_t max_targets = 0;
   bool gradient_checkpointing = false;
   size_t loss_workspace_bytes = kDefaultLossWorkspaceBytes;  // budget for the LM head's logits chunk
+  // Host code reads logits chunks (a custom ChunkLoss, or a metric whose needs_logits() is true):
+  // on a backend whose memory the host cannot address, plan the host staging of one chunk
+  // (rows x V floats). The built-in losses and metrics never need it on a backend that runs
+  // cross-entropy itself (Backend::runs_cross_entropy).
+  bool host_logits = false;
   bool with_grads = true;                                    // declare gradients and backward buffers
   bool with_optimizer = false;  // declare AdamW moments (and fp32 masters for 16-bit storage)
   LoraConfig lora;              // rank > 0: adapters are trained, the base is frozen (no gradients, no optimizer state)

@@ -51,6 +51,7 @@ class FocalLossOnBackends : public ::testing::TestWithParam<std::string_view> {}
 // On cpu the loss reads the chunk in place; on reference it gets staged host copies.
 TEST_P(FocalLossOnBackends, PlugsIntoTheModel) {
   ModelOptions o;
+  o.host_logits = true;  // the example is host code reading logits chunks
   o.max_tokens = 16;
   o.backend = &backend_named(GetParam());
   Decoder m(model_preset("tiny"), o);

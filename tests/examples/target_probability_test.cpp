@@ -27,6 +27,7 @@ TEST_P(TargetProbabilityOnBackends, MatchesMaterializedLogitsAndMerges) {
   Batcher batcher(data, b);
   batcher.start_epoch(0);
   ModelOptions o;
+  o.host_logits = true;  // the example is host code reading logits chunks
   o.max_tokens = batcher.max_micro_batch_tokens();
   o.with_grads = false;
   o.loss_workspace_bytes = 4 * (512 + 128) * 4;

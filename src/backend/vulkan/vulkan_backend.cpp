@@ -78,6 +78,7 @@ class VulkanBackend final : public Backend {
   void* allocate(size_t bytes) override { return reinterpret_cast<void*>(ctx_->allocate(bytes)); }
   void deallocate(void* base, size_t) override { ctx_->deallocate(address(base)); }
   bool host_addressable() const override { return false; }
+  bool runs_cross_entropy() const override { return true; }
   bool memory_in_host_pages() const override { return false; }
   // The tiled matmul reads 16-bit weights as stored for any number of rows; the model's default
   // split (16, as on cpu) also sets serve's --max_decode_step_tokens, so it is kept.
@@ -463,6 +464,9 @@ class VulkanBackend final : public Backend {
         ctx_->dispatch("cross_entropy", push, u32(m));
       }
       if (logits_to_host) {
+        if (!st.logits)
+          throw Error("--backend vulkan: a custom loss or a metric that reads logits needs the host staging of a "
+                      "logits chunk, which this model was planned without (ModelOptions::host_logits)");
         ctx_->download(st.logits, address(logits), logits.bytes());
         const int32_t* row_targets = st.targets + c0;
         if (a.observer && a.observer->needs_logits())
