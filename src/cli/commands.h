@@ -31,14 +31,6 @@ Action add_data_stats(CLI::App& app);
 Action add_report(CLI::App& app);
 Action add_devices(CLI::App& app);
 
-// --backend NAME on a command that builds a model: where its memory lives and its ops run.
-inline void add_backend_option(CLI::App& app, std::string& name) {
-  app.add_option("--backend", name,
-                 "where the model's memory lives and its ops run: cpu (fast) | reference (plain "
-                 "float64 loops, the correctness oracle; slow) | vulkan (a Vulkan device: a GPU, or lavapipe on the "
-                 "CPU; memtune devices lists them)")
-      ->capture_default_str();
-}
 
 // The options of a parsed subcommand as a JSON object (name -> value as given, or the default),
 // written to output_dir/run_args.json for the run report.

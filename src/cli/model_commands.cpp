@@ -15,6 +15,7 @@
 #include "io/checkpoint.h"
 #include "io/safetensors.h"
 #include "model/load.h"
+#include "options/arguments.h"
 
 namespace memtune::cli {
 

@@ -17,6 +17,7 @@
 #include "io/checkpoint.h"
 #include "io/safetensors.h"
 #include "model/load.h"
+#include "options/arguments.h"
 #include "model/quantize.h"
 #include "tokenizer/tokenizer.h"
 

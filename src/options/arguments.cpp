@@ -10,6 +10,14 @@
 
 namespace memtune {
 
+void add_backend_option(CLI::App& app, std::string& name) {
+  app.add_option("--backend", name,
+                 "where the model's memory lives and its ops run: cpu (fast) | reference (plain "
+                 "float64 loops, the correctness oracle; slow) | vulkan (a Vulkan device: a GPU, or lavapipe on the "
+                 "CPU; memtune devices lists them)")
+      ->capture_default_str();
+}
+
 void add_training_arguments(CLI::App& app, TrainingArguments& a, ArgumentsFor use) {
   const bool required = use == ArgumentsFor::Train;
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
@@ -22,10 +30,7 @@ void add_training_arguments(CLI::App& app, TrainingArguments& a, ArgumentsFor us
   app.add_option("--eval_file,--val_dataset,--eval_dataset", a.eval_file, "evaluation data, a local JSONL file");
   app.add_option("--output_dir", a.output_dir, "where checkpoints, logs and the result go")->required(required);
   app.add_option("--tokenizer", a.tokenizer, "tokenizer directory (default: the model directory)");
-  app.add_option("--backend", a.backend,
-                 "where the model's memory lives and its ops run: cpu | reference (the slow "
-                 "float64 oracle)")
-      ->capture_default_str();
+  add_backend_option(app, a.backend);
   app.add_option("--per_device_train_batch_size", a.per_device_train_batch_size)->capture_default_str();
   app.add_option("--per_device_eval_batch_size", a.per_device_eval_batch_size)->capture_default_str();
   app.add_option("--gradient_accumulation_steps", a.gradient_accumulation_steps)->capture_default_str();

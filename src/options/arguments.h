@@ -17,6 +17,9 @@
 
 namespace memtune {
 
+// --backend NAME on a command that builds a model: where its memory lives and its ops run.
+void add_backend_option(CLI::App& app, std::string& name);
+
 struct TrainingArguments {
   // Where things are.
   std::string model_name_or_path, train_file, eval_file, output_dir, tokenizer;
