@@ -36,11 +36,8 @@ std::vector<std::string_view> backend_list() {
 }
 
 void Backend::sample_tokens(const SampleArgs& a) {
-  MT_ASSERT(host_addressable() && a.host_scratch, "the host sampler reads logits in host memory");
-  const int64_t V = a.logits.cols();
-  for (size_t r = 0; r < a.rows.size(); ++r)
-    a.tokens[r] = sample_row(a.logits.as<const float>() + static_cast<int64_t>(r) * V, 1, a.rows[r], a.penalties,
-                             *a.host_scratch);
+  MT_ASSERT(host_addressable(), "the host sampler reads logits in host memory");
+  sample_rows_on_host(a);
 }
 
 void Backend::matmul_forward_group(std::span<const GroupMember> group, const Tensor& inp, const Tensor& scratch) {

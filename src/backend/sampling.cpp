@@ -85,4 +85,11 @@ int32_t sample_row(const float* logits, int64_t stride, const SampleRow& p, std:
   return chosen;
 }
 
+void sample_rows_on_host(const SampleArgs& a) {
+  MT_ASSERT(a.host_scratch, "the host sampler needs its vocabulary-sized scratch");
+  const int64_t V = a.logits.cols();
+  for (size_t r = 0; r < a.rows.size(); ++r)
+    a.tokens[r] = sample_row(a.logits.f32() + static_cast<int64_t>(r) * V, 1, a.rows[r], a.penalties, *a.host_scratch);
+}
+
 }  // namespace memtune

@@ -47,6 +47,10 @@ struct SamplerScratch {
 int32_t sample_row(const float* logits, int64_t stride, const SampleRow& row, std::span<const PenaltyToken> penalties,
                    SamplerScratch& scratch);
 
+struct SampleArgs;
+// The host sampler over every row of args.logits, which the host must be able to read.
+void sample_rows_on_host(const SampleArgs& args);
+
 // Backend::sample_tokens: rows R of logits [R, V] float32 in device memory (the backend may
 // overwrite them); tokens[r] receives row r's token. The device_* views are planned device
 // memory a backend that samples on the device uploads the rows and penalties into and writes

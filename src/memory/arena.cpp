@@ -61,7 +61,7 @@ std::byte* Arena::address(size_t offset) {
 
 void Arena::sample() {
   const ResidentSample now{current_rss_bytes(), meter_.resident_bytes()};
-  if (device_)
+  if (device_ && device_->after.usage_bytes)  // only a device that reports its usage is asked again
     if (const auto figures = backend_->device_memory_figures(); figures && figures->usage_bytes)
       device_->peak_usage_bytes = std::max(device_->peak_usage_bytes, *figures->usage_bytes);
   samples_[static_cast<size_t>(phase_)].merge(now);

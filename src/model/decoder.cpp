@@ -214,7 +214,8 @@ StepLogits Decoder::generation_step(const GenerationBatch& batch) {
   if (R == 0) return {};
   const Tensor logits = arena_->f32(buf_.last_logits, {R, V});
   if (!buf_.stages_chunks) return {logits.as<const float>(), R, V};
-  float* host = host_arena_->f32(buf_.staging_last_logits, {R, V}).as<float>();
+  MT_ASSERT(buf_.staging_last_logits, "host logits of a generation step on this backend need ModelOptions::host_logits");
+  float* host = host_arena_->f32(*buf_.staging_last_logits, {R, V}).as<float>();
   backend_->copy_to_host(host, logits);
   return {host, R, V};
 }

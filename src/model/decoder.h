@@ -112,7 +112,8 @@ class Decoder {
   void sample_tokens(std::span<const SampleRow> rows, std::span<const PenaltyToken> penalties,
                      std::span<int32_t> tokens, SamplerScratch& scratch);
   // generation_forward, then the logits in host-readable memory (copied there for a backend
-  // whose memory the host cannot address), valid until the next step: tests and diagnostics.
+  // whose memory the host cannot address, planned with ModelOptions::host_logits), valid until
+  // the next step: tests and diagnostics.
   StepLogits generation_step(const GenerationBatch& batch);
   // The token-level loss the fused LM head applies (cross-entropy by default). Not owned.
   void set_loss(const ChunkLoss& loss) { loss_ = &loss; }

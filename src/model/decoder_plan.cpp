@@ -97,9 +97,10 @@ DecoderBuffers declare_inference_buffers(const ModelConfig& c, const ModelOption
   b.last_logits = plan.declare_persistent("head.last_logits", Category::LossWorkspace, V * S * 4);
   b.stages_chunks = stage_logits;
   if (stage_logits) {
-    // Tests and diagnostics read the logits on the host (Decoder::generation_step); decoding
-    // samples on the device and reads back token ids only.
-    b.staging_last_logits = host_plan.declare_persistent("staging.last_logits", Category::LossWorkspace, V * S * 4);
+    // Decoding samples on the device and reads back token ids only; host code that reads the
+    // logits (Decoder::generation_step) asks for their staging with host_logits.
+    if (o.host_logits)
+      b.staging_last_logits = host_plan.declare_persistent("staging.last_logits", Category::LossWorkspace, V * S * 4);
     b.sample_penalty_capacity =
         std::min(kv.blocks * kv.block_size, kv.max_seqs * kv.max_blocks_per_seq * kv.block_size);
     b.sample_rows = plan.declare_persistent("sample.rows", Category::LossWorkspace, S * kSampleRowWords * 4);

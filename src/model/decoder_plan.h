@@ -50,7 +50,8 @@ struct DecoderBuffers {
   // lengths and slots, and the LM head over the last row of each sequence that samples.
   std::vector<BufferId> kv_k, kv_v;
   BufferId block_tables{}, context_lens{}, slots{}, last_rows_index{};
-  BufferId last_rows{}, last_normed{}, last_rstd{}, last_logits{}, staging_last_logits{};
+  BufferId last_rows{}, last_normed{}, last_rstd{}, last_logits{};
+  std::optional<BufferId> staging_last_logits;  // only with ModelOptions::host_logits
   // Sampling on the device (a backend whose memory the host cannot address): the rows' settings,
   // the penalty tokens (at most one per cache slot of the step's sequences), the chosen ids.
   BufferId sample_rows{}, sample_penalties{}, sampled_tokens{};

@@ -55,9 +55,9 @@ struct ModelOptions {
   int64_t max_targets = 0;
   bool gradient_checkpointing = false;
   size_t loss_workspace_bytes = kDefaultLossWorkspaceBytes;  // budget for the LM head's logits chunk
-  // Host code reads logits chunks (a custom ChunkLoss, or a metric whose needs_logits() is true):
-  // on a backend whose memory the host cannot address, plan the host staging of one chunk
-  // (rows x V floats). The built-in losses and metrics never need it on a backend that runs
+  // Host code reads logits chunks (a custom ChunkLoss, or a metric whose needs_logits() is true,
+  // or Decoder::generation_step's logits): on a backend whose memory the host cannot address,
+  // plan their host staging (one chunk of rows x V floats; an inference model's [max_seqs, V]). The built-in losses and metrics never need it on a backend that runs
   // cross-entropy itself (Backend::runs_cross_entropy).
   bool host_logits = false;
   bool with_grads = true;                                    // declare gradients and backward buffers

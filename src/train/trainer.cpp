@@ -40,11 +40,14 @@ Trainer::Trainer(Decoder& model, const TrainerConfig& config, Communicator* comm
   }
 }
 
-void Trainer::staged(const Tensor& t, const std::function<void(std::span<std::byte>)>& op) {
-  std::byte* host = params_.collective_staging();
-  backend_.copy_to_host(host, t);
-  op({host, t.bytes()});
-  backend_.copy_to_device(t, host);
+void Trainer::on_tensor(const Tensor& t, const std::function<void(std::span<std::byte>)>& op) {
+  if (std::byte* host = params_.collective_staging()) {
+    backend_.copy_to_host(host, t);
+    op({host, t.bytes()});
+    backend_.copy_to_device(t, host);
+    return;
+  }
+  backend_.collective([&] { op({t.as<std::byte>(), t.bytes()}); });
 }
 
 std::span<float> Trainer::floats(std::span<std::byte> bytes) {
@@ -54,7 +57,7 @@ std::span<float> Trainer::floats(std::span<std::byte> bytes) {
 void Trainer::start_bucket(const std::vector<size_t>& bucket) {
   if (params_.collective_staging()) {  // blocking, one tensor at a time through the host copy
     for (size_t i : bucket)
-      staged(params_.trainable_grad(i), [&](std::span<std::byte> g) {
+      on_tensor(params_.trainable_grad(i), [&](std::span<std::byte> g) {
         comm_->start_allreduce_sum(floats(g));
         comm_->wait_all();
       });
@@ -125,17 +128,9 @@ StepResult Trainer::step(std::span<const TokenBatch> micro_batches) {
 
   arena.enter_phase(Phase::Optimizer);
   // ZeRO-1 needs only this rank's block of each gradient: a reduce-scatter per tensor.
-  if (sharded && params_.collective_staging()) {
+  if (sharded)
     for (size_t i = P; i-- > 0;)
-      staged(params_.trainable_grad(i), [&](std::span<std::byte> g) { comm_->reduce_scatter_sum(floats(g)); });
-  } else if (sharded) {
-    backend_.collective([&] {
-      for (size_t i = P; i-- > 0;) {
-        const Tensor g = params_.trainable_grad(i);
-        comm_->reduce_scatter_sum({g.as<float>(), static_cast<size_t>(g.numel())});
-      }
-    });
-  }
+      on_tensor(params_.trainable_grad(i), [&](std::span<std::byte> g) { comm_->reduce_scatter_sum(floats(g)); });
   // The one division by num_items_in_batch (and by the loss scale), and the global norm. Each
   // rank normalizes the elements it updates (all, or its ZeRO-1 shard); with shards the squared
   // norm is summed over ranks.
@@ -175,11 +170,7 @@ StepResult Trainer::step(std::span<const TokenBatch> micro_batches) {
     // ZeRO-1: every rank updated its block; all of them get the whole tensor back.
     if (sharded) {
       const Tensor storage = params_.trainable_storage(i);
-      const size_t element = dtype_size(storage.dtype);
-      if (params_.collective_staging())
-        staged(storage, [&](std::span<std::byte> bytes) { comm_->allgather(bytes, element); });
-      else
-        backend_.collective([&] { comm_->allgather({storage.as<std::byte>(), storage.bytes()}, element); });
+      on_tensor(storage, [&](std::span<std::byte> bytes) { comm_->allgather(bytes, dtype_size(storage.dtype)); });
     }
   }
   arena.enter_phase(Phase::Forward);

@@ -81,9 +81,10 @@ class Trainer {
   std::vector<std::vector<size_t>> layer_buckets_;
   std::vector<size_t> rest_bucket_;
   void start_bucket(const std::vector<size_t>& bucket);
-  // A collective on a host copy of a device tensor (data parallel on a backend whose memory the
-  // host cannot address): download into the parameters' collective staging, op, upload.
-  void staged(const Tensor& t, const std::function<void(std::span<std::byte>)>& op);
+  // A blocking collective on one tensor's bytes: in place inside Backend::collective, or, on a
+  // backend whose memory the host cannot address, on its host copy in the parameters' collective
+  // staging (download, op, upload).
+  void on_tensor(const Tensor& t, const std::function<void(std::span<std::byte>)>& op);
   static std::span<float> floats(std::span<std::byte> bytes);
   std::vector<Tensor> shard_grads_;  // what each rank normalizes and takes the norm of, in order
   int64_t step_ = 0;  // optimizer updates made (AdamW's t, the schedule's step)

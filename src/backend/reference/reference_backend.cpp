@@ -421,11 +421,7 @@ class ReferenceBackend final : public Backend {
 
   void sample_tokens(const SampleArgs& args) override {
     Access a(*this);
-    MT_ASSERT(args.host_scratch, "the reference backend samples with the host sampler");
-    const int64_t V = args.logits.cols();
-    for (size_t r = 0; r < args.rows.size(); ++r)
-      args.tokens[r] = sample_row(args.logits.f32() + static_cast<int64_t>(r) * V, 1, args.rows[r], args.penalties,
-                                  *args.host_scratch);
+    sample_rows_on_host(args);
   }
 
   double scale_and_sum_squares(std::span<const Tensor> xs, float scale) override {

@@ -406,13 +406,11 @@ class VulkanBackend final : public Backend {
            attention_scale(hd)};
     ctx_->dispatch("paged_attention", push, groups_for(q.rows() * (q.cols() / hd)));
   }
-  // The fused head on the device, the loss on the host: each chunk's logits are computed here
-  // (16-bit heads read as stored), handed to the loss and observers through the planned host
-  // staging, and the loss's gradient comes back for drows = dlogits @ W and dW += dlogits^T rows.
-  // (Recognizing CrossEntropyLoss and running it on the device is the next step.)
-  // Cross-entropy runs on the device (cross_entropy.comp) and hands back per-row losses once
-  // per call; a custom loss, or an observer that needs logits, gets each chunk through host
-  // staging. RowStats for observers are always computed on the device and come back once.
+  // The fused head on the device: each chunk's logits are computed here (16-bit heads read as
+  // stored); cross-entropy runs on them (cross_entropy.comp), writing its gradient in place for
+  // drows = dlogits @ W and dW += dlogits^T rows, and per-row losses come back once per call. A
+  // custom loss, or an observer that needs logits, gets each chunk through host staging and its
+  // gradient comes back. RowStats for observers are always computed on the device, back once.
   LossSum lm_head_loss(const LmHeadArgs& a) override {
     const HostChunkStaging& st = a.staging;
     MT_ASSERT(st.targets && st.positions && st.row_losses && (!a.observer || st.row_stats),
