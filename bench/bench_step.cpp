@@ -33,7 +33,7 @@ int main(int argc, char** argv) {
   bool checkpointing = false;
   std::string backend = "cpu";
   app.add_option("--model", model_dir)->required();
-  app.add_option("--backend", backend, "cpu | reference");
+  app.add_option("--backend", backend, "cpu | reference | vulkan");
   app.add_option("--batch", batch);
   app.add_option("--seq", seq);
   app.add_option("--steps", steps);
@@ -105,8 +105,8 @@ int main(int argc, char** argv) {
     fmt::print(
         "step: {:.3f} s, {:.0f} tokens/s, {:.1f} GFLOP/s achieved = {:.0f}% of the GEMM ceiling {:.1f}; loss {:.4f}\n",
         sec, tokens_per_s, gflops, 100.0 * gflops / ceiling, ceiling, loss);
-    fmt::print("phases of the last step: forward {:.3f} s, loss (LM head) {:.3f} s, backward {:.3f} s\n", pt.forward,
-               pt.loss, pt.backward);
+    fmt::print("phases of the last step ({}): forward {:.3f} s, loss (LM head) {:.3f} s, backward {:.3f} s\n",
+               pt.device ? "device timestamps" : "host clock", pt.forward, pt.loss, pt.backward);
     fmt::print("memory: arena {} (planned), process peak RSS {} (measured)\n", format_bytes(model.plan().peak_bytes()),
                format_bytes(size_t(ru.ru_maxrss) * 1024));
     fmt::print(

@@ -132,6 +132,14 @@ class Backend {
   // compiled code, staging): a term of the process prediction. The cpu backend's runtime is the
   // compute runtime term itself (OpenBLAS, OpenMP).
   virtual size_t runtime_bytes() const { return 0; }
+  // Phase timings on a device that runs apart from the host: time_mark(i) records a timestamp
+  // (i < kTimeMarks) taken when the work recorded before it has finished, mark 0 starting a new
+  // series; time_marks() waits for that work and returns each mark's seconds since mark 0, for
+  // the marks 0..n-1 of the series, once. Empty where the backend computes as the host calls it (cpu, reference: the host's
+  // wall clock between the calls is then the time) or the device has no timestamps.
+  static constexpr int kTimeMarks = 8;
+  virtual void time_mark(int) {}
+  virtual std::vector<double> time_marks() { return {}; }
 
   // Device memory for an arena: zero-filled, page aligned. Host code must not dereference it.
   virtual void* allocate(size_t bytes) = 0;

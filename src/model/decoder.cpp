@@ -501,6 +501,7 @@ LossSum Decoder::run_step(const TokenBatch& batch, float* logits_out, bool backw
   auto seconds_since = [](Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); };
   timings_ = {};
   auto t0 = Clock::now();
+  be.time_mark(0);
   A.enter_phase(Phase::Forward);
   upload_batch(batch);
   const int64_t N = num_tokens_;
@@ -509,6 +510,7 @@ LossSum Decoder::run_step(const TokenBatch& batch, float* logits_out, bool backw
     layer_forward(l, ckpt ? buf_.fwd_scratch : buf_.saved[l], act(buf_.residual[l], D), act(buf_.residual[l + 1], D));
 
   timings_.forward = seconds_since(t0);
+  be.time_mark(1);
   t0 = Clock::now();
   A.enter_phase(Phase::Loss);
   const Tensor normed = act(buf_.normed, D);
@@ -553,6 +555,7 @@ LossSum Decoder::run_step(const TokenBatch& batch, float* logits_out, bool backw
   }
   const LossSum loss = be.lm_head_loss(head);
   timings_.loss = seconds_since(t0);
+  be.time_mark(2);
   if (!grads) return loss;
 
   t0 = Clock::now();
@@ -574,8 +577,19 @@ LossSum Decoder::run_step(const TokenBatch& batch, float* logits_out, bool backw
   }
   if (params_->base_trainable()) be.embedding_backward(params_->grad(params_->embed()), dstream, A.i32(buf_.ids, {N}));
   timings_.backward = seconds_since(t0);
+  be.time_mark(3);
   A.enter_phase(Phase::Forward);
   return loss;
+}
+
+const StepTimings& Decoder::last_step_timings() {
+  // The marks of run_step: 0 before the forward, then after the forward, the loss, the backward.
+  if (const std::vector<double> t = backend_->time_marks(); t.size() >= 3)
+    timings_ = {.forward = t[1] - t[0],
+                .loss = t[2] - t[1],
+                .backward = t.size() >= 4 ? t[3] - t[2] : 0.0,
+                .device = true};
+  return timings_;
 }
 
 }  // namespace memtune

@@ -61,9 +61,12 @@ struct StepLogits {
   const float* row(int64_t r) const { return data + r * vocab; }
 };
 
-// Wall-clock seconds spent in each phase of the last forward_backward.
+// Seconds spent in each phase of the last forward_backward (or forward_loss: backward 0): from
+// the device's timestamps where the backend has them (device = true), else the host's wall
+// clock between the calls (the time itself on a backend that computes as it is called).
 struct StepTimings {
   double forward = 0, loss = 0, backward = 0;
+  bool device = false;
 };
 
 class Decoder {
@@ -101,7 +104,8 @@ class Decoder {
   // Forward and loss only (evaluation): gradients are neither computed nor touched.
   // With logits_out ([N, V] host memory, debugging only) the full logits are written there.
   LossSum forward_loss(const TokenBatch& batch, float* logits_out = nullptr) { return run_step(batch, logits_out, false); }
-  const StepTimings& last_step_timings() const { return timings_; }
+  // Reading device timestamps waits for the step's work to finish: ask at a point that waits anyway.
+  const StepTimings& last_step_timings();
   // Inference models only: runs one generation step, leaving the sampled rows' logits [R, V] in
   // device memory until the next step. Keys and values of the new tokens go to the slots their
   // block tables give; queries attend to everything cached for their sequence up to their own

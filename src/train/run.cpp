@@ -591,6 +591,7 @@ bool TrainingRun::train_loop(InterruptRequests& interrupts) {
     const bool last = progress_.global_step == total_steps_;
     if (progress_.global_step % args_.logging_steps == 0 || last) {
       const double seconds = std::chrono::duration<double>(Clock::now() - window_start).count();
+      const StepTimings& phases = model_->last_step_timings();  // the step's last micro-batch
       log({{"loss", window_loss / static_cast<double>(window_items)},
            {"grad_norm", window_grad_norm / static_cast<double>(window_steps)},
            {"learning_rate", r.learning_rate},
@@ -602,7 +603,11 @@ bool TrainingRun::train_loop(InterruptRequests& interrupts) {
            {"elapsed_seconds", std::chrono::duration<double>(Clock::now() - run_start).count()},
            {"loss_scale", r.loss_scale},
            {"world_size", comm_.world_size()},
-           {"comm_payload_bytes", comm_.payload_bytes()}});
+           {"comm_payload_bytes", comm_.payload_bytes()},
+           {"forward_seconds", phases.forward},
+           {"loss_seconds", phases.loss},
+           {"backward_seconds", phases.backward},
+           {"phase_clock", phases.device ? "device" : "host"}});
       window_loss = window_grad_norm = 0;
       window_items = window_steps = window_tokens = 0;
       window_start = Clock::now();

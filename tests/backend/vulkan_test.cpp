@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -133,13 +134,13 @@ TEST_F(VulkanOps, ConvertRoundsToSixteenBitsAsTheReferenceDoes) {
   }
 }
 
-// out = inp @ W^T + bias for float32 and 16-bit weights, shapes that are no multiple of the
-// 16 x 16 tile; matmul_accumulate (float32 weights) adds scale * product.
-// 7 rows take matvec.comp (an invocation per output), 37 the tiled matmul.comp.
+// out = inp @ W^T + bias for float32 and 16-bit weights, shapes that are no multiple of gemm.comp's
+// 64 x 64 output tile or of its 16-wide steps over C; matmul_accumulate (float32 weights) adds
+// scale * product. 7 rows take matvec.comp (an invocation per output), 37 and 130 gemm.comp
+// (130 x 67: three tiles down, two across, each with a ragged edge).
 TEST_F(VulkanOps, MatmulEqualsTheReferenceForEveryWeightDtype) {
-  for (const int64_t N : {7, 37})
+  for (const auto [N, C, OC] : {std::array<int64_t, 3>{7, 37, 19}, {37, 37, 19}, {130, 70, 67}})
   for (const DType dtype : {DType::F32, DType::BF16, DType::F16}) {
-    const int64_t C = 37, OC = 19;
     const std::vector<float> x = randn(N * C, 3), w = randn(OC * C, 4), b = randn(OC, 5), prior = randn(N * OC, 6);
     SCOPED_TRACE(fmt::format("{} rows, {}", N, dtype_torch_name(dtype)));
     auto run = [&](Backend& be) {
@@ -179,8 +180,10 @@ struct Inputs {
   int64_t N = 9, C = 40, OC = 23, heads = 2, hd = 8, V = 31;
 };
 
+// Both backward products through gemm.comp's strides (dout @ W, dout^T @ inp), at the small
+// shape and at one with several ragged 64 x 64 tiles in every dimension.
 TEST_F(VulkanOps, LinearBackwardEqualsTheReference) {
-  const Inputs s;
+  for (const Inputs s : {Inputs{}, Inputs{.N = 70, .C = 81, .OC = 131}}) {
   const std::vector<float> x = randn(s.N * s.C, 11), w = randn(s.OC * s.C, 12), dy = randn(s.N * s.OC, 13),
                            gx = randn(s.N * s.C, 14), gw = randn(s.OC * s.C, 15), gb = randn(s.OC, 16);
   auto run = [&](Backend& be) {
@@ -192,6 +195,7 @@ TEST_F(VulkanOps, LinearBackwardEqualsTheReference) {
   };
   const auto v = run(vk()), r = run(ref());
   for (size_t i = 0; i < v.size(); ++i) expect_close(v[i], r[i], 2e-5f);
+  }
 }
 
 TEST_F(VulkanOps, NormRopeSwigluEmbeddingGatherDropoutAndCacheEqualTheReference) {

@@ -65,8 +65,10 @@ TEST_F(TrainCliTest, FullFineTuningWritesHuggingFaceOutputsLogsAndMemoryReport) 
   const auto logs = read_jsonl(out / "log.jsonl");
   ASSERT_EQ(logs.size(), 4u);
   for (const char* key : {"loss", "grad_norm", "learning_rate", "epoch", "num_input_tokens_seen", "tokens_per_second",
-                          "memory_arena_bytes", "memory_rss_bytes", "step"})
+                          "memory_arena_bytes", "memory_rss_bytes", "step", "forward_seconds", "loss_seconds",
+                          "backward_seconds"})
     EXPECT_TRUE(logs[0].contains(key)) << key;
+  EXPECT_EQ(logs[0]["phase_clock"], "host");  // cpu computes as it is called
   EXPECT_LT(logs[3]["loss"].get<double>(), logs[0]["loss"].get<double>());
   const json state = json::parse(std::ifstream(out / "trainer_state.json"));
   EXPECT_EQ(state["global_step"], 4);
@@ -316,6 +318,20 @@ TEST_F(TrainCliTest, EveryCommandRunsOnVulkanAndAgreesWithCpu) {
     ASSERT_EQ(c.size(), 4u);
     ASSERT_EQ(v.size(), c.size());
     for (size_t i = 0; i < c.size(); ++i) EXPECT_NEAR(v[i], c[i], 1e-4 * c[i]) << run_name << " step " << i + 1;
+    // The phases of each logged step come from the device's timestamps: each took some time,
+    // and together no more than the step's wall clock (the time since the previous record).
+    double previous_elapsed = 0;
+    for (const auto& rec : read_jsonl(dir_ / (std::string(run_name) + "_vulkan") / "log.jsonl")) {
+      EXPECT_EQ(rec["phase_clock"], "device");
+      double phases = 0;
+      for (const char* key : {"forward_seconds", "loss_seconds", "backward_seconds"}) {
+        EXPECT_GT(rec[key].get<double>(), 0.0) << key;
+        phases += rec[key].get<double>();
+      }
+      const double elapsed = rec["elapsed_seconds"].get<double>();
+      EXPECT_LT(phases, elapsed - previous_elapsed) << rec.dump();
+      previous_elapsed = elapsed;
+    }
   }
   // Resume on the device from checkpoint-2: the same steps 3 and 4, bit for bit.
   fs::rename(dir_ / "full_vulkan", dir_ / "full_vulkan_whole");

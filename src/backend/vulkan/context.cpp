@@ -98,6 +98,16 @@ VulkanContext::VulkanContext(std::optional<int> requested_device) {
   layout_info.pPushConstantRanges = &range;
   check(vkCreatePipelineLayout(device_, &layout_info, nullptr, &layout_), "vkCreatePipelineLayout");
 
+  // Timestamps for the phase timings, where the compute queue has them.
+  const uint32_t valid_bits = families[queue_family_].timestampValidBits;
+  if (info_.timestamps && valid_bits > 0) {
+    auto query_info = vk_struct<VkQueryPoolCreateInfo>(VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO);
+    query_info.queryType = VK_QUERY_TYPE_TIMESTAMP;
+    query_info.queryCount = Backend::kTimeMarks;
+    check(vkCreateQueryPool(device_, &query_info, nullptr, &timestamps_), "vkCreateQueryPool");
+    timestamp_mask_ = valid_bits >= 64 ? ~uint64_t{0} : (uint64_t{1} << valid_bits) - 1;
+  }
+
   // Host-visible staging: planned host memory of kTransferBytes, as the host backends stage.
   staging_ = make_buffer(kTransferBytes, VK_BUFFER_USAGE_TRANSFER_SRC_BIT | VK_BUFFER_USAGE_TRANSFER_DST_BIT,
                          VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | VK_MEMORY_PROPERTY_HOST_COHERENT_BIT);
@@ -120,6 +130,7 @@ VulkanContext::~VulkanContext() {
     vkUnmapMemory(device_, staging_.memory);
     destroy(staging_);
   }
+  if (timestamps_) vkDestroyQueryPool(device_, timestamps_, nullptr);
   if (layout_) vkDestroyPipelineLayout(device_, layout_, nullptr);
   if (fence_) vkDestroyFence(device_, fence_, nullptr);
   if (pool_) vkDestroyCommandPool(device_, pool_, nullptr);
@@ -269,6 +280,32 @@ void VulkanContext::flush() {
   check(vkWaitForFences(device_, 1, &fence_, VK_TRUE, UINT64_MAX), "vkWaitForFences");
   check(vkResetFences(device_, 1, &fence_), "vkResetFences");
   check(vkResetCommandBuffer(commands_, 0), "vkResetCommandBuffer");
+}
+
+void VulkanContext::mark(int i) {
+  if (!timestamps_) return;
+  MT_ASSERT(i >= 0 && i < Backend::kTimeMarks, "vulkan: a time mark out of range");
+  if (i == 0) marked_ = 0;  // a new series
+  VkCommandBuffer c = recording();
+  vkCmdResetQueryPool(c, timestamps_, static_cast<uint32_t>(i), 1);
+  vkCmdWriteTimestamp(c, VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, timestamps_, static_cast<uint32_t>(i));
+  marked_ |= 1u << i;
+}
+
+std::vector<double> VulkanContext::marks() {
+  uint32_t n = 0;
+  while (n < static_cast<uint32_t>(Backend::kTimeMarks) && (marked_ >> n & 1u)) ++n;
+  marked_ = 0;
+  if (n == 0) return {};
+  flush();
+  std::vector<uint64_t> ticks(n);
+  check(vkGetQueryPoolResults(device_, timestamps_, 0, n, n * sizeof(uint64_t), ticks.data(), sizeof(uint64_t),
+                              VK_QUERY_RESULT_64_BIT | VK_QUERY_RESULT_WAIT_BIT),
+        "vkGetQueryPoolResults");
+  std::vector<double> seconds(n);
+  for (uint32_t i = 0; i < n; ++i)
+    seconds[i] = static_cast<double>((ticks[i] - ticks[0]) & timestamp_mask_) * info_.timestamp_period_ns * 1e-9;
+  return seconds;
 }
 
 void VulkanContext::upload(uint64_t dst, const void* src, size_t bytes) {

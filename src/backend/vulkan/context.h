@@ -23,6 +23,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <vector>
 
 #include "backend/vulkan/device.h"
 
@@ -63,6 +64,12 @@ class VulkanContext {
   }
   // Submits what is recorded and waits for it.
   void flush();
+  // Device timestamps (Backend::time_mark / time_marks): mark i is written when the work
+  // recorded before it has finished (mark 0 starts a series); marks() flushes, waits and returns
+  // the seconds of the series' marks 0..n-1 since mark 0 (n: those made, from 0 without a gap),
+  // then forgets them. Empty without timestamps on the compute queue.
+  void mark(int i);
+  std::vector<double> marks();
   // The driver's figures for the device-local heaps (VK_EXT_memory_budget): what this process
   // uses and what it may use; none without the extension (lavapipe).
   struct MemoryBudget {
@@ -100,6 +107,9 @@ class VulkanContext {
   bool recording_ = false;
   VkFence fence_ = VK_NULL_HANDLE;
   VkPipelineLayout layout_ = VK_NULL_HANDLE;
+  VkQueryPool timestamps_ = VK_NULL_HANDLE;  // Backend::kTimeMarks timestamp queries
+  uint64_t timestamp_mask_ = 0;              // the queue's valid timestamp bits
+  uint32_t marked_ = 0;                      // a bit per mark written since marks()
   std::map<uint64_t, Allocation> allocations_;  // by device address
   uint64_t allocated_bytes_ = 0;
   Allocation staging_;

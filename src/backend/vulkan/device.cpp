@@ -49,6 +49,7 @@ VulkanDeviceInfo read_device(VkPhysicalDevice pd, int index) {
   d.max_storage_buffer_range = props.limits.maxStorageBufferRange;
   d.shared_memory_bytes = props.limits.maxComputeSharedMemorySize;
   d.timestamps = props.limits.timestampComputeAndGraphics == VK_TRUE;
+  d.timestamp_period_ns = props.limits.timestampPeriod;
 
   uint32_t count = 0;
   vkEnumerateDeviceExtensionProperties(pd, nullptr, &count, nullptr);

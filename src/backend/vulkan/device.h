@@ -36,6 +36,7 @@ struct VulkanDeviceInfo {
   uint32_t subgroup_size = 0, shared_memory_bytes = 0;
   bool storage_16bit = false, shader_int64 = false, buffer_device_address = false;
   bool memory_budget = false, cooperative_matrix = false, timestamps = false;
+  float timestamp_period_ns = 0;  // nanoseconds per timestamp tick
   // The memory the backend needs: buffer device addresses, 64-bit integers and 16-bit storage.
   bool usable() const { return buffer_device_address && shader_int64 && storage_16bit; }
   // The largest device-local heap.

@@ -61,6 +61,8 @@ class VulkanBackend final : public Backend {
   // compiled on first use. Measured on lavapipe (Mesa 22.3.6, LLVM 15): a LoRA training step
   // peaked 3 MiB above its prediction without this term; rounded up.
   size_t runtime_bytes() const override { return size_t{8} << 20; }
+  void time_mark(int i) override { ctx_->mark(i); }
+  std::vector<double> time_marks() override { return ctx_->marks(); }
   std::optional<DeviceMemoryFigures> device_memory_figures() const override {
     DeviceMemoryFigures f{.device = ctx_->info().name,
                           .heap_bytes = ctx_->info().device_heap_bytes(),
@@ -495,6 +497,8 @@ class VulkanBackend final : public Backend {
               float scale) {
     const int64_t N = inp.rows(), C = inp.cols(), OC = weight.rows();
     MT_ASSERT(weight.cols() == C && out.rows() == N && out.cols() == OC, "matmul shapes");
+    if (N > kMatvecRows)  // out = inp @ W^T: A(m, k) = inp[m C + k], B(k, n) = W[n C + k]
+      return gemm(out, inp, weight, N, OC, C, /*a_m=*/C, /*a_k=*/1, /*b_k=*/1, /*b_n=*/C, scale, accumulate, bias);
     inp.f32();
     out.f32();
     struct {
@@ -512,24 +516,23 @@ class VulkanBackend final : public Backend {
            weight_dtype_code(weight.dtype),
            accumulate ? 1u : 0u,
            scale};
-    if (N <= kMatvecRows)
-      ctx_->dispatch("matvec", push, groups_for(N * OC));
-    else
-      ctx_->dispatch("matmul", push, u32((OC + 15) / 16), u32((N + 15) / 16));
+    ctx_->dispatch("matvec", push, groups_for(N * OC));
   }
 
-  // out[M, Nc] += alpha A @ B, A float32 and B float32 or 16-bit, both given by strides (gemm.comp).
+  // out[M, Nc] (+)= alpha A @ B (+ bias), A float32 and B float32 or 16-bit, both given by
+  // strides (gemm.comp, 64 x 64 output tiles).
   void gemm(const Tensor& out, const Tensor& a, const Tensor& b, int64_t M, int64_t Nc, int64_t K, int64_t a_m,
-            int64_t a_k, int64_t b_k, int64_t b_n, float alpha) {
+            int64_t a_k, int64_t b_k, int64_t b_n, float alpha, bool accumulate = true, const Tensor& bias = {}) {
     out.f32();
     a.f32();
     struct {
-      uint64_t out, a, b;
-      uint32_t M, Nc, K, a_m, a_k, b_k, b_n, b_dtype;
+      uint64_t out, a, b, bias;
+      uint32_t M, Nc, K, a_m, a_k, b_k, b_n, b_dtype, has_bias, accumulate;
       float alpha;
     } push{address(out),
            address(a),
            address(b),
+           address(bias),
            u32(M),
            u32(Nc),
            u32(K),
@@ -538,8 +541,10 @@ class VulkanBackend final : public Backend {
            u32(b_k),
            u32(b_n),
            weight_dtype_code(b.dtype),
+           bias ? 1u : 0u,
+           accumulate ? 1u : 0u,
            alpha};
-    ctx_->dispatch("gemm", push, u32((Nc + 15) / 16), u32((M + 15) / 16));
+    ctx_->dispatch("gemm", push, u32((Nc + 63) / 64), u32((M + 63) / 64));
   }
   // mode 0: out[r] = inp[index[r]]; mode 1: out[index[r]] = inp[r] (rows of float32 matrices).
   void rows_op(const Tensor& out, const Tensor& inp, const Tensor& index, uint32_t mode) {

@@ -1,8 +1,8 @@
 #version 460
-// matmul.comp for a few input rows (decoding: one row per sequence): one invocation per output
-// element walks its weight row once, so nothing waits at a barrier and a step of N rows reads
-// the weights N times from cache, once from memory. Same push constants as matmul.comp, and its
-// order of the sum over C (k increasing).
+// out = inp @ W^T (+ bias), or out += scale * inp @ W^T, for a few input rows (decoding: one row
+// per sequence), where gemm.comp's 64 x 64 tiles would stay mostly idle: one invocation per
+// output element walks its weight row once (k increasing), so nothing waits at a barrier and a
+// step of N rows reads the weights N times from cache, once from memory.
 #include "common.glsl"
 layout(local_size_x = 256) in;
 layout(push_constant) uniform Push {
