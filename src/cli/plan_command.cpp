@@ -16,6 +16,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "backend/vulkan/vulkan_backend.h"
 #include "cli/commands.h"
 #include "cli/plan_fit.h"
 #include "cli/plan_training.h"
@@ -41,6 +42,10 @@ Action add_plan(CLI::App& app) {
       ->capture_default_str();
   app.add_option("--device_memory", a->device_memory,
                  "budget of the device part (the arena), e.g. 24GiB, or auto: the --backend device's budget or heap");
+  app.add_option("--vulkan_max_allocation", a->vulkan_max_allocation,
+                 "with --backend vulkan: plan for a Vulkan device that is not on this machine, whose one allocation "
+                 "holds at most this (maxMemoryAllocationSize, e.g. 4GiB; vulkaninfo shows it) and whose memory is "
+                 "--device_memory; no device is opened");
   app.add_option("--world_size", a->world_size, "data-parallel ranks (mpirun -np N): the plan is per rank")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
@@ -51,7 +56,16 @@ Action add_plan(CLI::App& app) {
                "within --device_memory and --host_memory");
   app.add_flag("--allow_shorter_max_length", a->allow_shorter_max_length, "let --fit also halve max_length");
   return [a] {
-    // Measured before anything is loaded: what the binary, its libraries and the backend hold.
+    if (!a->vulkan_max_allocation.empty()) {
+      if (a->run.backend != "vulkan") throw Error("--vulkan_max_allocation plans for a Vulkan device: add --backend vulkan");
+      if (a->device_memory.empty() || a->device_memory == "auto")
+        throw Error("--vulkan_max_allocation plans for a device that is not here: give its memory as --device_memory, "
+                    "e.g. 24GiB");
+      plan_for_absent_vulkan_device({.max_allocation_bytes = parse_bytes(a->vulkan_max_allocation, "--vulkan_max_allocation"),
+                                     .heap_bytes = parse_bytes(a->device_memory, "--device_memory")});
+    }
+    // Measured before anything is loaded: what the binary, its libraries and the backend hold
+    // (for an absent device, without its driver).
     const size_t startup_rss = startup_rss_bytes(a->run.backend);
     const TrainingPlanner planner(*a, startup_rss);
     const TrainingArguments& r = a->run;

@@ -19,6 +19,7 @@ namespace memtune::cli {
 struct PlanArgs {
   TrainingArguments run;
   std::string preset, device_memory, quantization;
+  std::string vulkan_max_allocation;  // plan for an absent Vulkan device with this allocation limit
   int64_t eval_sequences = 1000;
   bool json = false, fit = false, allow_shorter_max_length = false;
   int world_size = 1;

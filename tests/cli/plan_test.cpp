@@ -62,6 +62,46 @@ TEST(PlanCommand, BudgetCheckAndCheckpointingLever) {
   EXPECT_CONTAINS(bad.output, "parsecs");
 }
 
+// A plan for a Vulkan device that is not on this machine, from its limits: no device is opened,
+// so this runs in every build. Where this machine has a device, the plan is the one made with it
+// (the backend answers the planning questions the same way); only the limits differ.
+TEST(PlanCommand, AnAbsentVulkanDeviceIsPlannedFromTheLimitsGiven) {
+  const std::string base =
+      "plan --json --backend vulkan --preset qwen2.5-0.5b --tuner_type full --per_device_train_batch_size 4 "
+      "--max_length 1024";
+  const auto r = testing_support::run_memtune(base + " --vulkan_max_allocation 1GiB --device_memory 24GiB");
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_CONTAINS(r.output, "no device opened");
+  auto last_line = [](const std::string& out) { return json::parse(out.substr(out.rfind('\n', out.size() - 2) + 1)); };
+  const json p = last_line(r.output);
+  const json& d = p["device"];
+  EXPECT_EQ(d["max_allocation_bytes"].get<size_t>(), size_t{1} << 30);
+  EXPECT_EQ(d["device_heap_bytes"].get<size_t>(), size_t{24} << 30);
+  ASSERT_GE(d["allocations"].size(), 2u);
+  size_t total = 0;
+  for (const auto& a : d["allocations"]) {
+    EXPECT_LE(a.get<size_t>(), size_t{1} << 30);
+    total += a.get<size_t>();
+  }
+  EXPECT_GE(total, p["peak_bytes"].get<size_t>());
+  EXPECT_TRUE(d["fits"].get<bool>());
+  EXPECT_TRUE(p["fits"].get<bool>());
+  const auto devices = testing_support::run_memtune("devices --json");
+  if (devices.status == 0 && devices.output.find("\"backend_vulkan_device\": null") == std::string::npos) {
+    const auto here = testing_support::run_memtune(base);
+    ASSERT_EQ(here.status, 0) << here.output;
+    EXPECT_EQ(last_line(here.output)["peak_bytes"], p["peak_bytes"]);
+    for (const char* term : {"host_arena_bytes", "compute_runtime_bytes"})
+      EXPECT_EQ(last_line(here.output)["process"]["terms"][term], p["process"]["terms"][term]) << term;
+  }
+  const auto on_cpu = testing_support::run_memtune("plan --preset tiny --vulkan_max_allocation 1GiB --device_memory 8GiB");
+  EXPECT_EQ(on_cpu.status, 1);
+  EXPECT_CONTAINS(on_cpu.output, "add --backend vulkan");
+  const auto no_memory = testing_support::run_memtune("plan --preset tiny --backend vulkan --vulkan_max_allocation 1GiB");
+  EXPECT_EQ(no_memory.status, 1);
+  EXPECT_CONTAINS(no_memory.output, "--device_memory");
+}
+
 // --quantization plans the linear layers packed: 4 bits per weight plus a float16 scale and zero
 // per group of 128 inputs and output, counted here from the shapes alone.
 TEST(PlanCommand, QuantizationPlansPackedWeights) {

@@ -9,10 +9,12 @@
 #include <cstdio>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "backend/vulkan/context.h"
 #include "backend/vulkan/device.h"
+#include "core/console.h"
 #include "core/error.h"
 #include "core/labels.h"
 
@@ -49,10 +51,22 @@ uint32_t weight_dtype_code(DType d) {
   throw Error(fmt::format("--backend vulkan: a weight of dtype {} in a float matmul", dtype_torch_name(d)));
 }
 
+std::optional<VulkanDeviceProfile>& absent_device() {
+  static std::optional<VulkanDeviceProfile> profile;
+  return profile;
+}
+
 class VulkanBackend final : public Backend {
  public:
   // The run's first lines name the device, its memory and the features used (stderr).
-  VulkanBackend() : ctx_(std::make_unique<VulkanContext>()) {
+  VulkanBackend() : profile_(absent_device()) {
+    if (profile_) {
+      std::fprintf(stderr, "vulkan: no device opened; planning for one whose allocations hold at most %s, with %s of memory\n",
+                   format_bytes(profile_->max_allocation_bytes).c_str(), format_bytes(profile_->heap_bytes).c_str());
+      return;
+    }
+    ctx_ = std::make_unique<VulkanContext>();
+    partials_ = ctx_->allocate(kPartials * sizeof(float));
     std::fprintf(stderr, "vulkan: device %d, %s\n", ctx_->info().index, describe_vulkan_device(ctx_->info()).c_str());
   }
   std::string_view name() const override { return "vulkan"; }
@@ -61,13 +75,17 @@ class VulkanBackend final : public Backend {
   // compiled on first use. Measured on lavapipe (Mesa 22.3.6, LLVM 15): a LoRA training step
   // peaked 3 MiB above its prediction without this term; rounded up.
   size_t runtime_bytes() const override { return size_t{8} << 20; }
-  void time_mark(int i) override { ctx_->mark(i); }
-  std::vector<double> time_marks() override { return ctx_->marks(); }
+  void time_mark(int i) override { ctx().mark(i); }
+  std::vector<double> time_marks() override { return ctx().marks(); }
   std::optional<DeviceMemoryFigures> device_memory_figures() const override {
-    DeviceMemoryFigures f{.device = ctx_->info().name,
-                          .heap_bytes = ctx_->info().device_heap_bytes(),
-                          .max_allocation_bytes = ctx_->info().max_allocation_bytes};
-    if (const auto b = ctx_->memory_budget()) {
+    if (profile_)
+      return DeviceMemoryFigures{.device = "given by --vulkan_max_allocation and --device_memory (not on this machine)",
+                                 .heap_bytes = profile_->heap_bytes,
+                                 .max_allocation_bytes = profile_->max_allocation_bytes};
+    DeviceMemoryFigures f{.device = ctx().info().name,
+                          .heap_bytes = ctx().info().device_heap_bytes(),
+                          .max_allocation_bytes = ctx().info().max_allocation_bytes};
+    if (const auto b = ctx().memory_budget()) {
       f.usage_bytes = b->usage_bytes;
       f.budget_bytes = b->budget_bytes;
     }
@@ -77,8 +95,8 @@ class VulkanBackend final : public Backend {
   // collective staging), after backward.
   bool overlaps_collectives() const override { return false; }
 
-  void* allocate(size_t bytes) override { return reinterpret_cast<void*>(ctx_->allocate(bytes)); }
-  void deallocate(void* base, size_t) override { ctx_->deallocate(address(base)); }
+  void* allocate(size_t bytes) override { return reinterpret_cast<void*>(ctx().allocate(bytes)); }
+  void deallocate(void* base, size_t) override { ctx().deallocate(address(base)); }
   bool host_addressable() const override { return false; }
   bool runs_cross_entropy() const override { return true; }
   bool memory_in_host_pages() const override { return false; }
@@ -88,11 +106,11 @@ class VulkanBackend final : public Backend {
   size_t quantized_scratch_elems(int64_t) const override { return 0; }
   size_t quantized_scratch_used(int64_t, int64_t) const override { return 0; }
 
-  void copy_to_device(const Tensor& dst, const void* src) override { ctx_->upload(address(dst), src, dst.bytes()); }
-  void copy_to_host(void* dst, const Tensor& src) override { ctx_->download(dst, address(src), src.bytes()); }
+  void copy_to_device(const Tensor& dst, const void* src) override { ctx().upload(address(dst), src, dst.bytes()); }
+  void copy_to_host(void* dst, const Tensor& src) override { ctx().download(dst, address(src), src.bytes()); }
   void copy(const Tensor& dst, const Tensor& src) override {
     MT_ASSERT(dst.bytes() == src.bytes(), "copy of views of different sizes");
-    ctx_->copy(address(dst), address(src), src.bytes());
+    ctx().copy(address(dst), address(src), src.bytes());
   }
   void convert(const Tensor& dst, const Tensor& src) override {
     MT_ASSERT(dst.numel() == src.numel(), "convert of views of different sizes");
@@ -113,16 +131,16 @@ class VulkanBackend final : public Backend {
       uint64_t dst, src;
       uint32_t n, mode;
     } push{address(dst), address(src), u32(dst.numel()), mode};
-    ctx_->dispatch("convert", push, groups_for(dst.numel()));
+    ctx().dispatch("convert", push, groups_for(dst.numel()));
   }
   void fill(const Tensor& dst, float value) override {
     dst.f32();
-    ctx_->fill_words(address(dst), std::bit_cast<uint32_t>(value), dst.bytes());
+    ctx().fill_words(address(dst), std::bit_cast<uint32_t>(value), dst.bytes());
   }
   void fill_bytes(void* device, unsigned char byte, size_t bytes) override {
-    if (address(device) % 4 == 0 && bytes % 4 == 0) return ctx_->fill_words(address(device), 0x01010101u * byte, bytes);
+    if (address(device) % 4 == 0 && bytes % 4 == 0) return ctx().fill_words(address(device), 0x01010101u * byte, bytes);
     const std::vector<unsigned char> host(bytes, byte);  // a ragged range: rare, through staging
-    ctx_->upload(address(device), host.data(), bytes);
+    ctx().upload(address(device), host.data(), bytes);
   }
 
   void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& bias) override {
@@ -137,14 +155,14 @@ class VulkanBackend final : public Backend {
       uint64_t y, x;
       uint32_t n;
     } push{address(y), address(x), u32(y.numel())};
-    ctx_->dispatch("add_inplace", push, groups_for(y.numel()));
+    ctx().dispatch("add_inplace", push, groups_for(y.numel()));
   }
   void swiglu_forward(const Tensor& h, const Tensor& gate, const Tensor& up) override {
     struct {
       uint64_t h, gate, up;
       uint32_t n;
     } push{address(h), address(gate), address(up), u32(h.numel())};
-    ctx_->dispatch("swiglu", push, groups_for(h.numel()));
+    ctx().dispatch("swiglu", push, groups_for(h.numel()));
   }
 
   void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
@@ -162,7 +180,7 @@ class VulkanBackend final : public Backend {
         uint32_t N, C;
         float alpha;
       } push{address(dbias), address(dout), u32(N), u32(OC), scale};
-      ctx_->dispatch("column_sum", push, groups_for(OC));
+      ctx().dispatch("column_sum", push, groups_for(OC));
     }
   }
   void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, const Tensor& w, float eps) override {
@@ -171,7 +189,7 @@ class VulkanBackend final : public Backend {
       uint32_t C;
       float eps;
     } push{address(out), address(rstd), address(inp), address(w), u32(inp.cols()), eps};
-    ctx_->dispatch("rmsnorm", push, u32(inp.rows()));
+    ctx().dispatch("rmsnorm", push, u32(inp.rows()));
   }
   void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
                         const Tensor& w, const Tensor& rstd) override {
@@ -181,10 +199,10 @@ class VulkanBackend final : public Backend {
     } push{address(dinp),   address(dweight), address(dout),
            address(inp),    address(w),       address(rstd),
            u32(inp.rows()), u32(inp.cols()),  0};
-    ctx_->dispatch("rmsnorm_backward", push, u32(inp.rows()));
+    ctx().dispatch("rmsnorm_backward", push, u32(inp.rows()));
     if (dweight) {
       push.mode = 1;
-      ctx_->dispatch("rmsnorm_backward", push, groups_for(inp.cols()));
+      ctx().dispatch("rmsnorm_backward", push, groups_for(inp.cols()));
     }
   }
   void rope_forward(const Tensor& x, const Tensor& positions, const Tensor& inv_freq) override {
@@ -201,7 +219,7 @@ class VulkanBackend final : public Backend {
       uint32_t N, C, cdtype;
     } push{address(k_cache), address(v_cache), address(k),    address(v),
            address(slots),   u32(k.rows()),    u32(k.cols()), weight_dtype_code(k_cache.dtype)};
-    ctx_->dispatch("kv_cache_write", push, groups_for(k.numel()));
+    ctx().dispatch("kv_cache_write", push, groups_for(k.numel()));
   }
   void gather_rows(const Tensor& out, const Tensor& inp, const Tensor& index) override { rows_op(out, inp, index, 0); }
   void swiglu_backward(const Tensor& dgate, const Tensor& dup, const Tensor& dh, const Tensor& gate,
@@ -210,7 +228,7 @@ class VulkanBackend final : public Backend {
       uint64_t dgate, dup, dh, gate, up;
       uint32_t n;
     } push{address(dgate), address(dup), address(dh), address(gate), address(up), u32(dh.numel())};
-    ctx_->dispatch("swiglu_backward", push, groups_for(dh.numel()));
+    ctx().dispatch("swiglu_backward", push, groups_for(dh.numel()));
   }
   void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& table) override {
     embedding(table, out, ids, weight_dtype_code(table.dtype), 0, groups_for(out.numel()));
@@ -227,7 +245,7 @@ class VulkanBackend final : public Backend {
     } push{
         address(out),     address(x), key, u32(x.numel()), static_cast<uint32_t>(static_cast<double>(p) * 16777216.0),
         1.0f / (1.0f - p)};
-    ctx_->dispatch("dropout", push, groups_for(x.numel()));
+    ctx().dispatch("dropout", push, groups_for(x.numel()));
   }
   // Sampling on the device (sample_penalties.comp, sample.comp): the rows' settings and the
   // penalty tokens go up with the step, R token ids come back.
@@ -259,22 +277,22 @@ class VulkanBackend final : public Backend {
       for (const PenaltyToken& t : a.penalties.subspan(row.penalty_begin, row.penalty_count))
         penalty_words_.insert(penalty_words_.end(), {t.id, t.output_count, static_cast<int32_t>(r)});
     }
-    ctx_->upload(address(a.device_rows), sample_words_.data(), sample_words_.size() * sizeof(int32_t));
+    ctx().upload(address(a.device_rows), sample_words_.data(), sample_words_.size() * sizeof(int32_t));
     if (!penalty_words_.empty()) {
-      ctx_->upload(address(a.device_penalties), penalty_words_.data(), penalty_words_.size() * sizeof(int32_t));
+      ctx().upload(address(a.device_penalties), penalty_words_.data(), penalty_words_.size() * sizeof(int32_t));
       const auto n = static_cast<int64_t>(penalty_words_.size() / 3);
       struct {
         uint64_t logits, rows, entries;
         uint32_t n, V;
       } push{address(a.logits), address(a.device_rows), address(a.device_penalties), u32(n), u32(V)};
-      ctx_->dispatch("sample_penalties", push, groups_for(n));
+      ctx().dispatch("sample_penalties", push, groups_for(n));
     }
     struct {
       uint64_t logits, rows, tokens;
       uint32_t V;
     } push{address(a.logits), address(a.device_rows), address(a.device_tokens), u32(V)};
-    ctx_->dispatch("sample", push, u32(R));
-    ctx_->download(a.tokens.data(), address(a.device_tokens), static_cast<size_t>(R) * sizeof(int32_t));
+    ctx().dispatch("sample", push, u32(R));
+    ctx().download(a.tokens.data(), address(a.device_tokens), static_cast<size_t>(R) * sizeof(int32_t));
   }
 
   // Every tensor's workgroups write their partial sums side by side, and they come back in one
@@ -293,10 +311,10 @@ class VulkanBackend final : public Backend {
         uint32_t n;
         float scale;
       } push{address(x), partials_ + used * sizeof(float), u32(x.numel()), scale};
-      ctx_->dispatch("scale_sum_squares", push, groups);
+      ctx().dispatch("scale_sum_squares", push, groups);
       used += groups;
     }
-    ctx_->download(partial_sums_.data(), partials_, used * sizeof(float));
+    ctx().download(partial_sums_.data(), partials_, used * sizeof(float));
     double total = 0.0;
     for (uint32_t i = 0; i < used; ++i) total += partial_sums_[i];
     return total;
@@ -322,7 +340,7 @@ class VulkanBackend final : public Backend {
            static_cast<float>(c.eps),
            step.decay ? static_cast<float>(1.0 - step.learning_rate * c.weight_decay) : 1.0f,
            step.grad_scale};
-    ctx_->dispatch("adamw", push, groups_for(param.numel()));
+    ctx().dispatch("adamw", push, groups_for(param.numel()));
   }
 
   void quantized_matmul_forward(const Tensor& out, const Tensor& inp, const QuantizedWeight& w, const Tensor& bias,
@@ -353,7 +371,7 @@ class VulkanBackend final : public Backend {
            u32(k.cols() / hd),
            u32(hd),
            attention_scale(hd)};
-    ctx_->dispatch("attention", push, groups_for(q.rows() * (q.cols() / hd)));
+    ctx().dispatch("attention", push, groups_for(q.rows() * (q.cols() / hd)));
   }
   void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& out,
                           const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
@@ -379,9 +397,9 @@ class VulkanBackend final : public Backend {
            u32(hd),
            0,
            attention_scale(hd)};
-    ctx_->dispatch("attention_backward", push, groups_for(q.rows() * (q.cols() / hd)));
+    ctx().dispatch("attention_backward", push, groups_for(q.rows() * (q.cols() / hd)));
     push.mode = 1;
-    ctx_->dispatch("attention_backward", push, groups_for(k.rows() * (k.cols() / hd)));
+    ctx().dispatch("attention_backward", push, groups_for(k.rows() * (k.cols() / hd)));
   }
   void paged_attention_forward(const Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                                const Tensor& block_tables, const Tensor& cu_seqlens, const Tensor& context_lens,
@@ -406,7 +424,7 @@ class VulkanBackend final : public Backend {
            u32(block_size),
            weight_dtype_code(k_cache.dtype),
            attention_scale(hd)};
-    ctx_->dispatch("paged_attention", push, groups_for(q.rows() * (q.cols() / hd)));
+    ctx().dispatch("paged_attention", push, groups_for(q.rows() * (q.cols() / hd)));
   }
   // The fused head on the device: each chunk's logits are computed here (16-bit heads read as
   // stored); cross-entropy runs on them (cross_entropy.comp), writing its gradient in place for
@@ -422,7 +440,7 @@ class VulkanBackend final : public Backend {
     // download into the staging that then holds them compacted in place).
     const int32_t* targets = a.host_targets.data();
     if (a.host_targets.empty()) {
-      ctx_->download(st.targets, address(a.targets), static_cast<size_t>(N) * sizeof(int32_t));
+      ctx().download(st.targets, address(a.targets), static_cast<size_t>(N) * sizeof(int32_t));
       targets = st.targets;
     }
     int64_t count = 0;
@@ -433,7 +451,7 @@ class VulkanBackend final : public Backend {
       st.positions[count] = static_cast<int32_t>(n);
       st.targets[count++] = t;
     }
-    if (count > 0) ctx_->upload(address(a.positions), st.positions, static_cast<size_t>(count) * sizeof(int32_t));
+    if (count > 0) ctx().upload(address(a.positions), st.positions, static_cast<size_t>(count) * sizeof(int32_t));
     const bool backward = static_cast<bool>(a.dhidden);
     const auto* cross_entropy = dynamic_cast<const CrossEntropyLoss*>(a.loss);
     const bool logits_to_host = !cross_entropy || (a.observer && a.observer->needs_logits());
@@ -461,18 +479,18 @@ class VulkanBackend final : public Backend {
                u32(V),
                flags,
                cross_entropy ? cross_entropy->label_smoothing() : 0.0f};
-        ctx_->dispatch("cross_entropy", push, u32(m));
+        ctx().dispatch("cross_entropy", push, u32(m));
       }
       if (logits_to_host) {
         if (!st.logits)
           throw Error("--backend vulkan: a custom loss or a metric that reads logits needs the host staging of a "
                       "logits chunk, which this model was planned without (ModelOptions::host_logits)");
-        ctx_->download(st.logits, address(logits), logits.bytes());
+        ctx().download(st.logits, address(logits), logits.bytes());
         const int32_t* row_targets = st.targets + c0;
         if (a.observer && a.observer->needs_logits())
           a.observer->observe({st.logits, row_targets, st.positions + c0, m, V});
         total += a.loss->chunk(st.logits, row_targets, m, V, backward);
-        if (backward) ctx_->upload(address(logits), st.logits, logits.bytes());  // now d(sum)/d(logits)
+        if (backward) ctx().upload(address(logits), st.logits, logits.bytes());  // now d(sum)/d(logits)
       }
       if (!backward) continue;
       const Tensor drows(a.drows.data, DType::F32, {m, D});
@@ -482,11 +500,11 @@ class VulkanBackend final : public Backend {
       if (a.dweight) gemm(a.dweight, logits, rows, V, D, m, /*a_m=*/1, /*a_k=*/V, /*b_k=*/D, /*b_n=*/1, a.grad_scale);
     }
     if (!logits_to_host && count > 0) {
-      ctx_->download(st.row_losses, address(a.row_losses), static_cast<size_t>(count) * sizeof(float));
+      ctx().download(st.row_losses, address(a.row_losses), static_cast<size_t>(count) * sizeof(float));
       for (int64_t r = 0; r < count; ++r) total += st.row_losses[r];  // in row order: the same sum every run
     }
     if (a.observer && count > 0) {
-      ctx_->download(st.row_stats, address(a.row_stats), static_cast<size_t>(count) * sizeof(RowStats));
+      ctx().download(st.row_stats, address(a.row_stats), static_cast<size_t>(count) * sizeof(RowStats));
       a.observer->observe_rows({st.row_stats, st.targets, st.positions, count});
     }
     return LossSum{total, count};
@@ -516,7 +534,7 @@ class VulkanBackend final : public Backend {
            weight_dtype_code(weight.dtype),
            accumulate ? 1u : 0u,
            scale};
-    ctx_->dispatch("matvec", push, groups_for(N * OC));
+    ctx().dispatch("matvec", push, groups_for(N * OC));
   }
 
   // out[M, Nc] (+)= alpha A @ B (+ bias), A float32 and B float32 or 16-bit, both given by
@@ -544,7 +562,7 @@ class VulkanBackend final : public Backend {
            bias ? 1u : 0u,
            accumulate ? 1u : 0u,
            alpha};
-    ctx_->dispatch("gemm", push, u32((Nc + 63) / 64), u32((M + 63) / 64));
+    ctx().dispatch("gemm", push, u32((Nc + 63) / 64), u32((M + 63) / 64));
   }
   // mode 0: out[r] = inp[index[r]]; mode 1: out[index[r]] = inp[r] (rows of float32 matrices).
   void rows_op(const Tensor& out, const Tensor& inp, const Tensor& index, uint32_t mode) {
@@ -553,7 +571,7 @@ class VulkanBackend final : public Backend {
       uint64_t out, inp, index;
       uint32_t R, C, mode;
     } push{address(out), address(inp), address(index), u32(rows.rows()), u32(rows.cols()), mode};
-    ctx_->dispatch("gather_rows", push, groups_for(rows.numel()));
+    ctx().dispatch("gather_rows", push, groups_for(rows.numel()));
   }
   void quantized(const Tensor& out, const Tensor& inp, const QuantizedWeight& w, const Tensor& bias, uint32_t mode,
                  uint32_t groups_x) {
@@ -577,7 +595,7 @@ class VulkanBackend final : public Backend {
            w.g_idx ? 1u : 0u,
            bias ? weight_dtype_code(bias.dtype) : 0u,
            mode};
-    ctx_->dispatch("quantized_matmul", push, groups_x, u32((inp.rows() + 15) / 16));
+    ctx().dispatch("quantized_matmul", push, groups_x, u32((inp.rows() + 15) / 16));
   }
   // 1 / sqrt(head_dim), after checking head_dim against what the shaders hold per thread.
   static float attention_scale(int64_t hd) {
@@ -591,7 +609,7 @@ class VulkanBackend final : public Backend {
       uint32_t N, half_dim, heads;
       float direction;
     } push{address(x), address(positions), address(inv_freq), u32(x.rows()), u32(half), u32(heads), direction};
-    ctx_->dispatch("rope", push, groups_for(x.rows() * half * heads));
+    ctx().dispatch("rope", push, groups_for(x.rows() * half * heads));
   }
   void embedding(const Tensor& table, const Tensor& rows, const Tensor& ids, uint32_t tdtype, uint32_t mode,
                  uint32_t groups) {
@@ -599,7 +617,7 @@ class VulkanBackend final : public Backend {
       uint64_t table, rows, ids;
       uint32_t N, D, tdtype, mode;
     } push{address(table), address(rows), address(ids), u32(ids.numel()), u32(table.cols()), tdtype, mode};
-    ctx_->dispatch("embedding", push, groups);
+    ctx().dispatch("embedding", push, groups);
   }
 
   // Partial sums of scale_and_sum_squares: one float per workgroup, at most kPartialsPerTensor
@@ -608,8 +626,16 @@ class VulkanBackend final : public Backend {
   // Products of at most this many input rows (decoding) run as matvec.comp: an invocation per
   // output element instead of 16 x 16 tiles that a few rows would leave mostly idle.
   static constexpr int64_t kMatvecRows = 16;
+  // The device's context; an Error on a backend that only plans.
+  VulkanContext& ctx() const {
+    if (!ctx_)
+      throw Error("--backend vulkan: this process plans for an absent device (--vulkan_max_allocation) and runs "
+                  "nothing on it");
+    return *ctx_;
+  }
+  std::optional<VulkanDeviceProfile> profile_;
   std::unique_ptr<VulkanContext> ctx_;
-  uint64_t partials_ = ctx_->allocate(kPartials * sizeof(float));
+  uint64_t partials_ = 0;
   std::vector<float> partial_sums_ = std::vector<float>(kPartials);
   std::vector<int32_t> sample_words_, penalty_words_;  // sample_tokens' uploads
 };
@@ -621,7 +647,12 @@ Backend& vulkan_backend() {
   return backend;
 }
 
+void plan_for_absent_vulkan_device(const VulkanDeviceProfile& profile) {
+  absent_device() = profile;
+}
+
 bool vulkan_backend_available() {
+  if (absent_device()) return true;  // a plan for a device that is not here needs none
   static const bool available = [] {
 #if defined(__SANITIZE_ADDRESS__)
     return false;  // a sanitizer build: Mesa's drivers keep allocations to exit, which LeakSanitizer reports
