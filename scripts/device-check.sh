@@ -148,6 +148,8 @@ result = {
     "train_full_bf16": {"batch": int(os.environ.get("MEMTUNE_CHECK_BATCH", 8)), "seq": 512,
                         "tokens_per_s": tokens_per_s, "mfu": tokens_per_s * flops_per_token / peak_flops,
                         "peak_flops": peak_flops, "plan_arena_bytes": memory["arena_bytes"],
+                        "phase_seconds": {k: steps[-1].get(f"{k}_seconds") for k in ("forward", "loss", "backward")},
+                        "phase_clock": steps[-1].get("phase_clock"),
                         "device": memory.get("device")},
     "generate": {f"batch{b}": {k: s.get(k) for k in ("prefill_tokens_per_second", "decode_tokens_per_second")}
                  for b, s in summary.items()},
