@@ -92,6 +92,9 @@ int main(int argc, char** argv) {
   app.add_option("--prompt", prompt);
   app.add_option("--new", new_tokens);
   app.add_option("--batches", batches)->delimiter(',');
+  std::string quantized_activations = "int8";
+  app.add_option("--quantized_activations", quantized_activations, "int8 | float (GPTQ / AWQ models)")
+      ->check(CLI::IsMember({"int8", "float"}));
   app.add_option("--rounds", rounds, "batch-1 decode rounds, each between two bandwidth samples")
       ->check(CLI::Range(int64_t{1}, int64_t{100}));
   CLI11_PARSE(app, argc, argv);
@@ -109,7 +112,10 @@ int main(int argc, char** argv) {
         if (s.shape.size() == 2 && s.name.starts_with("model.layers."))
           weight_bytes += double(quantized_layer_bytes(q.bits, s.shape[1], s.shape[0], q.groups(s.shape[1]), q.desc_act));
     }
-    const std::string label = c.quant.enabled() ? quantization_name(c.quant) : dtype_name;
+    const std::string label =
+        c.quant.enabled()
+            ? quantization_name(c.quant) + (quantized_activations == "int8" ? ", int8 activations" : "")
+            : dtype_name;
     const double bandwidth = read_bandwidth();
     const double ceiling =
         std::max({sgemm_gflops(prompt, I, D), sgemm_gflops(prompt, c.q_dim(), D), sgemm_gflops(prompt, D, I)});
@@ -122,8 +128,9 @@ int main(int argc, char** argv) {
 
     const InferenceLimits limits{.max_model_len = prompt + new_tokens, .max_num_seqs = max_batch,
                                  .max_num_batched_tokens = prompt * max_batch, .block_size = 16};
-    const std::unique_ptr<Decoder> model =
-        load_model(model_dir, inference_model_options(c, limits, nullptr), "", dtype);
+    ModelOptions options = inference_model_options(c, limits, nullptr);
+    options.int8_activations = quantized_activations == "int8";
+    const std::unique_ptr<Decoder> model = load_model(model_dir, options, "", dtype);
     Generator generator(*model, nullptr);
     Rng rng(1);
     nlohmann::json decode = nlohmann::json::object(), rounds_json = nlohmann::json::array();

@@ -4,7 +4,8 @@
 # examples/debian-sections (their text, labels dropped; created once in out/bench/quantize-lm),
 # quantizes it (int8 and int4 round-to-nearest, int4 GPTQ with and without act-order, calibrated
 # on 128 training texts) and measures each copy's perplexity on the held-out descriptions with
-# `memtune eval`. Then plans the weights of Qwen2.5-0.5B / 7B / 72B in float16, int8 and int4.
+# `memtune eval`, with int8 activations (the default) and with float32 ones (the quality guard:
+# within 0.5%). Then plans the weights of Qwen2.5-0.5B / 7B / 72B in float16, int8 and int4.
 # Writes bench/results/quantize-*.json (scripts/bench_results.py tables makes the table).
 # Usage: scripts/bench-quantize.sh [train_steps=300]
 set -euo pipefail
@@ -42,16 +43,27 @@ quantize int4-rtn --bits 4
 quantize int4-gptq --bits 4 --method gptq --calibration_file "$out/train.jsonl" --num_samples 128 --max_length 256
 quantize int4-gptq-act-order --bits 4 --method gptq --act_order --calibration_file "$out/train.jsonl" \
   --num_samples 128 --max_length 256
+evaluate() {  # NAME FLAGS...: the last line of memtune eval --json
+  local name="$1"
+  shift
+  "$memtune" eval --model_name_or_path "$out/$name" --eval_file "$out/eval.jsonl" --max_length 256 \
+    --metrics eval_loss,perplexity --per_device_eval_batch_size 8 --json "$@" | tail -n 1
+}
 rows="["
 for name in trained int8-rtn int4-rtn int4-gptq int4-gptq-act-order; do
-  result="$("$memtune" eval --model_name_or_path "$out/$name" --eval_file "$out/eval.jsonl" --max_length 256 \
-    --metrics eval_loss,perplexity --per_device_eval_batch_size 8 --json | tail -n 1)"
+  # Quantized copies: with int8 activations (the default; evaluation's batches are many rows) and
+  # with float32 ones, the quality guard between the two.
+  result="$(evaluate "$name")"
+  float_result="$(evaluate "$name" --quantized_activations float)"
   bytes="$(du -b "$out/$name/model.safetensors" | cut -f1)"
   row="$("$py" -c 'import json, sys
-r = json.loads(sys.argv[2])
-print(json.dumps({"model": "float32" if sys.argv[1] == "trained" else sys.argv[1], "perplexity": r["perplexity"],
-                  "eval_loss": r["eval_loss"], "eval_tokens": r["eval_tokens"], "file_bytes": int(sys.argv[3])}))' \
-    "$name" "$result" "$bytes")"
+r, f = json.loads(sys.argv[2]), json.loads(sys.argv[4])
+row = {"model": "float32" if sys.argv[1] == "trained" else sys.argv[1], "perplexity": r["perplexity"],
+       "eval_loss": r["eval_loss"], "eval_tokens": r["eval_tokens"], "file_bytes": int(sys.argv[3])}
+if sys.argv[1] != "trained":
+    row["perplexity_float_activations"] = f["perplexity"]
+    row["int8_activations_vs_float"] = r["perplexity"] / f["perplexity"] - 1
+print(json.dumps(row))' "$name" "$result" "$bytes" "$float_result")"
   echo "$row"
   rows+="$row,"
 done

@@ -99,6 +99,9 @@ struct QuantizedWeight {
   Tensor codes, scales, zeros, g_idx;
   int bits = 4;
   int64_t in = 0, out = 0, group_size = 0, groups = 0;
+  // Products of many rows may round their input to int8 (int8_activations.h); set by the model
+  // where the backend takes it (Backend::takes_int8_activations) and its options ask for it.
+  bool int8_activations = false;
 };
 // One product of Backend::matmul_forward_group.
 struct GroupMember {
@@ -140,6 +143,10 @@ class Backend {
   static constexpr int kTimeMarks = 8;
   virtual void time_mark(int) {}
   virtual std::vector<double> time_marks() { return {}; }
+  // Whether quantized products of many rows round their input to int8 when the weight asks
+  // (QuantizedWeight::int8_activations, int8_activations.h); a backend that says no computes
+  // them with float32 inputs.
+  virtual bool takes_int8_activations() const { return false; }
 
   // Device memory for an arena: zero-filled, page aligned. Host code must not dereference it.
   virtual void* allocate(size_t bytes) = 0;

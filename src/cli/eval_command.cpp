@@ -45,6 +45,7 @@ struct EvalArgs {
     int64_t max_new_tokens = 0;
     std::vector<std::string> labels;
     std::string save_predictions, output_dir, backend = "cpu", torch_dtype, host_memory;
+    std::string quantized_activations = "int8";
     bool bf16 = false, fp16 = false;
 };
 
@@ -59,7 +60,8 @@ ModelFlags model_flags(const EvalArgs& a) {
           .backend = a.backend,
           .adapter = a.adapter,
           .adapter_sets = {},
-          .host_memory = a.host_memory};
+          .host_memory = a.host_memory,
+          .int8_activations = a.quantized_activations == "int8"};
 }
 
 // --predict_with_generate: the eval file's examples generated on an inference model planned for
@@ -119,6 +121,7 @@ Action add_eval(CLI::App& app) {
   app.add_option("--model_name_or_path,--model", a->model, "Hugging Face model directory")->required();
   app.add_option("--adapter", a->adapter, "PEFT LoRA adapter directory");
   add_backend_option(app, a->backend);
+  add_quantized_activations_option(app, a->quantized_activations);
   app.add_option("--eval_file,--val_dataset,--eval_dataset,--dataset", a->eval_file,
                  "evaluation data, a local JSONL file")
       ->required();
@@ -183,6 +186,7 @@ Action add_eval(CLI::App& app) {
     o.max_tokens = batcher.max_micro_batch_tokens();
     o.max_targets = batcher.max_micro_batch_targets();
     o.with_grads = false;
+    o.int8_activations = a->quantized_activations == "int8";
     o.backend = &backend_named(a->backend);
     // The whole process, predicted before the model's memory exists (the tokenizer stays alive
     // for --save_predictions, so it is part of the prepared data).

@@ -231,6 +231,7 @@ QuantizedWeight ModelParameters::quantized_param(size_t i) const {
   w.out = out;
   w.group_size = q.group_size_for(in);
   w.groups = groups;
+  w.int8_activations = options_.int8_activations && !options_.with_grads && backend().takes_int8_activations();
   return w;
 }
 

@@ -61,6 +61,10 @@ struct ModelOptions {
   // cross-entropy itself (Backend::runs_cross_entropy).
   bool host_logits = false;
   bool with_grads = true;                                    // declare gradients and backward buffers
+  // Quantized weights: products of many rows in a model without gradients (prefill, serving
+  // steps, evaluation) round their input to int8 where the backend takes it (int8_activations.h);
+  // false keeps float32 inputs (--quantized_activations float). Training keeps float32 inputs.
+  bool int8_activations = true;
   bool with_optimizer = false;  // declare AdamW moments (and fp32 masters for 16-bit storage)
   LoraConfig lora;              // rank > 0: adapters are trained, the base is frozen (no gradients, no optimizer state)
   bool allocate = true;         // false: declare and plan only (memtune plan for models larger than this machine)

@@ -18,6 +18,15 @@ void add_backend_option(CLI::App& app, std::string& name) {
       ->capture_default_str();
 }
 
+void add_quantized_activations_option(CLI::App& app, std::string& value) {
+  app.add_option("--quantized_activations", value,
+                 "GPTQ / AWQ models: int8 rounds the input of products of more than 16 rows (prompts, serving "
+                 "steps, evaluation) to int8 per block for integer dot products (decoding keeps float32); float "
+                 "keeps float32 inputs everywhere")
+      ->check(CLI::IsMember({"int8", "float"}))
+      ->capture_default_str();
+}
+
 void add_training_arguments(CLI::App& app, TrainingArguments& a, ArgumentsFor use) {
   const bool required = use == ArgumentsFor::Train;
   app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);

@@ -19,6 +19,9 @@ namespace memtune {
 
 // --backend NAME on a command that builds a model: where its memory lives and its ops run.
 void add_backend_option(CLI::App& app, std::string& name);
+// --quantized_activations int8 | float (int8_activations.h): how quantized products of many rows
+// take their input in a model without gradients.
+void add_quantized_activations_option(CLI::App& app, std::string& value);
 
 struct TrainingArguments {
   // Where things are.

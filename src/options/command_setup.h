@@ -52,6 +52,7 @@ struct ModelFlags {
   std::string adapter;                    // one PEFT adapter directory
   std::vector<std::string> adapter_sets;  // adapter directories held at once (selected per request)
   std::string host_memory;                // --host_memory: a budget for the whole process
+  bool int8_activations = true;           // --quantized_activations int8 (ModelOptions::int8_activations)
 };
 
 // The config the flags describe (the directory's or the preset's, in the storage dtype asked

@@ -154,6 +154,73 @@ TEST(QuantizedOps, ForwardEqualsDequantizeThenMatmul) {
       }
 }
 
+// Int8 activations (int8_activations.h), against this test's own rounding: per block of 128, 64
+// or 32 inputs (the largest dividing the group), q = rint(x * (127 / amax)) in float32, the
+// product sum_k (amax / 127) q_k w_k in double. Decoding's row counts (<= 16), act-order and
+// inputs that are no whole number of groups keep float32 inputs; so does a backend that does not
+// take int8 activations (vulkan), and the flag unset.
+TEST(QuantizedOps, Int8ActivationsRoundTheInputPerBlockForManyRows) {
+  const int64_t OC = 37;  // two 16-row tiles and an odd remainder
+  struct Case {
+    Shape shape;
+    int64_t block;  // 0: float32 inputs
+  };
+  const Case cases[] = {{{4, 256, 128, false}, 128}, {{4, 256, 64, false}, 64}, {{8, 256, 64, false}, 64},
+                        {{8, 96, 96, false}, 32},    {{8, 512, 128, false}, 128}, {{4, 176, 128, false}, 0},
+                        {{4, 128, 32, true}, 0}};
+  for (const std::string_view name : backend_list())
+    for (const Case& c : cases)
+      for (const int64_t N : {16, 17, 38}) {
+        Backend& be = backend_named(name);
+        const Shape& s = c.shape;
+        const bool rounds = be.takes_int8_activations() && c.block > 0 && N > 16;
+        const QuantizedLayer layer = random_layer(s.bits, s.in, OC, s.group_size, s.act_order, 21 + s.in + N);
+        const std::vector<float> w = dequantize_layer(layer), x = randn(N * s.in, 7 + N), bias = randn(OC, 9);
+        std::vector<double> input(x.begin(), x.end());
+        if (rounds)
+          for (int64_t b = 0; b < N * s.in; b += c.block) {
+            float amax = 0.0f;
+            for (int64_t i = b; i < b + c.block; ++i) amax = std::max(amax, std::fabs(x[static_cast<size_t>(i)]));
+            const float inverse = 127.0f / amax, scale = amax / 127.0f;
+            for (int64_t i = b; i < b + c.block; ++i)
+              input[static_cast<size_t>(i)] = double(scale) * std::nearbyint(x[static_cast<size_t>(i)] * inverse);
+          }
+        std::vector<double> expected(static_cast<size_t>(N * OC)), unrounded(expected.size());
+        for (int64_t n = 0; n < N; ++n)
+          for (int64_t o = 0; o < OC; ++o) {
+            double sum = bias[static_cast<size_t>(o)], plain = sum;
+            for (int64_t k = 0; k < s.in; ++k) {
+              sum += input[static_cast<size_t>(n * s.in + k)] * w[static_cast<size_t>(o * s.in + k)];
+              plain += double(x[static_cast<size_t>(n * s.in + k)]) * w[static_cast<size_t>(o * s.in + k)];
+            }
+            expected[static_cast<size_t>(n * OC + o)] = sum;
+            unrounded[static_cast<size_t>(n * OC + o)] = plain;
+          }
+        Device d(be);
+        const Tensor out = d.alloc(DType::F32, {N, OC});
+        QuantizedWeight qw = d.weight(layer);
+        qw.int8_activations = true;
+        be.quantized_matmul_forward(out, d.f32(x, {N, s.in}), qw, d.f32(bias, {OC}),
+                                    d.alloc(DType::F32, {static_cast<int64_t>(be.quantized_scratch_elems(s.in))}));
+        std::vector<float> got(static_cast<size_t>(N * OC));
+        be.copy_to_host(got.data(), out);
+        double worst = 0, moved = 0;
+        for (size_t i = 0; i < got.size(); ++i) {
+          worst = std::max(worst, std::abs(got[i] - expected[i]));
+          moved = std::max(moved, std::abs(expected[i] - unrounded[i]));
+        }
+        const std::string what = fmt::format("{}: {}-bit, in {}, group {}, act-order {}, {} rows", name, s.bits, s.in,
+                                             s.group_size, s.act_order, N);
+        EXPECT_LE(worst, 1e-5 * max_abs(expected)) << what;
+        // The rounding moved the product (so the comparison above tells the two numerics apart),
+        // and by little: int8 per block is within about 1% of float32 inputs here.
+        if (rounds) {
+          EXPECT_GT(moved, 1e-4 * max_abs(expected)) << what;
+          EXPECT_LT(moved, 2e-2 * max_abs(expected)) << what;
+        }
+      }
+}
+
 TEST(QuantizedOps, BackwardInputAccumulatesDoutTimesTheDequantizedWeight) {
   const int64_t OC = cpu::kQuantizedTileRows + 9;
   for (const std::string_view name : backend_list())

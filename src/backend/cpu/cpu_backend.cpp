@@ -33,6 +33,7 @@ class CpuBackend final : public Backend {
   bool host_addressable() const override { return true; }
   bool memory_in_host_pages() const override { return true; }
   int64_t stored_weight_rows() const override { return cpu::kSixteenBitWeightRows; }
+  bool takes_int8_activations() const override { return cpu::int8_activation_kernels(); }
   size_t quantized_scratch_elems(int64_t in) const override {
     return static_cast<size_t>(cpu::kQuantizedTileRows * in);
   }

@@ -11,7 +11,8 @@
 // act-order g_idx take a plain per-element loop.
 //
 // Many rows (prefill, training): kQuantizedTileRows output rows are dequantized into scratch and
-// multiplied with OpenBLAS, so no float32 copy of the whole weight exists.
+// multiplied with OpenBLAS, so no float32 copy of the whole weight exists; or, where the weight
+// asks for int8 activations (int8_activations.h), integer dot products (int8_activation_ops.cpp).
 #include <cblas.h>
 // GCC 12 reports its own _mm512_undefined_* placeholders as maybe-uninitialized where the
 // intrinsics are inlined, so the warning is off for the whole file.
@@ -24,6 +25,7 @@
 #include "backend/cpu/ops.h"
 #include "backend/cpu/parallel.h"
 #include "backend/cpu/simd.h"
+#include "backend/int8_activations.h"
 #include "core/dtype.h"
 #include "core/error.h"
 
@@ -318,6 +320,9 @@ void quantized_matmul_forward(float* out, const float* inp, const QuantizedWeigh
     });
     return;
   }
+  if (rounds_activations(weight, N) && int8_activation_kernels())
+    return quantized_matmul_int8_activations(out, inp, weight, bias, N, scratch,
+                                             static_cast<size_t>(kQuantizedTileRows * w.in) * sizeof(float));
   const int64_t OC = w.out, C = w.in;
   for (int64_t o0 = 0; o0 < OC; o0 += kQuantizedTileRows) {
     const int64_t rows = std::min(kQuantizedTileRows, OC - o0);

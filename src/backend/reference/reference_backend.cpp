@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 
 #include "backend/cpu/cpu_backend.h"
+#include "backend/int8_activations.h"
 #include "core/labels.h"
 #include "core/rng.h"
 
@@ -100,13 +101,27 @@ class ReferenceBackend final : public Backend {
     Access a(*this);
     const int64_t N = inp.rows(), C = inp.cols(), OC = w.out;
     MT_ASSERT(w.in == C && out.rows() == N && out.cols() == OC);
+    // With int8 activations, the input as rounded (int8_activations.h), then the same float64 sums.
+    std::vector<float> rounded;
+    const float* x = inp.f32();
+    if (rounds_activations(w, N)) {
+      const int64_t block = int8_activation_block(w);
+      rounded.resize(static_cast<size_t>(N * C));
+      std::vector<int8_t> q(static_cast<size_t>(block));
+      for (int64_t b = 0; b < N * C; b += block) {
+        const float d = round_block_to_int8(x + b, block, q.data());
+        for (int64_t i = 0; i < block; ++i) rounded[static_cast<size_t>(b + i)] = d * static_cast<float>(q[i]);
+      }
+      x = rounded.data();
+    }
     for (int64_t n = 0; n < N; ++n)
       for (int64_t o = 0; o < OC; ++o) {
         double s = bias ? element(bias, o) : 0.0;
-        for (int64_t c = 0; c < C; ++c) s += double(inp.f32()[n * C + c]) * dequantized(w, o, c);
+        for (int64_t c = 0; c < C; ++c) s += double(x[n * C + c]) * dequantized(w, o, c);
         out.f32()[n * OC + o] = static_cast<float>(s);
       }
   }
+  bool takes_int8_activations() const override { return true; }
   void quantized_matmul_backward_input(const Tensor& dinp, const Tensor& dout, const QuantizedWeight& w,
                                        const Tensor&) override {
     Access a(*this);
