@@ -21,9 +21,11 @@ namespace memtune {
 constexpr int64_t kInt8ActivationRows = 16;
 
 // The inputs one activation scale covers; 0 where int8 activations do not apply to this weight
-// (act-order g_idx, a group that is no multiple of 32, or inputs that are no whole number of groups).
+// (other than 4 or 8 bits, act-order g_idx, a group that is no multiple of 32, or inputs that are
+// no whole number of groups).
 inline int64_t int8_activation_block(const QuantizedWeight& w) {
-  if (w.g_idx || w.in % 32 != 0 || w.group_size <= 0 || w.in % w.group_size != 0) return 0;
+  if ((w.bits != 4 && w.bits != 8) || w.g_idx || w.in % 32 != 0 || w.group_size <= 0 || w.in % w.group_size != 0)
+    return 0;
   for (const int64_t a : {128, 64, 32})
     if (w.group_size % a == 0 && w.in % a == 0) return a;
   return 0;

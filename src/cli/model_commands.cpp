@@ -73,7 +73,7 @@ Action add_init_model(CLI::App& app) {
 
 Action add_dump(CLI::App& app) {
   struct Args {
-    std::string model, input, out, adapter, backend = "cpu";
+    std::string model, input, out, adapter, backend = "cpu", quantized_activations = "int8";
     bool gradient_checkpointing = false;
     size_t loss_workspace_bytes = kDefaultLossWorkspaceBytes;
     std::optional<uint64_t> dropout_seed;
@@ -91,6 +91,7 @@ Action add_dump(CLI::App& app) {
                  "apply the adapter's lora_dropout as training does, its masks drawn from this seed (the mask of "
                  "layer l, site s is keyed by mix64(seed ^ ((l * 7 + s + 1) * 0x9e3779b97f4a7c15)), core/rng.h)");
   add_backend_option(app, args->backend);
+  add_quantized_activations_option(app, args->quantized_activations);
   return [args] {
     const nlohmann::json doc = read_json_file(args->input);
     auto rows_of = [&](const char* key) {
@@ -125,6 +126,7 @@ Action add_dump(CLI::App& app) {
     options.backend = &backend_named(args->backend);
     // A quantized base has no gradients of its own: without an adapter, logits and loss only.
     options.with_grads = !args->adapter.empty() || !load_model_config(args->model).quant.enabled();
+    options.int8_activations = args->quantized_activations == "int8";
     const std::unique_ptr<Decoder> model = load_model(args->model, options, args->adapter);
     const ModelConfig& cfg = model->config();
     if (args->dropout_seed) {

@@ -141,6 +141,47 @@ TEST_F(QuantizedModelTest, FilesReadBackByAnIndependentReaderAndComputeLikeTheir
   EXPECT_EQ(config["quantization_config"]["bits"], 4);
 }
 
+// A quantized model's products of more than 16 rows without gradients take int8 activations
+// (int8_activations.h) where the group allows: the logits of a 40-token batch equal the reference
+// backend's, which rounds the same way in float64, and with --quantized_activations float the
+// float copy's; the two numerics differ by more than the comparisons' tolerance and by little.
+// (A group of 16 and act-order keep float32 inputs: the test above.)
+TEST_F(QuantizedModelTest, ManyRowsTakeInt8ActivationsAsTheReferenceComputesThem) {
+  std::string rows;
+  for (int b = 0; b < 2; ++b) {
+    rows += b ? ", [" : "[";
+    for (int t = 0; t < 20; ++t) rows += (t ? ", " : "") + std::to_string((37 * t + 11 * b + 5) % 269);
+    rows += "]";
+  }
+  std::ofstream(path("long_batch.json")) << "{\"input_ids\": [" << rows << "]}";
+  auto worst = [](const std::vector<float>& a, const std::vector<float>& b) {
+    double w = 0;
+    for (size_t i = 0; i < a.size(); ++i) w = std::max(w, double(std::abs(a[i] - b[i])));
+    return w;
+  };
+  for (const Case& c : {kCases[0], kCases[1]}) {
+    SCOPED_TRACE(c.name);
+    const std::string name = std::string(c.name) + "_rows";
+    quantize(name, flags_of(c, ""));
+    auto dump = [&](const std::string& model, const std::string& flags, const std::string& out) {
+      const auto r = run_memtune("dump --model " + path(model) + " --input " + path("long_batch.json") + " --out " +
+                                 path(out) + " " + flags);
+      EXPECT_EQ(r.status, 0) << r.output;
+      return tensor(path(out), "logits");
+    };
+    const auto int8 = dump(name, "", name + ".int8.dump"), reference = dump(name, "--backend reference", name + ".ref.dump");
+    const auto floats = dump(name, "--quantized_activations float", name + ".float.dump");
+    const auto copy = dump(name + "_f32", "", name + ".f32.dump");
+    ASSERT_EQ(int8.size(), 40u * 269u);
+    double scale = 0;
+    for (float v : copy) scale = std::max(scale, double(std::abs(v)));
+    EXPECT_LE(worst(int8, reference), 1e-5 * scale);
+    EXPECT_LE(worst(floats, copy), 1e-5 * scale);
+    EXPECT_GT(worst(int8, floats), 1e-4 * scale);
+    EXPECT_LT(worst(int8, floats), 5e-2 * scale);
+  }
+}
+
 // QLoRA: the adapters' gradients on a quantized base equal those on its dequantized float copy,
 // and a short LoRA run on the quantized base lowers the loss as one on the float copy does.
 TEST_F(QuantizedModelTest, LoraOnAQuantizedBaseHasTheGradientsOfItsFloatCopy) {
