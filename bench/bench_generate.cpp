@@ -95,26 +95,32 @@ int main(int argc, char** argv) {
   std::string quantized_activations = "int8";
   app.add_option("--quantized_activations", quantized_activations, "int8 | float (GPTQ / AWQ models)")
       ->check(CLI::IsMember({"int8", "float"}));
+  int lm_head_bits = 0;
+  app.add_option("--lm_head_bits", lm_head_bits, "GPTQ / AWQ models: the LM head packed at load (4 | 8)")
+      ->check(CLI::IsMember({0, 4, 8}));
   app.add_option("--rounds", rounds, "batch-1 decode rounds, each between two bandwidth samples")
       ->check(CLI::Range(int64_t{1}, int64_t{100}));
   CLI11_PARSE(app, argc, argv);
   try {
     const DType dtype = parse_dtype(dtype_name, "--torch_dtype");
-    const ModelConfig c = load_model_config(model_dir, dtype);
+    const ConfigChanges changes(dtype, lm_head_bits);
+    const ModelConfig c = load_model_config(model_dir, changes);
     const int64_t D = c.hidden_size, I = c.intermediate_size, V = c.vocab_size, L = c.num_hidden_layers;
     const int64_t max_batch = *std::max_element(batches.begin(), batches.end());
     // Each decoded token reads every decoder weight and the LM head once (the embedding: one row).
     const double layer_params = double(D) * (c.q_dim() + 2 * c.kv_dim()) + double(c.q_dim()) * D + 3.0 * D * I;
     double weight_bytes = (L * layer_params + double(V) * D) * dtype_size(dtype);
     if (const QuantConfig& q = c.quant; q.enabled()) {  // packed layers: codes, scales, zeros
-      weight_bytes = double(V) * D * dtype_size(dtype);
+      weight_bytes = q.lm_head_bits ? 0.0 : double(V) * D * dtype_size(dtype);
       for (const ParamSpec& s : model_parameter_specs(c))
-        if (s.shape.size() == 2 && s.name.starts_with("model.layers."))
-          weight_bytes += double(quantized_layer_bytes(q.bits, s.shape[1], s.shape[0], q.groups(s.shape[1]), q.desc_act));
+        if (const int bits = packed_bits(c, s))
+          weight_bytes += double(quantized_layer_bytes(bits, s.shape[1], s.shape[0], q.groups(s.shape[1]),
+                                                       q.desc_act && s.name != "lm_head.weight"));
     }
     const std::string label =
         c.quant.enabled()
-            ? quantization_name(c.quant) + (quantized_activations == "int8" ? ", int8 activations" : "")
+            ? quantization_name(c.quant) + (c.quant.lm_head_bits ? fmt::format(", {}-bit head", c.quant.lm_head_bits) : "") +
+                  (quantized_activations == "int8" ? ", int8 activations" : "")
             : dtype_name;
     const double bandwidth = read_bandwidth();
     const double ceiling =
@@ -130,7 +136,7 @@ int main(int argc, char** argv) {
                                  .max_num_batched_tokens = prompt * max_batch, .block_size = 16};
     ModelOptions options = inference_model_options(c, limits, nullptr);
     options.int8_activations = quantized_activations == "int8";
-    const std::unique_ptr<Decoder> model = load_model(model_dir, options, "", dtype);
+    const std::unique_ptr<Decoder> model = load_model(model_dir, options, "", changes);
     Generator generator(*model, nullptr);
     Rng rng(1);
     nlohmann::json decode = nlohmann::json::object(), rounds_json = nlohmann::json::array();

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Benchmark of generation on the Qwen2.5-0.5B shape (random weights, created once in
 # out/bench/qwen2.5-0.5b-bf16), float32, bfloat16 and its GPTQ int8 / int4 copies (group 128,
-# round-to-nearest, made once by memtune quantize; with int8 and with float32 activations): prefill
-# and decode tokens/s at batch 1 and 8
+# round-to-nearest, made once by memtune quantize; with int8 and with float32 activations, and the
+# int4 copy with its LM head packed at load to 8 and 4 bits): prefill and decode tokens/s at batch 1 and 8
 # against the machine's memory read bandwidth and sgemm ceiling measured in the same run
 # (bench/bench_generate.cpp). Writes bench/results/generate-*.json
 # (scripts/bench_results.py tables turns them into the tables).
@@ -25,9 +25,10 @@ threads="$(nproc)"
 rows="["
 # The GPTQ copies with int8 activations (the default: prefill rounds its input to int8) and with
 # float32 ones (--quantized_activations float), measured in the same run.
-for run in float32 bfloat16 gptq-int8 gptq-int8:float gptq-int4 gptq-int4:float; do
+for run in float32 bfloat16 gptq-int8 gptq-int8:float gptq-int4 gptq-int4:float gptq-int4:head8 gptq-int4:head4; do
   echo "== $run ($threads threads)"
   case "$run" in
+    gptq-*:head*) args=(--model "$model-${run%:head*}" --torch_dtype bfloat16 --lm_head_bits "${run##*:head}") ;;
     gptq-*:float) args=(--model "$model-${run%:float}" --torch_dtype bfloat16 --quantized_activations float) ;;
     gptq-*) args=(--model "$model-$run" --torch_dtype bfloat16) ;;
     *) args=(--model "$model" --torch_dtype "$run") ;;

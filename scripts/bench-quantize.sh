@@ -5,7 +5,8 @@
 # quantizes it (int8 and int4 round-to-nearest, int4 GPTQ with and without act-order, calibrated
 # on 128 training texts) and measures each copy's perplexity on the held-out descriptions with
 # `memtune eval`, with int8 activations (the default) and with float32 ones (the quality guard:
-# within 0.5%). Then plans the weights of Qwen2.5-0.5B / 7B / 72B in float16, int8 and int4.
+# within 0.5%); int4 GPTQ copies with the LM head packed too (--lm_head_bits 8 and 4) are measured
+# against the 16-bit head's (the same guard). Then plans the weights of Qwen2.5-0.5B / 7B / 72B in float16, int8 and int4.
 # Writes bench/results/quantize-*.json (scripts/bench_results.py tables makes the table).
 # Usage: scripts/bench-quantize.sh [train_steps=300]
 set -euo pipefail
@@ -43,6 +44,10 @@ quantize int4-rtn --bits 4
 quantize int4-gptq --bits 4 --method gptq --calibration_file "$out/train.jsonl" --num_samples 128 --max_length 256
 quantize int4-gptq-act-order --bits 4 --method gptq --act_order --calibration_file "$out/train.jsonl" \
   --num_samples 128 --max_length 256
+for head in 8 4; do
+  quantize "int4-gptq-head$head" --bits 4 --method gptq --calibration_file "$out/train.jsonl" --num_samples 128 \
+    --max_length 256 --lm_head_bits "$head"
+done
 evaluate() {  # NAME FLAGS...: the last line of memtune eval --json
   local name="$1"
   shift
@@ -50,7 +55,8 @@ evaluate() {  # NAME FLAGS...: the last line of memtune eval --json
     --metrics eval_loss,perplexity --per_device_eval_batch_size 8 --json "$@" | tail -n 1
 }
 rows="["
-for name in trained int8-rtn int4-rtn int4-gptq int4-gptq-act-order; do
+head_base=""
+for name in trained int8-rtn int4-rtn int4-gptq int4-gptq-act-order int4-gptq-head8 int4-gptq-head4; do
   # Quantized copies: with int8 activations (the default; evaluation's batches are many rows) and
   # with float32 ones, the quality guard between the two.
   result="$(evaluate "$name")"
@@ -58,12 +64,16 @@ for name in trained int8-rtn int4-rtn int4-gptq int4-gptq-act-order; do
   bytes="$(du -b "$out/$name/model.safetensors" | cut -f1)"
   row="$("$py" -c 'import json, sys
 r, f = json.loads(sys.argv[2]), json.loads(sys.argv[4])
+base = json.loads(sys.argv[5]) if sys.argv[5] else None
 row = {"model": "float32" if sys.argv[1] == "trained" else sys.argv[1], "perplexity": r["perplexity"],
        "eval_loss": r["eval_loss"], "eval_tokens": r["eval_tokens"], "file_bytes": int(sys.argv[3])}
 if sys.argv[1] != "trained":
     row["perplexity_float_activations"] = f["perplexity"]
     row["int8_activations_vs_float"] = r["perplexity"] / f["perplexity"] - 1
-print(json.dumps(row))' "$name" "$result" "$bytes" "$float_result")"
+if "-head" in sys.argv[1]:  # the packed head against the same layers with a 16-bit head
+    row["packed_head_vs_16bit"] = r["perplexity"] / base["perplexity"] - 1
+print(json.dumps(row))' "$name" "$result" "$bytes" "$float_result" "$head_base")"
+  [[ "$name" != int4-gptq ]] || head_base="$result"
   echo "$row"
   rows+="$row,"
 done

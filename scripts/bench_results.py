@@ -133,15 +133,17 @@ def table_serve(results):
 
 def table_quantize(results):
     lines = ["| model | machine | held-out perplexity | vs float32 | with float32 activations | "
-             "int8 activations vs float32 ones | file |", "|---|---|---:|---:|---:|---:|---:|"]
+             "int8 activations vs float32 ones | packed head vs 16-bit | file |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         base = next(row for row in r["rows"] if row["model"] == "float32")
         for row in r["rows"]:
             floats = row.get("perplexity_float_activations")
             with_floats = "-" if floats is None else f"{floats:.3f}"
             moved = "-" if floats is None else f"{row['int8_activations_vs_float']:+.3%}"
+            head = row.get("packed_head_vs_16bit")
+            head = "-" if head is None else f"{head:+.3%}"
             lines.append(f"| {row['model']} | {machine_text(r)} | {row['perplexity']:.3f} | "
-                         f"{row['perplexity'] / base['perplexity'] - 1:+.2%} | {with_floats} | {moved} | "
+                         f"{row['perplexity'] / base['perplexity'] - 1:+.2%} | {with_floats} | {moved} | {head} | "
                          f"{mib(row['file_bytes'])} |")
     lines += ["", "| preset | float16 weights | int8 (GPTQ, group 128) | int4 (GPTQ, group 128) |",
               "|---|---:|---:|---:|"]

@@ -65,11 +65,14 @@ struct HostChunkStaging {
 // weight_slice.rows() vocabulary rows at a time, so no float32 copy of the head exists.
 // A backend may compute a CrossEntropyLoss where the logits are (a device backend does: then
 // only per-row losses come back, once per call), and an observer gets every row's RowStats
-// (observe_rows) before any logits (observe, only when it needs_logits()).
+// (observe_rows) before any logits (observe, only when it needs_logits()). A packed head
+// (`quantized`, frozen) is dequantized weight_slice.rows() vocabulary rows at a time instead.
+struct QuantizedWeight;
 struct LmHeadArgs {
   Tensor hidden;   // [N, D] f32
   Tensor targets;  // [N] i32
-  Tensor weight;   // [V, D], any floating dtype
+  Tensor weight;   // [V, D], any floating dtype; not read when `quantized` is set
+  const QuantizedWeight* quantized = nullptr;  // a packed head [V, D] (quant.lm_head_bits)
   const ChunkLoss* loss = nullptr;
   Tensor dhidden;  // [N, D] f32, optional
   Tensor dweight;  // [V, D] f32, optional
@@ -88,6 +91,8 @@ struct LmHeadArgs {
   Tensor row_stats;     // [N, 4] i32 (RowStats), for an observer
   Tensor row_losses;    // [N] f32, a loss computed on the device
   HostChunkStaging staging = {};
+  int64_t vocab() const;        // V
+  int64_t hidden_size() const;  // D
 };
 
 // A weight-only quantized linear weight W [out, in] in device memory, laid out as
@@ -103,6 +108,8 @@ struct QuantizedWeight {
   // where the backend takes it (Backend::takes_int8_activations) and its options ask for it.
   bool int8_activations = false;
 };
+inline int64_t LmHeadArgs::vocab() const { return quantized ? quantized->out : weight.rows(); }
+inline int64_t LmHeadArgs::hidden_size() const { return quantized ? quantized->in : weight.cols(); }
 // One product of Backend::matmul_forward_group.
 struct GroupMember {
   Tensor out, weight, bias;

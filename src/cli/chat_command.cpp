@@ -25,7 +25,7 @@ void chat(const InferenceArgs& a) {
   one.max_num_seqs = 1;
   const InferenceSetup setup = plan_inference_setup(one, {}, 0);
   const std::optional<DType> dtype = storage_dtype(a.torch_dtype, a.bf16, a.fp16);
-  const std::unique_ptr<Decoder> model = load_model(a.model, setup.options, a.adapter, dtype);
+  const std::unique_ptr<Decoder> model = load_model(a.model, setup.options, a.adapter, {dtype, a.lm_head_bits});
   const int64_t max_model_len = setup.options.kv_cache.max_model_len;
   Generator generator(*model, &tokenizer);
   std::vector<ChatMessage> history;

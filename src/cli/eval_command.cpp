@@ -46,6 +46,7 @@ struct EvalArgs {
     std::vector<std::string> labels;
     std::string save_predictions, output_dir, backend = "cpu", torch_dtype, host_memory;
     std::string quantized_activations = "int8";
+    int lm_head_bits = 0;
     bool bf16 = false, fp16 = false;
 };
 
@@ -61,7 +62,8 @@ ModelFlags model_flags(const EvalArgs& a) {
           .adapter = a.adapter,
           .adapter_sets = {},
           .host_memory = a.host_memory,
-          .int8_activations = a.quantized_activations == "int8"};
+          .int8_activations = a.quantized_activations == "int8",
+          .lm_head_bits = a.lm_head_bits};
 }
 
 // --predict_with_generate: the eval file's examples generated on an inference model planned for
@@ -81,7 +83,7 @@ void evaluate_generating(const EvalArgs& a, const std::string& metric_list, std:
   const std::vector<int32_t> stop_ids = model_stop_ids(a.model, &tokenizer, /*chat=*/true);
   const InferenceSetup setup = inference_setup(model_flags(a), shape.limits, startup_rss);
   const ProcessPlan& process = setup.process;
-  const std::unique_ptr<Decoder> model = load_model(a.model, setup.options, a.adapter, dtype);
+  const std::unique_ptr<Decoder> model = load_model(a.model, setup.options, a.adapter, {dtype, a.lm_head_bits});
   const GenerationEvalResult r =
       evaluate_by_generation(*model, tokenizer, data, metrics, a.labels, max_new, stop_ids);
   model->arena().sample();
@@ -121,7 +123,7 @@ Action add_eval(CLI::App& app) {
   app.add_option("--model_name_or_path,--model", a->model, "Hugging Face model directory")->required();
   app.add_option("--adapter", a->adapter, "PEFT LoRA adapter directory");
   add_backend_option(app, a->backend);
-  add_quantized_activations_option(app, a->quantized_activations);
+  add_quantized_model_options(app, a->quantized_activations, a->lm_head_bits);
   app.add_option("--eval_file,--val_dataset,--eval_dataset,--dataset", a->eval_file,
                  "evaluation data, a local JSONL file")
       ->required();
@@ -193,7 +195,7 @@ Action add_eval(CLI::App& app) {
     ProcessPlan process;
     process.measure_preparation(startup_rss);
     predict_process(process, model_flags(*a), choose_model(model_flags(*a)), o);
-    const std::unique_ptr<Decoder> model = load_model(a->model, o, a->adapter, dtype);
+    const std::unique_ptr<Decoder> model = load_model(a->model, o, a->adapter, {dtype, a->lm_head_bits});
     const std::filesystem::path out_dir(a->output_dir);
     MemoryTimeline timeline;
     if (!a->output_dir.empty()) {

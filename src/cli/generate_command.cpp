@@ -30,7 +30,7 @@ void generate(const InferenceArgs& a) {
   const std::vector<GenerationRequest> requests = read_requests(a, tokenizer ? &*tokenizer : nullptr);
   const InferenceSetup setup = plan_inference_setup(a, requests, startup_rss);
   const ProcessPlan& process = setup.process;
-  const std::unique_ptr<Decoder> model = load_model(a.model, setup.options, a.adapter, dtype);
+  const std::unique_ptr<Decoder> model = load_model(a.model, setup.options, a.adapter, {dtype, a.lm_head_bits});
   for (size_t k = 0; k < a.named_adapters.size(); ++k)
     model->parameters().load_adapter_set(k, a.named_adapters[k].second);
   if (a.merge_adapter) {

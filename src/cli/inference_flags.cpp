@@ -114,7 +114,8 @@ ModelFlags model_flags(const InferenceArgs& a) {
                .adapter = a.adapter,
                .adapter_sets = {},
                .host_memory = a.host_memory,
-               .int8_activations = a.quantized_activations == "int8"};
+               .int8_activations = a.quantized_activations == "int8",
+               .lm_head_bits = a.lm_head_bits};
   for (const auto& [name, dir] : a.named_adapters) m.adapter_sets.push_back(dir);
   return m;
 }
@@ -203,7 +204,7 @@ void add_inference_flags(CLI::App& app, InferenceArgs& args, InferenceCommand co
                          : "generate from \"prompt_ids\" lines without tokenizer files: results carry token_ids "
                            "(text is empty)");
   add_backend_option(app, a->backend);
-  add_quantized_activations_option(app, a->quantized_activations);
+  add_quantized_model_options(app, a->quantized_activations, a->lm_head_bits);
   add_template_option(app, a->templ);
   if (!serving)
     app.add_option("--enable_thinking", a->enable_thinking,

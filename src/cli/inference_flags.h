@@ -26,6 +26,7 @@ struct InferenceArgs {
   std::string model, adapter, tokenizer, prompt, input, output, system, templ, backend = "cpu", torch_dtype;
   std::string device_memory, host_memory, preset, quantization;
   std::string quantized_activations = "int8";
+  int lm_head_bits = 0;
   bool chat = false, json = false, ignore_eos = false, bf16 = false, fp16 = false, inference = false;
   bool merge_adapter = false;
   bool skip_tokenizer_init = false;   // generate, serve: token ids in and out, no tokenizer files read

@@ -74,6 +74,7 @@ Action add_init_model(CLI::App& app) {
 Action add_dump(CLI::App& app) {
   struct Args {
     std::string model, input, out, adapter, backend = "cpu", quantized_activations = "int8";
+    int lm_head_bits = 0;
     bool gradient_checkpointing = false;
     size_t loss_workspace_bytes = kDefaultLossWorkspaceBytes;
     std::optional<uint64_t> dropout_seed;
@@ -91,7 +92,7 @@ Action add_dump(CLI::App& app) {
                  "apply the adapter's lora_dropout as training does, its masks drawn from this seed (the mask of "
                  "layer l, site s is keyed by mix64(seed ^ ((l * 7 + s + 1) * 0x9e3779b97f4a7c15)), core/rng.h)");
   add_backend_option(app, args->backend);
-  add_quantized_activations_option(app, args->quantized_activations);
+  add_quantized_model_options(app, args->quantized_activations, args->lm_head_bits);
   return [args] {
     const nlohmann::json doc = read_json_file(args->input);
     auto rows_of = [&](const char* key) {
@@ -127,7 +128,7 @@ Action add_dump(CLI::App& app) {
     // A quantized base has no gradients of its own: without an adapter, logits and loss only.
     options.with_grads = !args->adapter.empty() || !load_model_config(args->model).quant.enabled();
     options.int8_activations = args->quantized_activations == "int8";
-    const std::unique_ptr<Decoder> model = load_model(args->model, options, args->adapter);
+    const std::unique_ptr<Decoder> model = load_model(args->model, options, args->adapter, {std::nullopt, args->lm_head_bits});
     const ModelConfig& cfg = model->config();
     if (args->dropout_seed) {
       if (args->adapter.empty()) throw Error("--dropout_seed applies an adapter's lora_dropout: give --adapter");

@@ -52,7 +52,7 @@ std::vector<std::vector<int32_t>> read_calibration(const std::string& path, cons
 Action add_quantize(CLI::App& app) {
   struct Args {
     std::string model, out, method = "rtn", format = "gptq", calibration_file, tokenizer, backend = "cpu";
-    int bits = 4;
+    int bits = 4, lm_head_bits = 0;
     int64_t group_size = 128, num_samples = 128, max_length = 512;
     bool act_order = false;
     double damp_percent = 0.01;
@@ -69,6 +69,11 @@ Action add_quantize(CLI::App& app) {
   app.add_option("--format", a->format, "gptq (symmetric, Qwen's -GPTQ-Int4/-Int8 layout) | awq (4-bit, zero points)")
       ->capture_default_str()
       ->check(CLI::IsMember({"gptq", "awq"}));
+  app.add_option("--lm_head_bits", a->lm_head_bits,
+                 "GPTQ: pack the LM head too, with 8 or 4 bits (round to nearest, the layers' group size; a tied head "
+                 "is untied, the embedding keeps its dtype); 0 keeps it in the model's dtype, as Qwen's files do")
+      ->capture_default_str()
+      ->check(CLI::IsMember({0, 4, 8}));
   app.add_flag("--act_order,--desc_act", a->act_order, "GPTQ: quantize columns by decreasing Hessian diagonal");
   app.add_option("--damp_percent", a->damp_percent, "GPTQ: diagonal dampening, fraction of its mean")
       ->capture_default_str();
@@ -86,6 +91,7 @@ Action add_quantize(CLI::App& app) {
     o.target.group_size = a->group_size;
     o.target.sym = o.target.method == QuantMethod::Gptq;
     o.target.desc_act = a->act_order;
+    o.target.lm_head_bits = a->lm_head_bits;
     o.gptq = a->method == "gptq";
     o.damp_percent = a->damp_percent;
     if (a->damp_percent <= 0) throw Error("--damp_percent must be positive");
@@ -101,8 +107,9 @@ Action add_quantize(CLI::App& app) {
     const auto t0 = std::chrono::steady_clock::now();
     const QuantizeSummary s = quantize_model(a->model, a->out, o, calibration, backend_named(a->backend));
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    std::cout << fmt::format("quantized {} linear layers to {}-bit {} (group {}{}, {}): {} -> {}\n", s.layers,
+    std::cout << fmt::format("quantized {} linear layers to {}-bit {} (group {}{}, {}){}: {} -> {}\n", s.layers,
                              a->bits, a->format, a->group_size, a->act_order ? ", act-order" : "", a->method,
+                             a->lm_head_bits ? fmt::format(", the LM head {}-bit", a->lm_head_bits) : "",
                              format_bytes(s.float_bytes), format_bytes(s.packed_bytes));
     if (o.gptq)
       std::cout << fmt::format("calibration: {} sequences, {} tokens, {} pass(es) over them\n", calibration.size(),

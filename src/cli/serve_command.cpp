@@ -27,7 +27,7 @@ void serve(const InferenceArgs& a) {
       tok ? resolve_chat_template(a.templ, *tok, "tokenizer_config.json") : ChatTemplate::Qwen2_5;
   const InferenceSetup setup = plan_inference_setup(a, {}, startup_rss);
   const std::optional<DType> dtype = storage_dtype(a.torch_dtype, a.bf16, a.fp16);
-  const std::unique_ptr<Decoder> model = load_model(a.model, setup.options, "", dtype);
+  const std::unique_ptr<Decoder> model = load_model(a.model, setup.options, "", {dtype, a.lm_head_bits});
   for (size_t k = 0; k < a.named_adapters.size(); ++k)
     model->parameters().load_adapter_set(k, a.named_adapters[k].second);
   std::cout << inference_plan_text(setup, model->plan()) << std::flush;

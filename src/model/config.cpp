@@ -179,6 +179,24 @@ QuantConfig parse_quant_config(const JsonReader& doc, const ModelConfig& c) {
   } else {
     section->fail("quant_method", fmt::format("is \"{}\"; supported: \"gptq\", \"awq\"", method));
   }
+  // A packed LM head (gptqmodel's "lm_head": true; "lm_head_bits" when it differs from the layers').
+  if (section->optional_bool("lm_head").value_or(false)) {
+    if (q.method != QuantMethod::Gptq)
+      section->fail("lm_head", "is true; packed LM heads are read from GPTQ files (AWQ files keep it 16-bit)");
+    q.lm_head_bits = static_cast<int>(section->optional_integer("lm_head_bits", 1).value_or(q.bits));
+    if (q.lm_head_bits != 4 && q.lm_head_bits != 8)
+      section->fail("lm_head_bits", fmt::format("is {}; a packed LM head has 4 or 8 bits", q.lm_head_bits));
+    if (c.tie_word_embeddings)
+      section->fail("lm_head", "is true but tie_word_embeddings is true; a packed head is a tensor of its own "
+                               "(lm_head.qweight), so the config must say tie_word_embeddings false");
+    // GPTQ files pack codes along the input and zeros along the output, 32 / bits per int32.
+    for (const int64_t n : {c.hidden_size, c.vocab_size})
+      if (n % (32 / q.lm_head_bits) != 0)
+        section->fail("lm_head_bits", fmt::format("is {}, but the LM head's {} {} do not split into int32 words of "
+                                                  "{}-bit codes",
+                                                  q.lm_head_bits, n, n == c.hidden_size ? "inputs" : "outputs",
+                                                  q.lm_head_bits));
+  }
   // Every quantized layer's input must split into words and (for AWQ) whole groups.
   const int per_word = 32 / q.bits;
   for (const int64_t in : {c.hidden_size, c.intermediate_size, c.q_dim()}) {
@@ -207,6 +225,22 @@ std::string quantization_name(const QuantConfig& q) {
   if (q.method == QuantMethod::Awq) return "awq";
   if (q.method == QuantMethod::Gptq) return fmt::format("gptq-int{}", q.bits);
   return "none";
+}
+
+void quantize_lm_head(ModelConfig& c, int bits) {
+  if (!c.quant.enabled())
+    throw Error(fmt::format("--lm_head_bits {}: the model is not quantized (GPTQ / AWQ); memtune quantize "
+                            "--lm_head_bits {} packs a float model's head with its layers",
+                            bits, bits));
+  if (bits != 4 && bits != 8) throw Error(fmt::format("--lm_head_bits {}: expected 4 or 8", bits));
+  if (c.hidden_size % (32 / bits) != 0)
+    throw Error(fmt::format("--lm_head_bits {}: the LM head's {} inputs cannot hold {}-bit codes", bits,
+                            c.hidden_size, bits));
+  if (c.quant.lm_head_bits != 0 && c.quant.lm_head_bits != bits)
+    throw Error(fmt::format("--lm_head_bits {}: the checkpoint's LM head is packed with {} bits", bits,
+                            c.quant.lm_head_bits));
+  c.quant.lm_head_bits = bits;
+  c.tie_word_embeddings = false;
 }
 
 void apply_quantization(ModelConfig& c, std::string_view name) {
@@ -340,6 +374,10 @@ nlohmann::json config_to_json(const ModelConfig& c) {
     j["quantization_config"] = {{"quant_method", "gptq"}, {"bits", q.bits},           {"group_size", q.group_size},
                                 {"desc_act", q.desc_act},  {"sym", q.sym},             {"checkpoint_format", "gptq"},
                                 {"static_groups", false},  {"true_sequential", true}};
+  if (q.method == QuantMethod::Gptq && q.lm_head_bits) {
+    j["quantization_config"]["lm_head"] = true;
+    if (q.lm_head_bits != q.bits) j["quantization_config"]["lm_head_bits"] = q.lm_head_bits;
+  }
   if (q.method == QuantMethod::Awq)
     j["quantization_config"] = {{"quant_method", "awq"}, {"bits", q.bits},         {"group_size", q.group_size},
                                 {"version", "gemm"},     {"zero_point", true},     {"modules_to_not_convert", nullptr}};

@@ -53,7 +53,9 @@ struct RopeScaling {
 
 // Weight-only quantization of the decoder layers' linear weights (config.json's
 // quantization_config), as Qwen's -GPTQ-Int4 / -Int8 and -AWQ checkpoints store them
-// (io/quantized.h); embeddings, norms and the LM head stay in torch_dtype.
+// (io/quantized.h); embeddings and norms stay in torch_dtype, and so does the LM head unless
+// lm_head_bits packs it too (GPTQ's "lm_head": true, round-to-nearest, the layers' group size;
+// the head is then untied from the embedding, which keeps its 16 bits for the lookup).
 enum class QuantMethod { None, Gptq, Awq };
 struct QuantConfig {
   QuantMethod method = QuantMethod::None;
@@ -61,6 +63,7 @@ struct QuantConfig {
   int64_t group_size = 128;  // -1: one group over each layer's whole input
   bool desc_act = false;     // GPTQ act-order: each layer's g_idx is read from the file
   bool sym = true;
+  int lm_head_bits = 0;      // 4 or 8: the LM head is packed too; 0: it stays in torch_dtype
   bool enabled() const { return method != QuantMethod::None; }
   int64_t groups(int64_t in) const { return group_size > 0 ? (in + group_size - 1) / group_size : 1; }
   int64_t group_size_for(int64_t in) const { return group_size > 0 ? group_size : in; }
@@ -98,6 +101,11 @@ struct ModelConfig {
 // Plans `config` as if quantized by `name` (a float model's config): an Error when it already is,
 // or when its layer shapes do not take that quantization.
 void apply_quantization(ModelConfig& config, std::string_view name);
+// Packs the LM head of a quantized model's config with `bits` (4 or 8) when it is loaded
+// (--lm_head_bits): the head is untied, and ModelParameters::load rounds it from the float head
+// (or the tied embedding) where the checkpoint has no packed one. An Error for a float model,
+// other widths, or a head that does not split into words.
+void quantize_lm_head(ModelConfig& config, int bits);
 
 // RoPE's inverse frequencies, head_dim / 2 of them: theta^(-2i / head_dim), with rope_scaling
 // applied (as transformers computes them, in double, then rounded to float).

@@ -204,8 +204,13 @@ void Decoder::generation_forward(const GenerationBatch& batch) {
   be.gather_rows(rows, act(buf_.residual[L % 2], D), A.i32(buf_.last_rows_index, {R}));
   be.rmsnorm_forward(normed, A.f32(buf_.last_rstd, {R}), rows, weight_f32(params_->final_norm()),
                      static_cast<float>(c.rms_norm_eps));
-  // The head over at most max_seqs rows, in its storage dtype (widened in registers).
-  be.matmul_forward(A.f32(buf_.last_logits, {R, V}), normed, params_->param(params_->head()), Tensor{});
+  // The head over at most max_seqs rows, in its storage dtype (widened in registers), or packed.
+  const size_t head = params_->head();
+  if (params_->quantized(head))
+    be.quantized_matmul_forward(A.f32(buf_.last_logits, {R, V}), normed, params_->quantized_param(head), Tensor{},
+                                quantized_scratch(D));
+  else
+    be.matmul_forward(A.f32(buf_.last_logits, {R, V}), normed, params_->param(head), Tensor{});
 }
 
 StepLogits Decoder::generation_step(const GenerationBatch& batch) {
@@ -517,7 +522,9 @@ LossSum Decoder::run_step(const TokenBatch& batch, float* logits_out, bool backw
   be.rmsnorm_forward(normed, act(buf_.rstd_final, 1), act(buf_.residual[L], D), weight_f32(params_->final_norm()),
                      static_cast<float>(c.rms_norm_eps));
   if (logits_out) {  // debugging only: computed on the host from copies, in the caller's memory
-    const std::vector<float> hidden = download_f32(be, normed), head = download_f32(be, params_->param(params_->head()));
+    const size_t h = params_->head();
+    const std::vector<float> hidden = download_f32(be, normed),
+                             head = params_->quantized(h) ? params_->dequantized(h) : download_f32(be, params_->param(h));
     for (int64_t n = 0; n < N; ++n)
       for (int64_t v = 0; v < V; ++v) {
         double s = 0.0;
@@ -527,12 +534,16 @@ LossSum Decoder::run_step(const TokenBatch& batch, float* logits_out, bool backw
   }
   const bool grads = backward;
   const int64_t chunk = buf_.chunk_rows;
+  // A packed head (quant.lm_head_bits) is frozen: no dweight.
+  const bool packed_head = params_->quantized(params_->head());
+  const QuantizedWeight packed = packed_head ? params_->quantized_param(params_->head()) : QuantizedWeight{};
   LmHeadArgs head{.hidden = normed,
                   .targets = A.i32(buf_.targets, {N}),
-                  .weight = params_->param(params_->head()),
+                  .weight = packed_head ? Tensor{} : params_->param(params_->head()),
+                  .quantized = packed_head ? &packed : nullptr,
                   .loss = loss_,
                   .dhidden = grads ? act(buf_.dnormed, D) : Tensor{},
-                  .dweight = grads ? base_grad_or_none(params_->head()) : Tensor{},
+                  .dweight = grads && !packed_head ? base_grad_or_none(params_->head()) : Tensor{},
                   .grad_scale = grad_scale_,
                   .observer = observer_,
                   .host_targets = batch_targets_,

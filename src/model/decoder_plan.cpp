@@ -89,6 +89,10 @@ DecoderBuffers declare_inference_buffers(const ModelConfig& c, const ModelOption
     b.vector_f32[static_cast<size_t>(L)] =
         plan.declare("loss.vector_f32", Category::Working, largest_vector_elems(specs) * 4, L, L);
   }
+  // A packed head (quant.lm_head_bits) multiplies in the loss phase, with scratch of its own.
+  if (c.quant.lm_head_bits)
+    b.matrix_f32[static_cast<size_t>(L)] =
+        plan.declare("loss.matrix_f32", Category::Working, backend.quantized_scratch_elems(D) * 4, L, L);
   b.last_rows = plan.declare("loss.last_hidden_rows", Category::LossWorkspace, S * D * 4, L, L);
   b.last_normed = plan.declare("loss.last_normed_rows", Category::LossWorkspace, S * D * 4, L, L);
   b.last_rstd = plan.declare("loss.last_rstd", Category::LossWorkspace, S * 4, L, L);

@@ -11,15 +11,20 @@
 
 namespace memtune {
 
-ModelConfig load_model_config(const std::string& dir, std::optional<DType> dtype) {
-  ModelConfig config = load_config_json((std::filesystem::path(dir) / "config.json").string());
+void ConfigChanges::apply(ModelConfig& config) const {
   if (dtype) config.torch_dtype = *dtype;
+  if (lm_head_bits) quantize_lm_head(config, lm_head_bits);
+}
+
+ModelConfig load_model_config(const std::string& dir, const ConfigChanges& changes) {
+  ModelConfig config = load_config_json((std::filesystem::path(dir) / "config.json").string());
+  changes.apply(config);
   return config;
 }
 
 std::unique_ptr<Decoder> load_model(const std::string& dir, ModelOptions options, const std::string& adapter,
-                                       std::optional<DType> dtype) {
-  const ModelConfig config = load_model_config(dir, dtype);
+                                       const ConfigChanges& changes) {
+  const ModelConfig config = load_model_config(dir, changes);
   if (!adapter.empty()) options.lora = load_lora_adapter_config(adapter);
   auto model = std::make_unique<Decoder>(config, options);
   model->parameters().load(CheckpointReader(dir));
@@ -44,9 +49,9 @@ void add_planned_terms(ProcessPlan& p, const Decoder& model, DType checkpoint_dt
   // memtune's layout (io/quantized.h) before it is copied over.
   if (const QuantConfig& q = model.config().quant; q.enabled())
     for (const ParamSpec& s : model_parameter_specs(model.config()))
-      if (s.shape.size() == 2 && s.name.starts_with("model.layers."))
+      if (const int bits = packed_bits(model.config(), s))
         p.weights_mapping_bytes = std::max(p.weights_mapping_bytes,
-                                           3 * static_cast<size_t>(quantized_layer_bytes(q.bits, s.shape[1], s.shape[0],
+                                           3 * static_cast<size_t>(quantized_layer_bytes(bits, s.shape[1], s.shape[0],
                                                                                        q.groups(s.shape[1]), q.desc_act)));
   p.compute_runtime_bytes =
       (model.options().with_grads ? kTrainingRuntimeBytes : kForwardRuntimeBytes) + model.backend().runtime_bytes();

@@ -12,8 +12,17 @@
 
 namespace memtune {
 
+// What a command changes in a directory's config before planning: the storage dtype (--torch_dtype,
+// --bf16, --fp16) and a quantized model's LM head packed at load (--lm_head_bits).
+struct ConfigChanges {
+  std::optional<DType> dtype;
+  int lm_head_bits = 0;
+  ConfigChanges(std::optional<DType> d = std::nullopt, int bits = 0) : dtype(d), lm_head_bits(bits) {}
+  void apply(ModelConfig& config) const;
+};
+
 std::unique_ptr<Decoder> load_model(const std::string& dir, ModelOptions options, const std::string& adapter = "",
-                                       std::optional<DType> dtype = std::nullopt);
+                                       const ConfigChanges& changes = {});
 
 // Fills the planned terms of the process's prediction from a planned model (allocated or
 // plan-only): its arenas, the weights' loading buffers (one slice of kTransferBytes of the
@@ -22,7 +31,7 @@ std::unique_ptr<Decoder> load_model(const std::string& dir, ModelOptions options
 // measured terms are the caller's (ProcessPlan::measure_preparation).
 void add_planned_terms(ProcessPlan& p, const Decoder& model, DType checkpoint_dtype, int world_size);
 
-// The config of a model directory, with an optional storage dtype override.
-ModelConfig load_model_config(const std::string& dir, std::optional<DType> dtype = std::nullopt);
+// The config of a model directory, with the command's changes.
+ModelConfig load_model_config(const std::string& dir, const ConfigChanges& changes = {});
 
 }  // namespace memtune

@@ -17,6 +17,7 @@
 #include "io/checkpoint.h"
 #include "io/quantized.h"
 #include "io/safetensors.h"
+#include "model/quantize.h"
 
 namespace memtune {
 
@@ -90,12 +91,23 @@ void ModelParameters::load_quantized(const CheckpointReader& checkpoint, size_t 
   const ParamSpec& s = specs_[i];
   const std::string base = s.name.substr(0, s.name.size() - std::string_view(".weight").size());
   const QuantConfig& q = config_.quant;
-  const int64_t out = s.shape[0], in = s.shape[1], groups = q.groups(in), per_word = 32 / q.bits;
+  const int bits = quant_.at(i)->bits;
+  // A head packed at load (--lm_head_bits) where the file holds it in floats (or tied).
+  if (s.name == "lm_head.weight" && !checkpoint.contains(base + ".qweight")) {
+    const std::string source = checkpoint.contains(s.name) ? s.name : "model.embed_tokens.weight";
+    if (!checkpoint.contains(source))
+      throw Error(fmt::format("checkpoint has neither lm_head.qweight, lm_head.weight nor {} to pack the LM head from",
+                              source));
+    expected.insert(source);
+    pack_from_float(checkpoint, i, source);
+    return;
+  }
+  const int64_t out = s.shape[0], in = s.shape[1], groups = q.groups(in), per_word = 32 / bits;
   auto read = [&]<class T>(const std::string& suffix, std::vector<int64_t> shape, DType dtype, std::vector<T>& dst) {
     const std::string name = base + suffix;
     expected.insert(name);
     if (!checkpoint.contains(name))
-      throw Error(fmt::format("checkpoint is missing tensor \"{}\" of the {}-bit {} layer {}", name, q.bits,
+      throw Error(fmt::format("checkpoint is missing tensor \"{}\" of the {}-bit {} layer {}", name, bits,
                               quant_method_name(q.method), base));
     if (checkpoint.info(name).dtype != dtype)
       throw Error(fmt::format("checkpoint tensor \"{}\" (in {}) is {}, expected {}", name,
@@ -115,7 +127,7 @@ void ModelParameters::load_quantized(const CheckpointReader& checkpoint, size_t 
       read(".qweight", {in / per_word, out}, DType::I32, qweight);
       read(".qzeros", {groups, out / per_word}, DType::I32, qzeros);
       if (checkpoint.contains(base + ".g_idx") || q.desc_act) read(".g_idx", {in}, DType::I32, g_idx);
-      layer = gptq_to_layer({qweight, qzeros, g_idx, scales}, q.bits, in, out, groups, q.group_size);
+      layer = gptq_to_layer({qweight, qzeros, g_idx, scales}, bits, in, out, groups, q.group_size);
     } else {
       read(".qweight", {in, out / 8}, DType::I32, qweight);
       read(".qzeros", {groups, out / 8}, DType::I32, qzeros);
@@ -136,6 +148,28 @@ void ModelParameters::load_quantized(const CheckpointReader& checkpoint, size_t 
   } else if (!layer.g_idx.empty()) {
     throw Error(
         fmt::format("{}.g_idx reorders the inputs (act-order) but quantization_config says desc_act false", base));
+  }
+}
+
+// Packs weight i from a float tensor of the checkpoint, rounded to nearest (GPTQ's symmetric codes,
+// the model's group size) a slice of rows at a time, so no float copy of the whole tensor exists.
+void ModelParameters::pack_from_float(const CheckpointReader& checkpoint, size_t i, const std::string& source) {
+  const ParamSpec& s = specs_[i];
+  const QuantizedWeight w = quantized_param(i);
+  const int64_t out = s.shape[0], in = s.shape[1];
+  const QuantConfig target{QuantMethod::Gptq, w.bits, config_.quant.group_size, false, true};
+  const int64_t rows = std::max<int64_t>(1, static_cast<int64_t>(kTransferBytes / 4) / in);
+  std::vector<float> values;
+  for (int64_t r0 = 0; r0 < out; r0 += rows) {
+    const int64_t n = std::min(rows, out - r0);
+    values.resize(static_cast<size_t>(n * in));
+    checkpoint.read_into(source, s.shape, values.data(), DType::F32, static_cast<size_t>(r0 * in),
+                         static_cast<size_t>(n * in));
+    const QuantizedLayer layer = quantize_rtn(values, n, in, target);
+    auto rows_of = [&](const Tensor& t) { return t.flat_range(r0 * t.cols(), n * t.cols()); };
+    backend_->copy_to_device(rows_of(w.codes), layer.codes.data());
+    backend_->copy_to_device(rows_of(w.scales), layer.scales.data());
+    backend_->copy_to_device(rows_of(w.zeros), layer.zeros.data());
   }
 }
 

@@ -53,6 +53,12 @@ std::vector<ParamSpec> model_parameter_specs(const ModelConfig& c) {
   return specs;
 }
 
+int packed_bits(const ModelConfig& c, const ParamSpec& s) {
+  if (!c.quant.enabled() || s.shape.size() != 2) return 0;
+  if (s.name.starts_with("model.layers.")) return c.quant.bits;
+  return s.name == "lm_head.weight" ? c.quant.lm_head_bits : 0;
+}
+
 int64_t model_parameter_count(const ModelConfig& config) {
   int64_t total = 0;
   for (const auto& s : model_parameter_specs(config)) total += s.numel();

@@ -51,15 +51,17 @@ ModelParameters::ModelParameters(const ModelConfig& config, const ModelOptions& 
   final_norm_ = at("model.norm.weight");
   head_ = config.tie_word_embeddings ? embed_ : at("lm_head.weight");
   const QuantConfig& q = config.quant;
+  auto in_a_layer = [](const ParamSpec& s) { return s.name.starts_with("model.layers."); };
   for (const auto& s : specs_) {
-    // A quantized model: every linear weight of the decoder layers is packed (io/quantized.h).
-    if (q.enabled() && s.shape.size() == 2 && s.name.starts_with("model.layers.")) {
+    // A quantized model: every linear weight of the decoder layers is packed (io/quantized.h),
+    // and the LM head with quant.lm_head_bits (round-to-nearest: never act-order).
+    if (const int bits = packed_bits(config, s)) {
       const int64_t out = s.shape[0], in = s.shape[1], groups = q.groups(in);
-      QuantIds ids{device_plan.declare_persistent(s.name + ".codes", Category::Weights, out * in * q.bits / 8),
+      QuantIds ids{device_plan.declare_persistent(s.name + ".codes", Category::Weights, out * in * bits / 8),
                    device_plan.declare_persistent(s.name + ".scales", Category::Weights, out * groups * 2),
                    device_plan.declare_persistent(s.name + ".zeros", Category::Weights, out * groups * 2),
-                   std::nullopt};
-      if (q.desc_act) ids.g_idx = device_plan.declare_persistent(s.name + ".g_idx", Category::Weights, in * 4);
+                   std::nullopt, bits};
+      if (q.desc_act && in_a_layer(s)) ids.g_idx = device_plan.declare_persistent(s.name + ".g_idx", Category::Weights, in * 4);
       quant_.push_back(ids);
       weight_ids_.push_back(BufferId{});
       continue;
@@ -222,11 +224,11 @@ QuantizedWeight ModelParameters::quantized_param(size_t i) const {
   const int64_t out = specs_[i].shape[0], in = specs_[i].shape[1], groups = q.groups(in);
   Arena& a = device();
   QuantizedWeight w;
-  w.codes = Tensor(a.raw(ids.codes), DType::I32, {out, in * q.bits / 32});
+  w.codes = Tensor(a.raw(ids.codes), DType::I32, {out, in * ids.bits / 32});
   w.scales = Tensor(a.raw(ids.scales), DType::F16, {out, groups});
   w.zeros = Tensor(a.raw(ids.zeros), DType::F16, {out, groups});
   if (ids.g_idx) w.g_idx = Tensor(a.raw(*ids.g_idx), DType::I32, {in});
-  w.bits = q.bits;
+  w.bits = ids.bits;
   w.in = in;
   w.out = out;
   w.group_size = q.group_size_for(in);

@@ -37,6 +37,9 @@ struct ParamSpec {
 // All parameters of a Qwen2ForCausalLM in Hugging Face order (lm_head.weight only when untied).
 std::vector<ParamSpec> model_parameter_specs(const ModelConfig& config);
 int64_t model_parameter_count(const ModelConfig& config);
+// The bits of a parameter a quantized model holds packed (io/quantized.h): every decoder layer's
+// linear weight (quant.bits) and, with quant.lm_head_bits, the LM head; 0 for the others.
+int packed_bits(const ModelConfig& config, const ParamSpec& spec);
 
 // A tensor in backend memory for the safetensors writer: fetched through the backend slice by
 // slice while the file is written, so no host copy of the whole tensor exists.
@@ -133,9 +136,10 @@ class ModelParameters {
   // Views (device memory) of base parameter i in its storage dtype, and of its float32 gradient
   // (only when the base is trainable, i.e. no LoRA).
   Tensor param(size_t i) const;
-  // A quantized model (config.quant) holds the decoder layers' linear weights packed, as
-  // backend.h's QuantizedWeight (read from GPTQ / AWQ files, io/quantized.h); param() of one is
-  // refused. The base is then frozen: only LoRA adapters train on it (QLoRA).
+  // A quantized model (config.quant) holds the decoder layers' linear weights packed (and the LM
+  // head with quant.lm_head_bits), as backend.h's QuantizedWeight (read from GPTQ / AWQ files,
+  // io/quantized.h); param() of one is refused. The base is then frozen: only LoRA adapters train
+  // on it (QLoRA).
   bool quantized(size_t i) const { return quant_.at(i).has_value(); }
   QuantizedWeight quantized_param(size_t i) const;
   // The float32 values [out, in] of a quantized weight (dump), formed on the host.
@@ -215,9 +219,11 @@ class ModelParameters {
   struct QuantIds {
     BufferId codes, scales, zeros;
     std::optional<BufferId> g_idx;
+    int bits = 4;
   };
   std::vector<std::optional<QuantIds>> quant_;  // per spec
   void load_quantized(const CheckpointReader& checkpoint, size_t i, std::set<std::string>& expected);
+  void pack_from_float(const CheckpointReader& checkpoint, size_t i, const std::string& source);
   std::vector<Trainable> trainables_;
   std::vector<std::array<int, kNumLinearSites>> lora_index_;  // per layer and site, into trainables_
   Arena* device_ = nullptr;

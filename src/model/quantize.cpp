@@ -188,8 +188,6 @@ QuantizedLayer quantize_gptq(std::span<const float> w_in, int64_t out, int64_t i
 
 namespace {
 
-bool is_quantized_spec(const ParamSpec& s) { return s.shape.size() == 2 && s.name.starts_with("model.layers."); }
-
 // Distinct inputs of a decoder layer's linear sites: q/k/v share one, gate/up another.
 constexpr LinearSite kInputSites[] = {LinearSite::Q, LinearSite::O, LinearSite::Gate, LinearSite::Down};
 LinearSite input_site(LinearSite s) {
@@ -216,13 +214,31 @@ QuantizeSummary quantize_model(const std::string& model_dir, const std::string& 
                             quant_method_name(source.quant.method)));
   ModelConfig target = source;
   target.quant = o.target;
+  // A packed head is a tensor of its own (lm_head.qweight): the embedding keeps the tied weights.
+  if (o.target.lm_head_bits) {
+    if (o.target.method != QuantMethod::Gptq) throw Error("--lm_head_bits: packed LM heads are written in GPTQ files");
+    target.tie_word_embeddings = false;
+  }
   // The writer's checks (whole words, AWQ's whole groups) on this model's shapes.
   parse_model_config(config_to_json(target), "the quantized model's config");
   if (o.target.desc_act && !o.gptq) throw Error("act-order (desc_act) needs the GPTQ method");
   if (o.gptq && calibration.empty()) throw Error("the GPTQ method needs calibration data (--calibration_file)");
 
   const CheckpointReader checkpoint(model_dir);
-  const std::vector<ParamSpec> specs = model_parameter_specs(source);
+  const std::vector<ParamSpec> specs = model_parameter_specs(target);
+  // Where a tensor's float values are: a tied source's head is its embedding.
+  auto source_name = [&](const ParamSpec& s) {
+    return s.name == "lm_head.weight" && source.tie_word_embeddings ? std::string("model.embed_tokens.weight") : s.name;
+  };
+  // The layers round or run GPTQ with the target's settings; the head rounds to nearest with its bits.
+  auto rtn = [&](const ParamSpec& s) {
+    std::vector<float> w(static_cast<size_t>(s.numel()));
+    checkpoint.read_into(source_name(s), s.shape, w.data(), DType::F32);
+    QuantConfig t = o.target;
+    t.bits = packed_bits(target, s);
+    if (s.name == "lm_head.weight") t.desc_act = false;
+    return std::pair{std::move(w), quantize_rtn(w, s.shape[0], s.shape[1], t)};
+  };
   std::map<std::string, QuantizedLayer> layers;  // by spec name
   QuantizeSummary summary;
   double squared_error = 0, elements = 0;
@@ -230,16 +246,15 @@ QuantizeSummary quantize_model(const std::string& model_dir, const std::string& 
     const std::vector<float> back = dequantize_layer(layer);
     for (size_t k = 0; k < w.size(); ++k) squared_error += double(back[k] - w[k]) * (back[k] - w[k]);
     elements += static_cast<double>(w.size());
-    summary.float_bytes += static_cast<size_t>(s.numel()) * dtype_size(checkpoint.info(s.name).dtype);
+    summary.float_bytes += static_cast<size_t>(s.numel()) * dtype_size(checkpoint.info(source_name(s)).dtype);
     layers.emplace(s.name, std::move(layer));
   };
 
   if (!o.gptq) {
     for (const ParamSpec& s : specs) {
-      if (!is_quantized_spec(s)) continue;
-      std::vector<float> w(static_cast<size_t>(s.numel()));
-      checkpoint.read_into(s.name, s.shape, w.data(), DType::F32);
-      record(s, w, quantize_rtn(w, s.shape[0], s.shape[1], o.target));
+      if (!packed_bits(target, s)) continue;
+      auto [w, layer] = rtn(s);
+      record(s, w, std::move(layer));
     }
   } else {
     int64_t longest = 0;
@@ -295,6 +310,11 @@ QuantizeSummary quantize_model(const std::string& model_dir, const std::string& 
           record(spec, w, quantize_gptq(w, lin.out, lin.in, o.target, H, o.damp_percent));
         }
     }
+    for (const ParamSpec& s : specs)
+      if (s.name == "lm_head.weight" && packed_bits(target, s)) {
+        auto [w, layer] = rtn(s);
+        record(s, w, std::move(layer));
+      }
   }
 
   // The file: every tensor in the source's order, quantized layers as their packed tensors.
@@ -302,7 +322,7 @@ QuantizeSummary quantize_model(const std::string& model_dir, const std::string& 
   packed.reserve(layers.size());
   std::vector<TensorToWrite> tensors;
   for (const ParamSpec& s : specs) {
-    if (!is_quantized_spec(s)) {
+    if (!packed_bits(target, s)) {
       const TensorInfo& info = checkpoint.info(s.name);
       TensorToWrite t{s.name, info.dtype, s.shape, nullptr, {}};
       t.fetch = [&checkpoint, name = s.name, shape = s.shape, dtype = info.dtype](size_t offset, std::span<std::byte> out) {
@@ -332,6 +352,7 @@ QuantizeSummary quantize_model(const std::string& model_dir, const std::string& 
   }
   write_checkpoint(out_dir, tensors);
   doc["quantization_config"] = config_to_json(target)["quantization_config"];
+  doc["tie_word_embeddings"] = target.tie_word_embeddings;
   write_file_atomically((std::filesystem::path(out_dir) / "config.json").string(), doc.dump(2) + "\n");
   copy_model_side_files(model_dir, out_dir);
   summary.layers = static_cast<int64_t>(layers.size());

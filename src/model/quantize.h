@@ -18,7 +18,8 @@ namespace memtune {
 
 struct QuantizeOptions {
   // The file format (quant method gptq: symmetric, zero 2^(bits-1); awq: 4 bits with zero points),
-  // bits, group_size, and desc_act (act-order: columns taken by decreasing Hessian diagonal, GPTQ only).
+  // bits, group_size, desc_act (act-order: columns taken by decreasing Hessian diagonal, GPTQ only)
+  // and lm_head_bits (GPTQ: the LM head packed too, rounded to nearest; a tied head is untied).
   QuantConfig target;
   bool gptq = false;           // the GPTQ algorithm; false: round to nearest
   double damp_percent = 0.01;  // added to the Hessian's diagonal, as a fraction of its mean

@@ -18,8 +18,14 @@ void add_backend_option(CLI::App& app, std::string& name) {
       ->capture_default_str();
 }
 
-void add_quantized_activations_option(CLI::App& app, std::string& value) {
-  app.add_option("--quantized_activations", value,
+void add_quantized_model_options(CLI::App& app, std::string& activations, int& lm_head_bits) {
+  app.add_option("--lm_head_bits", lm_head_bits,
+                 "GPTQ / AWQ models: pack the LM head at load with 8 or 4 bits (round to nearest, the layers' group "
+                 "size): decoding reads a quarter (8) or an eighth (4) of a 16-bit head's bytes; 0 keeps the "
+                 "checkpoint's head")
+      ->check(CLI::IsMember({0, 4, 8}))
+      ->capture_default_str();
+  app.add_option("--quantized_activations", activations,
                  "GPTQ / AWQ models: int8 rounds the input of products of more than 16 rows (prompts, serving "
                  "steps, evaluation) to int8 per block for integer dot products (decoding keeps float32); float "
                  "keeps float32 inputs everywhere")

@@ -19,9 +19,10 @@ namespace memtune {
 
 // --backend NAME on a command that builds a model: where its memory lives and its ops run.
 void add_backend_option(CLI::App& app, std::string& name);
-// --quantized_activations int8 | float (int8_activations.h): how quantized products of many rows
-// take their input in a model without gradients.
-void add_quantized_activations_option(CLI::App& app, std::string& value);
+// The options of a quantized model that runs without gradients: --quantized_activations int8 |
+// float (int8_activations.h: how products of many rows take their input) and --lm_head_bits 4 | 8
+// (the LM head packed at load, model/config.h: quantize_lm_head; 0 keeps the checkpoint's head).
+void add_quantized_model_options(CLI::App& app, std::string& activations, int& lm_head_bits);
 
 struct TrainingArguments {
   // Where things are.

@@ -87,6 +87,7 @@ ModelChoice choose_model(const ModelFlags& flags) {
   m.checkpoint_dtype = m.config.torch_dtype;
   if (dtype) m.config.torch_dtype = *dtype;
   if (!flags.quantization.empty()) apply_quantization(m.config, flags.quantization);
+  if (flags.lm_head_bits) quantize_lm_head(m.config, flags.lm_head_bits);
   return m;
 }
 

@@ -53,6 +53,7 @@ struct ModelFlags {
   std::vector<std::string> adapter_sets;  // adapter directories held at once (selected per request)
   std::string host_memory;                // --host_memory: a budget for the whole process
   bool int8_activations = true;           // --quantized_activations int8 (ModelOptions::int8_activations)
+  int lm_head_bits = 0;                   // --lm_head_bits: the LM head packed at load (quantize_lm_head)
 };
 
 // The config the flags describe (the directory's or the preset's, in the storage dtype asked

@@ -139,8 +139,10 @@ def check(quantized_dir, float_dir):
             continue
         scales = q[base + ".scales"].astype(np.float32)
         if config["quant_method"] == "gptq":
-            codes = unpack_rows(q[base + ".qweight"], bits).astype(np.float32)
-            zeros = unpack_cols(q[base + ".qzeros"], bits).astype(np.float32) + 1
+            # A packed head ("lm_head": true) has its own width where "lm_head_bits" says so.
+            b = config.get("lm_head_bits", bits) if base == "lm_head" else bits
+            codes = unpack_rows(q[base + ".qweight"], b).astype(np.float32)
+            zeros = unpack_cols(q[base + ".qzeros"], b).astype(np.float32) + 1
             g = q[base + ".g_idx"].astype(np.int64)
         else:
             codes = awq_unpack(q[base + ".qweight"]).astype(np.float32)

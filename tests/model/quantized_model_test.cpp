@@ -182,6 +182,92 @@ TEST_F(QuantizedModelTest, ManyRowsTakeInt8ActivationsAsTheReferenceComputesThem
   }
 }
 
+// A packed LM head (--lm_head_bits): quantize writes it as lm_head.qweight that the numpy reader
+// dequantizes to the head `dequantize` writes; logits (the loss head on cpu and reference) and
+// greedy tokens (the decoding head) equal the float copy's; the same head packed at load from a
+// model that keeps it in floats computes the very same logits; the file is smaller; and what
+// cannot hold a packed head is refused.
+TEST_F(QuantizedModelTest, APackedLmHeadComputesLikeItsFloatCopyWhetherWrittenOrPackedAtLoad) {
+  // GPTQ files pack the head's zeros along its outputs, 4 per int32 at 8 bits: vocabulary 269 is
+  // refused with the field named, and a tied model of vocabulary 272 is packed (and untied).
+  auto r = run_memtune("quantize --model " + path("float") + " --out " + path("head269") + " --lm_head_bits 8");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("the LM head's 269 outputs do not split into int32 words"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(dir_ / "head269"));
+  r = run_memtune("init-model --config " + path("float") + "/config.json --out " + path("tied") +
+                  " --set vocab_size=272 --set tie_word_embeddings=true --seed 3");
+  ASSERT_EQ(r.status, 0) << r.output;
+  auto quantize_tied = [&](const std::string& name, const std::string& flags) {
+    auto q = run_memtune("quantize --model " + path("tied") + " --out " + path(name) + " " + flags);
+    ASSERT_EQ(q.status, 0) << q.output;
+    q = run_memtune("dequantize --model " + path(name) + " --out " + path(name + "_f32") + " --torch_dtype float32");
+    ASSERT_EQ(q.status, 0) << q.output;
+  };
+  quantize_tied("head8", "--bits 4 --group_size 32 --lm_head_bits 8");
+  r = testing_support::run_command("/usr/bin/python3 " MEMTUNE_SOURCE_DIR "/tests/io/quantized_vectors.py --check " +
+                                        path("head8") + " " + path("head8_f32"));
+  ASSERT_EQ(r.status, 0) << r.output;
+  EXPECT_NE(r.output.find("15 quantized layers equal"), std::string::npos) << r.output;  // 14 layers and the head
+  const nlohmann::json config = testing_support::read_json(dir_ / "head8" / "config.json");
+  EXPECT_EQ(config["quantization_config"]["lm_head"], true);
+  EXPECT_EQ(config["quantization_config"]["lm_head_bits"], 8);
+  EXPECT_EQ(config["tie_word_embeddings"], false);
+  quantize_tied("plain4", "--bits 4 --group_size 32");
+  // A tied head is untied: the file grows by the packed head (8-bit codes, scales, zeros), a quarter
+  // of a float32 head plus a little.
+  const double grown = double(fs::file_size(dir_ / "head8" / "model.safetensors")) -
+                       double(fs::file_size(dir_ / "plain4" / "model.safetensors"));
+  EXPECT_GT(grown, 272.0 * 64);
+  EXPECT_LT(grown, 1.25 * 272 * 64);
+
+  auto dump = [&](const std::string& model, const std::string& flags) {
+    const std::string out = path(model + std::to_string(std::hash<std::string>{}(flags)) + ".dump");
+    const auto d = run_memtune("dump --model " + path(model) + " --input " + path("batch.json") + " --out " + out + " " + flags);
+    EXPECT_EQ(d.status, 0) << d.output;
+    return tensor(out, "logits");
+  };
+  const auto packed = dump("head8", ""), reference = dump("head8", "--backend reference"), copy = dump("head8_f32", "");
+  const auto at_load = dump("plain4", "--lm_head_bits 8"), plain = dump("plain4", "");
+  double worst = 0, scale = 0, moved = 0;
+  for (size_t i = 0; i < copy.size(); ++i) {
+    worst = std::max({worst, double(std::abs(packed[i] - copy[i])), double(std::abs(reference[i] - copy[i]))});
+    scale = std::max(scale, double(std::abs(copy[i])));
+    moved = std::max(moved, double(std::abs(plain[i] - packed[i])));
+  }
+  EXPECT_LE(worst, 1e-5 * scale);
+  EXPECT_EQ(at_load, packed);    // the same codes whether written by quantize or packed at load
+  EXPECT_GT(moved, 1e-5 * scale);  // and the packed head is not the float one
+
+  auto greedy = [&](const std::string& model, const std::string& flags) {
+    const std::string out = path(model + ".greedy.jsonl");
+    const auto g = run_memtune("generate --model " + path(model) + " --input " +
+                               path("head_prompts.jsonl") + " --output " + out +
+                               " --max_new_tokens 24 --temperature 0 --ignore_eos --skip_tokenizer_init " + flags);
+    EXPECT_EQ(g.status, 0) << g.output;
+    std::vector<nlohmann::json> tokens;
+    for (const auto& line : testing_support::read_jsonl(out)) tokens.push_back(line["token_ids"]);
+    return tokens;
+  };
+  std::ofstream(path("head_prompts.jsonl")) << "{\"prompt_ids\": [3, 40, 100, 200]}\n{\"prompt_ids\": [9, 61, 7]}\n";
+  const auto packed_tokens = greedy("head8", "");
+  ASSERT_EQ(packed_tokens.size(), 2u);
+  EXPECT_EQ(packed_tokens, greedy("head8_f32", ""));
+  EXPECT_EQ(packed_tokens, greedy("plain4", "--lm_head_bits 8"));
+
+  // Refused: a float model at load, an AWQ file, a width other than 4 or 8.
+  r = run_memtune("generate --model " + path("float") + " --input " + path("head_prompts.jsonl") + " --output " +
+                  path("x.jsonl") + " --lm_head_bits 8");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("--lm_head_bits 8: the model is not quantized"), std::string::npos) << r.output;
+  r = run_memtune("quantize --model " + path("float") + " --out " + path("awq_head") + " --format awq --lm_head_bits 4");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.output.find("packed LM heads are written in GPTQ files"), std::string::npos) << r.output;
+  EXPECT_FALSE(fs::exists(dir_ / "awq_head"));
+  r = run_memtune("dump --model " + path("plain4") + " --input " + path("batch.json") + " --out " + path("x.dump") +
+                  " --lm_head_bits 6");
+  EXPECT_NE(r.status, 0);
+}
+
 // QLoRA: the adapters' gradients on a quantized base equal those on its dequantized float copy,
 // and a short LoRA run on the quantized base lowers the loss as one on the float copy does.
 TEST_F(QuantizedModelTest, LoraOnAQuantizedBaseHasTheGradientsOfItsFloatCopy) {

@@ -695,23 +695,28 @@ void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n
 namespace {
 
 // The LM head's weight as float32 slices of vocabulary rows: the weight itself when it is
-// float32, otherwise each slice widened into the workspace right before use.
+// float32, otherwise each slice widened (or dequantized, a packed head) into the workspace right
+// before use.
 inline constexpr int64_t kF32HeadSliceRows = 4096;
 
 class HeadSlices {
  public:
-  explicit HeadSlices(const LmHeadArgs& a) : a_(a), V_(a.weight.rows()), D_(a.weight.cols()) {
-    MT_ASSERT(a.weight.dtype == DType::F32 || (a.weight_slice && a.weight_slice.rows() > 0),
-              "16-bit head needs a slice buffer");
+  explicit HeadSlices(const LmHeadArgs& a) : a_(a), V_(a.vocab()), D_(a.hidden_size()) {
+    MT_ASSERT(in_place() || (a.weight_slice && a.weight_slice.rows() > 0), "a 16-bit or packed head needs a slice buffer");
   }
+  bool in_place() const { return !a_.quantized && a_.weight.dtype == DType::F32; }
   // A float32 head is read in place, but still a slice at a time: OpenBLAS packs a whole operand
   // per thread (a [vocab, hidden] gradient GEMM touched ~2x the head's bytes of buffers beyond the
   // plan with 2 threads), a slice keeps that to a slice's worth.
   int64_t slice_rows() const {
-    return a_.weight.dtype == DType::F32 ? std::min<int64_t>(V_, kF32HeadSliceRows) : a_.weight_slice.rows();
+    return in_place() ? std::min<int64_t>(V_, kF32HeadSliceRows) : a_.weight_slice.rows();
   }
   const float* slice(int64_t v0, int64_t v1) const {
-    if (a_.weight.dtype == DType::F32) return a_.weight.as<const float>() + v0 * D_;
+    if (in_place()) return a_.weight.as<const float>() + v0 * D_;
+    if (a_.quantized) {
+      dequantize_weight_rows(a_.weight_slice.as<float>(), *a_.quantized, v0, v1 - v0);
+      return a_.weight_slice.as<float>();
+    }
     const auto* bytes = a_.weight.as<const std::byte>() + v0 * D_ * dtype_size(a_.weight.dtype);
     convert_to_f32(bytes, a_.weight.dtype, a_.weight_slice.as<float>(), static_cast<size_t>((v1 - v0) * D_));
     return a_.weight_slice.as<float>();
@@ -725,7 +730,7 @@ class HeadSlices {
 }  // namespace
 
 LossSum lm_head_loss(const LmHeadArgs& a) {
-  const int64_t chunk_rows = a.logits.rows(), V = a.weight.rows(), D = a.weight.cols(), N = a.hidden.rows();
+  const int64_t chunk_rows = a.logits.rows(), V = a.vocab(), D = a.hidden_size(), N = a.hidden.rows();
   MT_ASSERT(chunk_rows > 0);
   const bool backward = static_cast<bool>(a.dhidden);
   const HeadSlices head(a);

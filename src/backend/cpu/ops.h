@@ -63,6 +63,8 @@ void attention_backward(float* dq, float* dk, float* dv, const float* dout, cons
 // dinp[N,C] += dout[N,OC] @ W; scratch holds kQuantizedTileRows x in floats.
 void quantized_matmul_forward(float* out, const float* inp, const QuantizedWeight& weight, const float* bias,
                               int64_t N, float* scratch);
+// Output rows o0 .. o0 + rows of a quantized weight as float32 [rows, in] (the LM head's slices).
+void dequantize_weight_rows(float* out, const QuantizedWeight& weight, int64_t o0, int64_t rows);
 void quantized_matmul_backward_input(float* dinp, const float* dout, const QuantizedWeight& weight, int64_t N,
                                      float* scratch);
 // The same forward product with int8 activations (int8_activation_ops.cpp, int8_activations.h),

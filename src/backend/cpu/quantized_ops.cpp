@@ -337,6 +337,10 @@ void quantized_matmul_forward(float* out, const float* inp, const QuantizedWeigh
     for (int64_t o = 0; o < OC; ++o) out[n * OC + o] += bias[o];
 }
 
+void dequantize_weight_rows(float* out, const QuantizedWeight& weight, int64_t o0, int64_t rows) {
+  dequantize_rows(out, Layout(weight), o0, rows);
+}
+
 void quantized_matmul_backward_input(float* dinp, const float* dout, const QuantizedWeight& weight, int64_t N,
                                      float* scratch) {
   const Layout w(weight);

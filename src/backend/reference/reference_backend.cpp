@@ -375,7 +375,10 @@ class ReferenceBackend final : public Backend {
   LossSum lm_head_loss(const LmHeadArgs& args) override {
     Access a(*this);
     const Tensor& W = args.weight;
-    const int64_t N = args.hidden.rows(), D = W.cols(), V = W.rows(), chunk_rows = args.logits.rows();
+    const int64_t N = args.hidden.rows(), D = args.hidden_size(), V = args.vocab(), chunk_rows = args.logits.rows();
+    auto head = [&](int64_t v, int64_t d) {
+      return args.quantized ? dequantized(*args.quantized, v, d) : element(W, v * D + d);
+    };
     MT_ASSERT(args.staging.logits && args.staging.targets && args.staging.positions,
               "the reference backend hands chunks to host code through staging buffers");
     int32_t* positions = args.positions.as<int32_t>();
@@ -395,7 +398,7 @@ class ReferenceBackend final : public Backend {
       for (int64_t r = 0; r < m; ++r)
         for (int64_t v = 0; v < V; ++v) {
           double s = 0.0;
-          for (int64_t d = 0; d < D; ++d) s += double(args.hidden.f32()[pos[r] * D + d]) * element(W, v * D + d);
+          for (int64_t d = 0; d < D; ++d) s += double(args.hidden.f32()[pos[r] * D + d]) * head(v, d);
           logits[r * V + v] = static_cast<float>(s);
         }
       // Host code sees the chunk in host memory only, with the device memory locked meanwhile.
@@ -420,7 +423,7 @@ class ReferenceBackend final : public Backend {
       for (int64_t r = 0; r < m; ++r)
         for (int64_t d = 0; d < D; ++d) {
           double s = 0.0;
-          for (int64_t v = 0; v < V; ++v) s += double(dlogits[r * V + v]) * element(W, v * D + d);
+          for (int64_t v = 0; v < V; ++v) s += double(dlogits[r * V + v]) * head(v, d);
           args.dhidden.f32()[pos[r] * D + d] = static_cast<float>(args.grad_scale * s);
         }
       if (args.dweight)

@@ -432,6 +432,9 @@ class VulkanBackend final : public Backend {
   // custom loss, or an observer that needs logits, gets each chunk through host staging and its
   // gradient comes back. RowStats for observers are always computed on the device, back once.
   LossSum lm_head_loss(const LmHeadArgs& a) override {
+    if (a.quantized)
+      throw Error("--backend vulkan computes losses with a 16-bit or float32 LM head; a packed head (--lm_head_bits) "
+                  "computes losses on --backend cpu, and decodes on vulkan");
     const HostChunkStaging& st = a.staging;
     MT_ASSERT(st.targets && st.positions && st.row_losses && (!a.observer || st.row_stats),
               "the vulkan backend hands values to host code through staging buffers");
