@@ -10,6 +10,10 @@
 // with z - 128) and multiplied as |c - 128| by the input with c - 128's sign (at most 2 x 128 x
 // 127 per pair: no saturation), widened every step.
 //
+// Where the CPU has VNNI (AVX-512 VNNI with VL, or AVX-VNNI), vpdpbusd does a step's products and
+// their 32-bit sums in one instruction (four products per lane, no saturation): the same integer
+// sums, so the same result to the bit.
+//
 // Layout: the input is rounded in row chunks into scratch (int8 rows, a scale per block, and per
 // group the sum_a d_a sum q for the zero term). Each task takes 16 output rows and first unpacks
 // their codes into bytes in the same order as the input (4-bit: per 32 inputs the even ones, then
@@ -38,6 +42,21 @@ constexpr int64_t kTileRows = 16;   // output rows a task unpacks and runs
 constexpr int kMaxTileThreads = 16;  // threads with a tile in scratch
 constexpr int MR = 4, NR = 2;  // input rows x output rows of the micro-kernel
 constexpr int MR8 = 2, NR8 = 4;
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+constexpr bool kVnni = true;
+inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+#elif defined(__AVXVNNI__)
+constexpr bool kVnni = true;
+inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+#else
+constexpr bool kVnni = false;
+// Unsigned x signed bytes, pairs summed into 16 bits (at most 2 x 255 x 127: callers keep below
+// saturation), then widened to 32.
+inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+#endif
 
 // What every task reads: the rounded input of a chunk of rows.
 struct RoundedInput {
@@ -153,19 +172,19 @@ void micro(float* out, int64_t OC, const RoundedInput& x, int64_t n0, const Tile
       for (int m = 0; m < M; ++m) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xrow[m] + k));
         for (int r = 0; r < R; ++r) {
-          if constexpr (Bits == 8) {
-            const __m256i p = _mm256_maddubs_epi16(wabs[r], _mm256_sign_epi8(xv, wv[r]));
-            acc[m][r] = _mm256_add_epi32(acc[m][r], _mm256_madd_epi16(p, ones));
-          } else {
+          if constexpr (Bits == 8)
+            acc[m][r] = dot_u8s8(acc[m][r], wabs[r], _mm256_sign_epi8(xv, wv[r]));
+          else if constexpr (kVnni)
+            acc[m][r] = dot_u8s8(acc[m][r], wv[r], xv);
+          else  // 16-bit sums, widened once per block
             acc[m][r] = _mm256_add_epi16(acc[m][r], _mm256_maddubs_epi16(wv[r], xv));
-          }
         }
       }
     }
     for (int m = 0; m < M; ++m) {
       const float d = x.scale[(n0 + m) * blocks + a];
       for (int r = 0; r < R; ++r) {
-        const __m256i sums = Bits == 8 ? acc[m][r] : _mm256_madd_epi16(acc[m][r], ones);
+        const __m256i sums = Bits == 8 || kVnni ? acc[m][r] : _mm256_madd_epi16(acc[m][r], ones);
         const __m256 f = _mm256_set1_ps(d * t.scale[(r0 + r) * w.groups + g]);
         total[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), f, total[m][r]);
       }
