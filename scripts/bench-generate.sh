@@ -4,7 +4,10 @@
 # round-to-nearest, made once by memtune quantize; with int8 and with float32 activations, and the
 # int4 copy with its LM head packed at load to 8 and 4 bits): prefill and decode tokens/s at batch 1 and 8
 # against the machine's memory read bandwidth and sgemm ceiling measured in the same run
-# (bench/bench_generate.cpp). Writes bench/results/generate-*.json
+# (bench/bench_generate.cpp); and llama.cpp (npm node-llama-cpp's prebuilt CPU binary, pinned in
+# bench/llama-cpp) on GGUF f16 / q8_0 / q4_0 copies of the same bfloat16 weights
+# (bench/gguf_writer.py), each run beside the memtune run it compares with; MEMTUNE_BENCH_LLAMA_CPP=0
+# leaves llama.cpp out. Writes bench/results/generate-*.json
 # (scripts/bench_results.py tables turns them into the tables).
 # Usage: scripts/bench-generate.sh [prompt=128] [new_tokens=128]
 set -euo pipefail
@@ -21,13 +24,35 @@ for bits in 8 4; do
     "$root/build/memtune" quantize --model "$model" --bits $bits --group_size 128 --out "$model-gptq-int$bits"
   fi
 done
+# llama.cpp on the same weights: GGUF copies written once (again when the writer changes).
+llama_cpp="${MEMTUNE_BENCH_LLAMA_CPP:-1}"
+if [[ "$llama_cpp" == 1 ]]; then
+  tokenizer="${MEMTUNE_TOKENIZER_DIR:-}"
+  [[ -n "$tokenizer" ]] || tokenizer="$("$root/scripts/prepare-tokenizer.sh" | tail -n 1)"
+  "$root/scripts/npm-pinned.sh" "$root/bench/llama-cpp" "$root/out/llama-cpp" > /dev/null
+  for type in f16 q8_0 q4_0; do
+    if [[ ! -f "$model-$type.gguf" || "$root/bench/gguf_writer.py" -nt "$model-$type.gguf" ]]; then
+      /usr/bin/python3 "$root/bench/gguf_writer.py" --model "$model" --tokenizer "$tokenizer" --type "$type" \
+        --out "$model-$type.gguf"
+    fi
+  done
+fi
 threads="$(nproc)"
 rows="["
 # The GPTQ copies with int8 activations (the default: prefill rounds its input to int8) and with
 # float32 ones (--quantized_activations float), measured in the same run.
-for run in float32 bfloat16 gptq-int8 gptq-int8:float gptq-int4 gptq-int4:float gptq-int4:head8 gptq-int4:head4; do
+# llama.cpp's q4_0 (its llama-quantize's choice for this shape: a Q8_0 head) sits beside the int4
+# copy with an 8-bit head.
+for run in float32 bfloat16 llama.cpp:f16 gptq-int8 gptq-int8:float llama.cpp:q8_0 gptq-int4 gptq-int4:float \
+           gptq-int4:head8 llama.cpp:q4_0 gptq-int4:head4; do
+  [[ "$run" == llama.cpp:* && "$llama_cpp" != 1 ]] && continue
   echo "== $run ($threads threads)"
   case "$run" in
+    llama.cpp:*)
+      line="$(node "$root/bench/llama_cpp_generate.mjs" --model "$model-${run#llama.cpp:}.gguf" --threads "$threads" \
+        --prompt "$prompt" --new "$new" --rounds 5 | tee /dev/stderr | tail -1)"
+      rows+="$line,"
+      continue ;;
     gptq-*:head*) args=(--model "$model-${run%:head*}" --torch_dtype bfloat16 --lm_head_bits "${run##*:head}") ;;
     gptq-*:float) args=(--model "$model-${run%:float}" --torch_dtype bfloat16 --quantized_activations float) ;;
     gptq-*) args=(--model "$model-$run" --torch_dtype bfloat16) ;;

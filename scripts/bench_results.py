@@ -104,8 +104,12 @@ def table_generate(results):
     lines = ["| dtype | machine | read GB/s | decode limit tok/s | batch-1 decode tok/s | of limit | batch-8 decode "
              "tok/s | batch-8 / batch-1 | prefill tok/s | prefill GFLOP/s | of sgemm ceiling |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    llama_cpp = []
     for r in results:
         for row in r["rows"]:
+            if row.get("engine") == "llama.cpp":
+                llama_cpp.append((r, row))
+                continue
             d = row["decode_tokens_per_s"]
             b1, b8 = d.get("1", 0.0), d.get("8", 0.0)
             lines.append(f"| {row['torch_dtype']} | {machine_text(r)} | {row['memory_read_gb_per_s']:.1f} | "
@@ -113,6 +117,22 @@ def table_generate(results):
                          f"{b1 / row['decode_limit_tokens_per_s']:.0%} | {b8:.1f} | {b8 / b1:.2f}x | "
                          f"{row['prefill_tokens_per_s']:.1f} | {row['prefill_gflops']:.1f} | "
                          f"{row['prefill_gflops'] / row['sgemm_ceiling_gflops']:.0%} |")
+    if llama_cpp:  # the same weights in llama.cpp, measured in the same run: memtune's rate over its
+        lines += ["", "| memtune | llama.cpp (same weights, same run) | machine | prefill tok/s | vs llama.cpp | "
+                  "batch-1 decode tok/s | vs llama.cpp |", "|---|---|---|---:|---:|---:|---:|"]
+        pairs = {"f16": ["bfloat16"], "q8_0": ["gptq-int8, int8 activations"],
+                 "q4_0": ["gptq-int4, int8 activations", "gptq-int4, 8-bit head, int8 activations",
+                          "gptq-int4, 4-bit head, int8 activations"]}
+        for r, ref in llama_cpp:
+            for row in r["rows"]:
+                if row.get("torch_dtype") not in pairs.get(ref["type"], []):
+                    continue
+                b1 = row["decode_tokens_per_s"].get("1", 0.0)
+                lines.append(f"| {row['torch_dtype']} | {ref['type']}: {ref['prefill_tokens_per_s']:.1f} / "
+                             f"{ref['decode_tokens_per_s']:.1f} | {machine_text(r)} | "
+                             f"{row['prefill_tokens_per_s']:.1f} | "
+                             f"{row['prefill_tokens_per_s'] / ref['prefill_tokens_per_s']:.2f}x | {b1:.1f} | "
+                             f"{b1 / ref['decode_tokens_per_s']:.2f}x |")
     return lines
 
 
