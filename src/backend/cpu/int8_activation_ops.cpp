@@ -201,18 +201,15 @@ void micro(float* out, int64_t OC, const RoundedInput& x, int64_t n0, const Tile
     }
 }
 
-template <int Bits, int R>
-void rows_against(float* out, int64_t OC, const RoundedInput& x, const Tile& t, int64_t o0, int64_t r0,
-                  const QuantizedWeight& w, int64_t block, const float* bias) {
-  constexpr int M = Bits == 8 ? MR8 : MR;
-  int64_t n = 0;
-  for (; n + M <= x.rows; n += M) micro<Bits, M, R>(out, OC, x, n, t, o0, r0, w, block, bias);
-  switch (x.rows - n) {
-    case 3: return micro<Bits, 3, R>(out, OC, x, n, t, o0, r0, w, block, bias);
-    case 2: return micro<Bits, 2, R>(out, OC, x, n, t, o0, r0, w, block, bias);
-    case 1: return micro<Bits, 1, R>(out, OC, x, n, t, o0, r0, w, block, bias);
-    default: return;
-  }
+// Input rows n0 .. n0 + M - 1 against every row of the tile, R at a time: the M input rows (a few
+// KB) and the tile's codes stay in L1 while the pairs run.
+template <int Bits, int M>
+void rows_against_tile(float* out, int64_t OC, const RoundedInput& x, int64_t n0, const Tile& t, int64_t o0,
+                       int64_t rows, const QuantizedWeight& w, int64_t block, const float* bias) {
+  constexpr int R = Bits == 8 ? NR8 : NR;
+  int64_t r = 0;
+  for (; r + R <= rows; r += R) micro<Bits, M, R>(out, OC, x, n0, t, o0, r, w, block, bias);
+  for (; r < rows; ++r) micro<Bits, M, 1>(out, OC, x, n0, t, o0, r, w, block, bias);
 }
 
 template <int Bits>
@@ -220,10 +217,15 @@ void tile_task(float* out, const RoundedInput& x, const QuantizedWeight& w, int6
                int64_t o0, const Tile& t) {
   const int64_t rows = std::min(kTileRows, w.out - o0);
   unpack_tile(w, o0, rows, t);
-  int64_t r = 0;
-  constexpr int R = Bits == 8 ? NR8 : NR;
-  for (; r + R <= rows; r += R) rows_against<Bits, R>(out, w.out, x, t, o0, r, w, block, bias);
-  if (r < rows) rows_against<Bits, 1>(out, w.out, x, t, o0, r, w, block, bias);
+  constexpr int M = Bits == 8 ? MR8 : MR;
+  int64_t n = 0;
+  for (; n + M <= x.rows; n += M) rows_against_tile<Bits, M>(out, w.out, x, n, t, o0, rows, w, block, bias);
+  switch (x.rows - n) {
+    case 3: return rows_against_tile<Bits, 3>(out, w.out, x, n, t, o0, rows, w, block, bias);
+    case 2: return rows_against_tile<Bits, 2>(out, w.out, x, n, t, o0, rows, w, block, bias);
+    case 1: return rows_against_tile<Bits, 1>(out, w.out, x, n, t, o0, rows, w, block, bias);
+    default: return;
+  }
 }
 
 }  // namespace
