@@ -1,24 +1,24 @@
 // Quantized products of many rows with int8 activations (int8_activations.h) on the cpu backend:
-// integer dot products of the weight's codes with the rounded input, AVX2's vpmaddubsw (unsigned
-// 8-bit x signed 8-bit, pairs summed into 16 bits) and vpmaddwd.
+// integer dot products of the weight's codes with the rounded input.
 //
 // Over a group g of the weight and its activation blocks a (scale d_a, int8 input q):
-//   sum_k x_k s_g (c_k - z_g) = s_g (sum_a d_a sum_{k in a} q_k c_k - z_g sum_a d_a sum_{k in a} q_k)
-// with c the codes. 4-bit codes (0..15) go to vpmaddubsw as they are: a pair of products is at
-// most 2 x 15 x 127 = 3810, so the 16-bit sums of four 32-input steps (a 128-input block) cannot
-// overflow, and vpmaddwd widens them once per block. 8-bit codes are shifted to signed (c - 128,
-// with z - 128) and multiplied as |c - 128| by the input with c - 128's sign (at most 2 x 128 x
-// 127 per pair: no saturation), widened every step.
+//   sum_k x_k s_g (c_k - z_g) = sum_a d_a s_g sum_{k in a} q_k c_k - s_g z_g sum_a d_a sum_{k in a} q_k
+// with c the codes: integer sums per block, one float multiply-add per block, and the zero term
+// once per group.
 //
-// Where the CPU has VNNI (AVX-512 VNNI with VL, or AVX-VNNI), vpdpbusd does a step's products and
-// their 32-bit sums in one instruction (four products per lane, no saturation): the same integer
-// sums, so the same result to the bit.
+// Layout: output rows, not inputs, run along a register's lanes. Each task unpacks the codes of
+// kTileRows output rows into bytes, interleaved per 4 inputs: for inputs 4i .. 4i + 3, row j's four
+// codes are the int32 at (i * kTileRows + j). One vector load then holds the same four inputs of L
+// consecutive rows (L = 16 with AVX-512, 8 with AVX2), and an input row's four rounded values,
+// broadcast to every lane, multiply it with one vpdpbusd (unsigned codes x signed input, four
+// products summed into each int32 lane). The sums land per output row, so the scales are vectors
+// too (a tile's scales per group are L consecutive floats) and nothing is summed across lanes.
+// The micro-kernel keeps M input rows x R vectors of outputs in registers over the whole input.
 //
-// Layout: the input is rounded in row chunks into scratch (int8 rows, a scale per block, and per
-// group the sum_a d_a sum q for the zero term). Each task takes 16 output rows and first unpacks
-// their codes into bytes in the same order as the input (4-bit: per 32 inputs the even ones, then
-// the odd ones, as a 16-byte load yields them by low and high nibbles), then runs every input row
-// against them, 4 input rows x 2 output rows at a time.
+// Without VNNI (AVX2 only), vpmaddubsw + vpmaddwd give the same integer sums: 4-bit codes go as
+// they are (a pair of products is at most 2 x 15 x 127, far below the 16-bit limit); 8-bit codes
+// are stored shifted to signed (c - 128, with z - 128) and multiplied as |c - 128| by the input
+// with c - 128's sign (at most 2 x 128 x 127 per pair: no saturation).
 #include <omp.h>
 
 #include <algorithm>
@@ -38,11 +38,42 @@ namespace memtune::cpu {
 #ifdef __AVX2__
 namespace {
 
-constexpr int64_t kTileRows = 16;   // output rows a task unpacks and runs
+constexpr int64_t kTileRows = 32;   // output rows a task unpacks and runs
 constexpr int kMaxTileThreads = 16;  // threads with a tile in scratch
-constexpr int MR = 4, NR = 2;  // input rows x output rows of the micro-kernel
-constexpr int MR8 = 2, NR8 = 4;
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+constexpr bool kVnni = true;
+// 16 output rows per register, 32 registers: 4 input rows x 2 registers of outputs, each with an
+// int32 block sum and a float32 total.
+struct Vec {
+  using I = __m512i;
+  using F = __m512;
+  static constexpr int L = 16;
+  static constexpr int M = 4, R = 2;
+  static I zero() { return _mm512_setzero_si512(); }
+  static F fzero() { return _mm512_setzero_ps(); }
+  static I load(const int8_t* p) { return _mm512_loadu_si512(p); }
+  static I broadcast4(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+  }
+  // In asm: with the intrinsic, GCC 12 copies each accumulator to another register and back
+  // around every vpdpbusd (two moves per product in the inner loop).
+  static I dot(I acc, I codes, I x) {
+    asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(codes), "v"(x));
+    return acc;
+  }
+  static F fload(const float* p) { return _mm512_loadu_ps(p); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+  static F cvt(I v) { return _mm512_maskz_cvtepi32_ps(0xffff, v); }  // (GCC 12 warns on the unmasked form)
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+};
+#else
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 constexpr bool kVnni = true;
 inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
@@ -51,26 +82,55 @@ constexpr bool kVnni = true;
 inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
 #else
 constexpr bool kVnni = false;
-// Unsigned x signed bytes, pairs summed into 16 bits (at most 2 x 255 x 127: callers keep below
-// saturation), then widened to 32.
+// Unsigned x signed bytes, pairs summed into 16 bits (callers keep below saturation), then four
+// products summed into 32 bits.
 inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
 }
 #endif
+// 8 output rows per register, 16 registers: 2 input rows x 2 registers of outputs.
+struct Vec {
+  using I = __m256i;
+  using F = __m256;
+  static constexpr int L = 8;
+  static constexpr int M = 2, R = 2;
+  static I zero() { return _mm256_setzero_si256(); }
+  static F fzero() { return _mm256_setzero_ps(); }
+  static I load(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static I broadcast4(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+  }
+  static I dot(I acc, I codes, I x) { return dot_u8s8(acc, codes, x); }
+  static F fload(const float* p) { return _mm256_loadu_ps(p); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+  static F cvt(I v) { return _mm256_cvtepi32_ps(v); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+};
+#endif
+static_assert(kTileRows % (Vec::L * Vec::R) == 0, "a tile is whole passes of the micro-kernel");
+
+// 8-bit codes as they are where vpdpbusd multiplies them (unsigned), shifted to signed otherwise.
+constexpr int kShift8 = kVnni ? 0 : 128;
 
 // What every task reads: the rounded input of a chunk of rows.
 struct RoundedInput {
-  const int8_t* q;     // [rows, in], 4-bit layout: each 32 inputs as their even then odd ones
+  const int8_t* q;     // [rows, in]
   const float* scale;  // [rows, in / block]
   const float* zsum;   // [rows, groups]: sum over the group's blocks of scale * sum q
   int64_t rows;
 };
 
-// One tile of output rows: codes as bytes in the input's order (8-bit: c - 128), their scales and
-// scale * zero (zero - 128 for 8 bits) per group as float32.
+// One tile of output rows: codes interleaved per 4 inputs (see the top), scales and scale * zero
+// per group as float32, [groups, kTileRows]. Rows past the weight's end are zero.
 struct Tile {
-  int8_t* codes;  // [kTileRows, in]
-  float* scale;   // [kTileRows, groups]
+  int8_t* codes;  // [in / 4, kTileRows, 4]
+  float* scale;   // [groups, kTileRows]
   float* scaled_zero;
 };
 
@@ -83,11 +143,11 @@ void round_rows(const float* x, const QuantizedWeight& w, int64_t block, int64_t
   const int64_t in = w.in, blocks = in / block, per_group = w.group_size / block;
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < rows; ++n) {
-    int8_t* qn = q + n * in;
-    alignas(32) int8_t plain[128];
+    alignas(64) int8_t plain[128];
     float block_sum_scaled = 0.0f;
     for (int64_t a = 0; a < blocks; ++a) {
       const float d = round_block_to_int8(x + n * in + a * block, block, plain);
+      std::memcpy(q + n * in + a * block, plain, static_cast<size_t>(block));
       scale[n * blocks + a] = d;
       int32_t sum = 0;
       for (int64_t i = 0; i < block; ++i) sum += plain[i];
@@ -96,135 +156,141 @@ void round_rows(const float* x, const QuantizedWeight& w, int64_t block, int64_t
         zsum[n * w.groups + a / per_group] = block_sum_scaled;
         block_sum_scaled = 0.0f;
       }
-      int8_t* dst = qn + a * block;
-      if (w.bits == 8) {
-        std::memcpy(dst, plain, static_cast<size_t>(block));
-        continue;
-      }
-      for (int64_t s = 0; s < block; s += 32)
-        for (int i = 0; i < 16; ++i) {
-          dst[s + i] = plain[s + 2 * i];
-          dst[s + 16 + i] = plain[s + 2 * i + 1];
-        }
     }
+  }
+}
+
+// The codes of inputs s .. s + 31 of row o as 32 bytes in input order (8-bit: shifted by kShift8).
+inline __m256i row_codes(const QuantizedWeight& w, int64_t o, int64_t s) {
+  const uint8_t* row = reinterpret_cast<const uint8_t*>(w.codes.as<const uint32_t>()) + o * (w.in * w.bits / 8);
+  if (w.bits == 8)
+    return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + s)),
+                            _mm256_set1_epi8(static_cast<char>(kShift8)));
+  // 32 inputs = 16 bytes: byte i holds inputs 2i (low nibble) and 2i + 1
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + s / 2)), low = _mm_set1_epi8(0x0f);
+  const __m128i lo = _mm_and_si128(b, low), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+  return _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi));
+}
+
+// Rows as 8 x 8 int32 (row k: its 8 quads) to quads (vector i: quad i of the 8 rows).
+inline void transpose8(__m256i v[8]) {
+  __m256i t[8], u[8];
+  for (int k = 0; k < 8; k += 2) {
+    t[k] = _mm256_unpacklo_epi32(v[k], v[k + 1]);  // quads 0, 1 | 4, 5 of rows k, k + 1
+    t[k + 1] = _mm256_unpackhi_epi32(v[k], v[k + 1]);  // quads 2, 3 | 6, 7
+  }
+  for (int k = 0; k < 8; k += 4) {
+    u[k] = _mm256_unpacklo_epi64(t[k], t[k + 2]);  // quad 0 | 4 of rows k .. k + 3
+    u[k + 1] = _mm256_unpackhi_epi64(t[k], t[k + 2]);  // 1 | 5
+    u[k + 2] = _mm256_unpacklo_epi64(t[k + 1], t[k + 3]);  // 2 | 6
+    u[k + 3] = _mm256_unpackhi_epi64(t[k + 1], t[k + 3]);  // 3 | 7
+  }
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
+    v[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
   }
 }
 
 void unpack_tile(const QuantizedWeight& w, int64_t o0, int64_t rows, const Tile& t) {
-  const uint32_t* codes = w.codes.as<const uint32_t>();
   const uint16_t* scales = w.scales.as<const uint16_t>();
   const uint16_t* zeros = w.zeros.as<const uint16_t>();
-  const int64_t in = w.in;
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t o = o0 + r;
-    int8_t* dst = t.codes + r * in;
-    if (w.bits == 8) {
-      const uint8_t* src = reinterpret_cast<const uint8_t*>(codes + o * (in / 4));  // bytes in input order
-      for (int64_t k = 0; k < in; ++k) dst[k] = static_cast<int8_t>(src[k] ^ 0x80u);
-    } else {  // 32 inputs = 16 bytes: byte i holds inputs 2i (low nibble) and 2i + 1
-      const uint8_t* src = reinterpret_cast<const uint8_t*>(codes + o * (in / 8));
-      for (int64_t s = 0; s < in; s += 32)
-        for (int i = 0; i < 16; ++i) {
-          const uint8_t b = src[s / 2 + i];
-          dst[s + i] = static_cast<int8_t>(b & 0x0f);
-          dst[s + 16 + i] = static_cast<int8_t>(b >> 4);
-        }
+  int32_t* dst = reinterpret_cast<int32_t*>(t.codes);  // [in / 4, kTileRows]
+  // 8 rows x 32 inputs at a time, turned so that each quad's 8 rows are one store.
+  for (int64_t r0 = 0; r0 < kTileRows; r0 += 8)
+    for (int64_t s = 0; s < w.in; s += 32) {
+      __m256i v[8];
+      for (int k = 0; k < 8; ++k) v[k] = r0 + k < rows ? row_codes(w, o0 + r0 + k, s) : _mm256_setzero_si256();
+      transpose8(v);
+      for (int i = 0; i < 8; ++i)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (s / 4 + i) * kTileRows + r0), v[i]);
     }
-    const float shift = w.bits == 8 ? 128.0f : 0.0f;
+  const float shift = w.bits == 8 ? static_cast<float>(kShift8) : 0.0f;
+  for (int64_t r = 0; r < kTileRows; ++r)
     for (int64_t g = 0; g < w.groups; ++g) {
-      const float s = half_to_float(scales[o * w.groups + g]);
-      t.scale[r * w.groups + g] = s;
-      t.scaled_zero[r * w.groups + g] = s * (half_to_float(zeros[o * w.groups + g]) - shift);
+      const int64_t o = o0 + r;
+      const float s = r < rows ? half_to_float(scales[o * w.groups + g]) : 0.0f;
+      t.scale[g * kTileRows + r] = s;
+      t.scaled_zero[g * kTileRows + r] = r < rows ? s * (half_to_float(zeros[o * w.groups + g]) - shift) : 0.0f;
     }
-  }
 }
 
-inline float hsum8(__m256 v) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
-}
-
-// Input rows n0 .. n0 + M - 1 against tile rows r0 .. r0 + R - 1.
+// Input rows n0 .. n0 + M - 1 against tile rows r0 .. r0 + R * L - 1 (of which `valid` exist).
 template <int Bits, int M, int R>
 void micro(float* out, int64_t OC, const RoundedInput& x, int64_t n0, const Tile& t, int64_t o0, int64_t r0,
-           const QuantizedWeight& w, int64_t block, const float* bias) {
+           int64_t valid, const QuantizedWeight& w, int64_t block, const float* bias) {
+  using V = Vec;
+  constexpr int L = V::L;
   const int64_t in = w.in, blocks = in / block, per_group = w.group_size / block;
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 total[M][R];
+  typename V::F total[M][R];
   for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) total[m][r] = _mm256_setzero_ps();
-  const int8_t* wrow[R];
-  for (int r = 0; r < R; ++r) wrow[r] = t.codes + (r0 + r) * in;
+    for (int r = 0; r < R; ++r) total[m][r] = V::fzero();
   const int8_t* xrow[M];
   for (int m = 0; m < M; ++m) xrow[m] = x.q + (n0 + m) * in;
-  for (int64_t a = 0; a < blocks; ++a) {
-    const int64_t g = a / per_group;
-    __m256i acc[M][R];
-    for (int m = 0; m < M; ++m)
-      for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_si256();
-    for (int64_t k = a * block; k < (a + 1) * block; k += 32) {
-      __m256i wv[R], wabs[R];
-      for (int r = 0; r < R; ++r) {
-        wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wrow[r] + k));
-        if constexpr (Bits == 8) wabs[r] = _mm256_abs_epi8(wv[r]);
-      }
-      for (int m = 0; m < M; ++m) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xrow[m] + k));
-        for (int r = 0; r < R; ++r) {
-          if constexpr (Bits == 8)
-            acc[m][r] = dot_u8s8(acc[m][r], wabs[r], _mm256_sign_epi8(xv, wv[r]));
-          else if constexpr (kVnni)
-            acc[m][r] = dot_u8s8(acc[m][r], wv[r], xv);
-          else  // 16-bit sums, widened once per block
-            acc[m][r] = _mm256_add_epi16(acc[m][r], _mm256_maddubs_epi16(wv[r], xv));
+  const int8_t* codes = t.codes + r0 * 4;
+  int64_t a = 0;
+  for (int64_t g = 0; g < w.groups; ++g) {
+    const float* gs = t.scale + g * kTileRows + r0;
+    for (int64_t b = 0; b < per_group; ++b, ++a) {
+      typename V::I acc[M][R];
+      for (int m = 0; m < M; ++m)
+        for (int r = 0; r < R; ++r) acc[m][r] = V::zero();
+      for (int64_t k = a * block; k < (a + 1) * block; k += 4) {
+        const int8_t* c = codes + k * kTileRows;
+        typename V::I wv[R];
+        for (int r = 0; r < R; ++r) wv[r] = V::load(c + r * L * 4);
+        for (int m = 0; m < M; ++m) {
+          const typename V::I xv = V::broadcast4(xrow[m] + k);
+          for (int r = 0; r < R; ++r) {
+            if constexpr (Bits == 8 && !kVnni)
+              acc[m][r] = V::dot(acc[m][r], _mm256_abs_epi8(wv[r]), _mm256_sign_epi8(xv, wv[r]));
+            else
+              acc[m][r] = V::dot(acc[m][r], wv[r], xv);
+          }
         }
       }
-    }
-    for (int m = 0; m < M; ++m) {
-      const float d = x.scale[(n0 + m) * blocks + a];
-      for (int r = 0; r < R; ++r) {
-        const __m256i sums = Bits == 8 || kVnni ? acc[m][r] : _mm256_madd_epi16(acc[m][r], ones);
-        const __m256 f = _mm256_set1_ps(d * t.scale[(r0 + r) * w.groups + g]);
-        total[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), f, total[m][r]);
+      typename V::F s[R];
+      for (int r = 0; r < R; ++r) s[r] = V::fload(gs + r * L);
+      for (int m = 0; m < M; ++m) {
+        const typename V::F d = V::set1(x.scale[(n0 + m) * blocks + a]);
+        for (int r = 0; r < R; ++r) total[m][r] = V::fmadd(V::cvt(acc[m][r]), V::mul(d, s[r]), total[m][r]);
       }
     }
-  }
-  for (int m = 0; m < M; ++m)
+    const float* sz = t.scaled_zero + g * kTileRows + r0;
     for (int r = 0; r < R; ++r) {
-      float zero_term = 0.0f;
-      const float* sz = t.scaled_zero + (r0 + r) * w.groups;
-      const float* zs = x.zsum + (n0 + m) * w.groups;
-      for (int64_t g = 0; g < w.groups; ++g) zero_term += sz[g] * zs[g];
-      const int64_t o = o0 + r0 + r;
-      out[(n0 + m) * OC + o] = hsum8(total[m][r]) - zero_term + (bias ? bias[o] : 0.0f);
+      const typename V::F z = V::fload(sz + r * L);
+      for (int m = 0; m < M; ++m) total[m][r] = V::fnmadd(V::set1(x.zsum[(n0 + m) * w.groups + g]), z, total[m][r]);
     }
+  }
+  const int64_t o = o0 + r0;
+  for (int m = 0; m < M; ++m) {
+    float* y = out + (n0 + m) * OC + o;
+    for (int r = 0; r < R; ++r) {
+      const int64_t lanes = std::min<int64_t>(L, valid - r * L);
+      if (lanes <= 0) break;
+      typename V::F v = total[m][r];
+      if (lanes == L) {
+        if (bias) v = V::add(v, V::fload(bias + o + r * L));
+        V::store(y + r * L, v);
+        continue;
+      }
+      alignas(64) float lane[L];
+      V::store(lane, v);
+      for (int64_t i = 0; i < lanes; ++i) y[r * L + i] = lane[i] + (bias ? bias[o + r * L + i] : 0.0f);
+    }
+  }
 }
 
-// Input rows n0 .. n0 + M - 1 against every row of the tile, R at a time: the M input rows (a few
-// KB) and the tile's codes stay in L1 while the pairs run.
-template <int Bits, int M>
-void rows_against_tile(float* out, int64_t OC, const RoundedInput& x, int64_t n0, const Tile& t, int64_t o0,
-                       int64_t rows, const QuantizedWeight& w, int64_t block, const float* bias) {
-  constexpr int R = Bits == 8 ? NR8 : NR;
-  int64_t r = 0;
-  for (; r + R <= rows; r += R) micro<Bits, M, R>(out, OC, x, n0, t, o0, r, w, block, bias);
-  for (; r < rows; ++r) micro<Bits, M, 1>(out, OC, x, n0, t, o0, r, w, block, bias);
-}
-
+// Input rows [n_begin, n_end) against the tile's `rows` rows, M input rows at a time: the M rows
+// stay in L1 while the tile streams past.
 template <int Bits>
-void tile_task(float* out, const RoundedInput& x, const QuantizedWeight& w, int64_t block, const float* bias,
-               int64_t o0, const Tile& t) {
-  const int64_t rows = std::min(kTileRows, w.out - o0);
-  unpack_tile(w, o0, rows, t);
-  constexpr int M = Bits == 8 ? MR8 : MR;
-  int64_t n = 0;
-  for (; n + M <= x.rows; n += M) rows_against_tile<Bits, M>(out, w.out, x, n, t, o0, rows, w, block, bias);
-  switch (x.rows - n) {
-    case 3: return rows_against_tile<Bits, 3>(out, w.out, x, n, t, o0, rows, w, block, bias);
-    case 2: return rows_against_tile<Bits, 2>(out, w.out, x, n, t, o0, rows, w, block, bias);
-    case 1: return rows_against_tile<Bits, 1>(out, w.out, x, n, t, o0, rows, w, block, bias);
-    default: return;
+void rows_against_tile(float* out, int64_t OC, const RoundedInput& x, int64_t n_begin, int64_t n_end, const Tile& t,
+                       int64_t o0, int64_t rows, const QuantizedWeight& w, int64_t block, const float* bias) {
+  constexpr int M = Vec::M, R = Vec::R, W = Vec::L * Vec::R;
+  for (int64_t r0 = 0; r0 < rows; r0 += W) {
+    const int64_t valid = std::min<int64_t>(W, rows - r0);
+    int64_t n = n_begin;
+    for (; n + M <= n_end; n += M) micro<Bits, M, R>(out, OC, x, n, t, o0, r0, valid, w, block, bias);
+    for (; n < n_end; ++n) micro<Bits, 1, R>(out, OC, x, n, t, o0, r0, valid, w, block, bias);
   }
 }
 
@@ -241,14 +307,15 @@ void quantized_matmul_int8_activations(float* out, const float* inp, const Quant
   const int64_t block = int8_activation_block(w);
   MT_ASSERT(block > 0 && (w.bits == 4 || w.bits == 8), "int8 activations for 4- or 8-bit weights in blocks");
   const int64_t in = w.in, per_row = in + 4 * (in / block) + 4 * w.groups;
-  const size_t tiles = static_cast<size_t>(kMaxTileThreads) * tile_bytes(w);
-  MT_ASSERT(scratch_bytes >= tiles + static_cast<size_t>(MR * per_row), "int8 activation scratch");
-  // Rows rounded at once: as many as the scratch holds next to the tiles.
+  const int threads = std::min(omp_get_max_threads(), kMaxTileThreads);
+  const size_t tiles = static_cast<size_t>(threads) * tile_bytes(w);
+  MT_ASSERT(scratch_bytes >= static_cast<size_t>(kMaxTileThreads) * tile_bytes(w) + static_cast<size_t>(Vec::M * per_row),
+            "int8 activation scratch");
+  // Rows rounded at once: as many as the scratch holds next to this run's tiles.
   const int64_t chunk = std::min<int64_t>(N, static_cast<int64_t>((scratch_bytes - tiles) / static_cast<size_t>(per_row)));
   std::byte* base = static_cast<std::byte*>(scratch);
   std::byte* tile_base = base + static_cast<size_t>(chunk * per_row);
-  const int threads = std::min(omp_get_max_threads(), kMaxTileThreads);
-  const int64_t tasks = (w.out + kTileRows - 1) / kTileRows;
+  const int64_t tiles_out = (w.out + kTileRows - 1) / kTileRows;
   for (int64_t n0 = 0; n0 < N; n0 += chunk) {
     const int64_t rows = std::min(chunk, N - n0);
     int8_t* q = reinterpret_cast<int8_t*>(base);
@@ -257,17 +324,25 @@ void quantized_matmul_int8_activations(float* out, const float* inp, const Quant
     round_rows(inp + n0 * in, w, block, rows, q, scale, zsum);
     const RoundedInput x{q, scale, zsum, rows};
     float* y = out + n0 * w.out;
+    // Where there are fewer tiles than threads, each tile's input rows split between tasks (each
+    // unpacks the tile again).
+    const int64_t splits = std::clamp<int64_t>((threads + tiles_out - 1) / tiles_out, 1, (rows + Vec::M - 1) / Vec::M);
+    const int64_t per_split = (rows + splits - 1) / splits;
 #pragma omp parallel num_threads(threads)
     {
       std::byte* mine = tile_base + static_cast<size_t>(omp_get_thread_num()) * tile_bytes(w);
       const Tile t{reinterpret_cast<int8_t*>(mine), reinterpret_cast<float*>(mine + kTileRows * in),
                    reinterpret_cast<float*>(mine + kTileRows * in) + kTileRows * w.groups};
 #pragma omp for schedule(dynamic)
-      for (int64_t task = 0; task < tasks; ++task) {
+      for (int64_t task = 0; task < tiles_out * splits; ++task) {
+        const int64_t o0 = task / splits * kTileRows, tile_rows = std::min(kTileRows, w.out - o0);
+        const int64_t n_begin = task % splits * per_split, n_end = std::min(rows, n_begin + per_split);
+        if (n_begin >= n_end) continue;
+        unpack_tile(w, o0, tile_rows, t);
         if (w.bits == 8)
-          tile_task<8>(y, x, w, block, bias, task * kTileRows, t);
+          rows_against_tile<8>(y, w.out, x, n_begin, n_end, t, o0, tile_rows, w, block, bias);
         else
-          tile_task<4>(y, x, w, block, bias, task * kTileRows, t);
+          rows_against_tile<4>(y, w.out, x, n_begin, n_end, t, o0, tile_rows, w, block, bias);
       }
     }
   }
