@@ -124,9 +124,11 @@ def table_generate(results):
                  "q4_0": ["gptq-int4, int8 activations", "gptq-int4, 8-bit head, int8 activations",
                           "gptq-int4, 4-bit head, int8 activations"]}
         for r, ref in llama_cpp:
-            for row in r["rows"]:
-                if row.get("torch_dtype") not in pairs.get(ref["type"], []):
-                    continue
+            paired = [row for row in r["rows"] if row.get("torch_dtype") in pairs.get(ref["type"], [])]
+            if not paired:  # a renamed label would otherwise drop the comparison without a word
+                sys.exit(f"bench_results: no memtune row of the run ({machine_text(r)}) pairs with llama.cpp's "
+                         f"{ref['type']} (expected a torch_dtype in {pairs.get(ref['type'], [])})")
+            for row in paired:
                 b1 = row["decode_tokens_per_s"].get("1", 0.0)
                 lines.append(f"| {row['torch_dtype']} | {ref['type']}: {ref['prefill_tokens_per_s']:.1f} / "
                              f"{ref['decode_tokens_per_s']:.1f} | {machine_text(r)} | "

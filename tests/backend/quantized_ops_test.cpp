@@ -5,6 +5,7 @@
 // partial chunk, groups smaller than a chunk, one group per row, act-order g_idx, and output
 // rows that leave a partial tile.
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <fmt/format.h>
 
@@ -48,7 +49,8 @@ QuantizedLayer random_layer(int bits, int64_t in, int64_t out, int64_t group_siz
     for (int64_t i = in - 1; i > 0; --i)
       std::swap(order[static_cast<size_t>(i)], order[static_cast<size_t>(rng.uniform() * static_cast<double>(i + 1))]);
     l.g_idx.resize(static_cast<size_t>(in));
-    for (int64_t i = 0; i < in; ++i) l.g_idx[static_cast<size_t>(order[static_cast<size_t>(i)])] = static_cast<int32_t>(i / group_size);
+    for (int64_t i = 0; i < in; ++i)
+      l.g_idx[static_cast<size_t>(order[static_cast<size_t>(i)])] = static_cast<int32_t>(i / group_size);
   }
   return l;
 }
@@ -128,7 +130,7 @@ TEST(QuantizedOps, ForwardEqualsDequantizeThenMatmul) {
   for (const std::string_view name : backend_list())
     for (const Shape& s : kShapes)
       for (const int64_t N : {1, 2, 3, 4, 5, 8, 9, 16, 17, 33}) {  // every row-count path
-        if (name == "reference" && N > 9) continue;  // slow, and one path only
+        if (name == "reference" && N > 9) continue;                // slow, and one path only
         Backend& be = backend_named(name);
         const QuantizedLayer layer = random_layer(s.bits, s.in, OC, s.group_size, s.act_order, 11 + s.in + N);
         const std::vector<float> w = dequantize_layer(layer), x = randn(N * s.in, 3 + N), bias = randn(OC, 5);
@@ -137,7 +139,8 @@ TEST(QuantizedOps, ForwardEqualsDequantizeThenMatmul) {
         for (int64_t n = 0; n < N; ++n)
           for (int64_t o = 0; o < OC; ++o) {
             double sum = with_bias ? bias[static_cast<size_t>(o)] : 0.0;
-            for (int64_t k = 0; k < s.in; ++k) sum += double(x[static_cast<size_t>(n * s.in + k)]) * w[static_cast<size_t>(o * s.in + k)];
+            for (int64_t k = 0; k < s.in; ++k)
+              sum += double(x[static_cast<size_t>(n * s.in + k)]) * w[static_cast<size_t>(o * s.in + k)];
             expected[static_cast<size_t>(n * OC + o)] = sum;
           }
         Device d(be);
@@ -148,9 +151,8 @@ TEST(QuantizedOps, ForwardEqualsDequantizeThenMatmul) {
         be.copy_to_host(got.data(), out);
         double worst = 0;
         for (size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::abs(got[i] - expected[i]));
-        EXPECT_LE(worst, 1e-5 * (max_abs(expected) + 1e-6))
-            << fmt::format("{}: {}-bit, in {}, group {}, act-order {}, {} rows", name, s.bits, s.in, s.group_size,
-                           s.act_order, N);
+        EXPECT_LE(worst, 1e-5 * (max_abs(expected) + 1e-6)) << fmt::format(
+            "{}: {}-bit, in {}, group {}, act-order {}, {} rows", name, s.bits, s.in, s.group_size, s.act_order, N);
       }
 }
 
@@ -160,65 +162,71 @@ TEST(QuantizedOps, ForwardEqualsDequantizeThenMatmul) {
 // inputs that are no whole number of groups keep float32 inputs; so does a backend that does not
 // take int8 activations (vulkan), and the flag unset.
 TEST(QuantizedOps, Int8ActivationsRoundTheInputPerBlockForManyRows) {
-  const int64_t OC = 39;  // two 16-row tiles and 7 rows: the kernels take 2 or 4 at a time
-  struct Case {
-    Shape shape;
-    int64_t block;  // 0: float32 inputs
-  };
-  const Case cases[] = {{{4, 256, 128, false}, 128}, {{4, 256, 64, false}, 64}, {{8, 256, 64, false}, 64},
-                        {{8, 96, 96, false}, 32},    {{8, 512, 128, false}, 128}, {{4, 176, 128, false}, 0},
-                        {{4, 128, 32, true}, 0}};
-  for (const std::string_view name : backend_list())
-    for (const Case& c : cases)
-      for (const int64_t N : {16, 17, 38}) {
-        Backend& be = backend_named(name);
-        const Shape& s = c.shape;
-        const bool rounds = be.takes_int8_activations() && c.block > 0 && N > 16;
-        const QuantizedLayer layer = random_layer(s.bits, s.in, OC, s.group_size, s.act_order, 21 + s.in + N);
-        const std::vector<float> w = dequantize_layer(layer), x = randn(N * s.in, 7 + N), bias = randn(OC, 9);
-        std::vector<double> input(x.begin(), x.end());
-        if (rounds)
-          for (int64_t b = 0; b < N * s.in; b += c.block) {
-            float amax = 0.0f;
-            for (int64_t i = b; i < b + c.block; ++i) amax = std::max(amax, std::fabs(x[static_cast<size_t>(i)]));
-            const float inverse = 127.0f / amax, scale = amax / 127.0f;
-            for (int64_t i = b; i < b + c.block; ++i)
-              input[static_cast<size_t>(i)] = double(scale) * std::nearbyint(x[static_cast<size_t>(i)] * inverse);
-          }
-        std::vector<double> expected(static_cast<size_t>(N * OC)), unrounded(expected.size());
-        for (int64_t n = 0; n < N; ++n)
-          for (int64_t o = 0; o < OC; ++o) {
-            double sum = bias[static_cast<size_t>(o)], plain = sum;
-            for (int64_t k = 0; k < s.in; ++k) {
-              sum += input[static_cast<size_t>(n * s.in + k)] * w[static_cast<size_t>(o * s.in + k)];
-              plain += double(x[static_cast<size_t>(n * s.in + k)]) * w[static_cast<size_t>(o * s.in + k)];
+  const int64_t OC = 39;  // a 32-row tile and 7 rows: the kernels take 8 or 16 rows at a time
+  // With more threads than tiles, the cpu kernel splits each tile's input rows between tasks.
+  const int saved_threads = omp_get_max_threads();
+  for (const int threads : {saved_threads, 7}) {
+    omp_set_num_threads(threads);
+    struct Case {
+      Shape shape;
+      int64_t block;  // 0: float32 inputs
+    };
+    const Case cases[] = {{{4, 256, 128, false}, 128}, {{4, 256, 64, false}, 64},   {{8, 256, 64, false}, 64},
+                          {{8, 96, 96, false}, 32},    {{8, 512, 128, false}, 128}, {{4, 176, 128, false}, 0},
+                          {{4, 128, 32, true}, 0}};
+    for (const std::string_view name : backend_list())
+      for (const Case& c : cases)
+        for (const int64_t N : {16, 17, 38}) {
+          Backend& be = backend_named(name);
+          const Shape& s = c.shape;
+          const bool rounds = be.takes_int8_activations() && c.block > 0 && N > 16;
+          const QuantizedLayer layer = random_layer(s.bits, s.in, OC, s.group_size, s.act_order, 21 + s.in + N);
+          const std::vector<float> w = dequantize_layer(layer), x = randn(N * s.in, 7 + N), bias = randn(OC, 9);
+          std::vector<double> input(x.begin(), x.end());
+          if (rounds)
+            for (int64_t b = 0; b < N * s.in; b += c.block) {
+              float amax = 0.0f;
+              for (int64_t i = b; i < b + c.block; ++i) amax = std::max(amax, std::fabs(x[static_cast<size_t>(i)]));
+              const float inverse = 127.0f / amax, scale = amax / 127.0f;
+              for (int64_t i = b; i < b + c.block; ++i)
+                input[static_cast<size_t>(i)] = double(scale) * std::nearbyint(x[static_cast<size_t>(i)] * inverse);
             }
-            expected[static_cast<size_t>(n * OC + o)] = sum;
-            unrounded[static_cast<size_t>(n * OC + o)] = plain;
+          std::vector<double> expected(static_cast<size_t>(N * OC)), unrounded(expected.size());
+          for (int64_t n = 0; n < N; ++n)
+            for (int64_t o = 0; o < OC; ++o) {
+              double sum = bias[static_cast<size_t>(o)], plain = sum;
+              for (int64_t k = 0; k < s.in; ++k) {
+                sum += input[static_cast<size_t>(n * s.in + k)] * w[static_cast<size_t>(o * s.in + k)];
+                plain += double(x[static_cast<size_t>(n * s.in + k)]) * w[static_cast<size_t>(o * s.in + k)];
+              }
+              expected[static_cast<size_t>(n * OC + o)] = sum;
+              unrounded[static_cast<size_t>(n * OC + o)] = plain;
+            }
+          Device d(be);
+          const Tensor out = d.alloc(DType::F32, {N, OC});
+          QuantizedWeight qw = d.weight(layer);
+          qw.int8_activations = true;
+          be.quantized_matmul_forward(out, d.f32(x, {N, s.in}), qw, d.f32(bias, {OC}),
+                                      d.alloc(DType::F32, {static_cast<int64_t>(be.quantized_scratch_elems(s.in))}));
+          std::vector<float> got(static_cast<size_t>(N * OC));
+          be.copy_to_host(got.data(), out);
+          double worst = 0, moved = 0;
+          for (size_t i = 0; i < got.size(); ++i) {
+            worst = std::max(worst, std::abs(got[i] - expected[i]));
+            moved = std::max(moved, std::abs(expected[i] - unrounded[i]));
           }
-        Device d(be);
-        const Tensor out = d.alloc(DType::F32, {N, OC});
-        QuantizedWeight qw = d.weight(layer);
-        qw.int8_activations = true;
-        be.quantized_matmul_forward(out, d.f32(x, {N, s.in}), qw, d.f32(bias, {OC}),
-                                    d.alloc(DType::F32, {static_cast<int64_t>(be.quantized_scratch_elems(s.in))}));
-        std::vector<float> got(static_cast<size_t>(N * OC));
-        be.copy_to_host(got.data(), out);
-        double worst = 0, moved = 0;
-        for (size_t i = 0; i < got.size(); ++i) {
-          worst = std::max(worst, std::abs(got[i] - expected[i]));
-          moved = std::max(moved, std::abs(expected[i] - unrounded[i]));
+          const std::string what = fmt::format("{}: {}-bit, in {}, group {}, act-order {}, {} rows, {} threads", name,
+                                               s.bits, s.in, s.group_size, s.act_order, N, threads);
+          EXPECT_LE(worst, 1e-5 * max_abs(expected)) << what;
+          // The rounding moved the product (so the comparison above tells the two numerics apart),
+          // and by little: int8 per block is within about 1% of float32 inputs here.
+          if (rounds) {
+            EXPECT_GT(moved, 1e-4 * max_abs(expected)) << what;
+            EXPECT_LT(moved, 2e-2 * max_abs(expected)) << what;
+          }
         }
-        const std::string what = fmt::format("{}: {}-bit, in {}, group {}, act-order {}, {} rows", name, s.bits, s.in,
-                                             s.group_size, s.act_order, N);
-        EXPECT_LE(worst, 1e-5 * max_abs(expected)) << what;
-        // The rounding moved the product (so the comparison above tells the two numerics apart),
-        // and by little: int8 per block is within about 1% of float32 inputs here.
-        if (rounds) {
-          EXPECT_GT(moved, 1e-4 * max_abs(expected)) << what;
-          EXPECT_LT(moved, 2e-2 * max_abs(expected)) << what;
-        }
-      }
+  }
+  omp_set_num_threads(saved_threads);
 }
 
 TEST(QuantizedOps, BackwardInputAccumulatesDoutTimesTheDequantizedWeight) {
@@ -237,15 +245,15 @@ TEST(QuantizedOps, BackwardInputAccumulatesDoutTimesTheDequantizedWeight) {
                   double(dout[static_cast<size_t>(n * OC + o)]) * w[static_cast<size_t>(o * s.in + k)];
         Device d(be);
         const Tensor dinp = d.f32(start, {N, s.in});
-        be.quantized_matmul_backward_input(dinp, d.f32(dout, {N, OC}), d.weight(layer),
-                                           d.alloc(DType::F32, {static_cast<int64_t>(be.quantized_scratch_elems(s.in))}));
+        be.quantized_matmul_backward_input(
+            dinp, d.f32(dout, {N, OC}), d.weight(layer),
+            d.alloc(DType::F32, {static_cast<int64_t>(be.quantized_scratch_elems(s.in))}));
         std::vector<float> got(static_cast<size_t>(N * s.in));
         be.copy_to_host(got.data(), dinp);
         double worst = 0;
         for (size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::abs(got[i] - expected[i]));
-        EXPECT_LE(worst, 1e-5 * (max_abs(expected) + 1e-6))
-            << fmt::format("{}: {}-bit, in {}, group {}, act-order {}, {} rows", name, s.bits, s.in, s.group_size,
-                           s.act_order, N);
+        EXPECT_LE(worst, 1e-5 * (max_abs(expected) + 1e-6)) << fmt::format(
+            "{}: {}-bit, in {}, group {}, act-order {}, {} rows", name, s.bits, s.in, s.group_size, s.act_order, N);
       }
 }
 
@@ -277,7 +285,8 @@ TEST(MatmulGroup, EachMemberEqualsItsProductAlone) {
         Backend& be = backend_named(name);
         Device d(be);
         const std::vector<float> x = randn(N * C, 7 + N);
-        const Tensor inp = d.f32(x, {N, C}), scratch = d.alloc(DType::F32, {static_cast<int64_t>(be.quantized_scratch_elems(C))});
+        const Tensor inp = d.f32(x, {N, C}),
+                     scratch = d.alloc(DType::F32, {static_cast<int64_t>(be.quantized_scratch_elems(C))});
         std::vector<GroupMember> group;
         std::vector<QuantizedWeight> packed;
         packed.reserve(groups[gi].size());

@@ -38,7 +38,7 @@ namespace memtune::cpu {
 #ifdef __AVX2__
 namespace {
 
-constexpr int64_t kTileRows = 32;   // output rows a task unpacks and runs
+constexpr int64_t kTileRows = 32;    // output rows a task unpacks and runs
 constexpr int kMaxTileThreads = 16;  // threads with a tile in scratch
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -76,10 +76,14 @@ struct Vec {
 #else
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 constexpr bool kVnni = true;
-inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_dpbusd_epi32(acc, u, s);
+}
 #elif defined(__AVXVNNI__)
 constexpr bool kVnni = true;
-inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+}
 #else
 constexpr bool kVnni = false;
 // Unsigned x signed bytes, pairs summed into 16 bits (callers keep below saturation), then four
@@ -176,12 +180,12 @@ inline __m256i row_codes(const QuantizedWeight& w, int64_t o, int64_t s) {
 inline void transpose8(__m256i v[8]) {
   __m256i t[8], u[8];
   for (int k = 0; k < 8; k += 2) {
-    t[k] = _mm256_unpacklo_epi32(v[k], v[k + 1]);  // quads 0, 1 | 4, 5 of rows k, k + 1
+    t[k] = _mm256_unpacklo_epi32(v[k], v[k + 1]);      // quads 0, 1 | 4, 5 of rows k, k + 1
     t[k + 1] = _mm256_unpackhi_epi32(v[k], v[k + 1]);  // quads 2, 3 | 6, 7
   }
   for (int k = 0; k < 8; k += 4) {
-    u[k] = _mm256_unpacklo_epi64(t[k], t[k + 2]);  // quad 0 | 4 of rows k .. k + 3
-    u[k + 1] = _mm256_unpackhi_epi64(t[k], t[k + 2]);  // 1 | 5
+    u[k] = _mm256_unpacklo_epi64(t[k], t[k + 2]);          // quad 0 | 4 of rows k .. k + 3
+    u[k + 1] = _mm256_unpackhi_epi64(t[k], t[k + 2]);      // 1 | 5
     u[k + 2] = _mm256_unpacklo_epi64(t[k + 1], t[k + 3]);  // 2 | 6
     u[k + 3] = _mm256_unpackhi_epi64(t[k + 1], t[k + 3]);  // 3 | 7
   }
@@ -309,10 +313,12 @@ void quantized_matmul_int8_activations(float* out, const float* inp, const Quant
   const int64_t in = w.in, per_row = in + 4 * (in / block) + 4 * w.groups;
   const int threads = std::min(omp_get_max_threads(), kMaxTileThreads);
   const size_t tiles = static_cast<size_t>(threads) * tile_bytes(w);
-  MT_ASSERT(scratch_bytes >= static_cast<size_t>(kMaxTileThreads) * tile_bytes(w) + static_cast<size_t>(Vec::M * per_row),
-            "int8 activation scratch");
+  MT_ASSERT(
+      scratch_bytes >= static_cast<size_t>(kMaxTileThreads) * tile_bytes(w) + static_cast<size_t>(Vec::M * per_row),
+      "int8 activation scratch");
   // Rows rounded at once: as many as the scratch holds next to this run's tiles.
-  const int64_t chunk = std::min<int64_t>(N, static_cast<int64_t>((scratch_bytes - tiles) / static_cast<size_t>(per_row)));
+  const int64_t chunk =
+      std::min<int64_t>(N, static_cast<int64_t>((scratch_bytes - tiles) / static_cast<size_t>(per_row)));
   std::byte* base = static_cast<std::byte*>(scratch);
   std::byte* tile_base = base + static_cast<size_t>(chunk * per_row);
   const int64_t tiles_out = (w.out + kTileRows - 1) / kTileRows;
@@ -348,16 +354,22 @@ void quantized_matmul_int8_activations(float* out, const float* inp, const Quant
   }
 }
 
-bool int8_activation_kernels() { return true; }
+bool int8_activation_kernels() {
+  return true;
+}
 
 #else  // no AVX2: quantized products keep float32 inputs
 
-size_t int8_activation_scratch_bytes(int64_t, const QuantizedWeight&) { return 0; }
+size_t int8_activation_scratch_bytes(int64_t, const QuantizedWeight&) {
+  return 0;
+}
 void quantized_matmul_int8_activations(float*, const float*, const QuantizedWeight&, const float*, int64_t, void*,
                                        size_t) {
   MT_ASSERT(false, "int8 activations need AVX2");
 }
-bool int8_activation_kernels() { return false; }
+bool int8_activation_kernels() {
+  return false;
+}
 
 #endif
 
