@@ -39,12 +39,14 @@ inline bool rounds_activations(const QuantizedWeight& w, int64_t rows) {
 // One block: q[i] = rint(x[i] * (127 / amax)); returns the scale amax / 127 (0 for a zero block).
 inline float round_block_to_int8(const float* x, int64_t n, int8_t* q) {
   float amax = 0.0f;
+#pragma omp simd reduction(max : amax)
   for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
   if (amax == 0.0f) {
     std::fill(q, q + n, int8_t{0});
     return 0.0f;
   }
   const float inverse = 127.0f / amax;
+#pragma omp simd
   for (int64_t i = 0; i < n; ++i) q[i] = static_cast<int8_t>(std::nearbyint(x[i] * inverse));
   return amax / 127.0f;
 }
