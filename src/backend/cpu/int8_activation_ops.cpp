@@ -313,9 +313,7 @@ void quantized_matmul_int8_activations(float* out, const float* inp, const Quant
   const int64_t in = w.in, per_row = in + 4 * (in / block) + 4 * w.groups;
   const int threads = std::min(omp_get_max_threads(), kMaxTileThreads);
   const size_t tiles = static_cast<size_t>(threads) * tile_bytes(w);
-  MT_ASSERT(
-      scratch_bytes >= static_cast<size_t>(kMaxTileThreads) * tile_bytes(w) + static_cast<size_t>(Vec::M * per_row),
-      "int8 activation scratch");
+  MT_ASSERT(scratch_bytes >= int8_activation_scratch_bytes(Vec::M, w), "int8 activation scratch");
   // Rows rounded at once: as many as the scratch holds next to this run's tiles.
   const int64_t chunk =
       std::min<int64_t>(N, static_cast<int64_t>((scratch_bytes - tiles) / static_cast<size_t>(per_row)));

@@ -68,9 +68,9 @@ void dequantize_weight_rows(float* out, const QuantizedWeight& weight, int64_t o
 void quantized_matmul_backward_input(float* dinp, const float* dout, const QuantizedWeight& weight, int64_t N,
                                      float* scratch);
 // The same forward product with int8 activations (int8_activation_ops.cpp, int8_activations.h),
-// which quantized_matmul_forward takes where rounds_activations(weight, N); scratch_bytes must
-// hold the tiles and a few rows (int8_activation_scratch_bytes). int8_activation_kernels(): this
-// build has them (AVX2).
+// which quantized_matmul_forward takes where rounds_activations(weight, N) (in the float path's
+// tile scratch); scratch_bytes must hold every thread's tile and a few rows
+// (int8_activation_scratch_bytes(rows)). int8_activation_kernels(): this build has them (AVX2).
 void quantized_matmul_int8_activations(float* out, const float* inp, const QuantizedWeight& weight, const float* bias,
                                        int64_t N, void* scratch, size_t scratch_bytes);
 size_t int8_activation_scratch_bytes(int64_t rows, const QuantizedWeight& weight);
