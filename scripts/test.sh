@@ -17,7 +17,10 @@ echo "== release build and tests"
 ctest --test-dir "$root/build" --output-on-failure -j "$(nproc)"
 
 echo "== AddressSanitizer + UndefinedBehaviorSanitizer build and unit tests (and the server under the OpenAI client)"
+# -O1 -g1 (line tables: what the sanitizers' stack traces print) in place of -O2 -g: on a 2-core
+# machine the build took 31 min at -O2 -g and 14.4 min so, and these tests 7.5 and 6.2 min.
 "$root/scripts/build.sh" "$root/build-asan" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMEMTUNE_SANITIZE=ON \
+  "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1 -DNDEBUG" "-DCMAKE_C_FLAGS_RELWITHDEBINFO=-O1 -g1 -DNDEBUG" \
   -DMEMTUNE_REQUIRE_ALL_TESTS=ON
 # (The sanitizer build leaves the vulkan backend out, vulkan_backend.h says why; so do these tests.)
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
