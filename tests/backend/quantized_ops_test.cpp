@@ -162,7 +162,7 @@ TEST(QuantizedOps, ForwardEqualsDequantizeThenMatmul) {
 // inputs that are no whole number of groups keep float32 inputs; so does a backend that does not
 // take int8 activations (vulkan), and the flag unset.
 TEST(QuantizedOps, Int8ActivationsRoundTheInputPerBlockForManyRows) {
-  const int64_t OC = 39;  // a 32-row tile and 7 rows: the kernels take 8 or 16 rows at a time
+  const int64_t OC = 39;  // a 32-row tile and a 7-row one: a pass takes 32 (AVX-512) or 16 rows
   // With more threads than tiles, the cpu kernel splits each tile's input rows between tasks.
   const int saved_threads = omp_get_max_threads();
   for (const int threads : {saved_threads, 7}) {

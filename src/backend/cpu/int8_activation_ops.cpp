@@ -127,7 +127,6 @@ struct RoundedInput {
   const int8_t* q;     // [rows, in]
   const float* scale;  // [rows, in / block]
   const float* zsum;   // [rows, groups]: sum over the group's blocks of scale * sum q
-  int64_t rows;
 };
 
 // One tile of output rows: codes interleaved per 4 inputs (see the top), scales and scale * zero
@@ -137,6 +136,11 @@ struct Tile {
   float* scale;   // [groups, kTileRows]
   float* scaled_zero;
 };
+
+// One input row rounded: its int8 values, a scale per block and a zero-term sum per group.
+int64_t rounded_row_bytes(const QuantizedWeight& w, int64_t block) {
+  return w.in + 4 * (w.in / block) + 4 * w.groups;
+}
 
 size_t tile_bytes(const QuantizedWeight& w) {
   return static_cast<size_t>(kTileRows * w.in + 2 * kTileRows * w.groups * 4);
@@ -301,8 +305,7 @@ void rows_against_tile(float* out, int64_t OC, const RoundedInput& x, int64_t n_
 }  // namespace
 
 size_t int8_activation_scratch_bytes(int64_t rows, const QuantizedWeight& w) {
-  const int64_t block = int8_activation_block(w);
-  return static_cast<size_t>(rows * (w.in + 4 * (w.in / block) + 4 * w.groups)) +
+  return static_cast<size_t>(rows * rounded_row_bytes(w, int8_activation_block(w))) +
          static_cast<size_t>(kMaxTileThreads) * tile_bytes(w);
 }
 
@@ -310,7 +313,7 @@ void quantized_matmul_int8_activations(float* out, const float* inp, const Quant
                                        int64_t N, void* scratch, size_t scratch_bytes) {
   const int64_t block = int8_activation_block(w);
   MT_ASSERT(block > 0 && (w.bits == 4 || w.bits == 8), "int8 activations for 4- or 8-bit weights in blocks");
-  const int64_t in = w.in, per_row = in + 4 * (in / block) + 4 * w.groups;
+  const int64_t in = w.in, per_row = rounded_row_bytes(w, block);
   const int threads = std::min(omp_get_max_threads(), kMaxTileThreads);
   const size_t tiles = static_cast<size_t>(threads) * tile_bytes(w);
   MT_ASSERT(scratch_bytes >= int8_activation_scratch_bytes(Vec::M, w), "int8 activation scratch");
@@ -326,7 +329,7 @@ void quantized_matmul_int8_activations(float* out, const float* inp, const Quant
     float* scale = reinterpret_cast<float*>(base + rows * in);
     float* zsum = scale + rows * (in / block);
     round_rows(inp + n0 * in, w, block, rows, q, scale, zsum);
-    const RoundedInput x{q, scale, zsum, rows};
+    const RoundedInput x{q, scale, zsum};
     float* y = out + n0 * w.out;
     // Where there are fewer tiles than threads, each tile's input rows split between tasks (each
     // unpacks the tile again).
