@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
+#include "backend/registry.h"
 #include "backend/cpu/ops.h"
 #include "core/error.h"
 #include "core/rng.h"

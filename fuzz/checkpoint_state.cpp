@@ -5,7 +5,7 @@
 
 #include "core/json_reader.h"
 #include "fuzz_support.h"
-#include "train/checkpoint.h"
+#include "train/training_checkpoint.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace memtune;

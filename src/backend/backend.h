@@ -6,7 +6,10 @@
 //               correct and slow, the oracle every other backend is tested against, op by op
 //               (tests/backend/ops_test.cpp). It also enforces device-memory discipline: its
 //               memory is inaccessible to the process outside its own calls.
-// A GPU backend is a third folder implementing this class; nothing above it changes.
+//   vulkan/     compute shaders on a Vulkan device (a GPU, or Mesa's lavapipe on the CPU); its
+//               memory is device memory that the host never dereferences (data crosses by copies).
+// Another backend is another folder implementing this class plus one entry in the registry
+// (kBackends in registry.cpp); the model, training, evaluation and generation do not change.
 //
 // Conventions: activations are [N, C] over a flat token stream holding several sequences back
 // to back (cu_seqlens[s]..cu_seqlens[s+1]); linear weights are [out, in] as in PyTorch; compute
@@ -26,7 +29,7 @@
 #include <vector>
 
 #include "backend/chunk_loss.h"
-#include "backend/sampling.h"
+#include "backend/sample_row.h"
 #include "backend/tensor.h"
 
 namespace memtune {
@@ -264,7 +267,7 @@ class Backend {
   virtual void dropout_forward(const Tensor& out, const Tensor& x, uint64_t key, float p) = 0;
   virtual void add_inplace(const Tensor& y, const Tensor& x) = 0;  // y += x
   virtual LossSum lm_head_loss(const LmHeadArgs& args) = 0;
-  // One token per row of args.logits (backend/sampling.h), chosen where the logits are: only
+  // One token per row of args.logits (backend/sample_row.h), chosen where the logits are: only
   // the token ids come back, never [rows, V] logits. By default the host sampler, row by row,
   // over memory the host can address.
   virtual void sample_tokens(const SampleArgs& args);
@@ -277,7 +280,7 @@ class Backend {
   virtual void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                             const AdamWStep& step) = 0;
 
-  // Collectives (dist/) read and write device memory: `op` runs with that memory reachable by
+  // Collectives (distributed/) read and write device memory: `op` runs with that memory reachable by
   // the communicator. overlaps_collectives(): whether a non-blocking collective may stay in
   // flight while the backend computes (false makes the trainer reduce after backward).
   virtual void collective(const std::function<void()>& op) { op(); }
@@ -300,16 +303,5 @@ void upload_f32(Backend& backend, const Tensor& tensor, std::span<const float> v
 // micro-batch, so a run that does not fit the machine fails at its start and the process's
 // measured RSS can be checked against the plan. An Error naming the size when it is refused.
 void* map_host_pages(size_t bytes);
-
-// The backends of this build by name ("cpu", "reference", "vulkan"); an Error listing them
-// otherwise (and for vulkan, one naming the problem when this machine has no usable device).
-// Backends are process-wide: one instance each, created on first use.
-Backend& backend_named(std::string_view name);
-Backend& default_backend();  // cpu
-// Every backend this machine can run ("cpu", "reference", and "vulkan" where a Vulkan device is
-// usable): what tests run on.
-std::vector<std::string_view> backend_list();
-// "cpu, reference, vulkan" (every backend of the build): for flag help and error messages.
-std::string backend_names();
 
 }  // namespace memtune

@@ -4,6 +4,8 @@
 
 #include <functional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json_fwd.hpp>
@@ -11,6 +13,15 @@
 namespace memtune::cli {
 
 using Action = std::function<void()>;
+
+// The subcommands registered on an app, each with its action; plan_inference is `plan
+// --inference` (a hidden subcommand main() redirects to).
+struct Commands {
+  std::vector<std::pair<CLI::App*, Action>> actions;
+  CLI::App* plan_inference = nullptr;
+};
+// Registers every subcommand and its flags (floating-point flags refuse nan and inf).
+Commands add_commands(CLI::App& app);
 
 Action add_init_model(CLI::App& app);
 Action add_dump(CLI::App& app);

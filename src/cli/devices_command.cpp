@@ -40,7 +40,8 @@ Action add_devices(CLI::App& app) {
     if (a->json) {
       nlohmann::json out = {{"loader_version", found.loader_version},
                             {"devices", nlohmann::json::array()},
-                            {"backend_vulkan_device", chosen ? nlohmann::json(*chosen) : nlohmann::json(nullptr)}};
+                            {"backend_vulkan_device", chosen ? nlohmann::json(*chosen) : nlohmann::json(nullptr)},
+                            {"vulkan_backend_built", vulkan_backend_available()}};
       for (const VulkanDeviceInfo& d : found.devices) out["devices"].push_back(vulkan_device_json(d));
       if (!found.problem.empty()) out["problem"] = found.problem;
       std::cout << out.dump(2) << "\n";

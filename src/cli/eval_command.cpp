@@ -13,6 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "backend/registry.h"
 #include "cli/commands.h"
 #include "core/error.h"
 #include "data/batcher.h"

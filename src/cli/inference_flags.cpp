@@ -17,6 +17,7 @@
 #include "memory/memory_files.h"
 #include "options/arguments.h"
 #include "tokenizer/chat_template.h"
+#include "model/config.h"
 
 namespace memtune::cli {
 
@@ -161,7 +162,7 @@ void add_inference_flags(CLI::App& app, InferenceArgs& args, InferenceCommand co
                                a->model, "Hugging Face model directory");
   if (plan_only) {
     app.add_flag("--inference", a->inference, "plan generation (memtune generate's flags)");
-    app.add_option("--preset", a->preset, "qwen2.5-0.5b ... qwen2.5-72b, tiny (instead of --model)")->excludes(model);
+    app.add_option("--preset", a->preset, model_preset_names() + " (instead of --model)")->excludes(model);
     app.add_option("--quantization", a->quantization,
                    "plan the model's linear layers quantized: gptq-int4 | gptq-int8 | awq (group 128)");
   } else {

@@ -7,7 +7,7 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
-#include "dist/communicator.h"
+#include "distributed/communicator.h"
 #include "options/arguments.h"
 #include "options/config_file.h"
 
@@ -31,42 +31,8 @@ int fail(int code, const char* kind, const char* what) {
 
 int main(int argc, char** argv) {
   CLI::App app{"memtune: fine-tune, evaluate, quantize and serve Qwen2.5, Qwen3 and Llama 3 models with planned memory"};
-  app.require_subcommand(1);
-  std::vector<std::pair<CLI::App*, memtune::cli::Action>> commands;
-  auto add = [&](const char* name, const char* help, auto adder) {
-    CLI::App* sub = app.add_subcommand(name, help);
-    commands.emplace_back(sub, adder(*sub));
-  };
-  add("init-model", "write a randomly initialized checkpoint (config.json + safetensors; qwen2, qwen3 or llama)",
-      memtune::cli::add_init_model);
-  add("dump", "debugging: logits, loss and every parameter gradient for a small batch", memtune::cli::add_dump);
-  add("merge", "merge a LoRA adapter into its base model and write a Hugging Face checkpoint", memtune::cli::add_merge);
-  add("quantize", "quantize a model's linear layers to 4 or 8 bits (round-to-nearest or GPTQ) in GPTQ / AWQ files",
-      memtune::cli::add_quantize);
-  add("dequantize", "write a GPTQ / AWQ model's weights back as a float checkpoint", memtune::cli::add_dequantize);
-  add("train", "fine-tune (LoRA or full) on a JSONL dataset with Hugging Face's arguments", memtune::cli::add_train);
-  add("eval", "streaming evaluation: loss, perplexity, token accuracy without ever holding logits",
-      memtune::cli::add_eval);
-  add("generate", "text from a model over a planned, paged KV cache (a prompt, or a JSONL file of them)",
-      memtune::cli::add_generate);
-  add("chat", "an interactive chat in the terminal (chat template, history; /reset, /exit; Ctrl-C stops an answer)",
-      memtune::cli::add_chat);
-  add("serve", "an OpenAI-compatible server (chat and completions, streaming, LoRA adapters) over a planned KV cache",
-      memtune::cli::add_serve);
-  CLI::App* plan_inference = app.add_subcommand("plan-inference", "")->group("");  // `plan --inference`
-  commands.emplace_back(plan_inference, memtune::cli::add_plan_inference(*plan_inference));
-  add("plan", "the memory bill of a run before it starts, against a device budget", memtune::cli::add_plan);
-  add("devices", "the Vulkan devices of this machine (memory, features) and the one --backend vulkan would take",
-      memtune::cli::add_devices);
-  add("report", "regenerate report.html (charts, memory timeline, plan, arguments) from a run's output_dir",
-      memtune::cli::add_report);
-  add("tokenize", "encode JSONL text (or chat messages) to token ids, or decode ids", memtune::cli::add_tokenize);
-  // `data` groups dataset tools; its sub-subcommands are dispatched like the others.
-  CLI::App* data = app.add_subcommand("data", "dataset tools");
-  data->require_subcommand(1);
-  CLI::App* data_stats = data->add_subcommand("stats", "token-length statistics of a JSONL dataset");
-  commands.emplace_back(data_stats, memtune::cli::add_data_stats(*data_stats));
-  memtune::refuse_non_finite_numbers(app);
+  const memtune::cli::Commands commands = memtune::cli::add_commands(app);
+  CLI::App* plan_inference = commands.plan_inference;
   try {
     // The subcommand named on the command line (e.g. "train", or "data stats"), then its flags
     // made into CLI11's: boolean flag values, a --config file (train, plan, eval) and the
@@ -104,7 +70,7 @@ int main(int argc, char** argv) {
     return 1;
   }
   try {
-    for (auto& [sub, action] : commands)
+    for (auto& [sub, action] : commands.actions)
       if (sub->parsed()) action();
   } catch (const memtune::Interrupted& e) {
     std::fprintf(stderr, "memtune: %s\n", e.what());

@@ -9,6 +9,7 @@
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
+#include "backend/registry.h"
 #include "cli/commands.h"
 #include "core/error.h"
 #include "core/json_reader.h"
@@ -16,6 +17,7 @@
 #include "io/safetensors.h"
 #include "model/load.h"
 #include "options/arguments.h"
+#include "model/config.h"
 
 namespace memtune::cli {
 
@@ -39,7 +41,7 @@ Action add_init_model(CLI::App& app) {
     std::vector<std::string> overrides;
   };
   auto args = std::make_shared<Args>();
-  auto* preset = app.add_option("--preset", args->preset, "tiny, qwen2.5-0.5b, -1.5b, -3b, -7b, -14b, -32b, -72b");
+  auto* preset = app.add_option("--preset", args->preset, model_preset_names());
   auto* config = app.add_option("--config", args->config, "a config.json to take the shapes from");
   preset->excludes(config);
   app.add_option("--out", args->out, "output directory")->required();

@@ -16,6 +16,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "backend/registry.h"
 #include "backend/vulkan/vulkan_backend.h"
 #include "cli/commands.h"
 #include "cli/plan_fit.h"
@@ -28,13 +29,14 @@
 #include "model/decoder.h"
 #include "model/load.h"
 #include "options/command_setup.h"
+#include "model/config.h"
 
 namespace memtune::cli {
 
 Action add_plan(CLI::App& app) {
   auto a = std::make_shared<PlanArgs>();
   add_training_arguments(app, a->run, ArgumentsFor::Plan);
-  app.add_option("--preset", a->preset, "qwen2.5-0.5b ... qwen2.5-72b, tiny (instead of --model)")
+  app.add_option("--preset", a->preset, model_preset_names() + " (instead of --model)")
       ->excludes(app.get_option("--model_name_or_path"));
   app.add_option("--quantization", a->quantization,
                  "plan the base's linear layers quantized (QLoRA): gptq-int4 | gptq-int8 | awq (group 128)");

@@ -10,6 +10,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "backend/registry.h"
 #include "cli/commands.h"
 #include "core/error.h"
 #include "core/json_reader.h"

@@ -14,7 +14,7 @@
 #include "core/error.h"
 #include "core/jsonl.h"
 #include "data/formats.h"
-#include "dist/communicator.h"
+#include "distributed/communicator.h"
 #include "tokenizer/tokenizer.h"
 
 namespace memtune {

@@ -11,7 +11,7 @@
 #include <typeinfo>
 
 #include "core/error.h"
-#include "dist/communicator.h"
+#include "distributed/communicator.h"
 
 namespace memtune {
 

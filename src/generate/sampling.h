@@ -1,5 +1,5 @@
 // A request's sampling settings and state. The arithmetic of choosing a token from a row of
-// logits is backend/sampling.h's (every backend runs it where the logits are); what stays here
+// logits is backend/sample_row.h's (every backend runs it where the logits are); what stays here
 // is the request's side, the way vLLM's sampler keeps it: one draw per token from the
 // request's own random stream (so a request's tokens depend on its seed only, never on
 // which requests shared its batch). temperature 0 is greedy: the argmax of the penalized logits
@@ -13,7 +13,7 @@
 #include <unordered_set>
 #include <vector>
 
-#include "backend/sampling.h"
+#include "backend/sample_row.h"
 #include "core/rng.h"
 
 namespace memtune {

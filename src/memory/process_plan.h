@@ -19,16 +19,17 @@
 namespace memtune {
 
 // What the compute runtime (OpenBLAS, OpenMP, code pages, the first step's own small buffers)
-// touches once steps run, beyond the arena. Measured on the 2-core test machine with 1 to 4
-// threads (docs/benchmarks.md): 10 to 21 MiB for training steps (the most with float32 full
-// fine-tuning), under 2 MiB for forward-only evaluation; each rounded up.
+// touches once steps run, beyond the arena: the most measured over thread counts for training
+// steps (float32 full fine-tuning touches the most) and for forward-only evaluation, each rounded
+// up (see docs/benchmarks.md).
 constexpr size_t kTrainingRuntimeBytes = size_t{22} << 20;
 constexpr size_t kForwardRuntimeBytes = size_t{4} << 20;
 // Evaluation inside a training run (its batches' results, metrics and records, beyond the
-// arena): the demo's training with evaluation peaked 13-18 MiB above its prediction without it.
+// arena): what the demo's training with evaluation peaked above its prediction without this
+// term, rounded up (see docs/benchmarks.md).
 constexpr size_t kEvaluationRuntimeBytes = size_t{20} << 20;
 // Open MPI's initialization in each rank of a data-parallel run (libraries, shared-memory
-// segments): 8 MiB measured with 2 ranks on one machine (docs/benchmarks.md). A run measures it
+// segments), as measured with 2 ranks on one machine (see docs/benchmarks.md). A run measures it
 // in its startup; `memtune plan`, which does not start MPI, adds it.
 constexpr size_t kMpiInitBytes = size_t{8} << 20;
 // A device backend's fixed costs beside its arena. Not yet measured: these are the commonly

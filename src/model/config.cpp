@@ -429,11 +429,14 @@ nlohmann::json config_json(const ModelConfig& c) {
 
 }  // namespace
 
-ModelConfig model_preset(const std::string& name) {
-  struct Preset {
-    const char* name;
-    ModelConfig config;
-  };
+namespace {
+
+struct Preset {
+  const char* name;
+  ModelConfig config;
+};
+
+std::vector<Preset> make_presets() {
   // Shapes of the base checkpoints Qwen/Qwen2.5-*B (config.json on the Hub). The -Instruct
   // checkpoints share the shapes but list max_position_embeddings 32768 and rms_norm_eps 1e-6.
   auto qwen25 = [](int64_t hidden, int64_t intermediate, int64_t layers, int64_t heads, int64_t kv_heads, int64_t vocab,
@@ -530,7 +533,7 @@ ModelConfig model_preset(const std::string& name) {
                              .low_freq_factor = 1.0,
                              .high_freq_factor = 4.0,
                              .original_max_position_embeddings = 64};
-  const Preset presets[] = {
+  return {
       {"tiny", tiny},
       {"tiny-qwen3", tiny_qwen3},
       {"tiny-llama", tiny_llama},
@@ -552,14 +555,27 @@ ModelConfig model_preset(const std::string& name) {
       {"llama-3.1-8b", llama3(4096, 14336, 32, 32, 128, false, 8.0)},
       {"llama-3.1-70b", llama3(8192, 28672, 80, 64, 128, false, 8.0)},
   };
+}
+
+const std::vector<Preset>& presets() {
+  static const std::vector<Preset> table = make_presets();
+  return table;
+}
+
+}  // namespace
+
+ModelConfig model_preset(const std::string& name) {
   std::string key = name;
   std::transform(key.begin(), key.end(), key.begin(), [](unsigned char ch) { return std::tolower(ch); });
-  std::string valid;
-  for (const Preset& p : presets) {
+  for (const Preset& p : presets())
     if (key == p.name) return p.config;
-    valid += (valid.empty() ? "" : ", ") + std::string(p.name);
-  }
-  throw Error("unknown model preset \"" + name + "\" (valid presets: " + valid + ")");
+  throw Error("unknown model preset \"" + name + "\" (valid presets: " + model_preset_names() + ")");
+}
+
+std::string model_preset_names() {
+  std::string names;
+  for (const Preset& p : presets()) names += (names.empty() ? "" : ", ") + std::string(p.name);
+  return names;
 }
 
 }  // namespace memtune

@@ -126,5 +126,7 @@ nlohmann::json config_to_json(const ModelConfig& config);
 // Named presets: the real Qwen2.5, Qwen3 and Llama 3 shapes, and `tiny` (`tiny-qwen3`,
 // `tiny-llama`) for tests.
 ModelConfig model_preset(const std::string& name);
+// Every preset model_preset knows, comma-separated: "tiny, tiny-qwen3, ..., llama-3.1-70b".
+std::string model_preset_names();
 
 }  // namespace memtune

@@ -1,5 +1,6 @@
 // The decoder's compute graph: forward, fused LM head and backward, written against the backend
 // interface (see decoder.h).
+#include "backend/registry.h"
 #include "model/decoder.h"
 
 #include <fmt/format.h>
@@ -188,8 +189,8 @@ void Decoder::generation_forward(const GenerationBatch& batch) {
   Backend& be = *backend_;
   const ModelConfig& c = config_;
   const int64_t D = c.hidden_size, V = c.vocab_size, L = c.num_hidden_layers;
-  // Residency is sampled every kGenerationSampleSteps steps: mincore over the whole arena cost
-  // 1.7% of a batch-1 decode step of Qwen2.5-0.5B (1.1 GB arena), and decoding steps repeat.
+  // Residency is sampled every kGenerationSampleSteps steps: mincore walks the whole arena, a
+  // visible share of a short decode step, and decoding steps repeat (docs/benchmarks.md).
   const bool sample = generation_steps_++ % kGenerationSampleSteps == 0;
   A.enter_phase(Phase::Forward, sample);
   upload_generation_batch(batch);
@@ -246,13 +247,7 @@ void Decoder::sample_tokens(std::span<const SampleRow> rows, std::span<const Pen
   backend_->sample_tokens(args);
 }
 
-// Mixed: a mask hashes key + i * golden, so two sites' masks are one sequence offset by
-// (key difference) / golden; unmixed keys of neighbouring sites made k_proj's mask q_proj's
-// shifted by one element under seed 0.
-uint64_t Decoder::dropout_key(int64_t l, LinearSite s) const {
-  return mix64(*dropout_seed_ ^
-               (static_cast<uint64_t>(l) * kNumLinearSites + static_cast<uint64_t>(s) + 1) * 0x9e3779b97f4a7c15ull);
-}
+uint64_t Decoder::dropout_key(int64_t l, LinearSite s) const { return lora_dropout_key(*dropout_seed_, l, s); }
 
 Tensor Decoder::lora_input(int64_t l, LinearSite s, const Tensor& x) {
   const float p = static_cast<float>(options_.lora.dropout);

@@ -56,8 +56,8 @@ void add_planned_terms(ProcessPlan& p, const Decoder& model, DType checkpoint_dt
   p.compute_runtime_bytes =
       (model.options().with_grads ? kTrainingRuntimeBytes : kForwardRuntimeBytes) + model.backend().runtime_bytes();
   // With more than one rank, MPI's non-blocking allreduce (and ZeRO-1's reduce-scatter) copies
-  // the gradients it reduces into buffers of its own while backward runs: measured ~74 MiB for
-  // 77 MiB of float32 gradients.
+  // the gradients it reduces into buffers of its own while backward runs: about as many bytes as
+  // the gradients themselves, so the term is their planned bytes (docs/benchmarks.md).
   p.communication_bytes = world_size > 1 ? model.plan().live_bytes(Phase::Optimizer, Category::Gradients) : 0;
 }
 

@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "core/json_reader.h"
+#include "core/rng.h"
 
 namespace memtune {
 
@@ -15,6 +16,11 @@ namespace {
 constexpr std::array<std::string_view, kNumLinearSites> kSiteNames = {"q_proj",    "k_proj",  "v_proj",   "o_proj",
                                                                       "gate_proj", "up_proj", "down_proj"};
 }  // namespace
+
+uint64_t lora_dropout_key(uint64_t seed, int64_t layer, LinearSite site) {
+  return mix64(seed ^ (static_cast<uint64_t>(layer) * kNumLinearSites + static_cast<uint64_t>(site) + 1) *
+                          0x9e3779b97f4a7c15ull);
+}
 
 std::string_view linear_site_name(LinearSite site) {
   return kSiteNames[static_cast<size_t>(site)];

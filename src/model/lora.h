@@ -23,6 +23,11 @@ std::string_view linear_site_name(LinearSite site);  // "q_proj", ..., "down_pro
 // "self_attn" or "mlp"
 std::string_view linear_site_block(LinearSite site);
 
+// The key of a LoRA dropout mask: one per (step seed, layer, site), mixed so that every pair of
+// sites' masks is independent (Backend::dropout_forward hashes key + i x golden ratio, so unmixed
+// keys of neighbouring sites would give one mask shifted by some elements).
+uint64_t lora_dropout_key(uint64_t seed, int64_t layer, LinearSite site);
+
 struct LoraConfig {
   int64_t rank = 0;  // 0: no adapters
   double alpha = 32.0;

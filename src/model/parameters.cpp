@@ -1,5 +1,6 @@
 // The model's parameters in the plan: their declarations (weights, gradients, float32 masters,
 // AdamW state, ZeRO-1 shards) and the views over them (see parameters.h).
+#include "backend/registry.h"
 #include "model/parameters.h"
 
 #include <fmt/format.h>

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include "backend/backend.h"
+#include "backend/registry.h"
 #include "core/error.h"
 #include "memory/process_memory.h"
 #include "model/decoder.h"

@@ -4,9 +4,11 @@
 
 #include <algorithm>
 #include <cmath>
-#include <functional>
+#include <cctype>
+#include <iterator>
 #include <limits>
 #include <optional>
+#include <set>
 #include <utility>
 #include <vector>
 
@@ -85,27 +87,52 @@ struct Series {
   std::vector<std::pair<double, double>> points;  // (x, y)
 };
 
-// Geometry shared by the charts: a plot area inside margins, linear scales.
+// The smallest and largest finite value seen.
+struct Extent {
+  double lo = std::numeric_limits<double>::max(), hi = std::numeric_limits<double>::lowest();
+  void add(double v) {
+    if (std::isfinite(v)) lo = std::min(lo, v), hi = std::max(hi, v);
+  }
+  bool empty() const { return lo > hi; }
+};
+
+// Geometry shared by the charts: a plot area inside margins and linear scales whose ends are the
+// outer ticks of 1-2-5 axes (steps on x, values on y). The viewBox is about as wide as the page's
+// content, so the text keeps its size when a chart is stretched to the full width.
 struct Frame {
-  static constexpr double W = 640, H = 260, left = 78, right = 16, top = 16, bottom = 36;
-  double x0, x1, y0, y1;
-  double sx(double x) const { return left + (x1 > x0 ? (x - x0) / (x1 - x0) : 0.5) * (W - left - right); }
-  double sy(double y) const { return H - bottom - (y1 > y0 ? (y - y0) / (y1 - y0) : 0.5) * (H - top - bottom); }
-  std::string axes(const std::string& xlabel, const std::function<std::string(double)>& yfmt) const {
-    std::string s = fmt::format(
+  static constexpr double W = 1200, H = 300, left = 84, right = 20, top = 16, bottom = 40;
+  AxisTicks xt, yt;
+  double y_scale = 1;  // data units per axis unit (bytes per MiB on the memory chart)
+  std::string y_unit;  // after every value-axis label
+
+  Frame(const Extent& x, const Extent& y, double scale = 1, std::string unit = {})
+      : xt(nice_ticks(x.lo, x.hi, 11, true)), yt(nice_ticks(y.lo / scale, y.hi / scale, 8)), y_scale(scale),
+        y_unit(std::move(unit)) {}
+  double x0() const { return xt.values.front(); }
+  double x1() const { return xt.values.back(); }
+  double y0() const { return yt.values.front() * y_scale; }
+  double y1() const { return yt.values.back() * y_scale; }
+  double sx(double x) const { return left + (x - x0()) / (x1() - x0()) * (W - left - right); }
+  double sy(double y) const { return H - bottom - (y - y0()) / (y1() - y0()) * (H - top - bottom); }
+  std::string axes(const std::string& xlabel) const {
+    std::string s;
+    for (double v : yt.values) {
+      const double y = sy(v * y_scale);
+      s += fmt::format(R"(<line class="grid" x1="{}" y1="{:.1f}" x2="{}" y2="{:.1f}"/>)", left, y, W - right, y);
+      s += fmt::format(R"(<text class="tick" x="{}" y="{:.1f}" text-anchor="end">{}{}</text>)", left - 6, y + 4,
+                       escape(tick_label(v, yt.step)), y_unit.empty() ? "" : fmt::format(" {}", escape(y_unit)));
+    }
+    for (double v : xt.values) {
+      const double x = sx(v);
+      s += fmt::format(R"(<line class="grid" x1="{:.1f}" y1="{}" x2="{:.1f}" y2="{}"/>)", x, top, x, H - bottom);
+      s += fmt::format(R"(<line class="axis" x1="{:.1f}" y1="{}" x2="{:.1f}" y2="{}"/>)", x, H - bottom, x,
+                       H - bottom + 4);
+      s += fmt::format(R"(<text class="tick" x="{:.1f}" y="{}" text-anchor="middle">{}</text>)", x, H - bottom + 17,
+                       escape(tick_label(v, xt.step)));
+    }
+    s += fmt::format(
         R"(<line class="axis" x1="{0}" y1="{1}" x2="{2}" y2="{1}"/><line class="axis" x1="{0}" y1="{3}" x2="{0}" y2="{1}"/>)",
         left, H - bottom, W - right, top);
-    for (int i = 0; i <= 4; ++i) {
-      const double y = y0 + (y1 - y0) * i / 4.0;
-      s += fmt::format(R"(<text class="tick" x="{}" y="{:.1f}" text-anchor="end">{}</text>)", left - 6, sy(y) + 4,
-                       escape(yfmt(y)));
-      s +=
-          fmt::format(R"(<line class="grid" x1="{}" y1="{:.1f}" x2="{}" y2="{:.1f}"/>)", left, sy(y), W - right, sy(y));
-    }
-    s += fmt::format(R"(<text class="tick" x="{}" y="{}" text-anchor="start">{}</text>)", left, H - bottom + 16,
-                     number(x0));
-    s += fmt::format(R"(<text class="tick" x="{}" y="{}" text-anchor="end">{}</text>)", W - right, H - bottom + 16,
-                     number(x1));
     s += fmt::format(R"(<text class="label" x="{}" y="{}" text-anchor="middle">{}</text>)", (left + W - right) / 2,
                      H - 4, escape(xlabel));
     return s;
@@ -122,26 +149,32 @@ std::string legend(const std::vector<std::string>& names) {
 std::string figure(const std::string& id, const std::string& title, const std::string& svg_body,
                    const std::vector<std::string>& names) {
   return fmt::format(
-      R"(<figure class="chart" data-chart="{}"><figcaption>{}</figcaption><svg viewBox="0 0 {} {}" width="{}" height="{}" role="img">{}</svg>{}</figure>)",
-      id, escape(title), Frame::W, Frame::H, Frame::W, Frame::H, svg_body, legend(names));
+      R"(<figure class="chart" data-chart="{}"><figcaption>{}</figcaption><svg viewBox="0 0 {} {}" data-plot-top="{}" data-plot-bottom="{}" role="img" aria-label="{}">{}</svg>{}</figure>)",
+      id, escape(title), Frame::W, Frame::H, Frame::top, Frame::H - Frame::bottom, escape(title), svg_body,
+      legend(names));
+}
+
+// The frame of a line chart: steps on x, the values' range on y (from 0 when the values start
+// below half their maximum, unless zero_anchor is false).
+Frame line_frame(const std::vector<Series>& series, bool zero_anchor) {
+  Extent x, y;
+  for (const Series& s : series)
+    for (auto [px, py] : s.points) x.add(px), y.add(py);
+  if (x.empty()) x = {0, 1};
+  if (y.empty()) y = {0, 1};
+  if (zero_anchor && y.lo > 0 && y.lo < 0.5 * y.hi) y.lo = 0;
+  return Frame(x, y);
 }
 
 // Lines (with point markers when there are few points) against a shared x axis.
 std::string line_chart(const std::string& id, const std::string& title, const std::string& xlabel,
-                       const std::vector<Series>& all, const std::function<std::string(double)>& yfmt = number) {
+                       const std::vector<Series>& all, bool zero_anchor = true) {
   std::vector<Series> series;
   for (const Series& s : all)
     if (!s.points.empty()) series.push_back(s);
   if (series.empty()) return "";
-  Frame f{std::numeric_limits<double>::max(), std::numeric_limits<double>::lowest(), std::numeric_limits<double>::max(),
-          std::numeric_limits<double>::lowest()};
-  for (const Series& s : series)
-    for (auto [x, y] : s.points) {
-      f.x0 = std::min(f.x0, x), f.x1 = std::max(f.x1, x), f.y0 = std::min(f.y0, y), f.y1 = std::max(f.y1, y);
-    }
-  if (f.y0 > 0 && f.y0 < 0.5 * f.y1) f.y0 = 0;
-  if (f.y1 == f.y0) f.y0 -= 0.5 * std::max(std::fabs(f.y0), 1e-12), f.y1 += 0.5 * std::max(std::fabs(f.y1), 1e-12);
-  std::string body = f.axes(xlabel, yfmt);
+  const Frame f = line_frame(series, zero_anchor);
+  std::string body = f.axes(xlabel);
   std::vector<std::string> names;
   for (size_t i = 0; i < series.size(); ++i) {
     const Series& s = series[i];
@@ -156,6 +189,37 @@ std::string line_chart(const std::string& id, const std::string& title, const st
     names.push_back(s.name);
   }
   return figure(id, title, body, names);
+}
+
+// The loss after warm-up. The first logged losses (about ln(vocabulary size): 12 for a 151936-token
+// vocabulary, against ~1 later) stretch the loss chart's value axis until the rest of the curve is
+// a flat line at its bottom. This panel leaves out the first tenth of the steps and fits its value
+// axis to what follows; it is drawn only when those later losses fill less than half of the loss
+// chart's height.
+std::string loss_after_warmup_chart(const Series& loss, const Series& eval_loss) {
+  if (loss.points.size() < 10) return "";
+  Extent steps;
+  for (auto [x, y] : loss.points) steps.add(x);
+  const double cutoff = steps.lo + 0.1 * (steps.hi - steps.lo);
+  auto later = [&](const Series& s) {
+    Series out{s.name, {}};
+    for (auto [x, y] : s.points)
+      if (x > cutoff) out.points.emplace_back(x, y);
+    return out;
+  };
+  const Series late_loss = later(loss), late_eval = later(eval_loss);
+  if (late_loss.points.size() < 3) return "";
+  Extent late;
+  for (const Series* s : {&late_loss, &late_eval})
+    for (auto [x, y] : s->points) late.add(y);
+  const Frame whole = line_frame({loss, eval_loss}, true);
+  if (late.hi - late.lo >= 0.5 * (whole.y1() - whole.y0())) return "";
+  Extent late_steps;
+  for (auto [x, y] : late_loss.points) late_steps.add(x);
+  return line_chart("loss_after_warmup",
+                    fmt::format("Loss after warm-up (from step {}; the first tenth of the steps left out)",
+                                number(late_steps.lo)),
+                    "step", {late_loss, late_eval}, false);
 }
 
 std::string bytes_text(double b) {
@@ -198,9 +262,13 @@ std::string memory_chart(const std::vector<json>& timeline, std::optional<double
     }
     ymax = std::max({ymax, acc, (*samples[i]).value("rss_bytes", 0.0)});
   }
-  Frame f{0, static_cast<double>(std::max<size_t>(n, 2) - 1), 0, ymax * 1.05};
-  std::string body =
-      f.axes("recorded phase (step: forward, loss, backward, optimizer; eval: forward, loss)", bytes_text);
+  // The value axis in the largest binary unit the peak reaches.
+  static constexpr const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  size_t unit = 0;
+  double scale = 1;
+  while (unit + 1 < std::size(kUnits) && ymax >= 1024 * scale) scale *= 1024, ++unit;
+  const Frame f(Extent{0, static_cast<double>(std::max<size_t>(n, 2) - 1)}, Extent{0, ymax}, scale, kUnits[unit]);
+  std::string body = f.axes("recorded phase (step: forward, loss, backward, optimizer; eval: forward, loss)");
   for (size_t k = 0; k < categories.size(); ++k) {
     std::string d;
     for (size_t i = 0; i < n; ++i)
@@ -240,6 +308,42 @@ std::string key_value_table(const json& object) {
   for (const auto& [key, value] : object.items())
     s += fmt::format("<tr><th>{}</th><td>{}</td></tr>", escape(key), escape(value_text(value)));
   return s + "</table>";
+}
+
+// A metric's cell: its value in units for people, the number as logged on hover when it differs.
+std::string metric_cell(const std::string& key, const json& value) {
+  if (!value.is_number()) return fmt::format("<td>{}</td>", escape(value_text(value)));
+  const std::string shown = metric_text(key, value.get<double>());
+  const std::string exact = value.is_number_float() && key.ends_with("_bytes")
+                                ? fmt::format("{:.0f}", value.get<double>())
+                                : value.dump();
+  if (shown == exact) return fmt::format("<td>{}</td>", escape(shown));
+  const bool seconds = key.find("runtime") != std::string::npos || key.ends_with("_seconds");
+  const char* unit = key.ends_with("_bytes") ? " bytes" : seconds ? " seconds" : "";
+  return fmt::format(R"(<td title="{}{}">{}</td>)", escape(exact), unit, escape(shown));
+}
+
+// The final metrics in their groups (Training, Evaluation, Memory, Speed), each a heading and a
+// table; loss and eval_loss lead their groups, the rest follow by name. Every key is shown.
+std::string metrics_section(const json& metrics, const std::set<std::string>& from_eval_results) {
+  static constexpr std::string_view kGroups[] = {"Training", "Evaluation", "Memory", "Speed"};
+  std::string s = R"(<div class="metrics">)";
+  for (const std::string_view group : kGroups) {
+    std::vector<std::string> keys;
+    for (const auto& [key, value] : metrics.items())
+      if (metric_group(key, from_eval_results.count(key) > 0) == group) keys.push_back(key);
+    if (keys.empty()) continue;
+    std::stable_partition(keys.begin(), keys.end(),
+                          [](const std::string& key) { return key == "loss" || key == "eval_loss"; });
+    std::string id(group);
+    std::transform(id.begin(), id.end(), id.begin(),
+                   [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+    s += fmt::format(R"(<section class="group" data-group="{}"><h3>{}</h3><table>)", id, group);
+    for (const std::string& key : keys)
+      s += fmt::format("<tr><th>{}</th>{}</tr>", escape(key), metric_cell(key, metrics[key]));
+    s += "</table></section>";
+  }
+  return s + "</div>";
 }
 
 std::string plan_table(const json& memory) {
@@ -289,33 +393,41 @@ std::string plan_table(const json& memory) {
 }
 
 constexpr const char* kStyle = R"(
-body{font-family:system-ui,sans-serif;margin:24px;color:#222;max-width:1400px}
-h1{font-size:22px}h2{font-size:17px;margin-top:28px}
-.charts{display:flex;flex-wrap:wrap;gap:16px}
+body{font-family:system-ui,sans-serif;margin:24px;color:#222;max-width:1280px}
+h1{font-size:22px}h2{font-size:17px;margin-top:28px}h3{font-size:14px;margin:8px 0 4px}
+.charts{display:flex;flex-direction:column;gap:16px}
 figure.chart{margin:0;border:1px solid #ddd;border-radius:6px;padding:8px;background:#fff}
+figure.chart svg{display:block;width:100%;height:auto}
 figcaption{font-weight:600;font-size:14px;margin-bottom:4px}
 .axis{stroke:#444;stroke-width:1}.grid{stroke:#eee;stroke-width:1}
-.tick,.label{font-size:11px;fill:#555}
+.tick,.label{font-size:12px;fill:#555}
 .planned{stroke:#d00;stroke-width:1.5;stroke-dasharray:6 4}
 .predicted{stroke:#333;stroke-width:1.5}
-.legend{font-size:12px;display:flex;flex-wrap:wrap;gap:10px;max-width:640px}
+.legend{font-size:12px;display:flex;flex-wrap:wrap;gap:10px}
 .legend i{display:inline-block;width:10px;height:10px;margin-right:4px;border-radius:2px}
+.metrics{display:flex;flex-wrap:wrap;gap:4px 40px;align-items:flex-start}
 table{border-collapse:collapse;font-size:13px;margin:6px 0}
 th,td{border:1px solid #ddd;padding:3px 8px;text-align:right}th{background:#f6f6f6;text-align:left}
+td[title]{text-decoration:underline dotted #999}
 )";
 
-// Measures every chart as rendered and records it, so a headless browser can be asked whether
-// the charts are really there.
+// Measures the page as rendered and records it, so a headless browser can be asked whether the
+// charts are really there and span the content, and which metric groups are shown.
 constexpr const char* kCheckScript = R"(
 (function(){
+  var content=document.body.getBoundingClientRect().width;
   var charts=[].slice.call(document.querySelectorAll('figure.chart')).map(function(f){
     var svg=f.querySelector('svg'),r=svg.getBoundingClientRect(),w=0,h=0,points=0,series=f.querySelectorAll('.series');
     for(var i=0;i<series.length;i++){var b=series[i].getBBox();w=Math.max(w,b.width);h=Math.max(h,b.height);
       points+=parseInt(series[i].getAttribute('data-points')||'0',10);}
     return {id:f.getAttribute('data-chart'),series:series.length,points:points,data_width:w,data_height:h,
-            width:r.width,height:r.height};
+            width:r.width,height:r.height,figure_width:f.getBoundingClientRect().width};
   });
-  document.getElementById('render-check').textContent=JSON.stringify({charts:charts});
+  var groups=[].slice.call(document.querySelectorAll('.metrics h3')).filter(function(h){
+    return h.getBoundingClientRect().height>0;}).map(function(h){return h.textContent;});
+  var metrics=document.querySelector('.metrics');
+  document.getElementById('render-check').textContent=JSON.stringify({content_width:content,charts:charts,
+    metric_groups:groups,metrics_text:metrics?metrics.innerText:''});
 })();
 )";
 
@@ -335,6 +447,7 @@ std::string render_report(const fs::path& dir) {
       speed{"tokens/s", {}};
   std::vector<Series> eval_metrics;
   json final_metrics = json::object();
+  std::set<std::string> from_eval_results;
   for (const json& r : log) {
     const double step = r.value("step", 0.0);
     auto add = [&](Series& s, const char* key) {
@@ -357,10 +470,11 @@ std::string render_report(const fs::path& dir) {
   }
   if (eval_results)
     for (const auto& [key, value] : eval_results->items())
-      if (!value.is_structured()) final_metrics[key] = value;
+      if (!value.is_structured()) final_metrics[key] = value, from_eval_results.insert(key);
 
   std::string charts;
   charts += line_chart("loss", "Loss", "step", {loss, eval_loss});
+  charts += loss_after_warmup_chart(loss, eval_loss);
   charts += line_chart("eval_metrics", "Evaluation metrics", "step", eval_metrics);
   charts += line_chart("learning_rate", "Learning rate", "step", {lr});
   charts += line_chart("grad_norm", "Gradient norm (before clipping)", "step", {grad});
@@ -376,13 +490,113 @@ std::string render_report(const fs::path& dir) {
       "<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>memtune report: {}</title>"
       "<style>{}</style></head><body>\n<h1>memtune run report</h1><p>{}</p>\n",
       escape(dir.filename().string()), kStyle, escape(fs::absolute(dir).string()));
-  if (!final_metrics.empty()) html += "<h2>Final metrics</h2>" + key_value_table(final_metrics) + "\n";
+  if (!final_metrics.empty())
+    html += "<h2>Final metrics</h2>" + metrics_section(final_metrics, from_eval_results) + "\n";
   if (!charts.empty()) html += "<h2>Charts</h2><div class=\"charts\">" + charts + "</div>\n";
   if (memory) html += "<h2>Memory plan (bytes live per phase)</h2>" + plan_table(*memory) + "\n";
   if (arguments) html += "<h2>Arguments</h2>" + key_value_table(*arguments) + "\n";
   html +=
       "<pre id=\"render-check\" hidden></pre>\n<script>" + std::string(kCheckScript) + "</script>\n</body></html>\n";
   return html;
+}
+
+AxisTicks nice_ticks(double lo, double hi, int max_ticks, bool integer) {
+  max_ticks = std::max(max_ticks, 2);
+  if (!std::isfinite(hi - lo)) lo = 0, hi = 1;  // also a NaN or infinite end
+  if (lo > hi) std::swap(lo, hi);
+  if (hi - lo <= 1e-12 * std::max(std::fabs(lo), std::fabs(hi))) {  // one value: an axis around it
+    const double pad = integer || lo == 0 ? 1.0 : 0.1 * std::fabs(lo);
+    lo -= pad, hi += pad;
+  }
+  // Starting a decade below (hi - lo) / max_ticks, the first candidate always has too many ticks.
+  static constexpr double kMantissas[] = {1, 2, 5};
+  for (int exponent = static_cast<int>(std::floor(std::log10((hi - lo) / max_ticks))) - 1;; ++exponent)
+    for (const double mantissa : kMantissas) {
+      // Negative powers as a division: 2 / 10 is the double nearest 0.2, 2 * 0.1 is not.
+      const double step =
+          exponent >= 0 ? mantissa * std::pow(10.0, exponent) : mantissa / std::pow(10.0, -exponent);
+      if (integer && step < 1) continue;
+      const double first = std::floor(lo / step + 1e-9), last = std::ceil(hi / step - 1e-9);
+      if (last - first + 1 > max_ticks) continue;
+      AxisTicks ticks{step, {}};
+      for (double i = first; i <= last; ++i) ticks.values.push_back(i * step);
+      return ticks;
+    }
+}
+
+namespace {
+
+// "0.500" -> "0.5", "2.000" -> "2"; text without a point is kept.
+std::string trim_zeros(std::string text) {
+  if (text.find('.') == std::string::npos) return text;
+  while (text.back() == '0') text.pop_back();
+  if (text.back() == '.') text.pop_back();
+  return text;
+}
+
+// 1234567 -> "1,234,567".
+std::string group_digits(double whole) {
+  const std::string digits = fmt::format("{:.0f}", std::fabs(whole));
+  std::string out = whole < 0 ? "-" : "";
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+    out += digits[i];
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string tick_label(double value, double step) {
+  if (!(step > 0) || !std::isfinite(value)) return number(value);
+  value = std::round(value / step) * step;
+  if (std::fabs(value) < 1e-6 * step) return "0";
+  const int step_exponent = static_cast<int>(std::floor(std::log10(step) + 1e-9));
+  if (step_exponent < -4 || std::fabs(value) >= 1e7) {
+    const int exponent = static_cast<int>(std::floor(std::log10(std::fabs(value)) + 1e-9));
+    return fmt::format("{}e{}",
+                       trim_zeros(fmt::format("{:.{}f}", value / std::pow(10.0, exponent),
+                                              std::max(0, exponent - step_exponent))),
+                       exponent);
+  }
+  return trim_zeros(fmt::format("{:.{}f}", value, std::max(0, -step_exponent)));
+}
+
+std::string format_seconds(double seconds) {
+  if (!std::isfinite(seconds)) return fmt::format("{} s", seconds);
+  if (seconds < 0) return fmt::format("-{}", format_seconds(-seconds));
+  if (seconds == 0) return "0 s";
+  if (seconds < 0.9995) return fmt::format("{:.3g} ms", seconds * 1000);
+  if (seconds < 59.95) return fmt::format("{:.3g} s", seconds);
+  const int64_t whole = std::llround(seconds);
+  if (whole < 3600) return fmt::format("{} min {} s", whole / 60, whole % 60);
+  const int64_t minutes = std::llround(seconds / 60);
+  return fmt::format("{} h {} min", minutes / 60, minutes % 60);
+}
+
+std::string_view metric_group(std::string_view key, bool from_eval_results) {
+  auto has = [&](std::string_view part) { return key.find(part) != std::string_view::npos; };
+  if (key.ends_with("_bytes") || has("memory")) return "Memory";
+  if (has("runtime") || key.ends_with("_seconds") || has("per_second") || key.ends_with("_clock")) return "Speed";
+  if (key.starts_with("eval_") || from_eval_results) return "Evaluation";
+  return "Training";
+}
+
+std::string metric_text(std::string_view key, double value) {
+  if (!std::isfinite(value)) return number(value);
+  if (key.ends_with("_bytes") && value >= 0 && value < 9e18)
+    return format_bytes(static_cast<size_t>(std::llround(value)));
+  if (const size_t per = key.find("_per_second"); per != std::string_view::npos) {
+    // What is counted: the word before "_per_second" ("eval_samples_per_second" -> samples/s).
+    const std::string_view before = key.substr(0, per);
+    const size_t underscore = before.rfind('_');
+    const std::string_view what = underscore == std::string_view::npos ? before : before.substr(underscore + 1);
+    return fmt::format("{} {}/s", value >= 100 ? group_digits(std::round(value)) : fmt::format("{:.3g}", value),
+                       what);
+  }
+  if (key.find("runtime") != std::string_view::npos || key.ends_with("_seconds")) return format_seconds(value);
+  if (value == std::floor(value) && std::fabs(value) < 1e15) return group_digits(value);
+  return fmt::format("{:.4g}", value);
 }
 
 fs::path write_report(const fs::path& dir) {

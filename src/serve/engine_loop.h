@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "generate/generator.h"
-#include "serve/metrics.h"
+#include "serve/prometheus.h"
 
 namespace memtune {
 

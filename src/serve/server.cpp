@@ -22,7 +22,7 @@
 #include "serve/completion_response.h"
 #include "serve/engine_loop.h"
 #include "serve/event_stream.h"
-#include "serve/metrics.h"
+#include "serve/prometheus.h"
 #include "serve/request_parser.h"
 
 namespace memtune {

@@ -18,7 +18,7 @@
 #include "core/json_reader.h"
 #include "data/batcher.h"
 #include "data/dataset.h"
-#include "dist/communicator.h"
+#include "distributed/communicator.h"
 #include "eval/classification.h"
 #include "eval/eval_data.h"
 #include "eval/generation_eval.h"
@@ -32,7 +32,7 @@
 #include "options/command_setup.h"
 #include "report/report.h"
 #include "tokenizer/tokenizer.h"
-#include "train/checkpoint.h"
+#include "train/training_checkpoint.h"
 #include "core/console.h"
 #include "train/trainer.h"
 

@@ -6,7 +6,7 @@
 #include <string>
 
 #include "core/error.h"
-#include "dist/communicator.h"
+#include "distributed/communicator.h"
 
 namespace memtune {
 

@@ -20,11 +20,11 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/registry.h"
 #include "model/config.h"
 #include "core/labels.h"
 #include "core/rng.h"
-
-#include <fmt/format.h>
+#include "support/numeric.h"
 
 namespace memtune {
 namespace {
@@ -143,13 +143,9 @@ RunResult run_case(Backend& be, const OpCase& c, const std::map<std::string, std
   return r;
 }
 
-double relative_difference(const std::vector<float>& a, const std::vector<float>& ref) {
-  double diff = 0, scale = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    diff = std::max(diff, std::abs(double(a[i]) - ref[i]));
-    scale = std::max(scale, std::abs(double(ref[i])));
-  }
-  return diff / (scale + 1e-6);
+// |got - want| < tolerance x (max|want| + 1e-6) everywhere, every value finite.
+::testing::AssertionResult close_to(const std::vector<float>& got, const std::vector<float>& want, double tolerance) {
+  return testing_support::close(got, want, {tolerance * 1e-6, tolerance});
 }
 
 // The function the finite differences differentiate: the scalar, or sum(r * primary outputs).
@@ -181,9 +177,9 @@ void check_case(const OpCase& c) {
     const RunResult got = run_case(be, c, dout_values, prior, c.inputs);
     EXPECT_NEAR(got.scalar, expected.scalar, c.tolerance * (std::abs(expected.scalar) + 1e-6));
     for (const auto& [out, values] : expected.outputs)
-      EXPECT_LT(relative_difference(got.outputs.at(out), values), c.tolerance) << "output " << out;
+      EXPECT_TRUE(close_to(got.outputs.at(out), values, c.tolerance)) << "output " << out;
     for (const auto& [in, values] : expected.grads)
-      EXPECT_LT(relative_difference(got.grads.at(in), values), c.tolerance) << "gradient " << in;
+      EXPECT_TRUE(close_to(got.grads.at(in), values, c.tolerance)) << "gradient " << in;
     if (!c.backward) continue;
 
     // Finite differences of the reference forward (float64 inside) against this backend's
@@ -475,7 +471,7 @@ TEST(BackendOps, PagedAttentionEqualsPackedAttentionForWholeSequences) {
     be.attention_forward(packed, lse, tq, tk, tv, tcu, p.hd);
     be.kv_cache_write(kc, vc, tk, tv, tslots);
     be.paged_attention_forward(paged, tq, kc, vc, ttables, tcu, tctx, p.hd, p.kBlock);
-    EXPECT_LT(relative_difference(download_f32(be, paged), download_f32(be, packed)), 1e-6);
+    EXPECT_TRUE(close_to(download_f32(be, paged), download_f32(be, packed), 1e-6));
   }
 }
 

@@ -15,10 +15,12 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/registry.h"
 #include "backend/cpu/ops.h"
 #include "core/dtype.h"
 #include "core/rng.h"
 #include "io/quantized.h"
+#include "support/numeric.h"
 
 namespace memtune {
 namespace {
@@ -104,12 +106,6 @@ struct Device {
   }
 };
 
-double max_abs(const std::vector<double>& v) {
-  double m = 0;
-  for (double x : v) m = std::max(m, std::abs(x));
-  return m;
-}
-
 struct Shape {
   int bits;
   int64_t in, group_size;
@@ -149,9 +145,7 @@ TEST(QuantizedOps, ForwardEqualsDequantizeThenMatmul) {
                                     d.alloc(DType::F32, {static_cast<int64_t>(be.quantized_scratch_elems(s.in))}));
         std::vector<float> got(static_cast<size_t>(N * OC));
         be.copy_to_host(got.data(), out);
-        double worst = 0;
-        for (size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::abs(got[i] - expected[i]));
-        EXPECT_LE(worst, 1e-5 * (max_abs(expected) + 1e-6)) << fmt::format(
+        EXPECT_TRUE(testing_support::close(got, expected, {1e-11, 1e-5})) << fmt::format(
             "{}: {}-bit, in {}, group {}, act-order {}, {} rows", name, s.bits, s.in, s.group_size, s.act_order, N);
       }
 }
@@ -181,15 +175,21 @@ TEST(QuantizedOps, Int8ActivationsRoundTheInputPerBlockForManyRows) {
           const Shape& s = c.shape;
           const bool rounds = be.takes_int8_activations() && c.block > 0 && N > 16;
           const QuantizedLayer layer = random_layer(s.bits, s.in, OC, s.group_size, s.act_order, 21 + s.in + N);
-          const std::vector<float> w = dequantize_layer(layer), x = randn(N * s.in, 7 + N), bias = randn(OC, 9);
+          const std::vector<float> w = dequantize_layer(layer), bias = randn(OC, 9);
+          std::vector<float> x = randn(N * s.in, 7 + N);
+          // Row 1 is all zeros (every block's scale is 0) and row 2 holds one huge value (its
+          // block's other inputs round to 0 or +-1).
+          std::fill(x.begin() + s.in, x.begin() + 2 * s.in, 0.0f);
+          x[static_cast<size_t>(2 * s.in + 5)] = 3.0e4f;
           std::vector<double> input(x.begin(), x.end());
           if (rounds)
             for (int64_t b = 0; b < N * s.in; b += c.block) {
               float amax = 0.0f;
               for (int64_t i = b; i < b + c.block; ++i) amax = std::max(amax, std::fabs(x[static_cast<size_t>(i)]));
-              const float inverse = 127.0f / amax, scale = amax / 127.0f;
-              for (int64_t i = b; i < b + c.block; ++i)
-                input[static_cast<size_t>(i)] = double(scale) * std::nearbyint(x[static_cast<size_t>(i)] * inverse);
+              for (int64_t i = b; i < b + c.block; ++i)  // a zero block stays zero (no 127 / 0)
+                input[static_cast<size_t>(i)] =
+                    amax == 0.0f ? 0.0
+                                 : double(amax / 127.0f) * std::nearbyint(x[static_cast<size_t>(i)] * (127.0f / amax));
             }
           std::vector<double> expected(static_cast<size_t>(N * OC)), unrounded(expected.size());
           for (int64_t n = 0; n < N; ++n)
@@ -210,19 +210,29 @@ TEST(QuantizedOps, Int8ActivationsRoundTheInputPerBlockForManyRows) {
                                       d.alloc(DType::F32, {static_cast<int64_t>(be.quantized_scratch_elems(s.in))}));
           std::vector<float> got(static_cast<size_t>(N * OC));
           be.copy_to_host(got.data(), out);
-          double worst = 0, moved = 0;
-          for (size_t i = 0; i < got.size(); ++i) {
-            worst = std::max(worst, std::abs(got[i] - expected[i]));
-            moved = std::max(moved, std::abs(expected[i] - unrounded[i]));
-          }
           const std::string what = fmt::format("{}: {}-bit, in {}, group {}, act-order {}, {} rows, {} threads", name,
                                                s.bits, s.in, s.group_size, s.act_order, N, threads);
-          EXPECT_LE(worst, 1e-5 * max_abs(expected)) << what;
+          // The row with the huge value is compared on its own scale, the others on theirs.
+          const auto huge = [&](const auto& v) {
+            return std::vector<double>(v.begin() + 2 * OC, v.begin() + 3 * OC);
+          };
+          const auto others = [&](const auto& v) {
+            std::vector<double> rest(v.begin(), v.end());
+            rest.erase(rest.begin() + 2 * OC, rest.begin() + 3 * OC);
+            return rest;
+          };
+          const auto tolerance = testing_support::relative_tolerance(1e-5);
+          EXPECT_TRUE(testing_support::close(others(got), others(expected), tolerance)) << what;
+          EXPECT_TRUE(testing_support::close(huge(got), huge(expected), tolerance)) << what << ", the huge value's row";
+          // The all-zero row's products are its bias alone.
+          for (int64_t o = 0; o < OC; ++o)
+            EXPECT_EQ(got[static_cast<size_t>(OC + o)], bias[static_cast<size_t>(o)]) << what << ", output " << o;
           // The rounding moved the product (so the comparison above tells the two numerics apart),
           // and by little: int8 per block is within about 1% of float32 inputs here.
           if (rounds) {
-            EXPECT_GT(moved, 1e-4 * max_abs(expected)) << what;
-            EXPECT_LT(moved, 2e-2 * max_abs(expected)) << what;
+            const testing_support::Difference moved = testing_support::difference(others(expected), others(unrounded));
+            EXPECT_GT(moved.worst, 1e-4 * moved.scale) << what;
+            EXPECT_LT(moved.worst, 2e-2 * moved.scale) << what;
           }
         }
   }
@@ -250,9 +260,7 @@ TEST(QuantizedOps, BackwardInputAccumulatesDoutTimesTheDequantizedWeight) {
             d.alloc(DType::F32, {static_cast<int64_t>(be.quantized_scratch_elems(s.in))}));
         std::vector<float> got(static_cast<size_t>(N * s.in));
         be.copy_to_host(got.data(), dinp);
-        double worst = 0;
-        for (size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::abs(got[i] - expected[i]));
-        EXPECT_LE(worst, 1e-5 * (max_abs(expected) + 1e-6)) << fmt::format(
+        EXPECT_TRUE(testing_support::close(got, expected, {1e-11, 1e-5})) << fmt::format(
             "{}: {}-bit, in {}, group {}, act-order {}, {} rows", name, s.bits, s.in, s.group_size, s.act_order, N);
       }
 }

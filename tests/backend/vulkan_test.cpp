@@ -16,12 +16,15 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/registry.h"
 #include "backend/vulkan/device.h"
+#include "backend/vulkan/shaders.h"
 #include "backend/vulkan/vulkan_backend.h"
 #include "core/rng.h"
 #include "memory/arena.h"
 #include "data/synthetic_tokenizer.h"
 #include "support/test_util.h"
+#include "support/numeric.h"
 
 namespace memtune {
 namespace {
@@ -71,11 +74,16 @@ class VulkanOps : public ::testing::Test {
   std::vector<Held> allocations_;
 };
 
+// |got - want| <= tolerance x (1 + |want|) at every element; equal infinities allowed, NaN never.
 void expect_close(const std::vector<float>& got, const std::vector<float>& want, float tolerance) {
   ASSERT_EQ(got.size(), want.size());
+  const auto infinite = [&](size_t i) { return std::isinf(want[i]); };
+  ASSERT_TRUE(testing_support::close(got, want, testing_support::absolute_tolerance(INFINITY), infinite));
   for (size_t i = 0; i < got.size(); ++i) {
-    if (got[i] == want[i]) continue;  // infinities included
-    ASSERT_NEAR(got[i], want[i], tolerance * (1.0f + std::abs(want[i]))) << "element " << i;
+    if (std::isinf(want[i])) continue;
+    ASSERT_TRUE(testing_support::close_scalar(got[i], want[i],
+                                              testing_support::absolute_tolerance(tolerance * (1.0 + std::abs(want[i])))))
+        << "element " << i;
   }
 }
 
@@ -86,6 +94,15 @@ TEST_F(VulkanOps, TheBackendIsRegisteredWhereADeviceIsUsable) {
   EXPECT_EQ(vk().name(), "vulkan");
   EXPECT_FALSE(vk().host_addressable());
   EXPECT_FALSE(vk().memory_in_host_pages());
+}
+
+// The push-constant block's size as the SPIR-V declares it, which every dispatch checks its C++
+// struct against: rmsnorm has four addresses, a uint and a float (40 bytes); rmsnorm_backward six
+// addresses and three uints (60 bytes, which its C++ struct pads to 64).
+TEST(VulkanShaders, PushConstantBlocksAreReadFromTheSpirv) {
+  EXPECT_EQ(vulkan_push_constant_bytes(vulkan_shader("rmsnorm")), 40u);
+  EXPECT_EQ(vulkan_push_constant_bytes(vulkan_shader("rmsnorm_backward")), 60u);
+  EXPECT_TRUE(vulkan_shader("no_such_shader").empty());
 }
 
 // Transfers larger than the staging buffer, at offsets inside an allocation, and device copies.
@@ -107,9 +124,19 @@ TEST_F(VulkanOps, TransfersAndCopiesRoundTripEveryByte) {
   EXPECT_EQ(download_f32(vk(), make(vk(), DType::F32, {33})), std::vector<float>(33, 0.0f));
 }
 
+// Narrowing equals the reference bit for bit in both 16-bit types, float16 subnormals and the ties
+// between them included; widening is exact for every one of the 65536 float16 and bfloat16 words.
 TEST_F(VulkanOps, ConvertRoundsToSixteenBitsAsTheReferenceDoes) {
   std::vector<float> values = randn(1000, 2);
-  values.insert(values.end(), {0.0f, -0.0f, 1e-40f, 65504.0f, 1e30f, -1e-8f, 3.14159265f});
+  values.insert(values.end(), {0.0f, -0.0f, 1e-40f, 65504.0f, 65519.0f, 65520.0f, 1e30f, -1e-8f, 3.14159265f,
+                               INFINITY, -INFINITY, std::nanf("")});
+  // float16 subnormals (multiples of 2^-24 below 2^-14), the halfway points between them, and
+  // the edges: 2^-25 (a tie that rounds to zero), 3 x 2^-25 (a tie that rounds up to 2 x 2^-24).
+  for (const int m : {1, 2, 3, 511, 512, 1023})
+    for (const float half : {0.0f, 0.5f, 0.25f})
+      values.push_back(std::ldexp(float(m) + half, -24)), values.push_back(-std::ldexp(float(m) + half, -24));
+  values.insert(values.end(), {std::ldexp(1.0f, -25), std::ldexp(3.0f, -25), std::ldexp(1.0f, -14),
+                               std::ldexp(1023.5f, -24), 1e-6f, -6.1e-5f, 5.96e-8f, 2.9e-8f});
   const int64_t n = static_cast<int64_t>(values.size());
   for (const DType dtype : {DType::BF16, DType::F16}) {
     SCOPED_TRACE(dtype_torch_name(dtype));
@@ -120,17 +147,28 @@ TEST_F(VulkanOps, ConvertRoundsToSixteenBitsAsTheReferenceDoes) {
     std::vector<uint16_t> vbits(static_cast<size_t>(n)), rbits(static_cast<size_t>(n));
     vk().copy_to_host(vbits.data(), vh);
     ref().copy_to_host(rbits.data(), rh);
-    if (dtype == DType::BF16) {
-      EXPECT_EQ(vbits, rbits);  // round to nearest even, bit for bit
-    } else {
-      for (size_t i = 0; i < vbits.size(); ++i)  // float16: the GPU's packHalf may flush denormals
-        EXPECT_NEAR(static_cast<int>(vbits[i]), static_cast<int>(rbits[i]), (rbits[i] & 0x7c00) == 0 ? 1024 : 0) << i;
+    for (size_t i = 0; i < vbits.size(); ++i)
+      ASSERT_EQ(vbits[i], rbits[i]) << "value " << values[i] << " (index " << i << ")";  // round to nearest even
+    // Widening every 16-bit word: the same float32 bits as the reference.
+    std::vector<uint16_t> words(65536);
+    for (size_t i = 0; i < words.size(); ++i) words[i] = static_cast<uint16_t>(i);
+    const Tensor vw = make(vk(), dtype, {65536}), rw = make(ref(), dtype, {65536});
+    vk().copy_to_device(vw, words.data());
+    ref().copy_to_device(rw, words.data());
+    const Tensor vf = make(vk(), DType::F32, {65536}), rf = make(ref(), DType::F32, {65536});
+    vk().convert(vf, vw);
+    ref().convert(rf, rw);
+    std::vector<uint32_t> vwide(65536), rwide(65536);
+    vk().copy_to_host(vwide.data(), vf);
+    ref().copy_to_host(rwide.data(), rf);
+    for (size_t i = 0; i < vwide.size(); ++i) {
+      const auto is_nan = [](uint32_t bits) { return (bits & 0x7fffffffu) > 0x7f800000u; };
+      if (is_nan(rwide[i])) {  // any NaN (which payload bits a NaN keeps is the hardware's)
+        ASSERT_TRUE(is_nan(vwide[i])) << std::hex << "word 0x" << i << ": 0x" << vwide[i];
+        continue;
+      }
+      ASSERT_EQ(vwide[i], rwide[i]) << std::hex << "word 0x" << i << ": 0x" << vwide[i] << ", want 0x" << rwide[i];
     }
-    const Tensor back = make(vk(), DType::F32, {n});
-    vk().convert(back, vh);
-    const Tensor ref_back = make(ref(), DType::F32, {n});
-    ref().convert(ref_back, rh);
-    expect_close(download_f32(vk(), back), download_f32(ref(), ref_back), 1e-3f);
   }
 }
 

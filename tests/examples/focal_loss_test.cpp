@@ -5,6 +5,7 @@
 #include <cmath>
 #include <vector>
 
+#include "backend/registry.h"
 #include "../../examples/focal_loss/focal_loss.h"
 #include "core/rng.h"
 #include "model/decoder.h"

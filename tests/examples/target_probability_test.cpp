@@ -3,6 +3,7 @@
 
 #include <cmath>
 
+#include "backend/registry.h"
 #include "../../examples/target_probability/target_probability.h"
 #include "core/rng.h"
 #include "data/batcher.h"

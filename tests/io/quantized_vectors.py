@@ -7,7 +7,8 @@ AutoAWQ layouts as transformers loads them) with numpy, independently of memtune
 
 The second form reads a quantized checkpoint (config.json + model.safetensors) with its own
 safetensors parser, dequantizes every packed layer by the formulas above, and compares it with
-FLOAT_DIR's float32 weights (exit 1 on a difference, or a tensor missing on either side).
+FLOAT_DIR's float32 weights (exit 1 on a difference, a NaN or an infinity on either side, or a
+tensor missing on either side).
 
 For each case, OUT_DIR/<case>.json gives the shapes and OUT_DIR/<case>.<array>.bin the arrays
 (little-endian): q and zeros (uint8 codes), scales (float16), g_idx (int32, GPTQ), the packed
@@ -16,8 +17,12 @@ qweight and qzeros (int32) and the dequantized weight w [in, out] (float32).
 import json
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
+from numeric import NumericMismatch, assert_close  # noqa: E402
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
@@ -149,9 +154,10 @@ def check(quantized_dir, float_dir):
             zeros = awq_unpack(q[base + ".qzeros"]).astype(np.float32)
             g = np.arange(codes.shape[0]) // group
         w = scales[g] * (codes - zeros[g])  # [in, out]
-        diff = np.abs(w.T - ref.astype(np.float32)).max()
-        if diff != 0:
-            sys.exit(f"{name}: dequantized differs by {diff}")
+        try:
+            assert_close(w.T, ref.astype(np.float32), atol=0.0, rtol=0.0, what=f"{name}: dequantized [out, in]")
+        except NumericMismatch as e:
+            sys.exit(str(e))
         checked += 1
     if checked == 0:
         sys.exit("no quantized layer found")

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/registry.h"
 #include "core/error.h"
 #include "memory/arena.h"
 #include "memory/plan.h"

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <numeric>
 
+#include "backend/registry.h"
 #include "core/error.h"
 #include "core/rng.h"
 #include "io/checkpoint.h"
@@ -16,6 +17,7 @@
 #include "model/decoder.h"
 #include "memory/process_memory.h"
 #include "support/test_util.h"
+#include "support/numeric.h"
 
 namespace memtune {
 namespace {
@@ -58,12 +60,7 @@ void expect_close(const std::vector<std::vector<float>>& a, const std::vector<st
                   const Decoder& m) {
   ASSERT_EQ(a.size(), b.size());
   for (size_t i = 0; i < a.size(); ++i) {
-    double maxref = 0, maxdiff = 0;
-    for (size_t j = 0; j < a[i].size(); ++j) {
-      maxref = std::max(maxref, std::abs(double(b[i][j])));
-      maxdiff = std::max(maxdiff, std::abs(double(a[i][j]) - b[i][j]));
-    }
-    EXPECT_LE(maxdiff, rel * maxref + 1e-9) << m.parameters().specs()[i].name;
+    EXPECT_TRUE(testing_support::close(a[i], b[i], {1e-9, rel})) << m.parameters().specs()[i].name;
   }
 }
 

@@ -6,8 +6,11 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include "backend/backend.h"
+#include "backend/registry.h"
 #include "core/rng.h"
 #include "model/decoder.h"
 #include "memory/process_memory.h"
@@ -52,6 +55,53 @@ void randomize_adapters(Decoder& m, uint64_t seed) {
   }
 }
 
+
+// Every pair of sites' dropout masks at the same step (two layers, seven sites, three seeds) is
+// independent: the share dropped in both, also with one mask shifted by up to 3 elements, is p^2
+// within 6 standard deviations. Keys that differ by a multiple of the golden ratio (the unmixed
+// keys of the past) give one mask shifted against the other, and fail at that shift.
+TEST(LoraDropout, MasksOfDifferentSitesAtTheSameStepAreIndependent) {
+  Backend& be = backend_named("cpu");
+  const int64_t n = int64_t{1} << 15;
+  const float p = 0.5f;
+  std::vector<float> ones(static_cast<size_t>(n), 1.0f);
+  const size_t bytes = static_cast<size_t>(n) * sizeof(float);
+  void* xb = be.allocate(bytes);
+  void* ob = be.allocate(bytes);
+  const Tensor x(xb, DType::F32, {n}), out(ob, DType::F32, {n});
+  be.copy_to_device(x, ones.data());
+  auto dropped = [&](uint64_t key) {
+    be.dropout_forward(out, x, key, p);
+    std::vector<float> v(static_cast<size_t>(n));
+    be.copy_to_host(v.data(), out);
+    std::vector<bool> d(v.size());
+    for (size_t i = 0; i < v.size(); ++i) d[i] = v[i] == 0.0f;
+    return d;
+  };
+  const double q = double(p) * p, N = double(n - 3), sigma = std::sqrt(N * q * (1 - q));
+  int pairs = 0;
+  for (const uint64_t seed : {uint64_t{0}, uint64_t{1}, uint64_t{0xfeedbeef}}) {
+    std::vector<std::pair<std::string, std::vector<bool>>> masks;
+    for (int64_t layer = 0; layer < 2; ++layer)
+      for (size_t s = 0; s < kNumLinearSites; ++s)
+        masks.emplace_back(fmt::format("layer {} {}", layer, linear_site_name(static_cast<LinearSite>(s))),
+                           dropped(lora_dropout_key(seed, layer, static_cast<LinearSite>(s))));
+    for (size_t a = 0; a < masks.size(); ++a)
+      for (size_t b = a + 1; b < masks.size(); ++b) {
+        for (int64_t shift = -3; shift <= 3; ++shift) {
+          int64_t both = 0;
+          for (int64_t i = 3; i < n - 3; ++i)
+            both += masks[a].second[static_cast<size_t>(i)] && masks[b].second[static_cast<size_t>(i + shift)];
+          ASSERT_NEAR(double(both), N * q, 6 * sigma)
+              << "seed " << seed << ": " << masks[a].first << " and " << masks[b].first << " shifted by " << shift;
+        }
+        ++pairs;
+      }
+  }
+  EXPECT_EQ(pairs, 3 * 91);
+  be.deallocate(xb, bytes);
+  be.deallocate(ob, bytes);
+}
 TEST(LoraConfig, TargetsNamesAndAdapterConfig) {
   LoraConfig c = lora(8, {"all-linear"});
   EXPECT_EQ(c.target_names().size(), 7u);

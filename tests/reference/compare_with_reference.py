@@ -53,7 +53,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
 import qwen2_reference as ref  # noqa: E402
+from numeric import difference  # noqa: E402
 
 # Tolerances for float32 compute on both sides. Logits and loss: absolute error at most
 # REL_TOL * max(1, max|ref|). Gradients: absolute error at most REL_TOL * max|ref| + GRAD_ABS_TOL,
@@ -290,19 +292,21 @@ def compare(case, got, want):
         if not case.has_targets and name.startswith("grad."):
             row.status = "skipped: no targets, loss is nan"
             continue
-        a, r = a.double(), r.double()
-        if not torch.isfinite(r).all() or not torch.isfinite(a).all():
-            row.status = "FAIL: non-finite values"
+        # A NaN or an infinity on either side fails (difference names the first one).
+        d = difference(a, r)
+        if d.problem:
+            row.status = f"FAIL: {d.problem}"
             continue
-        scale = r.abs().max().item() if r.numel() else 0.0
-        row.abs_err = (a - r).abs().max().item() if r.numel() else 0.0
+        scale = d.scale
+        row.abs_err = d.worst
         row.rel_err = row.abs_err / scale if scale > 0 else 0.0
         if name.startswith("grad."):
             row.tol = REL_TOL * scale + GRAD_ABS_TOL
         else:
             row.tol = REL_TOL * max(1.0, scale)
-        if row.abs_err > row.tol:
-            row.status = "FAIL: over tolerance"
+        if not row.abs_err <= row.tol:
+            row.status = (f"FAIL: over tolerance at index {d.index}: memtune {d.got:.9g}, reference {d.want:.9g}, "
+                          f"|diff| {d.worst:.6g} > tolerance {row.tol:.6g}")
     return rows
 
 

@@ -12,14 +12,19 @@ For each case of CASES (full fine-tuning of an untied model, LoRA on a tied one)
      wrong weight-decay group changes them visibly). A byte-level tokenizer written here (token id
      = byte value, <|endoftext|> = 256 as eos, no merges) goes beside it, so the ids of a text are
      its UTF-8 bytes plus eos; `memtune tokenize` is asked to confirm that.
-  2. The training set is four `{"text": ...}` lines of different lengths and the micro-batch holds
-     all four, so every optimizer step sees the same batch whatever memtune's shuffle does.
+  2. The training set is four (or six) `{"text": ...}` lines of different lengths and one
+     optimizer step takes all of them: one micro-batch, or gradient_accumulation_steps
+     micro-batches that split them evenly, so every step sees the same examples whatever
+     memtune's shuffle does.
   3. `memtune train` runs the case's steps with --save_steps 1 --logging_steps 1 into a fresh
      output_dir: clipping active on some steps and not on others, warmup then cosine decay,
-     weight decay, non-default betas and eps.
+     weight decay, non-default betas and eps (one case leaves --adam_epsilon out: memtune's
+     default must be Hugging Face TrainingArguments' 1e-8, which the reference then uses).
   4. PyTorch repeats them in float64 with tools/qwen2_reference.py's model: the batch
      right-padded with labels -100 and hf_causal_lm_loss (the summed token losses of the step
-     divided by its target tokens), backward, clip_grad_norm_(max_norm), AdamW over two
+     divided by its target tokens; with gradient accumulation, as the Trainer does with
+     num_items_in_batch: each micro-batch's summed loss divided by the target tokens of the whole
+     step, backward per micro-batch, the gradients accumulated), clip_grad_norm_(max_norm), AdamW over two
      parameter groups (weight decay, and none for the names Hugging Face Trainer excludes: bias,
      layernorm, rmsnorm, norm, _norm), LambdaLR with get_cosine_schedule_with_warmup's formula
      written out. In float64 the oracle is exact at float32's scale, so what differs is
@@ -36,7 +41,11 @@ still be exactly zero there.
 --break VARIANT makes the PyTorch side deliberately wrong in one way, to show the comparison
 catches it (the run must then FAIL): clip_norm (clip at half the max norm), no_clip, l2 (Adam
 with L2 regularization instead of decoupled weight decay), decay_all (weight decay on biases and
-norm weights too), schedule_shift (the schedule one step ahead).
+norm weights too), schedule_shift (the schedule one step ahead), accumulation_mean (each
+micro-batch's loss divided by its own target tokens and the sum divided by the number of
+micro-batches, the normalization that gradient accumulation gets wrong; it changes only the
+accumulation cases), default_eps (epsilon 1e-6 where the case leaves memtune's default; it
+changes only that case).
 
 Exit status 0 only if every comparison passes.
 """
@@ -57,8 +66,10 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "tools"))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "support"))
 import qwen2_reference as ref  # noqa: E402
 from compare_with_reference import randomize_checkpoint  # noqa: E402
+from numeric import difference  # noqa: E402
 
 SUBPROCESS_TIMEOUT_S = 120
 
@@ -80,11 +91,13 @@ SUBPROCESS_TIMEOUT_S = 120
 #    PyTorch's float32 ones, 9e-7 of their scale. A tolerance that admits this admits bugs.)
 #    Measured with eps 1e-4: full 4.8e-7 (0.31 of its tolerance); LoRA 2.4e-6 (0.38), in lora_A
 #    right after B leaves zero, where A's gradient is small, hence its larger param_lr_tol
-#    (PyTorch's float32 run differs from float64 by 2.7e-6 there).
+#    (PyTorch's float32 run differs from float64 by 2.7e-6 there). The case with the default
+#    eps 1e-8 is a LoRA one (see CASES).
 #  - moments (exp_avg, exp_avg_sq): abs error <= MOMENT_REL_TOL * scale, or exactly equal when the
 #    reference is all zero (LoRA's A until B leaves zero). Measured: below 0.07 of the tolerance.
 # Each broken variant (--break) misses the parameters by 200x or more and the moments by 20x or
 # more, in at least one case (decay_all changes nothing in LoRA, which trains no bias or norm).
+# Every comparison fails on a NaN or an infinity on either side (tests/support/numeric.py).
 REFERENCE_DTYPE = torch.float64
 LOSS_REL_TOL = 1e-5
 NORM_REL_TOL = 1e-5
@@ -98,9 +111,14 @@ TEXTS = [
     "pack my box with five dozen liquor jugs!",
     "sphinx of black quartz, judge my vow",
     "how vexingly quick daft zebras jump; 0123",
+    "waltz, bad nymph, for quick jigs vex",
+    "the five boxing wizards jump quickly at dawn, said 42 of them",
 ]
 
-BREAKS = ("clip_norm", "no_clip", "l2", "decay_all", "schedule_shift")
+BREAKS = ("clip_norm", "no_clip", "l2", "decay_all", "schedule_shift", "accumulation_mean", "default_eps")
+# Hugging Face TrainingArguments' adam_epsilon (torch.optim.AdamW's eps default too): what the
+# reference uses where a case leaves --adam_epsilon to memtune's default.
+HF_DEFAULT_ADAM_EPSILON = 1e-8
 
 
 @dataclass
@@ -115,21 +133,42 @@ class Case:
     weight_decay: float = 0.1
     adam_beta1: float = 0.85
     adam_beta2: float = 0.98
-    adam_epsilon: float = 1e-4
+    adam_epsilon: float = 1e-4  # None: --adam_epsilon not passed (memtune's default)
     # The parameters' tolerance beyond rounding, as a fraction of the peak learning rate.
     param_lr_tol: float = 1e-4
     max_grad_norm: float = 1.0
     lora_rank: int = 4
     lora_alpha: float = 8.0
+    texts: int = 4                  # the first `texts` of TEXTS: one optimizer step takes them all
+    gradient_accumulation_steps: int = 1
+
+    @property
+    def sequences(self):
+        return expected_sequences()[:self.texts]
+
+    @property
+    def micro_batch(self):
+        return self.texts // self.gradient_accumulation_steps
+
+    def reference_epsilon(self, broken=None):
+        if self.adam_epsilon is not None:
+            return self.adam_epsilon
+        return 1e-6 if broken == "default_eps" else HF_DEFAULT_ADAM_EPSILON
 
     def train_args(self):
+        if self.micro_batch * self.gradient_accumulation_steps != self.texts:
+            raise ValueError(f"{self.name}: {self.texts} texts do not split into "
+                             f"{self.gradient_accumulation_steps} equal micro-batches")
         args = ["--tuner_type", self.tuner, "--max_steps", str(self.steps),
-                "--per_device_train_batch_size", str(len(TEXTS)), "--gradient_accumulation_steps", "1",
+                "--per_device_train_batch_size", str(self.micro_batch),
+                "--gradient_accumulation_steps", str(self.gradient_accumulation_steps),
                 "--learning_rate", repr(self.learning_rate), "--weight_decay", repr(self.weight_decay),
                 "--adam_beta1", repr(self.adam_beta1), "--adam_beta2", repr(self.adam_beta2),
-                "--adam_epsilon", repr(self.adam_epsilon), "--max_grad_norm", repr(self.max_grad_norm),
+                "--max_grad_norm", repr(self.max_grad_norm),
                 "--lr_scheduler_type", "cosine", "--warmup_steps", str(self.warmup_steps),
                 "--save_steps", "1", "--logging_steps", "1", "--seed", str(self.seed)]
+        if self.adam_epsilon is not None:
+            args += ["--adam_epsilon", repr(self.adam_epsilon)]
         if self.tuner == "lora":
             args += ["--lora_rank", str(self.lora_rank), "--lora_alpha", repr(self.lora_alpha),
                      "--lora_dropout", "0", "--target_modules", "all-linear"]
@@ -142,6 +181,19 @@ CASES = [
     Case("full_untied", seed=3, tuner="full", init_args=("--set", "tie_word_embeddings=false"),
          max_grad_norm=2.3),
     Case("lora_tied", seed=4, tuner="lora", learning_rate=2e-2, max_grad_norm=3.0, param_lr_tol=3e-4),
+    # Gradient accumulation: the step's loss is its summed token losses over its target tokens, the
+    # micro-batches' counts added before the one division (2 micro-batches of 2 texts; 3 of 2).
+    Case("full_untied_accum2", seed=5, tuner="full", init_args=("--set", "tie_word_embeddings=false"),
+         gradient_accumulation_steps=2, max_grad_norm=2.3),
+    Case("lora_tied_accum3", seed=6, tuner="lora", texts=6, gradient_accumulation_steps=3, learning_rate=2e-2,
+         max_grad_norm=3.0, param_lr_tol=3e-4),
+    # memtune's default adam_epsilon (no --adam_epsilon) against Hugging Face's 1e-8. LoRA: full
+    # fine-tuning has gradient elements near or below 1e-8 (see above; measured 64x its tolerance).
+    # LoRA's are larger, but lora_A's right after B leaves zero are small enough for eps 1e-8 to
+    # amplify float32 rounding: measured 0.12 of the tolerance with seed 9 (0.44 with seed 4, 0.83
+    # with seed 7). Epsilon 1e-6 instead (--break default_eps) misses by far more.
+    Case("lora_tied_default_eps", seed=9, tuner="lora", adam_epsilon=None, learning_rate=2e-2, max_grad_norm=3.0,
+         param_lr_tol=3e-4),
 ]
 
 
@@ -252,7 +304,7 @@ def torch_steps(case, cfg, params, lora, trainable, sequences, broken):
               {"params": [trainable[n] for n in no_decay], "weight_decay": 0.0}]
     opt_cls = torch.optim.Adam if broken == "l2" else torch.optim.AdamW
     optimizer = opt_cls(groups, lr=case.learning_rate, betas=(case.adam_beta1, case.adam_beta2),
-                        eps=case.adam_epsilon)
+                        eps=case.reference_epsilon(broken))
     multiplier = cosine_with_warmup(case.warmup_steps, case.steps)
 
     def schedule(step):
@@ -260,13 +312,26 @@ def torch_steps(case, cfg, params, lora, trainable, sequences, broken):
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     max_norm = case.max_grad_norm * (0.5 if broken == "clip_norm" else 1.0)
-    input_ids, labels = padded_batch(sequences)
+    # The step's micro-batches (in the dataset's order; memtune's shuffle may group them otherwise,
+    # which changes nothing but float64 rounding: every micro-batch divides by the step's count).
+    ga = case.gradient_accumulation_steps
+    size = len(sequences) // ga
+    micro_batches = [padded_batch(sequences[k * size:(k + 1) * size]) for k in range(ga)]
+    step_items = sum(len(s) - 1 for s in sequences)  # targets: every token but each sequence's first
     for step in range(1, case.steps + 1):
         lr = optimizer.param_groups[0]["lr"]
         optimizer.zero_grad(set_to_none=True)
-        logits = ref.forward(cfg, params, input_ids, lora)
-        loss = ref.hf_causal_lm_loss(logits, labels)
-        loss.backward()
+        loss = 0.0
+        for input_ids, labels in micro_batches:
+            logits = ref.forward(cfg, params, input_ids, lora)
+            # hf_causal_lm_loss divides by the micro-batch's own targets; the Trainer's
+            # num_items_in_batch makes it the step's (accumulation_mean: the per-micro-batch mean,
+            # averaged over the micro-batches).
+            items = sum(int((lab != ref.IGNORE_INDEX).sum()) - 1 for lab in labels)
+            part = ref.hf_causal_lm_loss(logits, labels)
+            part = part / ga if broken == "accumulation_mean" else part * (items / step_items)
+            part.backward()
+            loss = loss + part.detach()
         # Autograd leaves a zero tensor (not None) where the gradient is zero (LoRA's A while B
         # is 0), so AdamW counts the step for every tensor, as memtune does.
         missing = [n for n in names if trainable[n].grad is None]
@@ -289,9 +354,17 @@ def torch_steps(case, cfg, params, lora, trainable, sequences, broken):
 # comparison
 # ---------------------------------------------------------------------------------------------
 
+def scalar_problem(what, got, want, tol):
+    """None if |got - want| <= tol with both finite, else the failure (NaN and infinities fail)."""
+    d = difference(got, want)
+    if d.problem or not d.worst <= tol:
+        return f"{what} {got!r}, torch {want!r}: {d.problem or f'|diff| {d.worst:.3e}'} (tolerance {tol:.3e})"
+    return None
+
+
 def worst(got, want, tol_of):
     """Compares memtune's {name: tensor} with the reference's; returns (largest abs err / tol, the
-    tensor it is in, its abs err, failure messages)."""
+    tensor it is in, its abs err, failure messages). A NaN or an infinity on either side fails."""
     failures, worst_ratio, worst_name, worst_abs = [], 0.0, "-", 0.0
     for name, r in want.items():
         if name not in got:
@@ -301,17 +374,18 @@ def worst(got, want, tol_of):
         if list(a.shape) != list(r.shape):
             failures.append(f"{name}: shape {list(a.shape)}, want {list(r.shape)}")
             continue
-        a, r = a.double(), r.double()
-        if not torch.isfinite(a).all():
-            failures.append(f"{name}: non-finite values in memtune's checkpoint")
+        d = difference(a, r)
+        if d.problem:
+            failures.append(f"{name}: {d.problem} (memtune's checkpoint, the reference)")
             continue
-        abs_err = (a - r).abs().max().item() if r.numel() else 0.0
+        abs_err = d.worst
         tol = tol_of(r)
         ratio = abs_err / tol if tol > 0 else (0.0 if abs_err == 0 else math.inf)
         if ratio > worst_ratio:
             worst_ratio, worst_name, worst_abs = ratio, name, abs_err
-        if abs_err > tol:
-            failures.append(f"{name}: max abs err {abs_err:.3e} > tol {tol:.3e} (max|ref| {r.abs().max().item():.3e})")
+        if not abs_err <= tol:
+            failures.append(f"{name}: max abs err {abs_err:.3e} > tol {tol:.3e} at index {d.index} (memtune "
+                            f"{d.got:.9g}, torch {d.want:.9g}; max|ref| {d.scale:.3e})")
     for name in sorted(set(got) - set(want)):
         failures.append(f"{name}: in memtune's checkpoint, not trainable in the reference")
     return worst_ratio, worst_name, worst_abs, failures
@@ -339,7 +413,7 @@ def run_case(case, memtune, workdir, broken):
     check_tokenization(memtune, model_dir)
     train_file = os.path.join(case_dir, "train.jsonl")
     with open(train_file, "w") as f:
-        for text in TEXTS:
+        for text in TEXTS[:case.texts]:
             f.write(json.dumps({"text": text}) + "\n")
     out_dir = os.path.join(case_dir, "run")  # fresh: memtune refuses a non-empty output_dir
     run([memtune, "train", "--model_name_or_path", model_dir, "--train_file", train_file, "--output_dir", out_dir,
@@ -370,7 +444,7 @@ def run_case(case, memtune, workdir, broken):
             return ref.read_safetensors(os.path.join(out_dir, f"checkpoint-{k}", "adapter_model.safetensors"))
     initial = {n: t.detach().clone() for n, t in trainable.items()}
     log = read_log(os.path.join(out_dir, "log.jsonl"))
-    total_tokens = sum(len(s) for s in expected_sequences())
+    total_tokens = sum(len(s) for s in case.sequences)
 
     peak_lr = case.learning_rate
 
@@ -383,7 +457,9 @@ def run_case(case, memtune, workdir, broken):
     print(f"{case.name}: {case.tuner}, {sum(t.numel() for t in trainable.values())} trainable values in "
           f"{len(trainable)} tensors, {sum(takes_weight_decay(n) for n in trainable)} of them with weight decay; "
           f"max_grad_norm {case.max_grad_norm:g}, lr {peak_lr:g}, weight_decay {case.weight_decay:g}, "
-          f"betas ({case.adam_beta1:g}, {case.adam_beta2:g}), eps {case.adam_epsilon:g}, "
+          f"betas ({case.adam_beta1:g}, {case.adam_beta2:g}), eps {case.reference_epsilon(broken):g}"
+          f"{'' if case.adam_epsilon is not None else ' (memtune: its default)'}, {case.texts} texts in "
+          f"{case.gradient_accumulation_steps} micro-batch(es) of {case.micro_batch} per step, "
           f"warmup {case.warmup_steps} + cosine over {case.steps} steps; parameter tolerance "
           f"{PARAM_REL_TOL:g}*max|p| + {case.param_lr_tol:g}*lr")
     print(f"  {'step':>4} {'lr':>9} {'loss memtune':>13} {'loss torch':>12} {'norm memtune':>13} {'norm torch':>11} "
@@ -391,20 +467,17 @@ def run_case(case, memtune, workdir, broken):
     failures, clipped, worst_param_abs, worst_ratio = [], [], 0.0, 0.0
     final = None
     for step, lr, loss, grad_norm, p_ref, m_ref, v_ref in torch_steps(
-            case, cfg, params, lora, trainable, expected_sequences(), broken):
+            case, cfg, params, lora, trainable, case.sequences, broken):
         rec = log.get(step)
         if rec is None:
             raise Mismatch(f"log.jsonl has no record of step {step}")
-        problems = []
-        if abs(rec["loss"] - loss) > LOSS_REL_TOL * max(1.0, abs(loss)):
-            problems.append(f"loss {rec['loss']:.8g}, torch {loss:.8g}")
-        if abs(rec["grad_norm"] - grad_norm) > NORM_REL_TOL * grad_norm:
-            problems.append(f"grad_norm {rec['grad_norm']:.8g}, torch {grad_norm:.8g}")
-        if abs(rec["learning_rate"] - lr) > LR_REL_TOL * peak_lr:
-            problems.append(f"learning_rate {rec['learning_rate']:.10g}, torch {lr:.10g}")
+        problems = [p for p in (scalar_problem("loss", rec["loss"], loss, LOSS_REL_TOL * max(1.0, abs(loss))),
+                                scalar_problem("grad_norm", rec["grad_norm"], grad_norm, NORM_REL_TOL * abs(grad_norm)),
+                                scalar_problem("learning_rate", rec["learning_rate"], lr, LR_REL_TOL * peak_lr))
+                    if p]
         if rec.get("num_input_tokens_seen") != step * total_tokens:
             problems.append(f"num_input_tokens_seen {rec.get('num_input_tokens_seen')}, expected "
-                            f"{step * total_tokens} (every step is the whole set of {len(TEXTS)} examples)")
+                            f"{step * total_tokens} (every step is the whole set of {case.texts} examples)")
         clipped.append(grad_norm > case.max_grad_norm)
 
         got = checkpoint(step)
@@ -434,7 +507,7 @@ def run_case(case, memtune, workdir, broken):
     if broken is None and (all(clipped) or not any(clipped)):
         failures.append(f"max_grad_norm {case.max_grad_norm} clips {'every' if all(clipped) else 'no'} step: "
                         f"choose one between the steps' gradient norms")
-    unmoved = [n for n, t in final.items() if (t - initial[n]).abs().max().item() < 10 * p_tol(t)]
+    unmoved = [n for n, t in final.items() if not difference(t, initial[n]).worst >= 10 * p_tol(t)]
     if unmoved:
         failures.append(f"{len(unmoved)} tensors moved by less than 10x their tolerance over the run "
                         f"(e.g. {unmoved[0]}): the comparison would not see a wrong update")

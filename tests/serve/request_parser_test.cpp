@@ -221,6 +221,25 @@ TEST_F(RequestParser, SamplingFieldsAreTaken) {
   EXPECT_EQ(nulls.model, "base");
 }
 
+// The limits themselves are taken, each kept as given: the ranges are closed where vLLM's are.
+TEST_F(RequestParser, SamplingLimitsThemselvesAreAccepted) {
+  const SamplingParams high = completion(R"({"prompt": "hello", "temperature": 2, "top_p": 1, "top_k": -1,
+      "min_p": 1, "presence_penalty": 2, "frequency_penalty": 2})").request.sampling;
+  EXPECT_EQ(high.temperature, 2.0);
+  EXPECT_EQ(high.top_p, 1.0);
+  EXPECT_EQ(high.top_k, -1);
+  EXPECT_EQ(high.min_p, 1.0);
+  EXPECT_EQ(high.presence_penalty, 2.0);
+  EXPECT_EQ(high.frequency_penalty, 2.0);
+  const SamplingParams low = completion(R"({"prompt": "hello", "temperature": 0, "top_k": 0, "min_p": 0,
+      "presence_penalty": -2, "frequency_penalty": -2})").request.sampling;
+  EXPECT_EQ(low.temperature, 0.0);
+  EXPECT_EQ(low.top_k, 0);
+  EXPECT_EQ(low.min_p, 0.0);
+  EXPECT_EQ(low.presence_penalty, -2.0);
+  EXPECT_EQ(low.frequency_penalty, -2.0);
+}
+
 TEST_F(RequestParser, MaxTokens) {
   EXPECT_REFUSED(field_refusal(R"("max_tokens": -3)"), 400, "max_tokens", "max_tokens must be at least 1, got -3");
   EXPECT_REFUSED(field_refusal(R"("max_tokens": 0)"), 400, "max_tokens", "max_tokens must be at least 1, got 0");
@@ -384,7 +403,13 @@ TEST_F(RequestParser, WithoutATokenizerOnlyTokenIdsAreTaken) {
       parse_request(R"({"prompt": [5, 6, 7], "stop_token_ids": [9, 12], "max_tokens": 3})", Endpoint::Completions,
                     ids_only);
   EXPECT_EQ(p.request.prompt_ids, (std::vector<int32_t>{5, 6, 7}));
-  EXPECT_NE(std::find(p.request.stop_ids.begin(), p.request.stop_ids.end(), 12), p.request.stop_ids.end());
+  // Every stop id is kept, after the model's own.
+  std::vector<int32_t> want = served.completion_stop_ids;
+  want.insert(want.end(), {9, 12});
+  EXPECT_EQ(p.request.stop_ids, want);
+  EXPECT_EQ(parse_request(R"({"prompt": [5], "stop_token_ids": [0, 299, 1, 0]})", Endpoint::Completions, ids_only)
+                .request.stop_ids.size(),
+            served.completion_stop_ids.size() + 4);
   EXPECT_REFUSED(refuse(R"({"prompt": "hello"})"), 400, "prompt", "--skip_tokenizer_init");
   EXPECT_REFUSED(refuse(R"({"messages": [{"role": "user", "content": "hi"}]})", Endpoint::ChatCompletions), 400,
                  "messages", "--skip_tokenizer_init");

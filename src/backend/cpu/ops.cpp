@@ -24,8 +24,8 @@
 namespace memtune::cpu {
 
 // Element-wise work below this many elements runs on the calling thread: opening a parallel
-// region costs ~3.7 us on the 2-core AMD EPYC (measured), more than a decode step's norm, RoPE,
-// residual add or SwiGLU over one token takes, and a decode step runs ~16 of them per layer.
+// region costs more than a decode step's norm, RoPE, residual add or SwiGLU over one token takes,
+// and a decode step runs ~16 of them per layer (figures: docs/benchmarks.md).
 constexpr int64_t kParallelMinElements = 32768;
 
 // What OpenBLAS reports it runs: its own choice for this CPU, or OPENBLAS_CORETYPE's.
@@ -375,14 +375,13 @@ void skinny_rows(float* out, const float* inp, const StoredType<S>* w, const flo
 }
 
 // With one or two input rows the weights are the whole cost: every weight row once, in order (one
-// sequential stream per thread). With more, several weight rows share each input vector loaded
-// (the input rows of a wide layer live in L2, not L1). Measured on the 2-core AMD EPYC: one
-// bfloat16 input row streams 61-65 GB/s (the four-row form read 24-28), while batch-8 decoding
-// of Qwen2.5-0.5B falls from 88 to 62 tokens/s with one weight row at a time. For 16-bit
-// weights three rows against all 8 input rows at once (24 accumulators, the weights widened once)
-// beat four rows against 4 input rows twice: 149-159 against 115-130 GFLOP/s over one layer's
-// shapes at 8 rows; float32 weights need no widening and keep the four-row form (91-98 against
-// 69-83).
+// sequential stream per thread, which runs near the memory bandwidth where several weight rows
+// side by side do not). With more, several weight rows share each input vector loaded (the input
+// rows of a wide layer live in L2, not L1), where one weight row at a time would load every input
+// vector again for each weight row. For 16-bit weights three rows go against all 8 input rows
+// at once (24 accumulators), so each weight vector is widened once for all of them rather than
+// once per 4 input rows; float32 weights need no widening and keep four rows against 4 input rows
+// at a time. Figures: docs/benchmarks.md.
 // Tasks of output rows: 16 rows each with one or two input rows, 8 blocks of WR rows with more
 // (the last task also takes the rows past the last whole block).
 template <Stored S>
@@ -706,8 +705,9 @@ class HeadSlices {
   }
   bool in_place() const { return !a_.quantized && a_.weight.dtype == DType::F32; }
   // A float32 head is read in place, but still a slice at a time: OpenBLAS packs a whole operand
-  // per thread (a [vocab, hidden] gradient GEMM touched ~2x the head's bytes of buffers beyond the
-  // plan with 2 threads), a slice keeps that to a slice's worth.
+  // into buffers of its own per thread, beyond the plan (a [vocab, hidden] gradient GEMM would
+  // pack about the whole head once per thread; docs/benchmarks.md), a slice keeps that to a
+  // slice's worth.
   int64_t slice_rows() const {
     return in_place() ? std::min<int64_t>(V_, kF32HeadSliceRows) : a_.weight_slice.rows();
   }

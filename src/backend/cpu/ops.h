@@ -24,7 +24,8 @@ constexpr int64_t kQuantizedTileRows = 256;
 
 // The OpenBLAS kernel set sgemm runs (e.g. "Cooperlake", "Haswell"), for benchmark reports:
 // OPENBLAS_CORETYPE in the environment pins it (=Haswell keeps an AVX-512 CPU on AVX2 kernels, and
-// sgemm ~1.5x slower on the 2-core AMD EPYC), otherwise OpenBLAS picks by CPU.
+// its sgemm below what the CPU can do), otherwise OpenBLAS picks by CPU. Figures of one machine
+// differ by kernel set, so reports name it (docs/benchmarks.md).
 const char* blas_kernels();
 
 // out[N,OC] = inp[N,C] @ weight[OC,C]^T (+ bias[OC])

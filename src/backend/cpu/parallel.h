@@ -12,10 +12,10 @@ namespace memtune::cpu {
 // Runs body(begin, end) over [0, n) in chunks of `chunk` iterations on all threads. Each thread
 // first walks its own contiguous share front to back, as a static schedule does (one sequential
 // stream per thread, which the hardware prefetcher follows); a thread done early then takes chunks
-// from the far end of the other shares. Why: on a shared machine one core can run a third slower
-// than the other over the same memory-bound rows (measured on the 2-core AMD EPYC with perf), and
-// a static split makes the fast thread wait at the barrier; a dynamic schedule interleaves the
-// threads' chunks and breaks both streams (slower still there).
+// from the far end of the other shares. Why: on a shared machine the cores need not run at the
+// same speed over the same memory-bound rows, and a static split makes the fast thread wait at
+// the barrier; a dynamic schedule interleaves the threads' chunks and breaks both streams, which
+// costs more than the wait (figures: docs/benchmarks.md).
 template <class Body>
 void parallel_for_balanced(int64_t n, int64_t chunk, Body body) {
   constexpr int kMaxShares = 64;

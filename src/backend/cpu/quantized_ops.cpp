@@ -175,12 +175,10 @@ void chunked_rows(float* out, int64_t OC, const float* xp, const float* xsum, co
 
 // Output rows a task takes at once. One input row goes against them one weight row after the
 // other (4 accumulators), so each thread reads one sequential stream of codes; two input rows go
-// against 4 weight rows at a time. Over cold weights with one input row (the gate/up shape of
-// Qwen2.5-0.5B, 2 threads): on the AMD EPYC of family 25 (Zen 4) one row at a time streams int8
-// codes at 20-25 GB/s where 8 rows interleaved streamed 13-15 (int4 12-13 against 11-12, bound
-// by its arithmetic); the same lesson as the bfloat16 one-row kernel (ops.cpp). An earlier
-// measurement on a family-26 EPYC had 8 rows beat 2 rows (int8 25-29 -> 29-36 GB/s); one row at a
-// time was not measured there.
+// against 4 weight rows at a time. Over cold weights the hardware prefetcher keeps one stream per
+// thread going far better than 8 interleaved ones, as for the bfloat16 one-row kernel (ops.cpp);
+// 4-bit codes gain less, being bound more by their arithmetic than by their bytes. Figures:
+// docs/benchmarks.md.
 constexpr int64_t kOutputsPerTask = 8;
 
 // Output rows o .. o + count - 1 (count <= kOutputsPerTask) against all input rows, 8 at a time.

@@ -17,8 +17,9 @@ typedef uint32_t u32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint8_t u8x16 __attribute__((vector_size(16)));
 
-// The sum of the 16 lanes by halving (4 adds of shrinking vectors): a lane-by-lane loop cost more
-// than a whole row of hidden size 896 (Qwen2.5-0.5B) takes to stream.
+// The sum of the 16 lanes by halving (4 adds of shrinking vectors): a lane-by-lane loop is a chain
+// of 15 dependent adds, which on the short rows of a small model's hidden size can cost more than
+// streaming the row itself (docs/benchmarks.md).
 inline float hsum(f32x16 v) {
   typedef float f32x8 __attribute__((vector_size(32)));
   typedef float f32x4 __attribute__((vector_size(16)));
@@ -30,8 +31,9 @@ inline float hsum(f32x16 v) {
 
 // Keeps a vector in registers where the compiler would fold its load into every instruction that
 // uses it (GCC does so even with registers to spare): the loop then loads it once, not once per
-// use, and loads no longer bound it (the 8-row bfloat16 decode kernel: 82 -> 174 GFLOP/s on one
-// thread of the AMD EPYC). Only with AVX-512, where the 16 lanes are one register.
+// use, and loads no longer bound it (as they bound the 8-row bfloat16 decode kernel, whose input
+// vectors each serve several FMAs; figures: docs/benchmarks.md). Only with AVX-512, where the 16
+// lanes are one register.
 template <class Vector>  // a 64-byte vector: f32x16, u32x16
 inline void keep_in_register(Vector& v) {
   static_assert(sizeof(Vector) == 64);

@@ -362,6 +362,7 @@ const VulkanContext::Pipeline& VulkanContext::pipeline(std::string_view shader) 
   const std::span<const uint32_t> code = vulkan_shader(shader);
   MT_ASSERT(!code.empty(), "vulkan: no embedded shader of that name");
   Pipeline p;
+  p.push_bytes = vulkan_push_constant_bytes(code);
   auto module_info = vk_struct<VkShaderModuleCreateInfo>(VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO);
   module_info.codeSize = code.size_bytes();
   module_info.pCode = code.data();
@@ -382,6 +383,11 @@ void VulkanContext::dispatch(std::string_view shader, std::span<const std::byte>
   MT_ASSERT(push.size() <= 128, "vulkan: push constants of at most 128 bytes");
   if (groups_x == 0 || groups_y == 0 || groups_z == 0) return;
   const Pipeline& p = pipeline(shader);
+  // The C++ push struct and the shader's block agree (a member missing or added on one side
+  // fails here, at every dispatch of that shader, not as wrong numbers).
+  MT_ASSERT(push.size() >= p.push_bytes && push.size() <= (p.push_bytes + 7) / 8 * 8,
+            fmt::format("vulkan: {} pushes {} bytes of constants; shaders/{}.comp declares {}", shader, push.size(),
+                        shader, p.push_bytes));
   if (profile_) flush();  // time this dispatch alone
   const auto start = std::chrono::steady_clock::now();
   VkCommandBuffer c = recording();

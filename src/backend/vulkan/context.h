@@ -86,6 +86,7 @@ class VulkanContext {
   struct Pipeline {
     VkShaderModule module = VK_NULL_HANDLE;
     VkPipeline pipeline = VK_NULL_HANDLE;
+    size_t push_bytes = 0;  // the shader's push-constant block (vulkan_push_constant_bytes)
   };
   // The allocation holding [address, address + bytes) and the offset of address in it.
   std::pair<const Allocation*, size_t> locate(uint64_t address, size_t bytes) const;

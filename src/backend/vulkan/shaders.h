@@ -3,6 +3,7 @@
 // no shader file is read at run time.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <span>
 #include <string_view>
@@ -11,5 +12,10 @@ namespace memtune {
 
 // The SPIR-V words of shaders/NAME.comp; empty when there is no such shader.
 std::span<const uint32_t> vulkan_shader(std::string_view name);
+
+// The bytes of a shader's push-constant block (its last member's offset plus size, from the
+// SPIR-V's own decorations), 0 when it has none. The C++ struct a dispatch pushes must match it:
+// the same members, so the same size up to the struct's padding to 8 bytes.
+size_t vulkan_push_constant_bytes(std::span<const uint32_t> code);
 
 }  // namespace memtune

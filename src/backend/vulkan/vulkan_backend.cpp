@@ -72,8 +72,8 @@ class VulkanBackend final : public Backend {
   std::string_view name() const override { return "vulkan"; }
   // What grows after the context exists (the commands measure their startup with the backend
   // made, so the loader, the driver and its libraries are in the startup term): the pipelines,
-  // compiled on first use. Measured on lavapipe (Mesa 22.3.6, LLVM 15): a LoRA training step
-  // peaked 3 MiB above its prediction without this term; rounded up.
+  // compiled on first use: what a training step peaked above its prediction without this term,
+  // rounded up (see docs/benchmarks.md).
   size_t runtime_bytes() const override { return size_t{8} << 20; }
   void time_mark(int i) override { ctx().mark(i); }
   std::vector<double> time_marks() override { return ctx().marks(); }

@@ -20,5 +20,29 @@ uint16_t f32_to_bf16(float f) {
   if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);
   return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
-float f16_to_f32(uint16_t h) { return unpackHalf2x16(uint(h)).x; }
-uint16_t f32_to_f16(float f) { return uint16_t(packHalf2x16(vec2(f, 0.0)) & 0xffffu); }
+// float16 in integer arithmetic, bit for bit as the cpu backend converts (core/dtype.cpp):
+// unpackHalf2x16 / packHalf2x16 may flush float16 subnormals, and these do not.
+float f16_to_f32(uint16_t h) {
+  const uint x = uint(h), sign = (x & 0x8000u) << 16, e = (x >> 10) & 0x1fu, m = x & 0x3ffu;
+  if (e == 31u) return uintBitsToFloat(sign | 0x7f800000u | (m << 13));
+  if (e != 0u) return uintBitsToFloat(sign | ((e + 112u) << 23) | (m << 13));
+  if (m == 0u) return uintBitsToFloat(sign);
+  const uint top = uint(findMSB(m));  // a subnormal m x 2^-24, normalized
+  return uintBitsToFloat(sign | ((top + 103u) << 23) | ((m << (23u - top)) & 0x7fffffu));
+}
+// Round to nearest even; NaN stays NaN, beyond 65520 is infinity, subnormals are kept.
+uint16_t f32_to_f16(float f) {
+  const uint x = floatBitsToUint(f), sign = (x >> 16) & 0x8000u, a = x & 0x7fffffffu;
+  if (a > 0x7f800000u) return uint16_t(sign | 0x7e00u);
+  if (a >= 0x477ff000u) return uint16_t(sign | 0x7c00u);
+  if (a < 0x38800000u) {  // below 2^-14: a subnormal m x 2^-24, or zero
+    const uint e = a >> 23;
+    if (e < 102u) return uint16_t(sign);  // below 2^-25
+    const uint mant = (a & 0x7fffffu) | 0x800000u, shift = 126u - e, midpoint = 1u << (shift - 1u);
+    uint q = mant >> shift;
+    const uint rest = mant & ((1u << shift) - 1u);
+    if (rest > midpoint || (rest == midpoint && (q & 1u) != 0u)) q += 1u;
+    return uint16_t(sign | q);
+  }
+  return uint16_t(sign | ((a + 0xfffu + ((a >> 13) & 1u) - 0x38000000u) >> 13));
+}

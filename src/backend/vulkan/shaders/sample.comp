@@ -1,5 +1,5 @@
 #version 460
-// One token per row of logits [R, V] (backend/sampling.h), one workgroup per row; only the ids
+// One token per row of logits [R, V] (backend/sample_row.h), one workgroup per row; only the ids
 // leave the device. rows[10 r ..] holds row r's settings as 32-bit words: temperature,
 // top_k (int), top_p, min_p, repetition, presence and frequency penalties (sample_penalties.comp
 // applied them already), the uniform draw, and the penalty list's range.

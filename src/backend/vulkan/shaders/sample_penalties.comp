@@ -1,5 +1,5 @@
 #version 460
-// The penalties of sampling (backend/sampling.h) applied to the logits in place, one thread per
+// The penalties of sampling (backend/sample_row.h) applied to the logits in place, one thread per
 // penalty token: entries[3 i ..] = (token id, times in the output, row); the row's settings are
 // rows[10 r ..] (sample.comp). A row lists each id once, so no two threads touch one logit.
 #include "common.glsl"

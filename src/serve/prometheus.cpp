@@ -1,5 +1,5 @@
-// Prometheus metrics of the server (see metrics.h).
-#include "serve/metrics.h"
+// Prometheus metrics of the server (see prometheus.h).
+#include "serve/prometheus.h"
 
 #include <fmt/format.h>
 

@@ -1,4 +1,4 @@
-#include "train/checkpoint.h"
+#include "train/training_checkpoint.h"
 
 #include <fmt/format.h>
 

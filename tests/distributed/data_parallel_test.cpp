@@ -22,6 +22,7 @@
 
 #include "data/synthetic_tokenizer.h"
 #include "io/safetensors.h"
+#include "support/numeric.h"
 #include "support/run_command.h"
 #include "support/test_util.h"
 
@@ -38,7 +39,8 @@ Result mpirun(int ranks, const std::string& args) {
   return testing_support::run_command(kMpirun + std::to_string(ranks) + " " + MEMTUNE_BINARY + " " + args);
 }
 
-// Largest |a - b| relative to the tensor's largest |b|, over every float32 tensor of two files.
+// Largest |a - b| relative to the tensor's largest |b|, over every float32 tensor of two files;
+// NaN (and a test failure) where either holds a non-finite value.
 double max_relative_difference(const fs::path& a, const fs::path& b) {
   const SafetensorsFile fa(a.string()), fb(b.string());
   EXPECT_EQ(fa.tensors().size(), fb.tensors().size());
@@ -52,12 +54,12 @@ double max_relative_difference(const fs::path& a, const fs::path& b) {
     std::vector<float> x(da.size() / 4), y(db.size() / 4);
     std::memcpy(x.data(), da.data(), da.size());
     std::memcpy(y.data(), db.data(), db.size());
-    double diff = 0, scale = 1e-30;
-    for (size_t i = 0; i < x.size(); ++i) {
-      diff = std::max(diff, static_cast<double>(std::fabs(x[i] - y[i])));
-      scale = std::max(scale, static_cast<double>(std::fabs(y[i])));
+    const testing_support::Difference d = testing_support::difference(x, y);
+    if (!d.ok()) {  // NaN fails every bound the callers set, above or below
+      ADD_FAILURE() << t.name << ": " << d.describe();
+      return d.worst;
     }
-    worst = std::max(worst, diff / scale);
+    worst = std::max(worst, d.worst / std::max(d.scale, 1e-30));
   }
   return worst;
 }

@@ -1,4 +1,4 @@
-#include "dist/communicator.h"
+#include "distributed/communicator.h"
 
 // The C API only (Open MPI's header would otherwise pull in its deprecated C++ bindings).
 #define OMPI_SKIP_MPICXX 1

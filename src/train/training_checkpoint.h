@@ -15,7 +15,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "core/json_reader.h"
-#include "dist/communicator.h"
+#include "distributed/communicator.h"
 #include "memory/arena.h"
 #include "model/parameters.h"
 

@@ -1,5 +1,5 @@
-// The host sampler (see sampling.h).
-#include "backend/sampling.h"
+// The host sampler (see sample_row.h).
+#include "backend/sample_row.h"
 
 #include <algorithm>
 #include <cmath>
