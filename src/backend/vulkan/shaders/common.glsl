@@ -13,6 +13,23 @@ layout(buffer_reference, std430, buffer_reference_align = 4) buffer I32 { int v[
 // A grid-stride loop over n elements for a 1-D dispatch of 256-wide workgroups.
 #define FOR_EACH(i, n) for (uint i = gl_GlobalInvocationID.x; i < (n); i += gl_NumWorkGroups.x * 256u)
 
+// Element i of a tensor stored in `dtype` (0 float32, 1 bfloat16, 2 float16: the numbering every
+// shader's push constants use), read as or written from float32.
+float bf16_to_f32(uint16_t h);
+float f16_to_f32(uint16_t h);
+uint16_t f32_to_bf16(float f);
+uint16_t f32_to_f16(float f);
+float load_f32(uint64_t address, uint dtype, uint i) {
+  if (dtype == 0u) return F32(address).v[i];
+  if (dtype == 1u) return bf16_to_f32(U16(address).v[i]);
+  return f16_to_f32(U16(address).v[i]);
+}
+void store_f32(uint64_t address, uint dtype, uint i, float x) {
+  if (dtype == 0u) F32(address).v[i] = x;
+  else if (dtype == 1u) U16(address).v[i] = f32_to_bf16(x);
+  else U16(address).v[i] = f32_to_f16(x);
+}
+
 float bf16_to_f32(uint16_t h) { return uintBitsToFloat(uint(h) << 16); }
 // Round to nearest even, as the cpu backend converts (NaN stays NaN).
 uint16_t f32_to_bf16(float f) {

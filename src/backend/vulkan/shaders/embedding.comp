@@ -6,11 +6,7 @@
 #include "common.glsl"
 layout(local_size_x = 256) in;
 layout(push_constant) uniform Push { uint64_t table; F32 rows; I32 ids; uint N; uint D; uint tdtype; uint mode; } p;
-float table_at(uint i) {
-  if (p.tdtype == 0u) return F32(p.table).v[i];
-  if (p.tdtype == 1u) return bf16_to_f32(U16(p.table).v[i]);
-  return f16_to_f32(U16(p.table).v[i]);
-}
+float table_at(uint i) { return load_f32(p.table, p.tdtype, i); }
 void main() {
   if (p.mode == 0u) {
     FOR_EACH(idx, p.N * p.D) {

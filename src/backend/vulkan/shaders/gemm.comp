@@ -21,11 +21,7 @@ layout(push_constant) uniform Push {
 const uint TILE = 64u, STEP = 16u;
 shared float a_tile[STEP][TILE + 1u];  // [k][m]
 shared float b_tile[STEP][TILE + 1u];  // [k][n]
-float b_at(uint i) {
-  if (p.b_dtype == 0u) return F32(p.b).v[i];
-  if (p.b_dtype == 1u) return bf16_to_f32(U16(p.b).v[i]);
-  return f16_to_f32(U16(p.b).v[i]);
-}
+float b_at(uint i) { return load_f32(p.b, p.b_dtype, i); }
 void main() {
   const uint lx = gl_LocalInvocationID.x, ly = gl_LocalInvocationID.y, id = ly * 16u + lx;
   const uint m0 = gl_WorkGroupID.y * TILE, n0 = gl_WorkGroupID.x * TILE;

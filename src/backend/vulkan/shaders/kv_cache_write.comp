@@ -4,11 +4,7 @@
 #include "common.glsl"
 layout(local_size_x = 256) in;
 layout(push_constant) uniform Push { uint64_t k_cache; uint64_t v_cache; F32 k; F32 v; I32 slots; uint N; uint C; uint cdtype; } p;
-void store(uint64_t cache, uint i, float x) {
-  if (p.cdtype == 0u) F32(cache).v[i] = x;
-  else if (p.cdtype == 1u) U16(cache).v[i] = f32_to_bf16(x);
-  else U16(cache).v[i] = f32_to_f16(x);
-}
+void store(uint64_t cache, uint i, float x) { store_f32(cache, p.cdtype, i, x); }
 void main() {
   FOR_EACH(idx, p.N * p.C) {
     const uint n = idx / p.C, c = idx % p.C;

@@ -9,11 +9,7 @@ layout(push_constant) uniform Push {
   F32 out_; F32 q; uint64_t k_cache; uint64_t v_cache; I32 tables; I32 cu; I32 context;
   uint N, S, Hq, Hkv, hd, max_blocks, block_size, cdtype; float scale;
 } p;
-float cache_at(uint64_t cache, uint i) {
-  if (p.cdtype == 0u) return F32(cache).v[i];
-  if (p.cdtype == 1u) return bf16_to_f32(U16(cache).v[i]);
-  return f16_to_f32(U16(cache).v[i]);
-}
+float cache_at(uint64_t cache, uint i) { return load_f32(cache, p.cdtype, i); }
 void main() {
   FOR_EACH(row, p.N * p.Hq) {
     const uint t = row / p.Hq, h = row % p.Hq, qt = row * p.hd;

@@ -40,10 +40,6 @@ void main() {
     return;
   }
   float b = 0.0;
-  if (p.bias != 0UL) {
-    if (p.bdtype == 0u) b = F32(p.bias).v[c];
-    else if (p.bdtype == 1u) b = bf16_to_f32(U16(p.bias).v[c]);
-    else b = f16_to_f32(U16(p.bias).v[c]);
-  }
+  if (p.bias != 0UL) b = load_f32(p.bias, p.bdtype, c);
   p.out_.v[r * cols + c] = acc + b;
 }
