@@ -19,20 +19,20 @@ namespace memtune::cli {
 namespace {
 
 void chat(const InferenceArgs& a) {
-  const Tokenizer tokenizer = Tokenizer::load(a.tokenizer.empty() ? a.model : a.tokenizer);
+  const Tokenizer tokenizer = Tokenizer::load(a.tokenizer.empty() ? a.flags.model : a.tokenizer);
   const ChatTemplate templ = resolve_chat_template(a.templ, tokenizer, "tokenizer_config.json");
   InferenceArgs one = a;
   one.max_num_seqs = 1;
   const InferenceSetup setup = plan_inference_setup(one, {}, 0);
-  const std::optional<DType> dtype = storage_dtype(a.torch_dtype, a.bf16, a.fp16);
-  const std::unique_ptr<Decoder> model = load_model(a.model, setup.options, a.adapter, {dtype, a.lm_head_bits});
+  const std::optional<DType> dtype = storage_dtype(a.flags.torch_dtype, a.flags.bf16, a.flags.fp16);
+  const std::unique_ptr<Decoder> model = load_model(a.flags.model, setup.options, a.flags.adapter, {dtype, a.flags.lm_head_bits});
   const int64_t max_model_len = setup.options.kv_cache.max_model_len;
   Generator generator(*model, &tokenizer);
   std::vector<ChatMessage> history;
   std::cerr << fmt::format(
       "memtune chat: {} ({} KV cache for {} tokens). /reset clears the history, /exit quits, Ctrl-C stops an "
       "answer.\n",
-      a.model, format_bytes(model->plan().live_bytes(Phase::Forward, Category::KvCache)), max_model_len);
+      a.flags.model, format_bytes(model->plan().live_bytes(Phase::Forward, Category::KvCache)), max_model_len);
   std::string line;
   uint64_t turn = 0;
   while (std::cout << "> " << std::flush, std::getline(std::cin, line)) {

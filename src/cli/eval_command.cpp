@@ -39,40 +39,22 @@ namespace memtune::cli {
 namespace {
 
 struct EvalArgs {
-    std::string model, adapter, eval_file, tokenizer, metrics = "eval_loss,perplexity,token_accuracy", templ, system;
+    ModelFlags flags;  // --model, --adapter, --backend, --torch_dtype, --bf16, --fp16, --host_memory, ...
+    std::string eval_file, tokenizer, metrics = "eval_loss,perplexity,token_accuracy", templ, system;
     std::string truncation_strategy = "delete";
     int64_t batch_size = 8, max_length = 2048, eval_accumulation_steps = 0;
     bool json = false, batch_eval_metrics = false, predict_with_generate = false;
     int64_t max_new_tokens = 0;
     std::vector<std::string> labels;
-    std::string save_predictions, output_dir, backend = "cpu", torch_dtype, host_memory;
-    std::string quantized_activations = "int8";
-    int lm_head_bits = 0;
-    bool bf16 = false, fp16 = false;
+    std::string save_predictions, output_dir;
 };
-
-// The model as the flags name it.
-ModelFlags model_flags(const EvalArgs& a) {
-  return {.model = a.model,
-          .preset = {},
-          .quantization = {},
-          .torch_dtype = a.torch_dtype,
-          .bf16 = a.bf16,
-          .fp16 = a.fp16,
-          .backend = a.backend,
-          .adapter = a.adapter,
-          .adapter_sets = {},
-          .host_memory = a.host_memory,
-          .int8_activations = a.quantized_activations == "int8",
-          .lm_head_bits = a.lm_head_bits};
-}
 
 // --predict_with_generate: the eval file's examples generated on an inference model planned for
 // them (prompts up to their last answer, per_device_eval_batch_size sequences at a time).
 void evaluate_generating(const EvalArgs& a, const std::string& metric_list, std::optional<DType> dtype,
                          size_t startup_rss) {
   const GenerationMetrics metrics = parse_generation_metrics(metric_list);
-  const Tokenizer tokenizer = Tokenizer::load(a.tokenizer.empty() ? a.model : a.tokenizer);
+  const Tokenizer tokenizer = Tokenizer::load(a.tokenizer.empty() ? a.flags.model : a.tokenizer);
   DataOptions d;
   d.max_length = a.max_length;
   d.truncation_strategy = parse_truncation_strategy(a.truncation_strategy);
@@ -81,10 +63,10 @@ void evaluate_generating(const EvalArgs& a, const std::string& metric_list, std:
   const Dataset data = load_dataset(a.eval_file, tokenizer, d);
   const GenerationEvalShape shape = generation_eval_shape(data, a.batch_size, a.max_new_tokens, a.eval_file);
   const int64_t max_new = shape.max_new_tokens;
-  const std::vector<int32_t> stop_ids = model_stop_ids(a.model, &tokenizer, /*chat=*/true);
-  const InferenceSetup setup = inference_setup(model_flags(a), shape.limits, startup_rss);
+  const std::vector<int32_t> stop_ids = model_stop_ids(a.flags.model, &tokenizer, /*chat=*/true);
+  const InferenceSetup setup = inference_setup(a.flags, shape.limits, startup_rss);
   const ProcessPlan& process = setup.process;
-  const std::unique_ptr<Decoder> model = load_model(a.model, setup.options, a.adapter, {dtype, a.lm_head_bits});
+  const std::unique_ptr<Decoder> model = load_model(a.flags.model, setup.options, a.flags.adapter, {dtype, a.flags.lm_head_bits});
   const GenerationEvalResult r =
       evaluate_by_generation(*model, tokenizer, data, metrics, a.labels, max_new, stop_ids);
   model->arena().sample();
@@ -121,10 +103,10 @@ Action add_eval(CLI::App& app) {
   app.add_option("--config",
                  "JSON or YAML with the flags' keys, or a Hugging Face / ms-swift / LLaMA-Factory config (flags "
                  "override it; training-only keys are ignored)");
-  app.add_option("--model_name_or_path,--model", a->model, "Hugging Face model directory")->required();
-  app.add_option("--adapter", a->adapter, "PEFT LoRA adapter directory");
-  add_backend_option(app, a->backend);
-  add_quantized_model_options(app, a->quantized_activations, a->lm_head_bits);
+  app.add_option("--model_name_or_path,--model", a->flags.model, "Hugging Face model directory")->required();
+  app.add_option("--adapter", a->flags.adapter, "PEFT LoRA adapter directory");
+  add_backend_option(app, a->flags.backend);
+  add_quantized_model_options(app, a->flags.quantized_activations, a->flags.lm_head_bits);
   app.add_option("--eval_file,--val_dataset,--eval_dataset,--dataset", a->eval_file,
                  "evaluation data, a local JSONL file")
       ->required();
@@ -149,10 +131,10 @@ Action add_eval(CLI::App& app) {
   app.add_option("--max_new_tokens,--generation_max_length", a->max_new_tokens,
                  "with --predict_with_generate: tokens generated per example (default: the longest answer + 8)");
   app.add_flag("--json", a->json, "print the results as one JSON object");
-  app.add_option("--torch_dtype", a->torch_dtype, "storage dtype of the weights: float32 | bfloat16 | float16");
-  app.add_flag("--bf16", a->bf16, "store weights in bfloat16");
-  app.add_flag("--fp16", a->fp16, "store weights in float16");
-  app.add_option("--host_memory", a->host_memory,
+  app.add_option("--torch_dtype", a->flags.torch_dtype, "storage dtype of the weights: float32 | bfloat16 | float16");
+  app.add_flag("--bf16", a->flags.bf16, "store weights in bfloat16");
+  app.add_flag("--fp16", a->flags.fp16, "store weights in float16");
+  app.add_option("--host_memory", a->flags.host_memory,
                  "budget for the whole process (e.g. 16GiB): refuse to start when the prediction is above it");
   app.add_option("--save_predictions", a->save_predictions,
                  "stream per-example results (loss, argmax ids or predicted label) to this JSONL file");
@@ -160,11 +142,11 @@ Action add_eval(CLI::App& app) {
                  "write eval_results.json, memory.json, memory.jsonl, run_args.json and report.html here");
   app.parse_complete_callback([a] { check_local_dataset(a->eval_file, "--eval_file (--val_dataset, --dataset)"); });
   return [a, &app] {
-    const size_t startup_rss = startup_rss_bytes(a->backend);
+    const size_t startup_rss = startup_rss_bytes(a->flags.backend);
     if (a->batch_size <= 0) throw Error("--per_device_eval_batch_size must be positive");
-    const std::optional<DType> dtype = storage_dtype(a->torch_dtype, a->bf16, a->fp16);
-    check_max_length(load_model_config(a->model), a->max_length,
-                     (std::filesystem::path(a->model) / "config.json").string());
+    const std::optional<DType> dtype = storage_dtype(a->flags.torch_dtype, a->flags.bf16, a->flags.fp16);
+    check_max_length(load_model_config(a->flags.model), a->max_length,
+                     (std::filesystem::path(a->flags.model) / "config.json").string());
     if (a->predict_with_generate) {
       evaluate_generating(*a, app.count("--metrics") ? a->metrics : "exact_match", dtype, startup_rss);
       return;
@@ -173,7 +155,7 @@ Action add_eval(CLI::App& app) {
     const bool classification = wants_classification_metrics(a->metrics);
     MetricSelection selection;
     if (!classification) selection = parse_metrics(a->metrics);
-    const Tokenizer tokenizer = Tokenizer::load(a->tokenizer.empty() ? a->model : a->tokenizer);
+    const Tokenizer tokenizer = Tokenizer::load(a->tokenizer.empty() ? a->flags.model : a->tokenizer);
     DataOptions d;
     d.max_length = a->max_length;
     d.truncation_strategy = parse_truncation_strategy(a->truncation_strategy);
@@ -189,14 +171,14 @@ Action add_eval(CLI::App& app) {
     o.max_tokens = batcher.max_micro_batch_tokens();
     o.max_targets = batcher.max_micro_batch_targets();
     o.with_grads = false;
-    o.int8_activations = a->quantized_activations == "int8";
-    o.backend = &backend_named(a->backend);
+    o.int8_activations = a->flags.int8_activations();
+    o.backend = &backend_named(a->flags.backend);
     // The whole process, predicted before the model's memory exists (the tokenizer stays alive
     // for --save_predictions, so it is part of the prepared data).
     ProcessPlan process;
     process.measure_preparation(startup_rss);
-    predict_process(process, model_flags(*a), choose_model(model_flags(*a)), o);
-    const std::unique_ptr<Decoder> model = load_model(a->model, o, a->adapter, {dtype, a->lm_head_bits});
+    predict_process(process, a->flags, choose_model(a->flags), o);
+    const std::unique_ptr<Decoder> model = load_model(a->flags.model, o, a->flags.adapter, {dtype, a->flags.lm_head_bits});
     const std::filesystem::path out_dir(a->output_dir);
     MemoryTimeline timeline;
     if (!a->output_dir.empty()) {

@@ -24,17 +24,17 @@ namespace memtune::cli {
 namespace {
 
 void generate(const InferenceArgs& a) {
-  const size_t startup_rss = startup_rss_bytes(a.backend);
-  const std::optional<DType> dtype = storage_dtype(a.torch_dtype, a.bf16, a.fp16);
+  const size_t startup_rss = startup_rss_bytes(a.flags.backend);
+  const std::optional<DType> dtype = storage_dtype(a.flags.torch_dtype, a.flags.bf16, a.flags.fp16);
   const std::optional<Tokenizer> tokenizer = load_tokenizer(a);
   const std::vector<GenerationRequest> requests = read_requests(a, tokenizer ? &*tokenizer : nullptr);
   const InferenceSetup setup = plan_inference_setup(a, requests, startup_rss);
   const ProcessPlan& process = setup.process;
-  const std::unique_ptr<Decoder> model = load_model(a.model, setup.options, a.adapter, {dtype, a.lm_head_bits});
+  const std::unique_ptr<Decoder> model = load_model(a.flags.model, setup.options, a.flags.adapter, {dtype, a.flags.lm_head_bits});
   for (size_t k = 0; k < a.named_adapters.size(); ++k)
     model->parameters().load_adapter_set(k, a.named_adapters[k].second);
   if (a.merge_adapter) {
-    if (a.adapter.empty()) throw Error("--merge_adapter needs --adapter");
+    if (a.flags.adapter.empty()) throw Error("--merge_adapter needs --adapter");
     model->parameters().merge_lora();
   }
   Generator generator(*model, tokenizer ? &*tokenizer : nullptr);

@@ -23,13 +23,13 @@ namespace memtune::cli {
 
 std::optional<Tokenizer> load_tokenizer(const InferenceArgs& a) {
   if (a.skip_tokenizer_init) return std::nullopt;
-  return Tokenizer::load(a.tokenizer.empty() ? a.model : a.tokenizer);
+  return Tokenizer::load(a.tokenizer.empty() ? a.flags.model : a.tokenizer);
 }
 
 std::vector<int32_t> stop_ids(const InferenceArgs& a, const Tokenizer* tokenizer, bool chat) {
   std::set<int32_t> ids(a.stop_token_ids.begin(), a.stop_token_ids.end());
   if (!a.ignore_eos)
-    for (const int32_t id : model_stop_ids(a.model, tokenizer, chat)) ids.insert(id);
+    for (const int32_t id : model_stop_ids(a.flags.model, tokenizer, chat)) ids.insert(id);
   return {ids.begin(), ids.end()};
 }
 
@@ -104,23 +104,6 @@ std::vector<GenerationRequest> read_requests(const InferenceArgs& a, const Token
   return requests;
 }
 
-ModelFlags model_flags(const InferenceArgs& a) {
-  ModelFlags m{.model = a.model,
-               .preset = a.preset,
-               .quantization = a.quantization,
-               .torch_dtype = a.torch_dtype,
-               .bf16 = a.bf16,
-               .fp16 = a.fp16,
-               .backend = a.backend,
-               .adapter = a.adapter,
-               .adapter_sets = {},
-               .host_memory = a.host_memory,
-               .int8_activations = a.quantized_activations == "int8",
-               .lm_head_bits = a.lm_head_bits};
-  for (const auto& [name, dir] : a.named_adapters) m.adapter_sets.push_back(dir);
-  return m;
-}
-
 InferenceSetup plan_inference_setup(const InferenceArgs& a, const std::vector<GenerationRequest>& requests,
                                     size_t startup_rss) {
   int64_t longest = 0;
@@ -130,13 +113,13 @@ InferenceSetup plan_inference_setup(const InferenceArgs& a, const std::vector<Ge
                          .max_num_seqs = a.max_num_seqs,
                          .max_num_batched_tokens = a.max_num_batched_tokens,
                          .block_size = a.block_size,
-                         .device_memory = a.device_memory.empty() ? 0 : device_memory_bytes(a.device_memory, a.backend),
+                         .device_memory = a.device_memory.empty() ? 0 : device_memory_bytes(a.device_memory, a.flags.backend),
                          .memory_fraction = a.memory_fraction};
   if (!requests.empty()) {  // no more sequences than requests
     limits.max_num_seqs = std::min<int64_t>(limits.max_num_seqs, static_cast<int64_t>(requests.size()));
     limits.max_num_batched_tokens = std::max(limits.max_num_batched_tokens, limits.max_num_seqs);
   }
-  return inference_setup(model_flags(a), limits, startup_rss);
+  return inference_setup(a.flags, limits, startup_rss);
 }
 
 std::string inference_plan_text(const InferenceSetup& s, const MemoryPlan& plan) {
@@ -159,11 +142,11 @@ void add_inference_flags(CLI::App& app, InferenceArgs& args, InferenceCommand co
   const bool plan_only = command == InferenceCommand::Plan, serving = command == InferenceCommand::Serve;
   InferenceArgs* a = &args;
   auto* model = app.add_option(serving ? "model,--model_name_or_path,--model" : "--model_name_or_path,--model",
-                               a->model, "Hugging Face model directory");
+                               a->flags.model, "Hugging Face model directory");
   if (plan_only) {
     app.add_flag("--inference", a->inference, "plan generation (memtune generate's flags)");
-    app.add_option("--preset", a->preset, model_preset_names() + " (instead of --model)")->excludes(model);
-    app.add_option("--quantization", a->quantization,
+    app.add_option("--preset", a->flags.preset, model_preset_names() + " (instead of --model)")->excludes(model);
+    app.add_option("--quantization", a->flags.quantization,
                    "plan the model's linear layers quantized: gptq-int4 | gptq-int8 | awq (group 128)");
   } else {
     model->required();
@@ -204,8 +187,8 @@ void add_inference_flags(CLI::App& app, InferenceArgs& args, InferenceCommand co
                            "ids; answers carry token_ids (text is empty); chat and text prompts are refused"
                          : "generate from \"prompt_ids\" lines without tokenizer files: results carry token_ids "
                            "(text is empty)");
-  add_backend_option(app, a->backend);
-  add_quantized_model_options(app, a->quantized_activations, a->lm_head_bits);
+  add_backend_option(app, a->flags.backend);
+  add_quantized_model_options(app, a->flags.quantized_activations, a->flags.lm_head_bits);
   add_template_option(app, a->templ);
   if (!serving)
     app.add_option("--enable_thinking", a->enable_thinking,
@@ -255,10 +238,10 @@ void add_inference_flags(CLI::App& app, InferenceArgs& args, InferenceCommand co
   app.add_option("--memory_fraction,--gpu_memory_utilization,--gpu-memory-utilization", a->memory_fraction,
                  "the share of --device_memory the plan may use")
       ->capture_default_str();
-  app.add_option("--torch_dtype,--dtype", a->torch_dtype, "storage dtype of the weights: float32 | bfloat16 | float16");
-  app.add_flag("--bf16", a->bf16, "store weights in bfloat16");
-  app.add_flag("--fp16", a->fp16, "store weights in float16");
-  app.add_option("--host_memory", a->host_memory,
+  app.add_option("--torch_dtype,--dtype", a->flags.torch_dtype, "storage dtype of the weights: float32 | bfloat16 | float16");
+  app.add_flag("--bf16", a->flags.bf16, "store weights in bfloat16");
+  app.add_flag("--fp16", a->flags.fp16, "store weights in float16");
+  app.add_option("--host_memory", a->flags.host_memory,
                  "budget for the whole process (e.g. 16GiB): refuse to start when the prediction is above it");
   if (!serving) app.add_flag("--json", a->json, "print the results and the summary as JSON");
   app.parse_complete_callback([a, command, plan_only] {
@@ -266,13 +249,14 @@ void add_inference_flags(CLI::App& app, InferenceArgs& args, InferenceCommand co
       const size_t eq = value.find('=');
       if (eq != std::string::npos && eq > 0 && value.find('/') > eq) {
         a->named_adapters.emplace_back(value.substr(0, eq), value.substr(eq + 1));
-      } else if (a->adapter.empty()) {
-        a->adapter = value;
+        a->flags.adapter_sets.push_back(value.substr(eq + 1));
+      } else if (a->flags.adapter.empty()) {
+        a->flags.adapter = value;
       } else {
         throw Error("--adapter: several adapters need names: --adapter NAME=DIR for each");
       }
     }
-    if (!a->adapter.empty() && !a->named_adapters.empty())
+    if (!a->flags.adapter.empty() && !a->named_adapters.empty())
       throw Error("--adapter: give one adapter DIR, or NAME=DIR for each of several, not both");
     if (a->merge_adapter && !a->named_adapters.empty())
       throw Error("--merge_adapter merges one adapter: it cannot be combined with named adapters");
@@ -284,9 +268,9 @@ void add_inference_flags(CLI::App& app, InferenceArgs& args, InferenceCommand co
       return;
     }
     if (command == InferenceCommand::Serve) {
-      if (!a->adapter.empty()) throw Error("--lora_modules: give each adapter a name, NAME=DIR");
+      if (!a->flags.adapter.empty()) throw Error("--lora_modules: give each adapter a name, NAME=DIR");
       for (const auto& [name, dir] : a->named_adapters)
-        if (name == (a->served_model_name.empty() ? a->model : a->served_model_name))
+        if (name == (a->served_model_name.empty() ? a->flags.model : a->served_model_name))
           throw Error(fmt::format("--lora_modules {}: the name is the base model's", name));
       if (a->port < 0 || a->port > 65535) throw Error(fmt::format("--port {}: expected 0 to 65535", a->port));
       return;
@@ -295,7 +279,7 @@ void add_inference_flags(CLI::App& app, InferenceArgs& args, InferenceCommand co
       throw Error("give one of --prompt TEXT and --input FILE.jsonl");
     if (!a->prompt.empty() && !a->input.empty())
       throw Error("give one of --prompt TEXT and --input FILE.jsonl, not both");
-    if (plan_only && a->model.empty() == a->preset.empty())
+    if (plan_only && a->flags.model.empty() == a->flags.preset.empty())
       throw Error("plan needs exactly one of --model or --preset");
     check_local_dataset(a->input, "--input");
   });

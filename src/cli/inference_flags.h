@@ -23,11 +23,13 @@ namespace memtune::cli {
 enum class InferenceCommand { Generate, Plan, Chat, Serve };
 
 struct InferenceArgs {
-  std::string model, adapter, tokenizer, prompt, input, output, system, templ, backend = "cpu", torch_dtype;
-  std::string device_memory, host_memory, preset, quantization;
-  std::string quantized_activations = "int8";
-  int lm_head_bits = 0;
-  bool chat = false, json = false, ignore_eos = false, bf16 = false, fp16 = false, inference = false;
+  // --model (or --preset, --quantization with plan --inference), --adapter (the named ones in
+  // adapter_sets), --backend, --torch_dtype, --bf16, --fp16, --host_memory, --quantized_activations,
+  // --lm_head_bits
+  ModelFlags flags;
+  std::string tokenizer, prompt, input, output, system, templ;
+  std::string device_memory;
+  bool chat = false, json = false, ignore_eos = false, inference = false;
   bool merge_adapter = false;
   bool skip_tokenizer_init = false;   // generate, serve: token ids in and out, no tokenizer files read
   bool enable_thinking = true;        // Qwen3's template: false writes an empty think block into the prompt

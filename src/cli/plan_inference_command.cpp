@@ -24,7 +24,7 @@ namespace memtune::cli {
 namespace {
 
 void plan_inference(const InferenceArgs& a) {
-  const size_t startup_rss = startup_rss_bytes(a.backend);
+  const size_t startup_rss = startup_rss_bytes(a.flags.backend);
   std::vector<GenerationRequest> requests;
   if (!a.prompt.empty() || !a.input.empty()) {
     const std::optional<Tokenizer> tokenizer = load_tokenizer(a);
@@ -34,7 +34,7 @@ void plan_inference(const InferenceArgs& a) {
   if (requests.empty()) s.process.startup_bytes = startup_rss;
   ModelOptions planned = s.options;
   planned.allocate = false;
-  if (!a.adapter.empty()) planned.lora = load_lora_adapter_config(a.adapter);
+  if (!a.flags.adapter.empty()) planned.lora = load_lora_adapter_config(a.flags.adapter);
   const Decoder model(s.model.config, planned);
   const MemoryPlan& plan = model.plan();
   const KvCacheOptions& kv = s.options.kv_cache;

@@ -106,7 +106,7 @@ InferenceSetup inference_setup(const ModelFlags& flags, InferenceLimits limits, 
   s.model = choose_model(flags);
   if (limits.max_model_len == 0) limits.max_model_len = s.model.config.max_position_embeddings;
   s.options = inference_model_options(s.model.config, limits, &backend_named(flags.backend));
-  s.options.int8_activations = flags.int8_activations;
+  s.options.int8_activations = flags.int8_activations();
   for (const std::string& dir : flags.adapter_sets) s.options.adapter_sets.push_back(load_lora_adapter_config(dir));
   if (startup_rss > 0) s.process.measure_preparation(startup_rss);
   predict_process(s.process, flags, s.model, s.options);

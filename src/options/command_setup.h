@@ -52,7 +52,8 @@ struct ModelFlags {
   std::string adapter;                    // one PEFT adapter directory
   std::vector<std::string> adapter_sets;  // adapter directories held at once (selected per request)
   std::string host_memory;                // --host_memory: a budget for the whole process
-  bool int8_activations = true;           // --quantized_activations int8 (ModelOptions::int8_activations)
+  std::string quantized_activations = "int8";  // --quantized_activations int8 | float
+  bool int8_activations() const { return quantized_activations == "int8"; }  // ModelOptions::int8_activations
   int lm_head_bits = 0;                   // --lm_head_bits: the LM head packed at load (quantize_lm_head)
 };
 
