@@ -167,18 +167,9 @@ std::vector<int32_t> completion_prompt(const Fields& body, const ServedModel& se
   return ids;
 }
 
-}  // namespace
-
-ParsedRequest parse_request(std::string_view text, Endpoint endpoint, const ServedModel& served) {
-  const json document = parse_body(text);
-  if (!document.is_object()) throw ApiError(400, "the request body must be a JSON object");
-  const Fields body(document);
-  const bool chat = endpoint == Endpoint::ChatCompletions;
-  const char* prompt_param = chat ? "messages" : "prompt";
-  ParsedRequest p;
+// The model (the base or one of the LoRA adapters), and what no request may ask for.
+void take_model(const Fields& body, const ServedModel& served, ParsedRequest& p) {
   GenerationRequest& r = p.request;
-
-  // The model: the base or one of the LoRA adapters.
   p.model = served.name;
   if (body.has("model")) {
     if (!body["model"].is_string()) throw ApiError(400, "model must be a string", "model");
@@ -193,8 +184,12 @@ ParsedRequest parse_request(std::string_view text, Endpoint endpoint, const Serv
   if (body.has("top_logprobs")) throw ApiError(400, "top_logprobs is not supported", "top_logprobs");
   if (body.has("tools") && !body["tools"].empty()) throw ApiError(400, "tools are not supported", "tools");
   if (body.has("suffix")) throw ApiError(400, "suffix is not supported", "suffix");
+}
 
-  // The prompt.
+// The prompt's ids, and the model's own stop ids for the endpoint.
+void take_prompt(const Fields& body, const json& document, bool chat, const ServedModel& served,
+                 GenerationRequest& r) {
+  const char* prompt_param = chat ? "messages" : "prompt";
   if (chat && !served.tokenizer)
     throw ApiError(400,
                    "this server was started with --skip_tokenizer_init: chat messages need the tokenizer; send "
@@ -209,8 +204,11 @@ ParsedRequest parse_request(std::string_view text, Endpoint endpoint, const Serv
     r.stop_ids = served.completion_stop_ids;
   }
   if (r.prompt_ids.empty()) throw ApiError(400, "the prompt is empty", prompt_param);
+}
 
-  // Output length: max_tokens or max_completion_tokens, else what max_model_len leaves.
+// Output length: max_tokens or max_completion_tokens, else what max_model_len leaves.
+void take_output_length(const Fields& body, const ServedModel& served, const char* prompt_param, ParsedRequest& p) {
+  GenerationRequest& r = p.request;
   std::optional<int64_t> max_tokens = body.integer("max_completion_tokens");
   const char* max_param = "max_completion_tokens";
   if (!max_tokens) {
@@ -231,9 +229,10 @@ ParsedRequest parse_request(std::string_view text, Endpoint endpoint, const Serv
                      prompt_param);
     r.max_new_tokens = room;
   }
+}
 
-  // Sampling, with OpenAI's defaults and ranges.
-  SamplingParams& s = r.sampling;
+// Sampling, with OpenAI's defaults and ranges (closed at both ends where OpenAI's are).
+void take_sampling(const Fields& body, SamplingParams& s) {
   if (const auto t = body.number("temperature")) {
     if (*t < 0 || *t > 2) throw ApiError(400, fmt::format("temperature must be in [0, 2], got {}", *t), "temperature");
     s.temperature = *t;
@@ -266,6 +265,10 @@ ParsedRequest parse_request(std::string_view text, Endpoint endpoint, const Serv
   } else {
     s.seed = std::random_device{}();
   }
+}
+
+// Stop strings, ignore_eos and vLLM's stop_token_ids (each below the vocabulary).
+void take_stops(const Fields& body, const ServedModel& served, GenerationRequest& r) {
   if (body.has("stop")) {
     const json& stop = body["stop"];
     if (stop.is_string()) {
@@ -295,6 +298,9 @@ ParsedRequest parse_request(std::string_view text, Endpoint endpoint, const Serv
       r.stop_ids.push_back(id.get<int32_t>());
     }
   }
+}
+
+void take_streaming(const Fields& body, ParsedRequest& p) {
   p.stream = body.flag("stream");
   if (body.has("stream_options") && body["stream_options"].is_object() &&
       body["stream_options"].contains("include_usage") && !body["stream_options"]["include_usage"].is_null()) {
@@ -302,12 +308,28 @@ ParsedRequest parse_request(std::string_view text, Endpoint endpoint, const Serv
     if (!v.is_boolean()) throw ApiError(400, "stream_options.include_usage must be true or false", "stream_options");
     p.include_usage = v.get<bool>();
   }
+}
+
+}  // namespace
+
+ParsedRequest parse_request(std::string_view text, Endpoint endpoint, const ServedModel& served) {
+  const json document = parse_body(text);
+  if (!document.is_object()) throw ApiError(400, "the request body must be a JSON object");
+  const Fields body(document);
+  const bool chat = endpoint == Endpoint::ChatCompletions;
+  ParsedRequest p;
+  take_model(body, served, p);
+  take_prompt(body, document, chat, served, p.request);
+  take_output_length(body, served, chat ? "messages" : "prompt", p);
+  take_sampling(body, p.request.sampling);
+  take_stops(body, served, p.request);
+  take_streaming(body, p);
   // The engine adds max_tokens to the prompt's length (GenerationEngine::validate, which the
   // server runs next): a value no prompt leaves room for is refused here, before that sum.
-  if (r.max_new_tokens > served.max_model_len)
+  if (p.request.max_new_tokens > served.max_model_len)
     throw ApiError(400,
                    fmt::format("{} = {} is beyond this server's max_model_len {}", p.engine_refusal_param,
-                               r.max_new_tokens, served.max_model_len),
+                               p.request.max_new_tokens, served.max_model_len),
                    p.engine_refusal_param);
   return p;
 }
