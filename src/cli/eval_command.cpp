@@ -96,6 +96,137 @@ void evaluate_generating(const EvalArgs& a, const std::string& metric_list, std:
     std::cout << fmt::format("{:<26} {:.6f}\n", "label_accuracy_generated", r.label_accuracy_generated);
 }
 
+// What an evaluation writes beside its results with --output_dir: run_args.json at the start;
+// eval_results.json, memory.json, memory.jsonl and report.html once the metrics are known.
+class EvalOutputs {
+ public:
+  EvalOutputs(const EvalArgs& a, const CLI::App& app) : dir_(a.output_dir) {
+    if (a.output_dir.empty()) return;
+    create_directory(dir_.string(), "--output_dir");
+    write_file_atomically((dir_ / "run_args.json").string(), arguments_json(app).dump(2) + "\n");
+    std::filesystem::remove(dir_ / "memory.jsonl");
+    timeline_.open((dir_ / "memory.jsonl").string());
+  }
+  // Adds the memory figures to `results` and, with --output_dir, writes the files.
+  void write(Decoder& model, const ProcessPlan& process, nlohmann::json& results, const HeapAllocations& heap) {
+    model.arena().sample();
+    results["arena_bytes"] = model.plan().peak_bytes();
+    results["process_peak_rss_bytes"] = process_peak_rss_bytes(model.arena());
+    results["process_predicted_peak_bytes"] = process.peak_bytes();
+    if (dir_.empty()) return;
+    static constexpr Phase kEvalPhases[] = {Phase::Forward, Phase::Loss};
+    timeline_.record(model.arena(), 0, "eval", kEvalPhases);
+    write_file_atomically((dir_ / "eval_results.json").string(), results.dump(2) + "\n");
+    nlohmann::json memory = memory_json(model.plan(), model.arena(), model.host_plan(), heap);
+    memory["process_plan"] = process.to_json();
+    memory["process_predicted_peak_bytes"] = process.peak_bytes();
+    write_file_atomically((dir_ / "memory.json").string(), memory.dump(2) + "\n");
+    write_report(dir_);
+  }
+
+ private:
+  std::filesystem::path dir_;
+  MemoryTimeline timeline_;
+};
+
+// The eval file, tokenized and batched as the flags say (classification keeps its label set).
+EvalData load_eval_data(const EvalArgs& a, const Tokenizer& tokenizer, bool classification) {
+  DataOptions d;
+  d.max_length = a.max_length;
+  d.truncation_strategy = parse_truncation_strategy(a.truncation_strategy);
+  d.chat_template = a.templ;
+  if (!a.system.empty()) d.record.system = a.system;
+  BatchOptions b;
+  b.per_device_batch_size = a.batch_size;
+  return EvalData(a.eval_file, tokenizer, d, classification, a.labels, b);
+}
+
+std::ofstream open_predictions(const EvalArgs& a) {
+  std::ofstream file;
+  if (a.save_predictions.empty()) return file;
+  file.open(a.save_predictions);
+  if (!file) throw Error(fmt::format("--save_predictions {}: cannot write the file", a.save_predictions));
+  return file;
+}
+
+void evaluate_labels(const EvalArgs& a, Decoder& model, EvalData& eval, const ProcessPlan& process,
+                     EvalOutputs& outputs, std::ofstream& predictions) {
+  const ClassificationSet& set = eval.classification_set();
+  const ClassificationResult r = evaluate_classification(model, eval.batcher(), set);
+  if (predictions.is_open()) write_classification_predictions(predictions, r, set);
+  nlohmann::json out = classification_to_json(r, set.labels);
+  outputs.write(model, process, out, r.heap_during_batches);
+  if (a.json) {
+    std::cout << out.dump() << "\n";
+    return;
+  }
+  std::cout << fmt::format("{}: {} examples x {} candidate labels; arena {} (planned), process peak {} (measured)\n",
+                           a.eval_file, r.examples, set.labels.size(), format_bytes(model.plan().peak_bytes()),
+                           format_bytes(process_peak_rss_bytes(model.arena())));
+  std::cout << fmt::format(
+      "{:<16} {:.6f}\n{:<16} {:.6f}\n{:<16} {:.6f}\nconfusion matrix (rows: true, columns: predicted):\n",
+      "label_accuracy", r.label_accuracy, "macro_f1", r.macro_f1, "eval_loss", r.eval_loss);
+  for (size_t i = 0; i < set.labels.size(); ++i)
+    std::cout << fmt::format("  {:<14} {}\n", set.labels[i], fmt::join(r.confusion[i], " "));
+}
+
+void evaluate_tokens(const EvalArgs& a, Decoder& model, EvalData& eval, MetricSelection& selection,
+                     const ProcessPlan& process, EvalOutputs& outputs, std::ofstream& predictions) {
+  std::optional<PredictionWriter> writer;
+  if (predictions.is_open()) writer.emplace(predictions);
+  const EvalResult r = evaluate(model, eval.batcher(), selection, writer ? &*writer : nullptr);
+  nlohmann::json out = {{"eval_examples", r.num_sequences}, {"eval_tokens", r.num_tokens}};
+  for (const auto& [name, value] : r.values) out[name] = value;
+  outputs.write(model, process, out, r.heap_during_batches);
+  if (a.json) {
+    std::cout << out.dump() << "\n";
+    return;
+  }
+  std::cout << fmt::format("{}: {} examples, {} target tokens; arena {} (planned), process peak {} (measured)\n",
+                           a.eval_file, r.num_sequences, r.num_tokens, format_bytes(model.plan().peak_bytes()),
+                           format_bytes(process_peak_rss_bytes(model.arena())));
+  for (const auto& [name, value] : r.values) std::cout << fmt::format("{:<16} {:.6f}\n", name, value);
+}
+
+// The command: the data, the model planned for its largest micro-batch (and the process
+// predicted before the model's memory exists), then the metrics.
+void run_eval(const EvalArgs& a, const CLI::App& app) {
+  const size_t startup_rss = startup_rss_bytes(a.flags.backend);
+  if (a.batch_size <= 0) throw Error("--per_device_eval_batch_size must be positive");
+  const std::optional<DType> dtype = storage_dtype(a.flags.torch_dtype, a.flags.bf16, a.flags.fp16);
+  check_max_length(load_model_config(a.flags.model), a.max_length,
+                   (std::filesystem::path(a.flags.model) / "config.json").string());
+  if (a.predict_with_generate) {
+    evaluate_generating(a, app.count("--metrics") ? a.metrics : "exact_match", dtype, startup_rss);
+    return;
+  }
+  // label_accuracy / macro_f1 select classification scoring; the rest are token metrics.
+  const bool classification = wants_classification_metrics(a.metrics);
+  MetricSelection selection;
+  if (!classification) selection = parse_metrics(a.metrics);
+  const Tokenizer tokenizer = Tokenizer::load(a.tokenizer.empty() ? a.flags.model : a.tokenizer);
+  EvalData eval = load_eval_data(a, tokenizer, classification);
+
+  ModelOptions o;
+  o.max_tokens = eval.batcher().max_micro_batch_tokens();
+  o.max_targets = eval.batcher().max_micro_batch_targets();
+  o.with_grads = false;
+  o.int8_activations = a.flags.int8_activations();
+  o.backend = &backend_named(a.flags.backend);
+  // The whole process, predicted before the model's memory exists (the tokenizer stays alive
+  // for --save_predictions, so it is part of the prepared data).
+  ProcessPlan process;
+  process.measure_preparation(startup_rss);
+  predict_process(process, a.flags, choose_model(a.flags), o);
+  const std::unique_ptr<Decoder> model = load_model(a.flags.model, o, a.flags.adapter, {dtype, a.flags.lm_head_bits});
+  EvalOutputs outputs(a, app);
+  std::ofstream predictions = open_predictions(a);
+  if (classification)
+    evaluate_labels(a, *model, eval, process, outputs, predictions);
+  else
+    evaluate_tokens(a, *model, eval, selection, process, outputs, predictions);
+}
+
 }  // namespace
 
 Action add_eval(CLI::App& app) {
@@ -141,108 +272,7 @@ Action add_eval(CLI::App& app) {
   app.add_option("--output_dir", a->output_dir,
                  "write eval_results.json, memory.json, memory.jsonl, run_args.json and report.html here");
   app.parse_complete_callback([a] { check_local_dataset(a->eval_file, "--eval_file (--val_dataset, --dataset)"); });
-  return [a, &app] {
-    const size_t startup_rss = startup_rss_bytes(a->flags.backend);
-    if (a->batch_size <= 0) throw Error("--per_device_eval_batch_size must be positive");
-    const std::optional<DType> dtype = storage_dtype(a->flags.torch_dtype, a->flags.bf16, a->flags.fp16);
-    check_max_length(load_model_config(a->flags.model), a->max_length,
-                     (std::filesystem::path(a->flags.model) / "config.json").string());
-    if (a->predict_with_generate) {
-      evaluate_generating(*a, app.count("--metrics") ? a->metrics : "exact_match", dtype, startup_rss);
-      return;
-    }
-    // label_accuracy / macro_f1 select classification scoring; the rest are token metrics.
-    const bool classification = wants_classification_metrics(a->metrics);
-    MetricSelection selection;
-    if (!classification) selection = parse_metrics(a->metrics);
-    const Tokenizer tokenizer = Tokenizer::load(a->tokenizer.empty() ? a->flags.model : a->tokenizer);
-    DataOptions d;
-    d.max_length = a->max_length;
-    d.truncation_strategy = parse_truncation_strategy(a->truncation_strategy);
-    d.chat_template = a->templ;
-    if (!a->system.empty()) d.record.system = a->system;
-    BatchOptions b;
-    b.per_device_batch_size = a->batch_size;
-    EvalData eval(a->eval_file, tokenizer, d, classification, a->labels, b);
-    Batcher& batcher = eval.batcher();
-    const ClassificationSet& set = eval.classification_set();
-
-    ModelOptions o;
-    o.max_tokens = batcher.max_micro_batch_tokens();
-    o.max_targets = batcher.max_micro_batch_targets();
-    o.with_grads = false;
-    o.int8_activations = a->flags.int8_activations();
-    o.backend = &backend_named(a->flags.backend);
-    // The whole process, predicted before the model's memory exists (the tokenizer stays alive
-    // for --save_predictions, so it is part of the prepared data).
-    ProcessPlan process;
-    process.measure_preparation(startup_rss);
-    predict_process(process, a->flags, choose_model(a->flags), o);
-    const std::unique_ptr<Decoder> model = load_model(a->flags.model, o, a->flags.adapter, {dtype, a->flags.lm_head_bits});
-    const std::filesystem::path out_dir(a->output_dir);
-    MemoryTimeline timeline;
-    if (!a->output_dir.empty()) {
-      create_directory(out_dir.string(), "--output_dir");
-      write_file_atomically((out_dir / "run_args.json").string(), arguments_json(app).dump(2) + "\n");
-      std::filesystem::remove(out_dir / "memory.jsonl");
-      timeline.open((out_dir / "memory.jsonl").string());
-    }
-    // Written once the metrics are known: the results, the memory record and the report.
-    auto write_outputs = [&](nlohmann::json& results, const HeapAllocations& heap) {
-      model->arena().sample();
-      results["arena_bytes"] = model->plan().peak_bytes();
-      results["process_peak_rss_bytes"] = process_peak_rss_bytes(model->arena());
-      results["process_predicted_peak_bytes"] = process.peak_bytes();
-      if (a->output_dir.empty()) return;
-      static constexpr Phase kEvalPhases[] = {Phase::Forward, Phase::Loss};
-      timeline.record(model->arena(), 0, "eval", kEvalPhases);
-      write_file_atomically((out_dir / "eval_results.json").string(), results.dump(2) + "\n");
-      nlohmann::json memory = memory_json(model->plan(), model->arena(), model->host_plan(), heap);
-      memory["process_plan"] = process.to_json();
-      memory["process_predicted_peak_bytes"] = process.peak_bytes();
-      write_file_atomically((out_dir / "memory.json").string(), memory.dump(2) + "\n");
-      write_report(out_dir);
-    };
-    std::ofstream predictions_file;
-    if (!a->save_predictions.empty()) {
-      predictions_file.open(a->save_predictions);
-      if (!predictions_file)
-        throw Error(fmt::format("--save_predictions {}: cannot write the file", a->save_predictions));
-    }
-    if (classification) {
-      const ClassificationResult r = evaluate_classification(*model, batcher, set);
-      if (predictions_file.is_open()) write_classification_predictions(predictions_file, r, set);
-      nlohmann::json out = classification_to_json(r, set.labels);
-      write_outputs(out, r.heap_during_batches);
-      if (a->json) {
-        std::cout << out.dump() << "\n";
-        return;
-      }
-      std::cout << fmt::format("{}: {} examples x {} candidate labels; arena {} (planned), process peak {} (measured)\n",
-                               a->eval_file, r.examples, set.labels.size(), format_bytes(model->plan().peak_bytes()),
-                               format_bytes(process_peak_rss_bytes(model->arena())));
-      std::cout << fmt::format(
-          "{:<16} {:.6f}\n{:<16} {:.6f}\n{:<16} {:.6f}\nconfusion matrix (rows: true, columns: predicted):\n",
-          "label_accuracy", r.label_accuracy, "macro_f1", r.macro_f1, "eval_loss", r.eval_loss);
-      for (size_t i = 0; i < set.labels.size(); ++i)
-        std::cout << fmt::format("  {:<14} {}\n", set.labels[i], fmt::join(r.confusion[i], " "));
-      return;
-    }
-    std::optional<PredictionWriter> writer;
-    if (predictions_file.is_open()) writer.emplace(predictions_file);
-    const EvalResult r = evaluate(*model, batcher, selection, writer ? &*writer : nullptr);
-    nlohmann::json out = {{"eval_examples", r.num_sequences}, {"eval_tokens", r.num_tokens}};
-    for (const auto& [name, value] : r.values) out[name] = value;
-    write_outputs(out, r.heap_during_batches);
-    if (a->json) {
-      std::cout << out.dump() << "\n";
-      return;
-    }
-    std::cout << fmt::format("{}: {} examples, {} target tokens; arena {} (planned), process peak {} (measured)\n",
-                             a->eval_file, r.num_sequences, r.num_tokens, format_bytes(model->plan().peak_bytes()),
-                             format_bytes(process_peak_rss_bytes(model->arena())));
-    for (const auto& [name, value] : r.values) std::cout << fmt::format("{:<16} {:.6f}\n", name, value);
-  };
+  return [a, &app] { run_eval(*a, app); };
 }
 
 }  // namespace memtune::cli
