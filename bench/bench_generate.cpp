@@ -31,6 +31,7 @@
 #include "memory/process_memory.h"
 #include "model/load.h"
 #include "bench_util.h"
+#include "options/inference_options.h"
 
 using namespace memtune;
 using bench::Clock;

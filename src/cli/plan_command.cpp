@@ -30,6 +30,7 @@
 #include "model/load.h"
 #include "options/command_setup.h"
 #include "model/config.h"
+#include "options/inference_options.h"
 
 namespace memtune::cli {
 namespace {
@@ -109,7 +110,8 @@ void plan_process_and_model(TrainingBill& b) {
 void plan_budgets(TrainingBill& b, Backend& backend) {
   const TrainingArguments& r = b.args.run;
   if (const std::optional<DeviceMemoryFigures> figures = backend.device_memory_figures()) {
-    DeviceView d{.figures = *figures};
+    DeviceView d;
+    d.figures = *figures;
     try {
       for (const PlanSegment& s : plan_segments(b.train_model.plan(), figures->max_allocation_bytes))
         d.allocations.push_back(s.bytes);

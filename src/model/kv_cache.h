@@ -51,14 +51,6 @@ size_t kv_bytes_per_token(const ModelConfig& config);
 // Blocks that hold `tokens` tokens.
 int64_t kv_blocks_for(int64_t tokens, int64_t block_size);
 
-// The options of an inference model for these limits. Without a budget the pool holds
-// max_num_seqs sequences of max_model_len; with one, as many blocks as fit after everything
-// else the plan holds. Errors name the flag: limits that are not positive, max_model_len beyond
-// max_position_embeddings, max_num_batched_tokens below max_num_seqs, a budget that cannot hold
-// the model plus one sequence of max_model_len.
-ModelOptions inference_model_options(const ModelConfig& config, const InferenceLimits& limits, Backend* backend,
-                                     bool allocate = true);
-
 // Declares each layer's K and V buffers (persistent, Category::KvCache) into `plan`.
 void declare_kv_cache(const ModelConfig& config, const KvCacheOptions& kv, MemoryPlan& plan, std::vector<BufferId>& k,
                       std::vector<BufferId>& v);

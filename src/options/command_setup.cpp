@@ -10,6 +10,7 @@
 #include "model/decoder.h"
 #include "model/load.h"
 #include "model/lora.h"
+#include "options/inference_options.h"
 
 namespace memtune {
 

@@ -35,6 +35,7 @@
 #include "train/training_checkpoint.h"
 #include "core/console.h"
 #include "train/trainer.h"
+#include "options/inference_options.h"
 
 namespace memtune {
 

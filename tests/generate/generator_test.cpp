@@ -18,6 +18,7 @@
 #include "support/test_util.h"
 #include "tokenizer/unicode.h"
 #include "support/numeric.h"
+#include "options/inference_options.h"
 
 namespace memtune {
 namespace {

@@ -19,6 +19,7 @@
 #include "model/kv_cache.h"
 #include "support/test_util.h"
 #include "tokenizer/unicode.h"
+#include "options/inference_options.h"
 
 namespace memtune {
 namespace {
