@@ -138,7 +138,11 @@ std::string inference_plan_text(const InferenceSetup& s, const MemoryPlan& plan)
       plan.summary(nullptr, Phase::Loss), s.process.summary());
 }
 
-void add_inference_flags(CLI::App& app, InferenceArgs& args, InferenceCommand command) {
+namespace {
+
+// The model: its directory (or plan --inference's preset and quantization), its adapters, the
+// tokenizer, the backend and how quantized products take their input.
+void add_model_flags(CLI::App& app, InferenceArgs& args, InferenceCommand command) {
   const bool plan_only = command == InferenceCommand::Plan, serving = command == InferenceCommand::Serve;
   InferenceArgs* a = &args;
   auto* model = app.add_option(serving ? "model,--model_name_or_path,--model" : "--model_name_or_path,--model",
@@ -194,30 +198,40 @@ void add_inference_flags(CLI::App& app, InferenceArgs& args, InferenceCommand co
     app.add_option("--enable_thinking", a->enable_thinking,
                    "Qwen3's chat template: false starts the reply after an empty think block (no reasoning)")
         ->capture_default_str();
-  if (!serving) {
-    app.add_option("--prompt", a->prompt, "one prompt; its text is streamed to stdout");
-    app.add_option("--input", a->input,
-                   "JSONL, one request per line: {\"prompt\": TEXT} | {\"messages\": [...]} | {\"prompt_ids\": [...]}");
-    app.add_option("--output", a->output, "write the results here as JSONL, in input order (default: stdout)");
-    app.add_flag("--chat", a->chat, "render --prompt and \"prompt\" lines as a user message with the chat template");
-    app.add_option("--system", a->system, "system message for chat prompts without one");
-    app.add_option("--max_new_tokens", a->max_new_tokens, "the most tokens generated per request")
-        ->capture_default_str()
-        ->check(CLI::PositiveNumber);
-    SamplingParams& s = a->sampling;
-    app.add_option("--temperature", s.temperature, "0: greedy")->capture_default_str();
-    app.add_option("--top_k", s.top_k, "keep the k most likely tokens (0 or -1: all)")->capture_default_str();
-    app.add_option("--top_p", s.top_p, "keep the smallest set reaching this probability")->capture_default_str();
-    app.add_option("--min_p", s.min_p, "keep tokens at least min_p times as likely as the best")->capture_default_str();
-    app.add_option("--repetition_penalty", s.repetition_penalty, "> 1 discourages prompt and output tokens")
-        ->capture_default_str();
-    app.add_option("--presence_penalty", s.presence_penalty)->capture_default_str();
-    app.add_option("--frequency_penalty", s.frequency_penalty)->capture_default_str();
-    app.add_option("--seed", s.seed, "random seed; request i of the input draws from stream i")->capture_default_str();
-    app.add_option("--stop", a->stop, "a stop string (repeatable): the reply ends before it");
-    app.add_option("--stop_token_ids", a->stop_token_ids, "more stop token ids")->delimiter(',');
-    app.add_flag("--ignore_eos", a->ignore_eos, "do not stop at eos / <|im_end|>: always max_new_tokens");
-  }
+}
+
+// What to generate and how to choose tokens (generate, chat, plan --inference; serve takes
+// these per request).
+void add_request_flags(CLI::App& app, InferenceArgs& args) {
+  InferenceArgs* a = &args;
+  app.add_option("--prompt", a->prompt, "one prompt; its text is streamed to stdout");
+  app.add_option("--input", a->input,
+                 "JSONL, one request per line: {\"prompt\": TEXT} | {\"messages\": [...]} | {\"prompt_ids\": [...]}");
+  app.add_option("--output", a->output, "write the results here as JSONL, in input order (default: stdout)");
+  app.add_flag("--chat", a->chat, "render --prompt and \"prompt\" lines as a user message with the chat template");
+  app.add_option("--system", a->system, "system message for chat prompts without one");
+  app.add_option("--max_new_tokens", a->max_new_tokens, "the most tokens generated per request")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  SamplingParams& s = a->sampling;
+  app.add_option("--temperature", s.temperature, "0: greedy")->capture_default_str();
+  app.add_option("--top_k", s.top_k, "keep the k most likely tokens (0 or -1: all)")->capture_default_str();
+  app.add_option("--top_p", s.top_p, "keep the smallest set reaching this probability")->capture_default_str();
+  app.add_option("--min_p", s.min_p, "keep tokens at least min_p times as likely as the best")->capture_default_str();
+  app.add_option("--repetition_penalty", s.repetition_penalty, "> 1 discourages prompt and output tokens")
+      ->capture_default_str();
+  app.add_option("--presence_penalty", s.presence_penalty)->capture_default_str();
+  app.add_option("--frequency_penalty", s.frequency_penalty)->capture_default_str();
+  app.add_option("--seed", s.seed, "random seed; request i of the input draws from stream i")->capture_default_str();
+  app.add_option("--stop", a->stop, "a stop string (repeatable): the reply ends before it");
+  app.add_option("--stop_token_ids", a->stop_token_ids, "more stop token ids")->delimiter(',');
+  app.add_flag("--ignore_eos", a->ignore_eos, "do not stop at eos / <|im_end|>: always max_new_tokens");
+}
+
+// The KV cache's and a step's limits, the memory the plan may use, and the weights' storage.
+void add_limit_flags(CLI::App& app, InferenceArgs& args, InferenceCommand command) {
+  const bool serving = command == InferenceCommand::Serve;
+  InferenceArgs* a = &args;
   app.add_option("--max_model_len,--max-model-len", a->max_model_len,
                  serving ? "the most tokens (prompt + output) of one sequence (default: max_position_embeddings)"
                          : "the most tokens (prompt + output) of one sequence (default: the longest request)")
@@ -243,46 +257,59 @@ void add_inference_flags(CLI::App& app, InferenceArgs& args, InferenceCommand co
   app.add_flag("--fp16", a->flags.fp16, "store weights in float16");
   app.add_option("--host_memory", a->flags.host_memory,
                  "budget for the whole process (e.g. 16GiB): refuse to start when the prediction is above it");
-  if (!serving) app.add_flag("--json", a->json, "print the results and the summary as JSON");
-  app.parse_complete_callback([a, command, plan_only] {
-    for (const std::string& value : a->adapters) {
-      const size_t eq = value.find('=');
-      if (eq != std::string::npos && eq > 0 && value.find('/') > eq) {
-        a->named_adapters.emplace_back(value.substr(0, eq), value.substr(eq + 1));
-        a->flags.adapter_sets.push_back(value.substr(eq + 1));
-      } else if (a->flags.adapter.empty()) {
-        a->flags.adapter = value;
-      } else {
-        throw Error("--adapter: several adapters need names: --adapter NAME=DIR for each");
-      }
+}
+
+// The checks of the flags together, once parsed; named adapters go to the model's adapter sets.
+void check_inference_flags(InferenceArgs& a, InferenceCommand command) {
+  const bool plan_only = command == InferenceCommand::Plan;
+  for (const std::string& value : a.adapters) {
+    const size_t eq = value.find('=');
+    if (eq != std::string::npos && eq > 0 && value.find('/') > eq) {
+      a.named_adapters.emplace_back(value.substr(0, eq), value.substr(eq + 1));
+      a.flags.adapter_sets.push_back(value.substr(eq + 1));
+    } else if (a.flags.adapter.empty()) {
+      a.flags.adapter = value;
+    } else {
+      throw Error("--adapter: several adapters need names: --adapter NAME=DIR for each");
     }
-    if (!a->flags.adapter.empty() && !a->named_adapters.empty())
-      throw Error("--adapter: give one adapter DIR, or NAME=DIR for each of several, not both");
-    if (a->merge_adapter && !a->named_adapters.empty())
-      throw Error("--merge_adapter merges one adapter: it cannot be combined with named adapters");
-    if (a->skip_tokenizer_init && !a->stop.empty())
-      throw Error("--stop: stop strings are matched in text, which --skip_tokenizer_init does not make (use "
-                  "--stop_token_ids)");
-    if (command == InferenceCommand::Chat) {
-      if (!a->prompt.empty() || !a->input.empty()) throw Error("chat reads its prompts from the terminal");
-      return;
-    }
-    if (command == InferenceCommand::Serve) {
-      if (!a->flags.adapter.empty()) throw Error("--lora_modules: give each adapter a name, NAME=DIR");
-      for (const auto& [name, dir] : a->named_adapters)
-        if (name == (a->served_model_name.empty() ? a->flags.model : a->served_model_name))
-          throw Error(fmt::format("--lora_modules {}: the name is the base model's", name));
-      if (a->port < 0 || a->port > 65535) throw Error(fmt::format("--port {}: expected 0 to 65535", a->port));
-      return;
-    }
-    if (!plan_only && a->prompt.empty() == a->input.empty())
-      throw Error("give one of --prompt TEXT and --input FILE.jsonl");
-    if (!a->prompt.empty() && !a->input.empty())
-      throw Error("give one of --prompt TEXT and --input FILE.jsonl, not both");
-    if (plan_only && a->flags.model.empty() == a->flags.preset.empty())
-      throw Error("plan needs exactly one of --model or --preset");
-    check_local_dataset(a->input, "--input");
-  });
+  }
+  if (!a.flags.adapter.empty() && !a.named_adapters.empty())
+    throw Error("--adapter: give one adapter DIR, or NAME=DIR for each of several, not both");
+  if (a.merge_adapter && !a.named_adapters.empty())
+    throw Error("--merge_adapter merges one adapter: it cannot be combined with named adapters");
+  if (a.skip_tokenizer_init && !a.stop.empty())
+    throw Error("--stop: stop strings are matched in text, which --skip_tokenizer_init does not make (use "
+                "--stop_token_ids)");
+  if (command == InferenceCommand::Chat) {
+    if (!a.prompt.empty() || !a.input.empty()) throw Error("chat reads its prompts from the terminal");
+    return;
+  }
+  if (command == InferenceCommand::Serve) {
+    if (!a.flags.adapter.empty()) throw Error("--lora_modules: give each adapter a name, NAME=DIR");
+    for (const auto& [name, dir] : a.named_adapters)
+      if (name == (a.served_model_name.empty() ? a.flags.model : a.served_model_name))
+        throw Error(fmt::format("--lora_modules {}: the name is the base model's", name));
+    if (a.port < 0 || a.port > 65535) throw Error(fmt::format("--port {}: expected 0 to 65535", a.port));
+    return;
+  }
+  if (!plan_only && a.prompt.empty() == a.input.empty())
+    throw Error("give one of --prompt TEXT and --input FILE.jsonl");
+  if (!a.prompt.empty() && !a.input.empty())
+    throw Error("give one of --prompt TEXT and --input FILE.jsonl, not both");
+  if (plan_only && a.flags.model.empty() == a.flags.preset.empty())
+    throw Error("plan needs exactly one of --model or --preset");
+  check_local_dataset(a.input, "--input");
+}
+
+}  // namespace
+
+void add_inference_flags(CLI::App& app, InferenceArgs& args, InferenceCommand command) {
+  const bool serving = command == InferenceCommand::Serve;
+  add_model_flags(app, args, command);
+  if (!serving) add_request_flags(app, args);
+  add_limit_flags(app, args, command);
+  if (!serving) app.add_flag("--json", args.json, "print the results and the summary as JSON");
+  app.parse_complete_callback([a = &args, command] { check_inference_flags(*a, command); });
 }
 
 std::function<void()> inference_action(CLI::App& app, InferenceCommand command, void (*run)(const InferenceArgs&)) {
