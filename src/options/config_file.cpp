@@ -284,137 +284,105 @@ std::string ignored_keys_notice(const std::vector<std::string>& ignored) {
   return fmt::format("memtune: note: accepted and ignored (no effect on the result): {}", list);
 }
 
-PreparedArguments prepare_arguments(const std::vector<std::string>& argv, size_t command_at, const CLI::App& command,
-                                    bool compatible) {
-  PreparedArguments out;
-  std::vector<std::string> tail;    // the command line after the subcommand name
-  ConfigEntries from_command_line;  // compatibility keys given as flags
-  std::string config_path;
-  // Values of single-valued options per option, to refuse two spellings with two values.
-  std::map<const CLI::Option*, std::pair<std::string, std::string>> given;
-  std::set<const CLI::Option*> on_command_line;  // the file's value of these is not used
-  auto remember = [&](const CLI::Option* opt, const std::string& name, const std::string& value) {
-    if (!compatible || opt->get_items_expected_max() > 1) return;
-    auto [it, fresh] = given.try_emplace(opt, name, value);
-    if (!fresh && it->second.first != name && it->second.second != value)
-      throw Error(fmt::format("--{} {} and --{} {} are the same setting with two values: give one", it->second.first,
-                              it->second.second, name, value));
-    it->second = {name, value};
-  };
-  for (size_t i = command_at; i < argv.size(); ++i) {
-    std::string arg = argv[i];
-    if (!arg.starts_with("--") || arg == "--") {
-      tail.push_back(arg);
-      continue;
-    }
-    const size_t eq = arg.find('=');
-    const std::string name = arg.substr(2, eq == std::string::npos ? std::string::npos : eq - 2);
-    const bool inline_value = eq != std::string::npos;
-    if (compatible && name == "config") {
-      if (inline_value) {
-        config_path = arg.substr(eq + 1);
-      } else if (i + 1 < argv.size()) {
-        config_path = argv[++i];
-      } else {
-        throw Error("--config needs a file name");
-      }
-      continue;
-    }
-    if (const CLI::Option* opt = command.get_option_no_throw("--" + name)) {
-      on_command_line.insert(opt);
-      if (opt->get_items_expected_max() == 0) {  // a flag: `--flag VALUE` and `--flag=VALUE`
-        std::optional<bool> value = true;
-        if (inline_value) {
-          value = boolean_word(arg.substr(eq + 1));
-          if (value) arg = fmt::format("--{}={}", name, *value ? "true" : "false");
-        } else if (i + 1 < argv.size() && boolean_word(argv[i + 1])) {
-          value = boolean_word(argv[++i]);
-          arg = fmt::format("--{}={}", name, *value ? "true" : "false");
-        }
-        if (value) remember(opt, name, *value ? "true" : "false");
-      } else if (inline_value) {
-        remember(opt, name, arg.substr(eq + 1));
-      } else if (i + 1 < argv.size()) {
-        remember(opt, name, argv[i + 1]);
-        // ms-swift takes lists with spaces (--dataset a.jsonl b.jsonl); these commands take no
-        // positional arguments, so a second word names what went wrong.
-        if (compatible && opt->get_items_expected_max() == 1 && i + 2 < argv.size() && !argv[i + 2].starts_with("-"))
-          throw Error(fmt::format("--{} takes one value, got \"{}\" and \"{}\"", name, argv[i + 1], argv[i + 2]));
-      }
-      tail.push_back(arg);
-      continue;
-    }
-    if (compatible && (ignored_keys().contains(name) || refused_keys().contains(name))) {
-      // Its values: the inline one, or every word up to the next flag (these commands take no
-      // positional arguments).
-      json value;
-      if (inline_value) {
-        value = plain_scalar(arg.substr(eq + 1));
-      } else {
-        std::vector<std::string> words;
-        while (i + 1 < argv.size() && !argv[i + 1].starts_with("--")) words.push_back(argv[++i]);
-        if (words.empty())
-          value = true;
-        else if (words.size() == 1)
-          value = plain_scalar(words[0]);
-        else
-          value = words;
-      }
-      from_command_line.emplace_back(name, value);
-      continue;
-    }
-    tail.push_back(arg);  // CLI11 names it if it is unknown
-  }
+namespace {
 
-  // Which keys `memtune train` knows, for `memtune eval` given a training config; built once
-  // (only its option names are read).
+// Which keys `memtune train` knows, for `memtune eval` given a training config; built once
+// (only its option names are read).
+const CLI::App& training_flags() {
   static const CLI::App& training = []() -> const CLI::App& {
     static CLI::App app;
     static TrainingArguments args;
     add_training_arguments(app, args, ArgumentsFor::Plan);
     return app;
   }();
+  return training;
+}
 
-  std::vector<std::string> from_file;
-  auto classify = [&](const std::string& key, const json& value, const std::string& where, bool in_file) {
-    const std::string origin = in_file ? fmt::format("{}: key \"{}\"", where, key) : "--" + key;
-    if (key == "lr_scheduler_kwargs") {
-      json kwargs = value;
-      if (kwargs.is_string()) kwargs = json::parse(kwargs.get<std::string>(), nullptr, /*allow_exceptions=*/false);
-      if (kwargs.is_object() && kwargs.size() == 1 && kwargs.contains("min_lr_rate") &&
-          kwargs["min_lr_rate"].is_number() && command.get_option_no_throw("--min_lr_rate")) {
-        (in_file ? from_file : tail).push_back("--min_lr_rate=" + value_text(kwargs["min_lr_rate"]));
-        return;
+// prepare_arguments in its phases: the command line read (flags, --config, compatibility keys),
+// the config file's keys, then the compatibility keys classified, and the arguments assembled.
+class ArgumentPreparer {
+ public:
+  ArgumentPreparer(const CLI::App& command, bool compatible) : command_(command), compatible_(compatible) {}
+
+  void read_command_line(const std::vector<std::string>& argv, size_t command_at) {
+    for (size_t i = command_at; i < argv.size(); ++i) {
+      std::string arg = argv[i];
+      if (!arg.starts_with("--") || arg == "--") {
+        tail_.push_back(arg);
+        continue;
       }
+      const size_t eq = arg.find('=');
+      const std::string name = arg.substr(2, eq == std::string::npos ? std::string::npos : eq - 2);
+      const bool inline_value = eq != std::string::npos;
+      if (compatible_ && name == "config") {
+        if (inline_value) {
+          config_path_ = arg.substr(eq + 1);
+        } else if (i + 1 < argv.size()) {
+          config_path_ = argv[++i];
+        } else {
+          throw Error("--config needs a file name");
+        }
+        continue;
+      }
+      if (const CLI::Option* opt = command_.get_option_no_throw("--" + name)) {
+        on_command_line_.insert(opt);
+        if (opt->get_items_expected_max() == 0) {  // a flag: `--flag VALUE` and `--flag=VALUE`
+          std::optional<bool> value = true;
+          if (inline_value) {
+            value = boolean_word(arg.substr(eq + 1));
+            if (value) arg = fmt::format("--{}={}", name, *value ? "true" : "false");
+          } else if (i + 1 < argv.size() && boolean_word(argv[i + 1])) {
+            value = boolean_word(argv[++i]);
+            arg = fmt::format("--{}={}", name, *value ? "true" : "false");
+          }
+          if (value) remember(opt, name, *value ? "true" : "false");
+        } else if (inline_value) {
+          remember(opt, name, arg.substr(eq + 1));
+        } else if (i + 1 < argv.size()) {
+          remember(opt, name, argv[i + 1]);
+          // ms-swift takes lists with spaces (--dataset a.jsonl b.jsonl); these commands take no
+          // positional arguments, so a second word names what went wrong.
+          if (compatible_ && opt->get_items_expected_max() == 1 && i + 2 < argv.size() && !argv[i + 2].starts_with("-"))
+            throw Error(fmt::format("--{} takes one value, got \"{}\" and \"{}\"", name, argv[i + 1], argv[i + 2]));
+        }
+        tail_.push_back(arg);
+        continue;
+      }
+      if (compatible_ && (ignored_keys().contains(name) || refused_keys().contains(name))) {
+        // Its values: the inline one, or every word up to the next flag (these commands take no
+        // positional arguments).
+        json value;
+        if (inline_value) {
+          value = plain_scalar(arg.substr(eq + 1));
+        } else {
+          std::vector<std::string> words;
+          while (i + 1 < argv.size() && !argv[i + 1].starts_with("--")) words.push_back(argv[++i]);
+          if (words.empty())
+            value = true;
+          else if (words.size() == 1)
+            value = plain_scalar(words[0]);
+          else
+            value = words;
+        }
+        from_command_line_.emplace_back(name, value);
+        continue;
+      }
+      tail_.push_back(arg);  // CLI11 names it if it is unknown
     }
-    if (ignored_keys().contains(key)) {
-      out.ignored.push_back(key);
-    } else if (const auto rule = refused_keys().find(key); rule != refused_keys().end()) {
-      if (!is_inactive(value, rule->second))
-        throw Error(
-            fmt::format("{}: {} is not something memtune does; {}", origin, json_excerpt(value), rule->second.instead));
-      out.ignored.push_back(key);
-    } else if (in_file && training.get_option_no_throw("--" + key)) {
-      out.ignored.push_back(key);  // a training key read by `memtune eval`
-    } else {
-      throw Error(
-          fmt::format("{}: unknown key (not a memtune flag, nor a Hugging Face, ms-swift or LLaMA-Factory "
-                      "argument memtune accepts; see `memtune {} --help`)",
-                      origin, command.get_name()));
-    }
-  };
+  }
 
-  if (!config_path.empty()) {
-    for (const auto& [key, value] : read_config_file(config_path)) {
+  void read_config_file_keys() {
+    if (config_path_.empty()) return;
+    for (const auto& [key, value] : read_config_file(config_path_)) {
       if (key == "config")
-        throw Error(fmt::format("{}: key \"config\": a config file cannot name another", config_path));
-      const CLI::Option* opt = command.get_option_no_throw("--" + key);
+        throw Error(fmt::format("{}: key \"config\": a config file cannot name another", config_path_));
+      const CLI::Option* opt = command_.get_option_no_throw("--" + key);
       if (!opt) {
-        classify(key, value, config_path, true);  // a null there is inactive, but must be a key memtune knows
+        classify(key, value, config_path_, true);  // a null there is inactive, but must be a key memtune knows
         continue;
       }
       if (value.is_null()) continue;  // "not set", as a Hugging Face dump writes unset fields
-      const std::string origin = fmt::format("{}: key \"{}\"", config_path, key);
+      const std::string origin = fmt::format("{}: key \"{}\"", config_path_, key);
       if (value.is_object())
         throw Error(fmt::format("{}: expected a value or a list of values, got a mapping", origin));
       if (value.is_array()) {
@@ -430,18 +398,85 @@ PreparedArguments prepare_arguments(const std::vector<std::string>& argv, size_t
         text = *b ? "true" : "false";
       }
       // The command line wins (for list options too, which would otherwise collect both).
-      if (!on_command_line.contains(opt)) from_file.push_back(fmt::format("--{}={}", key, text));
+      if (!on_command_line_.contains(opt)) from_file_.push_back(fmt::format("--{}={}", key, text));
     }
   }
-  for (const auto& [key, value] : from_command_line) classify(key, value, "", false);
+
+  void classify_command_line_keys() {
+    for (const auto& [key, value] : from_command_line_) classify(key, value, "", false);
+  }
 
   // The subcommand's name, then the file's flags, then the command line's, which win.
-  out.args.assign(argv.begin(), argv.begin() + static_cast<std::ptrdiff_t>(command_at));
-  out.args.insert(out.args.end(), from_file.begin(), from_file.end());
-  out.args.insert(out.args.end(), tail.begin(), tail.end());
-  std::sort(out.ignored.begin(), out.ignored.end());
-  out.ignored.erase(std::unique(out.ignored.begin(), out.ignored.end()), out.ignored.end());
-  return out;
+  PreparedArguments finish(const std::vector<std::string>& argv, size_t command_at) {
+    out_.args.assign(argv.begin(), argv.begin() + static_cast<std::ptrdiff_t>(command_at));
+    out_.args.insert(out_.args.end(), from_file_.begin(), from_file_.end());
+    out_.args.insert(out_.args.end(), tail_.begin(), tail_.end());
+    std::sort(out_.ignored.begin(), out_.ignored.end());
+    out_.ignored.erase(std::unique(out_.ignored.begin(), out_.ignored.end()), out_.ignored.end());
+    return std::move(out_);
+  }
+
+ private:
+  // Values of single-valued options per option, to refuse two spellings with two values.
+  void remember(const CLI::Option* opt, const std::string& name, const std::string& value) {
+    if (!compatible_ || opt->get_items_expected_max() > 1) return;
+    auto [it, fresh] = given_.try_emplace(opt, name, value);
+    if (!fresh && it->second.first != name && it->second.second != value)
+      throw Error(fmt::format("--{} {} and --{} {} are the same setting with two values: give one", it->second.first,
+                              it->second.second, name, value));
+    it->second = {name, value};
+  }
+
+  // A key that is no flag of the command: applied (lr_scheduler_kwargs), ignored, refused when
+  // active, a training key `memtune eval` skips, or unknown.
+  void classify(const std::string& key, const json& value, const std::string& where, bool in_file) {
+    const std::string origin = in_file ? fmt::format("{}: key \"{}\"", where, key) : "--" + key;
+    if (key == "lr_scheduler_kwargs") {
+      json kwargs = value;
+      if (kwargs.is_string()) kwargs = json::parse(kwargs.get<std::string>(), nullptr, /*allow_exceptions=*/false);
+      if (kwargs.is_object() && kwargs.size() == 1 && kwargs.contains("min_lr_rate") &&
+          kwargs["min_lr_rate"].is_number() && command_.get_option_no_throw("--min_lr_rate")) {
+        (in_file ? from_file_ : tail_).push_back("--min_lr_rate=" + value_text(kwargs["min_lr_rate"]));
+        return;
+      }
+    }
+    if (ignored_keys().contains(key)) {
+      out_.ignored.push_back(key);
+    } else if (const auto rule = refused_keys().find(key); rule != refused_keys().end()) {
+      if (!is_inactive(value, rule->second))
+        throw Error(
+            fmt::format("{}: {} is not something memtune does; {}", origin, json_excerpt(value), rule->second.instead));
+      out_.ignored.push_back(key);
+    } else if (in_file && training_flags().get_option_no_throw("--" + key)) {
+      out_.ignored.push_back(key);  // a training key read by `memtune eval`
+    } else {
+      throw Error(
+          fmt::format("{}: unknown key (not a memtune flag, nor a Hugging Face, ms-swift or LLaMA-Factory "
+                      "argument memtune accepts; see `memtune {} --help`)",
+                      origin, command_.get_name()));
+    }
+  }
+
+  const CLI::App& command_;
+  const bool compatible_;
+  PreparedArguments out_;
+  std::vector<std::string> tail_;    // the command line after the subcommand name
+  ConfigEntries from_command_line_;  // compatibility keys given as flags
+  std::string config_path_;
+  std::map<const CLI::Option*, std::pair<std::string, std::string>> given_;
+  std::set<const CLI::Option*> on_command_line_;  // the file's value of these is not used
+  std::vector<std::string> from_file_;
+};
+
+}  // namespace
+
+PreparedArguments prepare_arguments(const std::vector<std::string>& argv, size_t command_at, const CLI::App& command,
+                                    bool compatible) {
+  ArgumentPreparer p(command, compatible);
+  p.read_command_line(argv, command_at);
+  p.read_config_file_keys();
+  p.classify_command_line_keys();
+  return p.finish(argv, command_at);
 }
 
 }  // namespace memtune
