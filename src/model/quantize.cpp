@@ -204,17 +204,17 @@ LinearSite input_site(LinearSite s) {
 
 }  // namespace
 
-QuantizeSummary quantize_model(const std::string& model_dir, const std::string& out_dir, const QuantizeOptions& o,
-                               const std::vector<std::vector<int32_t>>& calibration, Backend& backend) {
-  const std::string config_path = (std::filesystem::path(model_dir) / "config.json").string();
-  nlohmann::json doc = read_json_file(config_path);
-  const ModelConfig source = parse_model_config(doc, config_path);
+namespace {
+
+// The quantized model's config: the source's with the target's quantization; a packed head is a
+// tensor of its own (lm_head.qweight), so the embedding keeps the tied weights.
+ModelConfig quantized_config(const ModelConfig& source, const QuantizeOptions& o,
+                             const std::vector<std::vector<int32_t>>& calibration, const std::string& config_path) {
   if (source.quant.enabled())
     throw Error(fmt::format("{}: the model is already quantized ({}-bit {})", config_path, source.quant.bits,
                             quant_method_name(source.quant.method)));
   ModelConfig target = source;
   target.quant = o.target;
-  // A packed head is a tensor of its own (lm_head.qweight): the embedding keeps the tied weights.
   if (o.target.lm_head_bits) {
     if (o.target.method != QuantMethod::Gptq) throw Error("--lm_head_bits: packed LM heads are written in GPTQ files");
     target.tie_word_embeddings = false;
@@ -223,44 +223,29 @@ QuantizeSummary quantize_model(const std::string& model_dir, const std::string& 
   parse_model_config(config_to_json(target), "the quantized model's config");
   if (o.target.desc_act && !o.gptq) throw Error("act-order (desc_act) needs the GPTQ method");
   if (o.gptq && calibration.empty()) throw Error("the GPTQ method needs calibration data (--calibration_file)");
+  return target;
+}
 
-  const CheckpointReader checkpoint(model_dir);
-  const std::vector<ParamSpec> specs = model_parameter_specs(target);
-  // Where a tensor's float values are: a tied source's head is its embedding.
-  auto source_name = [&](const ParamSpec& s) {
-    return s.name == "lm_head.weight" && source.tie_word_embeddings ? std::string("model.embed_tokens.weight") : s.name;
-  };
-  // The layers round or run GPTQ with the target's settings; the head rounds to nearest with its bits.
-  auto rtn = [&](const ParamSpec& s) {
-    std::vector<float> w(static_cast<size_t>(s.numel()));
-    checkpoint.read_into(source_name(s), s.shape, w.data(), DType::F32);
-    QuantConfig t = o.target;
-    t.bits = packed_bits(target, s);
-    if (s.name == "lm_head.weight") t.desc_act = false;
-    return std::pair{std::move(w), quantize_rtn(w, s.shape[0], s.shape[1], t)};
-  };
-  std::map<std::string, QuantizedLayer> layers;  // by spec name
-  QuantizeSummary summary;
-  double squared_error = 0, elements = 0;
-  auto record = [&](const ParamSpec& s, const std::vector<float>& w, QuantizedLayer layer) {
-    const std::vector<float> back = dequantize_layer(layer);
-    for (size_t k = 0; k < w.size(); ++k) squared_error += double(back[k] - w[k]) * (back[k] - w[k]);
-    elements += static_cast<double>(w.size());
-    summary.float_bytes += static_cast<size_t>(s.numel()) * dtype_size(checkpoint.info(source_name(s)).dtype);
-    layers.emplace(s.name, std::move(layer));
-  };
+// The layers of one model quantized, by rounding or by GPTQ, with what they cost in error.
+class LayerQuantizer {
+ public:
+  LayerQuantizer(const std::string& model_dir, const ModelConfig& source, const ModelConfig& target,
+                 const QuantizeOptions& o)
+      : checkpoint_(model_dir), source_(source), target_(target), o_(o) {}
 
-  if (!o.gptq) {
-    for (const ParamSpec& s : specs) {
-      if (!packed_bits(target, s)) continue;
-      auto [w, layer] = rtn(s);
-      record(s, w, std::move(layer));
-    }
-  } else {
+  // Every packed layer rounded to nearest (one tensor read at a time).
+  void round_all(const std::vector<ParamSpec>& specs) {
+    for (const ParamSpec& s : specs)
+      if (packed_bits(target_, s)) round(s);
+  }
+  // The decoder layers by GPTQ over `calibration` run through the float model on `backend`, a
+  // pass per group of layers whose Hessians fit the budget; a packed head rounds to nearest.
+  void gptq_all(const std::string& model_dir, const std::vector<ParamSpec>& specs,
+                const std::vector<std::vector<int32_t>>& calibration, Backend& backend) {
     int64_t longest = 0;
     for (const auto& seq : calibration) {
       longest = std::max<int64_t>(longest, static_cast<int64_t>(seq.size()));
-      summary.calibration_tokens += static_cast<int64_t>(seq.size());
+      summary_.calibration_tokens += static_cast<int64_t>(seq.size());
     }
     ModelOptions options;
     options.max_tokens = longest;
@@ -273,7 +258,7 @@ QuantizeSummary quantize_model(const std::string& model_dir, const std::string& 
     auto width = [&](LinearSite s) { return params.linear(0, s).in; };
     size_t layer_bytes = 0;
     for (const LinearSite s : kInputSites) layer_bytes += static_cast<size_t>(width(s) * width(s)) * 4;
-    const int64_t per_pass = std::max<int64_t>(1, static_cast<int64_t>(o.hessian_budget_bytes / layer_bytes));
+    const int64_t per_pass = std::max<int64_t>(1, static_cast<int64_t>(o_.hessian_budget_bytes / layer_bytes));
     for (int64_t l0 = 0; l0 < c.num_hidden_layers; l0 += per_pass) {
       const int64_t l1 = std::min(c.num_hidden_layers, l0 + per_pass);
       // Hessians of layers l0..l1 (upper triangles, summed over calibration tokens).
@@ -294,7 +279,7 @@ QuantizeSummary quantize_model(const std::string& model_dir, const std::string& 
         model->forward_loss({seq, seq, cu});
       }
       model->set_linear_input_observer(nullptr);
-      ++summary.passes;
+      ++summary_.passes;
       for (auto& [key, H] : hessians) {
         const int64_t in = width(key.second);
         for (int64_t i = 0; i < in; ++i)
@@ -307,19 +292,63 @@ QuantizeSummary quantize_model(const std::string& model_dir, const std::string& 
           const ParamSpec& spec = params.specs()[lin.weight];
           const std::vector<float> w = download_f32(backend, params.param(lin.weight));
           std::vector<float> H = hessians.at({l, input_site(s)});  // a copy: GPTQ changes it
-          record(spec, w, quantize_gptq(w, lin.out, lin.in, o.target, H, o.damp_percent));
+          record(spec, w, quantize_gptq(w, lin.out, lin.in, o_.target, H, o_.damp_percent));
         }
     }
     for (const ParamSpec& s : specs)
-      if (s.name == "lm_head.weight" && packed_bits(target, s)) {
-        auto [w, layer] = rtn(s);
-        record(s, w, std::move(layer));
-      }
+      if (s.name == "lm_head.weight" && packed_bits(target_, s)) round(s);
   }
 
-  // The file: every tensor in the source's order, quantized layers as their packed tensors.
-  std::vector<PackedTensors> packed;
-  packed.reserve(layers.size());
+  const CheckpointReader& checkpoint() const { return checkpoint_; }
+  const std::map<std::string, QuantizedLayer>& layers() const { return layers_; }
+  QuantizeSummary summary() const {
+    QuantizeSummary s = summary_;
+    s.layers = static_cast<int64_t>(layers_.size());
+    s.mean_squared_error = elements_ > 0 ? squared_error_ / elements_ : 0;
+    return s;
+  }
+
+ private:
+  // Where a tensor's float values are: a tied source's head is its embedding.
+  std::string source_name(const ParamSpec& s) const {
+    return s.name == "lm_head.weight" && source_.tie_word_embeddings ? std::string("model.embed_tokens.weight")
+                                                                      : s.name;
+  }
+  // The layers round with the target's settings; the head with its own bits.
+  void round(const ParamSpec& s) {
+    std::vector<float> w(static_cast<size_t>(s.numel()));
+    checkpoint_.read_into(source_name(s), s.shape, w.data(), DType::F32);
+    QuantConfig t = o_.target;
+    t.bits = packed_bits(target_, s);
+    if (s.name == "lm_head.weight") t.desc_act = false;
+    QuantizedLayer layer = quantize_rtn(w, s.shape[0], s.shape[1], t);
+    record(s, w, std::move(layer));
+  }
+  void record(const ParamSpec& s, const std::vector<float>& w, QuantizedLayer layer) {
+    const std::vector<float> back = dequantize_layer(layer);
+    for (size_t k = 0; k < w.size(); ++k) squared_error_ += double(back[k] - w[k]) * (back[k] - w[k]);
+    elements_ += static_cast<double>(w.size());
+    summary_.float_bytes += static_cast<size_t>(s.numel()) * dtype_size(checkpoint_.info(source_name(s)).dtype);
+    layers_.emplace(s.name, std::move(layer));
+  }
+
+  const CheckpointReader checkpoint_;
+  const ModelConfig& source_;
+  const ModelConfig& target_;
+  const QuantizeOptions& o_;
+  std::map<std::string, QuantizedLayer> layers_;  // by spec name
+  QuantizeSummary summary_;
+  double squared_error_ = 0, elements_ = 0;
+};
+
+// The file: every tensor in the source's order, quantized layers as their packed tensors
+// (`packed` keeps their bytes alive until written). Adds the packed bytes to `summary`.
+std::vector<TensorToWrite> tensors_to_write(const std::vector<ParamSpec>& specs, const ModelConfig& target,
+                                            const QuantizeOptions& o, const LayerQuantizer& q,
+                                            std::vector<PackedTensors>& packed, QuantizeSummary& summary) {
+  const CheckpointReader& checkpoint = q.checkpoint();
+  const std::map<std::string, QuantizedLayer>& layers = q.layers();
+  packed.reserve(layers.size());  // the tensors point into its elements
   std::vector<TensorToWrite> tensors;
   for (const ParamSpec& s : specs) {
     if (!packed_bits(target, s)) {
@@ -350,13 +379,31 @@ QuantizeSummary quantize_model(const std::string& model_dir, const std::string& 
     for (size_t k = tensors.size() - (o.target.method == QuantMethod::Gptq ? 4 : 3); k < tensors.size(); ++k)
       summary.packed_bytes += tensors[k].nbytes();
   }
+  return tensors;
+}
+
+}  // namespace
+
+QuantizeSummary quantize_model(const std::string& model_dir, const std::string& out_dir, const QuantizeOptions& o,
+                               const std::vector<std::vector<int32_t>>& calibration, Backend& backend) {
+  const std::string config_path = (std::filesystem::path(model_dir) / "config.json").string();
+  nlohmann::json doc = read_json_file(config_path);
+  const ModelConfig source = parse_model_config(doc, config_path);
+  const ModelConfig target = quantized_config(source, o, calibration, config_path);
+  const std::vector<ParamSpec> specs = model_parameter_specs(target);
+  LayerQuantizer q(model_dir, source, target, o);
+  if (o.gptq)
+    q.gptq_all(model_dir, specs, calibration, backend);
+  else
+    q.round_all(specs);
+  std::vector<PackedTensors> packed;
+  QuantizeSummary summary = q.summary();
+  const std::vector<TensorToWrite> tensors = tensors_to_write(specs, target, o, q, packed, summary);
   write_checkpoint(out_dir, tensors);
   doc["quantization_config"] = config_to_json(target)["quantization_config"];
   doc["tie_word_embeddings"] = target.tie_word_embeddings;
   write_file_atomically((std::filesystem::path(out_dir) / "config.json").string(), doc.dump(2) + "\n");
   copy_model_side_files(model_dir, out_dir);
-  summary.layers = static_cast<int64_t>(layers.size());
-  summary.mean_squared_error = elements > 0 ? squared_error / elements : 0;
   return summary;
 }
 
