@@ -79,11 +79,20 @@ for (const r of requests) {
 assert.ok(expected.some((e) => e.text.trim().length > 0), "every reference generation is empty");
 assert.ok(new Set(expected.map((e) => e.text)).size > 4, "the references hardly differ: adapters or prompts change nothing");
 
+// Every server started, killed when the test ends however it ends (a failed assertion leaves
+// none behind).
+const servers = new Set();
+process.on("exit", () => {
+  for (const child of servers) if (child.exitCode === null && child.signalCode === null) child.kill("SIGKILL");
+});
+
 // Starts a server; resolves with its base URL and the child process.
 function startServer(extra, maxModelLen = 96, modelDir = model) {
   const child = spawn(memtune, ["serve", modelDir, "--port", "0", "--max_model_len", String(maxModelLen),
                                 "--lora_modules", `a=${at("adapter_a")}`, `b=${at("adapter_b")}`, ...extra],
                       { stdio: ["ignore", "pipe", "pipe"] });
+  servers.add(child);
+  child.on("exit", () => servers.delete(child));
   let out = "";
   child.stderr.on("data", (d) => { out += d; });
   return new Promise((resolve, reject) => {
