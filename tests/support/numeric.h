@@ -29,8 +29,6 @@ struct Difference {
   std::string problem;  // empty, or why `worst` is NaN
 
   bool ok() const { return problem.empty(); }
-  // `worst` relative to `scale` (plus a floor that keeps all-zero references finite).
-  double relative(double floor = 1e-6) const { return worst / (scale + floor); }
   std::string describe() const {
     if (!problem.empty()) return problem;
     return fmt::format("worst |got - want| {:.6g} at index {} of {} (got {:.9g}, want {:.9g}); max |want| {:.6g}",

@@ -69,11 +69,6 @@ def difference(got, want, allow_nonfinite=None):
     return Difference(float(diff[i]), scale, i, float(g[i]), float(w[i]), "")
 
 
-def max_abs_diff(got, want):
-    """max |got - want|, NaN when either holds a non-finite value (every comparison with it fails)."""
-    return difference(got, want).worst
-
-
 def assert_close(got, want, atol=0.0, rtol=0.0, what="", allow_nonfinite=None):
     """Fails unless |got - want| <= atol + rtol * max|want| everywhere and both are finite.
     Returns the Difference."""
