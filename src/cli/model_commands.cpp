@@ -36,7 +36,7 @@ void apply_override(nlohmann::json& doc, const std::string& assignment) {
 
 Action add_init_model(CLI::App& app) {
   struct Args {
-    std::string preset, config, out, torch_dtype, backend = "cpu";
+    std::string preset, config, out, torch_dtype, backend = "cpu", max_shard_size = "5GB";
     uint64_t seed = 42;
     std::vector<std::string> overrides;
   };
@@ -48,6 +48,7 @@ Action add_init_model(CLI::App& app) {
   app.add_option("--seed", args->seed, "initialization seed")->capture_default_str();
   app.add_option("--torch_dtype", args->torch_dtype, "storage dtype: float32 | bfloat16 | float16");
   app.add_option("--set", args->overrides, "override a config field, key=value (repeatable)");
+  add_max_shard_size_option(app, args->max_shard_size);
   add_backend_option(app, args->backend);
   return [args] {
     if (args->preset.empty() == args->config.empty())
@@ -67,7 +68,7 @@ Action add_init_model(CLI::App& app) {
     options.backend = &backend_named(args->backend);
     Decoder model(cfg, options);
     model.parameters().init_random(args->seed);
-    model.parameters().save(args->out);
+    model.parameters().save(args->out, parse_bytes(args->max_shard_size, "--max_shard_size"));
     std::cout << fmt::format("wrote {} ({} parameters, {}, seed {})\n", args->out, model_parameter_count(cfg),
                              dtype_torch_name(cfg.torch_dtype), args->seed);
   };
@@ -167,12 +168,13 @@ Action add_dump(CLI::App& app) {
 
 Action add_merge(CLI::App& app) {
   struct Args {
-    std::string model, adapter, out, backend = "cpu";
+    std::string model, adapter, out, backend = "cpu", max_shard_size = "5GB";
   };
   auto args = std::make_shared<Args>();
   app.add_option("--model", args->model, "base model directory")->required();
   app.add_option("--adapter", args->adapter, "PEFT LoRA adapter directory")->required();
   app.add_option("--out", args->out, "where the merged checkpoint goes")->required();
+  add_max_shard_size_option(app, args->max_shard_size);
   add_backend_option(app, args->backend);
   return [args] {
     ModelOptions options;
@@ -182,7 +184,7 @@ Action add_merge(CLI::App& app) {
     options.backend = &backend_named(args->backend);
     const std::unique_ptr<Decoder> model = load_model(args->model, options, args->adapter);
     model->parameters().merge_lora();  // W += scaling * B A, rounded to the base's storage dtype
-    model->parameters().save(args->out);
+    model->parameters().save(args->out, parse_bytes(args->max_shard_size, "--max_shard_size"));
     copy_model_side_files(args->model, args->out);
     const LoraConfig& lora = model->options().lora;
     std::cout << fmt::format("merged {} (r={}, {}) into {}: wrote {}\n", args->adapter, lora.rank,

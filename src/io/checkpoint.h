@@ -53,8 +53,9 @@ class CheckpointReader {
 // Files go to temporary names first and are renamed into place in an order that never leaves
 // a mix of old and new files readable as a checkpoint; stale model files of an earlier write
 // into the same directory are removed.
+inline constexpr size_t kDefaultMaxShardBytes = 5'000'000'000;  // save_pretrained's "5GB"
 void write_checkpoint(const std::string& dir, const std::vector<TensorToWrite>& tensors,
-                      size_t max_shard_bytes = 5'000'000'000);
+                      size_t max_shard_bytes = kDefaultMaxShardBytes);
 
 // Copies what a model directory holds beside its weights and config (tokenizer.json,
 // tokenizer_config.json, generation_config.json), those present, from one directory to another.

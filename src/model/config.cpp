@@ -271,6 +271,7 @@ ModelConfig parse_model_config(const nlohmann::json& document, const std::string
   c.max_position_embeddings =
       doc.optional_integer("max_position_embeddings", 1).value_or(kDefaultMaxPositionEmbeddings);
   c.rms_norm_eps = optional_positive_number(doc, "rms_norm_eps").value_or(kDefaultRmsNormEps);
+  c.initializer_range = optional_positive_number(doc, "initializer_range").value_or(0.02);
   c.family = family;
   c.rope_theta = parse_rope_theta(doc, family, c.rope_scaling);
   c.tie_word_embeddings = doc.optional_bool("tie_word_embeddings").value_or(false);
@@ -401,6 +402,7 @@ nlohmann::json config_json(const ModelConfig& c) {
       {"vocab_size", c.vocab_size},
       {"max_position_embeddings", c.max_position_embeddings},
       {"rms_norm_eps", c.rms_norm_eps},
+      {"initializer_range", c.initializer_range},
       {"rope_theta", c.rope_theta},
       {"rope_scaling", nullptr},
       {"attention_dropout", 0.0},

@@ -83,6 +83,7 @@ struct ModelConfig {
   int64_t vocab_size = 0;
   int64_t max_position_embeddings = 32768;
   double rms_norm_eps = 1e-6;
+  double initializer_range = 0.02;  // the standard deviation of init-model's weights (transformers' meaning)
   double rope_theta = 10000.0;  // transformers' Qwen2Config default; presets set their own
   bool tie_word_embeddings = false;
   DType torch_dtype = DType::F32;

@@ -44,7 +44,7 @@ void ModelParameters::init_random(uint64_t seed) {
       std::fill(values.begin(), values.end(), 1.0f);
     } else if (s.name.ends_with(".weight")) {
       Rng rng(seed, s.name);
-      for (float& v : values) v = static_cast<float>(0.02 * rng.normal());
+      for (float& v : values) v = static_cast<float>(config_.initializer_range * rng.normal());
     }
     upload_f32(*backend_, param(i), values);
   }
@@ -180,13 +180,13 @@ void ModelParameters::restore(const std::string& dir) {
     load(CheckpointReader(dir));
 }
 
-void ModelParameters::save(const std::string& dir) const {
+void ModelParameters::save(const std::string& dir, size_t max_shard_bytes) const {
   if (config_.quant.enabled())
     throw Error(dir + ": a quantized base is not written back; memtune quantize writes quantized models");
   std::vector<TensorToWrite> tensors;
   for (size_t i = 0; i < specs_.size(); ++i)
     tensors.push_back(device_tensor_to_write(*backend_, specs_[i].name, specs_[i].shape, param(i)));
-  write_checkpoint(dir, tensors);
+  write_checkpoint(dir, tensors, max_shard_bytes);
   write_file_atomically((std::filesystem::path(dir) / "config.json").string(), config_to_json(config_).dump(2) + "\n");
 }
 

@@ -18,6 +18,7 @@
 #include "backend/backend.h"
 #include "core/error.h"
 #include "core/shard.h"
+#include "io/checkpoint.h"  // kDefaultMaxShardBytes
 #include "io/safetensors.h"
 #include "memory/arena.h"
 #include "memory/plan.h"
@@ -121,14 +122,15 @@ class ModelParameters {
   size_t final_norm() const { return final_norm_; }
   size_t head() const { return head_; }
 
-  // Deterministic initialization like Hugging Face: N(0, 0.02) for matrices and embeddings,
+  // Deterministic initialization like Hugging Face: N(0, initializer_range) for matrices and embeddings,
   // zero biases, unit norm weights.
   void init_random(uint64_t seed);
   // Loads every parameter from a checkpoint, converting dtype if needed; refuses missing or
   // unexpected tensors and shape mismatches with the tensor and file named.
   void load(const CheckpointReader& checkpoint);
-  // Writes config.json and model.safetensors (sharded when large) into dir.
-  void save(const std::string& dir) const;
+  // Writes config.json and model.safetensors into dir: shards of at most max_shard_bytes with an
+  // index when larger (save_pretrained's max_shard_size; 5GB by default, as there).
+  void save(const std::string& dir, size_t max_shard_bytes = kDefaultMaxShardBytes) const;
   // Loads what a training checkpoint or output directory holds of this model: the PEFT adapter
   // with LoRA, the whole model otherwise.
   void restore(const std::string& dir);

@@ -1,12 +1,16 @@
 #include "options/arguments.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <string_view>
 
 #include "core/error.h"
+#include "memory/plan.h"  // parse_bytes
 
 namespace memtune {
 
@@ -15,6 +19,13 @@ void add_backend_option(CLI::App& app, std::string& name) {
                  "where the model's memory lives and its ops run: cpu (fast) | reference (plain "
                  "float64 loops, the correctness oracle; slow) | vulkan (a Vulkan device: a GPU, or lavapipe on the "
                  "CPU; memtune devices lists them)")
+      ->capture_default_str();
+}
+
+void add_max_shard_size_option(CLI::App& app, std::string& size) {
+  app.add_option("--max_shard_size", size,
+                 "write the model in safetensors shards of at most this size with model.safetensors.index.json "
+                 "(e.g. 5GB, 200MB, 2GiB), as save_pretrained does")
       ->capture_default_str();
 }
 
@@ -81,9 +92,19 @@ void add_training_arguments(CLI::App& app, TrainingArguments& a, ArgumentsFor us
   app.add_option("--metric_for_best_model", a.metric_for_best_model)->capture_default_str();
   app.add_option("--greater_is_better", a.greater_is_better, "default: false for losses, true otherwise");
   app.add_option("--logging_steps", a.logging_steps)->capture_default_str();
+  app.add_option("--report_to", a.report_to,
+                 "integrations that also receive the logs, Hugging Face's names: tensorboard (event files in "
+                 "--logging_dir), all (= tensorboard), none (the default); wandb, mlflow and Hugging Face's other "
+                 "integrations are accepted and not written")
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll)
+      ->delimiter(',');
+  app.add_option("--logging_dir", a.logging_dir,
+                 "where --report_to tensorboard writes event files (default: output_dir/runs/<Mon><DD>_<HH>-<MM>-<SS>_"
+                 "<hostname>, as Hugging Face)");
   app.add_option("--save_strategy", a.save_strategy, "steps | epoch | no")->capture_default_str();
   app.add_option("--save_steps", a.save_steps)->capture_default_str();
   app.add_option("--save_total_limit", a.save_total_limit, "keep at most this many checkpoints (0: all)");
+  add_max_shard_size_option(app, a.max_shard_size);
   app.add_option("--resume_from_checkpoint", a.resume_from_checkpoint, "a checkpoint directory, or \"last\"");
   app.add_flag("--overwrite_output_dir", a.overwrite_output_dir,
                "replace the outputs of an earlier run in --output_dir (checkpoints, model or adapter, logs), removed "
@@ -109,6 +130,10 @@ void add_training_arguments(CLI::App& app, TrainingArguments& a, ArgumentsFor us
                  "budget for the whole process (e.g. 16GiB): refuse to start when the prediction is above it");
   app.add_option("--tuner_type,--train_type,--sft_type,--finetuning_type", a.tuner_type, "lora | full")
       ->capture_default_str();
+  app.add_option("--adapter_name_or_path,--adapter,--adapters", a.adapter,
+                 "go on training this PEFT LoRA adapter (memtune's or PEFT's): its adapter_config.json sets rank, "
+                 "alpha, dropout and targets, its weights replace the new adapter's initialization; the optimizer "
+                 "starts fresh (--resume_from_checkpoint continues a memtune run with its optimizer)");
   app.add_option("--lora_rank", a.lora_rank)->capture_default_str();
   app.add_option("--lora_alpha", a.lora_alpha)->capture_default_str();
   app.add_option("--lora_dropout", a.lora_dropout)->capture_default_str();
@@ -159,7 +184,49 @@ void check_local_dataset(const std::string& path, const char* flags) {
                   flags, path));
 }
 
+namespace {
+
+// Hugging Face's reporting integrations (transformers' INTEGRATION_TO_CALLBACK) but tensorboard.
+constexpr std::string_view kIntegrationsNotWritten[] = {"azure_ml", "clearml", "codecarbon", "comet_ml",
+                                                        "dagshub", "dvclive", "flyte", "mlflow",
+                                                        "neptune", "swanlab", "wandb"};
+
+}  // namespace
+
+ReportTo parse_report_to(const std::vector<std::string>& names) {
+  ReportTo out;
+  for (const std::string& name : names)
+    if (!name.empty()) out.names.push_back(name);  // `report_to: []` in a config file is no name
+  for (const std::string& name : out.names) {
+    if (name == "none" || name == "all") {
+      if (out.names.size() > 1)
+        throw Error(fmt::format("--report_to {}: {} stands alone, not beside other names", fmt::join(out.names, " "),
+                                name));
+      out.tensorboard = name == "all";  // every integration memtune has
+    } else if (name == "tensorboard") {
+      out.tensorboard = true;
+    } else if (std::find(std::begin(kIntegrationsNotWritten), std::end(kIntegrationsNotWritten), name) !=
+               std::end(kIntegrationsNotWritten)) {
+      if (std::find(out.not_written.begin(), out.not_written.end(), name) == out.not_written.end())
+        out.not_written.push_back(name);
+    } else {
+      throw Error(fmt::format(
+          "--report_to {}: not a reporting integration; valid: none, all, tensorboard (written), or Hugging Face's {} "
+          "(accepted, not written)",
+          name, fmt::join(kIntegrationsNotWritten, ", ")));
+    }
+  }
+  return out;
+}
+
+std::string report_to_note(const ReportTo& r) {
+  if (r.not_written.empty()) return "";
+  return fmt::format("memtune: note: --report_to {}: memtune writes tensorboard event files only; {} {} not written",
+                     fmt::join(r.names, " "), fmt::join(r.not_written, ", "), r.not_written.size() == 1 ? "is" : "are");
+}
+
 void validate_training_arguments(const TrainingArguments& a) {
+  parse_report_to(a.report_to);
   auto positive = [](int64_t v, const char* name) {
     if (v <= 0) throw Error(fmt::format("--{} must be positive, got {}", name, v));
   };
@@ -195,6 +262,10 @@ void validate_training_arguments(const TrainingArguments& a) {
   if (a.tuner_type == "lora" && a.lora_rank <= 0) throw Error("--lora_rank must be positive with --tuner_type lora");
   if (a.tuner_type == "lora" && a.lora_alpha <= 0) throw Error("--lora_alpha must be positive with --tuner_type lora");
   if (a.lora_dropout < 0 || a.lora_dropout >= 1) throw Error("--lora_dropout must be in [0, 1)");
+  if (!a.adapter.empty() && a.tuner_type != "lora")
+    throw Error(fmt::format("--adapter {} goes on training a LoRA adapter: it needs --tuner_type lora, got {}",
+                            a.adapter, a.tuner_type));
+  parse_bytes(a.max_shard_size, "--max_shard_size");
   if (a.save_strategy != "steps" && a.save_strategy != "epoch" && a.save_strategy != "no")
     throw Error(fmt::format("--save_strategy must be steps, epoch or no, got \"{}\"", a.save_strategy));
   if (a.save_strategy == "steps") positive(a.save_steps, "save_steps");

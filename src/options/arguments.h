@@ -19,6 +19,9 @@ namespace memtune {
 
 // --backend NAME on a command that builds a model: where its memory lives and its ops run.
 void add_backend_option(CLI::App& app, std::string& name);
+// --max_shard_size SIZE on a command that writes a model (save_pretrained's meaning: "5GB",
+// "200MB", "2GiB"; a tensor larger than the limit gets a shard of its own).
+void add_max_shard_size_option(CLI::App& app, std::string& size);
 // The options of a quantized model that runs without gradients: --quantized_activations int8 |
 // float (int8_activations.h: how products of many rows take their input) and --lm_head_bits 4 | 8
 // (the LM head packed at load, model/config.h: quantize_lm_head; 0 keeps the checkpoint's head).
@@ -59,9 +62,12 @@ struct TrainingArguments {
   int64_t max_new_tokens = 0;  // 0: the eval set's longest answer + 8
   // Logging and checkpoints.
   int64_t logging_steps = 500;
+  std::vector<std::string> report_to;  // Hugging Face integration names; empty: none (parse_report_to)
+  std::string logging_dir;             // TensorBoard event files; empty: Hugging Face's default
   std::string save_strategy = "steps";  // steps | epoch | no
   int64_t save_steps = 500;
   int64_t save_total_limit = 0;        // 0: keep all
+  std::string max_shard_size = "5GB";  // the saved model's shard limit (save_pretrained's max_shard_size)
   std::string resume_from_checkpoint;  // a checkpoint dir, or "last"
   bool ignore_data_mismatch = false;   // resume although the training file changed
   bool overwrite_output_dir = false;   // replace an earlier run's outputs in output_dir (else refused)
@@ -77,6 +83,7 @@ struct TrainingArguments {
   std::string host_memory;  // a budget for the whole process, e.g. 16GiB: refuse to start above it
   // Tuning.
   std::string tuner_type = "lora";  // lora | full (ms-swift's default is lora)
+  std::string adapter;              // a PEFT LoRA adapter to go on training (its config sets rank, alpha, targets)
   int64_t lora_rank = 8;
   double lora_alpha = 32;
   double lora_dropout = 0.05;
@@ -112,5 +119,19 @@ void refuse_non_finite_numbers(CLI::App& app);
 
 // Refuses impossible combinations, naming the flags.
 void validate_training_arguments(const TrainingArguments& args);
+
+// --report_to with Hugging Face's names. tensorboard, and all (every integration memtune has:
+// tensorboard), write event files; none or no name writes nothing (memtune's default). Hugging
+// Face's other integrations (wandb, mlflow, ...) are accepted and not written; any other name, or
+// none / all beside other names, is an Error naming it and the valid names.
+struct ReportTo {
+  std::vector<std::string> names;        // as given (empty values left out)
+  bool tensorboard = false;
+  std::vector<std::string> not_written;  // the Hugging Face integrations among them that memtune does not write
+};
+ReportTo parse_report_to(const std::vector<std::string>& names);
+// One line for the names given that are not written ("" when there are none): "memtune: note:
+// --report_to wandb: memtune writes tensorboard event files only; wandb is not written".
+std::string report_to_note(const ReportTo& report_to);
 
 }  // namespace memtune

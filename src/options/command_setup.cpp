@@ -78,6 +78,7 @@ ModelOptions training_model_options(const TrainingArguments& args, int64_t max_t
     o.lora.dropout = args.lora_dropout;
     o.lora.use_rslora = args.use_rslora;
     set_lora_targets(o.lora, args.target_modules);
+    if (!args.adapter.empty()) o.lora = load_lora_adapter_config(args.adapter);
   }
   return o;
 }

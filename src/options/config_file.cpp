@@ -34,13 +34,13 @@ const std::set<std::string, std::less<>>& ignored_keys() {
   static const std::set<std::string, std::less<>> keys = {
       // Hugging Face TrainingArguments
       "do_train", "do_eval", "do_predict", "prediction_loss_only", "torch_empty_cache_steps",
-      "log_level", "log_level_replica", "log_on_each_node", "logging_dir", "logging_strategy", "logging_first_step",
+      "log_level", "log_level_replica", "log_on_each_node", "logging_strategy", "logging_first_step",
       "logging_nan_inf_filter", "save_safetensors", "save_on_each_node", "save_only_model",
       "restore_callback_states_from_checkpoint", "no_cuda", "use_cpu", "use_mps_device", "jit_mode_eval", "use_ipex",
       "fp16_opt_level", "half_precision_backend", "bf16_full_eval", "fp16_full_eval", "tf32", "local_rank",
       "ddp_backend", "tpu_num_cores", "tpu_metrics_debug", "debug", "dataloader_num_workers",
       "dataloader_prefetch_factor", "past_index", "run_name", "disable_tqdm", "remove_unused_columns", "label_names",
-      "ignore_data_skip", "accelerator_config", "fsdp_config", "length_column_name", "report_to",
+      "ignore_data_skip", "accelerator_config", "fsdp_config", "length_column_name",
       "ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "dataloader_pin_memory",
       "dataloader_persistent_workers", "skip_memory_metrics", "use_legacy_prediction_loop", "push_to_hub",
       "hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "hub_always_push", "hub_revision",
@@ -83,7 +83,6 @@ const std::map<std::string, RefusedKey, std::less<>>& refused_keys() {
   static const std::string_view kQuantized =
       "memtune trains unquantized weights: --torch_dtype bfloat16 (or --bf16) halves their memory";
   static const std::string_view kHoldOut = "hold the evaluation lines out yourself and pass them as --eval_file FILE";
-  static const std::string_view kNewAdapter = "memtune trains a new adapter; evaluate one with `memtune eval --adapter DIR`";
   static const std::string_view kTunerType = "memtune trains LoRA adapters or everything: --tuner_type lora | full";
   static const std::string_view kNoLora = "memtune's LoRA is plain LoRA (--lora_rank, --lora_alpha, --use_rslora)";
   static const std::map<std::string, RefusedKey, std::less<>> keys = {
@@ -92,6 +91,7 @@ const std::map<std::string, RefusedKey, std::less<>>& refused_keys() {
       {"fsdp", {{}, kFsdp}},
       {"fsdp_min_num_params", {{}, kFsdp}},
       {"fsdp_transformer_layer_cls_to_wrap", {{}, kFsdp}},
+      {"tp_size", {{"1"}, "memtune's parallelism is data parallel: `mpirun -np N memtune train ...`"}},
       {"torch_compile", {{}, kCompile}},
       {"torch_compile_backend", {{}, kCompile}},
       {"torch_compile_mode", {{}, kCompile}},
@@ -124,14 +124,12 @@ const std::map<std::string, RefusedKey, std::less<>>& refused_keys() {
       {"freeze_parameters", {{}, kTunerType}},
       {"trainable_parameters", {{}, kTunerType}},
       {"loss_scale", {{"default"}, "the loss is on assistant tokens; --train_on_prompt adds the prompt tokens"}},
-      {"adapters", {{}, kNewAdapter}},
       {"resume_only_model", {{}, "use --resume_from_checkpoint DIR (model and optimizer state)"}},
       {"rope_scaling", {{}, "memtune reads rope scaling from the model's config.json only"}},
       // LLaMA-Factory
       {"stage", {{"sft"}, "memtune does supervised fine-tuning (stage: sft)"}},
       {"quantization_bit", {{}, kQuantized}},
       {"quantization_method", {{"bitsandbytes", "bnb"}, kQuantized}},
-      {"adapter_name_or_path", {{}, kNewAdapter}},
       {"val_size", {{}, kHoldOut}},
       {"max_samples", {{}, "cut the JSONL file to the lines you want"}},
       {"neat_packing", {{}, "use --packing"}},
@@ -381,7 +379,9 @@ class ArgumentPreparer {
         classify(key, value, config_path_, true);  // a null there is inactive, but must be a key memtune knows
         continue;
       }
-      if (value.is_null()) continue;  // "not set", as a Hugging Face dump writes unset fields
+      // "Not set", as a Hugging Face dump writes unset fields: null, or [] for a list (report_to: []
+      // is no integration, memtune's default).
+      if (value.is_null() || (value.is_array() && value.empty())) continue;
       const std::string origin = fmt::format("{}: key \"{}\"", config_path_, key);
       if (value.is_object())
         throw Error(fmt::format("{}: expected a value or a list of values, got a mapping", origin));

@@ -1,6 +1,7 @@
 // Chat templates written out in C++ (see chat_template.h): recognition of the tokenizer's Jinja
 // template by its distinctive literals, conversation validation, rendering to trainable and
-// untrainable segments, and segment-wise tokenization into ids and unshifted labels.
+// untrainable segments, and tokenization (whole text, or segment by segment for training) into
+// ids and unshifted labels.
 #include "tokenizer/chat_template.h"
 
 #include <fmt/format.h>
@@ -66,12 +67,43 @@ void add(std::vector<ChatSegment>& segments, std::string text, bool trainable) {
   segments.push_back({std::move(text), trainable});
 }
 
-// Jinja's trim: whitespace off both ends.
+// The UTF-8 of the characters Python's str.isspace() accepts (bidirectional class WS, B or S, or
+// category Zs), which str.strip() without arguments removes.
+constexpr std::array<std::string_view, 29> kPythonSpaces{
+    "\t",           "\n",           "\v",           "\f",           "\r",
+    "\x1c",         "\x1d",         "\x1e",         "\x1f",         " ",
+    "\xC2\x85",     "\xC2\xA0",     "\xE1\x9A\x80", "\xE2\x80\x80", "\xE2\x80\x81",  // U+0085 U+00A0 U+1680 U+2000..
+    "\xE2\x80\x82", "\xE2\x80\x83", "\xE2\x80\x84", "\xE2\x80\x85", "\xE2\x80\x86",
+    "\xE2\x80\x87", "\xE2\x80\x88", "\xE2\x80\x89", "\xE2\x80\x8A", "\xE2\x80\xA8",  // ..U+200A U+2028
+    "\xE2\x80\xA9", "\xE2\x80\xAF", "\xE2\x81\x9F", "\xE3\x80\x80",                 // U+2029 U+202F U+205F U+3000
+};
+
+// Jinja's trim, which is Python's str.strip(): those characters off both ends.
 std::string_view trim_whitespace(std::string_view s) {
-  const auto space = [](char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; };
-  while (!s.empty() && space(s.front())) s.remove_prefix(1);
-  while (!s.empty() && space(s.back())) s.remove_suffix(1);
+  for (bool again = true; again && !s.empty();) {
+    again = false;
+    for (std::string_view space : kPythonSpaces)
+      if (s.starts_with(space)) {
+        s.remove_prefix(space.size());
+        again = true;
+        break;
+      }
+  }
+  for (bool again = true; again && !s.empty();) {
+    again = false;
+    for (std::string_view space : kPythonSpaces)
+      if (s.ends_with(space)) {
+        s.remove_suffix(space.size());
+        again = true;
+        break;
+      }
+  }
   return s;
+}
+
+// Qwen3's template: a user message that is a tool's result, not a query.
+bool is_tool_response(const ChatMessage& m) {
+  return m.content.starts_with("<tool_response>") && m.content.ends_with("</tool_response>");
 }
 
 }  // namespace
@@ -190,10 +222,11 @@ std::vector<ChatSegment> render_chat(ChatTemplate chat_template, std::span<const
     return segments;
   }
   if (chat_template == ChatTemplate::Qwen3) {
-    // The index of the last user message: replies after it keep their reasoning.
-    size_t last_query = messages.size();
+    // The template's last_query_index: the last user message that is not a tool response, else
+    // the last message (so no reply keeps its reasoning). Replies after it keep their reasoning.
+    size_t last_query = messages.empty() ? 0 : messages.size() - 1;
     for (size_t i = messages.size(); i-- > 0;)
-      if (messages[i].role == "user") {
+      if (messages[i].role == "user" && !is_tool_response(messages[i])) {
         last_query = i;
         break;
       }
@@ -216,7 +249,7 @@ std::vector<ChatSegment> render_chat(ChatTemplate chat_template, std::span<const
         while (!content.empty() && content.front() == '\n') content.remove_prefix(1);
       }
       std::string body;
-      if (last_query < messages.size() && i > last_query && (i + 1 == messages.size() || !reasoning.empty())) {
+      if (i > last_query && (i + 1 == messages.size() || !reasoning.empty())) {
         while (!reasoning.empty() && reasoning.front() == '\n') reasoning.remove_prefix(1);
         while (!reasoning.empty() && reasoning.back() == '\n') reasoning.remove_suffix(1);
         std::string_view reply = content;
@@ -251,6 +284,28 @@ std::vector<ChatSegment> render_chat(ChatTemplate chat_template, std::span<const
 
 void encode_segments(const Tokenizer& tokenizer, std::span<const ChatSegment> segments, std::vector<int32_t>& ids,
                      std::vector<int32_t>& labels) {
+  MT_ASSERT(ids.size() == labels.size());
+  std::string text;
+  std::vector<size_t> ends;  // where each segment ends in `text`
+  ends.reserve(segments.size());
+  for (const ChatSegment& s : segments) {
+    text += s.text;
+    ends.push_back(text.size());
+  }
+  const size_t first = ids.size();
+  std::vector<size_t> starts;
+  tokenizer.encode_with_offsets(text, ids, starts);
+  MT_ASSERT(starts.size() == ids.size() - first);
+  size_t segment = 0;
+  for (size_t i = 0; i < starts.size(); ++i) {
+    while (segment < ends.size() && starts[i] >= ends[segment]) ++segment;  // empty segments hold no token
+    const bool trainable = segment < segments.size() && segments[segment].trainable;
+    labels.push_back(trainable ? ids[first + i] : kIgnoreIndex);
+  }
+}
+
+void encode_segments_separately(const Tokenizer& tokenizer, std::span<const ChatSegment> segments,
+                                std::vector<int32_t>& ids, std::vector<int32_t>& labels) {
   MT_ASSERT(ids.size() == labels.size());
   for (const ChatSegment& s : segments) {
     const size_t begin = ids.size();

@@ -1,8 +1,14 @@
 // Chat templates: a conversation rendered to text segments, each marked trainable or not, then
-// tokenized segment by segment (as LLaMA-Factory and ms-swift do) so that labels can mask the
-// prompt exactly. Instead of a Jinja interpreter, the few templates memtune trains with are
-// written out here and recognized from the tokenizer's chat_template text; anything else asks
-// the user to name one, so a model is never trained with a silently different format.
+// tokenized in one of two ways. encode_segments tokenizes the rendered text whole, as Hugging
+// Face's apply_chat_template(tokenize=True) and the inference servers (vLLM, TGI) do: generation
+// prompts (generate, chat, serve) and `memtune tokenize --chat`. encode_segments_separately
+// tokenizes segment by segment, as LLaMA-Factory and ms-swift do: the training (and evaluation)
+// examples, so that each reply's ids start exactly where generation starts (see that function).
+// The two differ only where a token would straddle a segment boundary, e.g. a reply that starts
+// with "\n" right after "<|im_start|>assistant\n" (whole: "\n\n" is one token). Instead of a
+// Jinja interpreter, the few templates memtune trains with are written out here and recognized
+// from the tokenizer's chat_template text; anything else asks the user to name one, so a model is
+// never trained with a silently different format.
 #pragma once
 
 #include <cstdint>
@@ -28,9 +34,12 @@ enum class ChatTemplate {
   // Qwen3's ChatML: no default system message; the assistant reply after the last user message
   // carries its reasoning as <think>\n...\n</think>\n\n (empty when it has none), earlier replies
   // lose theirs; with enable_thinking false the generation prompt ends in an empty think block.
+  // As in Qwen3's template, a user message whose content is '<tool_response>...</tool_response>'
+  // does not count as the last user message; when every one is such, no reply keeps reasoning.
   Qwen3,
   // Llama 3: <|begin_of_text|>, then <|start_header_id|>{role}<|end_header_id|>\n\n{content,
-  // trimmed}<|eot_id|> per message (no default system message).
+  // trimmed}<|eot_id|> per message (no default system message). Trimmed as Jinja's `trim` (Python's
+  // str.strip()) does: every character str.isspace() accepts, Unicode spaces included.
   Llama3,
 };
 
@@ -89,14 +98,29 @@ struct RenderOptions {
 std::vector<ChatSegment> render_chat(ChatTemplate chat_template, std::span<const ChatMessage> messages,
                                      const RenderOptions& options);
 
-// Tokenizes each segment on its own and appends the ids to `ids` and, to `labels`, the id for a
-// trainable token and -100 otherwise (unshifted labels, the Hugging Face convention).
+// Tokenizes the segments' text joined, as one string (Hugging Face's apply_chat_template with
+// tokenize=True, and what inference servers feed the model), and appends the ids to `ids` and, to
+// `labels`, the id for a token that begins in a trainable segment and -100 otherwise (unshifted
+// labels, the Hugging Face convention). A token spanning a boundary belongs to the segment where
+// its first byte lies (Tokenizer::encode_with_offsets).
 void encode_segments(const Tokenizer& tokenizer, std::span<const ChatSegment> segments, std::vector<int32_t>& ids,
                      std::vector<int32_t>& labels);
 
+// Tokenizes each segment on its own (as LLaMA-Factory and ms-swift encode prompt and response
+// apart), appending ids and labels as encode_segments does. Training data is built this way, on
+// purpose: generation starts from a prompt whose last token is the header's ("assistant\n") and
+// the model writes the reply's tokens after it, so a reply is trained as the tokens it is
+// generated as. Whole-text tokenization would merge a reply's leading "\n" into the header's
+// token ("\n\n"): that token is masked, the reply's first character never trained, and the
+// context trained on is one generation never sees. The ids equal encode_segments' except where
+// a token would cross a boundary.
+void encode_segments_separately(const Tokenizer& tokenizer, std::span<const ChatSegment> segments,
+                                std::vector<int32_t>& ids, std::vector<int32_t>& labels);
+
 // A generation prompt: the conversation (with `system` first when given and the conversation
-// has none) rendered with the assistant header appended, as token ids. An Error unless the
-// conversation is valid and ends with the user's message.
+// has none) rendered with the assistant header appended, as token ids of the whole text (as
+// apply_chat_template and vLLM give them). An Error unless the conversation is valid and ends
+// with the user's message.
 std::vector<int32_t> chat_prompt_ids(const Tokenizer& tokenizer, ChatTemplate chat_template,
                                      std::vector<ChatMessage> messages, const std::string& system,
                                      bool enable_thinking = true);

@@ -8,8 +8,10 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <ostream>
 
 #include <nlohmann/json.hpp>
@@ -31,6 +33,7 @@
 #include "model/load.h"
 #include "options/command_setup.h"
 #include "report/report.h"
+#include "report/tensorboard.h"
 #include "tokenizer/tokenizer.h"
 #include "train/training_checkpoint.h"
 #include "core/console.h"
@@ -116,6 +119,8 @@ class TrainingRun {
   Progress progress_;
   int64_t first_step_ = 0, first_tokens_ = 0;  // where this process started (after a resume)
   std::ofstream log_file_;
+  ReportTo report_to_;
+  std::optional<TensorBoardWriter> tensorboard_;  // --report_to tensorboard, on rank 0 (as Hugging Face)
   MemoryTimeline timeline_;
   json rank_peaks_;         // per rank: the arena and the measured peak RSS (filled at the end)
   StepAllocations heap_;    // heap allocations inside training steps
@@ -124,6 +129,8 @@ class TrainingRun {
 
 void TrainingRun::run() {
   validate_training_arguments(args_);
+  report_to_ = parse_report_to(args_.report_to);
+  if (const std::string note = report_to_note(report_to_); !note.empty()) out_ << note << "\n";
   classification_ = wants_classification_metrics(args_.metrics);
   if (args_.predict_with_generate) {
     if (classification_)
@@ -153,6 +160,11 @@ void TrainingRun::run() {
     log_file_.open(output_dir_ / "log.jsonl", std::ios::app);
     if (!log_file_) throw Error(fmt::format("{}: cannot write log.jsonl", output_dir_.string()));
     timeline_.open((output_dir_ / "memory.jsonl").string());
+    if (report_to_.tensorboard) {
+      tensorboard_.emplace(args_.logging_dir.empty() ? default_logging_dir(args_.output_dir, std::time(nullptr))
+                                                     : args_.logging_dir);
+      out_ << fmt::format("tensorboard: writing {}\n", tensorboard_->path().string());
+    }
   }
   terminal_ = progress_line_on_terminal(out_, comm_.world_size());
   bool interrupted = false;
@@ -300,7 +312,10 @@ void TrainingRun::build_model() {
     }
   }
   model_ = load_model(args_.model_name_or_path, o, "", dtype);
-  if (o.lora.enabled()) model_->parameters().init_lora(args_.seed);
+  if (!args_.adapter.empty())
+    model_->parameters().load_adapter(args_.adapter);
+  else if (o.lora.enabled())
+    model_->parameters().init_lora(args_.seed);
   if (generation_)
     generation_model_ =
         std::make_unique<Decoder>(*model_, inference_model_options(config, generation_shape_.limits, o.backend, true));
@@ -346,7 +361,7 @@ void TrainingRun::write_model_files(const fs::path& dir) const {
   if (model_->options().lora.enabled()) {
     model_->parameters().save_adapter(dir.string(), args_.model_name_or_path);
   } else {
-    model_->parameters().save(dir.string());
+    model_->parameters().save(dir.string(), parse_bytes(args_.max_shard_size, "--max_shard_size"));
   }
   for (const char* name : {"tokenizer.json", "tokenizer_config.json"})
     if (fs::exists(tokenizer_dir_ / name))
@@ -505,6 +520,8 @@ void TrainingRun::run_evaluation() {
 }
 
 void TrainingRun::log(json record) {
+  // Hugging Face's TensorBoardCallback.on_log: the record's numbers, at the global step.
+  if (tensorboard_) tensorboard_->add_scalars(progress_.global_step, tensorboard_scalars(record));
   record["step"] = progress_.global_step;
   progress_.log_history.push_back(record);
   if (!root_) return;

@@ -5,7 +5,8 @@
 // trainer_state.json with Hugging Face's fields, and memtune_state.json with the data position),
 // memory.jsonl (the memory timeline), run_args.json, and at the end the final model or adapter,
 // trainer_state.json, memory.json (planned vs measured peak) and report.html (refreshed at every
-// evaluation too). Checkpoints are written into a temporary directory and renamed, so an
+// evaluation too). With --report_to tensorboard, rank 0 also writes every logged number to a
+// TensorBoard event file in --logging_dir (report/tensorboard.h). Checkpoints are written into a temporary directory and renamed, so an
 // interrupted save never replaces a complete one; save_total_limit deletes the oldest only after
 // the new one is complete.
 #pragma once

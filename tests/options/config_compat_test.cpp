@@ -105,8 +105,14 @@ TEST(CompatArguments, ValuesMemtuneCannotHonourAreErrors) {
   EXPECT_CONTAINS(error_of([&] { validate_training_arguments(p.args); }), "cosine_with_min_lr");
   // Command-line keys of the other tools: ignored when they change nothing, refused when active.
   p = parse_train("--do_train --report_to none --logging_dir runs --deepspeed none --torch_compile false");
-  EXPECT_EQ(p.ignored,
-            (std::vector<std::string>{"deepspeed", "do_train", "logging_dir", "report_to", "torch_compile"}));
+  EXPECT_EQ(p.ignored, (std::vector<std::string>{"deepspeed", "do_train", "torch_compile"}));
+  // report_to and logging_dir are memtune's options (TensorBoard event files).
+  EXPECT_EQ(p.args.report_to, std::vector<std::string>{"none"});
+  EXPECT_EQ(p.args.logging_dir, "runs");
+  EXPECT_EQ(parse_train("--report_to wandb tensorboard").args.report_to,
+            (std::vector<std::string>{"wandb", "tensorboard"}));
+  EXPECT_EQ(parse_train("--report_to=wandb,tensorboard").args.report_to,
+            (std::vector<std::string>{"wandb", "tensorboard"}));
   EXPECT_CONTAINS(error_of([] { parse_train("--deepspeed ds_z2.json"); }), "--zero_stage 1");
   EXPECT_CONTAINS(error_of([] { parse_train("--torch_compile"); }), "--torch_compile");
   EXPECT_CONTAINS(error_of([] { parse_train("--optim adamw_8bit"); }), "--optim_offload");
@@ -183,6 +189,22 @@ TEST_F(ConfigFileTest, YamlIsReadByAYamlParser) {
   EXPECT_CONTAINS(error_of([&] { parse_train("--config " + (dir_ / "missing.yaml").string()); }), "missing.yaml");
 }
 
+TEST_F(ConfigFileTest, ReportToAndLoggingDirAreRead) {
+  Parsed p = parse_train("--config " + write("r.yaml", "report_to: [wandb, tensorboard]\nlogging_dir: tb\n"));
+  EXPECT_EQ(p.args.report_to, (std::vector<std::string>{"wandb", "tensorboard"}));
+  EXPECT_EQ(p.args.logging_dir, "tb");
+  EXPECT_TRUE(p.ignored.empty());
+  EXPECT_EQ(parse_train("--config " + write("s.yaml", "report_to: none\n")).args.report_to,
+            std::vector<std::string>{"none"});
+  // An empty list is "not set" (no integration, the default) and takes no flag after it.
+  const std::string empty = write("t.json", R"({"report_to": [], "logging_steps": 3})");
+  p = parse_train("--config " + empty);
+  EXPECT_TRUE(p.args.report_to.empty());
+  EXPECT_EQ(p.args.logging_steps, 3);
+  EXPECT_EQ(parse_train("--config " + empty + " --report_to tensorboard").args.report_to,
+            std::vector<std::string>{"tensorboard"});
+}
+
 // A Hugging Face TrainingArguments.to_json_string() dump (transformers 4.46's fields, defaults
 // except the settings below), as users save it next to their runs.
 std::string hugging_face_dump(const std::string& output_dir) {
@@ -243,8 +265,10 @@ TEST_F(ConfigFileTest, AHuggingFaceDumpAppliesItsSettingsAndListsTheRestOnce) {
   EXPECT_TRUE(p.args.gradient_checkpointing);
   EXPECT_EQ(p.args.per_device_train_batch_size, 4);
   EXPECT_EQ(p.args.eval_steps, 0);
-  for (const char* key : {"report_to", "deepspeed", "fsdp", "fsdp_config", "torch_compile", "optim", "hub_token"})
+  for (const char* key : {"deepspeed", "fsdp", "fsdp_config", "torch_compile", "optim", "hub_token"})
     EXPECT_NE(std::find(p.ignored.begin(), p.ignored.end(), key), p.ignored.end()) << key;
+  EXPECT_EQ(p.args.report_to, std::vector<std::string>{"tensorboard"});
+  EXPECT_EQ(p.args.logging_dir, "out/runs/Dec01_22-40-00_host");
   const std::string notice = ignored_keys_notice(p.ignored);
   EXPECT_EQ(std::count(notice.begin(), notice.end(), '\n'), 0);
   // Active values of the same keys stop the run with memtune's equivalent.
@@ -295,7 +319,10 @@ TEST_F(ConfigRunTest, HuggingFaceDumpTrainsAndPlans) {
   train_and_plan(
       "--config " + config + " --model_name_or_path " + path("model") + " --train_file " + path("train.jsonl"), "hf");
   EXPECT_CONTAINS(train_output, "accepted and ignored");
-  EXPECT_CONTAINS(train_output, "report_to");
+  EXPECT_CONTAINS(train_output, "hub_token");
+  // The dump's report_to ["tensorboard"] and logging_dir are followed, as the Trainer would.
+  EXPECT_CONTAINS(train_output, "events.out.tfevents.");
+  EXPECT_TRUE(fs::is_directory(dir_ / "ignored/runs/Dec01_22-40-00_host")) << train_output;
   size_t notices = 0;
   for (size_t at = train_output.find("accepted and ignored"); at != std::string::npos;
        at = train_output.find("accepted and ignored", at + 1))
@@ -338,6 +365,7 @@ TEST_F(ConfigRunTest, MsSwiftYamlTrainsAndPlans) {
                                        "model_name: swift-robot\n"
                                        "report_to: [tensorboard]\n");
   train_and_plan("--config " + config, "swift");
+  EXPECT_TRUE(fs::is_directory(dir_ / "swift/runs")) << "report_to: [tensorboard] writes under output_dir/runs";
   const json adapter = testing_support::read_json(dir_ / "swift/adapter_config.json");
   EXPECT_EQ(adapter["r"], 4);
   EXPECT_EQ(adapter["lora_alpha"], 16);
@@ -384,6 +412,7 @@ TEST_F(ConfigRunTest, LlamaFactoryYamlTrainsAndPlans) {
                                        "resume_from_checkpoint: null\n");
   train_and_plan("--config " + config, "llamafactory");
   EXPECT_EQ(testing_support::read_json(dir_ / "llamafactory/adapter_config.json")["r"], 8);
+  EXPECT_FALSE(fs::exists(dir_ / "llamafactory/runs")) << "report_to: none writes no event file";
   std::ofstream(config, std::ios::app) << "quantization_bit: 4\n";
   const auto refused = testing_support::run_memtune("train --config " + config);
   EXPECT_EQ(refused.status, 1);
@@ -398,6 +427,18 @@ TEST_F(ConfigRunTest, GuideCommandLineTrainsAndPlans) {
                      " --num_train_epochs 5 --max_steps 2",
                  "guide");
   EXPECT_EQ(testing_support::read_json(dir_ / "guide/trainer_state.json")["global_step"], 2);
+}
+
+TEST_F(ConfigRunTest, AnUnknownReportToStopsBeforeAnyWork) {
+  for (const std::string command : {"train", "plan"}) {
+    const auto r = testing_support::run_memtune(command + " --model " + path("model") + " --dataset " +
+                                                path("train.jsonl") + " --output_dir " + path("bad") +
+                                                " --report_to wandb tensorbord");
+    EXPECT_EQ(r.status, 1) << r.output;
+    EXPECT_CONTAINS(r.output, "--report_to tensorbord");
+    EXPECT_CONTAINS(r.output, "none, all, tensorboard");
+    EXPECT_FALSE(fs::exists(dir_ / "bad")) << command;
+  }
 }
 
 TEST_F(ConfigRunTest, BooleanValuesReachTheRun) {

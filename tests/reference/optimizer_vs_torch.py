@@ -69,6 +69,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "support"))
 import qwen2_reference as ref  # noqa: E402
 from compare_with_reference import randomize_checkpoint  # noqa: E402
+from byte_tokenizer import EOS_ID, write_tokenizer  # noqa: E402
 from numeric import difference  # noqa: E402
 
 SUBPROCESS_TIMEOUT_S = 120
@@ -105,7 +106,6 @@ LR_REL_TOL = 1e-9
 PARAM_REL_TOL = 2e-6
 MOMENT_REL_TOL = 1e-4
 
-EOS_ID = 256
 TEXTS = [
     "the quick brown fox jumps over the lazy dog",
     "pack my box with five dozen liquor jugs!",
@@ -213,36 +213,6 @@ def run(cmd, stdin=None):
 # ---------------------------------------------------------------------------------------------
 # inputs
 # ---------------------------------------------------------------------------------------------
-
-def gpt2_byte_stand_ins():
-    """GPT-2's printable stand-in character for each byte (the ByteLevel pre-tokenizer's alphabet)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    codepoints = {b: b for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in codepoints:
-            codepoints[b] = 256 + extra
-            extra += 1
-    return {b: chr(c) for b, c in codepoints.items()}
-
-
-def write_tokenizer(model_dir):
-    """A byte-level BPE tokenizer without merges: the id of each byte is its value."""
-    stand_ins = gpt2_byte_stand_ins()
-    added = [{"id": EOS_ID + i, "content": token, "single_word": False, "lstrip": False, "rstrip": False,
-              "normalized": False, "special": True}
-             for i, token in enumerate(("<|endoftext|>", "<|im_start|>", "<|im_end|>"))]
-    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": True}
-    doc = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
-           "pre_tokenizer": byte_level, "post_processor": byte_level, "decoder": byte_level,
-           "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
-                     "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False,
-                     "vocab": {stand_ins[b]: b for b in range(256)}, "merges": []}}
-    with open(os.path.join(model_dir, "tokenizer.json"), "w") as f:
-        json.dump(doc, f)
-    with open(os.path.join(model_dir, "tokenizer_config.json"), "w") as f:
-        json.dump({"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "model_max_length": 32768}, f)
-
 
 def expected_sequences():
     """The examples memtune's text format makes: the text's ids, then eos; labels = ids."""

@@ -5,6 +5,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <nlohmann/json.hpp>
+
 #include "data/synthetic_tokenizer.h"
 #include "support/test_util.h"
 #include "tokenizer/tokenizer.h"
@@ -100,6 +103,32 @@ TEST(ChatTemplate, Qwen3KeepsTheLastReasoningAndTrainsOnIt) {
             "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n");
 }
 
+// Qwen3's template takes as the last query the last user message that is not a tool response
+// ('<tool_response>...</tool_response>'); with none, the last message, so no reply keeps its
+// reasoning. (Hugging Face's apply_chat_template renderings.)
+TEST(ChatTemplate, Qwen3UserToolResponsesAreNotTheLastQuery) {
+  const std::vector<ChatMessage> only = {{"user", "<tool_response>42</tool_response>"},
+                                         {"assistant", "<think>r</think>the answer"}};
+  const auto segments = render_chat(ChatTemplate::Qwen3, only, {});
+  EXPECT_EQ(joined(segments),
+            "<|im_start|>user\n<tool_response>42</tool_response><|im_end|>\n<|im_start|>assistant\nthe answer"
+            "<|im_end|>\n");
+  EXPECT_EQ(joined(segments, true), "the answer<|im_end|>");
+  const std::vector<ChatMessage> after = {{"user", "Q"},
+                                          {"assistant", "<think>r</think>the answer"},
+                                          {"user", "<tool_response>42</tool_response>"},
+                                          {"assistant", "<think>s</think>done"}};
+  EXPECT_EQ(joined(render_chat(ChatTemplate::Qwen3, after, {})),
+            "<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n<think>\nr\n</think>\n\nthe answer<|im_end|>\n"
+            "<|im_start|>user\n<tool_response>42</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\ns\n"
+            "</think>\n\ndone<|im_end|>\n");
+  // Only both ends make a tool response.
+  const std::vector<ChatMessage> half = {{"user", "<tool_response>42"}, {"assistant", "<think>r</think>a"}};
+  EXPECT_EQ(joined(render_chat(ChatTemplate::Qwen3, half, {})),
+            "<|im_start|>user\n<tool_response>42<|im_end|>\n<|im_start|>assistant\n<think>\nr\n</think>\n\na"
+            "<|im_end|>\n");
+}
+
 TEST(ChatTemplate, Llama3HeadersTrimmedContentsAndEotId) {
   const std::vector<ChatMessage> messages = {{"system", "Be brief. "}, {"user", " Hi"}, {"assistant", "Hello\n"}};
   const auto segments = render_chat(ChatTemplate::Llama3, messages, {});
@@ -114,6 +143,23 @@ TEST(ChatTemplate, Llama3HeadersTrimmedContentsAndEotId) {
   EXPECT_EQ(joined(render_chat(ChatTemplate::Llama3, prompt, generation)),
             "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
             "<|start_header_id|>assistant<|end_header_id|>\n\n");
+}
+
+// Jinja's `| trim` is Python's str.strip(): every str.isspace() character, not only ASCII's.
+TEST(ChatTemplate, Llama3TrimsWhatPythonsStripDoes) {
+  const std::vector<ChatMessage> messages = {
+      {"system", "\u3000ideographic space\u3000"},
+      {"user", "\u2028line separator\u2029 \u0085next line\u0085"},
+      {"assistant", "\x1c\x1d\x1e\x1f\u00a0\u1680\u2000\u200a\u202f\u205f\t\u2003em space\u2003\v\f\r"}};
+  EXPECT_EQ(joined(render_chat(ChatTemplate::Llama3, messages, {})),
+            "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nideographic space<|eot_id|>"
+            "<|start_header_id|>user<|end_header_id|>\n\nline separator\u2029 \u0085next line<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\nem space<|eot_id|>");
+  // Not spaces to Python: zero-width space, word joiner, BOM, and a lone continuation byte.
+  const std::vector<ChatMessage> kept = {{"user", "\u200bx\u2060"}, {"assistant", "\ufeffy\x80"}};
+  EXPECT_EQ(joined(render_chat(ChatTemplate::Llama3, kept, {})),
+            "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n\u200bx\u2060<|eot_id|>"
+            "<|start_header_id|>assistant<|end_header_id|>\n\n\ufeffy\x80<|eot_id|>");
 }
 
 TEST(ChatTemplate, AGivenSystemReplacesTheDefault) {
@@ -184,6 +230,90 @@ TEST(ChatTemplate, EncodeSegmentsMasksUntrainableTokens) {
   EXPECT_EQ(labels.back(), kIgnoreIndex);
 }
 
+// The synthetic tokenizer with one more merge, "\n\n", so a reply's leading newline can merge
+// with the header's.
+Tokenizer tokenizer_merging_newlines(int32_t& newlines) {
+  nlohmann::json doc = nlohmann::json::parse(testing_support::synthetic_tokenizer_json());
+  newlines = testing_support::kSyntheticImEnd + 1;
+  doc["model"]["vocab"]["\xC4\x8A\xC4\x8A"] = newlines;  // Ċ is "\n" in the byte-level alphabet
+  doc["model"]["merges"].push_back("\xC4\x8A \xC4\x8A");
+  return Tokenizer::from_json(doc.dump(), testing_support::synthetic_tokenizer_config(testing_support::kChatMLTemplate),
+                              "synthetic");
+}
+
+// encode_segments tokenizes the rendered text whole (apply_chat_template(tokenize=True), vLLM):
+// a reply's leading "\n" merges with the header's into one token, which starts in the header and
+// so is not trained. encode_segments_separately (training) keeps them apart.
+TEST(ChatTemplate, EncodeSegmentsTokenizesTheWholeTextTrainingSegmentBySegment) {
+  int32_t newlines = 0;
+  const Tokenizer tokenizer = tokenizer_merging_newlines(newlines);
+  const std::vector<ChatMessage> messages = {{"user", "Q"}, {"assistant", "\nA"}};
+  const auto segments = render_chat(ChatTemplate::ChatML, messages, {});
+  const auto encoded = [&](std::initializer_list<std::string_view> parts) {
+    std::vector<int32_t> ids;
+    for (std::string_view part : parts) tokenizer.encode(part, ids);
+    return ids;
+  };
+  const std::vector<int32_t> header = encoded({"<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant"});
+  std::vector<int32_t> ids, labels;
+  encode_segments(tokenizer, segments, ids, labels);
+  std::vector<int32_t> want = header;
+  want.push_back(newlines);
+  const std::vector<int32_t> reply = encoded({"A<|im_end|>"});
+  want.insert(want.end(), reply.begin(), reply.end());
+  want.push_back(tokenizer.token_to_id("\xC4\x8A").value());
+  EXPECT_EQ(ids, want);
+  EXPECT_EQ(ids, tokenizer.encode(joined(segments)));
+  std::vector<int32_t> want_labels(want.size(), kIgnoreIndex);
+  std::copy(reply.begin(), reply.end(), want_labels.begin() + static_cast<std::ptrdiff_t>(header.size() + 1));
+  EXPECT_EQ(labels, want_labels);
+
+  ids.clear();
+  labels.clear();
+  encode_segments_separately(tokenizer, segments, ids, labels);
+  EXPECT_EQ(ids, encoded({"<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n", "\nA<|im_end|>", "\n"}));
+  EXPECT_EQ(std::count(ids.begin(), ids.end(), newlines), 0);
+  std::vector<int32_t> trained;
+  for (size_t i = 0; i < ids.size(); ++i)
+    if (labels[i] != kIgnoreIndex) trained.push_back(labels[i]);
+  EXPECT_EQ(trained, encoded({"\nA<|im_end|>"}));
+
+  // Appending to what is there; train_on_prompt trains every token.
+  RenderOptions all;
+  all.train_on_prompt = true;
+  ids = {7};
+  labels = {kIgnoreIndex};
+  encode_segments(tokenizer, render_chat(ChatTemplate::ChatML, messages, all), ids, labels);
+  EXPECT_EQ(std::vector<int32_t>(ids.begin() + 1, ids.end()), want);
+  EXPECT_EQ(std::vector<int32_t>(labels.begin() + 1, labels.end()), want);
+
+  // A generation prompt is the whole text's ids too, earlier replies included.
+  const std::vector<ChatMessage> history = {{"user", "Q"}, {"assistant", "\nA"}, {"user", "R"}};
+  const std::vector<int32_t> prompt = chat_prompt_ids(tokenizer, ChatTemplate::ChatML, history, {});
+  RenderOptions generation;
+  generation.add_generation_prompt = true;
+  EXPECT_EQ(prompt, tokenizer.encode(joined(render_chat(ChatTemplate::ChatML, history, generation))));
+  EXPECT_EQ(std::count(prompt.begin(), prompt.end(), newlines), 1);
+}
+
+// A token that crosses a boundary belongs to the segment its first byte lies in, also where NFC
+// composes a character across the boundary.
+TEST(ChatTemplate, EncodeSegmentsLabelsATokenByWhereItBegins) {
+  const Tokenizer tokenizer = testing_support::synthetic_tokenizer();
+  const std::vector<ChatSegment> segments = {{"he", false}, {"llo", true}, {" wor", false}, {"ld", true}};
+  std::vector<int32_t> ids, labels;
+  encode_segments(tokenizer, segments, ids, labels);
+  ASSERT_EQ(ids, tokenizer.encode("hello world"));  // "hello", " world": both begin untrained
+  EXPECT_EQ(labels, std::vector<int32_t>(ids.size(), kIgnoreIndex));
+  const std::vector<ChatSegment> composed = {{"x", true}, {"e", false}, {"\u0301y", true}, {"<|im_end|>", true}};
+  ids.clear();
+  labels.clear();
+  encode_segments(tokenizer, composed, ids, labels);
+  ASSERT_EQ(ids, tokenizer.encode("x\u00e9y<|im_end|>"));
+  ASSERT_EQ(ids.size(), 5u);  // "xéy" as its bytes x, C3, A9, y (no merges), then <|im_end|>
+  EXPECT_EQ(labels, (std::vector<int32_t>{ids[0], kIgnoreIndex, kIgnoreIndex, ids[3], ids[4]}));
+}
+
 // The ids Hugging Face's apply_chat_template gives for Qwen2.5-Instruct.
 TEST(ChatTemplate, Qwen2_5IdsMatchTheRealTokenizer) {
   REQUIRE_QWEN_TOKENIZER(dir);
@@ -196,6 +326,34 @@ TEST(ChatTemplate, Qwen2_5IdsMatchTheRealTokenizer) {
   EXPECT_EQ(ids, (std::vector<int32_t>{151644, 8948,   198, 2610, 525,   1207,   16948, 11,     3465,  553,
                                        54364,  14817,  13,  1446, 525,   264,    10950, 17847,  13,    151645,
                                        198,    151644, 872, 198,  13048, 151645, 198,   151644, 77091, 198}));
+}
+
+// Hugging Face's apply_chat_template(tokenize=True) for a reply that starts with "\n": 77091
+// ("assistant"), 271 ("\n\n"), 65876 ("starts"). Training keeps 198, 198 apart.
+TEST(ChatTemplate, Qwen2_5ReplyStartingWithANewlineMatchesTheRealTokenizer) {
+  REQUIRE_QWEN_TOKENIZER(dir);
+  const Tokenizer tokenizer = Tokenizer::load(*dir);
+  const std::vector<ChatMessage> messages = {{"user", "Q"}, {"assistant", "\nstarts with a newline"}};
+  const std::vector<int32_t> system = {151644, 8948,  198,   2610, 525, 1207,  16948, 11,    3465,  553,
+                                       54364,  14817, 13,    1446, 525, 264,   10950, 17847, 13,    151645,
+                                       198,    151644, 872,  198,  48,  151645, 198,  151644, 77091};
+  std::vector<int32_t> ids, labels;
+  encode_segments(tokenizer, render_chat(ChatTemplate::Qwen2_5, messages, {}), ids, labels);
+  std::vector<int32_t> want = system;
+  want.insert(want.end(), {271, 65876, 448, 264, 39027, 151645, 198});
+  EXPECT_EQ(ids, want);
+  ids.clear();
+  labels.clear();
+  encode_segments_separately(tokenizer, render_chat(ChatTemplate::Qwen2_5, messages, {}), ids, labels);
+  want = system;
+  want.insert(want.end(), {198, 198, 65876, 448, 264, 39027, 151645, 198});
+  EXPECT_EQ(ids, want);
+
+  const std::vector<ChatMessage> history = {{"user", "Q"}, {"assistant", "\nan earlier reply"}, {"user", "Q2"}};
+  want = system;
+  want.insert(want.end(),
+              {271, 276, 6788, 9851, 151645, 198, 151644, 872, 198, 48, 17, 151645, 198, 151644, 77091, 198});
+  EXPECT_EQ(chat_prompt_ids(tokenizer, ChatTemplate::Qwen2_5, history, {}), want);
 }
 
 }  // namespace
