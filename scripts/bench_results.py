@@ -4,7 +4,8 @@
   bench_results.py record NAME SETTINGS_JSON ROWS_JSON
       writes bench/results/NAME-<date>-<commit>-<machine>.json: the commit, the date, the machine
       (CPU model, whether it has AVX-512 or only AVX2, cores, threads used), the settings and the
-      rows (each row: memtune's figures and the reference's from the same run, and their ratios).
+      rows (each row: memtune's figures and the reference's from the same run, and their ratios;
+      train and eval rows also hold Hugging Face Trainer's figures under "hf_trainer").
   bench_results.py tables
       regenerates every table between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->` in
       README.md and docs/benchmarks.md from the newest result file of NAME per machine.
@@ -100,6 +101,59 @@ def table_speed(results):
     return lines
 
 
+def table_train(results):
+    """memtune train against the PyTorch reference (float32 rows) and Hugging Face Trainer (rows with
+    "hf_trainer": float32 and bf16); a figure a row does not have is "-"."""
+    lines = ["| run | machine | memtune tok/s | PyTorch tok/s | speed | Trainer tok/s | vs Trainer | memtune RSS | "
+             "PyTorch RSS | memory | Trainer RSS | vs Trainer |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in results:
+        for row in r["rows"]:
+            mt = row["memtune"]
+            cells = []
+            for other in (row.get("reference"), row.get("hf_trainer")):
+                cells.append(("-", "-", "-", "-") if other is None else (
+                    f"{other['tokens_per_s']:.0f}", f"{mt['tokens_per_s'] / other['tokens_per_s']:.2f}x",
+                    mib(other["peak_rss_bytes"]), f"{mt['peak_rss_bytes'] / other['peak_rss_bytes']:.3f}x"))
+            (pt_tok, pt_speed, pt_rss, pt_mem), (hf_tok, hf_speed, hf_rss, hf_mem) = cells
+            lines.append(f"| {row['run']} | {machine_text(r)} | {mt['tokens_per_s']:.0f} | {pt_tok} | {pt_speed} | "
+                         f"{hf_tok} | {hf_speed} | {mib(mt['peak_rss_bytes'])} | {pt_rss} | {pt_mem} | {hf_rss} | "
+                         f"{hf_mem} |")
+    return lines
+
+
+def table_eval(results):
+    """memtune eval against the PyTorch reference's Trainer-style loop and against Trainer.evaluate at
+    several eval-set sizes (full logits to compute_metrics, or argmax ids), then the peak's growth."""
+    def cell(x):
+        return "failed" if "failed" in x else f"{mib(x['peak_rss_bytes'])}, {x['seconds']:.1f} s"
+
+    def per_sequence(b):
+        return "-" if b is None else f"{b / 2**20:+.1f} MiB"
+
+    lines = ["| run | machine | against | memtune eval | full logits kept | argmax kept |",
+             "|---|---|---|---:|---:|---:|"]
+    growth = []
+    for r in results:
+        for row in r["rows"]:
+            if "growth_bytes_per_sequence" in row:
+                growth.append((r, row))
+                continue
+            against, other = (("PyTorch reference", row["reference"]) if "reference" in row
+                              else ("HF Trainer.evaluate", row["hf_trainer"]))
+            lines.append(f"| {row['run']} | {machine_text(r)} | {against} | {cell(row['memtune'])} | "
+                         f"{cell(other['full'])} | {cell(other['argmax'])} |")
+    if growth:
+        lines += ["", "| peak RSS growth per added sequence | machine | memtune eval | Trainer, full logits | "
+                  "Trainer, argmax |", "|---|---|---:|---:|---:|"]
+        for r, row in growth:
+            g = row["growth_bytes_per_sequence"]
+            lines.append(f"| {row['run'].split(', ', 1)[-1]} sequences | {machine_text(r)} | "
+                         f"{per_sequence(g['memtune'])} | {per_sequence(g['hf_trainer_full'])} | "
+                         f"{per_sequence(g['hf_trainer_argmax'])} |")
+    return lines
+
+
 def table_generate(results):
     lines = ["| dtype | machine | read GB/s | decode limit tok/s | batch-1 decode tok/s | of limit | batch-8 decode "
              "tok/s | batch-8 / batch-1 | prefill tok/s | prefill GFLOP/s | of sgemm ceiling |",
@@ -177,8 +231,8 @@ def table_quantize(results):
     return lines
 
 
-TABLES = {"memory": table_memory, "step": table_speed, "train": table_speed, "generate": table_generate,
-          "serve": table_serve, "quantize": table_quantize}
+TABLES = {"memory": table_memory, "step": table_speed, "train": table_train, "eval": table_eval,
+          "generate": table_generate, "serve": table_serve, "quantize": table_quantize}
 
 
 def tables():

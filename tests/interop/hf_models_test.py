@@ -18,7 +18,9 @@ Llama 3 (memtune's tiny presets; a byte-level tokenizer, tests/support/byte_toke
    sharded by max_shard_size, and bfloat16) load in memtune with transformers' logits. A LoRA
    adapter PEFT trained one step gives PEFT's logits in `memtune dump --adapter`, PEFT's greedy
    tokens in `memtune generate --adapter` and in `memtune serve` (an OpenAI completion), PEFT's
-   mean loss in `memtune eval --adapter`; `memtune train --adapter` goes on training it: a step
+   mean loss in `memtune eval --adapter`, and `memtune merge` of the two opens in transformers
+   (generation_config.json included) with PEFT's logits; `memtune train --adapter` goes on
+   training it: a step
    at learning rate 0 logs PEFT's loss and writes the adapter back unchanged, and a step at a
    positive rate changes it.
 
@@ -381,6 +383,13 @@ def hf_to_memtune(memtune, workdir, family, checks):
                    "--per_device_eval_batch_size", 4, "--max_length", 64])
         got = json.loads(out.strip().splitlines()[-1])["eval_loss"]
         assert_close(got, token_mean_loss(lora, TEXTS), rtol=LOSS_RTOL, what="eval_loss with PEFT's adapter")
+        # memtune merge of transformers' model (its generation_config.json goes along) and PEFT's
+        # adapter, opened by transformers again.
+        merged = os.path.join(workdir, family, "hf_merged")
+        run([memtune, "merge", "--model", f32, "--adapter", adapter, "--out", merged])
+        check(os.path.exists(os.path.join(merged, "generation_config.json")), "merge left generation_config.json out")
+        assert_close(hf_logits(hf_load(merged)), hf_logits(lora), rtol=LOGIT_RTOL,
+                     what="memtune merge of transformers' model and PEFT's adapter, against PEFT")
 
     with checks.case(f"{family}: memtune train --adapter goes on training PEFT's adapter"):
         train_file = os.path.join(workdir, "train_two.jsonl")
