@@ -16,18 +16,16 @@ Not covered, because these loaders do not read it: a packed LM head (`quantize -
 which transformers reports as unused and replaces by a new random head.
 """
 
-import argparse
 import importlib.metadata
 import json
 import os
-import shutil
-import subprocess
 import sys
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "support"))
+import memtune_cli  # noqa: E402
 from byte_tokenizer import write_tokenizer  # noqa: E402
 from numeric import assert_close, check  # noqa: E402
 
@@ -51,10 +49,7 @@ IDS = [[116, 104, 101, 32, 113, 117, 105, 99, 107, 32, 98, 114, 111, 119, 110, 3
 
 
 def run(args):
-    p = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=300)
-    if p.returncode != 0:
-        raise RuntimeError(f"{' '.join(map(str, args))} exited {p.returncode}:\n{p.stdout}\n{p.stderr}")
-    return p.stdout
+    return memtune_cli.run(args).stdout
 
 
 def check_variant(memtune, workdir, base, name):
@@ -84,12 +79,7 @@ def check_variant(memtune, workdir, base, name):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--memtune", required=True)
-    ap.add_argument("--workdir", required=True)
-    a = ap.parse_args()
-    shutil.rmtree(a.workdir, ignore_errors=True)
-    os.makedirs(a.workdir)
+    a = memtune_cli.test_arguments()
     torch.manual_seed(0)
     transformers.utils.logging.disable_progress_bar()
     with open(os.path.join(a.workdir, "calibration.jsonl"), "w") as f:

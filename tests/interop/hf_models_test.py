@@ -7,7 +7,7 @@ Llama 3 (memtune's tiny presets; a byte-level tokenizer, tests/support/byte_toke
 
 1. memtune -> transformers. Models written by `memtune init-model` (float32 with tied
    embeddings; bfloat16 with an untied head, sharded with an index), `memtune train` (full
-   fine-tuning in float32 and in bfloat16, sharded) and `memtune merge` load with
+   fine-tuning, sharded: float32 tied, --bf16 tied, bfloat16 untied) and `memtune merge` load with
    AutoModelForCausalLM.from_pretrained with no missing, unexpected or mismatched tensor and no
    warning from transformers (config.json and generation_config.json included); their logits
    equal `memtune dump`'s (transformers in float32 over the stored weights: within 1e-4 of the
@@ -28,7 +28,6 @@ Each comparison fails on a NaN or an infinity (tests/support/numeric.py). Exit s
 every check passes.
 """
 
-import argparse
 import contextlib
 import io
 import json
@@ -46,6 +45,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "support"))
+import memtune_cli  # noqa: E402
 from byte_tokenizer import EOS_ID, write_tokenizer  # noqa: E402
 from numeric import assert_close, check  # noqa: E402
 
@@ -69,11 +69,8 @@ NEW_TOKENS = 8
 INIT_STD = 0.1
 
 
-def run(args, **kw):
-    p = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=300, **kw)
-    if p.returncode != 0:
-        raise RuntimeError(f"{' '.join(map(str, args))} exited {p.returncode}:\n{p.stdout}\n{p.stderr}")
-    return p.stdout
+def run(args):
+    return memtune_cli.run(args).stdout
 
 
 class Checks:
@@ -236,11 +233,18 @@ def memtune_to_hf(memtune, workdir, family, checks):
         model = check_model_dir(memtune, workdir, d, "init bfloat16")
         check(not model.config.tie_word_embeddings, "the untied head reads as tied")
 
-    for dtype_flags, name in (([], "float32"), (["--bf16"], "bfloat16")):
+    untied_bf16 = os.path.join(workdir, family, "init_bf16")
+    for k, (start, dtype_flags, name) in enumerate(((base, [], "float32, tied"),
+                                                    (base, ["--bf16"], "bfloat16 (--bf16), tied"),
+                                                    (untied_bf16, [], "bfloat16, untied"))):
         with checks.case(f"{family}: train full fine-tuning {name}, sharded"):
-            out = train(memtune, base, train_file, os.path.join(workdir, family, f"full_{name}"),
+            out = train(memtune, start, train_file, os.path.join(workdir, family, f"full_{k}"),
                         "--tuner_type", "full", "--max_shard_size", "60KB", *dtype_flags)
             check(sharded(out) > 1, f"{out}: expected several shards with an index")
+            written = json.load(open(os.path.join(out, "config.json")))
+            want_dtype = "float32" if name.startswith("float32") else "bfloat16"
+            check(written["torch_dtype"] == want_dtype and written["tie_word_embeddings"] != name.endswith("untied"),
+                  lambda: f"{out}/config.json: torch_dtype {written['torch_dtype']}, tied {written['tie_word_embeddings']}")
             check_model_dir(memtune, workdir, out, f"train full {name}")
 
     with checks.case(f"{family}: LoRA adapter in PEFT, merge against merge_and_unload"):
@@ -419,15 +423,9 @@ def hf_to_memtune(memtune, workdir, family, checks):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--memtune", required=True)
-    ap.add_argument("--workdir", required=True)
-    ap.add_argument("--families", default="qwen2,qwen3,llama")
-    a = ap.parse_args()
+    a = memtune_cli.test_arguments(lambda ap: ap.add_argument("--families", default="qwen2,qwen3,llama"))
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     transformers.utils.logging.disable_progress_bar()
-    shutil.rmtree(a.workdir, ignore_errors=True)
-    os.makedirs(a.workdir)
     print(f"transformers {transformers.__version__}, peft {peft.__version__}, torch {torch.__version__}")
     checks = Checks()
     for family in a.families.split(","):

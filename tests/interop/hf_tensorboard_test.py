@@ -5,8 +5,8 @@ python (tensorboard, torch, transformers):
 
     PYTHON tests/interop/hf_tensorboard_test.py --memtune BIN --workdir DIR
 
-On a tiny model (`memtune init-model --preset tiny`, a byte-level tokenizer made here with the
-`tokenizers` library) and a few text lines, with --logging_steps 1 and evaluation every 2 steps:
+On a tiny model (`memtune init-model --preset tiny`, the byte-level tokenizer of
+tests/support/byte_tokenizer.py) and a few text lines, with --logging_steps 1 and evaluation every 2 steps:
   1. --report_to tensorboard without --logging_dir: one event file in Hugging Face's default
      logging_dir, output_dir/runs/<%b%d_%H-%M-%S>_<hostname> (a time during the run), named
      events.out.tfevents.<unix seconds>.<hostname>.<pid>.0; TensorBoard's record reader reads every
@@ -23,18 +23,18 @@ On a tiny model (`memtune init-model --preset tiny`, a byte-level tokenizer made
      write no event file; an unknown name (and none beside another name) fails before any work,
      naming the value and the valid names.
 """
-import argparse
 import json
 import pathlib
 import re
 import shutil
 import socket
-import subprocess
 import sys
 import time
 from datetime import datetime
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "support"))
+import memtune_cli  # noqa: E402
+from byte_tokenizer import write_tokenizer  # noqa: E402
 from numeric import assert_close, check  # noqa: E402
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
@@ -49,21 +49,7 @@ EVAL_TEXTS = ["colour 16 is mint", "colour 17 is gold", "colour 18 is teal", "co
 
 
 def run(cmd, **kwargs):
-    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, **kwargs)
-
-
-def write_tokenizer(model_dir):
-    """A byte-level BPE tokenizer without merges (256 byte tokens, then eos and the ChatML markers),
-    made and saved by Hugging Face's tokenizers library."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    tokenizer.save(str(model_dir / "tokenizer.json"))
-    (model_dir / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>", "model_max_length": 2048}))
+    return memtune_cli.run(cmd, check=False, **kwargs)
 
 
 def event_files(directory):
@@ -183,17 +169,12 @@ class Case:
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--memtune", required=True)
-    parser.add_argument("--workdir", required=True)
-    args = parser.parse_args()
+    args = memtune_cli.test_arguments()
     work = pathlib.Path(args.workdir).resolve()
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
     model = work / "model"
     r = run([args.memtune, "init-model", "--preset", "tiny", "--seed", "1", "--out", model])
     check(r.returncode == 0, lambda: f"init-model failed:\n{r.stdout}\n{r.stderr}")
-    write_tokenizer(model)
+    write_tokenizer(str(model))
     train, eval_file = work / "train.jsonl", work / "eval.jsonl"
     train.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
     eval_file.write_text("".join(json.dumps({"text": t}) + "\n" for t in EVAL_TEXTS))

@@ -18,13 +18,11 @@ on the command line). Then:
   key named, before anything is written.
 """
 
-import argparse
 import json
 import math
 import os
 import re
 import shutil
-import subprocess
 import sys
 
 import torch
@@ -32,6 +30,7 @@ import transformers
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "support"))
+import memtune_cli  # noqa: E402
 from byte_tokenizer import write_tokenizer  # noqa: E402
 from numeric import assert_close, check  # noqa: E402
 
@@ -41,7 +40,7 @@ LR_RTOL = 1e-9
 
 
 def run(args):
-    return subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=300)
+    return memtune_cli.run(args, check=False)
 
 
 def ignored_in_note(stderr):
@@ -176,12 +175,7 @@ def check_case(memtune, workdir, model, name, kwargs, extra, eval_file, train_fi
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--memtune", required=True)
-    ap.add_argument("--workdir", required=True)
-    a = ap.parse_args()
-    shutil.rmtree(a.workdir, ignore_errors=True)
-    os.makedirs(a.workdir)
+    a = memtune_cli.test_arguments()
     model = os.path.join(a.workdir, "model")
     p = run([a.memtune, "init-model", "--preset", "tiny", "--out", model])
     check(p.returncode == 0, lambda: p.stderr)
