@@ -19,6 +19,9 @@ whole process's, importing torch and loading the model included, as memtune's is
         --tuner lora: PEFT get_peft_model, r 8, alpha 32, dropout 0 on q/k/v/o/gate/up/down_proj.
         --precision bf16: TrainingArguments(bf16=True), i.e. autocast to bfloat16 on the CPU with
         float32 weights, gradients and optimizer state.
+        --device cuda (scripts/device-check.sh): on the GPU, with fused AdamW (adamw_torch_fused),
+        the step timed between torch.cuda.synchronize() calls, and torch.cuda.max_memory_allocated
+        reported; --batch sets per_device_train_batch_size (default 4).
         tokens/s: per step, the batch's non-pad tokens (its attention mask's sum) over the wall
         time from the TrainerCallback's on_step_begin to its on_step_end (time.perf_counter: the
         forward, loss, backward, clipping, AdamW, zero_grad; the batch is already collated),
@@ -123,8 +126,8 @@ def load_model(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
 
 
-def common_arguments(output_dir, **kwargs):
-    return TrainingArguments(output_dir=output_dir, use_cpu=True, report_to="none", save_strategy="no",
+def common_arguments(output_dir, device="cpu", **kwargs):
+    return TrainingArguments(output_dir=output_dir, use_cpu=device == "cpu", report_to="none", save_strategy="no",
                              eval_strategy="no", dataloader_num_workers=0, disable_tqdm=True,
                              log_level="warning", **kwargs)
 
@@ -132,13 +135,19 @@ def common_arguments(output_dir, **kwargs):
 class StepTimer(TrainerCallback):
     """Wall time of every optimizer step, from on_step_begin to on_step_end."""
 
-    def __init__(self):
-        self.seconds, self.begin = [], None
+    def __init__(self, cuda=False):
+        self.seconds, self.begin, self.cuda = [], None, cuda
+
+    def sync(self):
+        if self.cuda:  # the GPU's queued work belongs to the step that queued it
+            torch.cuda.synchronize()
 
     def on_step_begin(self, args, state, control, **kwargs):
+        self.sync()
         self.begin = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
+        self.sync()
         self.seconds.append(time.perf_counter() - self.begin)
 
 
@@ -163,12 +172,13 @@ def train(args):
         config = peft.LoraConfig(r=8, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS,
                                  bias="none", task_type="CAUSAL_LM")
         model = peft.get_peft_model(model, config)
-    timer = StepTimer()
+    cuda = args.device == "cuda"
+    timer = StepTimer(cuda)
     with tempfile.TemporaryDirectory(prefix="hf-trainer-bench-") as output_dir:
         training_args = common_arguments(
-            output_dir, per_device_train_batch_size=BATCH, gradient_accumulation_steps=1,
+            output_dir, args.device, per_device_train_batch_size=args.batch, gradient_accumulation_steps=1,
             max_steps=args.steps, learning_rate=1e-4, lr_scheduler_type="constant", warmup_steps=0,
-            optim="adamw_torch", weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+            optim="adamw_torch_fused" if cuda else "adamw_torch", weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
             max_grad_norm=1.0, bf16=args.precision == "bf16", logging_strategy="no", seed=42,
             label_names=["labels"])
         trainer = TokenCountingTrainer(
@@ -192,6 +202,10 @@ def train(args):
         "threads": torch.get_num_threads(),
         "attn_implementation": model.config._attn_implementation,
         "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "device": args.device,
+        "batch": args.batch,
+        **({"cuda_max_memory_allocated_bytes": torch.cuda.max_memory_allocated(),
+            "cuda_device": torch.cuda.get_device_name()} if cuda else {}),
     }))
 
 
@@ -274,6 +288,9 @@ def main(argv):
     p_train.add_argument("--max_length", type=int, default=512)
     p_train.add_argument("--tuner", choices=("full", "lora"), default="full")
     p_train.add_argument("--precision", choices=("float32", "bf16"), default="float32")
+    p_train.add_argument("--batch", type=int, default=BATCH, help="per_device_train_batch_size")
+    p_train.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                         help="cuda: the GPU, fused AdamW, torch.cuda.max_memory_allocated reported")
     p_eval = sub.add_parser("eval", help="peak RSS and time of Trainer.evaluate with token-accuracy metrics")
     p_eval.add_argument("--model", required=True)
     p_eval.add_argument("--num_sequences", type=int, required=True)

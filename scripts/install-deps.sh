@@ -6,11 +6,12 @@ set -euo pipefail
 # clang with its libFuzzer runtime and OpenMP builds the fuzzers (scripts/fuzz.sh); cpp-httplib
 # serves HTTP (memtune serve); the Vulkan loader, glslc and Mesa's drivers (lavapipe, a Vulkan
 # device on the CPU, for the tests) build and test the vulkan backend; python3-venv makes the Hugging Face
-# environment of the hf_* tests (scripts/prepare-hf-env.sh).
+# environment of the hf_* tests (scripts/prepare-hf-env.sh); patchelf makes the GPU check's bundle
+# (scripts/device-check.sh --bundle).
 packages=(build-essential cmake ninja-build pkg-config libopenblas-openmp-dev nlohmann-json3-dev libcli11-dev libfmt-dev libpcre2-dev libutf8proc-dev
           libgtest-dev libyaml-cpp-dev libcpp-httplib-dev python3 python3-numpy python3-torch chromium
           libopenmpi-dev openmpi-bin clang libclang-rt-14-dev libomp-dev
-          libvulkan-dev glslc mesa-vulkan-drivers vulkan-tools python3-venv)
+          libvulkan-dev glslc mesa-vulkan-drivers vulkan-tools python3-venv patchelf libglvnd0)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

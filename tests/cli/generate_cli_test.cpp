@@ -179,7 +179,7 @@ TEST_F(GenerateCliTest, StreamsAPromptsTextAndStopsBeforeAStopString) {
 
 TEST_F(GenerateCliTest, ChatKeepsHistoryUntilReset) {
   const auto r = testing_support::run_command(
-      "printf 'hello\\nworld\\n/reset\\nhello\\n/exit\\nnever read\\n' | " + std::string(MEMTUNE_BINARY) +
+      "printf 'hello\\nworld\\n/reset\\nhello\\n/exit\\nnever read\\n' | " + testing_support::memtune_binary() +
       " chat --model " + path("model") + " --template chatml --max_new_tokens 8 --seed 9 --ignore_eos "
       "--max_model_len 512 2>/dev/null");
   ASSERT_EQ(r.status, 0) << r.output;

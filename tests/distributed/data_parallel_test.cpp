@@ -36,7 +36,7 @@ using Result = testing_support::CommandResult;
 const std::string kMpirun = "mpirun --allow-run-as-root --oversubscribe -np ";
 
 Result mpirun(int ranks, const std::string& args) {
-  return testing_support::run_command(kMpirun + std::to_string(ranks) + " " + MEMTUNE_BINARY + " " + args);
+  return testing_support::run_command(kMpirun + std::to_string(ranks) + " " + testing_support::memtune_binary() + " " + args);
 }
 
 // Largest |a - b| relative to the tensor's largest |b|, over every float32 tensor of two files;
@@ -288,7 +288,7 @@ TEST_F(DataParallelTest, AnErrorOnOneRankStopsTheJob) {
   std::ofstream(dir_ / "a_file") << "not a directory";
   const auto start = std::chrono::steady_clock::now();
   const Result r =
-      testing_support::run_command(kMpirun + "2 " + MEMTUNE_BINARY + " " + train_args("a_file/out", "--max_steps 2"));
+      testing_support::run_command(kMpirun + "2 " + testing_support::memtune_binary() + " " + train_args("a_file/out", "--max_steps 2"));
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   EXPECT_NE(r.status, 0);
   EXPECT_CONTAINS(r.output, "memtune: error on rank 0 of 2: --output_dir");
@@ -312,7 +312,7 @@ pid_t find_rank(int rank, const std::string& output_dir) {
 
 TEST_F(DataParallelTest, ARankKilledMidRunEndsTheJobWithinSixtySeconds) {
   const std::string out = path("killed");
-  const std::string command = kMpirun + "2 " + MEMTUNE_BINARY + " " +
+  const std::string command = kMpirun + "2 " + testing_support::memtune_binary() + " " +
                               train_args("killed",
                                          "--per_device_train_batch_size 1 --max_steps 100000 "
                                          "--save_strategy steps --save_steps 3") +

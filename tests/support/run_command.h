@@ -6,6 +6,7 @@
 
 #include <array>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <string>
 
@@ -25,9 +26,16 @@ inline CommandResult run_command(const std::string& command) {
   return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
 }
 
-// `memtune ARGS` with the binary this test suite was built with.
+// The memtune binary the CLI tests run: $MEMTUNE_BINARY when set (a bundle moved to another
+// machine, scripts/device-check.sh), else the one this test suite was built with.
+inline std::string memtune_binary() {
+  const char* env = std::getenv("MEMTUNE_BINARY");
+  return env && *env ? std::string(env) : std::string(MEMTUNE_BINARY);
+}
+
+// `memtune ARGS` with memtune_binary().
 inline CommandResult run_memtune(const std::string& args) {
-  return run_command(std::string(MEMTUNE_BINARY) + " " + args);
+  return run_command(memtune_binary() + " " + args);
 }
 
 // A POSIX shell script run in `dir`.

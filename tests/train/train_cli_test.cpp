@@ -204,7 +204,7 @@ int64_t newest_checkpoint(const fs::path& dir) {
 // The schedule is constant in these tests, so a resumed run may stop earlier than planned.
 TEST_F(TrainCliTest, CtrlCSavesACheckpointAndResumes) {
   const std::string train =
-      std::string(MEMTUNE_BINARY) + " " + base_flags("int") + " --max_steps 100000 --save_steps 100000";
+      testing_support::memtune_binary() + " " + base_flags("int") + " --max_steps 100000 --save_steps 100000";
   const Result r = run_shell(dir_, train +
                                        " > int.out 2>&1 & pid=$!; n=0; while [ ! -s int/log.jsonl ] && [ $n -lt 3000 ]; do "
                                        "sleep 0.02; n=$((n+1)); done; kill -INT $pid; wait $pid; echo rc=$?");
@@ -219,7 +219,7 @@ TEST_F(TrainCliTest, CtrlCSavesACheckpointAndResumes) {
 
 TEST_F(TrainCliTest, KillDuringSavesLeavesLoadableCheckpoints) {
   const std::string flags = " --save_steps 1 --save_total_limit 3";
-  const std::string train = std::string(MEMTUNE_BINARY) + " " + base_flags("kill") + flags + " --max_steps 100000";
+  const std::string train = testing_support::memtune_binary() + " " + base_flags("kill") + flags + " --max_steps 100000";
   run_shell(dir_, train +
                       " > kill.out 2>&1 & pid=$!; n=0; while [ ! -d kill/checkpoint-3 ] && [ $n -lt 6000 ]; do sleep 0.01; "
                       "n=$((n+1)); done; kill -9 $pid; wait $pid");
@@ -619,7 +619,7 @@ TEST_F(TrainCliTest, OutputDirHoldsOneRunsCoherentOutputs) {
 TEST_F(TrainCliTest, AFailedSaveRemovesItsPartialCheckpoint) {
   // The tiny model's float32 weights fit under 1 MiB, its optimizer state (twice the weights) does not.
   const Result r = testing_support::run_command(
-      "trap '' XFSZ; ulimit -f 1024; " + std::string(MEMTUNE_BINARY) + " " + base_flags("full") +
+      "trap '' XFSZ; ulimit -f 1024; " + testing_support::memtune_binary() + " " + base_flags("full") +
       " --tuner_type full --max_steps 1 --save_steps 1");
   EXPECT_EQ(r.status, 1) << r.output;
   EXPECT_CONTAINS(r.output, "optimizer.safetensors");
