@@ -170,6 +170,10 @@ class Backend {
   // True when allocate() hands out pages of this process's own memory (map_host_pages), so
   // the process's resident set holds them and mincore can say which are resident.
   virtual bool memory_in_host_pages() const = 0;
+  // True when the arena's memory is the machine's RAM and so counts in the process prediction
+  // (memtune plan, --host_memory): the host backends, a Vulkan device on the CPU or an integrated
+  // GPU. A discrete GPU's arena counts against the device only.
+  virtual bool arena_in_host_memory() const { return memory_in_host_pages(); }
 
   // How the model hands weights to the matmuls is the backend's choice, asked here, never known
   // by the model. Products with at most stored_weight_rows() input rows take 16-bit weights as

@@ -19,11 +19,11 @@ void ProcessPlan::measure_preparation(size_t startup_rss_bytes) {
 }
 
 size_t ProcessPlan::loading_bytes() const {
-  return startup_bytes + prepared_bytes + arena_bytes + host_arena_bytes + weights_mapping_bytes;
+  return startup_bytes + prepared_bytes + arena_host_bytes() + host_arena_bytes + weights_mapping_bytes;
 }
 
 size_t ProcessPlan::running_bytes() const {
-  return startup_bytes + prepared_bytes + arena_bytes + host_arena_bytes + compute_runtime_bytes +
+  return startup_bytes + prepared_bytes + arena_host_bytes() + host_arena_bytes + compute_runtime_bytes +
          evaluation_bytes + generation_arena_bytes + communication_bytes;
 }
 
@@ -46,6 +46,7 @@ nlohmann::json ProcessPlan::to_json() const {
            {{"startup_bytes", startup_bytes},
             {"prepared_data_bytes", prepared_bytes},
             {"arena_bytes", arena_bytes},
+            {"arena_on_device", arena_on_device},  // then arena_bytes is the device's, not in the stages
             {"host_arena_bytes", host_arena_bytes},
             {"weights_mapping_bytes", weights_mapping_bytes},
             {"compute_runtime_bytes", compute_runtime_bytes},
@@ -57,13 +58,14 @@ nlohmann::json ProcessPlan::to_json() const {
 
 std::string ProcessPlan::summary() const {
   std::string s = fmt::format(
-      "process: {} predicted peak ({}): startup {} + {} + arena {}{} + {} while loading the weights, "
+      "process: {} predicted peak ({}): startup {} + {} + {}{} + {} while loading the weights, "
       "or + compute runtime {}{}{}{} while running",
       format_bytes(peak_bytes()), peak_stage(), format_bytes(startup_bytes),
       data_measured ? fmt::format("prepared data {} (preparing peaked at {})", format_bytes(prepared_bytes),
                                   format_bytes(preparation_peak_bytes))
                     : std::string("data not counted (none given)"),
-      format_bytes(arena_bytes),
+      arena_on_device ? fmt::format("arena 0 (its {} are the device's)", format_bytes(arena_bytes))
+                      : fmt::format("arena {}", format_bytes(arena_bytes)),
       host_arena_bytes ? fmt::format(" + host arena {}", format_bytes(host_arena_bytes)) : std::string(),
       fmt::format("checkpoint mapping {}", format_bytes(weights_mapping_bytes)), format_bytes(compute_runtime_bytes),
       evaluation_bytes ? fmt::format(" + evaluation {}", format_bytes(evaluation_bytes)) : std::string(),

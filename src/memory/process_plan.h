@@ -46,6 +46,7 @@ struct ProcessPlan {
   bool data_measured = false;          // false: no data was given, the two above are not counted
   // Planned and modelled.
   size_t arena_bytes = 0;              // the device plan (host pages on the cpu backends)
+  bool arena_on_device = false;        // the arena is a discrete GPU's memory: not counted here
   size_t host_arena_bytes = 0;         // the host plan (offloaded optimizer state, staging)
   size_t weights_mapping_bytes = 0;    // the checkpoint's mapped pages and staging while the weights are read
   size_t compute_runtime_bytes = kTrainingRuntimeBytes;
@@ -57,6 +58,8 @@ struct ProcessPlan {
   // are loaded (and the tokenizer released, when the command releases it before the model).
   void measure_preparation(size_t startup_rss_bytes);
 
+  // The arena's bytes in this process's memory: arena_bytes, or 0 when it is on the device.
+  size_t arena_host_bytes() const { return arena_on_device ? 0 : arena_bytes; }
   size_t loading_bytes() const;
   size_t running_bytes() const;
   size_t peak_bytes() const;

@@ -37,6 +37,7 @@ std::unique_ptr<Decoder> load_model(const std::string& dir, ModelOptions options
 
 void add_planned_terms(ProcessPlan& p, const Decoder& model, DType checkpoint_dtype, int world_size) {
   p.arena_bytes = model.plan().peak_bytes();
+  p.arena_on_device = !model.backend().arena_in_host_memory();
   p.host_arena_bytes = model.host_plan().peak_bytes();
   // Weights are read in slices of kTransferBytes: one slice's file pages (dropped once copied)
   // and its staging copy at a time.

@@ -17,6 +17,7 @@
 
 #include "backend/backend.h"
 #include "backend/registry.h"
+#include "backend/vulkan/context.h"
 #include "backend/vulkan/device.h"
 #include "backend/vulkan/shaders.h"
 #include "backend/vulkan/vulkan_backend.h"
@@ -97,6 +98,29 @@ TEST_F(VulkanOps, TheBackendIsRegisteredWhereADeviceIsUsable) {
 // The push-constant block's size as the SPIR-V declares it, which every dispatch checks its C++
 // struct against: rmsnorm has four addresses, a uint and a float (40 bytes); rmsnorm_backward six
 // addresses and three uints (60 bytes, which its C++ struct pads to 64).
+// The staging buffer's memory type: host-visible and coherent, cached where the device offers
+// that (the host reads downloads from it), from the types the buffer allows. No device needed.
+TEST(VulkanMemory, StagingTakesACachedHostTypeWhereThereIsOne) {
+  constexpr VkMemoryPropertyFlags local = VK_MEMORY_PROPERTY_DEVICE_LOCAL_BIT,
+                                  host = VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | VK_MEMORY_PROPERTY_HOST_COHERENT_BIT,
+                                  cached = VK_MEMORY_PROPERTY_HOST_CACHED_BIT;
+  VkPhysicalDeviceMemoryProperties m{};
+  // A discrete GPU's usual list: device-local, host write-combined, host cached, BAR (both).
+  for (VkMemoryPropertyFlags f : {local, host, host | cached, local | host}) m.memoryTypes[m.memoryTypeCount++].propertyFlags = f;
+  EXPECT_EQ(choose_memory_type(m, 0xF, host, cached), 2);
+  EXPECT_EQ(choose_memory_type(m, 0xF, host), 1);              // nothing preferred: the first that fits
+  EXPECT_EQ(choose_memory_type(m, 0xB, host, cached), 1);      // the buffer cannot use type 2
+  EXPECT_EQ(choose_memory_type(m, 0x1, host, cached), -1);     // only device-local allowed
+  EXPECT_EQ(choose_memory_type(m, 0xF, local), 0);
+  // Which devices' memory is the machine's RAM (counted in the process prediction).
+  VulkanDeviceInfo d;
+  for (const auto& [type, host_memory] : {std::pair{"discrete GPU", false}, {"integrated GPU", true}, {"CPU", true},
+                                          {"virtual GPU", false}}) {
+    d.type = type;
+    EXPECT_EQ(d.memory_is_host(), host_memory) << type;
+  }
+}
+
 TEST(VulkanShaders, PushConstantBlocksAreReadFromTheSpirv) {
   EXPECT_EQ(vulkan_push_constant_bytes(vulkan_shader("rmsnorm")), 40u);
   EXPECT_EQ(vulkan_push_constant_bytes(vulkan_shader("rmsnorm_backward")), 60u);

@@ -86,6 +86,10 @@ TEST(PlanCommand, AnAbsentVulkanDeviceIsPlannedFromTheLimitsGiven) {
   EXPECT_GE(total, p["peak_bytes"].get<size_t>());
   EXPECT_TRUE(d["fits"].get<bool>());
   EXPECT_TRUE(p["fits"].get<bool>());
+  // A discrete GPU's arena is the device's memory: the process prediction leaves it out (a full
+  // fine-tune is not predicted at the machine's RAM).
+  EXPECT_TRUE(p["process"]["terms"]["arena_on_device"].get<bool>());
+  EXPECT_LT(p["process"]["process_peak_bytes"].get<size_t>(), p["peak_bytes"].get<size_t>());
   const auto devices = testing_support::run_memtune("devices --json");
   if (devices.status == 0 && devices.output.find("\"backend_vulkan_device\": null") == std::string::npos) {
     const auto here = testing_support::run_memtune(base);
@@ -93,6 +97,13 @@ TEST(PlanCommand, AnAbsentVulkanDeviceIsPlannedFromTheLimitsGiven) {
     EXPECT_EQ(last_line(here.output)["peak_bytes"], p["peak_bytes"]);
     for (const char* term : {"host_arena_bytes", "compute_runtime_bytes"})
       EXPECT_EQ(last_line(here.output)["process"]["terms"][term], p["process"]["terms"][term]) << term;
+    // lavapipe's (or an integrated GPU's) memory is this machine's RAM: counted.
+    const json plan_here = last_line(here.output);
+    const json& process_here = plan_here["process"];
+    if (devices.output.find("\"type\": \"discrete GPU\"") == std::string::npos) {
+      EXPECT_FALSE(process_here["terms"]["arena_on_device"].get<bool>());
+      EXPECT_GT(process_here["process_peak_bytes"].get<size_t>(), p["peak_bytes"].get<size_t>());
+    }
   }
   const auto on_cpu = testing_support::run_memtune("plan --preset tiny --vulkan_max_allocation 1GiB --device_memory 8GiB");
   EXPECT_EQ(on_cpu.status, 1);

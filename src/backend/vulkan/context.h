@@ -29,6 +29,11 @@
 
 namespace memtune {
 
+// The first memory type in `allowed` (a bit mask) with every flag of `wanted`, one that also has
+// every flag of `preferred` before any other; -1 when none has `wanted`.
+int choose_memory_type(const VkPhysicalDeviceMemoryProperties& memory, uint32_t allowed, VkMemoryPropertyFlags wanted,
+                       VkMemoryPropertyFlags preferred = 0);
+
 class VulkanContext {
  public:
   // Opens the device --backend vulkan takes (choose_vulkan_device); an Error naming it on failure.
@@ -90,8 +95,9 @@ class VulkanContext {
   };
   // The allocation holding [address, address + bytes) and the offset of address in it.
   std::pair<const Allocation*, size_t> locate(uint64_t address, size_t bytes) const;
-  uint32_t memory_type(uint32_t allowed, VkMemoryPropertyFlags wanted) const;
-  Allocation make_buffer(size_t bytes, VkBufferUsageFlags usage, VkMemoryPropertyFlags properties);
+  uint32_t memory_type(uint32_t allowed, VkMemoryPropertyFlags wanted, VkMemoryPropertyFlags preferred) const;
+  Allocation make_buffer(size_t bytes, VkBufferUsageFlags usage, VkMemoryPropertyFlags properties,
+                         VkMemoryPropertyFlags preferred = 0);
   void destroy(Allocation& a);
   VkCommandBuffer recording();
   void barrier();

@@ -41,6 +41,9 @@ struct VulkanDeviceInfo {
   bool usable() const { return buffer_device_address && shader_int64 && storage_16bit; }
   // The largest device-local heap.
   uint64_t device_heap_bytes() const;
+  // True when the device's memory is the machine's RAM (a CPU implementation such as lavapipe, an
+  // integrated GPU): its allocations count against the host. A discrete GPU's do not.
+  bool memory_is_host() const { return type == "CPU" || type == "integrated GPU"; }
 };
 
 struct VulkanDevices {

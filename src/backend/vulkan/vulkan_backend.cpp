@@ -100,6 +100,8 @@ class VulkanBackend final : public Backend {
   bool host_addressable() const override { return false; }
   bool runs_cross_entropy() const override { return true; }
   bool memory_in_host_pages() const override { return false; }
+  // A device planned for but absent (--vulkan_max_allocation) is a GPU with memory of its own.
+  bool arena_in_host_memory() const override { return !profile_ && ctx().info().memory_is_host(); }
   // The tiled matmul reads 16-bit weights as stored for any number of rows; the model's default
   // split (16, as on cpu) also sets serve's --max_decode_step_tokens, so it is kept.
   int64_t stored_weight_rows() const override { return 16; }
