@@ -67,8 +67,7 @@ struct TokenizeMode {
         if (!value["enable_thinking"].is_boolean()) throw Error("\"enable_thinking\" must be true or false");
         render.enable_thinking = value["enable_thinking"].get<bool>();
       }
-      std::vector<int32_t> labels;
-      encode_segments(tokenizer, render_chat(*chat, messages, render), ids, labels);
+      ids = encode_chat_text(tokenizer, render_chat(*chat, messages, render));
     } else {
       if (!value.is_string()) throw Error(fmt::format("expected a JSON string, got {}", value.type_name()));
       tokenizer.encode(value.get<std::string>(), ids, add_special_tokens);

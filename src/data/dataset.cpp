@@ -90,11 +90,8 @@ class ExampleBuilder {
         RenderOptions render;
         render.train_on_prompt = options_.train_on_prompt;
         render.eos_token = eos_text_;
-        // Segment by segment, as LLaMA-Factory and ms-swift do, not the whole text as inference
-        // prompts and `memtune tokenize --chat` are: a reply is trained as the tokens generation
-        // writes after the header's (see encode_segments_separately in tokenizer/chat_template.h).
-        encode_segments_separately(tokenizer_, render_chat(*template_, record.messages, render), out.ids,
-                                   out.labels);
+        // Segment by segment, not the whole text as prompts are (tokenizer/chat_template.h says why).
+        encode_segments(tokenizer_, render_chat(*template_, record.messages, render), out.ids, out.labels);
       }
       limit_length(out);
     } catch (const Error& e) {

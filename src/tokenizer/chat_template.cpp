@@ -1,7 +1,7 @@
 // Chat templates written out in C++ (see chat_template.h): recognition of the tokenizer's Jinja
 // template by its distinctive literals, conversation validation, rendering to trainable and
-// untrainable segments, and tokenization (whole text, or segment by segment for training) into
-// ids and unshifted labels.
+// untrainable segments, and tokenization: segment by segment into ids and unshifted labels
+// (training), or the whole text into ids (prompts).
 #include "tokenizer/chat_template.h"
 
 #include <fmt/format.h>
@@ -80,24 +80,14 @@ constexpr std::array<std::string_view, 29> kPythonSpaces{
 
 // Jinja's trim, which is Python's str.strip(): those characters off both ends.
 std::string_view trim_whitespace(std::string_view s) {
-  for (bool again = true; again && !s.empty();) {
-    again = false;
-    for (std::string_view space : kPythonSpaces)
-      if (s.starts_with(space)) {
-        s.remove_prefix(space.size());
-        again = true;
-        break;
-      }
-  }
-  for (bool again = true; again && !s.empty();) {
-    again = false;
-    for (std::string_view space : kPythonSpaces)
-      if (s.ends_with(space)) {
-        s.remove_suffix(space.size());
-        again = true;
-        break;
-      }
-  }
+  // The length of the space character at the front (or the back) of s, 0 when there is none.
+  const auto space = [&s](bool front) -> size_t {
+    for (std::string_view c : kPythonSpaces)
+      if (front ? s.starts_with(c) : s.ends_with(c)) return c.size();
+    return 0;
+  };
+  for (size_t n; (n = space(true)) > 0;) s.remove_prefix(n);
+  for (size_t n; (n = space(false)) > 0;) s.remove_suffix(n);
   return s;
 }
 
@@ -282,30 +272,14 @@ std::vector<ChatSegment> render_chat(ChatTemplate chat_template, std::span<const
   return segments;
 }
 
-void encode_segments(const Tokenizer& tokenizer, std::span<const ChatSegment> segments, std::vector<int32_t>& ids,
-                     std::vector<int32_t>& labels) {
-  MT_ASSERT(ids.size() == labels.size());
+std::vector<int32_t> encode_chat_text(const Tokenizer& tokenizer, std::span<const ChatSegment> segments) {
   std::string text;
-  std::vector<size_t> ends;  // where each segment ends in `text`
-  ends.reserve(segments.size());
-  for (const ChatSegment& s : segments) {
-    text += s.text;
-    ends.push_back(text.size());
-  }
-  const size_t first = ids.size();
-  std::vector<size_t> starts;
-  tokenizer.encode_with_offsets(text, ids, starts);
-  MT_ASSERT(starts.size() == ids.size() - first);
-  size_t segment = 0;
-  for (size_t i = 0; i < starts.size(); ++i) {
-    while (segment < ends.size() && starts[i] >= ends[segment]) ++segment;  // empty segments hold no token
-    const bool trainable = segment < segments.size() && segments[segment].trainable;
-    labels.push_back(trainable ? ids[first + i] : kIgnoreIndex);
-  }
+  for (const ChatSegment& segment : segments) text += segment.text;
+  return tokenizer.encode(text);
 }
 
-void encode_segments_separately(const Tokenizer& tokenizer, std::span<const ChatSegment> segments,
-                                std::vector<int32_t>& ids, std::vector<int32_t>& labels) {
+void encode_segments(const Tokenizer& tokenizer, std::span<const ChatSegment> segments, std::vector<int32_t>& ids,
+                     std::vector<int32_t>& labels) {
   MT_ASSERT(ids.size() == labels.size());
   for (const ChatSegment& s : segments) {
     const size_t begin = ids.size();
@@ -328,9 +302,7 @@ std::vector<int32_t> chat_prompt_ids(const Tokenizer& tokenizer, ChatTemplate ch
   options.add_generation_prompt = true;
   options.enable_thinking = enable_thinking;
   if (const auto eos = tokenizer.eos_token_id()) options.eos_token = tokenizer.decode(std::vector<int32_t>{*eos});
-  std::vector<int32_t> ids, labels;
-  encode_segments(tokenizer, render_chat(chat_template, messages, options), ids, labels);
-  return ids;
+  return encode_chat_text(tokenizer, render_chat(chat_template, messages, options));
 }
 
 }  // namespace memtune

@@ -1,9 +1,9 @@
 // Chat templates: a conversation rendered to text segments, each marked trainable or not, then
-// tokenized in one of two ways. encode_segments tokenizes the rendered text whole, as Hugging
+// tokenized in one of two ways. encode_chat_text tokenizes the rendered text whole, as Hugging
 // Face's apply_chat_template(tokenize=True) and the inference servers (vLLM, TGI) do: generation
-// prompts (generate, chat, serve) and `memtune tokenize --chat`. encode_segments_separately
-// tokenizes segment by segment, as LLaMA-Factory and ms-swift do: the training (and evaluation)
-// examples, so that each reply's ids start exactly where generation starts (see that function).
+// prompts (generate, chat, serve) and `memtune tokenize --chat`. encode_segments tokenizes
+// segment by segment, as LLaMA-Factory and ms-swift do, with labels: the training (and
+// evaluation) examples, so that each reply's ids start exactly where generation starts.
 // The two differ only where a token would straddle a segment boundary, e.g. a reply that starts
 // with "\n" right after "<|im_start|>assistant\n" (whole: "\n\n" is one token). Instead of a
 // Jinja interpreter, the few templates memtune trains with are written out here and recognized
@@ -98,24 +98,20 @@ struct RenderOptions {
 std::vector<ChatSegment> render_chat(ChatTemplate chat_template, std::span<const ChatMessage> messages,
                                      const RenderOptions& options);
 
-// Tokenizes the segments' text joined, as one string (Hugging Face's apply_chat_template with
-// tokenize=True, and what inference servers feed the model), and appends the ids to `ids` and, to
-// `labels`, the id for a token that begins in a trainable segment and -100 otherwise (unshifted
-// labels, the Hugging Face convention). A token spanning a boundary belongs to the segment where
-// its first byte lies (Tokenizer::encode_with_offsets).
+// Tokenizes each segment on its own (as LLaMA-Factory and ms-swift encode prompt and response
+// apart) and appends the ids to `ids` and, to `labels`, the id for a trainable token and -100
+// otherwise (unshifted labels, the Hugging Face convention). Training and evaluation examples are
+// built this way on purpose: generation starts from a prompt whose last token is the header's
+// ("assistant\n") and the model writes the reply's tokens after it, so a reply is trained as the
+// tokens it is generated as. Tokenizing the whole text would merge a reply's leading "\n" into
+// the header's token ("\n\n"): masked, so the reply's first character would never be trained.
 void encode_segments(const Tokenizer& tokenizer, std::span<const ChatSegment> segments, std::vector<int32_t>& ids,
                      std::vector<int32_t>& labels);
 
-// Tokenizes each segment on its own (as LLaMA-Factory and ms-swift encode prompt and response
-// apart), appending ids and labels as encode_segments does. Training data is built this way, on
-// purpose: generation starts from a prompt whose last token is the header's ("assistant\n") and
-// the model writes the reply's tokens after it, so a reply is trained as the tokens it is
-// generated as. Whole-text tokenization would merge a reply's leading "\n" into the header's
-// token ("\n\n"): that token is masked, the reply's first character never trained, and the
-// context trained on is one generation never sees. The ids equal encode_segments' except where
-// a token would cross a boundary.
-void encode_segments_separately(const Tokenizer& tokenizer, std::span<const ChatSegment> segments,
-                                std::vector<int32_t>& ids, std::vector<int32_t>& labels);
+// The segments' text joined, tokenized as one string: Hugging Face's
+// apply_chat_template(tokenize=True) and what inference servers feed the model. The ids equal
+// encode_segments' except where a token would cross a segment boundary.
+std::vector<int32_t> encode_chat_text(const Tokenizer& tokenizer, std::span<const ChatSegment> segments);
 
 // A generation prompt: the conversation (with `system` first when given and the conversation
 // has none) rendered with the assistant header appended, as token ids of the whole text (as

@@ -10,8 +10,6 @@
 //   5. each piece is byte-level BPE-encoded (ignore_merges: a piece that is itself a vocabulary
 //      token is emitted whole), with a per-thread cache of frequent pieces;
 //   6. with add_special_tokens, the TemplateProcessing `single` template wraps the ids.
-// encode_with_offsets follows where each token starts through those steps (the pieces are views
-// of the text; NFC and the repair are mapped back by map_offsets_back).
 // `truncation` and `padding` are ignored: memtune's data pipeline handles lengths itself. Files
 // outside this family are refused with an Error naming the field.
 #include "tokenizer/tokenizer.h"
@@ -25,7 +23,6 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <span>
 #include <sstream>
 #include <unordered_map>
 
@@ -96,8 +93,7 @@ class AddedTokenMatcher {
     empty_ = false;
   }
 
-  // Calls on_text(section) for the text between matches and on_token(id, start) for each match,
-  // `start` being where the match begins in `text` (whitespace it strips on the left included).
+  // Calls on_text(section) for the text between matches and on_token(id) for each match.
   template <class OnText, class OnToken>
   void split(std::string_view text, OnText&& on_text, OnToken&& on_token) const {
     if (empty_) {
@@ -129,7 +125,7 @@ class AddedTokenMatcher {
         }
       }
       if (start > done) on_text(text.substr(done, start - done));
-      on_token(t.id, start);
+      on_token(t.id);
       done = i = stop;
     }
     if (done < text.size()) on_text(text.substr(done));
@@ -214,68 +210,6 @@ std::string read_file(const std::filesystem::path& path) {
   return text.str();
 }
 
-// Maps offsets into `image`, the text after a change `f` (the repair of invalid UTF-8, NFC), back
-// to offsets into `text`. Both changes work between ASCII characters, which neither alters nor
-// joins to what precedes them, so `text` is cut before each ASCII byte that follows a non-ASCII
-// one and each piece changed on its own: f(piece, out) appends the changed piece to `out` and
-// returns true, or returns false when f leaves the piece as it is. Offsets in an unchanged piece
-// map exactly; in a changed one, those within the bytes it shares with its image at the start or
-// at the end map exactly and those in between to where the two first differ, so a character
-// composed across a cut counts as where it begins. Should the pieces' images not join up to
-// `image`, the whole text is one piece. `offsets` ascend, and map to ascending offsets.
-template <class Change>
-void map_offsets_back(std::string_view text, std::string_view image, std::span<size_t> offsets, Change&& f) {
-  struct Piece {
-    size_t text_begin, text_size, image_begin, image_size;
-  };
-  std::vector<Piece> pieces;
-  std::string joined, changed;
-  for (size_t begin = 0; begin < text.size();) {
-    size_t end = begin;
-    while (end < text.size() && static_cast<uint8_t>(text[end]) < 0x80) ++end;
-    while (end < text.size() && static_cast<uint8_t>(text[end]) >= 0x80) ++end;
-    const std::string_view piece = text.substr(begin, end - begin);
-    changed.clear();
-    const size_t at = joined.size();
-    if (f(piece, changed))
-      joined += changed;
-    else
-      joined += piece;
-    pieces.push_back({begin, piece.size(), at, joined.size() - at});
-    begin = end;
-  }
-  if (joined != image) pieces.assign(1, {0, text.size(), 0, image.size()});
-  size_t p = 0, measured = pieces.size();  // the piece same_start and same_end are of
-  size_t same_start = 0, same_end = 0;
-  for (size_t& offset : offsets) {
-    while (p < pieces.size() && offset >= pieces[p].image_begin + pieces[p].image_size) ++p;
-    if (p == pieces.size()) {
-      offset = text.size();
-      continue;
-    }
-    const Piece& piece = pieces[p];
-    const std::string_view from = text.substr(piece.text_begin, piece.text_size);
-    const std::string_view to = image.substr(piece.image_begin, piece.image_size);
-    if (measured != p) {
-      measured = p;
-      const size_t shorter = std::min(from.size(), to.size());
-      same_start = same_end = 0;
-      while (same_start < shorter && from[same_start] == to[same_start]) ++same_start;
-      while (same_start + same_end < shorter && from[from.size() - 1 - same_end] == to[to.size() - 1 - same_end])
-        ++same_end;
-    }
-    const size_t k = offset - piece.image_begin;
-    size_t mapped;
-    if (k <= same_start)
-      mapped = k;
-    else if (k >= to.size() - same_end)
-      mapped = from.size() - (to.size() - k);
-    else
-      mapped = same_start;
-    offset = piece.text_begin + mapped;
-  }
-}
-
 }  // namespace
 
 struct Tokenizer::Impl {
@@ -321,22 +255,11 @@ struct Tokenizer::Impl {
     return std::nullopt;
   }
 
-  // With `starts`, each id's start offset in `text` is appended to it too (encode_with_offsets).
-  void encode(std::string_view text, std::vector<int32_t>& out, bool add_special_tokens,
-              std::vector<size_t>* starts = nullptr) const;
-  // `starts`: offsets in `section` as given (before NFC).
-  void encode_section(std::string_view section, WordCache& cache, std::string& scratch, std::vector<int32_t>& out,
-                      std::vector<size_t>* starts) const;
-  // Where pieces start: offsets from `origin`, the first byte of the (normalized) section that
-  // the pieces are views of.
-  struct Starts {
-    std::vector<size_t>* offsets;
-    const char* origin;
-  };
-  void pre_tokenize(std::string_view text, size_t level, WordCache& cache, std::vector<int32_t>& out,
-                    const Starts* starts) const;
-  void encode_piece(std::string_view piece, WordCache& cache, std::vector<int32_t>& out,
-                    const Starts* starts) const;
+  void encode(std::string_view text, std::vector<int32_t>& out, bool add_special_tokens) const;
+  void encode_section(std::string_view section, WordCache& cache, std::string& scratch,
+                      std::vector<int32_t>& out) const;
+  void pre_tokenize(std::string_view text, size_t level, WordCache& cache, std::vector<int32_t>& out) const;
+  void encode_piece(std::string_view piece, WordCache& cache, std::vector<int32_t>& out) const;
 };
 
 void Tokenizer::Impl::parse_model(const JsonReader& model) {
@@ -597,92 +520,40 @@ void Tokenizer::Impl::parse_config(const JsonReader& config) {
   t->fail("a list of templates without one named \"default\"");
 }
 
-void Tokenizer::Impl::encode(std::string_view text, std::vector<int32_t>& out, bool add_special_tokens,
-                             std::vector<size_t>* starts) const {
-  const std::string_view given = text;
+void Tokenizer::Impl::encode(std::string_view text, std::vector<int32_t>& out, bool add_special_tokens) const {
   std::string repaired;
   if (!is_valid_utf8(text)) {
     append_utf8_lossy(text, repaired);
     text = repaired;
   }
-  const size_t first = starts ? starts->size() : 0;
-  if (add_special_tokens) {
-    out.insert(out.end(), prefix.begin(), prefix.end());
-    if (starts) starts->resize(starts->size() + prefix.size(), 0);
-  }
+  if (add_special_tokens) out.insert(out.end(), prefix.begin(), prefix.end());
   WordCache& cache = word_cache(instance);
   std::string scratch;
   raw_matcher.split(
-      text,
-      [&](std::string_view section) {
-        const size_t before = starts ? starts->size() : 0;
-        encode_section(section, cache, scratch, out, starts);
-        if (starts) {
-          const auto offset = static_cast<size_t>(section.data() - text.data());
-          for (size_t i = before; i < starts->size(); ++i) (*starts)[i] += offset;
-        }
-      },
-      [&](int32_t id, size_t start) {
-        out.push_back(id);
-        if (starts) starts->push_back(start);
-      });
-  if (add_special_tokens) {
-    out.insert(out.end(), suffix.begin(), suffix.end());
-    if (starts) starts->resize(starts->size() + suffix.size(), text.size());
-  }
-  if (starts && !repaired.empty())
-    map_offsets_back(given, repaired, std::span(*starts).subspan(first),
-                     [](std::string_view piece, std::string& image) {
-                       if (is_valid_utf8(piece)) return false;
-                       append_utf8_lossy(piece, image);
-                       return true;
-                     });
+      text, [&](std::string_view section) { encode_section(section, cache, scratch, out); },
+      [&](int32_t id) { out.push_back(id); });
+  if (add_special_tokens) out.insert(out.end(), suffix.begin(), suffix.end());
 }
 
 void Tokenizer::Impl::encode_section(std::string_view section, WordCache& cache, std::string& scratch,
-                                     std::vector<int32_t>& out, std::vector<size_t>* starts) const {
-  const std::string_view given = section;
-  const bool normalized = nfc && nfc_if_changed(section, scratch);
-  if (normalized) section = scratch;
-  const size_t first = starts ? starts->size() : 0;
-  const Starts where{starts, section.data()};
+                                     std::vector<int32_t>& out) const {
+  if (nfc && nfc_if_changed(section, scratch)) section = scratch;
   normalized_matcher.split(
-      section, [&](std::string_view text) { pre_tokenize(text, 0, cache, out, starts ? &where : nullptr); },
-      [&](int32_t id, size_t start) {
-        out.push_back(id);
-        if (starts) starts->push_back(start);
-      });
-  if (starts && normalized)
-    map_offsets_back(given, section, std::span(*starts).subspan(first),
-                     [](std::string_view piece, std::string& image) { return nfc_if_changed(piece, image); });
+      section, [&](std::string_view text) { pre_tokenize(text, 0, cache, out); },
+      [&](int32_t id) { out.push_back(id); });
 }
 
-void Tokenizer::Impl::pre_tokenize(std::string_view text, size_t level, WordCache& cache, std::vector<int32_t>& out,
-                                   const Starts* starts) const {
+void Tokenizer::Impl::pre_tokenize(std::string_view text, size_t level, WordCache& cache,
+                                   std::vector<int32_t>& out) const {
   if (level == pre_tokenizer.size()) {
-    encode_piece(text, cache, out, starts);
+    encode_piece(text, cache, out);
     return;
   }
-  pre_tokenizer[level].split(text, [&](size_t begin, size_t end) {
-    pre_tokenize(text.substr(begin, end - begin), level + 1, cache, out, starts);
-  });
+  pre_tokenizer[level].split(
+      text, [&](size_t begin, size_t end) { pre_tokenize(text.substr(begin, end - begin), level + 1, cache, out); });
 }
 
-void Tokenizer::Impl::encode_piece(std::string_view piece, WordCache& cache, std::vector<int32_t>& out,
-                                   const Starts* starts) const {
-  if (starts) {
-    // Each token starts where the bytes of those before it end (a byte-level BPE token's bytes
-    // are its piece's); clamped to the piece, whatever a file's merges say.
-    const size_t before = out.size();
-    encode_piece(piece, cache, out, nullptr);
-    const auto begin = static_cast<size_t>(piece.data() - starts->origin);
-    size_t at = 0;
-    for (size_t i = before; i < out.size(); ++i) {
-      starts->offsets->push_back(begin + at);
-      at = std::min(piece.size(), at + id_bytes[static_cast<size_t>(out[i])].size());
-    }
-    return;
-  }
+void Tokenizer::Impl::encode_piece(std::string_view piece, WordCache& cache, std::vector<int32_t>& out) const {
   if (ignore_merges) {
     if (auto it = piece_to_id.find(piece); it != piece_to_id.end()) {
       out.push_back(it->second);
@@ -774,11 +645,6 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool add_special_t
   std::vector<int32_t> out;
   impl_->encode(text, out, add_special_tokens);
   return out;
-}
-
-void Tokenizer::encode_with_offsets(std::string_view text, std::vector<int32_t>& out,
-                                    std::vector<size_t>& starts) const {
-  impl_->encode(text, out, /*add_special_tokens=*/false, &starts);
 }
 
 std::string_view Tokenizer::token_bytes(int32_t id, bool skip_special_tokens) const {

@@ -34,13 +34,6 @@ class Tokenizer {
   // Qwen2's adds nothing.
   void encode(std::string_view text, std::vector<int32_t>& out, bool add_special_tokens = false) const;
   std::vector<int32_t> encode(std::string_view text, bool add_special_tokens = false) const;
-  // encode(text, out), and appends to `starts`, for each id, the byte offset in `text` where its
-  // token begins (an added token: where its match begins, whitespace it strips included), in
-  // ascending order. Where the tokenizer changed the text first (NFC, the repair of invalid
-  // UTF-8), offsets map back through the change: exactly outside the changed characters, and a
-  // token starting inside them counts as starting where they begin. What chat templates use to
-  // tokenize a rendered conversation whole and still know which part each token came from.
-  void encode_with_offsets(std::string_view text, std::vector<int32_t>& out, std::vector<size_t>& starts) const;
   // UTF-8 text of ids; invalid byte sequences become U+FFFD. Unknown ids are an Error.
   std::string decode(std::span<const int32_t> ids, bool skip_special_tokens = false) const;
 

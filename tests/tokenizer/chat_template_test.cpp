@@ -241,10 +241,10 @@ Tokenizer tokenizer_merging_newlines(int32_t& newlines) {
                               "synthetic");
 }
 
-// encode_segments tokenizes the rendered text whole (apply_chat_template(tokenize=True), vLLM):
-// a reply's leading "\n" merges with the header's into one token, which starts in the header and
-// so is not trained. encode_segments_separately (training) keeps them apart.
-TEST(ChatTemplate, EncodeSegmentsTokenizesTheWholeTextTrainingSegmentBySegment) {
+// encode_chat_text tokenizes the rendered text whole (apply_chat_template(tokenize=True), vLLM):
+// a reply's leading "\n" merges with the header's into one token. encode_segments (training)
+// keeps them apart, and trains the reply's own tokens.
+TEST(ChatTemplate, PromptsTokenizeTheWholeTextTrainingSegmentBySegment) {
   int32_t newlines = 0;
   const Tokenizer tokenizer = tokenizer_merging_newlines(newlines);
   const std::vector<ChatMessage> messages = {{"user", "Q"}, {"assistant", "\nA"}};
@@ -254,38 +254,23 @@ TEST(ChatTemplate, EncodeSegmentsTokenizesTheWholeTextTrainingSegmentBySegment) 
     for (std::string_view part : parts) tokenizer.encode(part, ids);
     return ids;
   };
-  const std::vector<int32_t> header = encoded({"<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant"});
-  std::vector<int32_t> ids, labels;
-  encode_segments(tokenizer, segments, ids, labels);
-  std::vector<int32_t> want = header;
+  std::vector<int32_t> want = encoded({"<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant"});
   want.push_back(newlines);
-  const std::vector<int32_t> reply = encoded({"A<|im_end|>"});
+  const std::vector<int32_t> reply = encoded({"A<|im_end|>", "\n"});
   want.insert(want.end(), reply.begin(), reply.end());
-  want.push_back(tokenizer.token_to_id("\xC4\x8A").value());
-  EXPECT_EQ(ids, want);
-  EXPECT_EQ(ids, tokenizer.encode(joined(segments)));
-  std::vector<int32_t> want_labels(want.size(), kIgnoreIndex);
-  std::copy(reply.begin(), reply.end(), want_labels.begin() + static_cast<std::ptrdiff_t>(header.size() + 1));
-  EXPECT_EQ(labels, want_labels);
+  EXPECT_EQ(encode_chat_text(tokenizer, segments), want);
 
-  ids.clear();
-  labels.clear();
-  encode_segments_separately(tokenizer, segments, ids, labels);
-  EXPECT_EQ(ids, encoded({"<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n", "\nA<|im_end|>", "\n"}));
+  std::vector<int32_t> ids = {7}, labels = {kIgnoreIndex};  // appended to what is there
+  encode_segments(tokenizer, segments, ids, labels);
+  ASSERT_EQ(ids[0], 7);
+  EXPECT_EQ(std::vector<int32_t>(ids.begin() + 1, ids.end()),
+            encoded({"<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n", "\nA<|im_end|>", "\n"}));
   EXPECT_EQ(std::count(ids.begin(), ids.end(), newlines), 0);
   std::vector<int32_t> trained;
+  ASSERT_EQ(labels.size(), ids.size());
   for (size_t i = 0; i < ids.size(); ++i)
     if (labels[i] != kIgnoreIndex) trained.push_back(labels[i]);
   EXPECT_EQ(trained, encoded({"\nA<|im_end|>"}));
-
-  // Appending to what is there; train_on_prompt trains every token.
-  RenderOptions all;
-  all.train_on_prompt = true;
-  ids = {7};
-  labels = {kIgnoreIndex};
-  encode_segments(tokenizer, render_chat(ChatTemplate::ChatML, messages, all), ids, labels);
-  EXPECT_EQ(std::vector<int32_t>(ids.begin() + 1, ids.end()), want);
-  EXPECT_EQ(std::vector<int32_t>(labels.begin() + 1, labels.end()), want);
 
   // A generation prompt is the whole text's ids too, earlier replies included.
   const std::vector<ChatMessage> history = {{"user", "Q"}, {"assistant", "\nA"}, {"user", "R"}};
@@ -294,24 +279,6 @@ TEST(ChatTemplate, EncodeSegmentsTokenizesTheWholeTextTrainingSegmentBySegment) 
   generation.add_generation_prompt = true;
   EXPECT_EQ(prompt, tokenizer.encode(joined(render_chat(ChatTemplate::ChatML, history, generation))));
   EXPECT_EQ(std::count(prompt.begin(), prompt.end(), newlines), 1);
-}
-
-// A token that crosses a boundary belongs to the segment its first byte lies in, also where NFC
-// composes a character across the boundary.
-TEST(ChatTemplate, EncodeSegmentsLabelsATokenByWhereItBegins) {
-  const Tokenizer tokenizer = testing_support::synthetic_tokenizer();
-  const std::vector<ChatSegment> segments = {{"he", false}, {"llo", true}, {" wor", false}, {"ld", true}};
-  std::vector<int32_t> ids, labels;
-  encode_segments(tokenizer, segments, ids, labels);
-  ASSERT_EQ(ids, tokenizer.encode("hello world"));  // "hello", " world": both begin untrained
-  EXPECT_EQ(labels, std::vector<int32_t>(ids.size(), kIgnoreIndex));
-  const std::vector<ChatSegment> composed = {{"x", true}, {"e", false}, {"\u0301y", true}, {"<|im_end|>", true}};
-  ids.clear();
-  labels.clear();
-  encode_segments(tokenizer, composed, ids, labels);
-  ASSERT_EQ(ids, tokenizer.encode("x\u00e9y<|im_end|>"));
-  ASSERT_EQ(ids.size(), 5u);  // "xéy" as its bytes x, C3, A9, y (no merges), then <|im_end|>
-  EXPECT_EQ(labels, (std::vector<int32_t>{ids[0], kIgnoreIndex, kIgnoreIndex, ids[3], ids[4]}));
 }
 
 // The ids Hugging Face's apply_chat_template gives for Qwen2.5-Instruct.
@@ -337,14 +304,11 @@ TEST(ChatTemplate, Qwen2_5ReplyStartingWithANewlineMatchesTheRealTokenizer) {
   const std::vector<int32_t> system = {151644, 8948,  198,   2610, 525, 1207,  16948, 11,    3465,  553,
                                        54364,  14817, 13,    1446, 525, 264,   10950, 17847, 13,    151645,
                                        198,    151644, 872,  198,  48,  151645, 198,  151644, 77091};
-  std::vector<int32_t> ids, labels;
-  encode_segments(tokenizer, render_chat(ChatTemplate::Qwen2_5, messages, {}), ids, labels);
   std::vector<int32_t> want = system;
   want.insert(want.end(), {271, 65876, 448, 264, 39027, 151645, 198});
-  EXPECT_EQ(ids, want);
-  ids.clear();
-  labels.clear();
-  encode_segments_separately(tokenizer, render_chat(ChatTemplate::Qwen2_5, messages, {}), ids, labels);
+  EXPECT_EQ(encode_chat_text(tokenizer, render_chat(ChatTemplate::Qwen2_5, messages, {})), want);
+  std::vector<int32_t> ids, labels;
+  encode_segments(tokenizer, render_chat(ChatTemplate::Qwen2_5, messages, {}), ids, labels);
   want = system;
   want.insert(want.end(), {198, 198, 65876, 448, 264, 39027, 151645, 198});
   EXPECT_EQ(ids, want);

@@ -428,68 +428,6 @@ TEST(Tokenizer, InvalidUtf8BecomesReplacementCharacters) {
   EXPECT_CONTAINS(error_of([&] { t.decode(std::vector<int32_t>{-1}); }), "-1");
 }
 
-// encode_with_offsets: the ids of encode() and where each token begins in the text given, through
-// added tokens (with the whitespace they strip), NFC and the repair of invalid UTF-8.
-TEST(Tokenizer, EncodeWithOffsetsGivesWhereEachTokenBegins) {
-  Spec spec = hello_spec();
-  json mask = added(302, "<mask>", true);
-  mask["lstrip"] = true;
-  mask["rstrip"] = true;
-  spec.added_tokens = {added(300, "<|im_start|>", true), added(301, "<|im_end|>", true), mask,
-                       added(303, "caf\u00e9", false, /*normalized=*/true)};
-  const Tokenizer t = spec.build();
-  const auto check = [&](std::string_view text, std::vector<size_t> want_starts) {
-    std::vector<int32_t> ids = {42};  // appended to, as encode() does
-    std::vector<size_t> starts = {7};
-    t.encode_with_offsets(text, ids, starts);
-    std::vector<int32_t> want = {42};
-    t.encode(text, want);
-    EXPECT_EQ(ids, want) << text;
-    want_starts.insert(want_starts.begin(), 7);
-    EXPECT_EQ(starts, want_starts) << text;
-  };
-  // "hello" (259), <|im_end|>, "\n", "hello", " wor" (262), "l", "d".
-  check("hello<|im_end|>\nhello world", {0, 5, 15, 16, 21, 25, 26});
-  check("a \t <mask> \n b", {0, 1, 13});  // the mask's match begins at the whitespace it strips
-  check("", {});
-  // NFC: "xe\u0301y" is tokenized as "x\u00e9y", bytes x C3 A9 y; both bytes of the composed
-  // character begin where its "e" does.
-  check("xe\u0301y", {0, 1, 1, 4});
-  check("ab\u00e9<|im_start|>e\u0301", {0, 1, 2, 3, 4, 16, 16});
-  // A normalized added token, matched after NFC.
-  check("a cafe\u0301!", {0, 1, 2, 8});
-  // Invalid UTF-8 (repaired to U+FFFD, EF BF BD): "a", then the piece "\uFFFDb".
-  check("a\xFF"
-        "b",
-        {0, 1, 1, 1, 2});
-  check("\xE2\x82x<|im_end|>\xFF", {0, 0, 0, 2, 3, 13, 13, 13});
-
-  // Random texts: the ids of encode(), offsets ascending within the text, and where the text is
-  // left as it is (valid UTF-8 in NFC), each token's bytes found at its offset.
-  std::mt19937 rng(5);
-  const std::vector<std::string> parts = {"hello", " world", "<|im_end|>", " <mask> ", "cafe\u0301", "e",
-                                          "\u0301",  "\xFF",    "\xE2\x82", "\u00e9",     "\n\n", "\uac00\u11a8"};
-  for (int i = 0; i < 500; ++i) {
-    std::string text;
-    for (int k = static_cast<int>(rng() % 8); k > 0; --k) text += parts[rng() % parts.size()];
-    std::vector<int32_t> ids;
-    std::vector<size_t> starts;
-    t.encode_with_offsets(text, ids, starts);
-    ASSERT_EQ(ids, t.encode(text)) << text;
-    ASSERT_EQ(starts.size(), ids.size());
-    for (size_t k = 0; k < starts.size(); ++k) {
-      ASSERT_LT(starts[k], text.size()) << text;
-      if (k > 0) ASSERT_LE(starts[k - 1], starts[k]) << text;
-    }
-    if (nfc(text) != text) continue;  // (nfc() also fails on invalid UTF-8)
-    for (size_t k = 0; k < ids.size(); ++k) {
-      if (ids[k] == 302) continue;  // <mask> takes the spaces around it
-      const std::string_view bytes = t.token_bytes(ids[k]);
-      ASSERT_EQ(text.substr(starts[k], bytes.size()), bytes) << text << " token " << k;
-    }
-  }
-}
-
 TEST(Tokenizer, DecodeOfEncodeIsNfcOfTheText) {
   Spec spec = hello_spec();
   spec.added_tokens = {added(300, "<|im_start|>", true), added(301, "<|im_end|>", true)};
