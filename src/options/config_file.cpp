@@ -150,7 +150,7 @@ std::string value_text(const json& v) {
   if (v.is_null()) return "";
   if (v.is_number_float()) {
     const double d = v.get<double>();
-    if (d == static_cast<double>(static_cast<int64_t>(d)) && std::abs(d) < 1e15)
+    if (std::abs(d) < 1e15 && d == static_cast<double>(static_cast<int64_t>(d)))  // range first: the cast of a larger one is UB
       return std::to_string(static_cast<int64_t>(d));
   }
   if (v.is_array()) {
