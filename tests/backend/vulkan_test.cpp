@@ -19,6 +19,7 @@
 #include "backend/registry.h"
 #include "backend/vulkan/context.h"
 #include "backend/vulkan/device.h"
+#include "backend/vulkan/geometry.h"
 #include "backend/vulkan/shaders.h"
 #include "backend/vulkan/vulkan_backend.h"
 #include "core/rng.h"
@@ -464,6 +465,117 @@ TEST_F(VulkanOps, AnArenaBeyondOneAllocationIsRefusedNamingTheLimit) {
       testing_support::error_of([&] { vk().allocate(static_cast<size_t>(d.max_allocation_bytes) + (1 << 20)); });
   EXPECT_CONTAINS(error, "more than one allocation may hold");
   EXPECT_CONTAINS(error, d.name);
+}
+
+}  // namespace
+}  // namespace memtune
+
+namespace memtune {
+namespace {
+
+Tensor ints_on(Backend& be, std::vector<std::tuple<Backend*, void*, size_t>>& held, const std::vector<int32_t>& v,
+               std::initializer_list<int64_t> shape) {
+  void* p = be.allocate(std::max<size_t>(v.size() * sizeof(int32_t), 64));
+  held.push_back({&be, p, std::max<size_t>(v.size() * sizeof(int32_t), 64)});
+  Tensor t(p, DType::I32, shape);
+  be.copy_to_device(t, v.data());
+  return t;
+}
+
+// FlashAttention-2's tiling at the head dimensions real models use, each a pipeline of its own
+// (64: 4 lanes, tiles of 32; 96 and 128: tiles of 16; 256: 8 lanes, tiles of 8), over three
+// packed sequences whose borders fall inside query and key tiles (33, 1 and 36 tokens), with
+// three query heads per kv head: forward (out, lse) and backward (dq, dk, dv) equal the
+// reference, and a second run gives the same bits.
+TEST_F(VulkanOps, FlashAttentionAtRealHeadDimensionsEqualsTheReferenceBitForBitEveryRun) {
+  const int64_t N = 70, Hq = 6, Hkv = 2;
+  const std::vector<int32_t> cu = {0, 33, 34, 70};
+  for (const int64_t hd : {64, 96, 128, 256}) {
+    SCOPED_TRACE(fmt::format("head_dim {}", hd));
+    const std::vector<float> q = randn(N * Hq * hd, 21), k = randn(N * Hkv * hd, 22), v = randn(N * Hkv * hd, 23),
+                             dout = randn(N * Hq * hd, 24);
+    auto run = [&](Backend& be) {
+      std::vector<std::tuple<Backend*, void*, size_t>> held;
+      const Tensor tq = make(be, DType::F32, {N, Hq * hd}, q), tk = make(be, DType::F32, {N, Hkv * hd}, k),
+                   tv = make(be, DType::F32, {N, Hkv * hd}, v), tdout = make(be, DType::F32, {N, Hq * hd}, dout),
+                   out = make(be, DType::F32, {N, Hq * hd}), lse = make(be, DType::F32, {N, Hq}),
+                   dq = make(be, DType::F32, {N, Hq * hd}), dk = make(be, DType::F32, {N, Hkv * hd}),
+                   dv = make(be, DType::F32, {N, Hkv * hd}), tcu = ints_on(be, held, cu, {4});
+      be.attention_forward(out, lse, tq, tk, tv, tcu, hd);
+      be.attention_backward(dq, dk, dv, tdout, out, lse, tq, tk, tv, tcu, hd);
+      std::vector r{download_f32(be, out), download_f32(be, lse), download_f32(be, dq), download_f32(be, dk),
+                    download_f32(be, dv)};
+      for (auto [b, p, n] : held) b->deallocate(p, n);
+      return r;
+    };
+    const auto got = run(vk()), again = run(vk()), want = run(ref());
+    const char* names[] = {"out", "lse", "dq", "dk", "dv"};
+    for (size_t i = 0; i < got.size(); ++i) {
+      SCOPED_TRACE(names[i]);
+      expect_close(got[i], want[i], 2e-5f);
+      EXPECT_EQ(0, std::memcmp(got[i].data(), again[i].data(), got[i].size() * sizeof(float)));
+    }
+  }
+}
+
+// Decoding at a long context: the keys are split over workgroups (several splits, merged by a
+// second pass) and the result equals the reference, for float32 and bfloat16 caches. Three
+// sequences in a block table 1024 keys wide, scattered blocks: 700 tokens (one new), 5 (one new)
+// and 300 (three new: a prefill chunk's rows, each at its own position).
+TEST_F(VulkanOps, PagedAttentionSplitOverALongContextEqualsTheReference) {
+  const int64_t block = 16, max_blocks = 64, hd = 128, Hq = 8, Hkv = 2, kvd = Hkv * hd;
+  const std::vector<int32_t> context = {700, 5, 300}, fresh = {1, 1, 3};
+  // Blocks handed out from the top of a 120-block cache, so every table is scattered.
+  std::vector<int32_t> tables(3 * max_blocks, 0), slots, cu = {0};
+  int32_t next = 119;
+  for (size_t s = 0; s < 3; ++s) {
+    for (int32_t b = 0; b * block < context[s]; ++b) tables[s * max_blocks + b] = next--;
+    for (int32_t j = 0; j < context[s]; ++j)
+      slots.push_back(tables[s * max_blocks + j / block] * static_cast<int32_t>(block) + j % block);
+    cu.push_back(cu.back() + fresh[s]);
+  }
+  const int64_t T = static_cast<int64_t>(slots.size()), Q = cu.back(), cache_rows = 120 * block;
+  const vulkan_geometry::PagedAttention shape{
+      .rows = Q, .q_heads = Hq, .kv_heads = Hkv, .head_dim = hd, .max_context = max_blocks * block};
+  ASSERT_GT(vulkan_geometry::paged_split(shape, int64_t{1} << 19).splits, 1u);
+  ASSERT_EQ(vulkan_geometry::paged_attention(shape, int64_t{1} << 19).size(), 2u);
+  const std::vector<float> q = randn(Q * Hq * hd, 31), k = randn(T * kvd, 32), v = randn(T * kvd, 33);
+  for (const DType cache : {DType::F32, DType::BF16}) {
+    SCOPED_TRACE(dtype_torch_name(cache));
+    auto run = [&](Backend& be) {
+      std::vector<std::tuple<Backend*, void*, size_t>> held;
+      const Tensor tq = make(be, DType::F32, {Q, Hq * hd}, q), tk = make(be, DType::F32, {T, kvd}, k),
+                   tv = make(be, DType::F32, {T, kvd}, v), kc = make(be, cache, {cache_rows, kvd}),
+                   vc = make(be, cache, {cache_rows, kvd}), out = make(be, DType::F32, {Q, Hq * hd});
+      const Tensor tslots = ints_on(be, held, slots, {T}), ttables = ints_on(be, held, tables, {3, max_blocks}),
+                   tcu = ints_on(be, held, cu, {4}), tctx = ints_on(be, held, context, {3});
+      be.kv_cache_write(kc, vc, tk, tv, tslots);
+      be.paged_attention_forward(out, tq, kc, vc, ttables, tcu, tctx, hd, block);
+      auto r = download_f32(be, out);
+      for (auto [b, p, n] : held) b->deallocate(p, n);
+      return r;
+    };
+    expect_close(run(vk()), run(ref()), 2e-5f);
+  }
+}
+
+// A product large enough for gemm.comp's 64 x 64 tiles (smaller ones take 32 x 32 to give the
+// device more workgroups): 1536 x 1472 outputs over K = 20, float32 and bfloat16 weights.
+TEST_F(VulkanOps, ALargeProductTakesTheBigTileAndEqualsTheReference) {
+  const int64_t N = 1536, C = 20, OC = 1472;
+  ASSERT_EQ(vulkan_geometry::gemm(N, OC, C, DType::F32).constants[0], 64u);
+  ASSERT_EQ(vulkan_geometry::gemm(70, 131, C, DType::F32).constants[0], 32u);
+  const std::vector<float> x = randn(N * C, 41), w = randn(OC * C, 42), b = randn(OC, 43);
+  for (const DType dtype : {DType::F32, DType::BF16}) {
+    SCOPED_TRACE(dtype_torch_name(dtype));
+    auto run = [&](Backend& be) {
+      const Tensor tx = make(be, DType::F32, {N, C}, x), tw = make(be, dtype, {OC, C}, w),
+                   tb = make(be, DType::F32, {OC}, b), out = make(be, DType::F32, {N, OC});
+      be.matmul_forward(out, tx, tw, tb);
+      return download_f32(be, out);
+    };
+    expect_close(run(vk()), run(ref()), 1e-5f);
+  }
 }
 
 }  // namespace

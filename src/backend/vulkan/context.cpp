@@ -291,7 +291,9 @@ void VulkanContext::flush() {
   submit.commandBufferCount = 1;
   submit.pCommandBuffers = &commands_;
   check(vkQueueSubmit(queue_, 1, &submit, fence_), "vkQueueSubmit");
+  ++counters_.submissions;
   check(vkWaitForFences(device_, 1, &fence_, VK_TRUE, UINT64_MAX), "vkWaitForFences");
+  ++counters_.waits;
   check(vkResetFences(device_, 1, &fence_), "vkResetFences");
   check(vkResetCommandBuffer(commands_, 0), "vkResetCommandBuffer");
 }
@@ -370,8 +372,9 @@ void VulkanContext::fill_words(uint64_t dst, uint32_t word, size_t bytes) {
   barrier();
 }
 
-const VulkanContext::Pipeline& VulkanContext::pipeline(std::string_view shader) {
-  const auto it = pipelines_.find(std::string(shader));
+const VulkanContext::Pipeline& VulkanContext::pipeline(std::string_view shader, std::span<const uint32_t> constants) {
+  std::pair<std::string, std::vector<uint32_t>> key{std::string(shader), {constants.begin(), constants.end()}};
+  const auto it = pipelines_.find(key);
   if (it != pipelines_.end()) return it->second;
   const std::span<const uint32_t> code = vulkan_shader(shader);
   MT_ASSERT(!code.empty(), "vulkan: no embedded shader of that name");
@@ -386,17 +389,23 @@ const VulkanContext::Pipeline& VulkanContext::pipeline(std::string_view shader) 
   pipeline_info.stage.stage = VK_SHADER_STAGE_COMPUTE_BIT;
   pipeline_info.stage.module = p.module;
   pipeline_info.stage.pName = "main";
+  std::vector<VkSpecializationMapEntry> entries;
+  for (uint32_t i = 0; i < constants.size(); ++i)
+    entries.push_back({i, static_cast<uint32_t>(i * sizeof(uint32_t)), sizeof(uint32_t)});
+  const VkSpecializationInfo specialization{static_cast<uint32_t>(entries.size()), entries.data(),
+                                            constants.size_bytes(), constants.data()};
+  if (!constants.empty()) pipeline_info.stage.pSpecializationInfo = &specialization;
   pipeline_info.layout = layout_;
   check(vkCreateComputePipelines(device_, VK_NULL_HANDLE, 1, &pipeline_info, nullptr, &p.pipeline),
         "vkCreateComputePipelines");
-  return pipelines_.emplace(std::string(shader), p).first->second;
+  return pipelines_.emplace(std::move(key), p).first->second;
 }
 
-void VulkanContext::dispatch(std::string_view shader, std::span<const std::byte> push, uint32_t groups_x,
-                             uint32_t groups_y, uint32_t groups_z) {
+void VulkanContext::dispatch(std::string_view shader, std::span<const uint32_t> constants,
+                             std::span<const std::byte> push, uint32_t groups_x, uint32_t groups_y, uint32_t groups_z) {
   MT_ASSERT(push.size() <= 128, "vulkan: push constants of at most 128 bytes");
   if (groups_x == 0 || groups_y == 0 || groups_z == 0) return;
-  const Pipeline& p = pipeline(shader);
+  const Pipeline& p = pipeline(shader, constants);
   // The C++ push struct and the shader's block agree (a member missing or added on one side
   // fails here, at every dispatch of that shader, not as wrong numbers).
   MT_ASSERT(push.size() >= p.push_bytes && push.size() <= (p.push_bytes + 7) / 8 * 8,
@@ -409,6 +418,8 @@ void VulkanContext::dispatch(std::string_view shader, std::span<const std::byte>
   vkCmdPushConstants(c, layout_, VK_SHADER_STAGE_COMPUTE_BIT, 0, static_cast<uint32_t>(push.size()), push.data());
   vkCmdDispatch(c, groups_x, groups_y, groups_z);
   barrier();
+  ++counters_.dispatches;
+  ++counters_.by_shader[std::string(shader)];
   if (profile_) {
     flush();
     auto& [seconds, count] = profile_seconds_[std::string(shader)];

@@ -17,15 +17,16 @@
 #include <vulkan/vulkan.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <map>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
-#include <unordered_map>
 #include <vector>
 
 #include "backend/vulkan/device.h"
+#include "backend/vulkan/geometry.h"
 
 namespace memtune {
 
@@ -60,15 +61,36 @@ class VulkanContext {
   void fill_words(uint64_t dst, uint32_t word, size_t bytes);
 
   // Records a dispatch of shaders/NAME.comp with `push` as its push constants (at most 128
-  // bytes, laid out as the shader declares them).
-  void dispatch(std::string_view shader, std::span<const std::byte> push, uint32_t groups_x, uint32_t groups_y = 1,
-                uint32_t groups_z = 1);
+  // bytes, laid out as the shader declares them). `constants` are its specialization constants
+  // (constant_id 0, 1, ...: a head dimension, a tile size, a dtype), fixed when its pipeline is
+  // made: each distinct set is a pipeline of its own, compiled on first use.
+  void dispatch(std::string_view shader, std::span<const uint32_t> constants, std::span<const std::byte> push,
+                uint32_t groups_x, uint32_t groups_y = 1, uint32_t groups_z = 1);
   template <class Push>
   void dispatch(std::string_view shader, const Push& push, uint32_t gx, uint32_t gy = 1, uint32_t gz = 1) {
-    dispatch(shader, std::as_bytes(std::span<const Push>(&push, 1)), gx, gy, gz);
+    dispatch(shader, std::span<const uint32_t>(), std::as_bytes(std::span<const Push>(&push, 1)), gx, gy, gz);
+  }
+  template <class Push>
+  void dispatch(std::string_view shader, std::initializer_list<uint32_t> constants, const Push& push, uint32_t gx,
+                uint32_t gy = 1, uint32_t gz = 1) {
+    dispatch(shader, std::span<const uint32_t>(constants.begin(), constants.size()),
+             std::as_bytes(std::span<const Push>(&push, 1)), gx, gy, gz);
+  }
+  // A dispatch as vulkan_geometry computed it (shader, constants, grid).
+  template <class Push>
+  void dispatch(const VulkanDispatch& d, const Push& push) {
+    dispatch(d.shader, std::span<const uint32_t>(d.constants), std::as_bytes(std::span<const Push>(&push, 1)), d.x,
+             d.y, d.z);
   }
   // Submits what is recorded and waits for it.
   void flush();
+  // What the host asked of the device since the context opened: dispatches (by shader), command
+  // buffers submitted, and waits for the device (each submission is waited for).
+  struct Counters {
+    uint64_t dispatches = 0, submissions = 0, waits = 0;
+    std::map<std::string, uint64_t> by_shader;
+  };
+  const Counters& counters() const { return counters_; }
   // Device timestamps (Backend::time_mark / time_marks): mark i is written when the work
   // recorded before it has finished (mark 0 starts a series); marks() flushes, waits and returns
   // the seconds of the series' marks 0..n-1 since mark 0 (n: those made, from 0 without a gap),
@@ -101,7 +123,7 @@ class VulkanContext {
   void destroy(Allocation& a);
   VkCommandBuffer recording();
   void barrier();
-  const Pipeline& pipeline(std::string_view shader);
+  const Pipeline& pipeline(std::string_view shader, std::span<const uint32_t> constants);
 
   VulkanDeviceInfo info_;
   VkInstance instance_ = VK_NULL_HANDLE;
@@ -121,11 +143,12 @@ class VulkanContext {
   uint64_t allocated_bytes_ = 0;
   Allocation staging_;
   void* staging_host_ = nullptr;
-  std::unordered_map<std::string, Pipeline> pipelines_;
+  std::map<std::pair<std::string, std::vector<uint32_t>>, Pipeline> pipelines_;  // by shader and constants
   // MEMTUNE_VULKAN_PROFILE=1: every dispatch waits for itself and is timed; the seconds per
   // shader go to stderr when the context closes (a diagnostic: it serializes the device).
   bool profile_ = false;
   std::map<std::string, std::pair<double, int64_t>> profile_seconds_;
+  Counters counters_;
 };
 
 }  // namespace memtune

@@ -82,6 +82,8 @@ VulkanDeviceInfo read_device(VkPhysicalDevice pd, int index) {
   d.driver_info = driver.driverInfo;
   d.max_allocation_bytes = maintenance.maxMemoryAllocationSize;
   d.subgroup_size = subgroup.subgroupSize;
+  d.subgroup_shuffle = (subgroup.supportedStages & VK_SHADER_STAGE_COMPUTE_BIT) != 0 &&
+                       (subgroup.supportedOperations & VK_SUBGROUP_FEATURE_SHUFFLE_BIT) != 0;
 
   auto f11 = vk_struct<VkPhysicalDeviceVulkan11Features>(VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES);
   auto f12 = vk_struct<VkPhysicalDeviceVulkan12Features>(VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES);
@@ -177,11 +179,11 @@ std::string describe_vulkan_device(const VulkanDeviceInfo& d) {
   auto yes = [](bool b) { return b ? "yes" : "no"; };
   return fmt::format(
       "{} ({}; {} {}, Vulkan {})\n  memory: {}; one allocation up to {}, one storage binding up to {}\n"
-      "  features: 16-bit storage {}, 64-bit integers {}, buffer device address {}, subgroup {}, shared memory {}, "
+      "  features: 16-bit storage {}, 64-bit integers {}, buffer device address {}, subgroup {}{}, shared memory {}, "
       "cooperative matrix {}, memory budget {}, timestamps {}",
       d.name, d.type, d.driver, d.driver_info, d.api_version, heaps, format_bytes(d.max_allocation_bytes),
       format_bytes(d.max_storage_buffer_range), yes(d.storage_16bit), yes(d.shader_int64), yes(d.buffer_device_address),
-      d.subgroup_size, format_bytes(d.shared_memory_bytes), yes(d.cooperative_matrix), yes(d.memory_budget),
+      d.subgroup_size, d.subgroup_shuffle ? " with shuffles" : " without shuffles", format_bytes(d.shared_memory_bytes), yes(d.cooperative_matrix), yes(d.memory_budget),
       yes(d.timestamps));
 }
 
@@ -199,6 +201,7 @@ nlohmann::json vulkan_device_json(const VulkanDeviceInfo& d) {
           {"max_allocation_bytes", d.max_allocation_bytes},
           {"max_storage_buffer_range", d.max_storage_buffer_range},
           {"subgroup_size", d.subgroup_size},
+          {"subgroup_shuffle", d.subgroup_shuffle},
           {"shared_memory_bytes", d.shared_memory_bytes},
           {"storage_16bit", d.storage_16bit},
           {"shader_int64", d.shader_int64},

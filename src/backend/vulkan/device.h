@@ -35,10 +35,15 @@ struct VulkanDeviceInfo {
   uint64_t max_allocation_bytes = 0, max_storage_buffer_range = 0;
   uint32_t subgroup_size = 0, shared_memory_bytes = 0;
   bool storage_16bit = false, shader_int64 = false, buffer_device_address = false;
+  bool subgroup_shuffle = false;  // subgroupShuffleXor in compute shaders
   bool memory_budget = false, cooperative_matrix = false, timestamps = false;
   float timestamp_period_ns = 0;  // nanoseconds per timestamp tick
-  // The memory the backend needs: buffer device addresses, 64-bit integers and 16-bit storage.
-  bool usable() const { return buffer_device_address && shader_int64 && storage_16bit; }
+  // What the backend needs: buffer device addresses, 64-bit integers and 16-bit storage for its
+  // memory, and subgroups of at least 8 invocations that shuffle (the attention shaders split a
+  // row's head dimension over 4 or 8 neighbouring invocations and sum across them).
+  bool usable() const {
+    return buffer_device_address && shader_int64 && storage_16bit && subgroup_shuffle && subgroup_size >= 8;
+  }
   // The largest device-local heap.
   uint64_t device_heap_bytes() const;
   // True when the device's memory is the machine's RAM (a CPU implementation such as lavapipe, an

@@ -28,11 +28,6 @@ uint64_t address(const Tensor& t) {
 uint64_t address(const void* p) {
   return reinterpret_cast<uint64_t>(p);
 }
-// Workgroups of a 1-D grid-stride shader (256 wide) for n elements: enough to fill a large GPU,
-// within every device's dispatch limit.
-uint32_t groups_for(int64_t n) {
-  return static_cast<uint32_t>(std::clamp<int64_t>((n + 255) / 256, 1, 65535));
-}
 uint32_t u32(int64_t v) {
   MT_ASSERT(v >= 0 && v <= static_cast<int64_t>(UINT32_MAX), "vulkan: a size beyond 32 bits");
   return static_cast<uint32_t>(v);
@@ -67,6 +62,7 @@ class VulkanBackend final : public Backend {
     }
     ctx_ = std::make_unique<VulkanContext>();
     partials_ = ctx_->allocate(kPartials * sizeof(float));
+    split_scratch_ = ctx_->allocate(kSplitScratchFloats * sizeof(float));
     std::fprintf(stderr, "vulkan: device %d, %s\n", ctx_->info().index, describe_vulkan_device(ctx_->info()).c_str());
   }
   std::string_view name() const override { return "vulkan"; }
@@ -133,7 +129,7 @@ class VulkanBackend final : public Backend {
       uint64_t dst, src;
       uint32_t n, mode;
     } push{address(dst), address(src), u32(dst.numel()), mode};
-    ctx().dispatch("convert", push, groups_for(dst.numel()));
+    ctx().dispatch(vulkan_geometry::elementwise("convert", dst.numel(), 6), push);
   }
   void fill(const Tensor& dst, float value) override {
     dst.f32();
@@ -157,14 +153,14 @@ class VulkanBackend final : public Backend {
       uint64_t y, x;
       uint32_t n;
     } push{address(y), address(x), u32(y.numel())};
-    ctx().dispatch("add_inplace", push, groups_for(y.numel()));
+    ctx().dispatch(vulkan_geometry::elementwise("add_inplace", y.numel(), 12), push);
   }
   void swiglu_forward(const Tensor& h, const Tensor& gate, const Tensor& up) override {
     struct {
       uint64_t h, gate, up;
       uint32_t n;
     } push{address(h), address(gate), address(up), u32(h.numel())};
-    ctx().dispatch("swiglu", push, groups_for(h.numel()));
+    ctx().dispatch(vulkan_geometry::elementwise("swiglu", h.numel(), 12, 8), push);
   }
 
   void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
@@ -182,7 +178,7 @@ class VulkanBackend final : public Backend {
         uint32_t N, C;
         float alpha;
       } push{address(dbias), address(dout), u32(N), u32(OC), scale};
-      ctx().dispatch("column_sum", push, groups_for(OC));
+      ctx().dispatch(vulkan_geometry::column_reduction("column_sum", N, OC, 4), push);
     }
   }
   void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, const Tensor& w, float eps) override {
@@ -191,7 +187,7 @@ class VulkanBackend final : public Backend {
       uint32_t C;
       float eps;
     } push{address(out), address(rstd), address(inp), address(w), u32(inp.cols()), eps};
-    ctx().dispatch("rmsnorm", push, u32(inp.rows()));
+    ctx().dispatch(vulkan_geometry::per_row("rmsnorm", inp.rows(), inp.cols(), 8, 4), push);
   }
   void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
                         const Tensor& w, const Tensor& rstd) override {
@@ -201,10 +197,10 @@ class VulkanBackend final : public Backend {
     } push{address(dinp),   address(dweight), address(dout),
            address(inp),    address(w),       address(rstd),
            u32(inp.rows()), u32(inp.cols()),  0};
-    ctx().dispatch("rmsnorm_backward", push, u32(inp.rows()));
+    ctx().dispatch(vulkan_geometry::per_row("rmsnorm_backward", inp.rows(), inp.cols(), 12, 6), push);
     if (dweight) {
       push.mode = 1;
-      ctx().dispatch("rmsnorm_backward", push, groups_for(inp.cols()));
+      ctx().dispatch(vulkan_geometry::column_reduction("rmsnorm_backward", inp.rows(), inp.cols(), 8), push);
     }
   }
   void rope_forward(const Tensor& x, const Tensor& positions, const Tensor& inv_freq) override {
@@ -221,7 +217,7 @@ class VulkanBackend final : public Backend {
       uint32_t N, C, cdtype;
     } push{address(k_cache), address(v_cache), address(k),    address(v),
            address(slots),   u32(k.rows()),    u32(k.cols()), weight_dtype_code(k_cache.dtype)};
-    ctx().dispatch("kv_cache_write", push, groups_for(k.numel()));
+    ctx().dispatch(vulkan_geometry::elementwise("kv_cache_write", k.numel(), 2 * (4 + dtype_size(k_cache.dtype))), push);
   }
   void gather_rows(const Tensor& out, const Tensor& inp, const Tensor& index) override { rows_op(out, inp, index, 0); }
   void swiglu_backward(const Tensor& dgate, const Tensor& dup, const Tensor& dh, const Tensor& gate,
@@ -230,14 +226,15 @@ class VulkanBackend final : public Backend {
       uint64_t dgate, dup, dh, gate, up;
       uint32_t n;
     } push{address(dgate), address(dup), address(dh), address(gate), address(up), u32(dh.numel())};
-    ctx().dispatch("swiglu_backward", push, groups_for(dh.numel()));
+    ctx().dispatch(vulkan_geometry::elementwise("swiglu_backward", dh.numel(), 20, 12), push);
   }
   void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& table) override {
-    embedding(table, out, ids, weight_dtype_code(table.dtype), 0, groups_for(out.numel()));
+    embedding(table, out, ids, weight_dtype_code(table.dtype), 0,
+              vulkan_geometry::elementwise("embedding", out.numel(), 4 + dtype_size(table.dtype), 0));
   }
   void embedding_backward(const Tensor& dtable, const Tensor& dout, const Tensor& ids) override {
     dtable.f32();
-    embedding(dtable, dout, ids, 0, 1, groups_for(dtable.cols()));
+    embedding(dtable, dout, ids, 0, 1, vulkan_geometry::column_reduction("embedding", ids.numel(), dtable.cols(), 12));
   }
   void dropout_forward(const Tensor& out, const Tensor& x, uint64_t key, float p) override {
     struct {
@@ -247,7 +244,7 @@ class VulkanBackend final : public Backend {
     } push{
         address(out),     address(x), key, u32(x.numel()), static_cast<uint32_t>(static_cast<double>(p) * 16777216.0),
         1.0f / (1.0f - p)};
-    ctx().dispatch("dropout", push, groups_for(x.numel()));
+    ctx().dispatch(vulkan_geometry::elementwise("dropout", x.numel(), 8, 8), push);
   }
   // Sampling on the device (sample_penalties.comp, sample.comp): the rows' settings and the
   // penalty tokens go up with the step, R token ids come back.
@@ -287,13 +284,13 @@ class VulkanBackend final : public Backend {
         uint64_t logits, rows, entries;
         uint32_t n, V;
       } push{address(a.logits), address(a.device_rows), address(a.device_penalties), u32(n), u32(V)};
-      ctx().dispatch("sample_penalties", push, groups_for(n));
+      ctx().dispatch(vulkan_geometry::elementwise("sample_penalties", n, 24), push);
     }
     struct {
       uint64_t logits, rows, tokens;
       uint32_t V;
     } push{address(a.logits), address(a.device_rows), address(a.device_tokens), u32(V)};
-    ctx().dispatch("sample", push, u32(R));
+    ctx().dispatch(vulkan_geometry::per_row("sample", R, V, 8, 4), push);
     ctx().download(a.tokens.data(), address(a.device_tokens), static_cast<size_t>(R) * sizeof(int32_t));
   }
 
@@ -307,13 +304,15 @@ class VulkanBackend final : public Backend {
     const auto share = static_cast<uint32_t>(std::min<size_t>(kPartialsPerTensor, kPartials / xs.size()));
     uint32_t used = 0;
     for (const Tensor& x : xs) {
-      const uint32_t groups = std::min(groups_for(x.numel()), share);
+      VulkanDispatch d = vulkan_geometry::elementwise("scale_sum_squares", x.numel(), 8, 3);
+      d.x = std::min(d.x, share);
+      const uint32_t groups = d.x;
       struct {
         uint64_t x, partials;
         uint32_t n;
         float scale;
       } push{address(x), partials_ + used * sizeof(float), u32(x.numel()), scale};
-      ctx().dispatch("scale_sum_squares", push, groups);
+      ctx().dispatch(d, push);
       used += groups;
     }
     ctx().download(partial_sums_.data(), partials_, used * sizeof(float));
@@ -342,73 +341,67 @@ class VulkanBackend final : public Backend {
            static_cast<float>(c.eps),
            step.decay ? static_cast<float>(1.0 - step.learning_rate * c.weight_decay) : 1.0f,
            step.grad_scale};
-    ctx().dispatch("adamw", push, groups_for(param.numel()));
+    ctx().dispatch(vulkan_geometry::elementwise("adamw", param.numel(), 28, 16), push);
   }
 
   void quantized_matmul_forward(const Tensor& out, const Tensor& inp, const QuantizedWeight& w, const Tensor& bias,
                                 const Tensor&) override {
     MT_ASSERT(w.in == inp.cols() && out.rows() == inp.rows() && out.cols() == w.out, "quantized matmul shapes");
-    quantized(out, inp, w, bias, 0, u32((w.out + 15) / 16));
+    quantized(out, inp, w, bias, 0);
   }
   void quantized_matmul_backward_input(const Tensor& dinp, const Tensor& dout, const QuantizedWeight& w,
                                        const Tensor&) override {
     MT_ASSERT(dout.cols() == w.out && dinp.rows() == dout.rows() && dinp.cols() == w.in, "quantized backward shapes");
-    quantized(dinp, dout, w, Tensor{}, 1, u32((w.in + 15) / 16));
+    quantized(dinp, dout, w, Tensor{}, 1);
   }
   void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
                          const Tensor& cu_seqlens, int64_t hd) override {
     struct {
       uint64_t out, lse, q, k, v, cu;
-      uint32_t N, S, Hq, Hkv, hd;
+      uint32_t N, S, Hq, Hkv;
       float scale;
-    } push{address(out),
-           address(lse),
-           address(q),
-           address(k),
-           address(v),
-           address(cu_seqlens),
-           u32(q.rows()),
-           u32(cu_seqlens.numel() - 1),
-           u32(q.cols() / hd),
-           u32(k.cols() / hd),
-           u32(hd),
-           attention_scale(hd)};
-    ctx().dispatch("attention", push, groups_for(q.rows() * (q.cols() / hd)));
+    } push{address(out), address(lse), address(q), address(k), address(v), address(cu_seqlens),
+           u32(q.rows()), u32(cu_seqlens.numel() - 1), u32(q.cols() / hd), u32(k.cols() / hd), attention_scale(hd)};
+    ctx().dispatch(vulkan_geometry::attention_forward(attention_shape(q, k, cu_seqlens, hd)), push);
   }
+  // FlashAttention-2's two passes: dq by query tiles, dk and dv by key tiles.
   void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& out,
                           const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
                           const Tensor& cu_seqlens, int64_t hd) override {
+    const vulkan_geometry::Attention shape = attention_shape(q, k, cu_seqlens, hd);
     struct {
-      uint64_t dq, dk, dv, dout, out, lse, q, k, v, cu;
-      uint32_t N, S, Hq, Hkv, hd, mode;
+      uint64_t dq, dout, out, lse, q, k, v, cu;
+      uint32_t N, S, Hq, Hkv;
       float scale;
-    } push{address(dq),
-           address(dk),
-           address(dv),
-           address(dout),
-           address(out),
-           address(lse),
-           address(q),
-           address(k),
-           address(v),
-           address(cu_seqlens),
-           u32(q.rows()),
-           u32(cu_seqlens.numel() - 1),
-           u32(q.cols() / hd),
-           u32(k.cols() / hd),
-           u32(hd),
-           0,
-           attention_scale(hd)};
-    ctx().dispatch("attention_backward", push, groups_for(q.rows() * (q.cols() / hd)));
-    push.mode = 1;
-    ctx().dispatch("attention_backward", push, groups_for(k.rows() * (k.cols() / hd)));
+    } query_side{address(dq),    address(dout), address(out), address(lse), address(q), address(k), address(v),
+                 address(cu_seqlens), u32(q.rows()), u32(cu_seqlens.numel() - 1), u32(q.cols() / hd),
+                 u32(k.cols() / hd), attention_scale(hd)};
+    ctx().dispatch(vulkan_geometry::attention_backward_dq(shape), query_side);
+    struct {
+      uint64_t dk, dv, dout, out, lse, q, k, v, cu;
+      uint32_t N, S, Hq, Hkv;
+      float scale;
+    } key_side{address(dk), address(dv), address(dout), address(out), address(lse), address(q), address(k),
+               address(v),  address(cu_seqlens), u32(q.rows()), u32(cu_seqlens.numel() - 1), u32(q.cols() / hd),
+               u32(k.cols() / hd), attention_scale(hd)};
+    ctx().dispatch(vulkan_geometry::attention_backward_dkv(shape), key_side);
   }
+  // Split over the context where few query rows would leave the device idle (decoding), the
+  // splits' partials in the backend's own scratch, merged by a second dispatch.
   void paged_attention_forward(const Tensor& out, const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                                const Tensor& block_tables, const Tensor& cu_seqlens, const Tensor& context_lens,
                                int64_t hd, int64_t block_size) override {
+    const vulkan_geometry::PagedAttention shape{.rows = q.rows(),
+                                                .q_heads = q.cols() / hd,
+                                                .kv_heads = k_cache.cols() / hd,
+                                                .head_dim = hd,
+                                                .max_context = block_tables.cols() * block_size,
+                                                .cache = k_cache.dtype};
+    const vulkan_geometry::PagedSplit split = vulkan_geometry::paged_split(shape, kSplitScratchFloats);
+    const std::vector<VulkanDispatch> dispatches = vulkan_geometry::paged_attention(shape, kSplitScratchFloats);
     struct {
-      uint64_t out, q, k_cache, v_cache, tables, cu, context;
-      uint32_t N, S, Hq, Hkv, hd, max_blocks, block_size, cdtype;
+      uint64_t out, q, k_cache, v_cache, tables, cu, context, partials;
+      uint32_t N, S, Hq, Hkv, max_blocks, block_size, split_keys, splits;
       float scale;
     } push{address(out),
            address(q),
@@ -417,16 +410,23 @@ class VulkanBackend final : public Backend {
            address(block_tables),
            address(cu_seqlens),
            address(context_lens),
+           split_scratch_,
            u32(q.rows()),
            u32(cu_seqlens.numel() - 1),
-           u32(q.cols() / hd),
-           u32(k_cache.cols() / hd),
-           u32(hd),
+           u32(shape.q_heads),
+           u32(shape.kv_heads),
            u32(block_tables.cols()),
            u32(block_size),
-           weight_dtype_code(k_cache.dtype),
+           split.split_keys,
+           split.splits,
            attention_scale(hd)};
-    ctx().dispatch("paged_attention", push, groups_for(q.rows() * (q.cols() / hd)));
+    ctx().dispatch(dispatches[0], push);
+    if (dispatches.size() < 2) return;
+    struct {
+      uint64_t out, partials;
+      uint32_t rows, hd, splits;
+    } merge{address(out), split_scratch_, u32(q.rows() * shape.q_heads), u32(hd), split.splits};
+    ctx().dispatch(dispatches[1], merge);
   }
   // The fused head on the device: each chunk's logits are computed here (16-bit heads read as
   // stored); cross-entropy runs on them (cross_entropy.comp), writing its gradient in place for
@@ -484,7 +484,7 @@ class VulkanBackend final : public Backend {
                u32(V),
                flags,
                cross_entropy ? cross_entropy->label_smoothing() : 0.0f};
-        ctx().dispatch("cross_entropy", push, u32(m));
+        ctx().dispatch(vulkan_geometry::per_row("cross_entropy", m, V, 8, 6), push);
       }
       if (logits_to_host) {
         if (!st.logits)
@@ -520,54 +520,33 @@ class VulkanBackend final : public Backend {
               float scale) {
     const int64_t N = inp.rows(), C = inp.cols(), OC = weight.rows();
     MT_ASSERT(weight.cols() == C && out.rows() == N && out.cols() == OC, "matmul shapes");
-    if (N > kMatvecRows)  // out = inp @ W^T: A(m, k) = inp[m C + k], B(k, n) = W[n C + k]
+    if (N > vulkan_geometry::kMatvecRows)  // out = inp @ W^T: A(m, k) = inp[m C + k], B(k, n) = W[n C + k]
       return gemm(out, inp, weight, N, OC, C, /*a_m=*/C, /*a_k=*/1, /*b_k=*/1, /*b_n=*/C, scale, accumulate, bias);
     inp.f32();
     out.f32();
+    const bool vector_loads = C % 8 == 0 && address(weight) % 16 == 0 && address(inp) % 16 == 0;
     struct {
       uint64_t out, inp, w, bias;
-      uint32_t N, OC, C, has_bias, wdtype, accumulate;
+      uint32_t N, OC, C, has_bias, accumulate;
       float scale;
-    } push{address(out),
-           address(inp),
-           address(weight),
-           address(bias),
-           u32(N),
-           u32(OC),
-           u32(C),
-           bias ? 1u : 0u,
-           weight_dtype_code(weight.dtype),
-           accumulate ? 1u : 0u,
-           scale};
-    ctx().dispatch("matvec", push, groups_for(N * OC));
+    } push{address(out), address(inp), address(weight), address(bias), u32(N), u32(OC), u32(C), bias ? 1u : 0u,
+           accumulate ? 1u : 0u, scale};
+    ctx().dispatch(vulkan_geometry::matvec(N, OC, C, weight.dtype, vector_loads), push);
   }
 
   // out[M, Nc] (+)= alpha A @ B (+ bias), A float32 and B float32 or 16-bit, both given by
-  // strides (gemm.comp, 64 x 64 output tiles).
+  // strides (gemm.comp).
   void gemm(const Tensor& out, const Tensor& a, const Tensor& b, int64_t M, int64_t Nc, int64_t K, int64_t a_m,
             int64_t a_k, int64_t b_k, int64_t b_n, float alpha, bool accumulate = true, const Tensor& bias = {}) {
     out.f32();
     a.f32();
     struct {
       uint64_t out, a, b, bias;
-      uint32_t M, Nc, K, a_m, a_k, b_k, b_n, b_dtype, has_bias, accumulate;
+      uint32_t M, Nc, K, a_m, a_k, b_k, b_n, has_bias, accumulate;
       float alpha;
-    } push{address(out),
-           address(a),
-           address(b),
-           address(bias),
-           u32(M),
-           u32(Nc),
-           u32(K),
-           u32(a_m),
-           u32(a_k),
-           u32(b_k),
-           u32(b_n),
-           weight_dtype_code(b.dtype),
-           bias ? 1u : 0u,
-           accumulate ? 1u : 0u,
-           alpha};
-    ctx().dispatch("gemm", push, u32((Nc + 63) / 64), u32((M + 63) / 64));
+    } push{address(out), address(a), address(b), address(bias), u32(M), u32(Nc), u32(K), u32(a_m), u32(a_k),
+           u32(b_k),     u32(b_n),   bias ? 1u : 0u, accumulate ? 1u : 0u, alpha};
+    ctx().dispatch(vulkan_geometry::gemm(M, Nc, K, b.dtype), push);
   }
   // mode 0: out[r] = inp[index[r]]; mode 1: out[index[r]] = inp[r] (rows of float32 matrices).
   void rows_op(const Tensor& out, const Tensor& inp, const Tensor& index, uint32_t mode) {
@@ -576,10 +555,9 @@ class VulkanBackend final : public Backend {
       uint64_t out, inp, index;
       uint32_t R, C, mode;
     } push{address(out), address(inp), address(index), u32(rows.rows()), u32(rows.cols()), mode};
-    ctx().dispatch("gather_rows", push, groups_for(rows.numel()));
+    ctx().dispatch(vulkan_geometry::elementwise("gather_rows", rows.numel(), 8, 0), push);
   }
-  void quantized(const Tensor& out, const Tensor& inp, const QuantizedWeight& w, const Tensor& bias, uint32_t mode,
-                 uint32_t groups_x) {
+  void quantized(const Tensor& out, const Tensor& inp, const QuantizedWeight& w, const Tensor& bias, uint32_t mode) {
     MT_ASSERT(w.bits == 4 || w.bits == 8 || w.bits == 2, "quantized weights of 2, 4 or 8 bits");
     struct {
       uint64_t out, inp, codes, scales, zeros, g_idx, bias;
@@ -600,9 +578,16 @@ class VulkanBackend final : public Backend {
            w.g_idx ? 1u : 0u,
            bias ? weight_dtype_code(bias.dtype) : 0u,
            mode};
-    ctx().dispatch("quantized_matmul", push, groups_x, u32((inp.rows() + 15) / 16));
+    ctx().dispatch(vulkan_geometry::quantized_matmul(inp.rows(), mode == 0 ? w.in : w.out, mode == 0 ? w.out : w.in,
+                                                     static_cast<int>(w.bits)),
+                   push);
   }
   // 1 / sqrt(head_dim), after checking head_dim against what the shaders hold per thread.
+  static vulkan_geometry::Attention attention_shape(const Tensor& q, const Tensor& k, const Tensor& cu_seqlens,
+                                                   int64_t hd) {
+    return {.tokens = q.rows(), .sequences = cu_seqlens.numel() - 1, .q_heads = q.cols() / hd,
+            .kv_heads = k.cols() / hd, .head_dim = hd};
+  }
   static float attention_scale(int64_t hd) {
     MT_ASSERT(hd > 0 && hd <= kMaxAttentionHeadDim, "head_dim within kMaxAttentionHeadDim");
     return static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
@@ -614,23 +599,20 @@ class VulkanBackend final : public Backend {
       uint32_t N, half_dim, heads;
       float direction;
     } push{address(x), address(positions), address(inv_freq), u32(x.rows()), u32(half), u32(heads), direction};
-    ctx().dispatch("rope", push, groups_for(x.rows() * half * heads));
+    ctx().dispatch(vulkan_geometry::elementwise("rope", x.rows() * half * heads, 16, 6), push);
   }
   void embedding(const Tensor& table, const Tensor& rows, const Tensor& ids, uint32_t tdtype, uint32_t mode,
-                 uint32_t groups) {
+                 const VulkanDispatch& geometry) {
     struct {
       uint64_t table, rows, ids;
       uint32_t N, D, tdtype, mode;
     } push{address(table), address(rows), address(ids), u32(ids.numel()), u32(table.cols()), tdtype, mode};
-    ctx().dispatch("embedding", push, groups);
+    ctx().dispatch(geometry, push);
   }
 
   // Partial sums of scale_and_sum_squares: one float per workgroup, at most kPartialsPerTensor
   // workgroups per tensor, in the backend's own small buffer and its host copy.
   static constexpr uint32_t kPartials = 1u << 18, kPartialsPerTensor = 1024;
-  // Products of at most this many input rows (decoding) run as matvec.comp: an invocation per
-  // output element instead of 16 x 16 tiles that a few rows would leave mostly idle.
-  static constexpr int64_t kMatvecRows = 16;
   // The device's context; an Error on a backend that only plans.
   VulkanContext& ctx() const {
     if (!ctx_)
@@ -641,6 +623,9 @@ class VulkanBackend final : public Backend {
   std::optional<VulkanDeviceProfile> profile_;
   std::unique_ptr<VulkanContext> ctx_;
   uint64_t partials_ = 0;
+  // paged_attention_forward's split partials (m, l, acc[head_dim] per row, head and split): 2 MiB.
+  static constexpr int64_t kSplitScratchFloats = int64_t{1} << 19;
+  uint64_t split_scratch_ = 0;
   std::vector<float> partial_sums_ = std::vector<float>(kPartials);
   std::vector<int32_t> sample_words_, penalty_words_;  // sample_tokens' uploads
 };

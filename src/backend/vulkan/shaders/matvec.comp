@@ -1,33 +1,69 @@
 #version 460
-// out = inp @ W^T (+ bias), or out += scale * inp @ W^T, for a few input rows (decoding: one row
-// per sequence), where gemm.comp's 64 x 64 tiles would stay mostly idle: one invocation per
-// output element walks its weight row once (k increasing), so nothing waits at a barrier and a
-// step of N rows reads the weights N times from cache, once from memory.
+// out = inp @ W^T (+ bias), or out += scale * inp @ W^T, for at most 16 input rows (decoding: a
+// row per sequence), where gemm.comp's tiles would stay mostly idle: a workgroup per 4 output
+// columns, 32 invocations per column walking its weight row together (neighbours read neighbouring
+// words, 16 bytes each with VEC: 8 16-bit weights or 4 float32 ones), each keeping a partial sum
+// per input row; the 32 partials of a (row, column) are then summed in a fixed order in shared
+// memory. The weights are read once per step whatever the number of rows. WDTYPE: 0 f32, 1 bf16,
+// 2 f16.
 #include "common.glsl"
-layout(local_size_x = 256) in;
+layout(constant_id = 0) const uint WDTYPE = 0;
+layout(constant_id = 1) const uint VEC = 0;  // 1: 16-byte loads (C a multiple of 8, aligned tensors)
+layout(local_size_x = 128) in;
+layout(buffer_reference, std430, buffer_reference_align = 16) buffer U32x4 { uvec4 v[]; };
+layout(buffer_reference, std430, buffer_reference_align = 16) buffer F32x4 { vec4 v[]; };
 layout(push_constant) uniform Push {
-  F32 out_;
-  F32 inp;
-  uint64_t w;
-  F32 bias;
-  uint N, OC, C, has_bias, wdtype, accumulate;
+  F32 out_; F32 inp; uint64_t w; F32 bias;
+  uint N, OC, C, has_bias, accumulate;
   float scale;
 } p;
+const uint OUTS = 4u, LANES = 32u, MAX_ROWS = 16u, PER_LOAD = WDTYPE == 0u ? 4u : 8u;
+shared float partial[OUTS][MAX_ROWS][LANES + 1u];
+float widen(uint half_word) { return WDTYPE == 1u ? bf16_to_f32(uint16_t(half_word)) : f16_to_f32(uint16_t(half_word)); }
 void main() {
-  FOR_EACH(i, p.N * p.OC) {
-    const uint n = i / p.OC, oc = i % p.OC, a = n * p.C, row = oc * p.C;
-    float acc = 0.0;
-    if (p.wdtype == 0u) {
-      for (uint k = 0u; k < p.C; ++k) acc += p.inp.v[a + k] * F32(p.w).v[row + k];
-    } else if (p.wdtype == 1u) {
-      for (uint k = 0u; k < p.C; ++k) acc += p.inp.v[a + k] * bf16_to_f32(U16(p.w).v[row + k]);
+  const uint o = gl_LocalInvocationID.x / LANES, lane = gl_LocalInvocationID.x % LANES;
+  const uint oc = (gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x) * OUTS + o;
+  float acc[MAX_ROWS];
+  for (uint n = 0u; n < MAX_ROWS; ++n) acc[n] = 0.0;
+  if (oc < p.OC) {
+    const uint row = oc * p.C;
+    if (VEC == 1u) {
+      for (uint k = lane * PER_LOAD; k < p.C; k += LANES * PER_LOAD) {
+        float wv[8];
+        if (WDTYPE == 0u) {
+          const vec4 x = F32x4(p.w).v[(row + k) / 4u];
+          wv[0] = x.x, wv[1] = x.y, wv[2] = x.z, wv[3] = x.w;
+        } else {
+          const uvec4 x = U32x4(p.w).v[(row + k) / 8u];
+          for (uint i = 0u; i < 4u; ++i) {
+            wv[2u * i] = widen(x[i] & 0xffffu);
+            wv[2u * i + 1u] = widen(x[i] >> 16);
+          }
+        }
+        for (uint n = 0u; n < MAX_ROWS; ++n) {
+          if (n >= p.N) break;
+          for (uint c = 0u; c < PER_LOAD; c += 4u) {
+            const vec4 x = F32x4(p.inp).v[(n * p.C + k + c) / 4u];
+            acc[n] += wv[c] * x.x + wv[c + 1u] * x.y + wv[c + 2u] * x.z + wv[c + 3u] * x.w;
+          }
+        }
+      }
     } else {
-      for (uint k = 0u; k < p.C; ++k) acc += p.inp.v[a + k] * f16_to_f32(U16(p.w).v[row + k]);
-    }
-    if (p.accumulate != 0u) {
-      p.out_.v[i] += p.scale * acc;
-    } else {
-      p.out_.v[i] = acc + (p.has_bias != 0u ? p.bias.v[oc] : 0.0);
+      for (uint k = lane; k < p.C; k += LANES) {
+        const float wk = load_f32(p.w, WDTYPE, row + k);
+        for (uint n = 0u; n < MAX_ROWS; ++n) {
+          if (n >= p.N) break;
+          acc[n] += wk * p.inp.v[n * p.C + k];
+        }
+      }
     }
   }
+  for (uint n = 0u; n < MAX_ROWS; ++n) partial[o][n][lane] = acc[n];
+  barrier();
+  if (oc >= p.OC || lane >= p.N) return;
+  float sum = 0.0;  // invocation `lane` finishes input row n = lane of this column
+  for (uint l = 0u; l < LANES; ++l) sum += partial[o][lane][l];
+  const uint at = lane * p.OC + oc;
+  if (p.accumulate != 0u) p.out_.v[at] += p.scale * sum;
+  else p.out_.v[at] = sum + (p.has_bias != 0u ? p.bias.v[oc] : 0.0);
 }

@@ -1,0 +1,180 @@
+// The vulkan backend's dispatch geometry (see geometry.h).
+#include "backend/vulkan/geometry.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "core/error.h"
+
+namespace memtune::vulkan_geometry {
+
+namespace {
+
+uint32_t ceil_div(int64_t a, int64_t b) {
+  const int64_t q = (a + b - 1) / b;
+  MT_ASSERT(q >= 0 && q <= int64_t{UINT32_MAX}, "vulkan: a grid beyond 32 bits");
+  return static_cast<uint32_t>(q);
+}
+uint32_t dtype_code(DType d) {
+  switch (d) {
+    case DType::F32:
+      return 0;
+    case DType::BF16:
+      return 1;
+    case DType::F16:
+      return 2;
+    default:
+      break;
+  }
+  throw Error(fmt::format("--backend vulkan: a weight of dtype {} in a float product", dtype_torch_name(d)));
+}
+// Causal (query, key) pairs of `tokens` packed in `sequences` of equal length.
+double causal_pairs(const Attention& a) {
+  const double length = static_cast<double>(a.tokens) / static_cast<double>(std::max<int64_t>(a.sequences, 1));
+  return static_cast<double>(a.sequences) * length * (length + 1) / 2;
+}
+
+}  // namespace
+
+VulkanDispatch elementwise(const char* shader, int64_t n, double bytes_per_element, double flops_per_element) {
+  return {.shader = shader,
+          .constants = {},
+          .x = std::clamp<uint32_t>(ceil_div(n, 256), 1, kMaxGroups),
+          .flops = flops_per_element * static_cast<double>(n),
+          .bytes = bytes_per_element * static_cast<double>(n)};
+}
+
+VulkanDispatch per_row(const char* shader, int64_t rows, int64_t cols, double bytes_per_element,
+                       double flops_per_element) {
+  MT_ASSERT(rows <= kMaxGroups, "vulkan: more rows than one dispatch takes");
+  const double n = static_cast<double>(rows) * static_cast<double>(cols);
+  return {.shader = shader, .constants = {}, .x = static_cast<uint32_t>(std::max<int64_t>(rows, 1)),
+          .flops = flops_per_element * n, .bytes = bytes_per_element * n};
+}
+
+VulkanDispatch column_reduction(const char* shader, int64_t rows, int64_t cols, double bytes_per_element) {
+  const double n = static_cast<double>(rows) * static_cast<double>(cols);
+  return {.shader = shader,
+          .constants = {},
+          .x = std::clamp<uint32_t>(ceil_div(cols, 256), 1, kMaxGroups),
+          .flops = n,
+          .bytes = bytes_per_element * n};
+}
+
+VulkanDispatch quantized_matmul(int64_t rows, int64_t inner, int64_t outputs, int bits) {
+  const double r = static_cast<double>(rows), in = static_cast<double>(inner), out = static_cast<double>(outputs);
+  return {.shader = "quantized_matmul",
+          .constants = {},
+          .x = ceil_div(outputs, 16),
+          .y = ceil_div(rows, 16),
+          .flops = 2 * r * in * out,
+          .bytes = in * out * bits / 8.0 + 4 * r * (in + out)};
+}
+
+VulkanDispatch gemm(int64_t M, int64_t N, int64_t K, DType b) {
+  const uint32_t tile = uint64_t{ceil_div(M, 64)} * ceil_div(N, 64) >= kFillWorkgroups ? 64 : 32;
+  const double m = static_cast<double>(M), n = static_cast<double>(N), k = static_cast<double>(K);
+  VulkanDispatch d{.shader = "gemm",
+                   .constants = {tile, dtype_code(b)},
+                   .x = ceil_div(N, tile),
+                   .y = ceil_div(M, tile),
+                   .flops = 2 * m * n * k,
+                   .bytes = 4 * m * k + static_cast<double>(dtype_size(b)) * k * n + 4 * m * n};
+  MT_ASSERT(d.x <= kMaxGroups && d.y <= kMaxGroups, "vulkan: a product beyond one dispatch's grid");
+  return d;
+}
+
+VulkanDispatch matvec(int64_t rows, int64_t OC, int64_t C, DType w, bool vector_loads) {
+  MT_ASSERT(rows <= kMatvecRows, "matvec takes at most kMatvecRows rows");
+  const uint32_t groups = ceil_div(OC, kMatvecOutputs), x = std::min(groups, kMaxGroups);
+  const double r = static_cast<double>(rows), oc = static_cast<double>(OC), c = static_cast<double>(C);
+  return {.shader = "matvec",
+          .constants = {dtype_code(w), vector_loads ? 1u : 0u},
+          .x = x,
+          .y = ceil_div(groups, x),
+          .flops = 2 * r * oc * c,
+          .bytes = static_cast<double>(dtype_size(w)) * oc * c + 4 * r * (c + oc)};
+}
+
+AttentionTiles attention_tiles(int64_t head_dim, bool key_side) {
+  AttentionTiles t;
+  t.lanes = head_dim > 128 ? 8 : 4;
+  if (head_dim <= 0 || head_dim > 256 || head_dim % t.lanes != 0)
+    throw Error(fmt::format("--backend vulkan: head_dim {} (the attention shaders take a multiple of 4 up to 128, "
+                            "or of 8 up to 256)",
+                            head_dim));
+  // Two tiles of TILE x head_dim floats in shared memory: 16 KiB at most (every device has 32).
+  t.tile = head_dim <= 64 ? 32 : head_dim <= 128 ? 16 : 8;
+  // The query side: 128 invocations, 32 or 16 rows. The key side: 8 keys per workgroup, so that
+  // few kv heads still give many workgroups (its rows each see many queries).
+  t.threads = key_side ? 8 * t.lanes : 128;
+  t.rows = t.threads / t.lanes;
+  return t;
+}
+
+namespace {
+VulkanDispatch attention_dispatch(const char* shader, const Attention& a, bool key_side, double flops_per_pair,
+                                  double q_side_tensors, double kv_side_tensors) {
+  const AttentionTiles t = attention_tiles(a.head_dim, key_side);
+  const double hd = static_cast<double>(a.head_dim), n = static_cast<double>(a.tokens);
+  VulkanDispatch d{
+      .shader = shader,
+      .constants = {static_cast<uint32_t>(a.head_dim), t.lanes, t.tile, t.threads},
+      .x = ceil_div(a.tokens, t.rows),
+      .y = static_cast<uint32_t>(key_side ? a.kv_heads : a.q_heads),
+      .flops = flops_per_pair * causal_pairs(a) * hd * static_cast<double>(a.q_heads),
+      .bytes = 4 * n * hd *
+               (q_side_tensors * static_cast<double>(a.q_heads) + kv_side_tensors * static_cast<double>(a.kv_heads))};
+  MT_ASSERT(d.x <= kMaxGroups, "vulkan: more tokens than one attention dispatch takes");
+  return d;
+}
+}  // namespace
+
+// Forward: q, out read / written, k, v read. FLOPs: q.k and p.v per pair.
+VulkanDispatch attention_forward(const Attention& a) { return attention_dispatch("attention", a, false, 4, 2, 2); }
+// dq: q, dout, out, dq; k, v. FLOPs: q.k, dout.v, ds k.
+VulkanDispatch attention_backward_dq(const Attention& a) {
+  return attention_dispatch("attention_backward_dq", a, false, 6, 4, 2);
+}
+// dk, dv: q, dout, out; k, v, dk, dv. FLOPs: q.k, dout.v, p dout, ds q.
+VulkanDispatch attention_backward_dkv(const Attention& a) {
+  return attention_dispatch("attention_backward_dkv", a, true, 8, 3, 4);
+}
+
+PagedSplit paged_split(const PagedAttention& a, int64_t scratch_floats) {
+  const int64_t rows = a.rows * a.q_heads, max_context = std::max<int64_t>(a.max_context, 1);
+  // Splits of at least kMinSplitKeys keys, enough of them to give the device 2 x kFillWorkgroups,
+  // as many as the scratch holds partials for.
+  constexpr int64_t kMinSplitKeys = 128;
+  int64_t splits = std::min({(2 * static_cast<int64_t>(kFillWorkgroups) + rows - 1) / rows,
+                             (max_context + kMinSplitKeys - 1) / kMinSplitKeys,
+                             scratch_floats / (rows * (a.head_dim + 2))});
+  splits = std::max<int64_t>(splits, 1);
+  const int64_t split_keys = (max_context + splits - 1) / splits;
+  return {ceil_div(max_context, split_keys), static_cast<uint32_t>(split_keys)};
+}
+
+std::vector<VulkanDispatch> paged_attention(const PagedAttention& a, int64_t scratch_floats) {
+  const AttentionTiles t = attention_tiles(a.head_dim, false);
+  const PagedSplit s = paged_split(a, scratch_floats);
+  const double hd = static_cast<double>(a.head_dim), rows = static_cast<double>(a.rows);
+  const double context = static_cast<double>(a.context > 0 ? a.context : a.max_context);
+  MT_ASSERT(a.rows <= kMaxGroups && uint64_t{s.splits} * a.q_heads <= kMaxGroups,
+            "vulkan: more query rows than one paged attention dispatch takes");
+  std::vector<VulkanDispatch> d{
+      {.shader = "paged_attention",
+       .constants = {static_cast<uint32_t>(a.head_dim), t.lanes, t.tile, t.threads, dtype_code(a.cache)},
+       .x = static_cast<uint32_t>(a.q_heads) * s.splits,
+       .y = static_cast<uint32_t>(a.rows),
+       .flops = 4 * rows * static_cast<double>(a.q_heads) * context * hd,
+       // Each row's keys and values (a row per sequence when decoding), q and out.
+       .bytes = rows * (context * static_cast<double>(a.kv_heads) * hd * 2 * static_cast<double>(dtype_size(a.cache)) +
+                        8 * static_cast<double>(a.q_heads) * hd)}};
+  if (s.splits > 1)
+    d.push_back(elementwise("paged_attention_merge", a.rows * a.q_heads * a.head_dim,
+                            4.0 * (1 + s.splits) + 8.0 * s.splits / hd, 3.0 * s.splits));
+  return d;
+}
+
+}  // namespace memtune::vulkan_geometry

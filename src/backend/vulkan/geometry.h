@@ -1,0 +1,85 @@
+// The shape of every dispatch of the vulkan backend as a pure function of the op's shapes: which
+// shader, its specialization constants (head dimension, tile, dtype), its workgroup grid, and the
+// arithmetic and memory traffic it is written for. The backend dispatches exactly what these
+// return; tests/backend/vulkan_geometry_test.cpp computes them for real models' shapes (no GPU
+// needed) and checks that every large dispatch fills a large GPU. docs/architecture.md has the
+// table.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/dtype.h"
+
+namespace memtune {
+
+struct VulkanDispatch {
+  const char* shader = "";
+  std::vector<uint32_t> constants;  // constant_id 0, 1, ...
+  uint32_t x = 1, y = 1, z = 1;     // workgroups
+  double flops = 0, bytes = 0;      // by design: arithmetic and memory traffic (each operand read once)
+  uint64_t workgroups() const { return uint64_t{x} * y * z; }
+};
+
+namespace vulkan_geometry {
+
+// A large GPU's streaming multiprocessors (132 on an H100 / H200) four times over: a dispatch of
+// real work (over 1 GFLOP or 64 MiB of traffic) launches at least this many workgroups.
+constexpr uint64_t kFillWorkgroups = 4 * 132;
+// The most workgroups along x (and y) any device takes (Vulkan's guaranteed minimum).
+constexpr uint32_t kMaxGroups = 65535;
+
+// A 1-D grid-stride shader (256 wide) over n elements moving bytes_per_element.
+VulkanDispatch elementwise(const char* shader, int64_t n, double bytes_per_element, double flops_per_element = 1);
+// A shader with one workgroup per row (rmsnorm, cross_entropy, sample).
+VulkanDispatch per_row(const char* shader, int64_t rows, int64_t cols, double bytes_per_element,
+                       double flops_per_element = 2);
+
+// A thread per column walking the rows in order (column_sum, the RMSNorm weight gradient, the
+// embedding gradient): deterministic without atomics, one workgroup per 256 columns.
+VulkanDispatch column_reduction(const char* shader, int64_t rows, int64_t cols, double bytes_per_element);
+
+// out[M, N] (+)= A[M, K] @ B[K, N], A float32, B float32 or 16-bit (gemm.comp). Output tiles of
+// 64 x 64 where those alone fill the device, else 32 x 32.
+VulkanDispatch gemm(int64_t M, int64_t N, int64_t K, DType b);
+// out[rows, OC] (+)= inp[rows, C] @ W[OC, C]^T for at most kMatvecRows rows (matvec.comp): a
+// workgroup per kMatvecOutputs output columns, vector loads where C and the addresses allow.
+constexpr int64_t kMatvecRows = 16, kMatvecOutputs = 4;
+VulkanDispatch matvec(int64_t rows, int64_t OC, int64_t C, DType w, bool vector_loads);
+
+// Products with GPTQ / AWQ codes (quantized_matmul.comp, 16 x 16 tiles): `outputs` columns of
+// `rows` rows over `inner`.
+VulkanDispatch quantized_matmul(int64_t rows, int64_t inner, int64_t outputs, int bits);
+
+// Packed causal attention: `tokens` in `sequences` (equal lengths, for the FLOP count).
+struct Attention {
+  int64_t tokens = 0, sequences = 1, q_heads = 0, kv_heads = 0, head_dim = 0;
+};
+// The tiling of the attention shaders for a head dimension (attention_common.glsl): LANES
+// invocations per row, TILE rows per shared-memory tile, ROWS rows per workgroup. An Error for a
+// head dimension they do not take.
+struct AttentionTiles {
+  uint32_t lanes = 4, tile = 32, rows = 32, threads = 128;
+};
+AttentionTiles attention_tiles(int64_t head_dim, bool key_side);
+VulkanDispatch attention_forward(const Attention& a);
+VulkanDispatch attention_backward_dq(const Attention& a);
+VulkanDispatch attention_backward_dkv(const Attention& a);
+
+// New queries over a paged KV cache: `rows` query tokens, keys up to max_context (the block
+// table's width), split over the context so that few rows still fill the device, within the
+// backend's scratch of `scratch_floats` for the splits' partials. One dispatch, or two with the
+// merge (paged_attention_merge.comp).
+struct PagedAttention {
+  int64_t rows = 0, q_heads = 0, kv_heads = 0, head_dim = 0, max_context = 0, context = 0;
+  DType cache = DType::F32;
+};
+struct PagedSplit {
+  uint32_t splits = 1, split_keys = 0;
+};
+PagedSplit paged_split(const PagedAttention& a, int64_t scratch_floats);
+std::vector<VulkanDispatch> paged_attention(const PagedAttention& a, int64_t scratch_floats);
+
+}  // namespace vulkan_geometry
+
+}  // namespace memtune

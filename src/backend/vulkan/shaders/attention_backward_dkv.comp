@@ -1,0 +1,71 @@
+#version 460
+// Attention backward, the key side (FlashAttention-2's dK/dV pass): a workgroup per (tile of ROWS
+// key tokens, kv head g) holds its keys and values in registers and streams, for every query head
+// of the group, the tiles of queries that see them (from the tile's first key to the end of its
+// last key's sequence) through shared memory: their q, dout, lse and D = dout . out.
+// dv[j] = sum p dout_t, dk[j] = sum ds q_t over those queries and heads, written (not
+// accumulated), each row by one workgroup in a fixed order: no atomics, the same bits every run.
+#include "common.glsl"
+#include "attention_common.glsl"
+layout(push_constant) uniform Push {
+  F32 dk; F32 dv; F32 dout; F32 out_; F32 lse; F32 q; F32 k; F32 v; I32 cu; uint N, S, Hq, Hkv; float scale;
+} p;
+shared float q_tile[TILE * HD];
+shared float o_tile[TILE * HD];  // dout
+shared float lse_tile[TILE];
+shared float delta_tile[TILE];
+void main() {
+  const uint id = place(), r = id / LANES, d0 = (id % LANES) * DIMS;
+  const uint g = gl_WorkGroupID.y, group = p.Hq / p.Hkv, j0 = gl_WorkGroupID.x * ROWS, j = j0 + r;
+  const bool live = j < p.N;
+  const uint last = min(j0 + ROWS, p.N) - 1u, stop = uint(p.cu.v[sequence_of(p.cu, p.S, last) + 1u]);
+  const uint end = live ? uint(p.cu.v[sequence_of(p.cu, p.S, j) + 1u]) : 0u, kv = (j * p.Hkv + g) * HD + d0;
+  float k[DIMS], v[DIMS], dk[DIMS], dv[DIMS];
+  for (uint d = 0u; d < DIMS; ++d) {
+    k[d] = live ? p.k.v[kv + d] : 0.0;
+    v[d] = live ? p.v.v[kv + d] : 0.0;
+    dk[d] = 0.0;
+    dv[d] = 0.0;
+  }
+  for (uint h = g * group; h < (g + 1u) * group; ++h) {
+    for (uint t0 = j0; t0 < stop; t0 += TILE) {
+      for (uint e = id; e < TILE * HD; e += THREADS) {
+        const uint t = t0 + e / HD, at = (t * p.Hq + h) * HD + e % HD;
+        q_tile[tile_at(e / HD, e % HD)] = t < stop ? p.q.v[at] : 0.0;
+        o_tile[tile_at(e / HD, e % HD)] = t < stop ? p.dout.v[at] : 0.0;
+      }
+      for (uint row = r; row < TILE; row += ROWS) {  // D of query t0 + row: its lanes sum dout . out
+        const uint t = t0 + row, at = (t * p.Hq + h) * HD + d0;
+        float part = 0.0;
+        for (uint d = 0u; d < DIMS; ++d) part += t < stop ? p.dout.v[at + d] * p.out_.v[at + d] : 0.0;
+        part = row_sum(part);
+        if (d0 == 0u) {
+          delta_tile[row] = part;
+          lse_tile[row] = t < stop ? p.lse.v[t * p.Hq + h] : 0.0;
+        }
+      }
+      barrier();
+      for (uint c = 0u; c < TILE; ++c) {
+        float s_part = 0.0, dp_part = 0.0;
+        for (uint d = 0u; d < DIMS; ++d) {
+          s_part += k[d] * q_tile[tile_at(c, d0 + d)];
+          dp_part += v[d] * o_tile[tile_at(c, d0 + d)];
+        }
+        const float s = row_sum(s_part) * p.scale, dp = row_sum(dp_part);
+        const uint t = t0 + c;
+        const float w = (live && t >= j && t < end) ? exp(s - lse_tile[c]) : 0.0;
+        const float ds = w * (dp - delta_tile[c]) * p.scale;
+        for (uint d = 0u; d < DIMS; ++d) {
+          dv[d] += w * o_tile[tile_at(c, d0 + d)];
+          dk[d] += ds * q_tile[tile_at(c, d0 + d)];
+        }
+      }
+      barrier();
+    }
+  }
+  if (!live) return;
+  for (uint d = 0u; d < DIMS; ++d) {
+    p.dk.v[kv + d] = dk[d];
+    p.dv.v[kv + d] = dv[d];
+  }
+}
