@@ -242,7 +242,7 @@ TEST(BackendOps, Matmul) {
 // the cpu backend's skinny kernel: widths with and without a tail of 16 columns.
 TEST(BackendOps, MatmulFewRowsWithSixteenBitWeights) {
   for (const DType dt : {DType::BF16, DType::F16, DType::F32})
-    for (const int64_t N : {1, 3, 8, 11})
+    for (const int64_t N : {1, 3, 8, 11, 32})
       for (const int64_t C : {32, 37}) {
         const int64_t OC = 9;
         Input w = f32_input("w", {OC, C}, 2, false);
@@ -584,8 +584,8 @@ struct HeadWorkspace {
 // The fused LM head: loss SUM, d(hidden) (overwritten) and d(weight) (accumulated), with
 // ignored targets, chunks smaller than the number of targets, label smoothing, and a 16-bit
 // weight widened a slice at a time.
-void check_lm_head(DType weight_dtype, float label_smoothing) {
-  const int64_t N = 7, D = 6, V = 11, chunk = 3, slice = 4;
+void check_lm_head(DType weight_dtype, float label_smoothing, int64_t V = 11) {
+  const int64_t N = 7, D = 6, chunk = 3, slice = 4;
   const std::vector<int32_t> targets = {2, kIgnoreIndex, 10, 0, kIgnoreIndex, 7, 7};
   Input weight = f32_input("weight", {V, D}, 18, weight_dtype == DType::F32);
   weight.dtype = weight_dtype;
@@ -603,7 +603,8 @@ void check_lm_head(DType weight_dtype, float label_smoothing) {
     a.dweight = dweight;
     return be.lm_head_loss(a);
   };
-  check_case({.name = fmt::format("lm_head_loss {} smoothing {}", dtype_torch_name(weight_dtype), label_smoothing),
+  check_case({.name = fmt::format("lm_head_loss {} smoothing {} vocabulary {}", dtype_torch_name(weight_dtype),
+                                  label_smoothing, V),
               .inputs = {f32_input("hidden", {N, D}, 17), i32_input("targets", targets), weight},
               .outputs = {},
               .forward = [=](Backend& be, const Views& in, const Views&) { return run(be, in, {}, {}).sum; },
@@ -624,6 +625,10 @@ TEST(BackendOps, LmHeadLossLabelSmoothing) {
 }
 TEST(BackendOps, LmHeadLossBfloat16Head) {
   check_lm_head(DType::BF16, 0.0f);
+}
+// A vocabulary the vulkan backend's loss splits into pieces reduced apart and combined.
+TEST(BackendOps, LmHeadLossOverAVocabularyOfSeveralPieces) {
+  check_lm_head(DType::F32, 0.1f, 20000);
 }
 
 // What observers get from the fused head, on every backend and through every path (a device
@@ -666,19 +671,20 @@ class DoubledCrossEntropy final : public ChunkLoss {
   CrossEntropyLoss ce_;
 };
 
-TEST(BackendOps, LmHeadObserversGetRowStatsAndLogits) {
-  const int64_t N = 9, D = 5, V = 13, chunk = 4;
+// V = 20000 puts the tie in another piece of the vulkan backend's split rows (tie column 17001).
+void check_observers(int64_t V, int64_t tie) {
+  const int64_t N = 9, D = 5, chunk = 4;
   const std::vector<int32_t> targets = {3, kIgnoreIndex, 12, 0, 9, kIgnoreIndex, 7, 7, 1};
   std::vector<float> hidden = randn(N * D, 41), weight = randn(V * D, 42);
   // Quarters: every product and partial sum is exact in float32, so the logits are the same in
   // any summation order and ties are ties on every backend. Rows 6 and 7 share a hidden vector
-  // and the head has two equal rows (2 and 9): ties for the argmax and for the target's rank.
+  // and the head has two equal rows (2 and `tie`): ties for the argmax and for the target's rank.
   for (float& x : hidden) x = std::round(4 * x) / 4;
   for (float& x : weight) x = std::round(4 * x) / 4;
   std::copy_n(hidden.begin() + 6 * D, D, hidden.begin() + 7 * D);
   std::fill_n(weight.begin() + 2 * D, D, 3.0f);
-  std::copy_n(weight.begin() + 2 * D, D, weight.begin() + 9 * D);
-  std::fill_n(hidden.begin() + 8 * D, D, 1.0f);  // row 8's maximum is the tie of 2 and 9
+  std::copy_n(weight.begin() + 2 * D, D, weight.begin() + tie * D);
+  std::fill_n(hidden.begin() + 8 * D, D, 1.0f);  // row 8's maximum is the tie of 2 and `tie`
   // The oracle: logits in float64 from the definitions.
   std::vector<int32_t> want_positions;
   std::vector<double> want_logits;
@@ -692,7 +698,7 @@ TEST(BackendOps, LmHeadObserversGetRowStatsAndLogits) {
     }
   }
   const size_t row8 = want_positions.size() - 1;
-  ASSERT_EQ(want_logits[row8 * V + 2], want_logits[row8 * V + 9]);
+  ASSERT_EQ(want_logits[row8 * V + 2], want_logits[row8 * V + tie]);
   const DoubledCrossEntropy doubled;
   const CrossEntropyLoss plain;
   for (const std::string_view name : kBackends)
@@ -748,9 +754,11 @@ TEST(BackendOps, LmHeadObserversGetRowStatsAndLogits) {
         ASSERT_EQ(rec.logit_positions, want_positions);
         ASSERT_EQ(rec.logits.size(), want_logits.size());
         for (size_t i = 0; i < want_logits.size(); ++i)
-          EXPECT_NEAR(rec.logits[i], want_logits[i], 1e-5 * (1 + std::abs(want_logits[i])));
+          ASSERT_NEAR(rec.logits[i], want_logits[i], 1e-5 * (1 + std::abs(want_logits[i]))) << "logit " << i;
       }
 }
+TEST(BackendOps, LmHeadObserversGetRowStatsAndLogits) { check_observers(13, 9); }
+TEST(BackendOps, LmHeadObserversGetRowStatsOverAVocabularyOfSeveralPieces) { check_observers(20000, 17001); }
 
 TEST(BackendOps, ScaleAndSumSquares) {
   const int64_t n = 50;

@@ -563,8 +563,8 @@ TEST_F(VulkanOps, PagedAttentionSplitOverALongContextEqualsTheReference) {
 // device more workgroups): 1536 x 1472 outputs over K = 20, float32 and bfloat16 weights.
 TEST_F(VulkanOps, ALargeProductTakesTheBigTileAndEqualsTheReference) {
   const int64_t N = 1536, C = 20, OC = 1472;
-  ASSERT_EQ(vulkan_geometry::gemm(N, OC, C, DType::F32).constants[0], 64u);
-  ASSERT_EQ(vulkan_geometry::gemm(70, 131, C, DType::F32).constants[0], 32u);
+  ASSERT_EQ(vulkan_geometry::gemm_split(N, OC, C, 1 << 19).tile, 64u);
+  ASSERT_EQ(vulkan_geometry::gemm_split(70, 131, C, 1 << 19).tile, 32u);
   const std::vector<float> x = randn(N * C, 41), w = randn(OC * C, 42), b = randn(OC, 43);
   for (const DType dtype : {DType::F32, DType::BF16}) {
     SCOPED_TRACE(dtype_torch_name(dtype));
@@ -575,6 +575,33 @@ TEST_F(VulkanOps, ALargeProductTakesTheBigTileAndEqualsTheReference) {
       return download_f32(be, out);
     };
     expect_close(run(vk()), run(ref()), 1e-5f);
+  }
+}
+
+// Split-K: 70 x 16 outputs over K = 5000 would be 3 workgroups of 32 x 32 tiles; K splits over
+// workgroups into the scratch and a second pass adds the splits in order, with the bias (forward)
+// or into what is there (accumulate). Equal to the reference, the same bits every run.
+TEST_F(VulkanOps, ASkinnyProductWithALongInnerDimensionSplitsKAndEqualsTheReference) {
+  const int64_t N = 70, C = 5000, OC = 16;
+  ASSERT_GT(vulkan_geometry::gemm_split(N, OC, C, vulkan_geometry::kScratchFloats).splits, 4u);
+  const std::vector<float> x = randn(N * C, 51), w = randn(OC * C, 52), b = randn(OC, 53), prior = randn(N * OC, 54);
+  for (const DType dtype : {DType::F32, DType::BF16}) {
+    SCOPED_TRACE(dtype_torch_name(dtype));
+    auto run = [&](Backend& be) {
+      const Tensor tx = make(be, DType::F32, {N, C}, x), tw = make(be, dtype, {OC, C}, w),
+                   tb = make(be, DType::F32, {OC}, b), out = make(be, DType::F32, {N, OC}),
+                   acc = make(be, DType::F32, {N, OC}, prior);
+      be.matmul_forward(out, tx, tw, tb);
+      if (dtype == DType::F32) be.matmul_accumulate(acc, tx, tw, 0.5f);
+      return std::vector{download_f32(be, out), download_f32(be, acc)};
+    };
+    const auto got = run(vk()), again = run(vk()), want = run(ref());
+    // Sums of 5000 products of N(0, 1) values cancel to far below their terms: the error is
+    // float32's on the terms, so it is measured against the largest output.
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_TRUE(testing_support::close(got[i], want[i], {1e-9, 2e-6}));
+      EXPECT_EQ(got[i], again[i]);
+    }
   }
 }
 

@@ -72,16 +72,45 @@ VulkanDispatch quantized_matmul(int64_t rows, int64_t inner, int64_t outputs, in
           .bytes = in * out * bits / 8.0 + 4 * r * (in + out)};
 }
 
-VulkanDispatch gemm(int64_t M, int64_t N, int64_t K, DType b) {
-  const uint32_t tile = uint64_t{ceil_div(M, 64)} * ceil_div(N, 64) >= kFillWorkgroups ? 64 : 32;
+uint32_t cross_entropy_pieces(int64_t rows, int64_t vocab, int64_t scratch_floats) {
+  const int64_t fit = scratch_floats / (5 * std::max<int64_t>(rows, 1));
+  MT_ASSERT(fit >= 1, "vulkan: more logits rows than the cross-entropy scratch holds");
+  return static_cast<uint32_t>(std::clamp<int64_t>((vocab + kCrossEntropyPiece - 1) / kCrossEntropyPiece, 1, fit));
+}
+
+std::vector<VulkanDispatch> cross_entropy(int64_t rows, int64_t vocab, int64_t scratch_floats) {
+  MT_ASSERT(rows <= kMaxGroups, "vulkan: more logits rows than one dispatch takes");
+  const uint32_t pieces = cross_entropy_pieces(rows, vocab, scratch_floats);
+  const double n = static_cast<double>(rows) * static_cast<double>(vocab);
+  const auto y = static_cast<uint32_t>(std::max<int64_t>(rows, 1));
+  return {{.shader = "cross_entropy_partials", .constants = {}, .x = pieces, .y = y, .flops = 4 * n, .bytes = 4 * n},
+          {.shader = "cross_entropy", .constants = {}, .x = pieces, .y = y, .flops = 3 * n, .bytes = 8 * n}};
+}
+
+GemmSplit gemm_split(int64_t M, int64_t N, int64_t K, int64_t scratch_floats) {
+  const auto tiles = [&](int64_t t) { return uint64_t{ceil_div(M, t)} * ceil_div(N, t); };
+  if (tiles(64) >= kFillWorkgroups) return {64, 1, static_cast<uint32_t>(std::max<int64_t>(K, 1))};
+  // Splits of at least kMinSplitK, enough for the device, as many as the scratch holds.
+  constexpr int64_t kMinSplitK = 256;
+  const int64_t splits = std::min({static_cast<int64_t>((kFillWorkgroups + tiles(32) - 1) / tiles(32)),
+                                   K / kMinSplitK, scratch_floats / std::max<int64_t>(M * N, 1)});
+  if (splits < 2) return {32, 1, static_cast<uint32_t>(std::max<int64_t>(K, 1))};
+  const int64_t k_split = ((K + splits - 1) / splits + 15) / 16 * 16;  // whole 16-wide steps
+  return {32, ceil_div(K, k_split), static_cast<uint32_t>(k_split)};
+}
+
+std::vector<VulkanDispatch> gemm(int64_t M, int64_t N, int64_t K, DType b, int64_t scratch_floats) {
+  const GemmSplit s = gemm_split(M, N, K, scratch_floats);
   const double m = static_cast<double>(M), n = static_cast<double>(N), k = static_cast<double>(K);
-  VulkanDispatch d{.shader = "gemm",
-                   .constants = {tile, dtype_code(b)},
-                   .x = ceil_div(N, tile),
-                   .y = ceil_div(M, tile),
-                   .flops = 2 * m * n * k,
-                   .bytes = 4 * m * k + static_cast<double>(dtype_size(b)) * k * n + 4 * m * n};
-  MT_ASSERT(d.x <= kMaxGroups && d.y <= kMaxGroups, "vulkan: a product beyond one dispatch's grid");
+  std::vector<VulkanDispatch> d{{.shader = "gemm",
+                                 .constants = {s.tile, dtype_code(b)},
+                                 .x = ceil_div(N, s.tile),
+                                 .y = ceil_div(M, s.tile),
+                                 .z = s.splits,
+                                 .flops = 2 * m * n * k,
+                                 .bytes = 4 * m * k + static_cast<double>(dtype_size(b)) * k * n + 4 * m * n * s.splits}};
+  MT_ASSERT(d[0].x <= kMaxGroups && d[0].y <= kMaxGroups, "vulkan: a product beyond one dispatch's grid");
+  if (s.splits > 1) d.push_back(elementwise("gemm_reduce", M * N, 4.0 * (s.splits + 2), s.splits));
   return d;
 }
 

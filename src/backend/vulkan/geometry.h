@@ -28,6 +28,9 @@ namespace vulkan_geometry {
 constexpr uint64_t kFillWorkgroups = 4 * 132;
 // The most workgroups along x (and y) any device takes (Vulkan's guaranteed minimum).
 constexpr uint32_t kMaxGroups = 65535;
+// The backend's scratch for the partials of split work (split-K products, context splits of
+// paged attention, the pieces of the loss's rows), one op at a time: 2 MiB of floats.
+constexpr int64_t kScratchFloats = int64_t{1} << 19;
 
 // A 1-D grid-stride shader (256 wide) over n elements moving bytes_per_element.
 VulkanDispatch elementwise(const char* shader, int64_t n, double bytes_per_element, double flops_per_element = 1);
@@ -40,16 +43,29 @@ VulkanDispatch per_row(const char* shader, int64_t rows, int64_t cols, double by
 VulkanDispatch column_reduction(const char* shader, int64_t rows, int64_t cols, double bytes_per_element);
 
 // out[M, N] (+)= A[M, K] @ B[K, N], A float32, B float32 or 16-bit (gemm.comp). Output tiles of
-// 64 x 64 where those alone fill the device, else 32 x 32.
-VulkanDispatch gemm(int64_t M, int64_t N, int64_t K, DType b);
+// 64 x 64 where those alone fill the device, else 32 x 32; where even those leave it idle and K
+// is long (LoRA's rank-16 products, k/v weight gradients), K splits over workgroups into a
+// scratch of `scratch_floats`, and gemm_reduce.comp adds the splits in order.
+struct GemmSplit {
+  uint32_t tile = 64, splits = 1, k_split = 0;
+};
+GemmSplit gemm_split(int64_t M, int64_t N, int64_t K, int64_t scratch_floats);
+std::vector<VulkanDispatch> gemm(int64_t M, int64_t N, int64_t K, DType b, int64_t scratch_floats);
 // out[rows, OC] (+)= inp[rows, C] @ W[OC, C]^T for at most kMatvecRows rows (matvec.comp): a
 // workgroup per kMatvecOutputs output columns, vector loads where C and the addresses allow.
-constexpr int64_t kMatvecRows = 16, kMatvecOutputs = 4;
+constexpr int64_t kMatvecRows = 32, kMatvecOutputs = 4;
 VulkanDispatch matvec(int64_t rows, int64_t OC, int64_t C, DType w, bool vector_loads);
 
 // Products with GPTQ / AWQ codes (quantized_matmul.comp, 16 x 16 tiles): `outputs` columns of
 // `rows` rows over `inner`.
 VulkanDispatch quantized_matmul(int64_t rows, int64_t inner, int64_t outputs, int bits);
+
+// Cross-entropy over a logits chunk of `rows` x `vocab` (cross_entropy_partials.comp, then
+// cross_entropy.comp): rows split into pieces of kCrossEntropyPiece columns, a workgroup per
+// (piece, row) in each pass, five partials per (row, piece) in a scratch of `scratch_floats`.
+constexpr int64_t kCrossEntropyPiece = 8192;
+uint32_t cross_entropy_pieces(int64_t rows, int64_t vocab, int64_t scratch_floats);
+std::vector<VulkanDispatch> cross_entropy(int64_t rows, int64_t vocab, int64_t scratch_floats);
 
 // Packed causal attention: `tokens` in `sequences` (equal lengths, for the FLOP count).
 struct Attention {

@@ -472,19 +472,29 @@ class VulkanBackend final : public Backend {
       matmul(logits, rows, a.weight, Tensor{}, false, 1.0f);
       const uint32_t flags = (logits_to_host ? 0u : 1u | (backward ? 2u : 0u)) | (a.observer ? 4u : 0u);
       if (flags != 0) {
+        const std::vector<VulkanDispatch> passes = vulkan_geometry::cross_entropy(m, V, kSplitScratchFloats);
+        const uint32_t pieces = passes[0].x, piece = u32((V + pieces - 1) / pieces);
         struct {
-          uint64_t logits, targets, positions, losses, stats;
-          uint32_t V, flags;
+          uint64_t logits, targets, positions, partials;
+          uint32_t V, piece, pieces;
+        } partials{address(logits), address(a.targets), address(pos), split_scratch_, u32(V), piece, pieces};
+        ctx().dispatch(passes[0], partials);
+        struct {
+          uint64_t logits, targets, positions, losses, stats, partials;
+          uint32_t V, piece, pieces, flags;
           float smoothing;
         } push{address(logits),
                address(a.targets),
                address(pos),
                logits_to_host ? 0 : address(a.row_losses.flat_range(c0, m)),
                a.observer ? address(a.row_stats.flat_range(4 * c0, 4 * m)) : 0,
+               split_scratch_,
                u32(V),
+               piece,
+               pieces,
                flags,
                cross_entropy ? cross_entropy->label_smoothing() : 0.0f};
-        ctx().dispatch(vulkan_geometry::per_row("cross_entropy", m, V, 8, 6), push);
+        ctx().dispatch(passes[1], push);
       }
       if (logits_to_host) {
         if (!st.logits)
@@ -535,18 +545,43 @@ class VulkanBackend final : public Backend {
   }
 
   // out[M, Nc] (+)= alpha A @ B (+ bias), A float32 and B float32 or 16-bit, both given by
-  // strides (gemm.comp).
+  // strides (gemm.comp; split over K through the scratch where the geometry says so).
   void gemm(const Tensor& out, const Tensor& a, const Tensor& b, int64_t M, int64_t Nc, int64_t K, int64_t a_m,
             int64_t a_k, int64_t b_k, int64_t b_n, float alpha, bool accumulate = true, const Tensor& bias = {}) {
     out.f32();
     a.f32();
+    const std::vector<VulkanDispatch> d = vulkan_geometry::gemm(M, Nc, K, b.dtype, kSplitScratchFloats);
+    const vulkan_geometry::GemmSplit split = vulkan_geometry::gemm_split(M, Nc, K, kSplitScratchFloats);
+    const bool partial = d.size() > 1;
     struct {
       uint64_t out, a, b, bias;
-      uint32_t M, Nc, K, a_m, a_k, b_k, b_n, has_bias, accumulate;
+      uint32_t M, Nc, K, a_m, a_k, b_k, b_n, has_bias, accumulate, k_split, partial;
       float alpha;
-    } push{address(out), address(a), address(b), address(bias), u32(M), u32(Nc), u32(K), u32(a_m), u32(a_k),
-           u32(b_k),     u32(b_n),   bias ? 1u : 0u, accumulate ? 1u : 0u, alpha};
-    ctx().dispatch(vulkan_geometry::gemm(M, Nc, K, b.dtype), push);
+    } push{partial ? split_scratch_ : address(out),
+           address(a),
+           address(b),
+           address(bias),
+           u32(M),
+           u32(Nc),
+           u32(K),
+           u32(a_m),
+           u32(a_k),
+           u32(b_k),
+           u32(b_n),
+           bias ? 1u : 0u,
+           accumulate ? 1u : 0u,
+           split.k_split,
+           partial ? 1u : 0u,
+           alpha};
+    ctx().dispatch(d[0], push);
+    if (!partial) return;
+    struct {
+      uint64_t out, partials, bias;
+      uint32_t n, Nc, splits, has_bias, accumulate;
+      float alpha;
+    } reduce{address(out), split_scratch_, address(bias), u32(M * Nc), u32(Nc), split.splits, bias ? 1u : 0u,
+             accumulate ? 1u : 0u, alpha};
+    ctx().dispatch(d[1], reduce);
   }
   // mode 0: out[r] = inp[index[r]]; mode 1: out[index[r]] = inp[r] (rows of float32 matrices).
   void rows_op(const Tensor& out, const Tensor& inp, const Tensor& index, uint32_t mode) {
@@ -623,8 +658,9 @@ class VulkanBackend final : public Backend {
   std::optional<VulkanDeviceProfile> profile_;
   std::unique_ptr<VulkanContext> ctx_;
   uint64_t partials_ = 0;
-  // paged_attention_forward's split partials (m, l, acc[head_dim] per row, head and split): 2 MiB.
-  static constexpr int64_t kSplitScratchFloats = int64_t{1} << 19;
+  // vulkan_geometry::kScratchFloats: the partials of split-K products, of paged attention's
+  // context splits and of the loss's row pieces.
+  static constexpr int64_t kSplitScratchFloats = vulkan_geometry::kScratchFloats;
   uint64_t split_scratch_ = 0;
   std::vector<float> partial_sums_ = std::vector<float>(kPartials);
   std::vector<int32_t> sample_words_, penalty_words_;  // sample_tokens' uploads

@@ -1,5 +1,5 @@
 #version 460
-// out = inp @ W^T (+ bias), or out += scale * inp @ W^T, for at most 16 input rows (decoding: a
+// out = inp @ W^T (+ bias), or out += scale * inp @ W^T, for at most 32 input rows (decoding: a
 // row per sequence), where gemm.comp's tiles would stay mostly idle: a workgroup per 4 output
 // columns, 32 invocations per column walking its weight row together (neighbours read neighbouring
 // words, 16 bytes each with VEC: 8 16-bit weights or 4 float32 ones), each keeping a partial sum
@@ -17,7 +17,7 @@ layout(push_constant) uniform Push {
   uint N, OC, C, has_bias, accumulate;
   float scale;
 } p;
-const uint OUTS = 4u, LANES = 32u, MAX_ROWS = 16u, PER_LOAD = WDTYPE == 0u ? 4u : 8u;
+const uint OUTS = 4u, LANES = 32u, MAX_ROWS = 32u, PER_LOAD = WDTYPE == 0u ? 4u : 8u;
 shared float partial[OUTS][MAX_ROWS][LANES + 1u];
 float widen(uint half_word) { return WDTYPE == 1u ? bf16_to_f32(uint16_t(half_word)) : f16_to_f32(uint16_t(half_word)); }
 void main() {
