@@ -113,11 +113,13 @@ class EvalOutputs {
     results["arena_bytes"] = model.plan().peak_bytes();
     results["process_peak_rss_bytes"] = process_peak_rss_bytes(model.arena());
     results["process_predicted_peak_bytes"] = process.peak_bytes();
+    results["device_work"] = model.step_work().to_json("evaluation batch");
     if (dir_.empty()) return;
     static constexpr Phase kEvalPhases[] = {Phase::Forward, Phase::Loss};
     timeline_.record(model.arena(), 0, "eval", kEvalPhases);
     write_file_atomically((dir_ / "eval_results.json").string(), results.dump(2) + "\n");
     nlohmann::json memory = memory_json(model.plan(), model.arena(), model.host_plan(), heap);
+    memory["device_work"] = results["device_work"];
     memory["process_plan"] = process.to_json();
     memory["process_predicted_peak_bytes"] = process.peak_bytes();
     write_file_atomically((dir_ / "memory.json").string(), memory.dump(2) + "\n");

@@ -59,7 +59,8 @@ void generate(const InferenceArgs& a) {
                             {"kv_cache_tokens", kv.blocks * kv.block_size},
                             {"arena_bytes", model->plan().peak_bytes()},
                             {"process_predicted_peak_bytes", process.peak_bytes()},
-                            {"process_peak_rss_bytes", process_peak_rss_bytes(model->arena())}};
+                            {"process_peak_rss_bytes", process_peak_rss_bytes(model->arena())},
+                            {"device_work", generator.device_work_json()}};
   std::string lines;
   for (size_t i = 0; i < results.size(); ++i) {
     const GenerationResult& r = results[i];

@@ -64,7 +64,12 @@ std::vector<int32_t> model_stop_ids(const std::string& model_dir, const Tokenize
 }
 
 GenerationEngine::GenerationEngine(Decoder& model, const Tokenizer* tokenizer)
-    : model_(model), tokenizer_(tokenizer), scratch_(model.config().vocab_size), pool_(model.options().kv_cache.blocks) {
+    : model_(model),
+      tokenizer_(tokenizer),
+      scratch_(model.config().vocab_size),
+      decode_work_(model.backend()),
+      prefill_work_(model.backend()),
+      pool_(model.options().kv_cache.blocks) {
   MT_ASSERT(model.options().inference(), "the generator needs a model planned with a KV cache");
   const KvCacheOptions& kv = model_.options().kv_cache;
   MT_ASSERT(kv.blocks >= kv.max_blocks_per_seq, "the pool cannot hold one sequence of max_model_len");
@@ -231,6 +236,8 @@ void GenerationEngine::step() {
 
   using Clock = std::chrono::steady_clock;
   const auto t0 = Clock::now();
+  DeviceWork& work = prompt_tokens > 0 ? prefill_work_ : decode_work_;
+  work.begin();
   model_.generation_forward({.input_ids = ids_,
                              .cu_seqlens = cu_,
                              .context_lens = ctx_,
@@ -249,6 +256,7 @@ void GenerationEngine::step() {
     s.sampler->accept(tokens_[r]);
     if (const char* reason = append(s, tokens_[r])) finish(s, reason);
   }
+  work.end();
   const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   ++stats_.steps;
   stats_.most_running = std::max<int64_t>(stats_.most_running, static_cast<int64_t>(in_step_.size()));
@@ -256,6 +264,18 @@ void GenerationEngine::step() {
   stats_.decode_tokens += static_cast<int64_t>(ids_.size()) - prompt_tokens;
   (prompt_tokens > 0 ? stats_.prefill_seconds : stats_.decode_seconds) += seconds;
   std::erase_if(running_, [](const std::unique_ptr<Sequence>& s) { return !s->finish.empty(); });
+}
+
+void GenerationEngine::reset_stats() {
+  stats_ = {};
+  decode_work_ = DeviceWork(model_.backend());
+  prefill_work_ = DeviceWork(model_.backend());
+}
+
+nlohmann::json GenerationEngine::device_work_json() const {
+  const nlohmann::json decode = decode_work_.to_json("decode step");
+  if (decode.is_null()) return nullptr;
+  return {{"decode_step", decode}, {"prefill_step", prefill_work_.to_json("prefill step")}};
 }
 
 Generator::Generator(Decoder& model, const Tokenizer* tokenizer) : engine_(model, tokenizer) {}

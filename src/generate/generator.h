@@ -20,6 +20,7 @@
 #include <string_view>
 #include <vector>
 
+#include "backend/device_work.h"
 #include "generate/sampling.h"
 #include "model/decoder.h"
 #include "tokenizer/tokenizer.h"
@@ -105,7 +106,11 @@ class GenerationEngine {
   int64_t total_blocks() const { return model_.options().kv_cache.blocks; }
   const Decoder& model() const { return model_; }
   const GenerationStats& stats() const { return stats_; }
-  void reset_stats() { stats_ = {}; }
+  void reset_stats();
+  // What each engine step asked of the device (backend/device_work.h), decode steps (no prompt
+  // token) and prefill steps apart: {"decode_step": ..., "prefill_step": ...}, null without device
+  // counters.
+  nlohmann::json device_work_json() const;
 
   struct Sequence;  // one request while it waits or runs (generator.cpp)
 
@@ -118,6 +123,7 @@ class GenerationEngine {
   const Tokenizer* tokenizer_;
   SamplerScratch scratch_;
   GenerationStats stats_;
+  DeviceWork decode_work_, prefill_work_;
   uint64_t next_id_ = 0;
   int64_t max_decode_step_tokens_ = 0;
   std::deque<std::unique_ptr<Sequence>> waiting_;
@@ -142,6 +148,7 @@ class Generator {
                                          const TextCallback& on_text = {},
                                          const std::function<bool()>& stop_requested = {});
   const GenerationStats& stats() const { return engine_.stats(); }
+  nlohmann::json device_work_json() const { return engine_.device_work_json(); }
 
  private:
   GenerationEngine engine_;

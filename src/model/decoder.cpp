@@ -38,6 +38,7 @@ Decoder::Decoder(const ModelConfig& config, const ModelOptions& options, ModelPa
     : config_(config),
       options_(options),
       backend_(options.backend ? options.backend : &default_backend()),
+      step_work_(*backend_),
       plan_(std::make_unique<MemoryPlan>()),
       host_plan_(std::make_unique<MemoryPlan>()),
       own_params_(borrowed ? nullptr : std::make_unique<ModelParameters>(config, options, *plan_, *host_plan_)),
@@ -500,6 +501,7 @@ LossSum Decoder::run_step(const TokenBatch& batch, float* logits_out, bool backw
   using Clock = std::chrono::steady_clock;
   auto seconds_since = [](Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); };
   timings_ = {};
+  step_work_.begin();
   auto t0 = Clock::now();
   be.time_mark(0);
   A.enter_phase(Phase::Forward);
@@ -562,7 +564,10 @@ LossSum Decoder::run_step(const TokenBatch& batch, float* logits_out, bool backw
   const LossSum loss = be.lm_head_loss(head);
   timings_.loss = seconds_since(t0);
   be.time_mark(2);
-  if (!grads) return loss;
+  if (!grads) {
+    step_work_.end();
+    return loss;
+  }
 
   t0 = Clock::now();
   A.enter_phase(Phase::Backward);
@@ -585,6 +590,7 @@ LossSum Decoder::run_step(const TokenBatch& batch, float* logits_out, bool backw
   timings_.backward = seconds_since(t0);
   be.time_mark(3);
   A.enter_phase(Phase::Forward);
+  step_work_.end();
   return loss;
 }
 

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/device_work.h"
 #include "memory/arena.h"
 #include "memory/plan.h"
 #include "model/config.h"
@@ -88,6 +89,8 @@ class Decoder {
     return *arena_;
   }
   Backend& backend() const { return *backend_; }
+  // What each micro-batch step (forward_loss, a training micro-batch) asked of the device.
+  const DeviceWork& step_work() const { return step_work_; }
   int64_t loss_chunk_rows() const { return buf_.chunk_rows; }
 
   // The parameters: specs, views, trainables, optimizer state, checkpoints and adapters.
@@ -179,6 +182,7 @@ class Decoder {
   ModelConfig config_;
   ModelOptions options_;
   Backend* backend_;
+  DeviceWork step_work_;  // what each run_step asked of the device
   std::unique_ptr<MemoryPlan> plan_, host_plan_;
   std::unique_ptr<ModelParameters> own_params_;  // null in a generation view
   ModelParameters* params_;                      // own_params_, or the base's

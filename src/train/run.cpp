@@ -16,6 +16,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "backend/device_work.h"
 #include "core/error.h"
 #include "core/json_reader.h"
 #include "data/batcher.h"
@@ -125,6 +126,7 @@ class TrainingRun {
   json rank_peaks_;         // per rank: the arena and the measured peak RSS (filled at the end)
   StepAllocations heap_;    // heap allocations inside training steps
   HeapAllocations eval_heap_;  // and inside evaluation batches
+  std::optional<DeviceWork> device_work_;  // what each step asked of the device (once the model exists)
 };
 
 void TrainingRun::run() {
@@ -312,6 +314,7 @@ void TrainingRun::build_model() {
     }
   }
   model_ = load_model(args_.model_name_or_path, o, "", dtype);
+  device_work_.emplace(model_->backend());
   if (!args_.adapter.empty())
     model_->parameters().load_adapter(args_.adapter);
   else if (o.lora.enabled())
@@ -576,6 +579,7 @@ bool TrainingRun::train_loop(InterruptRequests& interrupts) {
     model_->set_dropout_seed(args_.seed * 0x100000001b3ull + static_cast<uint64_t>(progress_.global_step));
     model_->arena().reset_usage();
     heap_.begin();
+    device_work_->begin();
     const StepResult r = trainer_->step(views);
     heap_.end();
     model_->arena().sample();
@@ -630,6 +634,7 @@ bool TrainingRun::train_loop(InterruptRequests& interrupts) {
       window_items = window_steps = window_tokens = 0;
       window_start = Clock::now();
     }
+    device_work_->end();  // the step with its logging (which reads the device's timestamps)
     // Evaluation and checkpoint time is not training time: the throughput window skips it.
     const auto pause = Clock::now();
     if (args_.eval_strategy == "steps" && progress_.global_step % eval_every() == 0) run_evaluation();
@@ -677,6 +682,7 @@ void TrainingRun::write_memory_and_report() const {
   memory["process_plan"] = process_.to_json();
   memory["process_predicted_peak_bytes"] = process_.peak_bytes();
   if (!rank_peaks_.empty()) memory["ranks"] = rank_peaks_;
+  memory["device_work"] = device_work_ ? device_work_->to_json("training step") : nlohmann::json(nullptr);
   write_file_atomically((output_dir_ / "memory.json").string(), memory.dump(2) + "\n");
   write_report(output_dir_);
 }

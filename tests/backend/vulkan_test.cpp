@@ -537,8 +537,8 @@ TEST_F(VulkanOps, PagedAttentionSplitOverALongContextEqualsTheReference) {
   const int64_t T = static_cast<int64_t>(slots.size()), Q = cu.back(), cache_rows = 120 * block;
   const vulkan_geometry::PagedAttention shape{
       .rows = Q, .q_heads = Hq, .kv_heads = Hkv, .head_dim = hd, .max_context = max_blocks * block};
-  ASSERT_GT(vulkan_geometry::paged_split(shape, int64_t{1} << 19).splits, 1u);
-  ASSERT_EQ(vulkan_geometry::paged_attention(shape, int64_t{1} << 19).size(), 2u);
+  ASSERT_GT(vulkan_geometry::paged_split(shape, vulkan_geometry::kScratchFloats).splits, 1u);
+  ASSERT_EQ(vulkan_geometry::paged_attention(shape, vulkan_geometry::kScratchFloats).size(), 2u);
   const std::vector<float> q = randn(Q * Hq * hd, 31), k = randn(T * kvd, 32), v = randn(T * kvd, 33);
   for (const DType cache : {DType::F32, DType::BF16}) {
     SCOPED_TRACE(dtype_torch_name(cache));
@@ -563,8 +563,8 @@ TEST_F(VulkanOps, PagedAttentionSplitOverALongContextEqualsTheReference) {
 // device more workgroups): 1536 x 1472 outputs over K = 20, float32 and bfloat16 weights.
 TEST_F(VulkanOps, ALargeProductTakesTheBigTileAndEqualsTheReference) {
   const int64_t N = 1536, C = 20, OC = 1472;
-  ASSERT_EQ(vulkan_geometry::gemm_split(N, OC, C, 1 << 19).tile, 64u);
-  ASSERT_EQ(vulkan_geometry::gemm_split(70, 131, C, 1 << 19).tile, 32u);
+  ASSERT_EQ(vulkan_geometry::gemm_split(N, OC, C, vulkan_geometry::kScratchFloats).tile, 64u);
+  ASSERT_EQ(vulkan_geometry::gemm_split(70, 131, C, vulkan_geometry::kScratchFloats).tile, 32u);
   const std::vector<float> x = randn(N * C, 41), w = randn(OC * C, 42), b = randn(OC, 43);
   for (const DType dtype : {DType::F32, DType::BF16}) {
     SCOPED_TRACE(dtype_torch_name(dtype));

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -18,6 +19,7 @@
 #include "io/safetensors.h"
 #include "support/run_command.h"
 #include "support/test_util.h"
+#include "support/vulkan_geometry_cases.h"
 #include "support/numeric.h"
 
 namespace memtune {
@@ -346,7 +348,7 @@ TEST_F(TrainCliTest, EveryCommandRunsOnVulkanAndAgreesWithCpu) {
   // eval and greedy generation of the trained model, and the adapter merged on the device.
   std::ofstream(dir_ / "p.jsonl") << R"({"prompt_ids": [5, 17, 200, 3]})" << "\n" << R"({"prompt_ids": [9]})" << "\n";
   std::map<std::string, json> eval;
-  std::map<std::string, json> generated;
+  std::map<std::string, json> generated, generate_summary;
   for (const char* backend : {"cpu", "vulkan"}) {
     const std::string b = std::string(" --backend ") + backend;
     const Result e = run("eval" + b + " --model_name_or_path " + path("full_cpu") + " --eval_file " +
@@ -355,9 +357,10 @@ TEST_F(TrainCliTest, EveryCommandRunsOnVulkanAndAgreesWithCpu) {
     ASSERT_EQ(e.status, 0) << e.output;
     eval[backend] = json::parse(e.output.substr(e.output.find("{\"")));
     const Result g = run("generate" + b + " --model " + path("model") + " --adapter " + path("lora_cpu") + " --input " +
-                         path("p.jsonl") + " --max_new_tokens 8 --temperature 0 --ignore_eos --output " +
+                         path("p.jsonl") + " --max_new_tokens 8 --temperature 0 --ignore_eos --json --output " +
                          path(std::string("gen_") + backend + ".jsonl"));
     ASSERT_EQ(g.status, 0) << g.output;
+    generate_summary[backend] = json::parse(g.output.substr(g.output.rfind("\n{") + 1));  // the last line
     generated[backend] = read_jsonl(dir_ / (std::string("gen_") + backend + ".jsonl"));
     // Sampling with every filter and penalty, chosen on the device for vulkan (token ids come
     // back, not logits): the same draws pick the same tokens as the host sampler on cpu.
@@ -403,6 +406,33 @@ TEST_F(TrainCliTest, EveryCommandRunsOnVulkanAndAgreesWithCpu) {
     EXPECT_TRUE(device["measurement"].get<std::string>().starts_with("process_peak_rss_bytes")) << device.dump();
   }
   EXPECT_FALSE(json::parse(std::ifstream(dir_ / "full_cpu" / "memory.json")).contains("device"));
+  // What the host asked of the device, from the backend's own counters: per training step (4 of
+  // them), per evaluation batch, per decode and prefill step of generation; none on cpu. A decode
+  // step waits once (for its token ids); an evaluation batch twice (the targets' row losses, the
+  // row statistics); a training step waits for the row losses, the gradient norm and the logged
+  // step's timestamps (docs/architecture.md: the submission model).
+  std::set<std::string> ran;
+  auto work = [&](const json& w, const std::string& unit, int64_t units, uint64_t waits) {
+    SCOPED_TRACE(w.dump());
+    EXPECT_EQ(w["unit"], unit);
+    EXPECT_EQ(w["units"], units);
+    EXPECT_EQ(w["waits"]["max"], waits);
+    EXPECT_EQ(w["waits"]["min"], waits);
+    EXPECT_LE(w["submissions"]["max"], w["waits"]["max"]);  // every submission is waited for
+    EXPECT_GT(w["dispatches"]["min"].get<uint64_t>(), 10u);
+    for (const auto& [shader, n] : w["dispatches_by_shader"].items()) ran.insert(shader);
+  };
+  for (const char* run_name : {"lora_vulkan", "full_vulkan_whole"})
+    work(json::parse(std::ifstream(dir_ / run_name / "memory.json"))["device_work"], "training step", 4, 3);
+  EXPECT_TRUE(json::parse(std::ifstream(dir_ / "full_cpu" / "memory.json"))["device_work"].is_null());
+  work(eval["vulkan"]["device_work"], "evaluation batch", 2, 2);
+  EXPECT_TRUE(eval["cpu"]["device_work"].is_null());
+  work(generate_summary["vulkan"]["device_work"]["decode_step"], "decode step", 7, 1);
+  work(generate_summary["vulkan"]["device_work"]["prefill_step"], "prefill step", 1, 1);
+  EXPECT_TRUE(generate_summary["cpu"]["device_work"].is_null());
+  // Every shader that ran is in the dispatch lists whose geometry is checked at real shapes.
+  const std::set<std::string> listed = vulkan_geometry_listed_shaders();
+  for (const std::string& shader : ran) EXPECT_TRUE(listed.count(shader)) << shader << " is not in the geometry lists";
   // The plan names the device and the allocation; --device_memory auto is the device's memory.
   const Result plan = run("plan --backend vulkan --json --device_memory auto --model_name_or_path " + path("model"));
   ASSERT_EQ(plan.status, 0) << plan.output;

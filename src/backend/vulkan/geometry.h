@@ -29,8 +29,10 @@ constexpr uint64_t kFillWorkgroups = 4 * 132;
 // The most workgroups along x (and y) any device takes (Vulkan's guaranteed minimum).
 constexpr uint32_t kMaxGroups = 65535;
 // The backend's scratch for the partials of split work (split-K products, context splits of
-// paged attention, the pieces of the loss's rows), one op at a time: 2 MiB of floats.
-constexpr int64_t kScratchFloats = int64_t{1} << 19;
+// paged attention, the pieces of the loss's rows), one op at a time: 8 MiB of floats, allocated
+// with the device (so in the startup the process prediction measures), enough to split the LM
+// head's input gradient of a 0.5B model (327 rows x 896 over K = 151936) in two.
+constexpr int64_t kScratchFloats = int64_t{1} << 21;
 
 // A 1-D grid-stride shader (256 wide) over n elements moving bytes_per_element.
 VulkanDispatch elementwise(const char* shader, int64_t n, double bytes_per_element, double flops_per_element = 1);

@@ -71,6 +71,14 @@ class VulkanBackend final : public Backend {
   // compiled on first use: what a training step peaked above its prediction without this term,
   // rounded up (see docs/benchmarks.md).
   size_t runtime_bytes() const override { return size_t{8} << 20; }
+  std::optional<DeviceCounters> device_counters() const override {
+    if (!ctx_) return std::nullopt;
+    const VulkanContext::Counters& c = ctx_->counters();
+    return DeviceCounters{.dispatches = c.dispatches,
+                          .submissions = c.submissions,
+                          .waits = c.waits,
+                          .dispatches_by_shader = {c.by_shader.begin(), c.by_shader.end()}};
+  }
   void time_mark(int i) override { ctx().mark(i); }
   std::vector<double> time_marks() override { return ctx().marks(); }
   std::optional<DeviceMemoryFigures> device_memory_figures() const override {

@@ -1,0 +1,45 @@
+// DeviceWork (see device_work.h).
+#include "backend/device_work.h"
+
+#include <algorithm>
+
+namespace memtune {
+
+void DeviceWork::Range::add(uint64_t v) {
+  min = std::min(min, v);
+  max = std::max(max, v);
+  total += v;
+}
+
+nlohmann::json DeviceWork::Range::to_json(int64_t units) const {
+  if (units == 0) return {{"min", 0}, {"max", 0}, {"mean", 0.0}};
+  return {{"min", min}, {"max", max}, {"mean", static_cast<double>(total) / static_cast<double>(units)}};
+}
+
+void DeviceWork::end() {
+  if (!start_) return;
+  const std::optional<DeviceCounters> now = backend_->device_counters();
+  if (!now) return;
+  waits_.add(now->waits - start_->waits);
+  submissions_.add(now->submissions - start_->submissions);
+  dispatches_.add(now->dispatches - start_->dispatches);
+  for (const auto& [shader, n] : now->dispatches_by_shader) {
+    const auto before = start_->dispatches_by_shader.find(shader);
+    const uint64_t added = n - (before == start_->dispatches_by_shader.end() ? 0 : before->second);
+    if (added > 0) by_shader_[shader] += added;
+  }
+  ++units_;
+  start_.reset();
+}
+
+nlohmann::json DeviceWork::to_json(const std::string& unit) const {
+  if (!backend_->device_counters()) return nullptr;
+  return {{"unit", unit},
+          {"units", units_},
+          {"waits", waits_.to_json(units_)},
+          {"submissions", submissions_.to_json(units_)},
+          {"dispatches", dispatches_.to_json(units_)},
+          {"dispatches_by_shader", by_shader_}};
+}
+
+}  // namespace memtune

@@ -1,0 +1,42 @@
+// What the host asks of a device per unit of work (a training step, an evaluation batch, an
+// engine step of generation): the waits for the device, the command buffers submitted and the
+// dispatches, each as min / max / mean over the units, from the backend's own counters
+// (Backend::device_counters). memory.json's and generate's "device_work".
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "backend/backend.h"
+
+namespace memtune {
+
+class DeviceWork {
+ public:
+  explicit DeviceWork(const Backend& backend) : backend_(&backend) {}
+  // Around one unit; a begin() without its end() (a unit that did no work) is not counted.
+  void begin() { start_ = backend_->device_counters(); }
+  void end();
+  int64_t units() const { return units_; }
+  // {"unit", "units", "waits", "submissions", "dispatches": {"min", "max", "mean"},
+  // "dispatches_by_shader"}; null for a backend without device counters.
+  nlohmann::json to_json(const std::string& unit) const;
+
+ private:
+  struct Range {
+    uint64_t min = UINT64_MAX, max = 0, total = 0;
+    void add(uint64_t v);
+    nlohmann::json to_json(int64_t units) const;
+  };
+  const Backend* backend_;
+  std::optional<DeviceCounters> start_;
+  Range waits_, submissions_, dispatches_;
+  std::map<std::string, uint64_t> by_shader_;
+  int64_t units_ = 0;
+};
+
+}  // namespace memtune

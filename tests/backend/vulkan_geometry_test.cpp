@@ -1,0 +1,268 @@
+// The vulkan backend's dispatch geometry at real models' shapes, without a GPU: every dispatch of
+// a training step and of a decode step, as src/backend/vulkan/geometry.cpp computes it for the
+// backend, for Qwen2.5-0.5B (full fine-tuning, 8 x 512 tokens), Qwen2.5-7B (LoRA rank 16 at
+// 1 x 2048 tokens with gradient checkpointing) and Qwen2.5-7B decoding at batch 1 and 32 with a
+// 4096-token context. Every dispatch of real work (over 1 GFLOP, or 64 MiB of traffic) must
+// launch at least 4 x 132 workgroups: four per multiprocessor of an H100 / H200. The lists follow
+// the model's own sequence of ops (src/model/decoder.cpp); TrainCliTest.EveryCommandRunsOnVulkan*
+// checks that every shader a real run dispatched on lavapipe is in them.
+#include <gtest/gtest.h>
+
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "backend/vulkan/geometry.h"
+#include "support/vulkan_geometry_cases.h"
+
+namespace memtune {
+namespace {
+
+namespace g = vulkan_geometry;
+using Dispatches = std::vector<VulkanDispatch>;
+
+struct Model {
+  std::string name;
+  int64_t D, I, Hq, Hkv, hd, V, L;
+};
+const Model kQwen05B{"Qwen2.5-0.5B", 896, 4864, 14, 2, 64, 151936, 24};
+const Model kQwen7B{"Qwen2.5-7B", 3584, 18944, 28, 4, 128, 152064, 28};
+
+struct Training {
+  int64_t tokens = 0, sequences = 1, lora_rank = 0;  // rank 0: full fine-tuning
+  bool checkpointing = false;
+  DType weights = DType::F32;
+  int64_t loss_workspace_bytes = int64_t{192} << 20;  // the default --loss_workspace_bytes
+};
+
+void add(Dispatches& to, const Dispatches& more) { to.insert(to.end(), more.begin(), more.end()); }
+void add(Dispatches& to, const VulkanDispatch& d) { to.push_back(d); }
+
+// A linear layer [out, in] over N rows: forward, and its backward (dinp; dweight when trained;
+// the bias gradient when trained and present); LoRA's two products beside it.
+struct Linear {
+  int64_t in, out;
+  bool bias;
+};
+void linear_forward(Dispatches& d, const Training& t, int64_t N, const Linear& l) {
+  // 16-bit weights are widened for more rows than the backend reads stored (16).
+  if (t.weights != DType::F32 && N > 16) add(d, g::elementwise("convert", l.in * l.out, 6));
+  const DType w = N > 16 ? DType::F32 : t.weights;
+  if (N <= g::kMatvecRows)
+    add(d, g::matvec(N, l.out, l.in, w, true));
+  else
+    add(d, g::gemm(N, l.out, l.in, w, g::kScratchFloats));
+  if (t.lora_rank > 0) {
+    add(d, g::elementwise("dropout", N * l.in, 8, 8));  // LoRA's dropout on its input
+    add(d, g::gemm(N, t.lora_rank, l.in, DType::F32, g::kScratchFloats));
+    add(d, g::gemm(N, l.out, t.lora_rank, DType::F32, g::kScratchFloats));
+  }
+}
+void linear_backward(Dispatches& d, const Training& t, int64_t N, const Linear& l) {
+  const int64_t r = t.lora_rank;
+  if (r > 0) {
+    add(d, g::gemm(N, r, l.out, DType::F32, g::kScratchFloats));  // du += dy @ B
+    add(d, g::gemm(l.out, r, N, DType::F32, g::kScratchFloats));  // dB += dy^T @ u
+    add(d, g::gemm(N, l.in, r, DType::F32, g::kScratchFloats));   // dxd = du @ A
+    add(d, g::gemm(r, l.in, N, DType::F32, g::kScratchFloats));   // dA += du^T @ xd
+    add(d, g::elementwise("dropout", N * l.in, 8, 8));            // dxd through the same mask
+    add(d, g::elementwise("add_inplace", N * l.in, 12));          // dx += dxd
+  }
+  if (t.weights != DType::F32) add(d, g::elementwise("convert", l.in * l.out, 6));
+  add(d, g::gemm(N, l.in, l.out, DType::F32, g::kScratchFloats));  // dx += dy @ W
+  if (r > 0) return;                                               // the base is frozen
+  add(d, g::gemm(l.out, l.in, N, DType::F32, g::kScratchFloats));  // dW += dy^T @ x
+  if (l.bias) add(d, g::column_reduction("column_sum", N, l.out, 4));
+}
+
+struct Layer {
+  Linear q, k, v, o, gate, up, down;
+};
+Layer layer_of(const Model& m) {
+  return {{m.D, m.Hq * m.hd, true},  {m.D, m.Hkv * m.hd, true}, {m.D, m.Hkv * m.hd, true}, {m.Hq * m.hd, m.D, false},
+          {m.D, m.I, false},         {m.D, m.I, false},         {m.I, m.D, false}};
+}
+
+void layer_forward(Dispatches& d, const Model& m, const Training& t) {
+  const int64_t N = t.tokens;
+  const Layer l = layer_of(m);
+  const g::Attention a{N, t.sequences, m.Hq, m.Hkv, m.hd};
+  add(d, g::per_row("rmsnorm", N, m.D, 8, 4));
+  for (const Linear& x : {l.q, l.k, l.v}) linear_forward(d, t, N, x);
+  add(d, g::elementwise("rope", N * m.Hq * m.hd / 2, 16, 6));
+  add(d, g::elementwise("rope", N * m.Hkv * m.hd / 2, 16, 6));
+  add(d, g::attention_forward(a));
+  linear_forward(d, t, N, l.o);
+  add(d, g::elementwise("add_inplace", N * m.D, 12));
+  add(d, g::per_row("rmsnorm", N, m.D, 8, 4));
+  linear_forward(d, t, N, l.gate);
+  linear_forward(d, t, N, l.up);
+  add(d, g::elementwise("swiglu", N * m.I, 12, 8));
+  linear_forward(d, t, N, l.down);
+  add(d, g::elementwise("add_inplace", N * m.D, 12));
+}
+
+void layer_backward(Dispatches& d, const Model& m, const Training& t) {
+  const int64_t N = t.tokens;
+  const Layer l = layer_of(m);
+  const bool norms = t.lora_rank == 0;
+  const g::Attention a{N, t.sequences, m.Hq, m.Hkv, m.hd};
+  linear_backward(d, t, N, l.down);
+  add(d, g::elementwise("swiglu_backward", N * m.I, 20, 12));
+  linear_backward(d, t, N, l.gate);
+  linear_backward(d, t, N, l.up);
+  add(d, g::per_row("rmsnorm_backward", N, m.D, 12, 6));
+  if (norms) add(d, g::column_reduction("rmsnorm_backward", N, m.D, 8));
+  linear_backward(d, t, N, l.o);
+  add(d, g::attention_backward_dq(a));
+  add(d, g::attention_backward_dkv(a));
+  add(d, g::elementwise("rope", N * m.Hq * m.hd / 2, 16, 6));
+  add(d, g::elementwise("rope", N * m.Hkv * m.hd / 2, 16, 6));
+  for (const Linear& x : {l.q, l.k, l.v}) linear_backward(d, t, N, x);
+  add(d, g::per_row("rmsnorm_backward", N, m.D, 12, 6));
+  if (norms) add(d, g::column_reduction("rmsnorm_backward", N, m.D, 8));
+}
+
+Dispatches training_step(const Model& m, const Training& t) {
+  Dispatches d;
+  const int64_t N = t.tokens;
+  add(d, g::elementwise("embedding", N * m.D, 4 + dtype_size(t.weights), 0));
+  for (int64_t l = 0; l < m.L; ++l) layer_forward(d, m, t);
+  add(d, g::per_row("rmsnorm", N, m.D, 8, 4));
+  // The fused head, chunk by chunk (src/model/decoder_plan.cpp sizes the chunk).
+  const int64_t chunk = std::clamp<int64_t>(t.loss_workspace_bytes / ((m.V + 2 * m.D) * 4), 1, N);
+  for (int64_t c0 = 0; c0 < N; c0 += chunk) {
+    const int64_t rows = std::min(chunk, N - c0);
+    add(d, g::elementwise("gather_rows", rows * m.D, 8, 0));
+    add(d, g::gemm(rows, m.V, m.D, t.weights, g::kScratchFloats));  // the head read as stored
+    add(d, g::cross_entropy(rows, m.V, g::kScratchFloats));
+    add(d, g::gemm(rows, m.D, m.V, t.weights, g::kScratchFloats));
+    add(d, g::elementwise("gather_rows", rows * m.D, 8, 0));
+    if (t.lora_rank == 0) add(d, g::gemm(m.V, m.D, rows, DType::F32, g::kScratchFloats));
+  }
+  add(d, g::per_row("rmsnorm_backward", N, m.D, 12, 6));
+  if (t.lora_rank == 0) add(d, g::column_reduction("rmsnorm_backward", N, m.D, 8));
+  for (int64_t l = m.L - 1; l >= 0; --l) {
+    if (t.checkpointing) layer_forward(d, m, t);
+    layer_backward(d, m, t);
+  }
+  if (t.lora_rank == 0) add(d, g::column_reduction("embedding", N, m.D, 12));
+  // The optimizer: the gradient norm and AdamW, tensor by tensor.
+  const Layer l = layer_of(m);
+  std::vector<int64_t> tensors;
+  for (int64_t i = 0; i < m.L; ++i)
+    for (const Linear& x : {l.q, l.k, l.v, l.o, l.gate, l.up, l.down}) {
+      if (t.lora_rank > 0) {
+        tensors.push_back(t.lora_rank * x.in);
+        tensors.push_back(x.out * t.lora_rank);
+      } else {
+        tensors.push_back(x.in * x.out);
+        if (x.bias) tensors.push_back(x.out);
+      }
+    }
+  if (t.lora_rank == 0) tensors.push_back(m.V * m.D);
+  for (const int64_t n : tensors) add(d, g::elementwise("scale_sum_squares", n, 8, 3));
+  for (const int64_t n : tensors) add(d, g::elementwise("adamw", n, 28, 16));
+  return d;
+}
+
+// One decode step: `batch` sequences, one new token each, at `context` tokens (16-bit weights
+// read as stored up to 16 rows, widened beyond), then the last rows' logits and sampling.
+Dispatches decode_step(const Model& m, int64_t batch, int64_t context, DType weights) {
+  Dispatches d;
+  const Training t{.tokens = batch, .weights = weights};
+  const Layer l = layer_of(m);
+  add(d, g::elementwise("embedding", batch * m.D, 4 + dtype_size(weights), 0));
+  for (int64_t i = 0; i < m.L; ++i) {
+    add(d, g::per_row("rmsnorm", batch, m.D, 8, 4));
+    for (const Linear& x : {l.q, l.k, l.v}) linear_forward(d, t, batch, x);
+    add(d, g::elementwise("rope", batch * m.Hq * m.hd / 2, 16, 6));
+    add(d, g::elementwise("rope", batch * m.Hkv * m.hd / 2, 16, 6));
+    add(d, g::elementwise("kv_cache_write", batch * m.Hkv * m.hd, 2 * (4 + dtype_size(weights))));
+    add(d, g::paged_attention({.rows = batch,
+                               .q_heads = m.Hq,
+                               .kv_heads = m.Hkv,
+                               .head_dim = m.hd,
+                               .max_context = context,
+                               .context = context,
+                               .cache = weights},
+                              g::kScratchFloats));
+    linear_forward(d, t, batch, l.o);
+    add(d, g::elementwise("add_inplace", batch * m.D, 12));
+    add(d, g::per_row("rmsnorm", batch, m.D, 8, 4));
+    linear_forward(d, t, batch, l.gate);
+    linear_forward(d, t, batch, l.up);
+    add(d, g::elementwise("swiglu", batch * m.I, 12, 8));
+    linear_forward(d, t, batch, l.down);
+    add(d, g::elementwise("add_inplace", batch * m.D, 12));
+  }
+  add(d, g::elementwise("gather_rows", batch * m.D, 8, 0));
+  add(d, g::per_row("rmsnorm", batch, m.D, 8, 4));
+  linear_forward(d, t, batch, {m.D, m.V, false});
+  add(d, g::per_row("sample", batch, m.V, 8, 4));
+  return d;
+}
+
+struct Case {
+  std::string name;
+  Dispatches dispatches;
+};
+std::vector<Case> real_cases() {
+  return {{"Qwen2.5-0.5B full fine-tuning, 8 x 512 tokens",
+           training_step(kQwen05B, {.tokens = 8 * 512, .sequences = 8})},
+          {"Qwen2.5-7B LoRA r16, 1 x 2048 tokens, checkpointing, bf16 base",
+           training_step(kQwen7B, {.tokens = 2048, .lora_rank = 16, .checkpointing = true, .weights = DType::BF16})},
+          {"Qwen2.5-7B decode, batch 1, 4096-token context, bf16", decode_step(kQwen7B, 1, 4096, DType::BF16)},
+          {"Qwen2.5-7B decode, batch 32, 4096-token context, bf16", decode_step(kQwen7B, 32, 4096, DType::BF16)}};
+}
+
+bool real_work(const VulkanDispatch& d) { return d.flops > 1e9 || d.bytes > 64.0 * (1 << 20); }
+
+TEST(VulkanGeometry, EveryLargeDispatchOfRealModelsFillsALargeGpu) {
+  for (const Case& c : real_cases()) {
+    SCOPED_TRACE(c.name);
+    int64_t large = 0;
+    for (const VulkanDispatch& d : c.dispatches) {
+      if (!real_work(d)) continue;
+      ++large;
+      EXPECT_GE(d.workgroups(), g::kFillWorkgroups)
+          << d.shader << " (" << d.x << " x " << d.y << " x " << d.z << " workgroups) does " << d.flops / 1e9
+          << " GFLOP over " << d.bytes / (1 << 20) << " MiB";
+    }
+    EXPECT_GT(large, 0) << "no dispatch of real work: the check would prove nothing";
+  }
+}
+
+// The table docs/architecture.md carries: per case and shader, the largest dispatch.
+TEST(VulkanGeometry, TheTableOfTheLargestDispatchPerShader) {
+  for (const Case& c : real_cases()) {
+    std::map<std::string, const VulkanDispatch*> largest;
+    for (const VulkanDispatch& d : c.dispatches) {
+      const VulkanDispatch*& l = largest[d.shader];
+      if (!l || d.flops + d.bytes > l->flops + l->bytes) l = &d;
+    }
+    std::printf("%s\n", c.name.c_str());
+    for (const auto& [shader, d] : largest)
+      std::printf("  %-24s %6u x %5u x %3u = %8llu workgroups  %9.2f GFLOP  %9.1f MiB\n", shader.c_str(), d->x, d->y,
+                  d->z, static_cast<unsigned long long>(d->workgroups()), d->flops / 1e9, d->bytes / (1 << 20));
+    EXPECT_GE(largest.size(), 10u);
+  }
+}
+
+}  // namespace
+
+std::set<std::string> vulkan_geometry_listed_shaders() {
+  std::set<std::string> listed;
+  for (const Case& c : real_cases())
+    for (const VulkanDispatch& d : c.dispatches) listed.insert(d.shader);
+  return listed;
+}
+
+}  // namespace memtune
