@@ -70,7 +70,7 @@ class VulkanBackend final : public Backend {
   // made, so the loader, the driver and its libraries are in the startup term): the pipelines,
   // compiled on first use: what a training step peaked above its prediction without this term,
   // rounded up (see docs/benchmarks.md).
-  size_t runtime_bytes() const override { return size_t{8} << 20; }
+  size_t runtime_bytes() const override { return size_t{24} << 20; }
   std::optional<DeviceCounters> device_counters() const override {
     if (!ctx_) return std::nullopt;
     const VulkanContext::Counters& c = ctx_->counters();
