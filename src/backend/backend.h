@@ -85,6 +85,10 @@ struct LmHeadArgs {
   // The same targets in host memory when the caller has them there (the decoder built them):
   // a backend whose memory the host cannot address then need not download them.
   std::span<const int32_t> host_targets = {};
+  // The caller takes the loss sum later (take_deferred_loss_sum): a device backend may leave it
+  // on the device, to come back with the step's next download (the gradient norm's), instead of
+  // waiting for it here.
+  bool defer_sum = false;
   // Workspace (device memory).
   Tensor logits;        // [chunk_rows, V] f32
   Tensor rows;          // [chunk_rows, D] f32, the gathered hidden rows
@@ -289,6 +293,9 @@ class Backend {
   // x *= scale for every tensor; returns the sum of all their squares after scaling (float64):
   // a step's gradient norm, one value handed back per call, however many tensors.
   virtual double scale_and_sum_squares(std::span<const Tensor> xs, float scale) = 0;
+  // The sum of the deferred loss sums (LossSum::deferred) since the last call, in call order;
+  // a wait for the device only when no read since has brought them back.
+  virtual double take_deferred_loss_sum() { return 0.0; }
   // One AdamW update of param (f32) with grad, moments m and v (all of the same size; each may
   // be in host or device memory, as optimizer offload places them).
   virtual void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,

@@ -38,6 +38,9 @@ inline float fast_exp(float x) {
 struct LossSum {
   double sum = 0;
   int64_t count = 0;
+  // The sum stayed on the device (LmHeadArgs::defer_sum): `sum` is 0 here, and
+  // Backend::take_deferred_loss_sum() gives it after the step's next read of the device.
+  bool deferred = false;
 };
 
 class ChunkLoss {

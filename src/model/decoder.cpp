@@ -544,6 +544,7 @@ LossSum Decoder::run_step(const TokenBatch& batch, float* logits_out, bool backw
                   .grad_scale = grad_scale_,
                   .observer = observer_,
                   .host_targets = batch_targets_,
+                  .defer_sum = grads && defer_loss_sum_,
                   .logits = A.f32(buf_.logits_chunk, {chunk, V}),
                   .rows = A.f32(buf_.rows, {chunk, D}),
                   .drows = A.f32(buf_.drows, {chunk, D}),

@@ -126,6 +126,9 @@ class Decoder {
   void set_loss(const ChunkLoss& loss) { loss_ = &loss; }
   // Multiplies all gradients of the following steps (dynamic loss scaling); the trainer unscales.
   void set_grad_scale(float scale) { grad_scale_ = scale; }
+  // Training steps' loss sums may stay on the device until the trainer's next read of it
+  // (LmHeadArgs::defer_sum; LossSum::deferred says whether it did).
+  void set_defer_loss_sum(bool defer) { defer_loss_sum_ = defer; }
   // Sees every logits chunk of the following steps (streaming metrics); nullptr for none. Not owned.
   void set_observer(ChunkObserver* observer) { observer_ = observer; }
   // Sees the input x [tokens, in] of every linear layer as the forward pass reaches it (GPTQ's
@@ -202,6 +205,7 @@ class Decoder {
   static inline const CrossEntropyLoss kCrossEntropy{};
   const ChunkLoss* loss_ = &kCrossEntropy;
   float grad_scale_ = 1.0f;
+  bool defer_loss_sum_ = false;
   ChunkObserver* observer_ = nullptr;
   std::function<void(int64_t)> layer_grads_ready_;
   LinearInputObserver linear_input_observer_;

@@ -84,6 +84,10 @@ StepResult Trainer::step(std::span<const TokenBatch> micro_batches) {
   // Every rank starts the same reductions in the same order; a rank without data this step
   // starts them all at once (its gradients are zero).
   const bool overlap = comm_->world_size() > 1 && !sharded;
+  // One process: the loss sums may stay on the device and come back with the gradient norm
+  // (with several, they are summed over ranks before it).
+  model_.set_defer_loss_sum(comm_->world_size() == 1);
+  bool deferred = false;
   // Backends that cannot leave a collective in flight while they compute reduce after backward.
   const bool during_backward = overlap && backend_.overlaps_collectives();
   for (size_t k = 0; k < micro_batches.size(); ++k) {
@@ -101,6 +105,7 @@ StepResult Trainer::step(std::span<const TokenBatch> micro_batches) {
     }
     model_.set_layer_grads_ready(nullptr);
     r.loss_sum += part.sum;
+    deferred |= part.deferred;
     r.num_items += part.count;
     r.num_tokens += static_cast<int64_t>(micro_batches[k].input_ids.size());
   }
@@ -136,6 +141,7 @@ StepResult Trainer::step(std::span<const TokenBatch> micro_batches) {
   // norm is summed over ranks.
   const float inv_items = static_cast<float>(1.0 / (static_cast<double>(r.num_items) * scale_));
   double sumsq = backend_.scale_and_sum_squares(shard_grads_, inv_items);
+  if (deferred) r.loss_sum += backend_.take_deferred_loss_sum();  // read with the norm
   if (sharded) {
     std::array<double, 1> total{sumsq};
     comm_->allreduce_sum(total);

@@ -147,6 +147,7 @@ Dispatches training_step(const Model& m, const Training& t) {
     add(d, g::elementwise("gather_rows", rows * m.D, 8, 0));
     if (t.lora_rank == 0) add(d, g::gemm(m.V, m.D, rows, DType::F32, g::kScratchFloats));
   }
+  add(d, g::per_row("loss_sum", 1, N, 4, 1));  // the step's loss sum, left on the device
   add(d, g::per_row("rmsnorm_backward", N, m.D, 12, 6));
   if (t.lora_rank == 0) add(d, g::column_reduction("rmsnorm_backward", N, m.D, 8));
   for (int64_t l = m.L - 1; l >= 0; --l) {

@@ -296,6 +296,7 @@ void VulkanContext::flush() {
   ++counters_.waits;
   check(vkResetFences(device_, 1, &fence_), "vkResetFences");
   check(vkResetCommandBuffer(commands_, 0), "vkResetCommandBuffer");
+  marks_unsubmitted_ = false;
 }
 
 void VulkanContext::mark(int i) {
@@ -306,6 +307,7 @@ void VulkanContext::mark(int i) {
   vkCmdResetQueryPool(c, timestamps_, static_cast<uint32_t>(i), 1);
   vkCmdWriteTimestamp(c, VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, timestamps_, static_cast<uint32_t>(i));
   marked_ |= 1u << i;
+  marks_unsubmitted_ = true;
 }
 
 std::vector<double> VulkanContext::marks() {
@@ -313,7 +315,9 @@ std::vector<double> VulkanContext::marks() {
   while (n < static_cast<uint32_t>(Backend::kTimeMarks) && (marked_ >> n & 1u)) ++n;
   marked_ = 0;
   if (n == 0) return {};
-  flush();
+  // A wait of its own only when a mark is still in the command buffer being recorded: marks that
+  // an earlier wait (a download) already saw through are read as they are.
+  if (marks_unsubmitted_) flush();
   std::vector<uint64_t> ticks(n);
   check(vkGetQueryPoolResults(device_, timestamps_, 0, n, n * sizeof(uint64_t), ticks.data(), sizeof(uint64_t),
                               VK_QUERY_RESULT_64_BIT | VK_QUERY_RESULT_WAIT_BIT),

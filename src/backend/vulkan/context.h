@@ -92,9 +92,9 @@ class VulkanContext {
   };
   const Counters& counters() const { return counters_; }
   // Device timestamps (Backend::time_mark / time_marks): mark i is written when the work
-  // recorded before it has finished (mark 0 starts a series); marks() flushes, waits and returns
-  // the seconds of the series' marks 0..n-1 since mark 0 (n: those made, from 0 without a gap),
-  // then forgets them. Empty without timestamps on the compute queue.
+  // recorded before it has finished (mark 0 starts a series); marks() waits for them (flushing
+  // only if one is still unsubmitted) and returns the seconds of the series' marks 0..n-1 since
+  // mark 0 (n: those made, from 0 without a gap), then forgets them. Empty without timestamps on the compute queue.
   void mark(int i);
   std::vector<double> marks();
   // The driver's figures for the device-local heaps (VK_EXT_memory_budget): what this process
@@ -139,6 +139,7 @@ class VulkanContext {
   VkQueryPool timestamps_ = VK_NULL_HANDLE;  // Backend::kTimeMarks timestamp queries
   uint64_t timestamp_mask_ = 0;              // the queue's valid timestamp bits
   uint32_t marked_ = 0;                      // a bit per mark written since marks()
+  bool marks_unsubmitted_ = false;           // a mark in the command buffer not yet submitted
   std::map<uint64_t, Allocation> allocations_;  // by device address
   uint64_t allocated_bytes_ = 0;
   Allocation staging_;

@@ -308,9 +308,10 @@ class VulkanBackend final : public Backend {
   // the tensors only, so the same call gives the same sum every run.
   double scale_and_sum_squares(std::span<const Tensor> xs, float scale) override {
     if (xs.empty()) return 0.0;
-    MT_ASSERT(xs.size() <= kPartials, "vulkan: more tensors than partial sums");
-    const auto share = static_cast<uint32_t>(std::min<size_t>(kPartialsPerTensor, kPartials / xs.size()));
-    uint32_t used = 0;
+    MT_ASSERT(xs.size() <= kPartials - kLossSlots, "vulkan: more tensors than partial sums");
+    const auto share =
+        static_cast<uint32_t>(std::min<size_t>(kPartialsPerTensor, (kPartials - kLossSlots) / xs.size()));
+    uint32_t used = kLossSlots;  // after the loss slots, which the same download brings back
     for (const Tensor& x : xs) {
       VulkanDispatch d = vulkan_geometry::elementwise("scale_sum_squares", x.numel(), 8, 3);
       d.x = std::min(d.x, share);
@@ -324,8 +325,9 @@ class VulkanBackend final : public Backend {
       used += groups;
     }
     ctx().download(partial_sums_.data(), partials_, used * sizeof(float));
+    collect_loss_slots();
     double total = 0.0;
-    for (uint32_t i = 0; i < used; ++i) total += partial_sums_[i];
+    for (uint32_t i = kLossSlots; i < used; ++i) total += partial_sums_[i];
     return total;
   }
   void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
@@ -522,6 +524,17 @@ class VulkanBackend final : public Backend {
       rows_op(a.dhidden, drows, pos, 1);
       if (a.dweight) gemm(a.dweight, logits, rows, V, D, m, /*a_m=*/1, /*a_k=*/V, /*b_k=*/D, /*b_n=*/1, a.grad_scale);
     }
+    if (!logits_to_host && count > 0 && a.defer_sum && !a.observer && loss_slots_ < kLossSlots) {
+      // The sum stays on the device, in a slot of the partials buffer that the gradient norm's
+      // download brings back (take_deferred_loss_sum).
+      struct {
+        uint64_t out, x;
+        uint32_t n;
+      } push{partials_ + loss_slots_ * sizeof(float), address(a.row_losses), u32(count)};
+      ctx().dispatch(vulkan_geometry::per_row("loss_sum", 1, count, 4, 1), push);
+      ++loss_slots_;
+      return LossSum{0.0, count, true};
+    }
     if (!logits_to_host && count > 0) {
       ctx().download(st.row_losses, address(a.row_losses), static_cast<size_t>(count) * sizeof(float));
       for (int64_t r = 0; r < count; ++r) total += st.row_losses[r];  // in row order: the same sum every run
@@ -532,8 +545,22 @@ class VulkanBackend final : public Backend {
     }
     return LossSum{total, count};
   }
+  double take_deferred_loss_sum() override {
+    if (loss_slots_ > 0) {  // not brought back by a gradient norm since: a wait of its own
+      ctx().download(partial_sums_.data(), partials_, loss_slots_ * sizeof(float));
+      collect_loss_slots();
+    }
+    const double sum = deferred_loss_;
+    deferred_loss_ = 0.0;
+    return sum;
+  }
 
  private:
+  // The loss slots of the last download, summed in slot order into deferred_loss_.
+  void collect_loss_slots() {
+    for (uint32_t i = 0; i < loss_slots_; ++i) deferred_loss_ += partial_sums_[i];
+    loss_slots_ = 0;
+  }
   void matmul(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& bias, bool accumulate,
               float scale) {
     const int64_t N = inp.rows(), C = inp.cols(), OC = weight.rows();
@@ -655,7 +682,10 @@ class VulkanBackend final : public Backend {
 
   // Partial sums of scale_and_sum_squares: one float per workgroup, at most kPartialsPerTensor
   // workgroups per tensor, in the backend's own small buffer and its host copy.
-  static constexpr uint32_t kPartials = 1u << 18, kPartialsPerTensor = 1024;
+  // The first kLossSlots floats hold deferred loss sums (one per lm_head_loss call of a step).
+  static constexpr uint32_t kPartials = 1u << 18, kPartialsPerTensor = 1024, kLossSlots = 1024;
+  uint32_t loss_slots_ = 0;    // loss slots written since the last download of them
+  double deferred_loss_ = 0;   // their sum, once downloaded, until take_deferred_loss_sum()
   // The device's context; an Error on a backend that only plans.
   VulkanContext& ctx() const {
     if (!ctx_)
