@@ -3,9 +3,9 @@
 # dispatches is among them. Run by the build (CMakeLists.txt).
 cmake_policy(SET CMP0057 NEW)  # if(... IN_LIST ...)
 string(REPLACE "," ";" SPV "${SPV}")
-# Every shader the backend dispatches by name (`dispatch("NAME"`, `.shader = "NAME"`,
-# `elementwise("NAME"` or `per_row("NAME"` in the files of USES) must exist: a missing one fails
-# the build instead of the first dispatch.
+# Every shader the backend dispatches by name (`dispatch("NAME"`, `.shader = "NAME"`, or the
+# geometry's `elementwise("NAME"`, `per_row("NAME"`, `multi_tensor("NAME"`, `column_reduction("NAME"`
+# in the files of USES) must exist: a missing one fails the build instead of the first dispatch.
 set(names "")
 foreach(spv ${SPV})
   get_filename_component(name ${spv} NAME_WE)
@@ -14,7 +14,7 @@ endforeach()
 string(REPLACE "," ";" USES "${USES}")
 foreach(source ${USES})
   file(READ ${source} text)
-  string(REGEX MATCHALL "(dispatch\\(|elementwise\\(|per_row\\(|\\.shader = )\"[a-z_0-9]+\"" calls "${text}")
+  string(REGEX MATCHALL "(dispatch\\(|elementwise\\(|per_row\\(|multi_tensor\\(|column_reduction\\(|\\.shader = )\"[a-z_0-9]+\"" calls "${text}")
   foreach(call ${calls})
     string(REGEX REPLACE ".*\"([a-z_0-9]+)\"" "\\1" name "${call}")
     if(NOT name IN_LIST names)

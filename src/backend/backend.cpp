@@ -11,6 +11,14 @@ void Backend::sample_tokens(const SampleArgs& a) {
   sample_rows_on_host(a);
 }
 
+void Backend::adamw_update_group(std::span<const AdamWTensor> tensors, const AdamWStep& step) {
+  for (const AdamWTensor& t : tensors) {
+    AdamWStep s = step;
+    s.decay = t.decay;
+    adamw_update(t.param, t.grad, t.m, t.v, s);
+  }
+}
+
 void Backend::matmul_forward_group(std::span<const GroupMember> group, const Tensor& inp, const Tensor& scratch) {
   for (const GroupMember& m : group) {
     if (m.quantized)

@@ -300,6 +300,14 @@ class Backend {
   // be in host or device memory, as optimizer offload places them).
   virtual void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                             const AdamWStep& step) = 0;
+  // The same update of many tensors with one step's constants, each tensor's own `decay`
+  // (step.decay is not read): by default adamw_update per tensor, in order; a device backend
+  // makes it one dispatch.
+  struct AdamWTensor {
+    Tensor param, grad, m, v;
+    bool decay = true;
+  };
+  virtual void adamw_update_group(std::span<const AdamWTensor> tensors, const AdamWStep& step);
 
   // Collectives (distributed/) read and write device memory: `op` runs with that memory reachable by
   // the communicator. overlaps_collectives(): whether a non-blocking collective may stay in

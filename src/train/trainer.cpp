@@ -27,6 +27,7 @@ Trainer::Trainer(Decoder& model, const TrainerConfig& config, Communicator* comm
   params_.load_masters();
   model_.arena().enter_phase(Phase::Forward);
   for (size_t i = 0; i < params_.num_trainable(); ++i) shard_grads_.push_back(params_.shard_grad(i));
+  adam_tensors_.reserve(params_.num_trainable());
   // Buckets by name: "...layers.{l}." belongs to layer l (base weights and LoRA adapters alike).
   layer_buckets_.resize(static_cast<size_t>(model_.config().num_hidden_layers));
   for (size_t i = 0; i < params_.num_trainable(); ++i) {
@@ -164,6 +165,22 @@ StepResult Trainer::step(std::span<const TokenBatch> micro_batches) {
   const double clip = config_.max_grad_norm > 0 ? std::min(1.0, config_.max_grad_norm / (r.grad_norm + 1e-6)) : 1.0;
 
   ++step_;
+  const AdamWStep adam_step{.t = step_,
+                            .learning_rate = r.learning_rate,
+                            .config = config_.adam,
+                            .decay = true,
+                            .grad_scale = static_cast<float>(clip)};
+  if (!sharded) {  // every tensor in one call (one dispatch on a device), then their storage
+    adam_tensors_.clear();
+    for (size_t i = 0; i < P; ++i)
+      adam_tensors_.push_back({params_.shard_value(i), params_.shard_grad(i), params_.adam_m(i), params_.adam_v(i),
+                               takes_weight_decay(params_.trainable_spec(i).name)});
+    backend_.adamw_update_group(adam_tensors_, adam_step);
+    for (size_t i = 0; i < P; ++i) params_.store_trainable(i);
+    arena.enter_phase(Phase::Forward);
+    r.updated = true;
+    return r;
+  }
   for (size_t i = 0; i < P; ++i) {
     const auto& spec = params_.trainable_spec(i);
     backend_.adamw_update(params_.shard_value(i), params_.shard_grad(i), params_.adam_m(i), params_.adam_v(i),

@@ -169,8 +169,10 @@ Dispatches training_step(const Model& m, const Training& t) {
       }
     }
   if (t.lora_rank == 0) tensors.push_back(m.V * m.D);
-  for (const int64_t n : tensors) add(d, g::elementwise("scale_sum_squares", n, 8, 3));
-  for (const int64_t n : tensors) add(d, g::elementwise("adamw", n, 28, 16));
+  uint64_t total = 0;  // every tensor in one dispatch each (up to 1024 tensors per table)
+  for (const int64_t n : tensors) total += static_cast<uint64_t>(n);
+  add(d, g::multi_tensor("scale_sum_squares", total, 8, 3, 8192));
+  add(d, g::multi_tensor("adamw", total, 28, 16, g::kMaxGroups));
   return d;
 }
 

@@ -578,6 +578,51 @@ TEST_F(VulkanOps, ALargeProductTakesTheBigTileAndEqualsTheReference) {
   }
 }
 
+// The optimizer's multi-tensor dispatches over more tensors than one table holds (1024): 1500
+// tensors of 1 to 300 elements, views into four allocations, weight decay on every other one.
+// The gradient norm (with the scaling) and AdamW over all of them in one call equal the
+// reference's tensor-by-tensor updates.
+TEST_F(VulkanOps, TheOptimizerOverMoreTensorsThanOneTableEqualsTheReference) {
+  const int64_t count = 1500;
+  std::vector<int64_t> sizes, offsets = {0};
+  for (int64_t i = 0; i < count; ++i) {
+    sizes.push_back(1 + (i * 37) % 300);
+    offsets.push_back(offsets.back() + sizes.back());
+  }
+  const int64_t total = offsets.back();
+  const std::vector<float> g = randn(total, 61), p0 = randn(total, 62), m0 = randn(total, 63);
+  std::vector<float> v0 = randn(total, 64);
+  for (float& x : v0) x = x * x;
+  auto run = [&](Backend& be) {
+    const Tensor all[4] = {make(be, DType::F32, {total}, g), make(be, DType::F32, {total}, p0),
+                           make(be, DType::F32, {total}, m0), make(be, DType::F32, {total}, v0)};
+    auto view = [&](int k, int64_t i) {
+      return Tensor(static_cast<char*>(all[k].data) + offsets[static_cast<size_t>(i)] * sizeof(float), DType::F32,
+                    {sizes[static_cast<size_t>(i)]});
+    };
+    std::vector<Tensor> grads;
+    std::vector<Backend::AdamWTensor> tensors;
+    for (int64_t i = 0; i < count; ++i) {
+      grads.push_back(view(0, i));
+      tensors.push_back({view(1, i), view(0, i), view(2, i), view(3, i), i % 2 == 0});
+    }
+    const double sumsq = be.scale_and_sum_squares(grads, 0.5f);
+    AdamWStep step;
+    step.t = 2;
+    step.learning_rate = 1e-2;
+    step.config = {.beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1};
+    step.grad_scale = 0.7f;
+    be.adamw_update_group(tensors, step);
+    return std::tuple{sumsq, download_f32(be, all[1]), download_f32(be, all[2]), download_f32(be, all[3])};
+  };
+  const auto [vs, vp, vm, vv] = run(vk());
+  const auto [rs, rp, rm, rv] = run(ref());
+  EXPECT_NEAR(vs, rs, 1e-5 * rs);
+  expect_close(vp, rp, 1e-5f);
+  expect_close(vm, rm, 1e-5f);
+  expect_close(vv, rv, 1e-5f);
+}
+
 // Split-K: 70 x 16 outputs over K = 5000 would be 3 workgroups of 32 x 32 tiles; K splits over
 // workgroups into the scratch and a second pass adds the splits in order, with the bias (forward)
 // or into what is there (accumulate). Equal to the reference, the same bits every run.

@@ -45,6 +45,16 @@ VulkanDispatch elementwise(const char* shader, int64_t n, double bytes_per_eleme
           .bytes = bytes_per_element * static_cast<double>(n)};
 }
 
+VulkanDispatch multi_tensor(const char* shader, uint64_t total, double bytes_per_element, double flops_per_element,
+                            uint32_t max_groups) {
+  const double n = static_cast<double>(total);
+  return {.shader = shader,
+          .constants = {},
+          .x = static_cast<uint32_t>(std::clamp<uint64_t>((total + 4095) / 4096, 1, max_groups)),
+          .flops = flops_per_element * n,
+          .bytes = bytes_per_element * n};
+}
+
 VulkanDispatch per_row(const char* shader, int64_t rows, int64_t cols, double bytes_per_element,
                        double flops_per_element) {
   MT_ASSERT(rows <= kMaxGroups, "vulkan: more rows than one dispatch takes");

@@ -36,6 +36,10 @@ constexpr int64_t kScratchFloats = int64_t{1} << 21;
 
 // A 1-D grid-stride shader (256 wide) over n elements moving bytes_per_element.
 VulkanDispatch elementwise(const char* shader, int64_t n, double bytes_per_element, double flops_per_element = 1);
+// A multi-tensor shader (adamw.comp, scale_sum_squares.comp) over `total` elements of a table of
+// tensors: a workgroup per chunk of 4096 elements, at most max_groups (then each takes several).
+VulkanDispatch multi_tensor(const char* shader, uint64_t total, double bytes_per_element, double flops_per_element,
+                            uint32_t max_groups);
 // A shader with one workgroup per row (rmsnorm, cross_entropy, sample).
 VulkanDispatch per_row(const char* shader, int64_t rows, int64_t cols, double bytes_per_element,
                        double flops_per_element = 2);

@@ -63,6 +63,7 @@ class VulkanBackend final : public Backend {
     ctx_ = std::make_unique<VulkanContext>();
     partials_ = ctx_->allocate(kPartials * sizeof(float));
     split_scratch_ = ctx_->allocate(kSplitScratchFloats * sizeof(float));
+    tables_ = ctx_->allocate(2 * kTableEntries * 6 * sizeof(uint64_t));
     std::fprintf(stderr, "vulkan: device %d, %s\n", ctx_->info().index, describe_vulkan_device(ctx_->info()).c_str());
   }
   std::string_view name() const override { return "vulkan"; }
@@ -302,28 +303,32 @@ class VulkanBackend final : public Backend {
     ctx().download(a.tokens.data(), address(a.device_tokens), static_cast<size_t>(R) * sizeof(int32_t));
   }
 
-  // Every tensor's workgroups write their partial sums side by side, and they come back in one
-  // download. A tensor gets fewer workgroups when the call's tensors would need more partials
-  // than the buffer holds (each workgroup then strides over more elements); the split depends on
-  // the tensors only, so the same call gives the same sum every run.
+  // One dispatch over every tensor (scale_sum_squares.comp over a tensor table): each workgroup
+  // writes the partial sum of its share of the chunks, and the partials come back in one download
+  // with the step's deferred loss sums. The grid depends on the tensors only, so the same call
+  // gives the same sum every run. Tables of more than kTableEntries tensors go in parts.
   double scale_and_sum_squares(std::span<const Tensor> xs, float scale) override {
-    if (xs.empty()) return 0.0;
-    MT_ASSERT(xs.size() <= kPartials - kLossSlots, "vulkan: more tensors than partial sums");
-    const auto share =
-        static_cast<uint32_t>(std::min<size_t>(kPartialsPerTensor, (kPartials - kLossSlots) / xs.size()));
     uint32_t used = kLossSlots;  // after the loss slots, which the same download brings back
-    for (const Tensor& x : xs) {
-      VulkanDispatch d = vulkan_geometry::elementwise("scale_sum_squares", x.numel(), 8, 3);
-      d.x = std::min(d.x, share);
-      const uint32_t groups = d.x;
+    for (size_t begin = 0; begin < xs.size(); begin += kTableEntries) {
+      const size_t end = std::min(xs.size(), begin + kTableEntries);
+      std::vector<uint64_t>& words = table_words_;
+      words.clear();
+      uint64_t total = 0;
+      for (size_t i = begin; i < end; ++i) total = add_table_entry(words, {.grad = xs[i]}, total);
+      const uint32_t count = static_cast<uint32_t>(words.size() / 6);
+      if (count == 0) continue;
+      const uint64_t table = upload_table(0, words);
+      const VulkanDispatch d = vulkan_geometry::multi_tensor("scale_sum_squares", total, 8, 3, kPartialsPerCall);
+      MT_ASSERT(used + d.x <= kPartials, "vulkan: more partial sums than the buffer holds");
       struct {
-        uint64_t x, partials;
-        uint32_t n;
+        uint64_t table, total, partials;
+        uint32_t count;
         float scale;
-      } push{address(x), partials_ + used * sizeof(float), u32(x.numel()), scale};
+      } push{table, total, partials_ + used * sizeof(float), count, scale};
       ctx().dispatch(d, push);
-      used += groups;
+      used += d.x;
     }
+    if (used == kLossSlots && loss_slots_ == 0) return 0.0;
     ctx().download(partial_sums_.data(), partials_, used * sizeof(float));
     collect_loss_slots();
     double total = 0.0;
@@ -332,26 +337,42 @@ class VulkanBackend final : public Backend {
   }
   void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                     const AdamWStep& step) override {
+    const AdamWTensor one{param, grad, m, v, step.decay};
+    adamw_update_group(std::span(&one, 1), step);
+  }
+  // Every tensor in one dispatch (adamw.comp over a tensor table).
+  void adamw_update_group(std::span<const AdamWTensor> tensors, const AdamWStep& step) override {
     const AdamWConfig& c = step.config;
     const double bias1 = 1.0 - std::pow(c.beta1, static_cast<double>(step.t));
     const double bias2 = 1.0 - std::pow(c.beta2, static_cast<double>(step.t));
-    struct {
-      uint64_t param, grad, m, v;
-      uint32_t n;
-      float b1, b2, step_size, inv_sqrt_bias2, eps, keep, grad_scale;
-    } push{address(param),
-           address(grad),
-           address(m),
-           address(v),
-           u32(param.numel()),
-           static_cast<float>(c.beta1),
-           static_cast<float>(c.beta2),
-           static_cast<float>(step.learning_rate / bias1),
-           static_cast<float>(1.0 / std::sqrt(bias2)),
-           static_cast<float>(c.eps),
-           step.decay ? static_cast<float>(1.0 - step.learning_rate * c.weight_decay) : 1.0f,
-           step.grad_scale};
-    ctx().dispatch(vulkan_geometry::elementwise("adamw", param.numel(), 28, 16), push);
+    for (size_t begin = 0; begin < tensors.size(); begin += kTableEntries) {
+      const size_t end = std::min(tensors.size(), begin + kTableEntries);
+      std::vector<uint64_t>& words = table_words_;
+      words.clear();
+      uint64_t total = 0;
+      for (size_t i = begin; i < end; ++i) {
+        MT_ASSERT(tensors[i].param.numel() == tensors[i].grad.numel(), "adamw of tensors of different sizes");
+        total = add_table_entry(words, tensors[i], total);
+      }
+      const uint32_t count = static_cast<uint32_t>(words.size() / 6);
+      if (count == 0) continue;
+      const uint64_t table = upload_table(1, words);
+      struct {
+        uint64_t table, total;
+        uint32_t count;
+        float b1, b2, step_size, inv_sqrt_bias2, eps, keep, grad_scale;
+      } push{table,
+             total,
+             count,
+             static_cast<float>(c.beta1),
+             static_cast<float>(c.beta2),
+             static_cast<float>(step.learning_rate / bias1),
+             static_cast<float>(1.0 / std::sqrt(bias2)),
+             static_cast<float>(c.eps),
+             static_cast<float>(1.0 - step.learning_rate * c.weight_decay),
+             step.grad_scale};
+      ctx().dispatch(vulkan_geometry::multi_tensor("adamw", total, 28, 16, vulkan_geometry::kMaxGroups), push);
+    }
   }
 
   void quantized_matmul_forward(const Tensor& out, const Tensor& inp, const QuantizedWeight& w, const Tensor& bias,
@@ -556,6 +577,27 @@ class VulkanBackend final : public Backend {
   }
 
  private:
+  // Appends a tensor-table entry (tensor_table.glsl) for a non-empty tensor whose first element
+  // is element `first` of the table; returns the next entry's first element.
+  static uint64_t add_table_entry(std::vector<uint64_t>& words, const AdamWTensor& t, uint64_t first) {
+    const Tensor& any = t.grad;
+    if (any.numel() == 0) return first;
+    any.f32();
+    const uint64_t n = static_cast<uint64_t>(any.numel());
+    words.insert(words.end(), {address(t.param), address(t.grad), address(t.m), address(t.v), first,
+                               n | (t.decay ? uint64_t{1} << 63 : 0)});
+    return first + n;
+  }
+  // The device copy of table `which` (0: the gradient norm's, 1: AdamW's), uploaded (recorded
+  // into the command buffer: no wait) only when it differs from what is there.
+  uint64_t upload_table(int which, const std::vector<uint64_t>& words) {
+    const uint64_t at = tables_ + static_cast<uint64_t>(which) * kTableEntries * 6 * sizeof(uint64_t);
+    if (uploaded_tables_[which] != words) {
+      ctx().upload(at, words.data(), words.size() * sizeof(uint64_t));
+      uploaded_tables_[which] = words;
+    }
+    return at;
+  }
   // The loss slots of the last download, summed in slot order into deferred_loss_.
   void collect_loss_slots() {
     for (uint32_t i = 0; i < loss_slots_; ++i) deferred_loss_ += partial_sums_[i];
@@ -680,10 +722,15 @@ class VulkanBackend final : public Backend {
     ctx().dispatch(geometry, push);
   }
 
-  // Partial sums of scale_and_sum_squares: one float per workgroup, at most kPartialsPerTensor
-  // workgroups per tensor, in the backend's own small buffer and its host copy.
-  // The first kLossSlots floats hold deferred loss sums (one per lm_head_loss call of a step).
-  static constexpr uint32_t kPartials = 1u << 18, kPartialsPerTensor = 1024, kLossSlots = 1024;
+  // Partial sums of scale_and_sum_squares, one float per workgroup, at most kPartialsPerCall per
+  // table of tensors, in the backend's own small buffer and its host copy, after kLossSlots
+  // floats for deferred loss sums (one per lm_head_loss call of a step).
+  static constexpr uint32_t kPartials = 1u << 18, kPartialsPerCall = 8192, kLossSlots = 1024;
+  // The multi-tensor shaders' tables: two of kTableEntries entries of six 64-bit words (48 KiB
+  // each, so an upload is recorded into the command buffer).
+  static constexpr size_t kTableEntries = 1024;
+  uint64_t tables_ = 0;
+  std::vector<uint64_t> table_words_, uploaded_tables_[2];
   uint32_t loss_slots_ = 0;    // loss slots written since the last download of them
   double deferred_loss_ = 0;   // their sum, once downloaded, until take_deferred_loss_sum()
   // The device's context; an Error on a backend that only plans.

@@ -1,19 +1,31 @@
 #version 460
-// One AdamW update (torch.optim.AdamW, as the cpu backend computes it in float32): the step's
-// constants (step size, bias corrections, decay) come from the host.
+// AdamW (torch.optim.AdamW, as the cpu backend computes it in float32) over every tensor of a
+// table (tensor_table.glsl) in one dispatch: the step's constants (step size, bias corrections,
+// decay, the clipping scale) from the host, weight decay per tensor.
 #include "common.glsl"
+#include "tensor_table.glsl"
 layout(local_size_x = 256) in;
 layout(push_constant) uniform Push {
-  F32 param; F32 grad; F32 m; F32 v; uint n;
+  Table table; uint64_t total; uint count;
   float b1, b2, step_size, inv_sqrt_bias2, eps, keep, grad_scale;
 } p;
 void main() {
-  FOR_EACH(i, p.n) {
-    const float g = p.grad.v[i] * p.grad_scale;
-    const float m = p.b1 * p.m.v[i] + (1.0 - p.b1) * g;
-    const float v = p.b2 * p.v.v[i] + (1.0 - p.b2) * g * g;
-    p.m.v[i] = m;
-    p.v.v[i] = v;
-    p.param.v[i] = p.param.v[i] * p.keep - p.step_size * m / (sqrt(v) * p.inv_sqrt_bias2 + p.eps);
+  const uint64_t chunks = (p.total + CHUNK - 1u) / CHUNK;
+  for (uint64_t c = gl_WorkGroupID.x; c < chunks; c += gl_NumWorkGroups.x) {
+    const uint64_t begin = c * CHUNK, end = min(begin + CHUNK, p.total);
+    uint k = table_find(p.table, p.count, begin);
+    for (uint64_t e = begin + gl_LocalInvocationID.x; e < end; e += 256u) {
+      while (e >= table_first(p.table, k) + table_count(p.table, k)) ++k;
+      const uint i = uint(e - table_first(p.table, k));
+      F32 param = F32(p.table.w[6u * k]), grad = F32(p.table.w[6u * k + 1u]);
+      F32 mm = F32(p.table.w[6u * k + 2u]), vv = F32(p.table.w[6u * k + 3u]);
+      const float keep = table_decay(p.table, k) ? p.keep : 1.0;
+      const float g = grad.v[i] * p.grad_scale;
+      const float m = p.b1 * mm.v[i] + (1.0 - p.b1) * g;
+      const float v = p.b2 * vv.v[i] + (1.0 - p.b2) * g * g;
+      mm.v[i] = m;
+      vv.v[i] = v;
+      param.v[i] = param.v[i] * keep - p.step_size * m / (sqrt(v) * p.inv_sqrt_bias2 + p.eps);
+    }
   }
 }
