@@ -420,7 +420,10 @@ TEST_F(TrainCliTest, EveryCommandRunsOnVulkanAndAgreesWithCpu) {
     EXPECT_EQ(w["units"], units);
     EXPECT_EQ(w["waits"]["max"], waits);
     EXPECT_EQ(w["waits"]["min"], waits);
-    EXPECT_LE(w["submissions"]["max"], w["waits"]["max"]);  // every submission is waited for
+    // Work is submitted every 64 dispatches without a wait: the device starts on a step while the
+    // host records the rest of it, and the step's one wait comes after several submissions.
+    const uint64_t dispatches = w["dispatches"]["min"], submissions = w["submissions"]["min"];
+    EXPECT_GE(submissions, std::max<uint64_t>(waits, (dispatches + 63) / 64));
     EXPECT_GT(w["dispatches"]["min"].get<uint64_t>(), 10u);
     for (const auto& [shader, n] : w["dispatches_by_shader"].items()) ran.insert(shader);
   };

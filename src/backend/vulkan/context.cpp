@@ -84,13 +84,6 @@ VulkanContext::VulkanContext(std::optional<int> requested_device) {
   pool_info.flags = VK_COMMAND_POOL_CREATE_RESET_COMMAND_BUFFER_BIT;
   pool_info.queueFamilyIndex = queue_family_;
   check(vkCreateCommandPool(device_, &pool_info, nullptr, &pool_), "vkCreateCommandPool");
-  auto command_info = vk_struct<VkCommandBufferAllocateInfo>(VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO);
-  command_info.commandPool = pool_;
-  command_info.level = VK_COMMAND_BUFFER_LEVEL_PRIMARY;
-  command_info.commandBufferCount = 1;
-  check(vkAllocateCommandBuffers(device_, &command_info, &commands_), "vkAllocateCommandBuffers");
-  auto fence_info = vk_struct<VkFenceCreateInfo>(VK_STRUCTURE_TYPE_FENCE_CREATE_INFO);
-  check(vkCreateFence(device_, &fence_info, nullptr, &fence_), "vkCreateFence");
 
   VkPushConstantRange range{VK_SHADER_STAGE_COMPUTE_BIT, 0, 128};
   auto layout_info = vk_struct<VkPipelineLayoutCreateInfo>(VK_STRUCTURE_TYPE_PIPELINE_LAYOUT_CREATE_INFO);
@@ -135,7 +128,7 @@ VulkanContext::~VulkanContext() {
   }
   if (timestamps_) vkDestroyQueryPool(device_, timestamps_, nullptr);
   if (layout_) vkDestroyPipelineLayout(device_, layout_, nullptr);
-  if (fence_) vkDestroyFence(device_, fence_, nullptr);
+  for (const Batch& b : batches_) vkDestroyFence(device_, b.fence, nullptr);
   if (pool_) vkDestroyCommandPool(device_, pool_, nullptr);
   if (device_) vkDestroyDevice(device_, nullptr);
   if (instance_) vkDestroyInstance(instance_, nullptr);
@@ -264,12 +257,33 @@ std::optional<VulkanContext::MemoryBudget> VulkanContext::memory_budget() const 
 
 VkCommandBuffer VulkanContext::recording() {
   if (!recording_) {
+    // A command buffer the device is done with (its fence signalled, checked without waiting),
+    // or a new one: recording never waits for the device.
+    size_t free = batches_.size();
+    for (size_t i = 0; i < batches_.size(); ++i)
+      if (!batches_[i].in_flight) {
+        free = i;
+        break;
+      }
+    if (free == batches_.size()) {
+      Batch b;
+      auto command_info = vk_struct<VkCommandBufferAllocateInfo>(VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO);
+      command_info.commandPool = pool_;
+      command_info.level = VK_COMMAND_BUFFER_LEVEL_PRIMARY;
+      command_info.commandBufferCount = 1;
+      check(vkAllocateCommandBuffers(device_, &command_info, &b.commands), "vkAllocateCommandBuffers");
+      auto fence_info = vk_struct<VkFenceCreateInfo>(VK_STRUCTURE_TYPE_FENCE_CREATE_INFO);
+      check(vkCreateFence(device_, &fence_info, nullptr, &b.fence), "vkCreateFence");
+      batches_.push_back(b);
+    }
+    current_ = free;
     auto begin = vk_struct<VkCommandBufferBeginInfo>(VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO);
     begin.flags = VK_COMMAND_BUFFER_USAGE_ONE_TIME_SUBMIT_BIT;
-    check(vkBeginCommandBuffer(commands_, &begin), "vkBeginCommandBuffer");
+    check(vkBeginCommandBuffer(batches_[current_].commands, &begin), "vkBeginCommandBuffer");
     recording_ = true;
+    recorded_ = 0;
   }
-  return commands_;
+  return batches_[current_].commands;
 }
 
 void VulkanContext::barrier() {
@@ -283,20 +297,36 @@ void VulkanContext::barrier() {
       nullptr, 0, nullptr);
 }
 
-void VulkanContext::flush() {
+void VulkanContext::submit() {
   if (!recording_) return;
-  check(vkEndCommandBuffer(commands_), "vkEndCommandBuffer");
+  Batch& b = batches_[current_];
+  check(vkEndCommandBuffer(b.commands), "vkEndCommandBuffer");
   recording_ = false;
-  auto submit = vk_struct<VkSubmitInfo>(VK_STRUCTURE_TYPE_SUBMIT_INFO);
-  submit.commandBufferCount = 1;
-  submit.pCommandBuffers = &commands_;
-  check(vkQueueSubmit(queue_, 1, &submit, fence_), "vkQueueSubmit");
+  auto info = vk_struct<VkSubmitInfo>(VK_STRUCTURE_TYPE_SUBMIT_INFO);
+  info.commandBufferCount = 1;
+  info.pCommandBuffers = &b.commands;
+  check(vkQueueSubmit(queue_, 1, &info, b.fence), "vkQueueSubmit");
+  b.in_flight = true;
   ++counters_.submissions;
-  check(vkWaitForFences(device_, 1, &fence_, VK_TRUE, UINT64_MAX), "vkWaitForFences");
+}
+
+void VulkanContext::flush() {
+  submit();
+  std::vector<VkFence>& fences = fence_list_;
+  fences.clear();
+  for (const Batch& b : batches_)
+    if (b.in_flight) fences.push_back(b.fence);
+  if (fences.empty()) return;
+  check(vkWaitForFences(device_, static_cast<uint32_t>(fences.size()), fences.data(), VK_TRUE, UINT64_MAX),
+        "vkWaitForFences");
   ++counters_.waits;
-  check(vkResetFences(device_, 1, &fence_), "vkResetFences");
-  check(vkResetCommandBuffer(commands_, 0), "vkResetCommandBuffer");
-  marks_unsubmitted_ = false;
+  check(vkResetFences(device_, static_cast<uint32_t>(fences.size()), fences.data()), "vkResetFences");
+  for (Batch& b : batches_)
+    if (b.in_flight) {
+      check(vkResetCommandBuffer(b.commands, 0), "vkResetCommandBuffer");
+      b.in_flight = false;
+    }
+  marks_pending_ = false;
 }
 
 void VulkanContext::mark(int i) {
@@ -307,7 +337,7 @@ void VulkanContext::mark(int i) {
   vkCmdResetQueryPool(c, timestamps_, static_cast<uint32_t>(i), 1);
   vkCmdWriteTimestamp(c, VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, timestamps_, static_cast<uint32_t>(i));
   marked_ |= 1u << i;
-  marks_unsubmitted_ = true;
+  marks_pending_ = true;
 }
 
 std::vector<double> VulkanContext::marks() {
@@ -315,9 +345,9 @@ std::vector<double> VulkanContext::marks() {
   while (n < static_cast<uint32_t>(Backend::kTimeMarks) && (marked_ >> n & 1u)) ++n;
   marked_ = 0;
   if (n == 0) return {};
-  // A wait of its own only when a mark is still in the command buffer being recorded: marks that
-  // an earlier wait (a download) already saw through are read as they are.
-  if (marks_unsubmitted_) flush();
+  // A wait of its own only when a mark's work may not have finished: marks that an earlier wait
+  // (a download) saw through are read as they are.
+  if (marks_pending_) flush();
   std::vector<uint64_t> ticks(n);
   check(vkGetQueryPoolResults(device_, timestamps_, 0, n, n * sizeof(uint64_t), ticks.data(), sizeof(uint64_t),
                               VK_QUERY_RESULT_64_BIT | VK_QUERY_RESULT_WAIT_BIT),
@@ -424,6 +454,8 @@ void VulkanContext::dispatch(std::string_view shader, std::span<const uint32_t> 
   barrier();
   ++counters_.dispatches;
   ++counters_.by_shader[std::string(shader)];
+  // The device starts on what is recorded while the host records the rest of the step.
+  if (++recorded_ >= kSubmitEvery) submit();
   if (profile_) {
     flush();
     auto& [seconds, count] = profile_seconds_[std::string(shader)];

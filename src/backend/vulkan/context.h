@@ -8,10 +8,12 @@
 // those 64-bit addresses in push constants, so maxStorageBufferRange (128 MiB on lavapipe) never
 // limits a tensor. The host never dereferences these addresses.
 //
-// Submission: dispatches and device-side copies are recorded into one command buffer with a
-// memory barrier after each (every op may read what the previous one wrote) and submitted in a
-// batch; the host waits (flush) only where a value must come back or host memory is touched: a
-// download, a large upload through the staging buffer, freeing memory.
+// Submission: dispatches and device-side copies are recorded into command buffers with a memory
+// barrier after each (every op may read what the previous one wrote; a barrier orders everything
+// earlier in submission order, across command buffers), each submitted once it holds
+// kSubmitEvery dispatches so the device runs while the host records the rest of the step; the
+// host waits (flush) only where a value must come back or host memory is touched: a download, a
+// large upload through the staging buffer, freeing memory.
 #pragma once
 
 #include <vulkan/vulkan.h>
@@ -82,8 +84,12 @@ class VulkanContext {
     dispatch(d.shader, std::span<const uint32_t>(d.constants), std::as_bytes(std::span<const Push>(&push, 1)), d.x,
              d.y, d.z);
   }
-  // Submits what is recorded and waits for it.
+  // Submits what is recorded and waits for everything submitted.
   void flush();
+  // Submits what is recorded without waiting (the device starts on it; the next recording goes to
+  // another command buffer). dispatch() does so every kSubmitEvery dispatches.
+  void submit();
+  static constexpr uint32_t kSubmitEvery = 64;
   // What the host asked of the device since the context opened: dispatches (by shader), command
   // buffers submitted, and waits for the device (each submission is waited for).
   struct Counters {
@@ -132,14 +138,23 @@ class VulkanContext {
   VkQueue queue_ = VK_NULL_HANDLE;
   uint32_t queue_family_ = 0;
   VkCommandPool pool_ = VK_NULL_HANDLE;
-  VkCommandBuffer commands_ = VK_NULL_HANDLE;
+  // Command buffers with their fences: one being recorded, any number submitted and running
+  // (in_flight until a flush waits for them), reused once done.
+  struct Batch {
+    VkCommandBuffer commands = VK_NULL_HANDLE;
+    VkFence fence = VK_NULL_HANDLE;
+    bool in_flight = false;
+  };
+  std::vector<Batch> batches_;
+  std::vector<VkFence> fence_list_;  // flush()'s (kept: no allocation per flush)
+  size_t current_ = 0;               // the batch being recorded, while recording_
+  uint32_t recorded_ = 0;            // dispatches in it
   bool recording_ = false;
-  VkFence fence_ = VK_NULL_HANDLE;
   VkPipelineLayout layout_ = VK_NULL_HANDLE;
   VkQueryPool timestamps_ = VK_NULL_HANDLE;  // Backend::kTimeMarks timestamp queries
   uint64_t timestamp_mask_ = 0;              // the queue's valid timestamp bits
   uint32_t marked_ = 0;                      // a bit per mark written since marks()
-  bool marks_unsubmitted_ = false;           // a mark in the command buffer not yet submitted
+  bool marks_pending_ = false;               // a mark whose work no wait has seen through yet
   std::map<uint64_t, Allocation> allocations_;  // by device address
   uint64_t allocated_bytes_ = 0;
   Allocation staging_;
