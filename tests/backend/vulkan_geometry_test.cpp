@@ -79,7 +79,7 @@ void linear_backward(Dispatches& d, const Training& t, int64_t N, const Linear& 
   add(d, g::gemm(N, l.in, l.out, DType::F32, g::kScratchFloats));  // dx += dy @ W
   if (r > 0) return;                                               // the base is frozen
   add(d, g::gemm(l.out, l.in, N, DType::F32, g::kScratchFloats));  // dW += dy^T @ x
-  if (l.bias) add(d, g::column_reduction("column_sum", N, l.out, 4));
+  if (l.bias) add(d, g::column_sums(N, l.out, 4, g::kScratchFloats));
 }
 
 struct Layer {
@@ -119,7 +119,7 @@ void layer_backward(Dispatches& d, const Model& m, const Training& t) {
   linear_backward(d, t, N, l.gate);
   linear_backward(d, t, N, l.up);
   add(d, g::per_row("rmsnorm_backward", N, m.D, 12, 6));
-  if (norms) add(d, g::column_reduction("rmsnorm_backward", N, m.D, 8));
+  if (norms) add(d, g::column_sums(N, m.D, 8, g::kScratchFloats));
   linear_backward(d, t, N, l.o);
   add(d, g::attention_backward_dq(a));
   add(d, g::attention_backward_dkv(a));
@@ -127,7 +127,7 @@ void layer_backward(Dispatches& d, const Model& m, const Training& t) {
   add(d, g::elementwise("rope", N * m.Hkv * m.hd / 2, 16, 6));
   for (const Linear& x : {l.q, l.k, l.v}) linear_backward(d, t, N, x);
   add(d, g::per_row("rmsnorm_backward", N, m.D, 12, 6));
-  if (norms) add(d, g::column_reduction("rmsnorm_backward", N, m.D, 8));
+  if (norms) add(d, g::column_sums(N, m.D, 8, g::kScratchFloats));
 }
 
 Dispatches training_step(const Model& m, const Training& t) {
@@ -149,7 +149,7 @@ Dispatches training_step(const Model& m, const Training& t) {
   }
   add(d, g::per_row("loss_sum", 1, N, 4, 1));  // the step's loss sum, left on the device
   add(d, g::per_row("rmsnorm_backward", N, m.D, 12, 6));
-  if (t.lora_rank == 0) add(d, g::column_reduction("rmsnorm_backward", N, m.D, 8));
+  if (t.lora_rank == 0) add(d, g::column_sums(N, m.D, 8, g::kScratchFloats));
   for (int64_t l = m.L - 1; l >= 0; --l) {
     if (t.checkpointing) layer_forward(d, m, t);
     layer_backward(d, m, t);

@@ -623,6 +623,32 @@ TEST_F(VulkanOps, TheOptimizerOverMoreTensorsThanOneTableEqualsTheReference) {
   expect_close(vv, rv, 1e-5f);
 }
 
+// Column sums in two passes over blocks of rows: RMSNorm's weight gradient and a bias gradient
+// over 300 rows (19 blocks of 16), added into what the gradients held; the reference's, and the
+// same bits twice.
+TEST_F(VulkanOps, ColumnSumsOverManyRowsEqualTheReference) {
+  const int64_t N = 300, D = 40, OC = 23;
+  ASSERT_GT(vulkan_geometry::column_blocks(N, D, vulkan_geometry::kScratchFloats).blocks, 10u);
+  const std::vector<float> x = randn(N * D, 71), w = randn(D, 72), dy = randn(N * D, 73), gw0 = randn(D, 74),
+                           dout = randn(N * OC, 75), gb0 = randn(OC, 76), wl = randn(OC * D, 77);
+  auto run = [&](Backend& be) {
+    const Tensor tx = make(be, DType::F32, {N, D}, x), tw = make(be, DType::F32, {D}, w),
+                 out = make(be, DType::F32, {N, D}), rstd = make(be, DType::F32, {N}),
+                 tdy = make(be, DType::F32, {N, D}, dy), dx = make(be, DType::F32, {N, D}),
+                 dw = make(be, DType::F32, {D}, gw0), tdout = make(be, DType::F32, {N, OC}, dout),
+                 twl = make(be, DType::F32, {OC, D}, wl), db = make(be, DType::F32, {OC}, gb0);
+    be.rmsnorm_forward(out, rstd, tx, tw, 1e-6f);
+    be.rmsnorm_backward(dx, dw, tdy, tx, tw, rstd);
+    be.matmul_backward(Tensor{}, Tensor{}, db, tdout, tx, twl, 0.5f);
+    return std::vector{download_f32(be, dw), download_f32(be, db)};
+  };
+  const auto got = run(vk()), again = run(vk()), want = run(ref());
+  for (size_t i = 0; i < got.size(); ++i) {
+    expect_close(got[i], want[i], 2e-5f);
+    EXPECT_EQ(got[i], again[i]);
+  }
+}
+
 // Split-K: 70 x 16 outputs over K = 5000 would be 3 workgroups of 32 x 32 tiles; K splits over
 // workgroups into the scratch and a second pass adds the splits in order, with the bias (forward)
 // or into what is there (accumulate). Equal to the reference, the same bits every run.

@@ -72,6 +72,25 @@ VulkanDispatch column_reduction(const char* shader, int64_t rows, int64_t cols, 
           .bytes = bytes_per_element * n};
 }
 
+ColumnBlocks column_blocks(int64_t rows, int64_t cols, int64_t scratch_floats) {
+  // Blocks of at least 16 rows, at most 1024 of them, as many as the scratch holds partials for.
+  const int64_t most = std::clamp<int64_t>(scratch_floats / std::max<int64_t>(cols, 1), 1, 1024);
+  const int64_t per = std::max<int64_t>(16, (rows + most - 1) / most);
+  return {static_cast<uint32_t>(per), std::max<uint32_t>(1, ceil_div(rows, per))};
+}
+
+std::vector<VulkanDispatch> column_sums(int64_t rows, int64_t cols, double bytes_per_element, int64_t scratch_floats) {
+  const ColumnBlocks b = column_blocks(rows, cols, scratch_floats);
+  const double n = static_cast<double>(rows) * static_cast<double>(cols);
+  return {{.shader = "column_partials",
+           .constants = {},
+           .x = ceil_div(cols, 256),
+           .y = b.blocks,
+           .flops = 2 * n,
+           .bytes = bytes_per_element * n},
+          elementwise("column_finish", cols, 4.0 * (b.blocks + 2), b.blocks)};
+}
+
 VulkanDispatch quantized_matmul(int64_t rows, int64_t inner, int64_t outputs, int bits) {
   const double r = static_cast<double>(rows), in = static_cast<double>(inner), out = static_cast<double>(outputs);
   return {.shader = "quantized_matmul",

@@ -44,9 +44,17 @@ VulkanDispatch multi_tensor(const char* shader, uint64_t total, double bytes_per
 VulkanDispatch per_row(const char* shader, int64_t rows, int64_t cols, double bytes_per_element,
                        double flops_per_element = 2);
 
-// A thread per column walking the rows in order (column_sum, the RMSNorm weight gradient, the
-// embedding gradient): deterministic without atomics, one workgroup per 256 columns.
+// A thread per column walking the rows in order (the embedding gradient, whose rows scatter by
+// token id): deterministic without atomics, one workgroup per 256 columns.
 VulkanDispatch column_reduction(const char* shader, int64_t rows, int64_t cols, double bytes_per_element);
+// Column sums (a bias gradient, RMSNorm's weight gradient) in two passes: blocks of rows, a
+// workgroup per (256 columns, block) writing partials into the scratch (column_partials.comp),
+// then the blocks added in order per column (column_finish.comp).
+struct ColumnBlocks {
+  uint32_t rows_per_block = 1, blocks = 1;
+};
+ColumnBlocks column_blocks(int64_t rows, int64_t cols, int64_t scratch_floats);
+std::vector<VulkanDispatch> column_sums(int64_t rows, int64_t cols, double bytes_per_element, int64_t scratch_floats);
 
 // out[M, N] (+)= A[M, K] @ B[K, N], A float32, B float32 or 16-bit (gemm.comp). Output tiles of
 // 64 x 64 where those alone fill the device, else 32 x 32; where even those leave it idle and K

@@ -181,14 +181,7 @@ class VulkanBackend final : public Backend {
     }
     if (dweight)  // dweight[OC, C] += scale dout^T[OC, N] @ inp[N, C]
       gemm(dweight, dout, inp, OC, C, N, /*a_m=*/1, /*a_k=*/OC, /*b_k=*/C, /*b_n=*/1, scale);
-    if (dbias) {
-      struct {
-        uint64_t out, x;
-        uint32_t N, C;
-        float alpha;
-      } push{address(dbias), address(dout), u32(N), u32(OC), scale};
-      ctx().dispatch(vulkan_geometry::column_reduction("column_sum", N, OC, 4), push);
-    }
+    if (dbias) column_sums(dbias, dout, Tensor{}, Tensor{}, N, OC, scale);
   }
   void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, const Tensor& w, float eps) override {
     struct {
@@ -201,16 +194,11 @@ class VulkanBackend final : public Backend {
   void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
                         const Tensor& w, const Tensor& rstd) override {
     struct {
-      uint64_t dinp, dweight, dout, inp, w, rstd;
-      uint32_t N, C, mode;
-    } push{address(dinp),   address(dweight), address(dout),
-           address(inp),    address(w),       address(rstd),
-           u32(inp.rows()), u32(inp.cols()),  0};
+      uint64_t dinp, dout, inp, w, rstd;
+      uint32_t N, C;
+    } push{address(dinp), address(dout), address(inp), address(w), address(rstd), u32(inp.rows()), u32(inp.cols())};
     ctx().dispatch(vulkan_geometry::per_row("rmsnorm_backward", inp.rows(), inp.cols(), 12, 6), push);
-    if (dweight) {
-      push.mode = 1;
-      ctx().dispatch(vulkan_geometry::column_reduction("rmsnorm_backward", inp.rows(), inp.cols(), 8), push);
-    }
+    if (dweight) column_sums(dweight, dout, inp, rstd, inp.rows(), inp.cols(), 1.0f);
   }
   void rope_forward(const Tensor& x, const Tensor& positions, const Tensor& inv_freq) override {
     rope(x, positions, inv_freq, 1.0f);
@@ -597,6 +585,26 @@ class VulkanBackend final : public Backend {
       uploaded_tables_[which] = words;
     }
     return at;
+  }
+  // out[c] += alpha * sum over rows of a[n, c] (b and rstd absent), or of a[n, c] b[n, c] rstd[n]:
+  // two passes through the scratch (column_partials.comp, column_finish.comp).
+  void column_sums(const Tensor& out, const Tensor& a, const Tensor& b, const Tensor& rstd, int64_t rows, int64_t cols,
+                   float alpha) {
+    const vulkan_geometry::ColumnBlocks blocks = vulkan_geometry::column_blocks(rows, cols, kSplitScratchFloats);
+    const std::vector<VulkanDispatch> d =
+        vulkan_geometry::column_sums(rows, cols, b ? 8 : 4, kSplitScratchFloats);
+    struct {
+      uint64_t partials, a, b, rstd;
+      uint32_t N, C, rows_per_block, mode;
+    } partials{split_scratch_, address(a), address(b), address(rstd), u32(rows), u32(cols), blocks.rows_per_block,
+               b ? 1u : 0u};
+    ctx().dispatch(d[0], partials);
+    struct {
+      uint64_t out, partials;
+      uint32_t C, blocks;
+      float alpha;
+    } finish{address(out), split_scratch_, u32(cols), blocks.blocks, alpha};
+    ctx().dispatch(d[1], finish);
   }
   // The loss slots of the last download, summed in slot order into deferred_loss_.
   void collect_loss_slots() {

@@ -1,20 +1,12 @@
 #version 460
-// RMSNorm backward. mode 0, one workgroup per row: dinp += r (w dy - x r^2 mean(w dy x)).
-// mode 1, one thread per column: dweight[c] += sum over rows of dy x r, rows in order.
+// RMSNorm backward, one workgroup per row: dinp += r (w dy - x r^2 mean(w dy x)). The weight's
+// gradient, sum over rows of dy x r, is column_partials.comp's mode 1.
 #include "common.glsl"
 layout(local_size_x = 256) in;
-layout(push_constant) uniform Push { F32 dinp; F32 dweight; F32 dout; F32 inp; F32 w; F32 rstd; uint N; uint C; uint mode; } p;
+layout(push_constant) uniform Push { F32 dinp; F32 dout; F32 inp; F32 w; F32 rstd; uint N; uint C; } p;
 shared float partial[256];
 void main() {
   const uint t = gl_LocalInvocationID.x;
-  if (p.mode == 1u) {
-    const uint c = gl_GlobalInvocationID.x;
-    if (c >= p.C) return;
-    float s = 0.0;
-    for (uint n = 0u; n < p.N; ++n) s += p.dout.v[n * p.C + c] * p.inp.v[n * p.C + c] * p.rstd.v[n];
-    p.dweight.v[c] += s;
-    return;
-  }
   const uint n = gl_WorkGroupID.x, row = n * p.C;
   float s = 0.0;
   for (uint c = t; c < p.C; c += 256u) s += p.w.v[c] * p.dout.v[row + c] * p.inp.v[row + c];
