@@ -270,8 +270,13 @@ kv = d // config["num_attention_heads"] * config["num_key_value_heads"]
 layer = d * d * 2 + d * kv * 2 + 3 * d * i
 params = L * layer + V * d * (1 if config.get("tie_word_embeddings") else 2)
 flops_per_token = 6 * (L * layer + V * d)  # forward + backward of every matmul, the head included
-profile = {m.group(1): {"seconds": float(m.group(2)), "dispatches": int(m.group(3))}
-           for m in re.finditer(r"vulkan profile: (\S+)\s+([0-9.]+) s in (\d+) dispatches",
+# Per shader: device seconds (timestamps around each dispatch, run alone), workgroups, and the
+# FLOPs and bytes each dispatch is designed for (src/backend/vulkan/geometry.cpp), with the rates.
+profile = {m.group(1): {"seconds": float(m.group(2)), "dispatches": int(m.group(3)), "workgroups": int(m.group(4)),
+                        "gflop": float(m.group(5)), "gb": float(m.group(6)), "gflop_per_s": float(m.group(7)),
+                        "gb_per_s": float(m.group(8))}
+           for m in re.finditer(r"vulkan profile: (\S+)\s+(\S+) s in (\d+) dispatches, (\d+) workgroups, "
+                                r"(\S+) GFLOP, (\S+) GB: (\S+) GFLOP/s, (\S+) GB/s",
                                 open(f"{out}/train.log").read())}
 gen = {b: json.load(open(f"{out}/generate{b}.json")) for b in (1, 8)}
 print(json.dumps({
@@ -281,7 +286,7 @@ print(json.dumps({
                         "plan_arena_bytes": memory["arena_bytes"], "device": memory.get("device"),
                         "phase_seconds": {k: timed[-1].get(f"{k}_seconds") for k in ("forward", "loss", "backward")},
                         "phase_clock": timed[-1].get("phase_clock")},
-    "profile_seconds_by_shader": profile,
+    "profile_by_shader": profile,
     "generate": {f"batch{b}": {k: s.get(k) for k in ("prefill_tokens_per_second", "decode_tokens_per_second")}
                  for b, s in gen.items()},
     "decode_batch1_hbm_bound_tokens_per_s": hbm / (2 * params)}))

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <regex>
 #include <set>
 #include <sstream>
 
@@ -295,6 +296,38 @@ TEST_F(TrainCliTest, EveryCommandRunsOnTheReferenceBackendAndAgreesWithCpu) {
 
 // The same commands on a Vulkan device (lavapipe in CI): training equals cpu step by step and
 // resumes bit-identically on the device, eval, greedy generation and a merged adapter equal cpu.
+// MEMTUNE_VULKAN_PROFILE=1: per shader, device seconds, dispatches, workgroups, and the FLOPs
+// and bytes by design (src/backend/vulkan/geometry.cpp) with the rates they make, for a greedy
+// generation (matvec for the projections and the head, paged attention) on the device.
+TEST_F(TrainCliTest, TheVulkanProfileGivesEachShadersWorkByDesignAndItsRates) {
+  if (run("devices --json").output.find("\"backend_vulkan_device\": null") != std::string::npos) {
+    if (testing_support::all_tests_required()) FAIL() << "no usable Vulkan device: " << run("devices").output;
+    GTEST_SKIP() << "no usable Vulkan device";
+  }
+  std::ofstream(dir_ / "p.jsonl") << R"({"prompt_ids": [5, 17, 200, 3]})" << "\n";
+  const Result r = testing_support::run_command("MEMTUNE_VULKAN_PROFILE=1 " + testing_support::memtune_binary() +
+                                                " generate --backend vulkan --model " + path("model") + " --input " +
+                                                path("p.jsonl") + " --max_new_tokens 3 --temperature 0 --ignore_eos");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::regex line(R"(vulkan profile: (\S+)\s+(\S+) s in (\d+) dispatches, (\d+) workgroups, (\S+) GFLOP, )"
+                        R"((\S+) GB: (\S+) GFLOP/s, (\S+) GB/s)");
+  std::map<std::string, std::array<double, 7>> by_shader;
+  for (auto it = std::sregex_iterator(r.output.begin(), r.output.end(), line); it != std::sregex_iterator(); ++it)
+    for (size_t k = 0; k < 7; ++k) by_shader[(*it)[1]][k] = std::stod((*it)[k + 2]);
+  for (const char* shader : {"matvec", "paged_attention", "rmsnorm", "sample"}) {
+    SCOPED_TRACE(shader);
+    ASSERT_TRUE(by_shader.count(shader)) << r.output;
+    const auto& [seconds, dispatches, workgroups, gflop, gb, gflop_s, gb_s] = by_shader[shader];
+    EXPECT_GT(seconds, 0.0);
+    EXPECT_GE(dispatches, 3.0);  // a prefill and two decode steps at least
+    EXPECT_GE(workgroups, dispatches);
+    EXPECT_GT(gb, 0.0);
+    EXPECT_NEAR(gb_s, gb / seconds, 1e-4 * gb_s);
+    EXPECT_NEAR(gflop_s, gflop / seconds, 1e-4 * gflop_s + 1e-12);
+  }
+  EXPECT_GT(by_shader["matvec"][3], 0.0);
+}
+
 TEST_F(TrainCliTest, EveryCommandRunsOnVulkanAndAgreesWithCpu) {
   if (run("devices --json").output.find("\"backend_vulkan_device\": null") != std::string::npos ||
       run("devices --json").status != 0) {

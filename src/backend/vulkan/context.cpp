@@ -110,13 +110,24 @@ VulkanContext::VulkanContext(std::optional<int> requested_device) {
   check(vkMapMemory(device_, staging_.memory, 0, kTransferBytes, 0, &staging_host_), "vkMapMemory");
   const char* profile = std::getenv("MEMTUNE_VULKAN_PROFILE");
   profile_ = profile && std::string(profile) == "1";
+  if (profile_ && timestamps_) {
+    auto query_info = vk_struct<VkQueryPoolCreateInfo>(VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO);
+    query_info.queryType = VK_QUERY_TYPE_TIMESTAMP;
+    query_info.queryCount = 2;
+    check(vkCreateQueryPool(device_, &query_info, nullptr, &profile_queries_), "vkCreateQueryPool");
+  }
 }
 
 VulkanContext::~VulkanContext() {
   if (device_) vkDeviceWaitIdle(device_);
-  for (const auto& [shader, t] : profile_seconds_)
-    std::fprintf(stderr, "vulkan profile: %-22s %8.3f s in %lld dispatches\n", shader.c_str(), t.first,
-                 static_cast<long long>(t.second));
+  for (const auto& [shader, e] : profile_entries_)
+    std::fprintf(stderr,
+                 "vulkan profile: %-24s %.6g s in %lld dispatches, %llu workgroups, %.6g GFLOP, %.6g GB: %.6g "
+                 "GFLOP/s, %.6g GB/s\n",
+                 shader.c_str(), e.seconds, static_cast<long long>(e.dispatches),
+                 static_cast<unsigned long long>(e.workgroups), e.flops / 1e9, e.bytes / 1e9,
+                 e.seconds > 0 ? e.flops / e.seconds / 1e9 : 0.0, e.seconds > 0 ? e.bytes / e.seconds / 1e9 : 0.0);
+  if (profile_queries_) vkDestroyQueryPool(device_, profile_queries_, nullptr);
   for (auto& [name, p] : pipelines_) {
     vkDestroyPipeline(device_, p.pipeline, nullptr);
     vkDestroyShaderModule(device_, p.module, nullptr);
@@ -436,7 +447,8 @@ const VulkanContext::Pipeline& VulkanContext::pipeline(std::string_view shader, 
 }
 
 void VulkanContext::dispatch(std::string_view shader, std::span<const uint32_t> constants,
-                             std::span<const std::byte> push, uint32_t groups_x, uint32_t groups_y, uint32_t groups_z) {
+                             std::span<const std::byte> push, uint32_t groups_x, uint32_t groups_y, uint32_t groups_z,
+                             double flops, double bytes) {
   MT_ASSERT(push.size() <= 128, "vulkan: push constants of at most 128 bytes");
   if (groups_x == 0 || groups_y == 0 || groups_z == 0) return;
   const Pipeline& p = pipeline(shader, constants);
@@ -448,9 +460,14 @@ void VulkanContext::dispatch(std::string_view shader, std::span<const uint32_t> 
   if (profile_) flush();  // time this dispatch alone
   const auto start = std::chrono::steady_clock::now();
   VkCommandBuffer c = recording();
+  if (profile_queries_) {
+    vkCmdResetQueryPool(c, profile_queries_, 0, 2);
+    vkCmdWriteTimestamp(c, VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, profile_queries_, 0);
+  }
   vkCmdBindPipeline(c, VK_PIPELINE_BIND_POINT_COMPUTE, p.pipeline);
   vkCmdPushConstants(c, layout_, VK_SHADER_STAGE_COMPUTE_BIT, 0, static_cast<uint32_t>(push.size()), push.data());
   vkCmdDispatch(c, groups_x, groups_y, groups_z);
+  if (profile_queries_) vkCmdWriteTimestamp(c, VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, profile_queries_, 1);
   barrier();
   ++counters_.dispatches;
   ++counters_.by_shader[std::string(shader)];
@@ -458,9 +475,20 @@ void VulkanContext::dispatch(std::string_view shader, std::span<const uint32_t> 
   if (++recorded_ >= kSubmitEvery) submit();
   if (profile_) {
     flush();
-    auto& [seconds, count] = profile_seconds_[std::string(shader)];
-    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    ++count;
+    double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (profile_queries_) {
+      uint64_t ticks[2] = {0, 0};
+      check(vkGetQueryPoolResults(device_, profile_queries_, 0, 2, sizeof(ticks), ticks, sizeof(uint64_t),
+                                  VK_QUERY_RESULT_64_BIT | VK_QUERY_RESULT_WAIT_BIT),
+            "vkGetQueryPoolResults");
+      seconds = static_cast<double>((ticks[1] - ticks[0]) & timestamp_mask_) * info_.timestamp_period_ns * 1e-9;
+    }
+    ProfileEntry& e = profile_entries_[std::string(shader)];
+    e.seconds += seconds;
+    e.flops += flops;
+    e.bytes += bytes;
+    e.workgroups += uint64_t{groups_x} * groups_y * groups_z;
+    ++e.dispatches;
   }
 }
 

@@ -66,8 +66,9 @@ class VulkanContext {
   // bytes, laid out as the shader declares them). `constants` are its specialization constants
   // (constant_id 0, 1, ...: a head dimension, a tile size, a dtype), fixed when its pipeline is
   // made: each distinct set is a pipeline of its own, compiled on first use.
+  // flops and bytes: what the dispatch is designed to do (VulkanDispatch), for the profile.
   void dispatch(std::string_view shader, std::span<const uint32_t> constants, std::span<const std::byte> push,
-                uint32_t groups_x, uint32_t groups_y = 1, uint32_t groups_z = 1);
+                uint32_t groups_x, uint32_t groups_y = 1, uint32_t groups_z = 1, double flops = 0, double bytes = 0);
   template <class Push>
   void dispatch(std::string_view shader, const Push& push, uint32_t gx, uint32_t gy = 1, uint32_t gz = 1) {
     dispatch(shader, std::span<const uint32_t>(), std::as_bytes(std::span<const Push>(&push, 1)), gx, gy, gz);
@@ -82,7 +83,7 @@ class VulkanContext {
   template <class Push>
   void dispatch(const VulkanDispatch& d, const Push& push) {
     dispatch(d.shader, std::span<const uint32_t>(d.constants), std::as_bytes(std::span<const Push>(&push, 1)), d.x,
-             d.y, d.z);
+             d.y, d.z, d.flops, d.bytes);
   }
   // Submits what is recorded and waits for everything submitted.
   void flush();
@@ -160,10 +161,18 @@ class VulkanContext {
   Allocation staging_;
   void* staging_host_ = nullptr;
   std::map<std::pair<std::string, std::vector<uint32_t>>, Pipeline> pipelines_;  // by shader and constants
-  // MEMTUNE_VULKAN_PROFILE=1: every dispatch waits for itself and is timed; the seconds per
-  // shader go to stderr when the context closes (a diagnostic: it serializes the device).
+  // MEMTUNE_VULKAN_PROFILE=1: every dispatch runs alone and is timed by two device timestamps
+  // around it (the host's clock without timestamps); per shader, the seconds, dispatches,
+  // workgroups and the FLOPs and bytes by design go to stderr when the context closes, with the
+  // rates they make (a diagnostic: it serializes the device).
   bool profile_ = false;
-  std::map<std::string, std::pair<double, int64_t>> profile_seconds_;
+  VkQueryPool profile_queries_ = VK_NULL_HANDLE;
+  struct ProfileEntry {
+    double seconds = 0, flops = 0, bytes = 0;
+    int64_t dispatches = 0;
+    uint64_t workgroups = 0;
+  };
+  std::map<std::string, ProfileEntry> profile_entries_;
   Counters counters_;
 };
 
