@@ -90,15 +90,15 @@ Layer layer_of(const Model& m) {
           {m.D, m.I, false},         {m.D, m.I, false},         {m.I, m.D, false}};
 }
 
-void layer_forward(Dispatches& d, const Model& m, const Training& t) {
-  const int64_t N = t.tokens;
+// One layer's forward over N rows; `attention` is what runs between RoPE and o_proj (packed
+// causal attention in training, the KV cache's write and paged attention in decoding).
+void layer_forward(Dispatches& d, const Model& m, const Training& t, int64_t N, const Dispatches& attention) {
   const Layer l = layer_of(m);
-  const g::Attention a{N, t.sequences, m.Hq, m.Hkv, m.hd};
   add(d, g::per_row("rmsnorm", N, m.D, 8, 4));
   for (const Linear& x : {l.q, l.k, l.v}) linear_forward(d, t, N, x);
   add(d, g::elementwise("rope", N * m.Hq * m.hd / 2, 16, 6));
   add(d, g::elementwise("rope", N * m.Hkv * m.hd / 2, 16, 6));
-  add(d, g::attention_forward(a));
+  add(d, attention);
   linear_forward(d, t, N, l.o);
   add(d, g::elementwise("add_inplace", N * m.D, 12));
   add(d, g::per_row("rmsnorm", N, m.D, 8, 4));
@@ -107,6 +107,9 @@ void layer_forward(Dispatches& d, const Model& m, const Training& t) {
   add(d, g::elementwise("swiglu", N * m.I, 12, 8));
   linear_forward(d, t, N, l.down);
   add(d, g::elementwise("add_inplace", N * m.D, 12));
+}
+void layer_forward(Dispatches& d, const Model& m, const Training& t) {
+  layer_forward(d, m, t, t.tokens, {g::attention_forward({t.tokens, t.sequences, m.Hq, m.Hkv, m.hd})});
 }
 
 void layer_backward(Dispatches& d, const Model& m, const Training& t) {
@@ -183,29 +186,16 @@ Dispatches decode_step(const Model& m, int64_t batch, int64_t context, DType wei
   const Training t{.tokens = batch, .weights = weights};
   const Layer l = layer_of(m);
   add(d, g::elementwise("embedding", batch * m.D, 4 + dtype_size(weights), 0));
-  for (int64_t i = 0; i < m.L; ++i) {
-    add(d, g::per_row("rmsnorm", batch, m.D, 8, 4));
-    for (const Linear& x : {l.q, l.k, l.v}) linear_forward(d, t, batch, x);
-    add(d, g::elementwise("rope", batch * m.Hq * m.hd / 2, 16, 6));
-    add(d, g::elementwise("rope", batch * m.Hkv * m.hd / 2, 16, 6));
-    add(d, g::elementwise("kv_cache_write", batch * m.Hkv * m.hd, 2 * (4 + dtype_size(weights))));
-    add(d, g::paged_attention({.rows = batch,
-                               .q_heads = m.Hq,
-                               .kv_heads = m.Hkv,
-                               .head_dim = m.hd,
-                               .max_context = context,
-                               .context = context,
-                               .cache = weights},
-                              g::kScratchFloats));
-    linear_forward(d, t, batch, l.o);
-    add(d, g::elementwise("add_inplace", batch * m.D, 12));
-    add(d, g::per_row("rmsnorm", batch, m.D, 8, 4));
-    linear_forward(d, t, batch, l.gate);
-    linear_forward(d, t, batch, l.up);
-    add(d, g::elementwise("swiglu", batch * m.I, 12, 8));
-    linear_forward(d, t, batch, l.down);
-    add(d, g::elementwise("add_inplace", batch * m.D, 12));
-  }
+  Dispatches attention = {g::elementwise("kv_cache_write", batch * m.Hkv * m.hd, 2 * (4 + dtype_size(weights)))};
+  add(attention, g::paged_attention({.rows = batch,
+                                     .q_heads = m.Hq,
+                                     .kv_heads = m.Hkv,
+                                     .head_dim = m.hd,
+                                     .max_context = context,
+                                     .context = context,
+                                     .cache = weights},
+                                    g::kScratchFloats));
+  for (int64_t i = 0; i < m.L; ++i) layer_forward(d, m, t, batch, attention);
   add(d, g::elementwise("gather_rows", batch * m.D, 8, 0));
   add(d, g::per_row("rmsnorm", batch, m.D, 8, 4));
   linear_forward(d, t, batch, {m.D, m.V, false});

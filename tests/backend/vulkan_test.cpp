@@ -66,6 +66,17 @@ class VulkanOps : public ::testing::Test {
   }
   Backend& vk() { return vulkan_backend(); }
   Backend& ref() { return backend_named("reference"); }
+  // out = x @ w^T + b with w [OC, C] in `dtype`, and (float32 w) prior + 0.5 x @ w^T: {out, acc}.
+  std::vector<std::vector<float>> linear_products(Backend& be, DType dtype, int64_t N, int64_t C, int64_t OC,
+                                                  const std::vector<float>& x, const std::vector<float>& w,
+                                                  const std::vector<float>& b, const std::vector<float>& prior) {
+    const Tensor tx = make(be, DType::F32, {N, C}, x), tw = make(be, dtype, {OC, C}, w),
+                 tb = make(be, DType::F32, {OC}, b), out = make(be, DType::F32, {N, OC}),
+                 acc = make(be, DType::F32, {N, OC}, prior);
+    be.matmul_forward(out, tx, tw, tb);
+    if (dtype == DType::F32) be.matmul_accumulate(acc, tx, tw, 0.5f);
+    return {download_f32(be, out), download_f32(be, acc)};
+  }
 
  private:
   struct Held {
@@ -204,18 +215,10 @@ TEST_F(VulkanOps, MatmulEqualsTheReferenceForEveryWeightDtype) {
   for (const DType dtype : {DType::F32, DType::BF16, DType::F16}) {
     const std::vector<float> x = randn(N * C, 3), w = randn(OC * C, 4), b = randn(OC, 5), prior = randn(N * OC, 6);
     SCOPED_TRACE(fmt::format("{} rows, {}", N, dtype_torch_name(dtype)));
-    auto run = [&](Backend& be) {
-      const Tensor tx = make(be, DType::F32, {N, C}, x), tw = make(be, dtype, {OC, C}, w),
-                   tb = make(be, DType::F32, {OC}, b), out = make(be, DType::F32, {N, OC}),
-                   acc = make(be, DType::F32, {N, OC}, prior);
-      be.matmul_forward(out, tx, tw, tb);
-      if (dtype == DType::F32) be.matmul_accumulate(acc, tx, tw, 0.5f);
-      return std::pair{download_f32(be, out), download_f32(be, acc)};
-    };
-    const auto [v_out, v_acc] = run(vk());
-    const auto [r_out, r_acc] = run(ref());
-    expect_close(v_out, r_out, 1e-5f);
-    expect_close(v_acc, r_acc, 1e-5f);
+    const auto got = linear_products(vk(), dtype, N, C, OC, x, w, b, prior),
+               want = linear_products(ref(), dtype, N, C, OC, x, w, b, prior);
+    expect_close(got[0], want[0], 1e-5f);
+    expect_close(got[1], want[1], 1e-5f);
   }
 }
 
@@ -406,6 +409,15 @@ TEST_F(VulkanOps, AnArenaCutIntoSeveralAllocationsWorksAcrossThem) {
     for (const float x : download_f32(vk(), t[i])) ASSERT_EQ(x, want[i]) << "buffer " << i;
 }
 
+// An optimizer step's results: the gradient norm's sum of squares, then param, m and v.
+using OptimizerResult = std::tuple<double, std::vector<float>, std::vector<float>, std::vector<float>>;
+void expect_same_update(const OptimizerResult& got, const OptimizerResult& want) {
+  EXPECT_NEAR(std::get<0>(got), std::get<0>(want), 1e-5 * std::get<0>(want));
+  expect_close(std::get<1>(got), std::get<1>(want), 1e-5f);
+  expect_close(std::get<2>(got), std::get<2>(want), 1e-5f);
+  expect_close(std::get<3>(got), std::get<3>(want), 1e-5f);
+}
+
 TEST_F(VulkanOps, OneGradientNormOverManyTensorsEqualsTheReference) {
   // 300 tensors of different sizes in one call: each tensor's partial sums land beside the
   // others' and come back together; every tensor is scaled.
@@ -445,16 +457,12 @@ TEST_F(VulkanOps, GradientNormAndAdamWEqualTheReference) {
       step.decay = decay;
       step.grad_scale = 0.8f;
       be.adamw_update(tp, tg, tm, tv, step);
-      return std::tuple{sumsq, download_f32(be, tp), download_f32(be, tm), download_f32(be, tv)};
+      return OptimizerResult{sumsq, download_f32(be, tp), download_f32(be, tm), download_f32(be, tv)};
     };
-    const auto [vs, vp, vm, vv] = run(vk());
-    const auto [rs, rp, rm, rv] = run(ref());
-    EXPECT_NEAR(vs, rs, 1e-5 * rs);
-    expect_close(vp, rp, 1e-5f);
-    expect_close(vm, rm, 1e-5f);
-    expect_close(vv, rv, 1e-5f);
+    const OptimizerResult got = run(vk());
+    expect_same_update(got, run(ref()));
     // The same run twice gives the same bits (no atomics in the reduction).
-    EXPECT_EQ(std::get<0>(run(vk())), vs);
+    EXPECT_EQ(std::get<0>(run(vk())), std::get<0>(got));
   }
 }
 
@@ -565,16 +573,13 @@ TEST_F(VulkanOps, ALargeProductTakesTheBigTileAndEqualsTheReference) {
   const int64_t N = 1536, C = 20, OC = 1472;
   ASSERT_EQ(vulkan_geometry::gemm_split(N, OC, C, vulkan_geometry::kScratchFloats).tile, 64u);
   ASSERT_EQ(vulkan_geometry::gemm_split(70, 131, C, vulkan_geometry::kScratchFloats).tile, 32u);
-  const std::vector<float> x = randn(N * C, 41), w = randn(OC * C, 42), b = randn(OC, 43);
+  const std::vector<float> x = randn(N * C, 41), w = randn(OC * C, 42), b = randn(OC, 43), prior = randn(N * OC, 44);
   for (const DType dtype : {DType::F32, DType::BF16}) {
     SCOPED_TRACE(dtype_torch_name(dtype));
-    auto run = [&](Backend& be) {
-      const Tensor tx = make(be, DType::F32, {N, C}, x), tw = make(be, dtype, {OC, C}, w),
-                   tb = make(be, DType::F32, {OC}, b), out = make(be, DType::F32, {N, OC});
-      be.matmul_forward(out, tx, tw, tb);
-      return download_f32(be, out);
-    };
-    expect_close(run(vk()), run(ref()), 1e-5f);
+    const auto got = linear_products(vk(), dtype, N, C, OC, x, w, b, prior),
+               want = linear_products(ref(), dtype, N, C, OC, x, w, b, prior);
+    expect_close(got[0], want[0], 1e-5f);
+    expect_close(got[1], want[1], 1e-5f);
   }
 }
 
@@ -613,14 +618,9 @@ TEST_F(VulkanOps, TheOptimizerOverMoreTensorsThanOneTableEqualsTheReference) {
     step.config = {.beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1};
     step.grad_scale = 0.7f;
     be.adamw_update_group(tensors, step);
-    return std::tuple{sumsq, download_f32(be, all[1]), download_f32(be, all[2]), download_f32(be, all[3])};
+    return OptimizerResult{sumsq, download_f32(be, all[1]), download_f32(be, all[2]), download_f32(be, all[3])};
   };
-  const auto [vs, vp, vm, vv] = run(vk());
-  const auto [rs, rp, rm, rv] = run(ref());
-  EXPECT_NEAR(vs, rs, 1e-5 * rs);
-  expect_close(vp, rp, 1e-5f);
-  expect_close(vm, rm, 1e-5f);
-  expect_close(vv, rv, 1e-5f);
+  expect_same_update(run(vk()), run(ref()));
 }
 
 // Column sums in two passes over blocks of rows: RMSNorm's weight gradient and a bias gradient
@@ -658,14 +658,7 @@ TEST_F(VulkanOps, ASkinnyProductWithALongInnerDimensionSplitsKAndEqualsTheRefere
   const std::vector<float> x = randn(N * C, 51), w = randn(OC * C, 52), b = randn(OC, 53), prior = randn(N * OC, 54);
   for (const DType dtype : {DType::F32, DType::BF16}) {
     SCOPED_TRACE(dtype_torch_name(dtype));
-    auto run = [&](Backend& be) {
-      const Tensor tx = make(be, DType::F32, {N, C}, x), tw = make(be, dtype, {OC, C}, w),
-                   tb = make(be, DType::F32, {OC}, b), out = make(be, DType::F32, {N, OC}),
-                   acc = make(be, DType::F32, {N, OC}, prior);
-      be.matmul_forward(out, tx, tw, tb);
-      if (dtype == DType::F32) be.matmul_accumulate(acc, tx, tw, 0.5f);
-      return std::vector{download_f32(be, out), download_f32(be, acc)};
-    };
+    auto run = [&](Backend& be) { return linear_products(be, dtype, N, C, OC, x, w, b, prior); };
     const auto got = run(vk()), again = run(vk()), want = run(ref());
     // Sums of 5000 products of N(0, 1) values cancel to far below their terms: the error is
     // float32's on the terms, so it is measured against the largest output.

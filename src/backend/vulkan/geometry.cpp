@@ -16,6 +16,8 @@ uint32_t ceil_div(int64_t a, int64_t b) {
   MT_ASSERT(q >= 0 && q <= int64_t{UINT32_MAX}, "vulkan: a grid beyond 32 bits");
   return static_cast<uint32_t>(q);
 }
+}  // namespace
+
 uint32_t dtype_code(DType d) {
   switch (d) {
     case DType::F32:
@@ -27,8 +29,10 @@ uint32_t dtype_code(DType d) {
     default:
       break;
   }
-  throw Error(fmt::format("--backend vulkan: a weight of dtype {} in a float product", dtype_torch_name(d)));
+  throw Error(fmt::format("--backend vulkan: a tensor of dtype {} where a float one belongs", dtype_torch_name(d)));
 }
+
+namespace {
 // Causal (query, key) pairs of `tokens` packed in `sequences` of equal length.
 double causal_pairs(const Attention& a) {
   const double length = static_cast<double>(a.tokens) / static_cast<double>(std::max<int64_t>(a.sequences, 1));

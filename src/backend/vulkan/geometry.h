@@ -23,6 +23,10 @@ struct VulkanDispatch {
 
 namespace vulkan_geometry {
 
+// The shaders' numbering of a float storage dtype (0 float32, 1 bfloat16, 2 float16); an Error
+// naming the dtype for any other.
+uint32_t dtype_code(DType d);
+
 // A large GPU's streaming multiprocessors (132 on an H100 / H200) four times over: a dispatch of
 // real work (over 1 GFLOP or 64 MiB of traffic) launches at least this many workgroups.
 constexpr uint64_t kFillWorkgroups = 4 * 132;

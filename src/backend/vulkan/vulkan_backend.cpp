@@ -32,19 +32,6 @@ uint32_t u32(int64_t v) {
   MT_ASSERT(v >= 0 && v <= static_cast<int64_t>(UINT32_MAX), "vulkan: a size beyond 32 bits");
   return static_cast<uint32_t>(v);
 }
-uint32_t weight_dtype_code(DType d) {
-  switch (d) {
-    case DType::F32:
-      return 0;
-    case DType::BF16:
-      return 1;
-    case DType::F16:
-      return 2;
-    default:
-      break;
-  }
-  throw Error(fmt::format("--backend vulkan: a weight of dtype {} in a float matmul", dtype_torch_name(d)));
-}
 
 std::optional<VulkanDeviceProfile>& absent_device() {
   static std::optional<VulkanDeviceProfile> profile;
@@ -213,7 +200,7 @@ class VulkanBackend final : public Backend {
       uint64_t k_cache, v_cache, k, v, slots;
       uint32_t N, C, cdtype;
     } push{address(k_cache), address(v_cache), address(k),    address(v),
-           address(slots),   u32(k.rows()),    u32(k.cols()), weight_dtype_code(k_cache.dtype)};
+           address(slots),   u32(k.rows()),    u32(k.cols()), vulkan_geometry::dtype_code(k_cache.dtype)};
     ctx().dispatch(vulkan_geometry::elementwise("kv_cache_write", k.numel(), 2 * (4 + dtype_size(k_cache.dtype))), push);
   }
   void gather_rows(const Tensor& out, const Tensor& inp, const Tensor& index) override { rows_op(out, inp, index, 0); }
@@ -226,7 +213,7 @@ class VulkanBackend final : public Backend {
     ctx().dispatch(vulkan_geometry::elementwise("swiglu_backward", dh.numel(), 20, 12), push);
   }
   void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& table) override {
-    embedding(table, out, ids, weight_dtype_code(table.dtype), 0,
+    embedding(table, out, ids, vulkan_geometry::dtype_code(table.dtype), 0,
               vulkan_geometry::elementwise("embedding", out.numel(), 4 + dtype_size(table.dtype), 0));
   }
   void embedding_backward(const Tensor& dtable, const Tensor& dout, const Tensor& ids) override {
@@ -696,7 +683,7 @@ class VulkanBackend final : public Backend {
            u32(w.group_size),
            u32(w.groups),
            w.g_idx ? 1u : 0u,
-           bias ? weight_dtype_code(bias.dtype) : 0u,
+           bias ? vulkan_geometry::dtype_code(bias.dtype) : 0u,
            mode};
     ctx().dispatch(vulkan_geometry::quantized_matmul(inp.rows(), mode == 0 ? w.in : w.out, mode == 0 ? w.out : w.in,
                                                      static_cast<int>(w.bits)),
