@@ -141,18 +141,19 @@ struct DeviceMemoryFigures {
 };
 
 // What the host has asked of a device that runs apart from it, since the backend opened it:
-// dispatches (by shader), command buffers submitted, and waits for the device to finish.
+// dispatches, command buffers submitted, and waits for the device to finish.
 struct DeviceCounters {
   uint64_t dispatches = 0, submissions = 0, waits = 0;
-  std::map<std::string, uint64_t> dispatches_by_shader;
 };
 
 class Backend {
  public:
   virtual ~Backend() = default;
   virtual std::string_view name() const = 0;
-  // The device's counters; none for a backend that computes on the host's threads.
+  // The device's counters, and its dispatches by shader (kernel) since it opened; none for a
+  // backend that computes on the host's threads.
   virtual std::optional<DeviceCounters> device_counters() const { return std::nullopt; }
+  virtual std::map<std::string, uint64_t> dispatches_by_shader() const { return {}; }
   // The device's memory figures; none for a backend in host memory (the process's RSS covers it).
   virtual std::optional<DeviceMemoryFigures> device_memory_figures() const { return std::nullopt; }
   // Host memory the backend's own runtime holds beyond its arena once steps run (a driver, its

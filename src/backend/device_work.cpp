@@ -23,23 +23,24 @@ void DeviceWork::end() {
   waits_.add(now->waits - start_->waits);
   submissions_.add(now->submissions - start_->submissions);
   dispatches_.add(now->dispatches - start_->dispatches);
-  for (const auto& [shader, n] : now->dispatches_by_shader) {
-    const auto before = start_->dispatches_by_shader.find(shader);
-    const uint64_t added = n - (before == start_->dispatches_by_shader.end() ? 0 : before->second);
-    if (added > 0) by_shader_[shader] += added;
-  }
   ++units_;
   start_.reset();
 }
 
 nlohmann::json DeviceWork::to_json(const std::string& unit) const {
   if (!backend_->device_counters()) return nullptr;
+  std::map<std::string, uint64_t> by_shader;
+  for (const auto& [shader, n] : backend_->dispatches_by_shader()) {
+    const auto before = shaders_at_start_.find(shader);
+    const uint64_t added = n - (before == shaders_at_start_.end() ? 0 : before->second);
+    if (added > 0) by_shader[shader] = added;
+  }
   return {{"unit", unit},
           {"units", units_},
           {"waits", waits_.to_json(units_)},
           {"submissions", submissions_.to_json(units_)},
           {"dispatches", dispatches_.to_json(units_)},
-          {"dispatches_by_shader", by_shader_}};
+          {"dispatches_by_shader", by_shader}};
 }
 
 }  // namespace memtune

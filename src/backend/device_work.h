@@ -1,7 +1,8 @@
 // What the host asks of a device per unit of work (a training step, an evaluation batch, an
 // engine step of generation): the waits for the device, the command buffers submitted and the
 // dispatches, each as min / max / mean over the units, from the backend's own counters
-// (Backend::device_counters). memory.json's and generate's "device_work".
+// (Backend::device_counters), and the dispatches by shader since counting began.
+// memory.json's and generate's "device_work".
 #pragma once
 
 #include <cstdint>
@@ -17,13 +18,16 @@ namespace memtune {
 
 class DeviceWork {
  public:
-  explicit DeviceWork(const Backend& backend) : backend_(&backend) {}
-  // Around one unit; a begin() without its end() (a unit that did no work) is not counted.
+  // Counting begins: the dispatches by shader are taken from here on.
+  explicit DeviceWork(const Backend& backend)
+      : backend_(&backend), shaders_at_start_(backend.dispatches_by_shader()) {}
+  // Around one unit; a begin() without its end() (a unit that did no work) is not counted. Three
+  // counters read each time: nothing is allocated.
   void begin() { start_ = backend_->device_counters(); }
   void end();
   int64_t units() const { return units_; }
   // {"unit", "units", "waits", "submissions", "dispatches": {"min", "max", "mean"},
-  // "dispatches_by_shader"}; null for a backend without device counters.
+  // "dispatches_by_shader" (since counting began)}; null for a backend without device counters.
   nlohmann::json to_json(const std::string& unit) const;
 
  private:
@@ -33,9 +37,9 @@ class DeviceWork {
     nlohmann::json to_json(int64_t units) const;
   };
   const Backend* backend_;
+  std::map<std::string, uint64_t> shaders_at_start_;
   std::optional<DeviceCounters> start_;
   Range waits_, submissions_, dispatches_;
-  std::map<std::string, uint64_t> by_shader_;
   int64_t units_ = 0;
 };
 

@@ -28,6 +28,9 @@ Trainer::Trainer(Decoder& model, const TrainerConfig& config, Communicator* comm
   model_.arena().enter_phase(Phase::Forward);
   for (size_t i = 0; i < params_.num_trainable(); ++i) shard_grads_.push_back(params_.shard_grad(i));
   adam_tensors_.reserve(params_.num_trainable());
+  // One process: the loss sums may stay on the device and come back with the gradient norm
+  // (with several, they are summed over ranks before it).
+  model_.set_defer_loss_sum(comm_->world_size() == 1);
   // Buckets by name: "...layers.{l}." belongs to layer l (base weights and LoRA adapters alike).
   layer_buckets_.resize(static_cast<size_t>(model_.config().num_hidden_layers));
   for (size_t i = 0; i < params_.num_trainable(); ++i) {
@@ -85,9 +88,6 @@ StepResult Trainer::step(std::span<const TokenBatch> micro_batches) {
   // Every rank starts the same reductions in the same order; a rank without data this step
   // starts them all at once (its gradients are zero).
   const bool overlap = comm_->world_size() > 1 && !sharded;
-  // One process: the loss sums may stay on the device and come back with the gradient norm
-  // (with several, they are summed over ranks before it).
-  model_.set_defer_loss_sum(comm_->world_size() == 1);
   bool deferred = false;
   // Backends that cannot leave a collective in flight while they compute reduce after backward.
   const bool during_backward = overlap && backend_.overlaps_collectives();
@@ -170,31 +170,21 @@ StepResult Trainer::step(std::span<const TokenBatch> micro_batches) {
                             .config = config_.adam,
                             .decay = true,
                             .grad_scale = static_cast<float>(clip)};
+  // The views are taken here, in the optimizer phase, where the arena's timeline records their use.
+  adam_tensors_.clear();
+  for (size_t i = 0; i < P; ++i)
+    adam_tensors_.push_back({params_.shard_value(i), params_.shard_grad(i), params_.adam_m(i), params_.adam_v(i),
+                             takes_weight_decay(params_.trainable_spec(i).name)});
   if (!sharded) {  // every tensor in one call (one dispatch on a device), then their storage
-    adam_tensors_.clear();
-    for (size_t i = 0; i < P; ++i)
-      adam_tensors_.push_back({params_.shard_value(i), params_.shard_grad(i), params_.adam_m(i), params_.adam_v(i),
-                               takes_weight_decay(params_.trainable_spec(i).name)});
     backend_.adamw_update_group(adam_tensors_, adam_step);
     for (size_t i = 0; i < P; ++i) params_.store_trainable(i);
-    arena.enter_phase(Phase::Forward);
-    r.updated = true;
-    return r;
   }
-  for (size_t i = 0; i < P; ++i) {
-    const auto& spec = params_.trainable_spec(i);
-    backend_.adamw_update(params_.shard_value(i), params_.shard_grad(i), params_.adam_m(i), params_.adam_v(i),
-                          {.t = step_,
-                           .learning_rate = r.learning_rate,
-                           .config = config_.adam,
-                           .decay = takes_weight_decay(spec.name),
-                           .grad_scale = static_cast<float>(clip)});
+  // ZeRO-1: every rank updates its block of each tensor; all of them get the whole tensor back.
+  for (size_t i = 0; sharded && i < P; ++i) {
+    backend_.adamw_update_group(std::span(&adam_tensors_[i], 1), adam_step);
     params_.store_trainable(i);
-    // ZeRO-1: every rank updated its block; all of them get the whole tensor back.
-    if (sharded) {
-      const Tensor storage = params_.trainable_storage(i);
-      on_tensor(storage, [&](std::span<std::byte> bytes) { comm_->allgather(bytes, dtype_size(storage.dtype)); });
-    }
+    const Tensor storage = params_.trainable_storage(i);
+    on_tensor(storage, [&](std::span<std::byte> bytes) { comm_->allgather(bytes, dtype_size(storage.dtype)); });
   }
   arena.enter_phase(Phase::Forward);
   r.updated = true;

@@ -87,7 +87,7 @@ class Trainer {
   void on_tensor(const Tensor& t, const std::function<void(std::span<std::byte>)>& op);
   static std::span<float> floats(std::span<std::byte> bytes);
   std::vector<Tensor> shard_grads_;  // what each rank normalizes and takes the norm of, in order
-  std::vector<Backend::AdamWTensor> adam_tensors_;  // one step's update, every tensor (reserved)
+  std::vector<Backend::AdamWTensor> adam_tensors_;  // a step's update of every trainable (reserved)
   int64_t step_ = 0;  // optimizer updates made (AdamW's t, the schedule's step)
   double scale_ = 1.0;
   int64_t good_steps_ = 0;

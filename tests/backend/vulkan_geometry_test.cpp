@@ -10,7 +10,6 @@
 
 #include <fmt/format.h>
 
-#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -233,19 +232,41 @@ TEST(VulkanGeometry, EveryLargeDispatchOfRealModelsFillsALargeGpu) {
   }
 }
 
-// The table docs/architecture.md carries: per case and shader, the largest dispatch.
-TEST(VulkanGeometry, TheTableOfTheLargestDispatchPerShader) {
-  for (const Case& c : real_cases()) {
-    std::map<std::string, const VulkanDispatch*> largest;
-    for (const VulkanDispatch& d : c.dispatches) {
-      const VulkanDispatch*& l = largest[d.shader];
-      if (!l || d.flops + d.bytes > l->flops + l->bytes) l = &d;
-    }
-    std::printf("%s\n", c.name.c_str());
-    for (const auto& [shader, d] : largest)
-      std::printf("  %-24s %6u x %5u x %3u = %8llu workgroups  %9.2f GFLOP  %9.1f MiB\n", shader.c_str(), d->x, d->y,
-                  d->z, static_cast<unsigned long long>(d->workgroups()), d->flops / 1e9, d->bytes / (1 << 20));
-    EXPECT_GE(largest.size(), 10u);
+// The table docs/architecture.md carries ("The vulkan backend's shaders"): per case, the largest
+// dispatch of a shader (by FLOPs plus bytes), its workgroups exactly, its GFLOP and MiB as rounded
+// there.
+TEST(VulkanGeometry, TheLargestDispatchesAreThoseTheDocsList) {
+  struct Row {
+    size_t case_index;
+    const char* shader;
+    uint64_t workgroups;
+    double gflop, gflop_step, mib, mib_step;
+  };
+  const Row rows[] = {{0, "gemm", 616, 89.0, 0.1, 711, 1},
+                      {0, "attention", 1792, 3.8, 0.1, 32, 1},
+                      {0, "attention_backward_dq", 1792, 5.6, 0.1, 60, 1},
+                      {0, "attention_backward_dkv", 1024, 7.5, 0.1, 50, 1},
+                      {0, "cross_entropy", 6213, 0.1, 0.1, 379, 1},
+                      {1, "gemm", 11880, 344, 1, 1227, 1},
+                      {1, "attention", 1792, 30.1, 0.1, 64, 1},
+                      {1, "attention_backward_dq", 1792, 45.1, 0.1, 120, 1},
+                      {1, "attention_backward_dkv", 1024, 60.2, 0.1, 100, 1},
+                      {1, "cross_entropy", 6004, 0.1, 0.1, 367, 1},
+                      {2, "matvec", 38016, 1.1, 0.1, 1040, 1},
+                      {2, "paged_attention", 896, 0.06, 0.01, 8, 1},
+                      {3, "matvec", 38016, 34.9, 0.1, 2098, 1},
+                      {3, "paged_attention", 1792, 1.9, 0.1, 257, 1}};
+  const std::vector<Case> cases = real_cases();
+  for (const Row& row : rows) {
+    SCOPED_TRACE(fmt::format("{}: {}", cases[row.case_index].name, row.shader));
+    const VulkanDispatch* largest = nullptr;
+    for (const VulkanDispatch& d : cases[row.case_index].dispatches)
+      if (std::string(d.shader) == row.shader && (!largest || d.flops + d.bytes > largest->flops + largest->bytes))
+        largest = &d;
+    ASSERT_NE(largest, nullptr);
+    EXPECT_EQ(largest->workgroups(), row.workgroups);
+    EXPECT_NEAR(largest->flops / 1e9, row.gflop, row.gflop_step / 2);
+    EXPECT_NEAR(largest->bytes / (1 << 20), row.mib, row.mib_step / 2);
   }
 }
 

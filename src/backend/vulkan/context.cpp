@@ -340,6 +340,13 @@ void VulkanContext::flush() {
   marks_pending_ = false;
 }
 
+std::map<std::string, uint64_t> VulkanContext::dispatches_by_shader() const {
+  std::map<std::string, uint64_t> by_shader;
+  for (const auto& [key, p] : pipelines_)
+    if (p.dispatches > 0) by_shader[key.shader] += p.dispatches;
+  return by_shader;
+}
+
 void VulkanContext::mark(int i) {
   if (!timestamps_) return;
   MT_ASSERT(i >= 0 && i < Backend::kTimeMarks, "vulkan: a time mark out of range");
@@ -417,9 +424,8 @@ void VulkanContext::fill_words(uint64_t dst, uint32_t word, size_t bytes) {
   barrier();
 }
 
-const VulkanContext::Pipeline& VulkanContext::pipeline(std::string_view shader, std::span<const uint32_t> constants) {
-  std::pair<std::string, std::vector<uint32_t>> key{std::string(shader), {constants.begin(), constants.end()}};
-  const auto it = pipelines_.find(key);
+VulkanContext::Pipeline& VulkanContext::pipeline(std::string_view shader, std::span<const uint32_t> constants) {
+  const auto it = pipelines_.find(PipelineKeyView{shader, constants});
   if (it != pipelines_.end()) return it->second;
   const std::span<const uint32_t> code = vulkan_shader(shader);
   MT_ASSERT(!code.empty(), "vulkan: no embedded shader of that name");
@@ -443,7 +449,7 @@ const VulkanContext::Pipeline& VulkanContext::pipeline(std::string_view shader, 
   pipeline_info.layout = layout_;
   check(vkCreateComputePipelines(device_, VK_NULL_HANDLE, 1, &pipeline_info, nullptr, &p.pipeline),
         "vkCreateComputePipelines");
-  return pipelines_.emplace(std::move(key), p).first->second;
+  return pipelines_.emplace(PipelineKey{std::string(shader), {constants.begin(), constants.end()}}, p).first->second;
 }
 
 void VulkanContext::dispatch(std::string_view shader, std::span<const uint32_t> constants,
@@ -451,7 +457,7 @@ void VulkanContext::dispatch(std::string_view shader, std::span<const uint32_t> 
                              double flops, double bytes) {
   MT_ASSERT(push.size() <= 128, "vulkan: push constants of at most 128 bytes");
   if (groups_x == 0 || groups_y == 0 || groups_z == 0) return;
-  const Pipeline& p = pipeline(shader, constants);
+  Pipeline& p = pipeline(shader, constants);
   // The C++ push struct and the shader's block agree (a member missing or added on one side
   // fails here, at every dispatch of that shader, not as wrong numbers).
   MT_ASSERT(push.size() >= p.push_bytes && push.size() <= (p.push_bytes + 7) / 8 * 8,
@@ -470,7 +476,7 @@ void VulkanContext::dispatch(std::string_view shader, std::span<const uint32_t> 
   if (profile_queries_) vkCmdWriteTimestamp(c, VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, profile_queries_, 1);
   barrier();
   ++counters_.dispatches;
-  ++counters_.by_shader[std::string(shader)];
+  ++p.dispatches;
   // The device starts on what is recorded while the host records the rest of the step.
   if (++recorded_ >= kSubmitEvery) submit();
   if (profile_) {

@@ -18,6 +18,7 @@
 
 #include <vulkan/vulkan.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 #include <map>
@@ -91,13 +92,14 @@ class VulkanContext {
   // another command buffer). dispatch() does so every kSubmitEvery dispatches.
   void submit();
   static constexpr uint32_t kSubmitEvery = 64;
-  // What the host asked of the device since the context opened: dispatches (by shader), command
-  // buffers submitted, and waits for the device (each submission is waited for).
+  // What the host asked of the device since the context opened: dispatches, command buffers
+  // submitted, and waits for the device; and the dispatches by shader (summed over its pipelines
+  // when asked: a dispatch only adds one to its pipeline's count).
   struct Counters {
     uint64_t dispatches = 0, submissions = 0, waits = 0;
-    std::map<std::string, uint64_t> by_shader;
   };
   const Counters& counters() const { return counters_; }
+  std::map<std::string, uint64_t> dispatches_by_shader() const;
   // Device timestamps (Backend::time_mark / time_marks): mark i is written when the work
   // recorded before it has finished (mark 0 starts a series); marks() waits for them (flushing
   // only if one is still unsubmitted) and returns the seconds of the series' marks 0..n-1 since
@@ -121,6 +123,29 @@ class VulkanContext {
     VkShaderModule module = VK_NULL_HANDLE;
     VkPipeline pipeline = VK_NULL_HANDLE;
     size_t push_bytes = 0;  // the shader's push-constant block (vulkan_push_constant_bytes)
+    uint64_t dispatches = 0;
+  };
+  // Pipelines by (shader, specialization constants), found from views of both: a dispatch
+  // allocates nothing to look its pipeline up.
+  struct PipelineKey {
+    std::string shader;
+    std::vector<uint32_t> constants;
+  };
+  struct PipelineKeyView {
+    std::string_view shader;
+    std::span<const uint32_t> constants;
+  };
+  struct PipelineKeyLess {
+    using is_transparent = void;
+    static PipelineKeyView view(const PipelineKey& k) { return {k.shader, k.constants}; }
+    static PipelineKeyView view(const PipelineKeyView& k) { return k; }
+    template <class A, class B>
+    bool operator()(const A& a, const B& b) const {
+      const PipelineKeyView x = view(a), y = view(b);
+      if (x.shader != y.shader) return x.shader < y.shader;
+      return std::lexicographical_compare(x.constants.begin(), x.constants.end(), y.constants.begin(),
+                                          y.constants.end());
+    }
   };
   // The allocation holding [address, address + bytes) and the offset of address in it.
   std::pair<const Allocation*, size_t> locate(uint64_t address, size_t bytes) const;
@@ -130,7 +155,7 @@ class VulkanContext {
   void destroy(Allocation& a);
   VkCommandBuffer recording();
   void barrier();
-  const Pipeline& pipeline(std::string_view shader, std::span<const uint32_t> constants);
+  Pipeline& pipeline(std::string_view shader, std::span<const uint32_t> constants);
 
   VulkanDeviceInfo info_;
   VkInstance instance_ = VK_NULL_HANDLE;
@@ -160,7 +185,7 @@ class VulkanContext {
   uint64_t allocated_bytes_ = 0;
   Allocation staging_;
   void* staging_host_ = nullptr;
-  std::map<std::pair<std::string, std::vector<uint32_t>>, Pipeline> pipelines_;  // by shader and constants
+  std::map<PipelineKey, Pipeline, PipelineKeyLess> pipelines_;
   // MEMTUNE_VULKAN_PROFILE=1: every dispatch runs alone and is timed by two device timestamps
   // around it (the host's clock without timestamps); per shader, the seconds, dispatches,
   // workgroups and the FLOPs and bytes by design go to stderr when the context closes, with the

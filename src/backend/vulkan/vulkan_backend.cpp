@@ -62,10 +62,10 @@ class VulkanBackend final : public Backend {
   std::optional<DeviceCounters> device_counters() const override {
     if (!ctx_) return std::nullopt;
     const VulkanContext::Counters& c = ctx_->counters();
-    return DeviceCounters{.dispatches = c.dispatches,
-                          .submissions = c.submissions,
-                          .waits = c.waits,
-                          .dispatches_by_shader = {c.by_shader.begin(), c.by_shader.end()}};
+    return DeviceCounters{.dispatches = c.dispatches, .submissions = c.submissions, .waits = c.waits};
+  }
+  std::map<std::string, uint64_t> dispatches_by_shader() const override {
+    return ctx_ ? ctx_->dispatches_by_shader() : std::map<std::string, uint64_t>{};
   }
   void time_mark(int i) override { ctx().mark(i); }
   std::vector<double> time_marks() override { return ctx().marks(); }
@@ -284,15 +284,8 @@ class VulkanBackend final : public Backend {
   // gives the same sum every run. Tables of more than kTableEntries tensors go in parts.
   double scale_and_sum_squares(std::span<const Tensor> xs, float scale) override {
     uint32_t used = kLossSlots;  // after the loss slots, which the same download brings back
-    for (size_t begin = 0; begin < xs.size(); begin += kTableEntries) {
-      const size_t end = std::min(xs.size(), begin + kTableEntries);
-      std::vector<uint64_t>& words = table_words_;
-      words.clear();
-      uint64_t total = 0;
-      for (size_t i = begin; i < end; ++i) total = add_table_entry(words, {.grad = xs[i]}, total);
-      const uint32_t count = static_cast<uint32_t>(words.size() / 6);
-      if (count == 0) continue;
-      const uint64_t table = upload_table(0, words);
+    auto entry = [&](size_t i) { return AdamWTensor{.grad = xs[i]}; };
+    for_each_table(xs.size(), 0, entry, [&](uint64_t table, uint64_t total, uint32_t count) {
       const VulkanDispatch d = vulkan_geometry::multi_tensor("scale_sum_squares", total, 8, 3, kPartialsPerCall);
       MT_ASSERT(used + d.x <= kPartials, "vulkan: more partial sums than the buffer holds");
       struct {
@@ -302,7 +295,7 @@ class VulkanBackend final : public Backend {
       } push{table, total, partials_ + used * sizeof(float), count, scale};
       ctx().dispatch(d, push);
       used += d.x;
-    }
+    });
     if (used == kLossSlots && loss_slots_ == 0) return 0.0;
     ctx().download(partial_sums_.data(), partials_, used * sizeof(float));
     collect_loss_slots();
@@ -320,18 +313,11 @@ class VulkanBackend final : public Backend {
     const AdamWConfig& c = step.config;
     const double bias1 = 1.0 - std::pow(c.beta1, static_cast<double>(step.t));
     const double bias2 = 1.0 - std::pow(c.beta2, static_cast<double>(step.t));
-    for (size_t begin = 0; begin < tensors.size(); begin += kTableEntries) {
-      const size_t end = std::min(tensors.size(), begin + kTableEntries);
-      std::vector<uint64_t>& words = table_words_;
-      words.clear();
-      uint64_t total = 0;
-      for (size_t i = begin; i < end; ++i) {
-        MT_ASSERT(tensors[i].param.numel() == tensors[i].grad.numel(), "adamw of tensors of different sizes");
-        total = add_table_entry(words, tensors[i], total);
-      }
-      const uint32_t count = static_cast<uint32_t>(words.size() / 6);
-      if (count == 0) continue;
-      const uint64_t table = upload_table(1, words);
+    auto entry = [&](size_t i) {
+      MT_ASSERT(tensors[i].param.numel() == tensors[i].grad.numel(), "adamw of tensors of different sizes");
+      return tensors[i];
+    };
+    for_each_table(tensors.size(), 1, entry, [&](uint64_t table, uint64_t total, uint32_t count) {
       struct {
         uint64_t table, total;
         uint32_t count;
@@ -347,7 +333,7 @@ class VulkanBackend final : public Backend {
              static_cast<float>(1.0 - step.learning_rate * c.weight_decay),
              step.grad_scale};
       ctx().dispatch(vulkan_geometry::multi_tensor("adamw", total, 28, 16, vulkan_geometry::kMaxGroups), push);
-    }
+    });
   }
 
   void quantized_matmul_forward(const Tensor& out, const Tensor& inp, const QuantizedWeight& w, const Tensor& bias,
@@ -552,26 +538,34 @@ class VulkanBackend final : public Backend {
   }
 
  private:
-  // Appends a tensor-table entry (tensor_table.glsl) for a non-empty tensor whose first element
-  // is element `first` of the table; returns the next entry's first element.
-  static uint64_t add_table_entry(std::vector<uint64_t>& words, const AdamWTensor& t, uint64_t first) {
-    const Tensor& any = t.grad;
-    if (any.numel() == 0) return first;
-    any.f32();
-    const uint64_t n = static_cast<uint64_t>(any.numel());
-    words.insert(words.end(), {address(t.param), address(t.grad), address(t.m), address(t.v), first,
-                               n | (t.decay ? uint64_t{1} << 63 : 0)});
-    return first + n;
-  }
-  // The device copy of table `which` (0: the gradient norm's, 1: AdamW's), uploaded (recorded
-  // into the command buffer: no wait) only when it differs from what is there.
-  uint64_t upload_table(int which, const std::vector<uint64_t>& words) {
+  // The tensor tables of the multi-tensor shaders (tensor_table.glsl) for n tensors, entry(i)
+  // giving tensor i (its non-empty grads counted), in parts of at most kTableEntries: for each,
+  // body(table address, elements, tensors). Table `which` (0: the gradient norm's, 1: AdamW's)
+  // is uploaded, recorded into the command buffer (no wait), only when it differs from what the
+  // device holds.
+  template <class Entry, class Body>
+  void for_each_table(size_t n, int which, const Entry& entry, const Body& body) {
     const uint64_t at = tables_ + static_cast<uint64_t>(which) * kTableEntries * 6 * sizeof(uint64_t);
-    if (uploaded_tables_[which] != words) {
-      ctx().upload(at, words.data(), words.size() * sizeof(uint64_t));
-      uploaded_tables_[which] = words;
+    for (size_t begin = 0; begin < n; begin += kTableEntries) {
+      std::vector<uint64_t>& words = table_words_;
+      words.clear();
+      uint64_t total = 0;
+      for (size_t i = begin; i < std::min(n, begin + kTableEntries); ++i) {
+        const AdamWTensor t = entry(i);
+        if (t.grad.numel() == 0) continue;
+        t.grad.f32();
+        const auto count = static_cast<uint64_t>(t.grad.numel());
+        words.insert(words.end(), {address(t.param), address(t.grad), address(t.m), address(t.v), total,
+                                   count | (t.decay ? uint64_t{1} << 63 : 0)});
+        total += count;
+      }
+      if (words.empty()) continue;
+      if (uploaded_tables_[which] != words) {
+        ctx().upload(at, words.data(), words.size() * sizeof(uint64_t));
+        uploaded_tables_[which] = words;
+      }
+      body(at, total, static_cast<uint32_t>(words.size() / 6));
     }
-    return at;
   }
   // out[c] += alpha * sum over rows of a[n, c] (b and rstd absent), or of a[n, c] b[n, c] rstd[n]:
   // two passes through the scratch (column_partials.comp, column_finish.comp).
