@@ -89,6 +89,11 @@ struct LmHeadArgs {
   // on the device, to come back with the step's next download (the gradient norm's), instead of
   // waiting for it here.
   bool defer_sum = false;
+  // The products' operands: F32, or with mixed precision the 16-bit dtype the head is stored in
+  // (Backend::sixteen_bit_products): the hidden rows and the loss's gradient (times grad_scale)
+  // are then rounded to it, and logits and gradients accumulate in float32. The rows buffer
+  // holds the rounded rows and the logits chunk the rounded gradient; weight_slice is not read.
+  DType operands = DType::F32;
   // Workspace (device memory).
   Tensor logits;        // [chunk_rows, V] f32
   Tensor rows;          // [chunk_rows, D] f32, the gathered hidden rows
@@ -172,6 +177,11 @@ class Backend {
   // (QuantizedWeight::int8_activations, int8_activations.h); a backend that says no computes
   // them with float32 inputs.
   virtual bool takes_int8_activations() const { return false; }
+  // Mixed precision: what computes matrix products with 16-bit operands of `dtype` (BF16, F16)
+  // and float32 accumulation (matmul_forward's inp and weight, matmul_backward's dout, inp and
+  // weight, LmHeadArgs::operands), named for `memtune plan` (e.g. "oneDNN brg:avx512_core_bf16");
+  // empty where this backend has none here. Then the model keeps float32 operands.
+  virtual std::string sixteen_bit_products(DType) const { return {}; }
 
   // Device memory for an arena: zero-filled, page aligned. Host code must not dereference it.
   virtual void* allocate(size_t bytes) = 0;
@@ -212,6 +222,9 @@ class Backend {
   virtual void fill(const Tensor& dst, float value) = 0;  // f32 views
   virtual void fill_bytes(void* device, unsigned char byte, size_t bytes) = 0;
 
+  // Mixed precision (sixteen_bit_products): an inp (dout) of a 16-bit dtype makes a product of
+  // 16-bit operands, the weight (and inp for dweight) in that dtype too, accumulated in float32
+  // into float32 outputs; matmul_backward then takes scale 1.
   // out[N,OC] = inp[N,C] @ weight[OC,C]^T (+ bias[OC]). The weight may be stored in 16 bits
   // (bfloat16 / float16): it is then widened in registers as it is read, never copied to a
   // float32 matrix, which is what memory-bound decoding wants (few rows, each weight read once);

@@ -63,6 +63,11 @@ struct OpCase {
   // The forward's scalar is itself the function to differentiate (a loss), not sum(r * out).
   bool scalar_is_loss = false;
   double tolerance = 1e-5;  // max |backend - reference| / (max |reference| + 1e-6), per tensor
+  // Mixed precision: the case's products take 16-bit operands of this dtype (its douts are made
+  // in it); it runs on the backends that have such products (Backend::sixteen_bit_products) and
+  // is compared with the reference's exact products only: finite differences of 16-bit inputs
+  // would measure their rounding.
+  DType operands = DType::F32;
 };
 
 std::vector<float> randn(int64_t n, uint64_t seed, float scale = 1.0f) {
@@ -130,7 +135,7 @@ RunResult run_case(Backend& be, const OpCase& c, const std::map<std::string, std
   if (!c.backward) return r;
   for (const Output& o : c.outputs) {
     if (!o.primary || c.scalar_is_loss) continue;
-    dout[o.name] = mem.make(DType::F32, o.shape);
+    dout[o.name] = mem.make(c.operands, o.shape);
     upload_f32(be, dout[o.name], dout_values.at(o.name));
   }
   for (const Input& i : inputs) {
@@ -174,13 +179,18 @@ void check_case(const OpCase& c) {
   for (const std::string_view name : kBackends) {
     SCOPED_TRACE(name);
     Backend& be = backend_named(name);
+    if (c.operands != DType::F32 && be.sixteen_bit_products(c.operands).empty()) {
+      std::printf("[ skipped  ] %s on %s: no %s products here\n", c.name.c_str(), std::string(name).c_str(),
+                  std::string(dtype_torch_name(c.operands)).c_str());
+      continue;
+    }
     const RunResult got = run_case(be, c, dout_values, prior, c.inputs);
     EXPECT_NEAR(got.scalar, expected.scalar, c.tolerance * (std::abs(expected.scalar) + 1e-6));
     for (const auto& [out, values] : expected.outputs)
       EXPECT_TRUE(close_to(got.outputs.at(out), values, c.tolerance)) << "output " << out;
     for (const auto& [in, values] : expected.grads)
       EXPECT_TRUE(close_to(got.grads.at(in), values, c.tolerance)) << "gradient " << in;
-    if (!c.backward) continue;
+    if (!c.backward || c.operands != DType::F32) continue;
 
     // Finite differences of the reference forward (float64 inside) against this backend's
     // gradient, minus the prior for accumulating ops.
@@ -256,6 +266,31 @@ TEST(BackendOps, MatmulFewRowsWithSixteenBitWeights) {
                           return 0.0;
                         }});
       }
+}
+
+// Mixed precision: 16-bit input, weight and output gradient, float32 accumulation, against the
+// reference's exact products summed in float64. Shapes large enough for oneDNN's blocked kernels
+// and with tails; the bias gradient sums the rounded output gradient.
+TEST(BackendOps, MatmulWithSixteenBitOperands) {
+  for (const DType dt : {DType::BF16, DType::F16})
+    for (const auto& [N, C, OC] : {std::array<int64_t, 3>{37, 96, 80}, std::array<int64_t, 3>{130, 64, 33}}) {
+      Input x = f32_input("x", {N, C}, 1), w = f32_input("w", {OC, C}, 2);
+      x.dtype = w.dtype = dt;
+      check_case({.name = fmt::format("matmul {}x{}x{}, {} operands", N, C, OC, dtype_torch_name(dt)),
+                  .inputs = {x, w, f32_input("b", {OC}, 3)},
+                  .outputs = {{"out", {N, OC}}},
+                  .forward =
+                      [](Backend& be, const Views& in, const Views& out) {
+                        be.matmul_forward(out.at("out"), in.at("x"), in.at("w"), in.at("b"));
+                        return 0.0;
+                      },
+                  .backward =
+                      [](Backend& be, const Views& in, const Views&, const Views& dout, const Views& din) {
+                        be.matmul_backward(din.at("x"), din.at("w"), din.at("b"), dout.at("out"), in.at("x"),
+                                           in.at("w"), 1.0f);
+                      },
+                  .operands = dt});
+    }
 }
 
 TEST(BackendOps, MatmulScaledAccumulate) {
@@ -584,10 +619,12 @@ struct HeadWorkspace {
 // The fused LM head: loss SUM, d(hidden) (overwritten) and d(weight) (accumulated), with
 // ignored targets, chunks smaller than the number of targets, label smoothing, and a 16-bit
 // weight widened a slice at a time.
-void check_lm_head(DType weight_dtype, float label_smoothing, int64_t V = 11) {
+// With 16-bit `operands` (mixed precision: the head stored in that dtype) the hidden rows and
+// the loss's gradient are rounded, and the head's float32 gradient is accumulated.
+void check_lm_head(DType weight_dtype, float label_smoothing, int64_t V = 11, DType operands = DType::F32) {
   const int64_t N = 7, D = 6, chunk = 3, slice = 4;
   const std::vector<int32_t> targets = {2, kIgnoreIndex, 10, 0, kIgnoreIndex, 7, 7};
-  Input weight = f32_input("weight", {V, D}, 18, weight_dtype == DType::F32);
+  Input weight = f32_input("weight", {V, D}, 18, weight_dtype == DType::F32 || operands != DType::F32);
   weight.dtype = weight_dtype;
   const auto loss = std::make_shared<CrossEntropyLoss>(label_smoothing);
   // One call with its own workspace (device) and staging (host); contents of the workspace
@@ -601,10 +638,12 @@ void check_lm_head(DType weight_dtype, float label_smoothing, int64_t V = 11) {
     a.loss = loss.get();
     a.dhidden = dhidden;
     a.dweight = dweight;
+    a.operands = operands;
+    a.grad_scale = operands == DType::F32 ? 1.0f : 0.5f;  // folded into the rounded gradient
     return be.lm_head_loss(a);
   };
-  check_case({.name = fmt::format("lm_head_loss {} smoothing {} vocabulary {}", dtype_torch_name(weight_dtype),
-                                  label_smoothing, V),
+  check_case({.name = fmt::format("lm_head_loss {} smoothing {} vocabulary {} operands {}", dtype_torch_name(weight_dtype),
+                                  label_smoothing, V, dtype_torch_name(operands)),
               .inputs = {f32_input("hidden", {N, D}, 17), i32_input("targets", targets), weight},
               .outputs = {},
               .forward = [=](Backend& be, const Views& in, const Views&) { return run(be, in, {}, {}).sum; },
@@ -614,7 +653,8 @@ void check_lm_head(DType weight_dtype, float label_smoothing, int64_t V = 11) {
                     EXPECT_EQ(run(be, in, din.at("hidden"), dw).count, 5);
                   },
               .overwrites = {"hidden"},
-              .scalar_is_loss = true});
+              .scalar_is_loss = true,
+              .operands = operands});
 }
 
 TEST(BackendOps, LmHeadLossFloat32) {
@@ -625,6 +665,11 @@ TEST(BackendOps, LmHeadLossLabelSmoothing) {
 }
 TEST(BackendOps, LmHeadLossBfloat16Head) {
   check_lm_head(DType::BF16, 0.0f);
+}
+TEST(BackendOps, LmHeadLossWithSixteenBitOperands) {
+  check_lm_head(DType::BF16, 0.0f, 11, DType::BF16);
+  check_lm_head(DType::BF16, 0.1f, 3001, DType::BF16);
+  check_lm_head(DType::F16, 0.0f, 11, DType::F16);
 }
 // A vocabulary the vulkan backend's loss splits into pieces reduced apart and combined.
 TEST(BackendOps, LmHeadLossOverAVocabularyOfSeveralPieces) {

@@ -6,6 +6,7 @@
 #include <array>
 #include <cstring>
 
+#include "backend/cpu/half_gemm.h"
 #include "backend/cpu/ops.h"
 #include "backend/cpu/parallel.h"
 
@@ -34,6 +35,10 @@ class CpuBackend final : public Backend {
   bool memory_in_host_pages() const override { return true; }
   int64_t stored_weight_rows() const override { return cpu::kSixteenBitWeightRows; }
   bool takes_int8_activations() const override { return cpu::int8_activation_kernels(); }
+  std::string sixteen_bit_products(DType dtype) const override {
+    const std::string& kernel = cpu::half_gemm_kernel(dtype);
+    return kernel.empty() ? std::string() : "oneDNN " + kernel;
+  }
   size_t quantized_scratch_elems(int64_t in) const override {
     return static_cast<size_t>(cpu::kQuantizedTileRows * in);
   }
@@ -64,6 +69,13 @@ class CpuBackend final : public Backend {
 
   void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& bias) override {
     MT_ASSERT(inp.cols() == weight.cols() && out.cols() == weight.rows() && out.rows() == inp.rows());
+    if (inp.dtype != DType::F32) {  // 16-bit operands: out = inp @ weight^T through oneDNN
+      MT_ASSERT(weight.dtype == inp.dtype, "a 16-bit product takes both operands in one dtype");
+      const int64_t N = inp.rows(), C = inp.cols(), OC = weight.rows();
+      cpu::half_gemm(inp.dtype, N, OC, C, {inp.data, C, 1}, {weight.data, 1, C}, out.f32(), OC, false);
+      if (bias) cpu::add_bias(out.f32(), bias.f32(), N, OC);
+      return;
+    }
     // A few rows (decoding) read each weight once in the skinny kernel; OpenBLAS would pack the
     // whole weight first. 16-bit weights always take it (callers pass them only for few rows).
     if (weight.dtype != DType::F32 || inp.rows() <= kSkinnyRows) {
@@ -135,6 +147,16 @@ class CpuBackend final : public Backend {
   void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
                        const Tensor& inp, const Tensor& weight, float scale) override {
     MT_ASSERT(inp.cols() == weight.cols() && dout.cols() == weight.rows() && dout.rows() == inp.rows());
+    if (dout.dtype != DType::F32) {  // 16-bit operands (inp is read only for dweight)
+      const DType dt = dout.dtype;
+      const int64_t N = dout.rows(), C = inp.cols(), OC = weight.rows();
+      MT_ASSERT(scale == 1.0f && weight.dtype == dt && (!dweight || inp.dtype == dt),
+                "a 16-bit backward product takes scale 1 and its operands in one dtype");
+      if (dinp) cpu::half_gemm(dt, N, C, OC, {dout.data, OC, 1}, {weight.data, C, 1}, dinp.f32(), C, true);
+      if (dweight) cpu::half_gemm(dt, OC, C, N, {dout.data, 1, OC}, {inp.data, C, 1}, dweight.f32(), C, true);
+      if (dbias) cpu::column_sums_accumulate(dbias.f32(), dout.data, dt, N, OC);
+      return;
+    }
     cpu::matmul_backward(dinp.f32(), dweight.f32(), dbias.f32(), dout.f32(), inp.f32(), weight.f32(), inp.rows(), inp.cols(),
                          weight.rows(), scale);
   }

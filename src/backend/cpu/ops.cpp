@@ -1,5 +1,6 @@
 // CPU implementations of the ops in ops.h. See that header for conventions.
 #include "backend/cpu/ops.h"
+#include "backend/cpu/half_gemm.h"
 #include "backend/cpu/parallel.h"
 #include "backend/cpu/simd.h"
 
@@ -31,19 +32,38 @@ constexpr int64_t kParallelMinElements = 32768;
 // What OpenBLAS reports it runs: its own choice for this CPU, or OPENBLAS_CORETYPE's.
 const char* blas_kernels() { return openblas_get_corename(); }
 
-// Sums rows of x[N, C] into acc[C] (+=), parallel over column blocks so no two threads write
-// the same element.
-static void column_sum_accumulate(float* acc, const float* x, int64_t N, int64_t C) {
+// Sums rows of x[N, C] (float32, or 16-bit widened) into acc[C] (+=), parallel over column
+// blocks so no two threads write the same element.
+template <class Element>
+static void column_sum_accumulate(float* acc, const Element* x, int64_t N, int64_t C, DType dtype = DType::F32) {
   constexpr int64_t kBlock = 64;
   int64_t blocks = (C + kBlock - 1) / kBlock;
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < blocks; ++b) {
     int64_t c0 = b * kBlock, c1 = std::min(C, c0 + kBlock);
     for (int64_t n = 0; n < N; ++n) {
-      const float* row = x + n * C;
+      const Element* row = x + n * C;
+      if constexpr (std::is_same_v<Element, float>) {
 #pragma omp simd
-      for (int64_t c = c0; c < c1; ++c) acc[c] += row[c];
+        for (int64_t c = c0; c < c1; ++c) acc[c] += row[c];
+      } else {
+        for (int64_t c = c0; c < c1; ++c) acc[c] += dtype == DType::BF16 ? bf16_to_f32(row[c]) : f16_to_f32(row[c]);
+      }
     }
+  }
+}
+
+void column_sums_accumulate(float* acc, const void* x, DType dtype, int64_t N, int64_t C) {
+  if (dtype == DType::F32) return column_sum_accumulate(acc, static_cast<const float*>(x), N, C);
+  column_sum_accumulate(acc, static_cast<const uint16_t*>(x), N, C, dtype);
+}
+
+void add_bias(float* out, const float* bias, int64_t N, int64_t OC) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    float* row = out + n * OC;
+#pragma omp simd
+    for (int64_t o = 0; o < OC; ++o) row[o] += bias[o];
   }
 }
 
@@ -51,14 +71,7 @@ void matmul_forward(float* out, const float* inp, const float* weight, const flo
                     int64_t OC) {
   if (N == 0) return;
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, OC, C, 1.0f, inp, C, weight, C, 0.0f, out, OC);
-  if (bias) {
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; ++n) {
-      float* row = out + n * OC;
-#pragma omp simd
-      for (int64_t o = 0; o < OC; ++o) row[o] += bias[o];
-    }
-  }
+  if (bias) add_bias(out, bias, N, OC);
 }
 
 void matmul_accumulate(float* out, const float* inp, const float* weight, int64_t N, int64_t C, int64_t OC,
@@ -727,12 +740,67 @@ class HeadSlices {
   int64_t V_, D_;
 };
 
+// Mixed precision (LmHeadArgs::operands): the hidden rows are rounded to 16 bits as they are
+// gathered (into the rows buffer), the head is read as stored, whole; the loss's gradient times
+// grad_scale is rounded in place in the logits chunk (each row's 16-bit values in the first half
+// of its own bytes), and both backward products take it from there. Logits and gradients
+// accumulate in float32.
+LossSum lm_head_loss_16bit(const LmHeadArgs& a) {
+  const int64_t chunk_rows = a.logits.rows(), V = a.vocab(), D = a.hidden_size(), N = a.hidden.rows();
+  const DType dt = a.operands;
+  MT_ASSERT(chunk_rows > 0 && !a.quantized && a.weight.dtype == dt, "a 16-bit head product needs the head stored in 16 bits");
+  const bool backward = static_cast<bool>(a.dhidden);
+  const float* hidden = a.hidden.as<const float>();
+  const int32_t* targets = a.targets.as<const int32_t>();
+  float* logits = a.logits.as<float>();
+  auto* rows = a.rows.as<uint16_t>();  // [chunk_rows, D] 16-bit, in the float32 rows buffer
+  float* drows = a.drows.as<float>();
+  int32_t* positions = a.positions.as<int32_t>();
+  int32_t* row_targets = a.row_targets.as<int32_t>();
+  float* dhidden = a.dhidden.as<float>();
+  float* dweight = a.dweight.as<float>();
+  const void* W = a.weight.data;
+  int64_t count = 0;
+  for (int64_t n = 0; n < N; ++n) {
+    if (targets[n] == kIgnoreIndex) continue;
+    MT_ASSERT(targets[n] >= 0 && targets[n] < V, "target id out of range");
+    positions[count++] = static_cast<int32_t>(n);
+  }
+  if (backward) std::fill(dhidden, dhidden + N * D, 0.0f);
+  double total = 0.0;
+  for (int64_t c0 = 0; c0 < count; c0 += chunk_rows) {
+    const int64_t m = std::min(chunk_rows, count - c0);
+    const int32_t* pos = positions + c0;
+    for (int64_t r = 0; r < m; ++r) convert_from_f32(hidden + pos[r] * D, rows + r * D, dt, static_cast<size_t>(D));
+    // logits[m, V] = rows[m, D] @ W[V, D]^T
+    half_gemm(dt, m, V, D, {rows, D, 1}, {W, 1, D}, logits, V, false);
+    for (int64_t r = 0; r < m; ++r) row_targets[r] = targets[pos[r]];
+    if (a.observer) {
+      RowStats* stats = a.row_stats.as<RowStats>() + c0;
+#pragma omp parallel for schedule(static)
+      for (int64_t r = 0; r < m; ++r) stats[r] = row_stats(logits + r * V, V, row_targets[r]);
+      a.observer->observe_rows({stats, row_targets, pos, m});
+      if (a.observer->needs_logits()) a.observer->observe({logits, row_targets, pos, m, V});
+    }
+    total += a.loss->chunk(logits, row_targets, m, V, backward);
+    if (!backward) continue;
+    round_rows_in_place(logits, m, V, V, dt, a.grad_scale);
+    const HalfMatrix dlogits{logits, 2 * V, 1};
+    // drows[m, D] = dlogits[m, V] @ W[V, D];  dW[V, D] += dlogits^T @ rows
+    half_gemm(dt, m, D, V, dlogits, {W, D, 1}, drows, D, false);
+    if (dweight) half_gemm(dt, V, D, m, {logits, 1, 2 * V}, {rows, D, 1}, dweight, D, true);
+    for (int64_t r = 0; r < m; ++r) std::copy_n(drows + r * D, D, dhidden + pos[r] * D);
+  }
+  return LossSum{total, count};
+}
+
 }  // namespace
 
 LossSum lm_head_loss(const LmHeadArgs& a) {
   const int64_t chunk_rows = a.logits.rows(), V = a.vocab(), D = a.hidden_size(), N = a.hidden.rows();
   MT_ASSERT(chunk_rows > 0);
   const bool backward = static_cast<bool>(a.dhidden);
+  if (a.operands != DType::F32) return lm_head_loss_16bit(a);
   const HeadSlices head(a);
   const int64_t S = head.slice_rows();
   const float* hidden = a.hidden.as<const float>();

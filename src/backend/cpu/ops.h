@@ -31,6 +31,10 @@ const char* blas_kernels();
 // out[N,OC] = inp[N,C] @ weight[OC,C]^T (+ bias[OC])
 void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int64_t C,
                     int64_t OC);
+// out[N,OC] += bias[OC] on every row.
+void add_bias(float* out, const float* bias, int64_t N, int64_t OC);
+// acc[C] += the column sums of x[N, C] (float32 or 16-bit, widened), summed in float32.
+void column_sums_accumulate(float* acc, const void* x, DType dtype, int64_t N, int64_t C);
 // out[N,OC] += scale * inp[N,C] @ weight[OC,C]^T
 void matmul_accumulate(float* out, const float* inp, const float* weight, int64_t N, int64_t C, int64_t OC,
                        float scale);

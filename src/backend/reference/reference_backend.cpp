@@ -34,9 +34,19 @@ double element(const Tensor& t, int64_t i) {
   return 0;
 }
 
+// v rounded to a 16-bit dtype (as a 16-bit operand is), or v itself for F32.
+double rounded(float v, DType dtype) {
+  if (dtype == DType::BF16) return bf16_to_f32(f32_to_bf16(v));
+  if (dtype == DType::F16) return f16_to_f32(f32_to_f16(v));
+  return v;
+}
+
 class ReferenceBackend final : public Backend {
  public:
   std::string_view name() const override { return "reference"; }
+  std::string sixteen_bit_products(DType dtype) const override {
+    return dtype == DType::BF16 || dtype == DType::F16 ? "exact products summed in float64" : "";
+  }
 
   void* allocate(size_t bytes) override {
     void* p = map_host_pages(bytes);
@@ -90,7 +100,7 @@ class ReferenceBackend final : public Backend {
     for (int64_t n = 0; n < N; ++n)
       for (int64_t o = 0; o < OC; ++o) {
         double s = bias ? bias.f32()[o] : 0.0;
-        for (int64_t c = 0; c < C; ++c) s += double(inp.f32()[n * C + c]) * element(w, o * C + c);
+        for (int64_t c = 0; c < C; ++c) s += element(inp, n * C + c) * element(w, o * C + c);
         out.f32()[n * OC + o] = static_cast<float>(s);
       }
   }
@@ -150,25 +160,27 @@ class ReferenceBackend final : public Backend {
     Access a(*this);
     const int64_t N = inp.rows(), C = inp.cols(), OC = w.rows();
     MT_ASSERT(w.cols() == C && dout.rows() == N && dout.cols() == OC);
-    const float* dy = dout.f32();
+    // 16-bit operands (mixed precision) are read as stored: their products are exact in float64.
+    MT_ASSERT(dout.dtype == DType::F32 || (w.dtype == dout.dtype && (!dweight || inp.dtype == dout.dtype)));
+    auto dy = [&](int64_t i) { return element(dout, i); };
     if (dinp)
       for (int64_t n = 0; n < N; ++n)
         for (int64_t c = 0; c < C; ++c) {
           double s = 0.0;
-          for (int64_t o = 0; o < OC; ++o) s += double(dy[n * OC + o]) * w.f32()[o * C + c];
+          for (int64_t o = 0; o < OC; ++o) s += dy(n * OC + o) * element(w, o * C + c);
           dinp.f32()[n * C + c] += static_cast<float>(scale * s);
         }
     if (dweight)
       for (int64_t o = 0; o < OC; ++o)
         for (int64_t c = 0; c < C; ++c) {
           double s = 0.0;
-          for (int64_t n = 0; n < N; ++n) s += double(dy[n * OC + o]) * inp.f32()[n * C + c];
+          for (int64_t n = 0; n < N; ++n) s += dy(n * OC + o) * element(inp, n * C + c);
           dweight.f32()[o * C + c] += static_cast<float>(scale * s);
         }
     if (dbias)
       for (int64_t o = 0; o < OC; ++o) {
         double s = 0.0;
-        for (int64_t n = 0; n < N; ++n) s += dy[n * OC + o];
+        for (int64_t n = 0; n < N; ++n) s += dy(n * OC + o);
         dbias.f32()[o] += static_cast<float>(scale * s);
       }
   }
@@ -379,6 +391,13 @@ class ReferenceBackend final : public Backend {
     auto head = [&](int64_t v, int64_t d) {
       return args.quantized ? dequantized(*args.quantized, v, d) : element(W, v * D + d);
     };
+    // Mixed precision: the hidden rows and the loss's gradient (times grad_scale) as rounded.
+    const DType dt = args.operands;
+    MT_ASSERT(dt == DType::F32 || (!args.quantized && W.dtype == dt));
+    auto hidden = [&](int64_t n, int64_t d) { return rounded(args.hidden.f32()[n * D + d], dt); };
+    auto dlogit = [&](const float* dlogits, int64_t i) {
+      return dt == DType::F32 ? double(dlogits[i]) * args.grad_scale : rounded(dlogits[i] * args.grad_scale, dt);
+    };
     MT_ASSERT(args.staging.logits && args.staging.targets && args.staging.positions,
               "the reference backend hands chunks to host code through staging buffers");
     int32_t* positions = args.positions.as<int32_t>();
@@ -398,7 +417,7 @@ class ReferenceBackend final : public Backend {
       for (int64_t r = 0; r < m; ++r)
         for (int64_t v = 0; v < V; ++v) {
           double s = 0.0;
-          for (int64_t d = 0; d < D; ++d) s += double(args.hidden.f32()[pos[r] * D + d]) * head(v, d);
+          for (int64_t d = 0; d < D; ++d) s += hidden(pos[r], d) * head(v, d);
           logits[r * V + v] = static_cast<float>(s);
         }
       // Host code sees the chunk in host memory only, with the device memory locked meanwhile.
@@ -423,15 +442,15 @@ class ReferenceBackend final : public Backend {
       for (int64_t r = 0; r < m; ++r)
         for (int64_t d = 0; d < D; ++d) {
           double s = 0.0;
-          for (int64_t v = 0; v < V; ++v) s += double(dlogits[r * V + v]) * head(v, d);
-          args.dhidden.f32()[pos[r] * D + d] = static_cast<float>(args.grad_scale * s);
+          for (int64_t v = 0; v < V; ++v) s += dlogit(dlogits, r * V + v) * head(v, d);
+          args.dhidden.f32()[pos[r] * D + d] = static_cast<float>(s);
         }
       if (args.dweight)
         for (int64_t v = 0; v < V; ++v)
           for (int64_t d = 0; d < D; ++d) {
             double s = 0.0;
-            for (int64_t r = 0; r < m; ++r) s += double(dlogits[r * V + v]) * args.hidden.f32()[pos[r] * D + d];
-            args.dweight.f32()[v * D + d] += static_cast<float>(args.grad_scale * s);
+            for (int64_t r = 0; r < m; ++r) s += dlogit(dlogits, r * V + v) * hidden(pos[r], d);
+            args.dweight.f32()[v * D + d] += static_cast<float>(s);
           }
     }
     return LossSum{total, count};
