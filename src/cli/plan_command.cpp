@@ -149,6 +149,7 @@ nlohmann::json bill_json(const TrainingBill& b) {
   out["categories"] = out["training"]["categories"];
   out["phases"] = out["training"]["phases"];
   out["host_arena_bytes"] = b.train_model.host_plan().peak_bytes();
+  out["arithmetic"] = describe_arithmetic(b.planner.config(), b.train_model.options(), b.train_model.backend());
   // The usual sizes of a CUDA device's context and library workspaces: unmeasured, added to no
   // prediction.
   out["cuda_fixed_costs"] = {{"context_bytes", kCudaContextBytes},
@@ -221,6 +222,7 @@ void print_bill(const TrainingBill& b) {
       r.gradient_checkpointing ? ", gradient checkpointing" : "", r.optim_offload ? ", optimizer offloaded" : "",
       a.world_size > 1 ? fmt::format("; per rank of {}{}", a.world_size, r.zero_stage ? " with ZeRO-1" : "")
                        : std::string());
+  std::cout << "arithmetic: " << describe_arithmetic(config, b.train_model.options(), b.train_model.backend()) << "\n";
   std::cout << fmt::format(
       "bytes live per phase of a training step, and in evaluation (per_device_eval_batch_size {}, its peak):\n",
       r.per_device_eval_batch_size);

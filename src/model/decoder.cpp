@@ -43,7 +43,8 @@ Decoder::Decoder(const ModelConfig& config, const ModelOptions& options, ModelPa
       host_plan_(std::make_unique<MemoryPlan>()),
       own_params_(borrowed ? nullptr : std::make_unique<ModelParameters>(config, options, *plan_, *host_plan_)),
       params_(borrowed ? borrowed : own_params_.get()),
-      buf_(declare_decoder_buffers(config, options, params_->specs(), *backend_, *plan_, *host_plan_)) {
+      buf_(declare_decoder_buffers(config, options, params_->specs(), *backend_, *plan_, *host_plan_)),
+      half_(sixteen_bit_operands(config, options, *backend_)) {
   if (options.max_tokens <= 0) throw Error(fmt::format("max_tokens must be positive, got {}", options.max_tokens));
   const KvCacheOptions& kv = options.kv_cache;
   if (options.inference()) {
@@ -76,6 +77,12 @@ Tensor Decoder::weight_f32(size_t p) {
   Tensor out = vector ? arena_->f32(buf_.vector_f32[phase], {w.numel()})
                       : arena_->f32(buf_.matrix_f32[phase], {w.rows(), w.cols()});
   backend_->convert(out, w);
+  return out;
+}
+
+Tensor Decoder::rounded(BufferId buffer, const Tensor& x) {
+  const Tensor out = arena_->view(buffer, *half_, {x.rows(), x.cols()});
+  backend_->convert(out, x);
   return out;
 }
 
@@ -258,7 +265,8 @@ Tensor Decoder::lora_input(int64_t l, LinearSite s, const Tensor& x) {
   return out;
 }
 
-void Decoder::linear_forward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& x, const Tensor& y) {
+void Decoder::linear_forward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& x, const Tensor& y,
+                             const Tensor& x16) {
   const ModelParameters::Linear lin = params_->linear(l, s);
   Backend& be = *backend_;
   if (linear_input_observer_) linear_input_observer_(l, s, x);
@@ -267,6 +275,9 @@ void Decoder::linear_forward(int64_t l, LinearSite s, const LayerActs& a, const 
   if (params_->quantized(lin.weight)) {
     be.quantized_matmul_forward(y, x, params_->quantized_param(lin.weight), lin.bias ? weight_f32(*lin.bias) : Tensor{},
                                 quantized_scratch(lin.in));
+  } else if (half_) {  // 16-bit operands: the weight as stored, the input rounded
+    be.matmul_forward(y, x16 ? x16 : rounded(buf_.half_input[static_cast<size_t>(arena_->phase())], x),
+                      params_->param(lin.weight), lin.bias ? weight_f32(*lin.bias) : Tensor{});
   } else {
     const Tensor w =
         num_tokens_ <= backend_->stored_weight_rows() ? params_->param(lin.weight) : weight_f32(lin.weight);
@@ -277,9 +288,11 @@ void Decoder::linear_forward(int64_t l, LinearSite s, const LayerActs& a, const 
 
 void Decoder::linear_group_forward(int64_t l, std::span<const SiteOutput> sites, const LayerActs& a,
                                       const Tensor& x) {
-  // Many rows widen each weight into one shared scratch buffer: one layer at a time.
-  if (num_tokens_ > backend_->stored_weight_rows()) {
-    for (const SiteOutput& s : sites) linear_forward(l, s.site, a, x, s.y);
+  // Many rows widen each weight into one shared scratch buffer: one layer at a time. With 16-bit
+  // products the input is rounded once for the group.
+  if (half_ || num_tokens_ > backend_->stored_weight_rows()) {
+    const Tensor x16 = half_ ? rounded(buf_.half_input[static_cast<size_t>(arena_->phase())], x) : Tensor{};
+    for (const SiteOutput& s : sites) linear_forward(l, s.site, a, x, s.y, x16);
     return;
   }
   constexpr size_t kMaxSites = 3;
@@ -362,11 +375,17 @@ void Decoder::linear_backward(int64_t l, LinearSite s, const LayerActs& a, const
                                  const Tensor& dx) {
   const ModelParameters::Linear lin = params_->linear(l, s);
   Backend& be = *backend_;
-  if (params_->quantized(lin.weight))  // frozen (QLoRA): only the input's gradient goes through it
+  if (params_->quantized(lin.weight)) {  // frozen (QLoRA): only the input's gradient goes through it
     be.quantized_matmul_backward_input(dx, dy, params_->quantized_param(lin.weight), quantized_scratch(lin.in));
-  else
+  } else if (half_) {  // 16-bit operands: dy rounded, and x too where the weight has a gradient
+    const Tensor dweight = base_grad_or_none(lin.weight);
+    const Tensor x16 = dweight ? rounded(buf_.half_input[static_cast<size_t>(arena_->phase())], x) : x;
+    be.matmul_backward(dx, dweight, lin.bias ? base_grad_or_none(*lin.bias) : Tensor{}, rounded(buf_.half_dout, dy),
+                       x16, params_->param(lin.weight), 1.0f);
+  } else {
     be.matmul_backward(dx, base_grad_or_none(lin.weight), lin.bias ? base_grad_or_none(*lin.bias) : Tensor{}, dy, x,
                        weight_f32(lin.weight), 1.0f);
+  }
   if (lin.lora < 0) return;
   // y += s * u B^T, u = xd A^T:  du = s dy B, dB += s dy^T u, dA += du^T xd, dxd = du A.
   const int64_t r = options_.lora.rank;
@@ -545,6 +564,7 @@ LossSum Decoder::run_step(const TokenBatch& batch, float* logits_out, bool backw
                   .observer = observer_,
                   .host_targets = batch_targets_,
                   .defer_sum = grads && defer_loss_sum_,
+                  .operands = half_.value_or(DType::F32),
                   .logits = A.f32(buf_.logits_chunk, {chunk, V}),
                   .rows = A.f32(buf_.rows, {chunk, D}),
                   .drows = A.f32(buf_.drows, {chunk, D}),

@@ -147,7 +147,9 @@ class Decoder {
   void layer_forward(int64_t l, const LayerActs& a, const Tensor& x, const Tensor& x_out);
   void layer_backward(int64_t l, const LayerActs& a, const Tensor& x, const Tensor& dstream);
   // y = x W^T + b (+ scaling * dropout(x) A^T B^T)
-  void linear_forward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& x, const Tensor& y);
+  // With 16-bit products, x16 may hold x already rounded (several products of one input).
+  void linear_forward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& x, const Tensor& y,
+                      const Tensor& x16 = {});
   // Linear layers of one input (q / k / v, gate / up) as one matmul_forward_group when decoding.
   struct SiteOutput {
     LinearSite site;
@@ -169,6 +171,8 @@ class Decoder {
   // current phase's conversion scratch (one for matrices, one for vectors, so a matmul's weight
   // and bias can be live together). Valid until the next call for a parameter of the same rank.
   Tensor weight_f32(size_t param);
+  // Mixed precision (half_): x rounded to the 16-bit dtype into `buffer` (one of buf_.half_*).
+  Tensor rounded(BufferId buffer, const Tensor& x);
   // The current phase's float32 scratch for a quantized matmul over `in` inputs (backend.h).
   Tensor quantized_scratch(int64_t in) const;
   // A float32 activation of the current micro-batch: [tokens, cols].
@@ -206,6 +210,7 @@ class Decoder {
   const ChunkLoss* loss_ = &kCrossEntropy;
   float grad_scale_ = 1.0f;
   bool defer_loss_sum_ = false;
+  std::optional<DType> half_;  // the 16-bit dtype the products take (sixteen_bit_operands)
   ChunkObserver* observer_ = nullptr;
   std::function<void(int64_t)> layer_grads_ready_;
   LinearInputObserver linear_input_observer_;

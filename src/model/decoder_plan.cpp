@@ -118,6 +118,33 @@ DecoderBuffers declare_inference_buffers(const ModelConfig& c, const ModelOption
 
 }  // namespace
 
+std::optional<DType> sixteen_bit_operands(const ModelConfig& c, const ModelOptions& o, const Backend& backend) {
+  if (o.compute_dtype == DType::F32 || o.inference() || c.quant.enabled() || c.torch_dtype != o.compute_dtype ||
+      backend.sixteen_bit_products(o.compute_dtype).empty())
+    return std::nullopt;
+  return o.compute_dtype;
+}
+
+std::string describe_arithmetic(const ModelConfig& c, const ModelOptions& o, const Backend& backend) {
+  const std::string storage(dtype_torch_name(c.torch_dtype));
+  if (const std::optional<DType> half = sixteen_bit_operands(c, o, backend))
+    return fmt::format(
+        "mixed precision: the linear layers' and the LM head's products take {} operands with float32 accumulation "
+        "({}); norms, attention, softmax, losses, gradients, master weights and AdamW stay float32",
+        dtype_torch_name(*half), backend.sixteen_bit_products(*half));
+  if (o.compute_dtype == DType::F32)
+    return c.torch_dtype == DType::F32 ? "float32"
+                                       : fmt::format("float32 ({} storage, widened as it is read)", storage);
+  std::string why;
+  if (c.quant.enabled())
+    why = "quantized weights take float32 inputs in training";
+  else if (c.torch_dtype != o.compute_dtype)
+    why = fmt::format("the weights are stored in {}", storage);
+  else
+    why = fmt::format("the {} backend has no {} products here", backend.name(), dtype_torch_name(o.compute_dtype));
+  return fmt::format("float32, not mixed precision: {} ({} storage)", why, storage);
+}
+
 DecoderBuffers declare_decoder_buffers(const ModelConfig& c, const ModelOptions& options_,
                                        const std::vector<ParamSpec>& specs_, const Backend& backend, MemoryPlan& plan,
                                        MemoryPlan& host_plan) {
@@ -158,6 +185,9 @@ DecoderBuffers declare_decoder_buffers(const ModelConfig& c, const ModelOptions&
         plan.declare(p + ".vector_f32", Category::Working, largest_vector * 4, ph, ph);
   };
   if (widen) declare_widening(F, largest_matrix);
+  const std::optional<DType> half = sixteen_bit_operands(c, options_, backend);
+  const size_t widest = std::max({D, I, qd});
+  if (half) b.half_input[static_cast<size_t>(F)] = plan.declare("forward.input_16bit", Category::Working, N * widest * 2, F, F);
 
   b.normed = plan.declare("loss.normed_hidden", Category::LossWorkspace, N * D * 4, L, L);
   const size_t max_rows =
@@ -186,8 +216,11 @@ DecoderBuffers declare_decoder_buffers(const ModelConfig& c, const ModelOptions&
     b.staging_row_losses = host_plan.declare_persistent("staging.row_losses", Category::LossWorkspace, N * 4);
   }
   if (widen) {
-    // The final norm's weight, and the LM head widened a vocabulary slice at a time.
+    // The final norm's weight, and the LM head widened a vocabulary slice at a time (not with
+    // 16-bit products: they read the head as stored).
     b.vector_f32[static_cast<size_t>(L)] = plan.declare("loss.vector_f32", Category::Working, largest_vector * 4, L, L);
+  }
+  if (widen && !half) {
     b.head_slice_rows = std::min<int64_t>(V, DecoderBuffers::kHeadSliceRows);
     b.head_slice = plan.declare("loss.head_weight_slice_f32", Category::LossWorkspace,
                                 static_cast<size_t>(b.head_slice_rows) * D * 4, L, L);
@@ -212,6 +245,10 @@ DecoderBuffers declare_decoder_buffers(const ModelConfig& c, const ModelOptions&
     if (options_.gradient_checkpointing)
       b.recompute = declare_layer_acts(c, options_, plan, "bwd.recompute.", Category::RecomputeScratch, B, B);
     if (widen) declare_widening(B, largest_matrix);
+    if (half) {
+      b.half_input[static_cast<size_t>(B)] = plan.declare("backward.input_16bit", Category::Working, N * widest * 2, B, B);
+      b.half_dout = plan.declare("backward.dout_16bit", Category::Working, N * widest * 2, B, B);
+    }
   } else {
     b.rstd_final = plan.declare("act.rstd_final", Category::LossWorkspace, N * 4, L, L);
   }

@@ -34,6 +34,10 @@ struct DecoderBuffers {
   std::vector<LayerActs> saved;                                 // per layer, without checkpointing
   LayerActs fwd_scratch{}, recompute{};                         // with checkpointing (or without gradients)
   std::array<BufferId, kNumPhases> matrix_f32{}, vector_f32{};  // 16-bit weights widened per phase
+  // Mixed precision: a product's input rounded to 16 bits (forward and backward), and the
+  // output gradient rounded (backward); [max_tokens, widest] each.
+  std::array<BufferId, kNumPhases> half_input{};
+  BufferId half_dout{};
   BufferId normed, rstd_final, dnormed;
   BufferId logits_chunk, rows, drows, loss_positions, row_targets, row_stats, head_slice{};
   int64_t chunk_rows = 1, head_slice_rows = 0;
@@ -69,6 +73,16 @@ struct DecoderBuffers {
 // and their logits [V, max_seqs] (loss), and the KV cache (persistent). The backend says how
 // much scratch its quantized products need, and whether logits chunks are staged on the host
 // (a backend whose memory the host cannot address).
+// The 16-bit dtype the decoder's products take (ModelOptions::compute_dtype) when they do: a
+// training model whose weights are stored in it, on a backend that has such products; nullopt
+// otherwise (float32 operands).
+std::optional<DType> sixteen_bit_operands(const ModelConfig& config, const ModelOptions& options, const Backend& backend);
+
+// What computes the products, for `memtune plan` and the training log: mixed precision (which
+// 16-bit dtype, what runs it) or float32 arithmetic, and why when mixed precision was asked for
+// and is not what runs.
+std::string describe_arithmetic(const ModelConfig& config, const ModelOptions& options, const Backend& backend);
+
 DecoderBuffers declare_decoder_buffers(const ModelConfig& config, const ModelOptions& options,
                                        const std::vector<ParamSpec>& specs, const Backend& backend, MemoryPlan& plan,
                                        MemoryPlan& host_plan);
