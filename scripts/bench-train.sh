@@ -7,8 +7,9 @@
 #   (tools/qwen2_reference.py train-bench, batch 4 x 512 random tokens; float32 only);
 # - Hugging Face Trainer itself (+ PEFT for LoRA) on the same model, data, batch and steps
 #   (bench/hf_trainer_bench.py train, in the pinned environment of scripts/prepare-hf-env.sh),
-#   float32 and, against `memtune train --bf16` (bfloat16 weights, float32 compute), Trainer's
-#   bf16=True (float32 weights, bfloat16 autocast on the CPU).
+#   float32 and, against `memtune train --bf16` (mixed precision: bfloat16 weights and products,
+#   float32 accumulation, masters and AdamW; oneDNN on the CPU's matrix units where it has them),
+#   Trainer's bf16=True (float32 weights, bfloat16 autocast on the CPU).
 # memtune's tokens/s is the mean of log.jsonl's tokens_per_second after the first step (all tokens
 # of a step: 4 examples of 501-510 tokens); its peak is memory.json's process_peak_rss_bytes.
 # Trainer's tokens/s is the mean over the steps after the first of the batch's non-pad tokens over
@@ -111,7 +112,8 @@ for tuner, precision, mt, pt, hf in rows:
     recorded.append(row)
 settings = {"batch": 4, "max_length": 512, "steps": int(steps),
             "hf_trainer": {k: rows[0][4][k] for k in ("transformers", "peft", "torch")},
-            "bf16": "memtune --bf16 stores the weights in bfloat16 and computes in float32; "
+            "bf16": "memtune --bf16: bfloat16 weights, bfloat16 operands with float32 accumulation in the "
+                    "linear layers' and the LM head's products (oneDNN), float32 masters and AdamW; "
                     "Trainer bf16=True keeps float32 weights and autocasts to bfloat16"}
 subprocess.run(["/usr/bin/python3", f"{root}/scripts/bench_results.py", "record", "train",
                 json.dumps(settings), json.dumps(recorded)], check=True)

@@ -43,6 +43,11 @@ def machine():
     if family and number:
         model += f" (family {family}, model {number})"
     simd = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "SSE"
+    # The matrix units bfloat16 products run on (oneDNN's choice follows them).
+    if "amx_bf16" in flags:
+        simd += " + AMX"
+    elif "avx512_bf16" in flags:
+        simd += " + BF16"
     return {"cpu": model, "simd": simd, "cores": os.cpu_count(),
             "threads": int(os.environ.get("OMP_NUM_THREADS", os.cpu_count()))}
 

@@ -182,6 +182,9 @@ class Backend {
   // weight, LmHeadArgs::operands), named for `memtune plan` (e.g. "oneDNN brg:avx512_core_bf16");
   // empty where this backend has none here. Then the model keeps float32 operands.
   virtual std::string sixteen_bit_products(DType) const { return {}; }
+  // Host memory those products' runtime holds beyond the arena (generated kernels, scratchpad
+  // pages): a term of the process prediction where a model takes them.
+  virtual size_t sixteen_bit_runtime_bytes() const { return 0; }
 
   // Device memory for an arena: zero-filled, page aligned. Host code must not dereference it.
   virtual void* allocate(size_t bytes) = 0;

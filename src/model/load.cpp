@@ -7,6 +7,7 @@
 
 #include "io/checkpoint.h"
 #include "io/quantized.h"
+#include "model/decoder_plan.h"
 #include "model/lora.h"
 
 namespace memtune {
@@ -56,6 +57,8 @@ void add_planned_terms(ProcessPlan& p, const Decoder& model, DType checkpoint_dt
                                                                                        q.groups(s.shape[1]), q.desc_act)));
   p.compute_runtime_bytes =
       (model.options().with_grads ? kTrainingRuntimeBytes : kForwardRuntimeBytes) + model.backend().runtime_bytes();
+  if (sixteen_bit_operands(model.config(), model.options(), model.backend()))
+    p.compute_runtime_bytes += model.backend().sixteen_bit_runtime_bytes();
   // With more than one rank, MPI's non-blocking allreduce (and ZeRO-1's reduce-scatter) copies
   // the gradients it reduces into buffers of its own while backward runs: about as many bytes as
   // the gradients themselves, so the term is their planned bytes (docs/benchmarks.md).

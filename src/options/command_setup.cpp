@@ -74,7 +74,7 @@ ModelOptions training_model_options(const TrainingArguments& args, int64_t max_t
   o.backend = &backend_named(args.backend);
   // --bf16 is Hugging Face's mixed precision (torch.autocast's products); --torch_dtype bfloat16
   // alone stores the weights in 16 bits and computes in float32. --fp16 stores in float16 and
-  // computes in float32: without loss scaling float16 would flush small gradients to zero.
+  // computes in float32: float16 products need AVX512-FP16 / AMX-FP16, untested so far.
   if (args.bf16) o.compute_dtype = DType::BF16;
   if (args.tuner_type == "lora") {
     o.lora.rank = args.lora_rank;

@@ -231,10 +231,12 @@ Input i32_input(std::string name, std::vector<int32_t> values) {
   return {std::move(name), {static_cast<int64_t>(values.size())}, DType::I32, false, {}, std::move(values)};
 }
 
-TEST(BackendOps, Matmul) {
-  const int64_t N = 5, C = 7, OC = 3;
-  check_case({.name = "matmul",
-              .inputs = {f32_input("x", {N, C}, 1), f32_input("w", {OC, C}, 2), f32_input("b", {OC}, 3)},
+// out = x w^T + b and its backward, x [N, C], w [OC, C], b [OC], with operands of `operands`.
+void check_matmul(std::string name, int64_t N, int64_t C, int64_t OC, DType operands) {
+  Input x = f32_input("x", {N, C}, 1), w = f32_input("w", {OC, C}, 2);
+  x.dtype = w.dtype = operands;
+  check_case({.name = std::move(name),
+              .inputs = {x, w, f32_input("b", {OC}, 3)},
               .outputs = {{"out", {N, OC}}},
               .forward =
                   [](Backend& be, const Views& in, const Views& out) {
@@ -245,8 +247,11 @@ TEST(BackendOps, Matmul) {
                   [](Backend& be, const Views& in, const Views&, const Views& dout, const Views& din) {
                     be.matmul_backward(din.at("x"), din.at("w"), din.at("b"), dout.at("out"), in.at("x"), in.at("w"),
                                        1.0f);
-                  }});
+                  },
+              .operands = operands});
 }
+
+TEST(BackendOps, Matmul) { check_matmul("matmul", 5, 7, 3, DType::F32); }
 
 // Few rows (decoding) against 16-bit weights widened in registers, and float32 weights through
 // the cpu backend's skinny kernel: widths with and without a tail of 16 columns.
@@ -273,24 +278,8 @@ TEST(BackendOps, MatmulFewRowsWithSixteenBitWeights) {
 // and with tails; the bias gradient sums the rounded output gradient.
 TEST(BackendOps, MatmulWithSixteenBitOperands) {
   for (const DType dt : {DType::BF16, DType::F16})
-    for (const auto& [N, C, OC] : {std::array<int64_t, 3>{37, 96, 80}, std::array<int64_t, 3>{130, 64, 33}}) {
-      Input x = f32_input("x", {N, C}, 1), w = f32_input("w", {OC, C}, 2);
-      x.dtype = w.dtype = dt;
-      check_case({.name = fmt::format("matmul {}x{}x{}, {} operands", N, C, OC, dtype_torch_name(dt)),
-                  .inputs = {x, w, f32_input("b", {OC}, 3)},
-                  .outputs = {{"out", {N, OC}}},
-                  .forward =
-                      [](Backend& be, const Views& in, const Views& out) {
-                        be.matmul_forward(out.at("out"), in.at("x"), in.at("w"), in.at("b"));
-                        return 0.0;
-                      },
-                  .backward =
-                      [](Backend& be, const Views& in, const Views&, const Views& dout, const Views& din) {
-                        be.matmul_backward(din.at("x"), din.at("w"), din.at("b"), dout.at("out"), in.at("x"),
-                                           in.at("w"), 1.0f);
-                      },
-                  .operands = dt});
-    }
+    for (const auto& [N, C, OC] : {std::array<int64_t, 3>{37, 96, 80}, std::array<int64_t, 3>{130, 64, 33}})
+      check_matmul(fmt::format("matmul {}x{}x{}, {} operands", N, C, OC, dtype_torch_name(dt)), N, C, OC, dt);
 }
 
 TEST(BackendOps, MatmulScaledAccumulate) {

@@ -4,7 +4,7 @@
 Every run records two figures in memory.json: process_predicted_peak_bytes (made before the
 model's memory exists, from the plan and the measured startup and data stages) and
 process_peak_rss_bytes (getrusage, after the run). Over a matrix of runs (full / LoRA x gradient
-checkpointing x float32 / bfloat16 training, the same models evaluated and generating, and a 2-rank data-parallel
+checkpointing x float32 / bfloat16 storage / --bf16 mixed-precision training, the same models evaluated and generating, and a 2-rank data-parallel
 run, and training and generation on the vulkan backend where a device is usable) the prediction
 must be within 10% of the measurement and never more than 5% below it.
 `memtune plan` with the run's own flags must predict what the run predicted, and a --host_memory
@@ -82,15 +82,16 @@ def main():
         rows.append((name, predicted, measured))
 
     def train_flags(out, tuner, ckpt, dtype, model=model):
+        precision = ["--bf16"] if dtype == "mixed" else ["--torch_dtype", dtype]
         flags = ["--model_name_or_path", model, "--train_file", train_file, "--output_dir", out, "--tuner_type", tuner,
-                 "--torch_dtype", dtype, "--per_device_train_batch_size", "8", "--max_length", "256", "--max_steps",
+                 *precision, "--per_device_train_batch_size", "8", "--max_length", "256", "--max_steps",
                  "4", "--logging_steps", "2", "--save_strategy", "no", "--system", SYSTEM]
         return flags + (["--gradient_checkpointing"] if ckpt else [])
 
     adapter = None
     for tuner in ("full", "lora"):
         for ckpt in (False, True):
-            for dtype in ("float32", "bfloat16"):
+            for dtype in ("float32", "bfloat16", "mixed"):
                 name = f"train {tuner}{' ckpt' if ckpt else ''} {dtype}"
                 out = work / name.replace(" ", "_")
                 flags = train_flags(out, tuner, ckpt, dtype)

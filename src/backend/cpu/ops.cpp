@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
 
 #include "core/dtype.h"
@@ -740,73 +741,28 @@ class HeadSlices {
   int64_t V_, D_;
 };
 
-// Mixed precision (LmHeadArgs::operands): the hidden rows are rounded to 16 bits as they are
-// gathered (into the rows buffer), the head is read as stored, whole; the loss's gradient times
-// grad_scale is rounded in place in the logits chunk (each row's 16-bit values in the first half
-// of its own bytes), and both backward products take it from there. Logits and gradients
-// accumulate in float32.
-LossSum lm_head_loss_16bit(const LmHeadArgs& a) {
-  const int64_t chunk_rows = a.logits.rows(), V = a.vocab(), D = a.hidden_size(), N = a.hidden.rows();
-  const DType dt = a.operands;
-  MT_ASSERT(chunk_rows > 0 && !a.quantized && a.weight.dtype == dt, "a 16-bit head product needs the head stored in 16 bits");
-  const bool backward = static_cast<bool>(a.dhidden);
-  const float* hidden = a.hidden.as<const float>();
-  const int32_t* targets = a.targets.as<const int32_t>();
-  float* logits = a.logits.as<float>();
-  auto* rows = a.rows.as<uint16_t>();  // [chunk_rows, D] 16-bit, in the float32 rows buffer
-  float* drows = a.drows.as<float>();
-  int32_t* positions = a.positions.as<int32_t>();
-  int32_t* row_targets = a.row_targets.as<int32_t>();
-  float* dhidden = a.dhidden.as<float>();
-  float* dweight = a.dweight.as<float>();
-  const void* W = a.weight.data;
-  int64_t count = 0;
-  for (int64_t n = 0; n < N; ++n) {
-    if (targets[n] == kIgnoreIndex) continue;
-    MT_ASSERT(targets[n] >= 0 && targets[n] < V, "target id out of range");
-    positions[count++] = static_cast<int32_t>(n);
-  }
-  if (backward) std::fill(dhidden, dhidden + N * D, 0.0f);
-  double total = 0.0;
-  for (int64_t c0 = 0; c0 < count; c0 += chunk_rows) {
-    const int64_t m = std::min(chunk_rows, count - c0);
-    const int32_t* pos = positions + c0;
-    for (int64_t r = 0; r < m; ++r) convert_from_f32(hidden + pos[r] * D, rows + r * D, dt, static_cast<size_t>(D));
-    // logits[m, V] = rows[m, D] @ W[V, D]^T
-    half_gemm(dt, m, V, D, {rows, D, 1}, {W, 1, D}, logits, V, false);
-    for (int64_t r = 0; r < m; ++r) row_targets[r] = targets[pos[r]];
-    if (a.observer) {
-      RowStats* stats = a.row_stats.as<RowStats>() + c0;
-#pragma omp parallel for schedule(static)
-      for (int64_t r = 0; r < m; ++r) stats[r] = row_stats(logits + r * V, V, row_targets[r]);
-      a.observer->observe_rows({stats, row_targets, pos, m});
-      if (a.observer->needs_logits()) a.observer->observe({logits, row_targets, pos, m, V});
-    }
-    total += a.loss->chunk(logits, row_targets, m, V, backward);
-    if (!backward) continue;
-    round_rows_in_place(logits, m, V, V, dt, a.grad_scale);
-    const HalfMatrix dlogits{logits, 2 * V, 1};
-    // drows[m, D] = dlogits[m, V] @ W[V, D];  dW[V, D] += dlogits^T @ rows
-    half_gemm(dt, m, D, V, dlogits, {W, D, 1}, drows, D, false);
-    if (dweight) half_gemm(dt, V, D, m, {logits, 1, 2 * V}, {rows, D, 1}, dweight, D, true);
-    for (int64_t r = 0; r < m; ++r) std::copy_n(drows + r * D, D, dhidden + pos[r] * D);
-  }
-  return LossSum{total, count};
-}
-
 }  // namespace
 
+// With 16-bit operands (LmHeadArgs::operands: mixed precision) the hidden rows are rounded as
+// they are gathered (into the first half of the float32 rows buffer) and the head is read whole
+// as stored; d(logits) x grad_scale is rounded in place in the logits chunk (each row's 16-bit
+// values in the first half of its own bytes, a row stride of 2V), where both backward products
+// read it. Logits and gradients accumulate in float32 either way.
 LossSum lm_head_loss(const LmHeadArgs& a) {
   const int64_t chunk_rows = a.logits.rows(), V = a.vocab(), D = a.hidden_size(), N = a.hidden.rows();
   MT_ASSERT(chunk_rows > 0);
   const bool backward = static_cast<bool>(a.dhidden);
-  if (a.operands != DType::F32) return lm_head_loss_16bit(a);
-  const HeadSlices head(a);
-  const int64_t S = head.slice_rows();
+  const DType half = a.operands;
+  MT_ASSERT(half == DType::F32 || (!a.quantized && a.weight.dtype == half),
+            "16-bit head products need the head stored in that dtype");
+  std::optional<HeadSlices> head;
+  if (half == DType::F32) head.emplace(a);
+  const int64_t S = head ? head->slice_rows() : V;
   const float* hidden = a.hidden.as<const float>();
   const int32_t* targets = a.targets.as<const int32_t>();
   float* logits = a.logits.as<float>();
   float* rows = a.rows.as<float>();
+  auto* rows16 = a.rows.as<uint16_t>();
   float* drows = a.drows.as<float>();
   int32_t* positions = a.positions.as<int32_t>();
   int32_t* row_targets = a.row_targets.as<int32_t>();
@@ -824,11 +780,17 @@ LossSum lm_head_loss(const LmHeadArgs& a) {
   for (int64_t c0 = 0; c0 < count; c0 += chunk_rows) {
     const int64_t m = std::min(chunk_rows, count - c0);
     const int32_t* pos = positions + c0;
-    for (int64_t r = 0; r < m; ++r) std::copy_n(hidden + pos[r] * D, D, rows + r * D);
-    for (int64_t v0 = 0; v0 < V; v0 += S) {
-      const int64_t v1 = std::min(V, v0 + S);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, v1 - v0, D, 1.0f, rows, D, head.slice(v0, v1), D, 0.0f,
-                  logits + v0, V);
+    if (head) {
+      for (int64_t r = 0; r < m; ++r) std::copy_n(hidden + pos[r] * D, D, rows + r * D);
+      for (int64_t v0 = 0; v0 < V; v0 += S) {
+        const int64_t v1 = std::min(V, v0 + S);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, v1 - v0, D, 1.0f, rows, D, head->slice(v0, v1), D,
+                    0.0f, logits + v0, V);
+      }
+    } else {  // logits[m, V] = rows[m, D] @ W[V, D]^T
+      for (int64_t r = 0; r < m; ++r)
+        convert_from_f32(hidden + pos[r] * D, rows16 + r * D, half, static_cast<size_t>(D));
+      half_gemm(half, m, V, D, {rows16, D, 1}, {a.weight.data, 1, D}, logits, V, false);
     }
 
     for (int64_t r = 0; r < m; ++r) row_targets[r] = targets[pos[r]];
@@ -841,15 +803,21 @@ LossSum lm_head_loss(const LmHeadArgs& a) {
     }
     total += a.loss->chunk(logits, row_targets, m, V, backward);
     if (!backward) continue;
-    // drows = dlogits @ W and dW += dlogits^T @ rows, one vocabulary slice at a time.
-    for (int64_t v0 = 0; v0 < V; v0 += S) {
-      const int64_t v1 = std::min(V, v0 + S);
-      const float* w = head.slice(v0, v1);
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, D, v1 - v0, a.grad_scale, logits + v0, V, w, D,
-                  v0 == 0 ? 0.0f : 1.0f, drows, D);
-      if (dweight)
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, v1 - v0, D, m, a.grad_scale, logits + v0, V, rows, D, 1.0f,
-                    dweight + v0 * D, D);
+    // drows = dlogits @ W and dW += dlogits^T @ rows (float32: one vocabulary slice at a time).
+    if (head) {
+      for (int64_t v0 = 0; v0 < V; v0 += S) {
+        const int64_t v1 = std::min(V, v0 + S);
+        const float* w = head->slice(v0, v1);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, D, v1 - v0, a.grad_scale, logits + v0, V, w, D,
+                    v0 == 0 ? 0.0f : 1.0f, drows, D);
+        if (dweight)
+          cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, v1 - v0, D, m, a.grad_scale, logits + v0, V, rows, D,
+                      1.0f, dweight + v0 * D, D);
+      }
+    } else {
+      round_rows_in_place(logits, m, V, V, half, a.grad_scale);
+      half_gemm(half, m, D, V, {logits, 2 * V, 1}, {a.weight.data, D, 1}, drows, D, false);
+      if (dweight) half_gemm(half, V, D, m, {logits, 1, 2 * V}, {rows16, D, 1}, dweight, D, true);
     }
     for (int64_t r = 0; r < m; ++r) std::copy_n(drows + r * D, D, dhidden + pos[r] * D);
   }
