@@ -143,6 +143,6 @@ for tuner, precision, mt, pt, hf in rows:
     print(f"{tuner:<6} {precision:<9} {mt['tokens_per_s']:>14.0f} {hf['tokens_per_s']:>14.0f} {speed:>6.2f}x "
           f"{mib(mt['peak_rss_bytes']):>12} {mib(hf['peak_rss_bytes']):>12} {mem:>6.3f}x  {verdict}")
 print(f"targets: memtune >= {speed_target}x Trainer's tokens/s at <= {memory_target}x its peak RSS, same "
-      f"precision (both count the non-pad tokens of the same batches; bf16: memtune --bf16 stores the "
-      f"weights in bfloat16 and computes in float32, Trainer bf16=True autocasts float32 weights)")
+      f"precision (both count the non-pad tokens of the same batches; bf16: memtune --bf16 is mixed "
+      f"precision, bfloat16 weights and products; Trainer bf16=True autocasts float32 weights)")
 EOF
