@@ -296,6 +296,39 @@ INSTANTIATE_TEST_SUITE_P(Configs, BackendModelTest,
                                            std::tuple{DType::BF16, false, DType::BF16},
                                            std::tuple{DType::BF16, true, DType::BF16}));
 
+// Mixed precision keeps the plan exact (arena == plan) and allocates nothing sized by the data
+// inside a step: what a step allocates is oneDNN's own table of each call's arguments (a few
+// small blocks per product, freed before the call returns), the same for 20 tokens as for 47.
+TEST(Qwen2, MixedPrecisionStepsAllocateOnlyOneDnnsPerCallTables) {
+  if (backend_named("cpu").sixteen_bit_products(DType::BF16).empty())
+    GTEST_SKIP() << "the cpu backend has no bfloat16 products on this CPU";
+  ModelOptions opt;
+  opt.max_tokens = 48;
+  opt.compute_dtype = DType::BF16;
+  opt.loss_workspace_bytes = 16 * 512 * 4;
+  Decoder model(tiny(DType::BF16, false), opt);
+  model.arena().set_poison_on_release(true);
+  model.parameters().init_random(1);
+  auto step = [&](const Sample& s) {
+    model.parameters().zero_grads();
+    const HeapAllocations before = heap_allocations();
+    EXPECT_TRUE(std::isfinite(model.forward_backward(s.batch()).sum));
+    return heap_allocations() - before;
+  };
+  const Sample small = make_sample({20}, 512, 2), large = make_sample({20, 1, 26}, 512, 3);
+  step(small), step(large);  // warm-up: each shape's primitives are made once
+  const HeapAllocations a = step(small), b = step(large), c = step(small);
+  EXPECT_EQ(a.count, c.count);
+  EXPECT_EQ(a.bytes, c.bytes);
+  EXPECT_LT(b.bytes, 2 * a.bytes + 4096) << "allocations grow with the batch";
+  EXPECT_LT(a.bytes, size_t{256} << 10);
+  EXPECT_EQ(model.arena().high_water_bytes(), model.plan().peak_bytes());
+  RecordProperty("heap_allocations_per_step", std::to_string(a.count));
+  std::printf("a mixed-precision step (20 tokens): %llu allocations, %llu bytes; 47 tokens: %llu, %llu\n",
+              static_cast<unsigned long long>(a.count), static_cast<unsigned long long>(a.bytes),
+              static_cast<unsigned long long>(b.count), static_cast<unsigned long long>(b.bytes));
+}
+
 // Mixed precision changes the arithmetic, not the function: a bfloat16-operand step's loss and
 // gradients stay within bfloat16's precision of the float32-arithmetic step on the same weights,
 // and differ from it (the rounding happens).

@@ -11,6 +11,7 @@
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <unordered_map>
 
 #include "core/error.h"
 
@@ -78,30 +79,30 @@ class Engine {
 
   int64_t run(const Shape& s, HalfMatrix A, HalfMatrix B, float* C) {
     std::lock_guard lock(mutex_);
-    const Entry& e = entry(s);
-    const memory::data_type t = onednn_type(s.dtype);
-    const memory::desc b_desc({s.K, s.N}, t, memory::dims{s.b_row, s.b_col});
-    memory b(b_desc, engine_, const_cast<void*>(B.data));
-    memory scratchpad(memory::desc({static_cast<int64_t>(kHalfGemmScratchpadBytes)}, memory::data_type::u8,
-                                   memory::dims{1}),
-                      engine_, scratchpad_);
-    const size_t element = dtype_size(s.dtype);
+    Entry& e = entry(s);
+    const int64_t element = static_cast<int64_t>(dtype_size(s.dtype));
     for (int64_t r0 = 0; r0 < s.M; r0 += e.piece_rows) {
-      const int64_t rows = std::min(e.piece_rows, s.M - r0);
-      const dnnl::matmul& mm = rows == e.piece_rows ? e.piece : e.last;
-      memory a(memory::desc({rows, s.K}, t, memory::dims{s.a_row, s.a_col}), engine_,
-               const_cast<char*>(static_cast<const char*>(A.data)) + r0 * s.a_row * static_cast<int64_t>(element));
-      memory c(memory::desc({rows, s.N}, memory::data_type::f32, memory::dims{s.ldc, 1}), engine_, C + r0 * s.ldc);
-      mm.execute(stream_, {{DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, b}, {DNNL_ARG_DST, c}, {DNNL_ARG_SCRATCHPAD, scratchpad}});
+      Call& call = std::min(e.piece_rows, s.M - r0) == e.piece_rows ? e.piece : e.last;
+      // The memory objects were made with the primitive: a call only points them at its data.
+      call.args.at(DNNL_ARG_SRC).set_data_handle(
+          const_cast<char*>(static_cast<const char*>(A.data)) + r0 * s.a_row * element);
+      call.args.at(DNNL_ARG_WEIGHTS).set_data_handle(const_cast<void*>(B.data));
+      call.args.at(DNNL_ARG_DST).set_data_handle(C + r0 * s.ldc);
+      call.matmul.execute(stream_, call.args);
     }
     stream_.wait();
     return e.piece_rows;
   }
 
  private:
+  // One primitive with its arguments (the operands' memory objects and the shared scratchpad).
+  struct Call {
+    dnnl::matmul matmul;
+    std::unordered_map<int, memory> args;
+  };
   struct Entry {
     int64_t piece_rows;
-    dnnl::matmul piece, last;
+    Call piece, last;
   };
   // Shapes change with every micro-batch's token count; a long run meets many, so the cache is
   // bounded (making a primitive costs a fraction of a millisecond).
@@ -110,9 +111,23 @@ class Engine {
   Engine() : engine_(dnnl::engine::kind::cpu, 0), stream_(engine_) {
     scratchpad_ = mmap(nullptr, kHalfGemmScratchpadBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (scratchpad_ == MAP_FAILED) throw Error("could not map the 16-bit products' scratchpad");
+    scratchpad_memory_ = memory(memory::desc({static_cast<int64_t>(kHalfGemmScratchpadBytes)}, memory::data_type::u8,
+                                             memory::dims{1}),
+                                engine_, scratchpad_);
   }
 
-  const Entry& entry(const Shape& s) {
+  Call call(const Shape& s, const dnnl::matmul::primitive_desc& pd, int64_t rows) {
+    const memory::data_type t = onednn_type(s.dtype);
+    std::unordered_map<int, memory> args;
+    args.emplace(DNNL_ARG_SRC, memory(memory::desc({rows, s.K}, t, memory::dims{s.a_row, s.a_col}), engine_, nullptr));
+    args.emplace(DNNL_ARG_WEIGHTS, memory(memory::desc({s.K, s.N}, t, memory::dims{s.b_row, s.b_col}), engine_, nullptr));
+    args.emplace(DNNL_ARG_DST,
+                 memory(memory::desc({rows, s.N}, memory::data_type::f32, memory::dims{s.ldc, 1}), engine_, nullptr));
+    args.emplace(DNNL_ARG_SCRATCHPAD, scratchpad_memory_);
+    return {dnnl::matmul(pd), std::move(args)};
+  }
+
+  Entry& entry(const Shape& s) {
     auto it = cache_.find(s);
     if (it != cache_.end()) return it->second;
     if (cache_.size() >= kMaxPrimitives) cache_.clear();
@@ -129,13 +144,14 @@ class Engine {
       pd = describe(s, rows);
     }
     const int64_t tail = s.M % rows;
-    Entry e{rows, dnnl::matmul(pd), tail ? dnnl::matmul(describe(s, tail)) : dnnl::matmul(pd)};
+    Entry e{rows, call(s, pd, rows), call(s, tail ? describe(s, tail) : pd, tail ? tail : rows)};
     return cache_.emplace(s, std::move(e)).first->second;
   }
 
   dnnl::engine engine_;
   dnnl::stream stream_;
   void* scratchpad_ = nullptr;
+  memory scratchpad_memory_;
   std::mutex mutex_;
   std::map<Shape, Entry> cache_;
   std::map<DType, std::string> kernels_;
