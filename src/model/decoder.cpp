@@ -275,7 +275,7 @@ void Decoder::linear_forward(int64_t l, LinearSite s, const LayerActs& a, const 
   if (params_->quantized(lin.weight)) {
     be.quantized_matmul_forward(y, x, params_->quantized_param(lin.weight), lin.bias ? weight_f32(*lin.bias) : Tensor{},
                                 quantized_scratch(lin.in));
-  } else if (half_) {  // 16-bit operands: the weight as stored, the input rounded
+  } else if (sixteen_bit_step()) {  // 16-bit operands: the weight as stored, the input rounded
     be.matmul_forward(y, x16 ? x16 : rounded(buf_.half_input[static_cast<size_t>(arena_->phase())], x),
                       params_->param(lin.weight), lin.bias ? weight_f32(*lin.bias) : Tensor{});
   } else {
@@ -290,8 +290,9 @@ void Decoder::linear_group_forward(int64_t l, std::span<const SiteOutput> sites,
                                       const Tensor& x) {
   // Many rows widen each weight into one shared scratch buffer: one layer at a time. With 16-bit
   // products the input is rounded once for the group.
-  if (half_ || num_tokens_ > backend_->stored_weight_rows()) {
-    const Tensor x16 = half_ ? rounded(buf_.half_input[static_cast<size_t>(arena_->phase())], x) : Tensor{};
+  if (sixteen_bit_step() || num_tokens_ > backend_->stored_weight_rows()) {
+    const Tensor x16 =
+        sixteen_bit_step() ? rounded(buf_.half_input[static_cast<size_t>(arena_->phase())], x) : Tensor{};
     for (const SiteOutput& s : sites) linear_forward(l, s.site, a, x, s.y, x16);
     return;
   }

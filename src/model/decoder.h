@@ -211,6 +211,12 @@ class Decoder {
   float grad_scale_ = 1.0f;
   bool defer_loss_sum_ = false;
   std::optional<DType> half_;  // the 16-bit dtype the products take (sixteen_bit_operands)
+  // Whether this step's linear products take 16-bit operands: every training step; an inference
+  // step with more rows than the backend reads 16-bit weights as stored for (prefill), while
+  // decoding keeps float32 inputs against the 16-bit weights.
+  bool sixteen_bit_step() const {
+    return half_ && (!options_.inference() || num_tokens_ > backend_->stored_weight_rows());
+  }
   ChunkObserver* observer_ = nullptr;
   std::function<void(int64_t)> layer_grads_ready_;
   LinearInputObserver linear_input_observer_;

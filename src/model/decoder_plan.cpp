@@ -81,6 +81,12 @@ DecoderBuffers declare_inference_buffers(const ModelConfig& c, const ModelOption
   for (int i = 0; i < 2; ++i)
     b.residual.push_back(plan.declare(fmt::format("act.x{}", i), Category::Working, N * D * 4, F, L));
   b.fwd_scratch = declare_layer_acts(c, o, plan, "fwd.layer.", Category::Working, F, F);
+  // 16-bit products for steps of many rows (prefill); decoding's few rows read 16-bit weights
+  // with float32 inputs (Decoder::sixteen_bit_step).
+  if (sixteen_bit_operands(c, o, backend) && o.max_tokens > backend.stored_weight_rows())
+    b.half_input[static_cast<size_t>(F)] = plan.declare(
+        "forward.input_16bit", Category::Working, N * std::max({D, static_cast<size_t>(c.intermediate_size),
+                                                                static_cast<size_t>(c.q_dim())}) * 2, F, F);
   if (c.torch_dtype != DType::F32 || c.quant.enabled()) {
     b.matrix_f32[static_cast<size_t>(F)] =
         plan.declare("forward.matrix_f32", Category::Working, layer_matrix_scratch_elems(c, specs, backend) * 4, F, F);
@@ -119,7 +125,7 @@ DecoderBuffers declare_inference_buffers(const ModelConfig& c, const ModelOption
 }  // namespace
 
 std::optional<DType> sixteen_bit_operands(const ModelConfig& c, const ModelOptions& o, const Backend& backend) {
-  if (o.compute_dtype == DType::F32 || o.inference() || c.quant.enabled() || c.torch_dtype != o.compute_dtype ||
+  if (o.compute_dtype == DType::F32 || c.quant.enabled() || c.torch_dtype != o.compute_dtype ||
       backend.sixteen_bit_products(o.compute_dtype).empty())
     return std::nullopt;
   return o.compute_dtype;

@@ -28,6 +28,9 @@ ModelOptions inference_model_options(const ModelConfig& config, const InferenceL
   o.max_tokens = limits.max_num_batched_tokens;
   o.with_grads = false;
   o.loss_workspace_bytes = 0;
+  // A bfloat16 model computes as Hugging Face and vLLM compute it: steps of many rows (prefill)
+  // take bfloat16 operands with float32 accumulation where the backend has such products.
+  if (config.torch_dtype == DType::BF16) o.compute_dtype = DType::BF16;
   o.backend = backend;
   o.allocate = allocate;
   KvCacheOptions& kv = o.kv_cache;

@@ -188,6 +188,39 @@ std::vector<std::vector<int32_t>> tokens_of(const std::vector<GenerationResult>&
   return out;
 }
 
+// A bfloat16 model's prefill (more rows than decoding's products read 16-bit weights as stored
+// for) takes bfloat16 operands with float32 accumulation, as Hugging Face and vLLM compute such a
+// model: its logits agree with the reference backend's, which rounds at the same points and sums
+// exact products, and lie within bfloat16's precision of float32 arithmetic (and differ from it).
+TEST(Generator, ABfloat16ModelsPrefillTakesBfloat16ProductsAsTheReferenceDoes) {
+  if (backend_named("cpu").sixteen_bit_products(DType::BF16).empty())
+    GTEST_SKIP() << "the cpu backend has no bfloat16 products on this CPU";
+  const ModelConfig c = tiny(DType::BF16);
+  const int64_t P = 40;
+  const std::vector<int32_t> tokens = random_ids(P, c.vocab_size, 5);
+  auto last_logits = [&](const char* backend, DType compute) {
+    ModelOptions o = inference_model_options(c, limits(64, 1, 64), &backend_named(backend));
+    EXPECT_EQ(o.compute_dtype, DType::BF16) << "a bfloat16 model's inference options";
+    o.compute_dtype = compute;
+    o.host_logits = true;
+    Decoder m(c, o);
+    m.parameters().init_random(kWeightsSeed);
+    const std::vector<int32_t> cu = {0, static_cast<int32_t>(P)}, ctx = {static_cast<int32_t>(P)},
+                               blocks = {0, 1, 2, 3}, sample = {0};
+    const StepLogits l = m.generation_step(
+        {.input_ids = tokens, .cu_seqlens = cu, .context_lens = ctx, .block_tables = blocks, .sample_seqs = sample});
+    return std::vector<float>(l.row(0), l.row(0) + c.vocab_size);
+  };
+  const std::vector<float> cpu = last_logits("cpu", DType::BF16), reference = last_logits("reference", DType::BF16),
+                           float32 = last_logits("cpu", DType::F32);
+  const testing_support::Difference same = testing_support::difference(cpu, reference),
+                                    rounded = testing_support::difference(cpu, float32);
+  EXPECT_TRUE(same.ok() && same.worst < 2e-5) << same.describe();
+  EXPECT_TRUE(rounded.ok() && rounded.worst > 1e-4 && rounded.worst < 5e-2) << rounded.describe();
+  std::printf("prefill logits, cpu against the reference: %s; against float32 arithmetic: %s\n",
+              same.describe().c_str(), rounded.describe().c_str());
+}
+
 TEST(Generator, BatchedChunkedAndWaitingRequestsGiveTheSameTokensAsOneByOne) {
   const ModelConfig c = tiny();
   const std::vector<GenerationRequest> rs = mixed_requests(c);
