@@ -37,8 +37,9 @@ TEST(CpuSixteenBitProducts, Bfloat16KernelsExactlyWhereTheCpuHasBfloat16Instruct
   std::printf("CPU bfloat16 instructions: %s; ONEDNN_MAX_CPU_ISA=%s; bfloat16 products: %s\n",
               hardware ? "yes" : "no", isa.c_str(), kernel.empty() ? "none (float32 arithmetic)" : kernel.c_str());
   EXPECT_EQ(!kernel.empty(), hardware && !capped_below) << kernel;
-  if (!kernel.empty() && cpu_has("amx_bf16") && !capped_below && isa != "AVX512_CORE_BF16")
+  if (!kernel.empty() && cpu_has("amx_bf16") && !capped_below && isa != "AVX512_CORE_BF16") {
     EXPECT_NE(kernel.find("amx"), std::string::npos) << "a CPU with AMX tiles should run them: " << kernel;
+  }
 }
 
 // A product whose primitive wants more scratchpad than allowed runs in pieces of output rows,
