@@ -18,6 +18,7 @@ Run it with Debian's /usr/bin/python3 (torch + numpy); it has no other dependenc
     qwen2_reference.py train-bench --model DIR --batch B --seq T --steps N [--threads K]
                                    [--tuner full|lora] [--lora_rank R] [--lora_alpha A]
                                    [--target_modules all-linear|NAME...] [--lr LR] [--device cuda]
+                                   [--autocast bf16]
     qwen2_reference.py eval-bench --model DIR --batch B --seq T --num_sequences S
                                   [--threads K] [--mode full|argmax]
 """
@@ -624,14 +625,16 @@ def new_lora_adapter(cfg, r, alpha, targets, gen):
 
 
 def train_bench(model_dir, batch, seq, steps, threads, tuner, lora_rank, lora_alpha,
-                target_modules, lr, device="cpu"):
+                target_modules, lr, device="cpu", autocast=None):
     """Eager PyTorch fine-tuning throughput, written the way a Hugging Face Trainer step runs:
     forward with materialized logits, ForCausalLMLoss, backward, clip_grad_norm_(1.0),
     AdamW.step, zero_grad(set_to_none=True); `steps` optimizer steps on one batch of random
     tokens (labels = input_ids), the first a warm-up that is not timed. tuner "full" trains
     every parameter in float32; "lora" freezes the base and trains fresh PEFT-style adapters.
     device "cuda" runs it on the GPU (the same float32 arithmetic; the weights, adapters and
-    batch are made on the host with the same seeds, then moved)."""
+    batch are made on the host with the same seeds, then moved). autocast "bf16" runs the forward
+    and the loss under torch.autocast with bfloat16 (float32 weights, gradients and AdamW), as
+    Trainer's bf16=True does."""
     torch.set_num_threads(threads)
     cfg, params = load_model(model_dir)
     gen = torch.Generator().manual_seed(0)
@@ -658,8 +661,9 @@ def train_bench(model_dir, batch, seq, steps, threads, tuner, lora_rank, lora_al
     synchronize = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
 
     def step():
-        logits = forward(cfg, params, input_ids, lora)
-        loss = hf_causal_lm_loss(logits, labels)
+        with torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=autocast == "bf16"):
+            logits = forward(cfg, params, input_ids, lora)
+            loss = hf_causal_lm_loss(logits, labels)
         del logits
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, 1.0)
@@ -681,6 +685,7 @@ def train_bench(model_dir, batch, seq, steps, threads, tuner, lora_rank, lora_al
         "threads": threads,
         "tuner": tuner,
         "device": device,
+        "autocast": autocast,
         "trainable_parameters": sum(p.numel() for p in trainable),
     }
     if device.startswith("cuda"):
@@ -797,6 +802,8 @@ def main(argv):
                          help=f"all-linear, or names among {list(LORA_TARGETS)}")
     p_train.add_argument("--lr", type=float, default=1e-4)
     p_train.add_argument("--device", default="cpu", help="cpu, or cuda to time the step on the GPU")
+    p_train.add_argument("--autocast", choices=("bf16",), default=None,
+                         help="the forward and loss under bfloat16 autocast (Trainer's bf16=True)")
     p_eval = sub.add_parser("eval-bench", parents=[shape], help="time and measure a Trainer-style "
                             "evaluation loop that keeps full logits or their argmax for compute_metrics")
     p_eval.add_argument("--num_sequences", type=int, required=True)
@@ -833,7 +840,8 @@ def main(argv):
                        args.mode)
         else:
             train_bench(args.model, args.batch, args.seq, args.steps, args.threads, args.tuner,
-                        args.lora_rank, args.lora_alpha, args.target_modules, args.lr, args.device)
+                        args.lora_rank, args.lora_alpha, args.target_modules, args.lr, args.device,
+                        args.autocast)
     except (ValueError, KeyError, OSError) as e:
         sys.exit(f"qwen2_reference: error: {e}")
 
