@@ -346,6 +346,7 @@ void TrainingRun::build_model() {
       o.lora.enabled() ? fmt::format("LoRA r={} on {}", o.lora.rank, fmt::join(o.lora.target_names(), ","))
                        : std::string("full fine-tuning"),
       o.max_tokens, total_steps_, steps_per_epoch_);
+  out_ << "arithmetic: " << describe_arithmetic(config, o, model_->backend()) << "\n";
   if (comm_.world_size() > 1)
     out_ << fmt::format("data parallel: {} ranks{}, {} sequences per optimizer step ({} per rank x {} accumulation)\n",
                         comm_.world_size(), o.shards_optimizer() ? " with ZeRO-1" : "",

@@ -12,6 +12,7 @@
 #include "model/decoder.h"
 #include "support/run_command.h"
 #include "data/synthetic_tokenizer.h"
+#include "backend/registry.h"
 #include "support/test_util.h"
 
 namespace memtune {
@@ -35,6 +36,30 @@ TEST(PlanCommand, RealSizePresetsArePlannedWithTheirPublishedParameterCounts) {
   EXPECT_GT(p72["categories"]["optimizer_state"].get<double>(), 2 * 4 * 72e9);
   for (const char* key : {"peak_bytes", "categories", "phases", "training", "evaluation"})
     EXPECT_TRUE(p72.contains(key)) << key;
+}
+
+// The arithmetic a run gets: --bf16 is mixed precision where the cpu backend has bfloat16
+// products (and its plan holds the rounded operands), float32 with the reason where it has none;
+// --torch_dtype bfloat16 alone is 16-bit storage with float32 arithmetic.
+TEST(PlanCommand, SaysWhichArithmeticTheRunGets) {
+  const bool products = !backend_named("cpu").sixteen_bit_products(DType::BF16).empty();
+  const json mixed = plan("--preset qwen2.5-0.5b --bf16 --max_length 512"),
+             storage = plan("--preset qwen2.5-0.5b --torch_dtype bfloat16 --max_length 512");
+  const std::string m = mixed["arithmetic"], s = storage["arithmetic"];
+  if (products) {
+    EXPECT_TRUE(m.starts_with("mixed precision: ") && m.find("oneDNN") != std::string::npos) << m;
+    // The products' inputs and output gradients rounded to bfloat16 are working memory; the
+    // head's float32 slice buffer is gone.
+    EXPECT_GT(mixed["categories"]["working"].get<double>(), storage["categories"]["working"].get<double>());
+  } else {
+    EXPECT_TRUE(m.starts_with("float32, not mixed precision: the cpu backend has no bfloat16 products")) << m;
+  }
+  EXPECT_EQ(s, "float32 (bfloat16 storage, widened as it is read)");
+  const auto vulkan = testing_support::run_memtune(
+      "plan --preset qwen2.5-0.5b --bf16 --backend vulkan --vulkan_max_allocation 1GiB --device_memory 8GiB");
+  ASSERT_EQ(vulkan.status, 0) << vulkan.output;
+  EXPECT_CONTAINS(vulkan.output,
+                  "\narithmetic: float32, not mixed precision: the vulkan backend has no bfloat16 products here");
 }
 
 TEST(PlanCommand, BudgetCheckAndCheckpointingLever) {
