@@ -80,7 +80,8 @@ Tensor Decoder::weight_f32(size_t p) {
   return out;
 }
 
-Tensor Decoder::rounded(BufferId buffer, const Tensor& x) {
+Tensor Decoder::rounded(const Tensor& x, bool dout) {
+  const BufferId buffer = dout ? buf_.half_dout : buf_.half_input[static_cast<size_t>(arena_->phase())];
   const Tensor out = arena_->view(buffer, *half_, {x.rows(), x.cols()});
   backend_->convert(out, x);
   return out;
@@ -276,8 +277,7 @@ void Decoder::linear_forward(int64_t l, LinearSite s, const LayerActs& a, const 
     be.quantized_matmul_forward(y, x, params_->quantized_param(lin.weight), lin.bias ? weight_f32(*lin.bias) : Tensor{},
                                 quantized_scratch(lin.in));
   } else if (sixteen_bit_step()) {  // 16-bit operands: the weight as stored, the input rounded
-    be.matmul_forward(y, x16 ? x16 : rounded(buf_.half_input[static_cast<size_t>(arena_->phase())], x),
-                      params_->param(lin.weight), lin.bias ? weight_f32(*lin.bias) : Tensor{});
+    be.matmul_forward(y, x16 ? x16 : rounded(x), params_->param(lin.weight), lin.bias ? weight_f32(*lin.bias) : Tensor{});
   } else {
     const Tensor w =
         num_tokens_ <= backend_->stored_weight_rows() ? params_->param(lin.weight) : weight_f32(lin.weight);
@@ -291,8 +291,7 @@ void Decoder::linear_group_forward(int64_t l, std::span<const SiteOutput> sites,
   // Many rows widen each weight into one shared scratch buffer: one layer at a time. With 16-bit
   // products the input is rounded once for the group.
   if (sixteen_bit_step() || num_tokens_ > backend_->stored_weight_rows()) {
-    const Tensor x16 =
-        sixteen_bit_step() ? rounded(buf_.half_input[static_cast<size_t>(arena_->phase())], x) : Tensor{};
+    const Tensor x16 = sixteen_bit_step() ? rounded(x) : Tensor{};
     for (const SiteOutput& s : sites) linear_forward(l, s.site, a, x, s.y, x16);
     return;
   }
@@ -378,11 +377,10 @@ void Decoder::linear_backward(int64_t l, LinearSite s, const LayerActs& a, const
   Backend& be = *backend_;
   if (params_->quantized(lin.weight)) {  // frozen (QLoRA): only the input's gradient goes through it
     be.quantized_matmul_backward_input(dx, dy, params_->quantized_param(lin.weight), quantized_scratch(lin.in));
-  } else if (half_) {  // 16-bit operands: dy rounded, and x too where the weight has a gradient
+  } else if (sixteen_bit_step()) {  // 16-bit operands: dy rounded, and x too where the weight has a gradient
     const Tensor dweight = base_grad_or_none(lin.weight);
-    const Tensor x16 = dweight ? rounded(buf_.half_input[static_cast<size_t>(arena_->phase())], x) : x;
-    be.matmul_backward(dx, dweight, lin.bias ? base_grad_or_none(*lin.bias) : Tensor{}, rounded(buf_.half_dout, dy),
-                       x16, params_->param(lin.weight), 1.0f);
+    be.matmul_backward(dx, dweight, lin.bias ? base_grad_or_none(*lin.bias) : Tensor{}, rounded(dy, true),
+                       dweight ? rounded(x) : x, params_->param(lin.weight), 1.0f);
   } else {
     be.matmul_backward(dx, base_grad_or_none(lin.weight), lin.bias ? base_grad_or_none(*lin.bias) : Tensor{}, dy, x,
                        weight_f32(lin.weight), 1.0f);

@@ -171,8 +171,9 @@ class Decoder {
   // current phase's conversion scratch (one for matrices, one for vectors, so a matmul's weight
   // and bias can be live together). Valid until the next call for a parameter of the same rank.
   Tensor weight_f32(size_t param);
-  // Mixed precision (half_): x rounded to the 16-bit dtype into `buffer` (one of buf_.half_*).
-  Tensor rounded(BufferId buffer, const Tensor& x);
+  // Mixed precision (half_): x rounded to the 16-bit dtype into the current phase's input buffer,
+  // or, for an output gradient (dout), into the backward's dout buffer.
+  Tensor rounded(const Tensor& x, bool dout = false);
   // The current phase's float32 scratch for a quantized matmul over `in` inputs (backend.h).
   Tensor quantized_scratch(int64_t in) const;
   // A float32 activation of the current micro-batch: [tokens, cols].

@@ -59,6 +59,12 @@ size_t layer_matrix_scratch_elems(const ModelConfig& c, const std::vector<ParamS
   return n;
 }
 
+// A linear product's input (or output gradient) rounded to 16 bits: every row of a step, as wide
+// as the widest of the layer's inputs and outputs.
+size_t half_operand_bytes(const ModelConfig& c, const ModelOptions& o) {
+  return static_cast<size_t>(o.max_tokens * std::max({c.hidden_size, c.intermediate_size, c.q_dim()})) * 2;
+}
+
 DecoderBuffers declare_inference_buffers(const ModelConfig& c, const ModelOptions& o,
                                          const std::vector<ParamSpec>& specs, const Backend& backend,
                                          MemoryPlan& plan, MemoryPlan& host_plan) {
@@ -84,9 +90,8 @@ DecoderBuffers declare_inference_buffers(const ModelConfig& c, const ModelOption
   // 16-bit products for steps of many rows (prefill); decoding's few rows read 16-bit weights
   // with float32 inputs (Decoder::sixteen_bit_step).
   if (sixteen_bit_operands(c, o, backend) && o.max_tokens > backend.stored_weight_rows())
-    b.half_input[static_cast<size_t>(F)] = plan.declare(
-        "forward.input_16bit", Category::Working, N * std::max({D, static_cast<size_t>(c.intermediate_size),
-                                                                static_cast<size_t>(c.q_dim())}) * 2, F, F);
+    b.half_input[static_cast<size_t>(F)] =
+        plan.declare("forward.input_16bit", Category::Working, half_operand_bytes(c, o), F, F);
   if (c.torch_dtype != DType::F32 || c.quant.enabled()) {
     b.matrix_f32[static_cast<size_t>(F)] =
         plan.declare("forward.matrix_f32", Category::Working, layer_matrix_scratch_elems(c, specs, backend) * 4, F, F);
@@ -192,8 +197,9 @@ DecoderBuffers declare_decoder_buffers(const ModelConfig& c, const ModelOptions&
   };
   if (widen) declare_widening(F, largest_matrix);
   const std::optional<DType> half = sixteen_bit_operands(c, options_, backend);
-  const size_t widest = std::max({D, I, qd});
-  if (half) b.half_input[static_cast<size_t>(F)] = plan.declare("forward.input_16bit", Category::Working, N * widest * 2, F, F);
+  if (half)
+    b.half_input[static_cast<size_t>(F)] =
+        plan.declare("forward.input_16bit", Category::Working, half_operand_bytes(c, options_), F, F);
 
   b.normed = plan.declare("loss.normed_hidden", Category::LossWorkspace, N * D * 4, L, L);
   const size_t max_rows =
@@ -252,8 +258,9 @@ DecoderBuffers declare_decoder_buffers(const ModelConfig& c, const ModelOptions&
       b.recompute = declare_layer_acts(c, options_, plan, "bwd.recompute.", Category::RecomputeScratch, B, B);
     if (widen) declare_widening(B, largest_matrix);
     if (half) {
-      b.half_input[static_cast<size_t>(B)] = plan.declare("backward.input_16bit", Category::Working, N * widest * 2, B, B);
-      b.half_dout = plan.declare("backward.dout_16bit", Category::Working, N * widest * 2, B, B);
+      b.half_input[static_cast<size_t>(B)] =
+          plan.declare("backward.input_16bit", Category::Working, half_operand_bytes(c, options_), B, B);
+      b.half_dout = plan.declare("backward.dout_16bit", Category::Working, half_operand_bytes(c, options_), B, B);
     }
   } else {
     b.rstd_final = plan.declare("act.rstd_final", Category::LossWorkspace, N * 4, L, L);

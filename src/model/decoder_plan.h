@@ -62,6 +62,16 @@ struct DecoderBuffers {
   int64_t sample_penalty_capacity = 0;
 };
 
+// The 16-bit dtype the decoder's products take (ModelOptions::compute_dtype) when they do: a
+// model whose (unquantized) weights are stored in it, on a backend that has such products;
+// nullopt otherwise (float32 operands).
+std::optional<DType> sixteen_bit_operands(const ModelConfig& config, const ModelOptions& options, const Backend& backend);
+
+// What computes the products, for `memtune plan` and the training log: mixed precision (which
+// 16-bit dtype, what runs it) or float32 arithmetic, and why when mixed precision was asked for
+// and is not what runs.
+std::string describe_arithmetic(const ModelConfig& config, const ModelOptions& options, const Backend& backend);
+
 // Lifetimes, chosen so they nest (see MemoryPlan):
 //   persistent   batch, residual stream x_0..x_L (saved for backward)
 //   forward      checkpointing: one layer's activations; weight conversion scratch
@@ -73,16 +83,6 @@ struct DecoderBuffers {
 // and their logits [V, max_seqs] (loss), and the KV cache (persistent). The backend says how
 // much scratch its quantized products need, and whether logits chunks are staged on the host
 // (a backend whose memory the host cannot address).
-// The 16-bit dtype the decoder's products take (ModelOptions::compute_dtype) when they do: a
-// training model whose weights are stored in it, on a backend that has such products; nullopt
-// otherwise (float32 operands).
-std::optional<DType> sixteen_bit_operands(const ModelConfig& config, const ModelOptions& options, const Backend& backend);
-
-// What computes the products, for `memtune plan` and the training log: mixed precision (which
-// 16-bit dtype, what runs it) or float32 arithmetic, and why when mixed precision was asked for
-// and is not what runs.
-std::string describe_arithmetic(const ModelConfig& config, const ModelOptions& options, const Backend& backend);
-
 DecoderBuffers declare_decoder_buffers(const ModelConfig& config, const ModelOptions& options,
                                        const std::vector<ParamSpec>& specs, const Backend& backend, MemoryPlan& plan,
                                        MemoryPlan& host_plan);

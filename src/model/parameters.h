@@ -69,10 +69,11 @@ struct ModelOptions {
   // steps, evaluation) round their input to int8 where the backend takes it (int8_activations.h);
   // false keeps float32 inputs (--quantized_activations float). Training keeps float32 inputs.
   bool int8_activations = true;
-  // Mixed precision (training's --bf16 / --fp16): the matrix products of the decoder and the LM
-  // head take operands rounded to this 16-bit dtype (the weights as stored in it) with float32
-  // accumulation, where the backend has such products (Backend::sixteen_bit_products) and the
-  // weights are stored in it; F32 (or elsewhere): float32 operands.
+  // Mixed precision (training's --bf16; a bfloat16 model's inference): the matrix products of
+  // the decoder and the LM head take operands rounded to this 16-bit dtype (the weights as stored
+  // in it) with float32 accumulation, where the backend has such products
+  // (Backend::sixteen_bit_products) and the weights are stored in it (model/decoder_plan.h:
+  // sixteen_bit_operands); F32 (or elsewhere): float32 operands.
   DType compute_dtype = DType::F32;
   bool with_optimizer = false;  // declare AdamW moments (and fp32 masters for 16-bit storage)
   LoraConfig lora;              // rank > 0: adapters are trained, the base is frozen (no gradients, no optimizer state)

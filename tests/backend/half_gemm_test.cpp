@@ -45,7 +45,7 @@ TEST(CpuSixteenBitProducts, Bfloat16KernelsExactlyWhereTheCpuHasBfloat16Instruct
 // A product whose primitive wants more scratchpad than allowed runs in pieces of output rows,
 // and both agree with float64 sums of the exact products (not bit for bit: a primitive made for
 // fewer rows may block K differently).
-TEST(CpuSixteenBitProducts, AProductOverItsScratchpadRunsInPiecesWithTheSameResult) {
+TEST(CpuSixteenBitProducts, AProductOverItsScratchpadRunsInPiecesAndBothAgreeWithExactSums) {
   if (cpu::half_gemm_kernel(DType::BF16).empty()) GTEST_SKIP() << "no bfloat16 products on this CPU";
   const int64_t M = 300, N = 64, K = 2000;
   Rng rng(7);

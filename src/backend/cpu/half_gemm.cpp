@@ -60,21 +60,7 @@ class Engine {
 
   const std::string& kernel(DType dtype) {
     std::lock_guard lock(mutex_);
-    std::string& name = kernels_[dtype];
-    if (!asked_[dtype]) {
-      asked_[dtype] = true;
-      try {
-        // A training-sized product: oneDNN may pick differently for tiny ones.
-        const Shape s{dtype, 256, 256, 256, 256, 1, 1, 256, 256, false, kHalfGemmScratchpadBytes};
-        const std::string impl = describe(s, s.M).impl_info_str();
-        const bool native = impl.find("amx") != std::string::npos ||
-                            impl.find(dtype == DType::BF16 ? "bf16" : "fp16") != std::string::npos;
-        if (native && impl.find("ref") == std::string::npos) name = impl;
-      } catch (const dnnl::error&) {
-        // No 16-bit matmul at all on this ISA (oneDNN refuses to make one).
-      }
-    }
-    return name;
+    return kernel_locked(dtype);
   }
 
   int64_t run(const Shape& s, HalfMatrix A, HalfMatrix B, float* C) {
@@ -95,6 +81,25 @@ class Engine {
   }
 
  private:
+  // Asked once per dtype (under the lock), then remembered.
+  const std::string& kernel_locked(DType dtype) {
+    const auto [it, first] = kernels_.try_emplace(dtype);
+    std::string& name = it->second;
+    if (first) {
+      try {
+        // A training-sized product: oneDNN may pick differently for tiny ones.
+        const Shape s{dtype, 256, 256, 256, 256, 1, 1, 256, 256, false, kHalfGemmScratchpadBytes};
+        const std::string impl = describe(s, s.M).impl_info_str();
+        const bool native = impl.find("amx") != std::string::npos ||
+                            impl.find(dtype == DType::BF16 ? "bf16" : "fp16") != std::string::npos;
+        if (native && impl.find("ref") == std::string::npos) name = impl;
+      } catch (const dnnl::error&) {
+        // No 16-bit matmul at all on this ISA (oneDNN refuses to make one).
+      }
+    }
+    return name;
+  }
+
   // One primitive with its arguments (the operands' memory objects and the shared scratchpad).
   struct Call {
     dnnl::matmul matmul;
@@ -130,6 +135,7 @@ class Engine {
   Entry& entry(const Shape& s) {
     auto it = cache_.find(s);
     if (it != cache_.end()) return it->second;
+    MT_ASSERT(!kernel_locked(s.dtype).empty(), "a 16-bit product where oneDNN has no 16-bit kernel");
     if (cache_.size() >= kMaxPrimitives) cache_.clear();
     // Halve the rows a primitive computes until its scratchpad fits ours (oneDNN sizes it by
     // threads and blocking: a reduction split over K can want threads x M x N floats).
@@ -154,8 +160,7 @@ class Engine {
   memory scratchpad_memory_;
   std::mutex mutex_;
   std::map<Shape, Entry> cache_;
-  std::map<DType, std::string> kernels_;
-  std::map<DType, bool> asked_;
+  std::map<DType, std::string> kernels_;  // empty: no native kernel
 };
 
 }  // namespace
@@ -165,7 +170,7 @@ const std::string& half_gemm_kernel(DType dtype) { return Engine::get().kernel(d
 int64_t half_gemm(DType dtype, int64_t M, int64_t N, int64_t K, HalfMatrix A, HalfMatrix B, float* C, int64_t ldc,
                   bool accumulate, size_t scratchpad_limit) {
   if (M <= 0 || N <= 0) return M;
-  MT_ASSERT(K > 0 && !half_gemm_kernel(dtype).empty(), "a 16-bit product where oneDNN has no 16-bit kernel");
+  MT_ASSERT(K > 0, "a 16-bit product over K = 0");
   return Engine::get().run(
       {dtype, M, N, K, A.row_stride, A.col_stride, B.row_stride, B.col_stride, ldc, accumulate, scratchpad_limit}, A,
       B, C);
