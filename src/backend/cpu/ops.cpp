@@ -743,8 +743,13 @@ class HeadSlices {
 
 }  // namespace
 
+// The 16-bit head's logits product runs over slices of this many vocabulary rows. Measured
+// (docs/benchmarks.md): for the whole vocabulary oneDNN 2.6 picks its brgemm kernel, at 250
+// GFLOP/s against 330-365 for slices of 4096-32768 rows, which get its jit gemm.
+inline constexpr int64_t kHalfHeadSliceRows = 16384;
+
 // With 16-bit operands (LmHeadArgs::operands: mixed precision) the hidden rows are rounded as
-// they are gathered (into the first half of the float32 rows buffer) and the head is read whole
+// they are gathered (into the first half of the float32 rows buffer) and the head is read in place
 // as stored; d(logits) x grad_scale is rounded in place in the logits chunk (each row's 16-bit
 // values in the first half of its own bytes, a row stride of 2V), where both backward products
 // read it. Logits and gradients accumulate in float32 either way.
@@ -787,10 +792,14 @@ LossSum lm_head_loss(const LmHeadArgs& a) {
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, v1 - v0, D, 1.0f, rows, D, head->slice(v0, v1), D,
                     0.0f, logits + v0, V);
       }
-    } else {  // logits[m, V] = rows[m, D] @ W[V, D]^T
+    } else {  // logits[m, V] = rows[m, D] @ W[V, D]^T, a vocabulary slice at a time
       for (int64_t r = 0; r < m; ++r)
         convert_from_f32(hidden + pos[r] * D, rows16 + r * D, half, static_cast<size_t>(D));
-      half_gemm(half, m, V, D, {rows16, D, 1}, {a.weight.data, 1, D}, logits, V, false);
+      const auto* w = a.weight.as<const uint16_t>();
+      for (int64_t v0 = 0; v0 < V; v0 += kHalfHeadSliceRows) {
+        const int64_t v1 = std::min(V, v0 + kHalfHeadSliceRows);
+        half_gemm(half, m, v1 - v0, D, {rows16, D, 1}, {w + v0 * D, 1, D}, logits + v0, V, false);
+      }
     }
 
     for (int64_t r = 0; r < m; ++r) row_targets[r] = targets[pos[r]];
