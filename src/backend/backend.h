@@ -257,6 +257,14 @@ class Backend {
   // out = x * rsqrt(mean(x^2) + eps) * weight; saves rstd[N].
   virtual void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, const Tensor& weight,
                                float eps) = 0;
+  // res += x, then out = rmsnorm(res) with rstd saved: a layer's residual add and the norm after
+  // it. A device backend runs them as one pass (one dispatch, the row read once); by default they
+  // run one after the other.
+  virtual void add_rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& res, const Tensor& x,
+                                   const Tensor& weight, float eps) {
+    add_inplace(res, x);
+    rmsnorm_forward(out, rstd, res, weight, eps);
+  }
   // dweight may be absent (frozen norm).
   virtual void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
                                 const Tensor& weight, const Tensor& rstd) = 0;

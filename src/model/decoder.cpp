@@ -450,8 +450,7 @@ void Decoder::layer_forward(int64_t l, const LayerActs& a, const Tensor& x, cons
     be.attention_forward(att, act(a.lse, Hq), q, k, v, arena_->i32(buf_.cu_seqlens, {num_seqs_ + 1}), hd);
   }
   linear_forward(l, LinearSite::O, a, att, res1);
-  be.add_inplace(res1, x);
-  be.rmsnorm_forward(ln2, act(a.rstd2, 1), res1, weight_f32(p.ln2), eps);
+  be.add_rmsnorm_forward(ln2, act(a.rstd2, 1), res1, x, weight_f32(p.ln2), eps);
   linear_group_forward(l, std::array{SiteOutput{LinearSite::Gate, gate}, SiteOutput{LinearSite::Up, up}}, a, ln2);
   be.swiglu_forward(h, gate, up);
   linear_forward(l, LinearSite::Down, a, h, x_out);

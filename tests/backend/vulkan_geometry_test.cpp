@@ -93,14 +93,13 @@ Layer layer_of(const Model& m) {
 // causal attention in training, the KV cache's write and paged attention in decoding).
 void layer_forward(Dispatches& d, const Model& m, const Training& t, int64_t N, const Dispatches& attention) {
   const Layer l = layer_of(m);
-  add(d, g::per_row("rmsnorm", N, m.D, 8, 4));
+  add(d, g::rmsnorm(N, m.D, false));
   for (const Linear& x : {l.q, l.k, l.v}) linear_forward(d, t, N, x);
   add(d, g::elementwise("rope", N * m.Hq * m.hd / 2, 16, 6));
   add(d, g::elementwise("rope", N * m.Hkv * m.hd / 2, 16, 6));
   add(d, attention);
   linear_forward(d, t, N, l.o);
-  add(d, g::elementwise("add_inplace", N * m.D, 12));
-  add(d, g::per_row("rmsnorm", N, m.D, 8, 4));
+  add(d, g::rmsnorm(N, m.D, true));  // the residual add and the norm in one pass
   linear_forward(d, t, N, l.gate);
   linear_forward(d, t, N, l.up);
   add(d, g::elementwise("swiglu", N * m.I, 12, 8));
@@ -137,7 +136,7 @@ Dispatches training_step(const Model& m, const Training& t) {
   const int64_t N = t.tokens;
   add(d, g::elementwise("embedding", N * m.D, 4 + dtype_size(t.weights), 0));
   for (int64_t l = 0; l < m.L; ++l) layer_forward(d, m, t);
-  add(d, g::per_row("rmsnorm", N, m.D, 8, 4));
+  add(d, g::rmsnorm(N, m.D, false));
   // The fused head, chunk by chunk (src/model/decoder_plan.cpp sizes the chunk).
   const int64_t chunk = std::clamp<int64_t>(t.loss_workspace_bytes / ((m.V + 2 * m.D) * 4), 1, N);
   for (int64_t c0 = 0; c0 < N; c0 += chunk) {
@@ -196,7 +195,7 @@ Dispatches decode_step(const Model& m, int64_t batch, int64_t context, DType wei
                                     g::kScratchFloats));
   for (int64_t i = 0; i < m.L; ++i) layer_forward(d, m, t, batch, attention);
   add(d, g::elementwise("gather_rows", batch * m.D, 8, 0));
-  add(d, g::per_row("rmsnorm", batch, m.D, 8, 4));
+  add(d, g::rmsnorm(batch, m.D, false));
   linear_forward(d, t, batch, {m.D, m.V, false});
   add(d, g::per_row("sample", batch, m.V, 8, 4));
   return d;
@@ -247,7 +246,7 @@ TEST(VulkanGeometry, TheLargestDispatchesAreThoseTheDocsList) {
                       {0, "attention_backward_dq", 1792, 5.6, 0.1, 60, 1},
                       {0, "attention_backward_dkv", 1024, 7.5, 0.1, 50, 1},
                       {0, "cross_entropy", 6213, 0.1, 0.1, 379, 1},
-                      {1, "gemm", 11880, 344, 1, 1227, 1},
+                      {1, "gemm", 3564, 344, 1, 1227, 1},
                       {1, "attention", 1792, 30.1, 0.1, 64, 1},
                       {1, "attention_backward_dq", 1792, 45.1, 0.1, 120, 1},
                       {1, "attention_backward_dkv", 1024, 60.2, 0.1, 100, 1},

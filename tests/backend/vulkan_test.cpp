@@ -107,9 +107,6 @@ TEST_F(VulkanOps, TheBackendIsRegisteredWhereADeviceIsUsable) {
   EXPECT_FALSE(vk().memory_in_host_pages());
 }
 
-// The push-constant block's size as the SPIR-V declares it, which every dispatch checks its C++
-// struct against: rmsnorm has four addresses, a uint and a float (40 bytes); rmsnorm_backward six
-// addresses and three uints (60 bytes, which its C++ struct pads to 64).
 // The staging buffer's memory type: host-visible and coherent, cached where the device offers
 // that (the host reads downloads from it), from the types the buffer allows. No device needed.
 TEST(VulkanMemory, StagingTakesACachedHostTypeWhereThereIsOne) {
@@ -133,8 +130,30 @@ TEST(VulkanMemory, StagingTakesACachedHostTypeWhereThereIsOne) {
   }
 }
 
+// What the backend needs of a device, one requirement at a time (no device needed): gemm.comp's
+// 128 x 128 tiles take 25 KiB of shared memory, so a device with Vulkan's minimum of 16 KiB is
+// refused rather than failing at its first large product.
+TEST(VulkanDevice, UsableOnlyWithEverythingTheShadersNeed) {
+  VulkanDeviceInfo d;
+  d.buffer_device_address = d.shader_int64 = d.storage_16bit = d.subgroup_shuffle = true;
+  d.subgroup_size = 32;
+  d.shared_memory_bytes = 49152;
+  EXPECT_TRUE(d.usable());
+  d.shared_memory_bytes = 16384;
+  EXPECT_FALSE(d.usable());
+  d.shared_memory_bytes = 32768;
+  EXPECT_TRUE(d.usable());
+  d.subgroup_size = 4;
+  EXPECT_FALSE(d.usable());
+  d.subgroup_size = 8;
+  d.subgroup_shuffle = false;
+  EXPECT_FALSE(d.usable());
+}
+
+// The push-constant block's size as the SPIR-V declares it, which every dispatch checks its C++
+// struct against: rmsnorm has five addresses, a uint and a float (48 bytes).
 TEST(VulkanShaders, PushConstantBlocksAreReadFromTheSpirv) {
-  EXPECT_EQ(vulkan_push_constant_bytes(vulkan_shader("rmsnorm")), 40u);
+  EXPECT_EQ(vulkan_push_constant_bytes(vulkan_shader("rmsnorm")), 48u);
   EXPECT_EQ(vulkan_push_constant_bytes(vulkan_shader("rmsnorm_backward")), 48u);  // 5 addresses, N, C
   EXPECT_TRUE(vulkan_shader("no_such_shader").empty());
 }
@@ -143,7 +162,13 @@ TEST(VulkanShaders, PushConstantBlocksAreReadFromTheSpirv) {
 TEST_F(VulkanOps, TransfersAndCopiesRoundTripEveryByte) {
   const int64_t n = (int64_t{12} << 20) / 4 + 13;  // 12 MiB + 13 floats: two staging slices and a tail
   const std::vector<float> values = randn(n, 1);
+  const DeviceCounters before = *vk().device_counters();
   const Tensor t = make(vk(), DType::F32, {n}, values);
+  // The upload: four slices through the staging buffer's 4 MiB halves, each submitted at once;
+  // the host waits only to refill a half whose copy may still run (slices 3 and 4), not at the end.
+  const DeviceCounters uploaded = *vk().device_counters();
+  EXPECT_GE(uploaded.submissions - before.submissions, 4u);
+  EXPECT_LE(uploaded.waits - before.waits, 2u);
   EXPECT_EQ(download_f32(vk(), t), values);
   const Tensor inner = t.flat_range(1000, 777);
   EXPECT_EQ(download_f32(vk(), inner), std::vector<float>(values.begin() + 1000, values.begin() + 1777));
@@ -224,6 +249,24 @@ TEST_F(VulkanOps, MatmulEqualsTheReferenceForEveryWeightDtype) {
 
 // Elementwise ops, recorded one after another without a wait in between: each reads what the
 // previous one wrote (the barriers between dispatches).
+// The residual add and the norm in one dispatch compute what the two ops compute one after the
+// other, bit for bit; rows wider than a workgroup, so each invocation reads back several columns.
+TEST_F(VulkanOps, TheResidualAddAndNormInOneDispatchEqualTheTwoOpsBitForBit) {
+  const int64_t N = 5, D = 700;
+  const std::vector<float> r = randn(N * D, 81), x = randn(N * D, 82), w = randn(D, 83);
+  auto run = [&](bool fused, uint64_t expected_dispatches) {
+    Backend& be = vk();
+    const Tensor res = make(be, DType::F32, {N, D}, r), tx = make(be, DType::F32, {N, D}, x),
+                 tw = make(be, DType::F32, {D}, w), out = make(be, DType::F32, {N, D}), rstd = make(be, DType::F32, {N});
+    const uint64_t before = be.device_counters()->dispatches;
+    if (fused) be.add_rmsnorm_forward(out, rstd, res, tx, tw, 1e-6f);
+    else be.Backend::add_rmsnorm_forward(out, rstd, res, tx, tw, 1e-6f);  // add_inplace, then rmsnorm
+    EXPECT_EQ(be.device_counters()->dispatches - before, expected_dispatches);
+    return std::vector{download_f32(be, res), download_f32(be, out), download_f32(be, rstd)};
+  };
+  EXPECT_EQ(run(true, 1), run(false, 2));
+}
+
 TEST_F(VulkanOps, ElementwiseOpsChainedInOneSubmission) {
   const int64_t n = 70000;  // more elements than one row of workgroups covers at once
   const std::vector<float> g = randn(n, 7), u = randn(n, 8), x = randn(n, 9);
@@ -245,17 +288,30 @@ struct Inputs {
 };
 
 // Both backward products through gemm.comp's strides (dout @ W, dout^T @ inp), at the small
-// shape and at one with several ragged 64 x 64 tiles in every dimension.
+// shape, at one with several ragged 64 x 64 tiles in every dimension, and at one whose sizes let
+// every operand load 128 bits at a time (float32 along K and along the lines); the input gradient
+// against a bfloat16 weight (a frozen base) too, read as pairs of rows.
 TEST_F(VulkanOps, LinearBackwardEqualsTheReference) {
-  for (const Inputs s : {Inputs{}, Inputs{.N = 70, .C = 81, .OC = 131}}) {
+  for (const Inputs s : {Inputs{}, Inputs{.N = 70, .C = 81, .OC = 131}, Inputs{.N = 70, .C = 84, .OC = 132}})
+  for (const DType dtype : {DType::F32, DType::BF16}) {
+  SCOPED_TRACE(fmt::format("{} x {} x {}, {}", s.N, s.C, s.OC, dtype_torch_name(dtype)));
+  // dinp = dout @ W: A along K, B along its lines; dweight = dout^T @ inp: both along their
+  // lines. Vectors where 4 divides the contiguous dimension (dout's OC, W's and inp's C).
+  EXPECT_EQ(vulkan_geometry::gemm_vector_loads(s.OC, 1, s.N, s.OC, 0, DType::F32), s.OC % 4 == 0 ? 1u : 0u);
+  EXPECT_EQ(vulkan_geometry::gemm_vector_loads(1, s.C, s.C, s.OC, 0, dtype), s.C % 4 == 0 ? 1u : 0u);
+  EXPECT_EQ(vulkan_geometry::gemm_vector_loads(1, s.OC, s.OC, s.N, 0, DType::F32), s.OC % 4 == 0 ? 1u : 0u);
   const std::vector<float> x = randn(s.N * s.C, 11), w = randn(s.OC * s.C, 12), dy = randn(s.N * s.OC, 13),
                            gx = randn(s.N * s.C, 14), gw = randn(s.OC * s.C, 15), gb = randn(s.OC, 16);
+  const bool frozen = dtype != DType::F32;
   auto run = [&](Backend& be) {
-    const Tensor tx = make(be, DType::F32, {s.N, s.C}, x), tw = make(be, DType::F32, {s.OC, s.C}, w),
+    const Tensor tx = make(be, DType::F32, {s.N, s.C}, x), tw = make(be, dtype, {s.OC, s.C}, w),
                  tdy = make(be, DType::F32, {s.N, s.OC}, dy), dx = make(be, DType::F32, {s.N, s.C}, gx),
-                 dw = make(be, DType::F32, {s.OC, s.C}, gw), db = make(be, DType::F32, {s.OC}, gb);
+                 dw = frozen ? Tensor{} : make(be, DType::F32, {s.OC, s.C}, gw),
+                 db = frozen ? Tensor{} : make(be, DType::F32, {s.OC}, gb);
     be.matmul_backward(dx, dw, db, tdy, tx, tw, 0.75f);
-    return std::vector{download_f32(be, dx), download_f32(be, dw), download_f32(be, db)};
+    std::vector<std::vector<float>> got{download_f32(be, dx)};
+    if (!frozen) got.insert(got.end(), {download_f32(be, dw), download_f32(be, db)});
+    return got;
   };
   const auto v = run(vk()), r = run(ref());
   for (size_t i = 0; i < v.size(); ++i) expect_close(v[i], r[i], 2e-5f);
@@ -290,6 +346,11 @@ TEST_F(VulkanOps, NormRopeSwigluEmbeddingGatherDropoutAndCacheEqualTheReference)
       got.push_back(download_f32(be, rstd));
       got.push_back(download_f32(be, dx));
       got.push_back(download_f32(be, dw));
+      // The residual add and the norm after it (one pass on the device): res += x, then its norm.
+      const Tensor res = make(be, DType::F32, {s.N, D}, dy), normed = make(be, DType::F32, {s.N, D}),
+                   rstd_res = make(be, DType::F32, {s.N});
+      be.add_rmsnorm_forward(normed, rstd_res, res, tx, tw, 1e-6f);
+      for (const Tensor& t : {res, normed, rstd_res}) got.push_back(download_f32(be, t));
       const Tensor pos = ints(be, positions), freq = make(be, DType::F32, {s.hd / 2}, inv_freq);
       be.rope_forward(out, pos, freq);
       got.push_back(download_f32(be, out));
@@ -567,19 +628,28 @@ TEST_F(VulkanOps, PagedAttentionSplitOverALongContextEqualsTheReference) {
   }
 }
 
-// A product large enough for gemm.comp's 64 x 64 tiles (smaller ones take 32 x 32 to give the
-// device more workgroups): 1536 x 1472 outputs over K = 20, float32 and bfloat16 weights.
-TEST_F(VulkanOps, ALargeProductTakesTheBigTileAndEqualsTheReference) {
-  const int64_t N = 1536, C = 20, OC = 1472;
-  ASSERT_EQ(vulkan_geometry::gemm_split(N, OC, C, vulkan_geometry::kScratchFloats).tile, 64u);
-  ASSERT_EQ(vulkan_geometry::gemm_split(70, 131, C, vulkan_geometry::kScratchFloats).tile, 32u);
-  const std::vector<float> x = randn(N * C, 41), w = randn(OC * C, 42), b = randn(OC, 43), prior = randn(N * OC, 44);
-  for (const DType dtype : {DType::F32, DType::BF16}) {
-    SCOPED_TRACE(dtype_torch_name(dtype));
-    const auto got = linear_products(vk(), dtype, N, C, OC, x, w, b, prior),
-               want = linear_products(ref(), dtype, N, C, OC, x, w, b, prior);
-    expect_close(got[0], want[0], 1e-5f);
-    expect_close(got[1], want[1], 1e-5f);
+// Products large enough for gemm.comp's bigger tiles (smaller ones take 32 x 32 to give the
+// device more workgroups), for every weight dtype: 1536 x 1472 outputs over K = 20 take 64 x 64
+// tiles, 2945 x 2689 over K = 24 take 128 x 128 with a ragged edge each way (float32 and
+// bfloat16 weights there: float16 takes float32's tile). K = 20 lets float32 operands load 128
+// bits at a time, K = 24 bfloat16 weights too (eight values along K); both take several K steps.
+TEST_F(VulkanOps, LargeProductsTakeTheBigTilesAndEqualTheReference) {
+  ASSERT_EQ(vulkan_geometry::gemm_split(70, 131, 20, vulkan_geometry::kScratchFloats).tile, 32u);
+  for (const auto [N, C, OC, tile] : {std::array<int64_t, 4>{1536, 20, 1472, 64}, {2945, 24, 2689, 128}}) {
+    ASSERT_EQ(vulkan_geometry::gemm_split(N, OC, C, vulkan_geometry::kScratchFloats).tile, tile);
+    const std::vector<float> x = randn(N * C, 41), w = randn(OC * C, 42), b = randn(OC, 43), prior = randn(N * OC, 44);
+    for (const DType dtype : {DType::F32, DType::BF16, DType::F16}) {
+      if (tile == 128 && dtype == DType::F16) continue;
+      SCOPED_TRACE(fmt::format("{} x {} over {}, {}", N, OC, C, dtype_torch_name(dtype)));
+      // out = inp @ W^T: A and B both along K.
+      EXPECT_EQ(vulkan_geometry::gemm_vector_loads(C, 1, N, C, 0, DType::F32), 1u);
+      EXPECT_EQ(vulkan_geometry::gemm_vector_loads(C, 1, OC, C, 0, dtype),
+                dtype == DType::F32 || (dtype == DType::BF16 && C % 8 == 0) ? 1u : 0u);
+      const auto got = linear_products(vk(), dtype, N, C, OC, x, w, b, prior),
+                 want = linear_products(ref(), dtype, N, C, OC, x, w, b, prior);
+      expect_close(got[0], want[0], 1e-5f);
+      expect_close(got[1], want[1], 1e-5f);
+    }
   }
 }
 

@@ -318,7 +318,17 @@ void VulkanContext::submit() {
   info.pCommandBuffers = &b.commands;
   check(vkQueueSubmit(queue_, 1, &info, b.fence), "vkQueueSubmit");
   b.in_flight = true;
-  ++counters_.submissions;
+  b.submission = ++counters_.submissions;
+}
+
+void VulkanContext::retire(size_t batch, uint64_t submission) {
+  Batch& b = batches_[batch];
+  if (!b.in_flight || b.submission != submission) return;  // a flush already saw it through
+  check(vkWaitForFences(device_, 1, &b.fence, VK_TRUE, UINT64_MAX), "vkWaitForFences");
+  ++counters_.waits;
+  check(vkResetFences(device_, 1, &b.fence), "vkResetFences");
+  check(vkResetCommandBuffer(b.commands, 0), "vkResetCommandBuffer");
+  b.in_flight = false;
 }
 
 void VulkanContext::flush() {
@@ -384,15 +394,25 @@ void VulkanContext::upload(uint64_t dst, const void* src, size_t bytes) {
     barrier();
     return;
   }
-  for (size_t done = 0; done < bytes; done += kTransferBytes) {
-    const size_t n = std::min(kTransferBytes, bytes - done);
-    flush();  // the staging buffer is free again
-    std::memcpy(staging_host_, static_cast<const std::byte*>(src) + done, n);
-    const VkBufferCopy region{0, offset + done, n};
+  // Slices of half the staging buffer, the halves in turn, each copy submitted at once: the host
+  // fills one half while the device copies out of the other. Work recorded after the upload is
+  // ordered after its copies by their barriers, and the source is copied before this returns, so
+  // nothing waits at the end.
+  constexpr size_t kHalf = kTransferBytes / 2;
+  for (size_t done = 0; done < bytes; done += kHalf) {
+    const size_t n = std::min(kHalf, bytes - done);
+    StagingHalf& half = staging_halves_[next_half_];
+    if (half.submission != 0) retire(half.batch, half.submission);
+    const size_t at = next_half_ * kHalf;
+    std::memcpy(static_cast<std::byte*>(staging_host_) + at, static_cast<const std::byte*>(src) + done, n);
+    const VkBufferCopy region{at, offset + done, n};
     vkCmdCopyBuffer(recording(), staging_.buffer, a->buffer, 1, &region);
     barrier();
+    const size_t batch = current_;
+    submit();
+    half = {batch, batches_[batch].submission};
+    next_half_ ^= 1;
   }
-  flush();
 }
 
 void VulkanContext::download(void* dst, uint64_t src, size_t bytes) {

@@ -12,8 +12,9 @@
 // barrier after each (every op may read what the previous one wrote; a barrier orders everything
 // earlier in submission order, across command buffers), each submitted once it holds
 // kSubmitEvery dispatches so the device runs while the host records the rest of the step; the
-// host waits (flush) only where a value must come back or host memory is touched: a download, a
-// large upload through the staging buffer, freeing memory.
+// host waits (flush) only where a value must come back or host memory is touched: a download,
+// freeing memory. A large upload goes through the staging buffer's halves in turn and waits only
+// to refill a half whose copy is still running; nothing waits after its last slice.
 #pragma once
 
 #include <vulkan/vulkan.h>
@@ -170,7 +171,18 @@ class VulkanContext {
     VkCommandBuffer commands = VK_NULL_HANDLE;
     VkFence fence = VK_NULL_HANDLE;
     bool in_flight = false;
+    uint64_t submission = 0;  // counters_.submissions when it was submitted
   };
+  // Waits for one submitted batch (if still in flight) and makes it reusable.
+  void retire(size_t batch, uint64_t submission);
+  // Large uploads go through the staging buffer's two halves in turn: the batch that copies out
+  // of each half, so that refilling a half waits only for its own copy.
+  struct StagingHalf {
+    size_t batch = 0;
+    uint64_t submission = 0;  // 0: no copy out of it pending
+  };
+  StagingHalf staging_halves_[2];
+  size_t next_half_ = 0;
   std::vector<Batch> batches_;
   std::vector<VkFence> fence_list_;  // flush()'s (kept: no allocation per flush)
   size_t current_ = 0;               // the batch being recorded, while recording_

@@ -157,7 +157,7 @@ const VulkanDeviceInfo& choose_vulkan_device(const VulkanDevices& found, std::op
     if (!d.usable())
       throw Error(
           fmt::format("{} {}: {} lacks what the backend needs (Vulkan 1.2 with buffer device addresses, "
-                      "64-bit integers and 16-bit storage)",
+                      "64-bit integers, 16-bit storage, subgroups of 8 with shuffles and 32 KiB of shared memory)",
                       source, *requested, d.name));
     return d;
   }
@@ -166,8 +166,8 @@ const VulkanDeviceInfo& choose_vulkan_device(const VulkanDevices& found, std::op
     if (d.usable() && (!best || d.type_rank < best->type_rank)) best = &d;
   if (!best)
     throw Error(
-        "--backend vulkan: no Vulkan device has buffer device addresses, 64-bit integers and 16-bit storage "
-        "(memtune devices lists them)");
+        "--backend vulkan: no Vulkan device has buffer device addresses, 64-bit integers, 16-bit storage, "
+        "subgroups of 8 with shuffles and 32 KiB of shared memory (memtune devices lists them)");
   return *best;
 }
 

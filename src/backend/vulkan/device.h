@@ -40,10 +40,13 @@ struct VulkanDeviceInfo {
   float timestamp_period_ns = 0;  // nanoseconds per timestamp tick
   // What the backend needs: buffer device addresses, 64-bit integers and 16-bit storage for its
   // memory, and subgroups of at least 8 invocations that shuffle (the attention shaders split a
-  // row's head dimension over 4 or 8 neighbouring invocations and sum across them).
+  // row's head dimension over 4 or 8 neighbouring invocations and sum across them), and 32 KiB of
+  // shared memory per workgroup (gemm.comp's 128 x 128 tiles take 25 KiB).
   bool usable() const {
-    return buffer_device_address && shader_int64 && storage_16bit && subgroup_shuffle && subgroup_size >= 8;
+    return buffer_device_address && shader_int64 && storage_16bit && subgroup_shuffle && subgroup_size >= 8 &&
+           shared_memory_bytes >= kSharedMemoryBytes;
   }
+  static constexpr uint32_t kSharedMemoryBytes = 32768;
   // The largest device-local heap.
   uint64_t device_heap_bytes() const;
   // True when the device's memory is the machine's RAM (a CPU implementation such as lavapipe, an

@@ -67,6 +67,10 @@ VulkanDispatch per_row(const char* shader, int64_t rows, int64_t cols, double by
           .flops = flops_per_element * n, .bytes = bytes_per_element * n};
 }
 
+VulkanDispatch rmsnorm(int64_t rows, int64_t cols, bool add) {
+  return add ? per_row("rmsnorm", rows, cols, 20, 5) : per_row("rmsnorm", rows, cols, 8, 4);
+}
+
 VulkanDispatch column_reduction(const char* shader, int64_t rows, int64_t cols, double bytes_per_element) {
   const double n = static_cast<double>(rows) * static_cast<double>(cols);
   return {.shader = shader,
@@ -122,7 +126,8 @@ std::vector<VulkanDispatch> cross_entropy(int64_t rows, int64_t vocab, int64_t s
 
 GemmSplit gemm_split(int64_t M, int64_t N, int64_t K, int64_t scratch_floats) {
   const auto tiles = [&](int64_t t) { return uint64_t{ceil_div(M, t)} * ceil_div(N, t); };
-  if (tiles(64) >= kFillWorkgroups) return {64, 1, static_cast<uint32_t>(std::max<int64_t>(K, 1))};
+  for (const int64_t tile : {128, 64})
+    if (tiles(tile) >= kFillWorkgroups) return {static_cast<uint32_t>(tile), 1, static_cast<uint32_t>(std::max<int64_t>(K, 1))};
   // Splits of at least kMinSplitK, enough for the device, as many as the scratch holds.
   constexpr int64_t kMinSplitK = 256;
   const int64_t splits = std::min({static_cast<int64_t>((kFillWorkgroups + tiles(32) - 1) / tiles(32)),
@@ -145,6 +150,24 @@ std::vector<VulkanDispatch> gemm(int64_t M, int64_t N, int64_t K, DType b, int64
   MT_ASSERT(d[0].x <= kMaxGroups && d[0].y <= kMaxGroups, "vulkan: a product beyond one dispatch's grid");
   if (s.splits > 1) d.push_back(elementwise("gemm_reduce", M * N, 4.0 * (s.splits + 2), s.splits));
   return d;
+}
+
+uint32_t gemm_vector_loads(int64_t line_stride, int64_t k_stride, int64_t lines, int64_t K, uint64_t address,
+                           DType dtype) {
+  // A vector holds `width` values along the contiguous dimension, which their count divides.
+  const auto fits = [&](int64_t width, uint64_t align) {
+    if (address % align != 0) return false;
+    if (k_stride == 1) return line_stride % width == 0 && K % width == 0;
+    return line_stride == 1 && k_stride % width == 0 && lines % width == 0;
+  };
+  switch (dtype) {
+    case DType::F32:
+      return fits(4, 16);
+    case DType::BF16:  // eight along K, or four along the lines (of two rows of K)
+      return k_stride == 1 ? fits(8, 16) : fits(4, 8);
+    default:
+      return 0;
+  }
 }
 
 VulkanDispatch matvec(int64_t rows, int64_t OC, int64_t C, DType w, bool vector_loads) {

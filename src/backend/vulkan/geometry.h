@@ -48,6 +48,10 @@ VulkanDispatch multi_tensor(const char* shader, uint64_t total, double bytes_per
 VulkanDispatch per_row(const char* shader, int64_t rows, int64_t cols, double bytes_per_element,
                        double flops_per_element = 2);
 
+// rmsnorm.comp over `rows` rows of `cols`: a workgroup per row; with the residual add before it
+// (`add`), the row and the addend read, the sum written back, then normalized.
+VulkanDispatch rmsnorm(int64_t rows, int64_t cols, bool add);
+
 // A thread per column walking the rows in order (the embedding gradient, whose rows scatter by
 // token id): deterministic without atomics, one workgroup per 256 columns.
 VulkanDispatch column_reduction(const char* shader, int64_t rows, int64_t cols, double bytes_per_element);
@@ -61,7 +65,7 @@ ColumnBlocks column_blocks(int64_t rows, int64_t cols, int64_t scratch_floats);
 std::vector<VulkanDispatch> column_sums(int64_t rows, int64_t cols, double bytes_per_element, int64_t scratch_floats);
 
 // out[M, N] (+)= A[M, K] @ B[K, N], A float32, B float32 or 16-bit (gemm.comp). Output tiles of
-// 64 x 64 where those alone fill the device, else 32 x 32; where even those leave it idle and K
+// 128 x 128 or 64 x 64 where those alone fill the device, else 32 x 32; where even those leave it idle and K
 // is long (LoRA's rank-16 products, k/v weight gradients), K splits over workgroups into a
 // scratch of `scratch_floats`, and gemm_reduce.comp adds the splits in order.
 struct GemmSplit {
@@ -69,6 +73,14 @@ struct GemmSplit {
 };
 GemmSplit gemm_split(int64_t M, int64_t N, int64_t K, int64_t scratch_floats);
 std::vector<VulkanDispatch> gemm(int64_t M, int64_t N, int64_t K, DType b, int64_t scratch_floats);
+// gemm.comp's `vectors` bit for one operand: 1 where it may load it 128 bits at a time. The
+// operand's strides along its output dimension (m of A, n of B) and along K, in elements, its
+// number of lines (M or N), K, and the address of its first element: float32 four values along
+// whichever stride is 1, bfloat16 eight along K or four along the lines (two rows of K at once),
+// float16 never; only where the vectors' width divides the contiguous dimension, so that no
+// vector crosses the operand's end.
+uint32_t gemm_vector_loads(int64_t line_stride, int64_t k_stride, int64_t lines, int64_t K, uint64_t address,
+                           DType dtype);
 // out[rows, OC] (+)= inp[rows, C] @ W[OC, C]^T for at most kMatvecRows rows (matvec.comp): a
 // workgroup per kMatvecOutputs output columns, vector loads where C and the addresses allow.
 constexpr int64_t kMatvecRows = 32, kMatvecOutputs = 4;

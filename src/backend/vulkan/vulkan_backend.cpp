@@ -171,12 +171,12 @@ class VulkanBackend final : public Backend {
     if (dbias) column_sums(dbias, dout, Tensor{}, Tensor{}, N, OC, scale);
   }
   void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, const Tensor& w, float eps) override {
-    struct {
-      uint64_t out, rstd, inp, w;
-      uint32_t C;
-      float eps;
-    } push{address(out), address(rstd), address(inp), address(w), u32(inp.cols()), eps};
-    ctx().dispatch(vulkan_geometry::per_row("rmsnorm", inp.rows(), inp.cols(), 8, 4), push);
+    rmsnorm(out, rstd, inp, Tensor{}, w, eps);
+  }
+  void add_rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& res, const Tensor& x, const Tensor& w,
+                           float eps) override {
+    MT_ASSERT(res.numel() == x.numel(), "add_rmsnorm_forward of views of different sizes");
+    rmsnorm(out, rstd, res, x, w, eps);
   }
   void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
                         const Tensor& w, const Tensor& rstd) override {
@@ -610,6 +610,15 @@ class VulkanBackend final : public Backend {
     ctx().dispatch(vulkan_geometry::matvec(N, OC, C, weight.dtype, vector_loads), push);
   }
 
+  // rmsnorm.comp: out = rmsnorm(inp), or with `add` inp += add first (the same pass).
+  void rmsnorm(const Tensor& out, const Tensor& rstd, const Tensor& inp, const Tensor& add, const Tensor& w, float eps) {
+    struct {
+      uint64_t out, rstd, inp, w, add;
+      uint32_t C;
+      float eps;
+    } push{address(out), address(rstd), address(inp), address(w), address(add), u32(inp.cols()), eps};
+    ctx().dispatch(vulkan_geometry::rmsnorm(inp.rows(), inp.cols(), static_cast<bool>(add)), push);
+  }
   // out[M, Nc] (+)= alpha A @ B (+ bias), A float32 and B float32 or 16-bit, both given by
   // strides (gemm.comp; split over K through the scratch where the geometry says so).
   void gemm(const Tensor& out, const Tensor& a, const Tensor& b, int64_t M, int64_t Nc, int64_t K, int64_t a_m,
@@ -621,7 +630,7 @@ class VulkanBackend final : public Backend {
     const bool partial = d.size() > 1;
     struct {
       uint64_t out, a, b, bias;
-      uint32_t M, Nc, K, a_m, a_k, b_k, b_n, has_bias, accumulate, k_split, partial;
+      uint32_t M, Nc, K, a_m, a_k, b_k, b_n, has_bias, accumulate, k_split, partial, vectors;
       float alpha;
     } push{partial ? split_scratch_ : address(out),
            address(a),
@@ -638,6 +647,8 @@ class VulkanBackend final : public Backend {
            accumulate ? 1u : 0u,
            split.k_split,
            partial ? 1u : 0u,
+           vulkan_geometry::gemm_vector_loads(a_m, a_k, M, K, address(a), DType::F32) |
+               (vulkan_geometry::gemm_vector_loads(b_n, b_k, Nc, K, address(b), b.dtype) << 1),
            alpha};
     ctx().dispatch(d[0], push);
     if (!partial) return;
