@@ -155,7 +155,7 @@ Dispatches training_step(const Model& m, const Training& t) {
     if (t.checkpointing) layer_forward(d, m, t);
     layer_backward(d, m, t);
   }
-  if (t.lora_rank == 0) add(d, g::column_reduction("embedding", N, m.D, 12));
+  if (t.lora_rank == 0) add(d, g::embedding_backward(N, m.D));
   // The optimizer: the gradient norm and AdamW, tensor by tensor.
   const Layer l = layer_of(m);
   std::vector<int64_t> tensors;

@@ -719,6 +719,29 @@ TEST_F(VulkanOps, ColumnSumsOverManyRowsEqualTheReference) {
   }
 }
 
+// The embedding gradient with a workgroup per (256 columns, token): 600 tokens over 50 ids (so
+// most rows find their id earlier, some over more than 256 earlier rows) into 300-wide rows (two
+// column blocks, the second ragged), added into what the table held; the reference's, and the
+// same bits twice.
+TEST_F(VulkanOps, TheEmbeddingGradientOverManyRepeatedIdsEqualsTheReference) {
+  const int64_t N = 600, D = 300, V = 50;
+  std::vector<int32_t> ids(static_cast<size_t>(N));
+  // ids 0-36 in the first half, 37-49 in the second: there an id's first row is beyond 256.
+  for (int64_t n = 0; n < N; ++n)
+    ids[static_cast<size_t>(n)] = static_cast<int32_t>(n < 300 ? (n * n + 7 * n) % 37 : 37 + n % 13);
+  const std::vector<float> dout = randn(N * D, 91), table0 = randn(V * D, 92);
+  auto run = [&](Backend& be) {
+    const Tensor tids = make(be, DType::I32, {N}), tdout = make(be, DType::F32, {N, D}, dout),
+                 dtable = make(be, DType::F32, {V, D}, table0);
+    be.copy_to_device(tids, ids.data());
+    be.embedding_backward(dtable, tdout, tids);
+    return download_f32(be, dtable);
+  };
+  const auto got = run(vk()), again = run(vk()), want = run(ref());
+  expect_close(got, want, 2e-5f);
+  EXPECT_EQ(got, again);
+}
+
 // Split-K: 70 x 16 outputs over K = 5000 would be 3 workgroups of 32 x 32 tiles; K splits over
 // workgroups into the scratch and a second pass adds the splits in order, with the bias (forward)
 // or into what is there (accumulate). Equal to the reference, the same bits every run.

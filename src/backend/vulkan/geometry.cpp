@@ -71,13 +71,15 @@ VulkanDispatch rmsnorm(int64_t rows, int64_t cols, bool add) {
   return add ? per_row("rmsnorm", rows, cols, 20, 5) : per_row("rmsnorm", rows, cols, 8, 4);
 }
 
-VulkanDispatch column_reduction(const char* shader, int64_t rows, int64_t cols, double bytes_per_element) {
+VulkanDispatch embedding_backward(int64_t rows, int64_t cols) {
   const double n = static_cast<double>(rows) * static_cast<double>(cols);
-  return {.shader = shader,
+  // Each row reads the ids before it (an owner those after it too), its dout row, and its table row.
+  return {.shader = "embedding",
           .constants = {},
-          .x = std::clamp<uint32_t>(ceil_div(cols, 256), 1, kMaxGroups),
+          .x = std::max<uint32_t>(1, ceil_div(cols, 256)),
+          .y = std::clamp<uint32_t>(static_cast<uint32_t>(std::min<int64_t>(rows, kMaxGroups)), 1, kMaxGroups),
           .flops = n,
-          .bytes = bytes_per_element * n};
+          .bytes = 12 * n};
 }
 
 ColumnBlocks column_blocks(int64_t rows, int64_t cols, int64_t scratch_floats) {

@@ -52,9 +52,10 @@ VulkanDispatch per_row(const char* shader, int64_t rows, int64_t cols, double by
 // (`add`), the row and the addend read, the sum written back, then normalized.
 VulkanDispatch rmsnorm(int64_t rows, int64_t cols, bool add);
 
-// A thread per column walking the rows in order (the embedding gradient, whose rows scatter by
-// token id): deterministic without atomics, one workgroup per 256 columns.
-VulkanDispatch column_reduction(const char* shader, int64_t rows, int64_t cols, double bytes_per_element);
+// The embedding gradient (embedding.comp, mode 1): `rows` token rows scattered into the table's
+// rows by id, a workgroup per (256 columns, token row), the row owning its id's sum where it is
+// the id's first; deterministic without atomics on floats.
+VulkanDispatch embedding_backward(int64_t rows, int64_t cols);
 // Column sums (a bias gradient, RMSNorm's weight gradient) in two passes: blocks of rows, a
 // workgroup per (256 columns, block) writing partials into the scratch (column_partials.comp),
 // then the blocks added in order per column (column_finish.comp).

@@ -218,7 +218,7 @@ class VulkanBackend final : public Backend {
   }
   void embedding_backward(const Tensor& dtable, const Tensor& dout, const Tensor& ids) override {
     dtable.f32();
-    embedding(dtable, dout, ids, 0, 1, vulkan_geometry::column_reduction("embedding", ids.numel(), dtable.cols(), 12));
+    embedding(dtable, dout, ids, 0, 1, vulkan_geometry::embedding_backward(ids.numel(), dtable.cols()));
   }
   void dropout_forward(const Tensor& out, const Tensor& x, uint64_t key, float p) override {
     struct {
