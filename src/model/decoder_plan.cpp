@@ -188,15 +188,18 @@ DecoderBuffers declare_decoder_buffers(const ModelConfig& c, const ModelOptions&
   // 16-bit storage: weights are widened right before use into per-phase scratch.
   const size_t largest_matrix = layer_matrix_scratch_elems(c, specs_, backend), largest_vector = largest_vector_elems(specs_);
   const bool widen = dt != DType::F32 || c.quant.enabled();
-  auto declare_widening = [&](Phase ph, size_t matrix_elems) {
+  // With 16-bit products (mixed precision) every step reads the layers' matrices as stored, so
+  // only vectors (biases) are widened.
+  const std::optional<DType> half = sixteen_bit_operands(c, options_, backend);
+  auto declare_widening = [&](Phase ph) {
     const std::string p{phase_name(ph)};
-    b.matrix_f32[static_cast<size_t>(ph)] =
-        plan.declare(p + ".matrix_f32", Category::Working, matrix_elems * 4, ph, ph);
+    if (!half)
+      b.matrix_f32[static_cast<size_t>(ph)] =
+          plan.declare(p + ".matrix_f32", Category::Working, largest_matrix * 4, ph, ph);
     b.vector_f32[static_cast<size_t>(ph)] =
         plan.declare(p + ".vector_f32", Category::Working, largest_vector * 4, ph, ph);
   };
-  if (widen) declare_widening(F, largest_matrix);
-  const std::optional<DType> half = sixteen_bit_operands(c, options_, backend);
+  if (widen) declare_widening(F);
   if (half)
     b.half_input[static_cast<size_t>(F)] =
         plan.declare("forward.input_16bit", Category::Working, half_operand_bytes(c, options_), F, F);
@@ -256,7 +259,7 @@ DecoderBuffers declare_decoder_buffers(const ModelConfig& c, const ModelOptions&
     }
     if (options_.gradient_checkpointing)
       b.recompute = declare_layer_acts(c, options_, plan, "bwd.recompute.", Category::RecomputeScratch, B, B);
-    if (widen) declare_widening(B, largest_matrix);
+    if (widen) declare_widening(B);
     if (half) {
       b.half_input[static_cast<size_t>(B)] =
           plan.declare("backward.input_16bit", Category::Working, half_operand_bytes(c, options_), B, B);
