@@ -295,7 +295,7 @@ void Decoder::linear_group_forward(int64_t l, std::span<const SiteOutput> sites,
     for (const SiteOutput& s : sites) linear_forward(l, s.site, a, x, s.y, x16);
     return;
   }
-  constexpr size_t kMaxSites = 3;
+  constexpr size_t kMaxSites = DecoderBuffers::kMaxGroupSites;
   MT_ASSERT(sites.size() <= kMaxSites);
   std::array<GroupMember, kMaxSites> group;
   std::array<Tensor, kMaxSites> stored_bias;

@@ -89,12 +89,17 @@ DecoderBuffers declare_inference_buffers(const ModelConfig& c, const ModelOption
   b.fwd_scratch = declare_layer_acts(c, o, plan, "fwd.layer.", Category::Working, F, F);
   // 16-bit products for steps of many rows (prefill); decoding's few rows read 16-bit weights
   // with float32 inputs (Decoder::sixteen_bit_step).
-  if (sixteen_bit_operands(c, o, backend) && o.max_tokens > backend.stored_weight_rows())
+  const bool half = sixteen_bit_operands(c, o, backend).has_value();
+  if (half && o.max_tokens > backend.stored_weight_rows())
     b.half_input[static_cast<size_t>(F)] =
         plan.declare("forward.input_16bit", Category::Working, half_operand_bytes(c, o), F, F);
   if (c.torch_dtype != DType::F32 || c.quant.enabled()) {
+    // With 16-bit products no layer matrix is widened (decoding reads them as stored, longer
+    // steps take 16-bit products): only a group's 16-bit biases, widened together.
+    const size_t matrix_elems = half ? DecoderBuffers::kMaxGroupSites * largest_vector_elems(specs)
+                                    : layer_matrix_scratch_elems(c, specs, backend);
     b.matrix_f32[static_cast<size_t>(F)] =
-        plan.declare("forward.matrix_f32", Category::Working, layer_matrix_scratch_elems(c, specs, backend) * 4, F, F);
+        plan.declare("forward.matrix_f32", Category::Working, matrix_elems * 4, F, F);
     b.vector_f32[static_cast<size_t>(F)] =
         plan.declare("forward.vector_f32", Category::Working, largest_vector_elems(specs) * 4, F, F);
     b.vector_f32[static_cast<size_t>(L)] =

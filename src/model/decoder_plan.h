@@ -28,6 +28,7 @@ struct LayerActs {
 
 struct DecoderBuffers {
   static constexpr int64_t kHeadSliceRows = 4096;               // vocabulary rows of a 16-bit head widened at once
+  static constexpr size_t kMaxGroupSites = 3;                  // products of one input run as a group (q, k, v)
   BufferId ids, positions, targets, cu_seqlens;                 // the batch
   BufferId rope_inv_freq;                                       // RoPE's frequencies [head_dim / 2], set once
   std::vector<BufferId> residual;                               // layer inputs x_0..x_L (x_L feeds the final norm)

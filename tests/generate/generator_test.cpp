@@ -221,6 +221,26 @@ TEST(Generator, ABfloat16ModelsPrefillTakesBfloat16ProductsAsTheReferenceDoes) {
               same.describe().c_str(), rounded.describe().c_str());
 }
 
+// With bfloat16 products no layer matrix is widened in inference either: the forward's matrix
+// scratch holds only a group's 16-bit biases (three vectors), where float32 arithmetic widens a
+// whole matrix into it.
+TEST(Generator, ABfloat16ModelsInferencePlanWidensNoMatrix) {
+  if (backend_named("cpu").sixteen_bit_products(DType::BF16).empty())
+    GTEST_SKIP() << "the cpu backend has no bfloat16 products on this CPU";
+  const ModelConfig c = tiny(DType::BF16);
+  auto matrix_scratch = [&](DType compute) {
+    ModelOptions o = inference_model_options(c, limits(64, 1, 64), &backend_named("cpu"));
+    o.compute_dtype = compute;
+    const Decoder m(c, o);
+    for (const BufferDecl& b : m.plan().buffers())
+      if (b.name == "forward.matrix_f32") return b.bytes;
+    return size_t{0};
+  };
+  const size_t largest_vector = static_cast<size_t>(std::max(c.q_dim(), c.intermediate_size));
+  EXPECT_LE(matrix_scratch(DType::BF16), 3 * largest_vector * 4);
+  EXPECT_EQ(matrix_scratch(DType::F32), static_cast<size_t>(c.intermediate_size * c.hidden_size) * 4);
+}
+
 TEST(Generator, BatchedChunkedAndWaitingRequestsGiveTheSameTokensAsOneByOne) {
   const ModelConfig c = tiny();
   const std::vector<GenerationRequest> rs = mixed_requests(c);

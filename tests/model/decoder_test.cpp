@@ -323,6 +323,8 @@ TEST(Qwen2, MixedPrecisionStepsAllocateOnlyOneDnnsPerCallTables) {
   EXPECT_LT(b.bytes, 2 * a.bytes + 4096) << "allocations grow with the batch";
   EXPECT_LT(a.bytes, size_t{256} << 10);
   EXPECT_EQ(model.arena().high_water_bytes(), model.plan().peak_bytes());
+  // Every product reads the layers' matrices as stored: no float32 scratch to widen them into.
+  for (const BufferDecl& buffer : model.plan().buffers()) EXPECT_FALSE(buffer.name.ends_with(".matrix_f32")) << buffer.name;
   RecordProperty("heap_allocations_per_step", std::to_string(a.count));
   std::printf("a mixed-precision step (20 tokens): %llu allocations, %llu bytes; 47 tokens: %llu, %llu\n",
               static_cast<unsigned long long>(a.count), static_cast<unsigned long long>(a.bytes),

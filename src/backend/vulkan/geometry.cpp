@@ -77,7 +77,7 @@ VulkanDispatch embedding_backward(int64_t rows, int64_t cols) {
   return {.shader = "embedding",
           .constants = {},
           .x = std::max<uint32_t>(1, ceil_div(cols, 256)),
-          .y = std::clamp<uint32_t>(static_cast<uint32_t>(std::min<int64_t>(rows, kMaxGroups)), 1, kMaxGroups),
+          .y = static_cast<uint32_t>(std::clamp<int64_t>(rows, 1, kMaxGroups)),
           .flops = n,
           .bytes = 12 * n};
 }
