@@ -19,6 +19,15 @@ void Backend::adamw_update_group(std::span<const AdamWTensor> tensors, const Ada
   }
 }
 
+void Backend::decide_and_update(std::span<const Tensor>, float, std::span<const AdamWTensor>, const DecidedStep&) {
+  MT_ASSERT(false, "this backend does not decide steps on a device (decides_steps)");
+}
+void Backend::read_step() { MT_ASSERT(false, "this backend does not decide steps on a device (decides_steps)"); }
+Backend::StepReadback Backend::take_step() {
+  MT_ASSERT(false, "this backend does not decide steps on a device (decides_steps)");
+  return {};
+}
+
 void Backend::matmul_forward_group(std::span<const GroupMember> group, const Tensor& inp, const Tensor& scratch) {
   for (const GroupMember& m : group) {
     if (m.quantized)

@@ -147,8 +147,10 @@ struct DeviceMemoryFigures {
 
 // What the host has asked of a device that runs apart from it, since the backend opened it:
 // dispatches, command buffers submitted, and waits for the device to finish.
+// overlapped_waits: waits after which the device still had work the host had submitted since
+// (the host waited for a step's result while the next step was queued).
 struct DeviceCounters {
-  uint64_t dispatches = 0, submissions = 0, waits = 0;
+  uint64_t dispatches = 0, submissions = 0, waits = 0, overlapped_waits = 0;
 };
 
 class Backend {
@@ -333,6 +335,32 @@ class Backend {
     bool decay = true;
   };
   virtual void adamw_update_group(std::span<const AdamWTensor> tensors, const AdamWStep& step);
+
+  // Training steps decided on the device, so that the host records the next step before it
+  // reads this one's result (Trainer: one process, no loss scaling, a backend for which
+  // decides_steps() is true). decide_and_update does what scale_and_sum_squares and
+  // adamw_update_group do, but the device takes the norm (the partials added in order in
+  // float64, as the host adds them), decides whether the step counts (a finite norm), computes the
+  // clipping coefficient min(1, max_norm / (norm + 1e-6)) (none when max_norm <= 0), and updates
+  // with `if_previous_counted` when the step decided before this one counted, else with
+  // `if_previous_skipped` (their grad_scale is not read); nothing comes back yet. read_step()
+  // then starts bringing back the squared norm, whether it counted, the deferred loss sums and
+  // the step's time marks; take_step() returns them, oldest first, waiting only for that copy.
+  // At most two steps may be read and not yet taken.
+  virtual bool decides_steps() const { return false; }
+  struct DecidedStep {
+    double max_grad_norm = 0;
+    AdamWStep if_previous_skipped, if_previous_counted;
+  };
+  virtual void decide_and_update(std::span<const Tensor> grads, float scale, std::span<const AdamWTensor> tensors,
+                                 const DecidedStep& step);
+  virtual void read_step();
+  struct StepReadback {
+    double sum_squares = 0, loss_sum = 0;
+    bool counted = false;
+    std::vector<double> marks;  // seconds since mark 0 (time_marks), empty without timestamps
+  };
+  virtual StepReadback take_step();
 
   // Collectives (distributed/) read and write device memory: `op` runs with that memory reachable by
   // the communicator. overlaps_collectives(): whether a non-blocking collective may stay in

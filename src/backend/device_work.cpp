@@ -21,6 +21,7 @@ void DeviceWork::end() {
   const std::optional<DeviceCounters> now = backend_->device_counters();
   if (!now) return;
   waits_.add(now->waits - start_->waits);
+  overlapped_waits_.add(now->overlapped_waits - start_->overlapped_waits);
   submissions_.add(now->submissions - start_->submissions);
   dispatches_.add(now->dispatches - start_->dispatches);
   ++units_;
@@ -38,6 +39,7 @@ nlohmann::json DeviceWork::to_json(const std::string& unit) const {
   return {{"unit", unit},
           {"units", units_},
           {"waits", waits_.to_json(units_)},
+          {"overlapped_waits", overlapped_waits_.to_json(units_)},
           {"submissions", submissions_.to_json(units_)},
           {"dispatches", dispatches_.to_json(units_)},
           {"dispatches_by_shader", by_shader}};

@@ -1,5 +1,6 @@
 // What the host asks of a device per unit of work (a training step, an evaluation batch, an
-// engine step of generation): the waits for the device, the command buffers submitted and the
+// engine step of generation): the waits for the device (and of those, the ones after which the
+// device still had work the host had submitted since), the command buffers submitted and the
 // dispatches, each as min / max / mean over the units, from the backend's own counters
 // (Backend::device_counters), and the dispatches by shader since counting began.
 // memory.json's and generate's "device_work".
@@ -26,7 +27,7 @@ class DeviceWork {
   void begin() { start_ = backend_->device_counters(); }
   void end();
   int64_t units() const { return units_; }
-  // {"unit", "units", "waits", "submissions", "dispatches": {"min", "max", "mean"},
+  // {"unit", "units", "waits", "overlapped_waits", "submissions", "dispatches": {"min", "max", "mean"},
   // "dispatches_by_shader" (since counting began)}; null for a backend without device counters.
   nlohmann::json to_json(const std::string& unit) const;
 
@@ -39,7 +40,7 @@ class DeviceWork {
   const Backend* backend_;
   std::map<std::string, uint64_t> shaders_at_start_;
   std::optional<DeviceCounters> start_;
-  Range waits_, submissions_, dispatches_;
+  Range waits_, overlapped_waits_, submissions_, dispatches_;
   int64_t units_ = 0;
 };
 

@@ -73,7 +73,7 @@ class TrainingRun {
   RunIdentity run_identity() const;
   // Returns true when Ctrl-C stopped it (on any rank).
   bool train_loop(InterruptRequests& interrupts);
-  void log(json record);
+  void log(json record, std::optional<int64_t> step = std::nullopt);  // at the current step by default
   void save_checkpoint();
   void save_final();
   void write_model_files(const fs::path& dir) const;
@@ -523,10 +523,11 @@ void TrainingRun::run_evaluation() {
   if (root_) write_memory_and_report();
 }
 
-void TrainingRun::log(json record) {
+void TrainingRun::log(json record, std::optional<int64_t> step) {
+  const int64_t at = step.value_or(progress_.global_step);
   // Hugging Face's TensorBoardCallback.on_log: the record's numbers, at the global step.
-  if (tensorboard_) tensorboard_->add_scalars(progress_.global_step, tensorboard_scalars(record));
-  record["step"] = progress_.global_step;
+  if (tensorboard_) tensorboard_->add_scalars(at, tensorboard_scalars(record));
+  record["step"] = at;
   progress_.log_history.push_back(record);
   if (!root_) return;
   log_file_ << record.dump() << "\n";
@@ -553,9 +554,74 @@ bool TrainingRun::train_loop(InterruptRequests& interrupts) {
   first_step_ = progress_.global_step;
   first_tokens_ = progress_.num_input_tokens_seen;
 
+  // What happens after a step, once its result is known: the skip rule, the progress line, the
+  // log. `step` is the step's number and `tokens_seen` the tokens up to it: with the trainer
+  // deciding steps on the device, a step is accounted after the next one has been recorded.
+  auto account = [&](const StepResult& r, int64_t step, int64_t tokens_seen) {
+    if (r.skipped_nonfinite) {
+      // fp16's loss scale backs off from 65536 by halving: only steps at a scale of 1 or below count.
+      if (r.loss_scale <= 1.0 && ++nonfinite_in_a_row >= kMaxNonFiniteSteps)
+        throw Error(fmt::format(
+            "training stopped at step {}: the gradients of the last {} steps were not finite (nan or inf), so "
+            "nothing was updated; the weights or the learning rate ({}) have diverged. Nothing was saved for "
+            "these steps; earlier checkpoints in {} are intact",
+            step, kMaxNonFiniteSteps, args_.learning_rate, args_.output_dir));
+      // Counted as a step like Hugging Face does, but nothing was updated.
+      log({{"skipped", "non-finite gradients"},
+           {"loss_scale", r.loss_scale},
+           {"next_loss_scale", trainer_->loss_scale()}},
+          step);
+      return;
+    }
+    nonfinite_in_a_row = 0;
+    window_loss += r.loss_sum;
+    window_items += r.num_items;
+    window_grad_norm += r.grad_norm;
+    window_tokens += r.num_tokens;
+    ++window_steps;
+    show_progress(r, std::chrono::duration<double>(Clock::now() - run_start).count());
+    if (step % args_.logging_steps != 0 && step != total_steps_) return;
+    const double seconds = std::chrono::duration<double>(Clock::now() - window_start).count();
+    const StepTimings& phases = model_->last_step_timings();  // the step's last micro-batch
+    log({{"loss", window_loss / static_cast<double>(window_items)},
+         {"grad_norm", window_grad_norm / static_cast<double>(window_steps)},
+         {"learning_rate", r.learning_rate},
+         {"epoch", static_cast<double>(step) / static_cast<double>(steps_per_epoch_)},
+         {"num_input_tokens_seen", tokens_seen},
+         {"tokens_per_second", static_cast<double>(window_tokens) / std::max(seconds, 1e-9)},
+         {"memory_arena_bytes", model_->plan().peak_bytes()},
+         {"memory_rss_bytes", current_rss_bytes()},
+         {"elapsed_seconds", std::chrono::duration<double>(Clock::now() - run_start).count()},
+         {"loss_scale", r.loss_scale},
+         {"world_size", comm_.world_size()},
+         {"comm_payload_bytes", comm_.payload_bytes()},
+         {"forward_seconds", phases.forward},
+         {"loss_seconds", phases.loss},
+         {"backward_seconds", phases.backward},
+         {"phase_clock", phases.device ? "device" : "host"}},
+        step);
+    window_loss = window_grad_norm = 0;
+    window_items = window_steps = window_tokens = 0;
+    window_start = Clock::now();
+  };
+  // A step recorded on the device whose result is not read yet: read it and account for it.
+  struct Pending {
+    int64_t step, tokens_seen;
+  };
+  std::optional<Pending> pending;
+  auto settle = [&] {
+    if (!pending) return;
+    const Pending p = *pending;
+    pending.reset();
+    account(trainer_->finish(), p.step, p.tokens_seen);
+  };
+
   while (progress_.global_step < total_steps_) {
     // Ctrl-C reaches every rank at a slightly different moment: they agree to stop together.
-    if (comm_.allreduce_max(interrupts.requested() ? 1 : 0) != 0) return true;
+    if (comm_.allreduce_max(interrupts.requested() ? 1 : 0) != 0) {
+      settle();
+      return true;
+    }
     views.clear();
     int64_t global_batches = 0;
     for (int64_t k = 0; k < ga; ++k) {
@@ -572,6 +638,7 @@ bool TrainingRun::train_loop(InterruptRequests& interrupts) {
       ++progress_.epoch;
       progress_.batches_in_epoch = 0;
       batcher_->start_epoch(progress_.epoch);
+      if (args_.eval_strategy == "epoch" || args_.save_strategy == "epoch") settle();
       if (args_.eval_strategy == "epoch" && progress_.global_step > 0) run_evaluation();
       if (args_.save_strategy == "epoch" && progress_.global_step > 0) save_checkpoint();
       continue;
@@ -584,62 +651,24 @@ bool TrainingRun::train_loop(InterruptRequests& interrupts) {
     const StepResult r = trainer_->step(views);
     heap_.end();
     model_->arena().sample();
-    if (!r.updated && !r.skipped_nonfinite) continue;  // no target token at all: not a step
+    if (!r.updated && !r.skipped_nonfinite && !r.pending) continue;  // no target token at all: not a step
     ++progress_.global_step;
+    progress_.num_input_tokens_seen += r.num_tokens;
     static constexpr Phase kStepPhases[] = {Phase::Forward, Phase::Loss, Phase::Backward, Phase::Optimizer};
     timeline_.record(model_->arena(), progress_.global_step, "train", kStepPhases);
-    if (r.skipped_nonfinite) {
-      // fp16's loss scale backs off from 65536 by halving: only steps at a scale of 1 or below count.
-      if (r.loss_scale <= 1.0 && ++nonfinite_in_a_row >= kMaxNonFiniteSteps)
-        throw Error(fmt::format(
-            "training stopped at step {}: the gradients of the last {} steps were not finite (nan or inf), so "
-            "nothing was updated; the weights or the learning rate ({}) have diverged. Nothing was saved for "
-            "these steps; earlier checkpoints in {} are intact",
-            progress_.global_step, kMaxNonFiniteSteps, args_.learning_rate, args_.output_dir));
-      // Counted as a step like Hugging Face does, but nothing was updated.
-      log({{"skipped", "non-finite gradients"},
-           {"loss_scale", r.loss_scale},
-           {"next_loss_scale", trainer_->loss_scale()}});
-      progress_.num_input_tokens_seen += r.num_tokens;
-      continue;
-    }
-    nonfinite_in_a_row = 0;
-    progress_.num_input_tokens_seen += r.num_tokens;
-    window_loss += r.loss_sum;
-    window_items += r.num_items;
-    window_grad_norm += r.grad_norm;
-    window_tokens += r.num_tokens;
-    ++window_steps;
-    show_progress(r, std::chrono::duration<double>(Clock::now() - run_start).count());
-    const bool last = progress_.global_step == total_steps_;
-    if (progress_.global_step % args_.logging_steps == 0 || last) {
-      const double seconds = std::chrono::duration<double>(Clock::now() - window_start).count();
-      const StepTimings& phases = model_->last_step_timings();  // the step's last micro-batch
-      log({{"loss", window_loss / static_cast<double>(window_items)},
-           {"grad_norm", window_grad_norm / static_cast<double>(window_steps)},
-           {"learning_rate", r.learning_rate},
-           {"epoch", static_cast<double>(progress_.global_step) / static_cast<double>(steps_per_epoch_)},
-           {"num_input_tokens_seen", progress_.num_input_tokens_seen},
-           {"tokens_per_second", static_cast<double>(window_tokens) / std::max(seconds, 1e-9)},
-           {"memory_arena_bytes", model_->plan().peak_bytes()},
-           {"memory_rss_bytes", current_rss_bytes()},
-           {"elapsed_seconds", std::chrono::duration<double>(Clock::now() - run_start).count()},
-           {"loss_scale", r.loss_scale},
-           {"world_size", comm_.world_size()},
-           {"comm_payload_bytes", comm_.payload_bytes()},
-           {"forward_seconds", phases.forward},
-           {"loss_seconds", phases.loss},
-           {"backward_seconds", phases.backward},
-           {"phase_clock", phases.device ? "device" : "host"}});
-      window_loss = window_grad_norm = 0;
-      window_items = window_steps = window_tokens = 0;
-      window_start = Clock::now();
-    }
+    settle();  // the step before this one, now that this one is on its way
+    if (r.pending)
+      pending = Pending{progress_.global_step, progress_.num_input_tokens_seen};
+    else
+      account(r, progress_.global_step, progress_.num_input_tokens_seen);
+    const bool evaluate = args_.eval_strategy == "steps" && progress_.global_step % eval_every() == 0;
+    const bool save = args_.save_strategy == "steps" && progress_.global_step % args_.save_steps == 0;
+    if (evaluate || save || progress_.global_step == total_steps_) settle();
     device_work_->end();  // the step with its logging (which reads the device's timestamps)
     // Evaluation and checkpoint time is not training time: the throughput window skips it.
     const auto pause = Clock::now();
-    if (args_.eval_strategy == "steps" && progress_.global_step % eval_every() == 0) run_evaluation();
-    if (args_.save_strategy == "steps" && progress_.global_step % args_.save_steps == 0) save_checkpoint();
+    if (evaluate) run_evaluation();
+    if (save) save_checkpoint();
     window_start += Clock::now() - pause;
   }
   return false;

@@ -28,9 +28,12 @@ Trainer::Trainer(Decoder& model, const TrainerConfig& config, Communicator* comm
   model_.arena().enter_phase(Phase::Forward);
   for (size_t i = 0; i < params_.num_trainable(); ++i) shard_grads_.push_back(params_.shard_grad(i));
   adam_tensors_.reserve(params_.num_trainable());
+  pending_.reserve(2);  // no allocation during steps
   // One process: the loss sums may stay on the device and come back with the gradient norm
   // (with several, they are summed over ranks before it).
   model_.set_defer_loss_sum(comm_->world_size() == 1);
+  on_device_ = config.decide_on_device && backend_.decides_steps() && comm_->world_size() == 1 &&
+               !config.loss_scaling.enabled;
   // Buckets by name: "...layers.{l}." belongs to layer l (base weights and LoRA adapters alike).
   layer_buckets_.resize(static_cast<size_t>(model_.config().num_hidden_layers));
   for (size_t i = 0; i < params_.num_trainable(); ++i) {
@@ -75,7 +78,39 @@ void Trainer::start_bucket(const std::vector<size_t>& bucket) {
   });
 }
 
-Trainer::~Trainer() = default;
+Trainer::~Trainer() {
+  try {
+    while (!pending_.empty()) finish();  // the backend keeps no read of this trainer's
+  } catch (...) {
+  }
+}
+
+AdamWStep Trainer::adam_step(int64_t updates_before, float clip) const {
+  return {.t = updates_before + 1,
+          .learning_rate = config_.learning_rate * config_.schedule.multiplier(updates_before),
+          .config = config_.adam,
+          .decay = true,
+          .grad_scale = clip};
+}
+
+StepResult Trainer::finish() {
+  MT_ASSERT(!pending_.empty(), "Trainer::finish without a pending step");
+  StepResult r = pending_.front();
+  pending_.erase(pending_.begin());
+  const Backend::StepReadback b = backend_.take_step();
+  r.pending = false;
+  r.loss_sum += b.loss_sum;
+  r.grad_norm = std::sqrt(b.sum_squares);
+  r.learning_rate = adam_step(step_, 1.0f).learning_rate;  // every earlier step is finished
+  if (!b.counted) {
+    r.skipped_nonfinite = true;
+    good_steps_ = 0;
+    return r;
+  }
+  ++step_;
+  r.updated = true;
+  return r;
+}
 
 StepResult Trainer::step(std::span<const TokenBatch> micro_batches) {
   StepResult r;
@@ -141,6 +176,28 @@ StepResult Trainer::step(std::span<const TokenBatch> micro_batches) {
   // rank normalizes the elements it updates (all, or its ZeRO-1 shard); with shards the squared
   // norm is summed over ranks.
   const float inv_items = static_cast<float>(1.0 / (static_cast<double>(r.num_items) * scale_));
+  // The views are taken here, in the optimizer phase, where the arena's timeline records their use.
+  adam_tensors_.clear();
+  for (size_t i = 0; i < P; ++i)
+    adam_tensors_.push_back({params_.shard_value(i), params_.shard_grad(i), params_.adam_m(i), params_.adam_v(i),
+                             takes_weight_decay(params_.trainable_spec(i).name)});
+  if (on_device_) {
+    // The device decides from the norm; AdamW's t and learning rate depend on whether the step
+    // still pending (if any) counts, so both candidates go with it.
+    MT_ASSERT(pending_.size() <= 1, "Trainer::step with two steps pending: finish the older first");
+    const int64_t known = step_;
+    const bool unknown = !pending_.empty();
+    backend_.decide_and_update(shard_grads_, inv_items, adam_tensors_,
+                               {.max_grad_norm = config_.max_grad_norm,
+                                .if_previous_skipped = adam_step(known, 1.0f),
+                                .if_previous_counted = adam_step(unknown ? known + 1 : known, 1.0f)});
+    for (size_t i = 0; i < P; ++i) params_.store_trainable(i);  // unchanged masters round as before
+    backend_.read_step();
+    arena.enter_phase(Phase::Forward);
+    r.pending = true;
+    pending_.push_back(r);
+    return r;
+  }
   double sumsq = backend_.scale_and_sum_squares(shard_grads_, inv_items);
   if (deferred) r.loss_sum += backend_.take_deferred_loss_sum();  // read with the norm
   if (sharded) {
@@ -164,17 +221,7 @@ StepResult Trainer::step(std::span<const TokenBatch> micro_batches) {
   // (applied inside the update, the same float product as clipping the gradient first).
   const double clip = config_.max_grad_norm > 0 ? std::min(1.0, config_.max_grad_norm / (r.grad_norm + 1e-6)) : 1.0;
 
-  ++step_;
-  const AdamWStep adam_step{.t = step_,
-                            .learning_rate = r.learning_rate,
-                            .config = config_.adam,
-                            .decay = true,
-                            .grad_scale = static_cast<float>(clip)};
-  // The views are taken here, in the optimizer phase, where the arena's timeline records their use.
-  adam_tensors_.clear();
-  for (size_t i = 0; i < P; ++i)
-    adam_tensors_.push_back({params_.shard_value(i), params_.shard_grad(i), params_.adam_m(i), params_.adam_v(i),
-                             takes_weight_decay(params_.trainable_spec(i).name)});
+  const AdamWStep adam_step = this->adam_step(step_++, static_cast<float>(clip));
   if (!sharded) {  // every tensor in one call (one dispatch on a device), then their storage
     backend_.adamw_update_group(adam_tensors_, adam_step);
     for (size_t i = 0; i < P; ++i) params_.store_trainable(i);

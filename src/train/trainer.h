@@ -9,6 +9,9 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <vector>
+
+#include "core/error.h"
 
 #include "model/decoder.h"
 #include "train/optimizer.h"
@@ -33,6 +36,10 @@ struct TrainerConfig {
   AdamWConfig adam;
   double max_grad_norm = 1.0;  // <= 0 disables clipping
   LrSchedule schedule;
+  // Where the backend decides steps on its device (Backend::decides_steps), one process and no
+  // loss scaling: step() records a step and returns before its gradient norm is known; finish()
+  // reads it later (the host records the next step meanwhile). The same updates either way.
+  bool decide_on_device = true;
 };
 
 struct StepResult {
@@ -44,6 +51,7 @@ struct StepResult {
   bool updated = false;            // false when the step had no target token or was skipped
   bool skipped_nonfinite = false;  // gradients were inf/nan: no update (the loss scale backed off)
   double loss_scale = 1.0;         // the scale this step's gradients were computed with
+  bool pending = false;            // recorded on the device, not read yet: Trainer::finish() completes it
   double loss() const { return num_items ? loss_sum / static_cast<double>(num_items) : 0.0; }
 };
 
@@ -56,12 +64,23 @@ class Trainer {
   Trainer(Decoder& model, const TrainerConfig& config, Communicator* comm = nullptr);
   ~Trainer();
 
-  // One optimizer step over the micro-batches of a gradient-accumulation cycle.
+  // One optimizer step over the micro-batches of a gradient-accumulation cycle. A step with
+  // target tokens may come back `pending` (decides_on_device()): its loss, gradient norm,
+  // learning rate and whether it counted are known once finish() has read it.
   StepResult step(std::span<const TokenBatch> micro_batches);
+  // The oldest pending step, completed (it waits for the device only if that step is still
+  // running there). At most one step may be pending when step() is called: record step N + 1,
+  // then finish step N.
+  StepResult finish();
+  bool has_pending() const { return !pending_.empty(); }
+  bool decides_on_device() const { return on_device_; }
   int64_t global_step() const { return step_; }
   // Resuming: the step count the schedule and AdamW's bias correction continue from (the
   // moments and values are restored into the model's buffers by the caller).
-  void restore_global_step(int64_t step) { step_ = step; }
+  void restore_global_step(int64_t step) {
+    MT_ASSERT(pending_.empty(), "restoring a trainer with a step pending");
+    step_ = step;
+  }
   double loss_scale() const { return scale_; }
   int64_t good_steps() const { return good_steps_; }
   void restore_loss_scale(double scale, int64_t good_steps) {
@@ -88,7 +107,10 @@ class Trainer {
   static std::span<float> floats(std::span<std::byte> bytes);
   std::vector<Tensor> shard_grads_;  // what each rank normalizes and takes the norm of, in order
   std::vector<Backend::AdamWTensor> adam_tensors_;  // a step's update of every trainable (reserved)
-  int64_t step_ = 0;  // optimizer updates made (AdamW's t, the schedule's step)
+  int64_t step_ = 0;  // optimizer updates made (AdamW's t, the schedule's step), of finished steps
+  bool on_device_ = false;
+  std::vector<StepResult> pending_;  // recorded, not yet finished, oldest first
+  AdamWStep adam_step(int64_t updates_before, float clip) const;
   double scale_ = 1.0;
   int64_t good_steps_ = 0;
 };

@@ -173,6 +173,8 @@ Dispatches training_step(const Model& m, const Training& t) {
   uint64_t total = 0;  // every tensor in one dispatch each (up to 1024 tensors per table)
   for (const int64_t n : tensors) total += static_cast<uint64_t>(n);
   add(d, g::multi_tensor("scale_sum_squares", total, 8, 3, 8192));
+  // The step decided on the device: one workgroup over the norm's partial sums.
+  add(d, g::per_row("step_decision", 1, g::multi_tensor("scale_sum_squares", total, 8, 3, 8192).x, 4, 1));
   add(d, g::multi_tensor("adamw", total, 28, 16, g::kMaxGroups));
   return d;
 }

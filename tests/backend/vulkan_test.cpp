@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -525,6 +526,101 @@ TEST_F(VulkanOps, GradientNormAndAdamWEqualTheReference) {
     // The same run twice gives the same bits (no atomics in the reduction).
     EXPECT_EQ(std::get<0>(run(vk())), std::get<0>(got));
   }
+}
+
+TEST_F(VulkanOps, StepsDecidedOnTheDeviceEqualTheHostsDecisions) {
+  // Four steps decided on the device, read late (two read and untaken at once), against the same
+  // steps decided on the host: step 0 clipped, step 1 with a NaN gradient (skipped: nothing
+  // changes), step 2 after a skip (the device must take the first candidate), step 3 after an
+  // update (the second). The host's own path is the oracle: the same bits.
+  if (!vk().decides_steps()) GTEST_SKIP() << "this device has no float64 in shaders";
+  const int64_t n0 = 70001, n1 = 513;
+  struct Step {
+    std::vector<float> g0, g1;
+    AdamWStep skipped, counted;
+  };
+  auto adam = [](int64_t t, double lr) {
+    return AdamWStep{.t = t, .learning_rate = lr, .config = {.beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1}};
+  };
+  std::vector<Step> steps;
+  for (int k = 0; k < 4; ++k) steps.push_back({randn(n0, 40 + k), randn(n1, 50 + k), adam(1, 1e-3), adam(1, 1e-3)});
+  steps[1].g1[7] = std::numeric_limits<float>::quiet_NaN();
+  steps[1].counted = adam(2, 2e-3);
+  steps[2].skipped = adam(2, 3e-3);
+  steps[2].counted = adam(3, 4e-3);
+  steps[3].skipped = adam(2, 5e-3);
+  steps[3].counted = adam(3, 6e-3);
+  const double max_norm = 50.0;  // below step 0's norm (about 265): clipped
+  const std::vector<float> p0 = randn(n0, 60), p1 = randn(n1, 61);
+  struct State {
+    Tensor g[2], p[2], m[2], v[2];
+  };
+  auto state = [&] {
+    State s;
+    for (int i = 0; i < 2; ++i) {
+      const int64_t n = i ? n1 : n0;
+      s.g[i] = make(vk(), DType::F32, {n});
+      s.p[i] = make(vk(), DType::F32, {n}, i ? p1 : p0);
+      s.m[i] = make(vk(), DType::F32, {n}, std::vector<float>(static_cast<size_t>(n), 0.0f));
+      s.v[i] = make(vk(), DType::F32, {n}, std::vector<float>(static_cast<size_t>(n), 0.0f));
+    }
+    return s;
+  };
+  auto tensors = [](const State& s) {
+    return std::vector<Backend::AdamWTensor>{{s.p[0], s.g[0], s.m[0], s.v[0], true},
+                                             {s.p[1], s.g[1], s.m[1], s.v[1], false}};
+  };
+  const float scale = 0.5f;
+  // The host deciding: the norm comes back before the update.
+  State h = state();
+  std::vector<double> host_sumsq;
+  bool previous_counted = false;
+  for (const Step& st : steps) {
+    upload_f32(vk(), h.g[0], st.g0);
+    upload_f32(vk(), h.g[1], st.g1);
+    const double sumsq = vk().scale_and_sum_squares(std::span(h.g, 2), scale);
+    host_sumsq.push_back(sumsq);
+    const double norm = std::sqrt(sumsq);
+    const bool counted = std::isfinite(norm);
+    if (counted) {
+      AdamWStep a = previous_counted ? st.counted : st.skipped;
+      a.grad_scale = static_cast<float>(std::min(1.0, max_norm / (norm + 1e-6)));
+      vk().adamw_update_group(tensors(h), a);
+    }
+    previous_counted = counted;
+  }
+  EXPECT_TRUE(std::isnan(host_sumsq[1]));
+  EXPECT_GT(std::sqrt(host_sumsq[0]), max_norm);
+  // The device deciding, read late.
+  State d = state();
+  std::vector<Backend::StepReadback> got;
+  for (size_t k = 0; k < steps.size(); ++k) {
+    upload_f32(vk(), d.g[0], steps[k].g0);
+    upload_f32(vk(), d.g[1], steps[k].g1);
+    vk().decide_and_update(std::span(d.g, 2), scale, tensors(d), {max_norm, steps[k].skipped, steps[k].counted});
+    vk().read_step();
+    if (k >= 1) got.push_back(vk().take_step());
+  }
+  got.push_back(vk().take_step());
+  ASSERT_EQ(got.size(), 4u);
+  for (size_t k = 0; k < 4; ++k) {
+    SCOPED_TRACE(k);
+    EXPECT_EQ(got[k].counted, k != 1);
+    if (k == 1)
+      EXPECT_TRUE(std::isnan(got[k].sum_squares));
+    else
+      EXPECT_EQ(got[k].sum_squares, host_sumsq[k]);
+    EXPECT_EQ(got[k].loss_sum, 0.0);
+  }
+  for (int i = 0; i < 2; ++i) {
+    SCOPED_TRACE(i);
+    for (const auto& [a, b] : {std::pair{d.p[i], h.p[i]}, std::pair{d.m[i], h.m[i]}, std::pair{d.v[i], h.v[i]}}) {
+      const std::vector<float> x = download_f32(vk(), a), y = download_f32(vk(), b);
+      EXPECT_EQ(std::memcmp(x.data(), y.data(), x.size() * sizeof(float)), 0);
+    }
+  }
+  // A mutation check of the oracle's reach: the parameters moved (the steps were not all skipped).
+  EXPECT_NE(download_f32(vk(), d.p[0]), p0);
 }
 
 TEST_F(VulkanOps, AnArenaBeyondOneAllocationIsRefusedNamingTheLimit) {

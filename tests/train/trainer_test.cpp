@@ -4,14 +4,18 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <numbers>
 #include <vector>
 
+#include "backend/registry.h"
+#include "backend/vulkan/vulkan_backend.h"
 #include "core/error.h"
 #include "core/rng.h"
 #include "memory/process_memory.h"
 #include "train/trainer.h"
 #include "support/numeric.h"
+#include "data/synthetic_tokenizer.h"
 
 namespace memtune {
 namespace {
@@ -278,6 +282,76 @@ TEST(Trainer, TinyModelMemorizesASmallDataset) {
   }
   EXPECT_GT(first, 5.0);
   EXPECT_LT(loss, 0.05) << "after " << steps << " steps";
+}
+
+TEST(Trainer, StepsDecidedOnTheDeviceEqualTheHostsDecisionsReadOneStepLate) {
+  // On a device that decides steps (vulkan with float64 shaders): the same bfloat16 model trained
+  // twice, once waiting for each step's norm on the host and once recording step N + 1 before
+  // reading step N. Step 2 meets a NaN final norm weight (written into both models' 16-bit
+  // copies, and their own values written back before step 3), so step 3's AdamW constants depend
+  // on a skip the host has not read when it records step 3.
+  if (!vulkan_backend_available() || !backend_named("vulkan").decides_steps()) {
+    if (testing_support::all_tests_required() && !vulkan_backend_available()) FAIL() << "no usable Vulkan device";
+    GTEST_SKIP() << "no Vulkan device that decides steps";
+  }
+  ModelConfig cfg = model_preset("tiny");
+  cfg.torch_dtype = DType::BF16;
+  ModelOptions o = train_options(41);
+  o.backend = &backend_named("vulkan");
+  TrainerConfig tc;
+  tc.learning_rate = 2e-3;
+  tc.max_grad_norm = 0.5;
+  tc.schedule = {LrScheduleType::Linear, 1, 8, 0.0};
+  const Seqs data = make_seqs({30, 11}, 9);
+  const Packed a = pack(data, 0, 1), b = pack(data, 1, 2);
+  const TokenBatch mbs[] = {a.view(), b.view()};
+  Decoder late(cfg, o), host(cfg, o);
+  late.parameters().init_random(7);
+  host.parameters().init_random(7);
+  TrainerConfig on_host = tc;
+  on_host.decide_on_device = false;
+  Trainer tl(late, tc), th(host, on_host);
+  ASSERT_TRUE(tl.decides_on_device());
+  ASSERT_FALSE(th.decides_on_device());
+  // The final norm's 16-bit copy: NaN for step 2, its own values again for step 3.
+  auto norm_weight = [&](Decoder& m) {
+    const auto& specs = m.parameters().specs();
+    for (size_t i = 0; i < specs.size(); ++i)
+      if (specs[i].name == "model.norm.weight") return m.parameters().param(i);
+    throw Error("no final norm");
+  };
+  const std::vector<float> norm = download_f32(host.backend(), norm_weight(host));
+  const std::vector<float> nan(norm.size(), std::nanf(""));
+  std::vector<StepResult> got, want;
+  for (int k = 0; k < 5; ++k) {
+    if (k == 2 || k == 3)
+      for (Decoder* m : {&late, &host}) upload_f32(m->backend(), norm_weight(*m), k == 2 ? nan : norm);
+    const StepResult r = tl.step(mbs);
+    EXPECT_TRUE(r.pending);
+    if (k > 0) got.push_back(tl.finish());  // step k - 1, read after step k was recorded
+    want.push_back(th.step(mbs));
+    EXPECT_FALSE(want.back().pending);
+  }
+  got.push_back(tl.finish());
+  EXPECT_FALSE(tl.has_pending());
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t k = 0; k < got.size(); ++k) {
+    SCOPED_TRACE(k);
+    EXPECT_EQ(got[k].skipped_nonfinite, k == 2);
+    EXPECT_EQ(want[k].skipped_nonfinite, k == 2);
+    EXPECT_EQ(got[k].updated, want[k].updated);
+    EXPECT_EQ(got[k].num_items, want[k].num_items);
+    EXPECT_EQ(got[k].learning_rate, want[k].learning_rate);
+    if (k == 2) continue;  // NaN loss and norm
+    EXPECT_EQ(got[k].loss_sum, want[k].loss_sum);
+    EXPECT_EQ(got[k].grad_norm, want[k].grad_norm);
+  }
+  EXPECT_EQ(tl.global_step(), 4);
+  EXPECT_EQ(th.global_step(), 4);
+  const std::vector<float> pl = flat_params(late), ph = flat_params(host);
+  ASSERT_EQ(pl.size(), ph.size());
+  EXPECT_EQ(std::memcmp(pl.data(), ph.data(), pl.size() * sizeof(float)), 0);
+  for (const float x : pl) ASSERT_TRUE(std::isfinite(x));
 }
 
 }  // namespace

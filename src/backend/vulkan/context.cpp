@@ -67,6 +67,7 @@ VulkanContext::VulkanContext(std::optional<int> requested_device) {
   auto supported = vk_struct<VkPhysicalDeviceFeatures2>(VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2);
   vkGetPhysicalDeviceFeatures2(physical_, &supported);
   features.features.shaderInt16 = supported.features.shaderInt16;
+  features.features.shaderFloat64 = supported.features.shaderFloat64;
   auto device_info = vk_struct<VkDeviceCreateInfo>(VK_STRUCTURE_TYPE_DEVICE_CREATE_INFO);
   device_info.pNext = &features;
   device_info.queueCreateInfoCount = 1;
@@ -108,6 +109,13 @@ VulkanContext::VulkanContext(std::optional<int> requested_device) {
                          VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | VK_MEMORY_PROPERTY_HOST_COHERENT_BIT,
                          VK_MEMORY_PROPERTY_HOST_CACHED_BIT);
   check(vkMapMemory(device_, staging_.memory, 0, kTransferBytes, 0, &staging_host_), "vkMapMemory");
+  constexpr size_t kSlot = Backend::kTimeMarks * sizeof(uint64_t) + kReadbackBytes;
+  readback_ = make_buffer(kReadbackSlots * kSlot, VK_BUFFER_USAGE_TRANSFER_DST_BIT,
+                          VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | VK_MEMORY_PROPERTY_HOST_COHERENT_BIT,
+                          VK_MEMORY_PROPERTY_HOST_CACHED_BIT);
+  void* readback = nullptr;
+  check(vkMapMemory(device_, readback_.memory, 0, kReadbackSlots * kSlot, 0, &readback), "vkMapMemory");
+  readback_host_ = static_cast<std::byte*>(readback);
   const char* profile = std::getenv("MEMTUNE_VULKAN_PROFILE");
   profile_ = profile && std::string(profile) == "1";
   if (profile_ && timestamps_) {
@@ -133,6 +141,10 @@ VulkanContext::~VulkanContext() {
     vkDestroyShaderModule(device_, p.module, nullptr);
   }
   for (auto& [address, a] : allocations_) destroy(a);
+  if (readback_.memory) {
+    vkUnmapMemory(device_, readback_.memory);
+    destroy(readback_);
+  }
   if (staging_.memory) {
     vkUnmapMemory(device_, staging_.memory);
     destroy(staging_);
@@ -326,6 +338,7 @@ void VulkanContext::retire(size_t batch, uint64_t submission) {
   if (!b.in_flight || b.submission != submission) return;  // a flush already saw it through
   check(vkWaitForFences(device_, 1, &b.fence, VK_TRUE, UINT64_MAX), "vkWaitForFences");
   ++counters_.waits;
+  if (counters_.submissions > submission) ++counters_.overlapped_waits;
   check(vkResetFences(device_, 1, &b.fence), "vkResetFences");
   check(vkResetCommandBuffer(b.commands, 0), "vkResetCommandBuffer");
   b.in_flight = false;
@@ -380,10 +393,47 @@ std::vector<double> VulkanContext::marks() {
   check(vkGetQueryPoolResults(device_, timestamps_, 0, n, n * sizeof(uint64_t), ticks.data(), sizeof(uint64_t),
                               VK_QUERY_RESULT_64_BIT | VK_QUERY_RESULT_WAIT_BIT),
         "vkGetQueryPoolResults");
+  return seconds_since_first(ticks.data(), n);
+}
+
+std::vector<double> VulkanContext::seconds_since_first(const uint64_t* ticks, uint32_t n) const {
   std::vector<double> seconds(n);
   for (uint32_t i = 0; i < n; ++i)
     seconds[i] = static_cast<double>((ticks[i] - ticks[0]) & timestamp_mask_) * info_.timestamp_period_ns * 1e-9;
   return seconds;
+}
+
+VulkanContext::PendingRead VulkanContext::read_later(uint64_t src, size_t bytes) {
+  MT_ASSERT(bytes <= kReadbackBytes, "vulkan: a pending read larger than its slot");
+  PendingRead r{.slot = next_readback_, .bytes = bytes};
+  next_readback_ = (next_readback_ + 1) % kReadbackSlots;
+  const VkDeviceSize at = r.slot * (Backend::kTimeMarks * sizeof(uint64_t) + kReadbackBytes);
+  VkCommandBuffer c = recording();
+  while (r.marks < static_cast<uint32_t>(Backend::kTimeMarks) && (marked_ >> r.marks & 1u)) ++r.marks;
+  if (r.marks > 0)  // the series goes with the read (a query copy waits for its timestamps)
+    vkCmdCopyQueryPoolResults(c, timestamps_, 0, r.marks, readback_.buffer, at, sizeof(uint64_t),
+                              VK_QUERY_RESULT_64_BIT | VK_QUERY_RESULT_WAIT_BIT);
+  marked_ = 0;
+  if (bytes > 0) {
+    const auto [a, offset] = locate(src, bytes);
+    const VkBufferCopy region{offset, at + Backend::kTimeMarks * sizeof(uint64_t), bytes};
+    vkCmdCopyBuffer(c, a->buffer, readback_.buffer, 1, &region);
+  }
+  barrier();
+  r.batch = current_;
+  submit();
+  r.submission = batches_[r.batch].submission;
+  return r;
+}
+
+std::span<const std::byte> VulkanContext::collect(const PendingRead& read, std::vector<double>& marks) {
+  submit();  // what was recorded since runs while the host waits
+  retire(read.batch, read.submission);
+  const std::byte* slot = readback_host_ + read.slot * (Backend::kTimeMarks * sizeof(uint64_t) + kReadbackBytes);
+  uint64_t ticks[Backend::kTimeMarks];
+  std::memcpy(ticks, slot, sizeof ticks);
+  marks = read.marks ? seconds_since_first(ticks, read.marks) : std::vector<double>{};
+  return {slot + Backend::kTimeMarks * sizeof(uint64_t), read.bytes};
 }
 
 void VulkanContext::upload(uint64_t dst, const void* src, size_t bytes) {

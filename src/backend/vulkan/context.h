@@ -87,6 +87,19 @@ class VulkanContext {
     dispatch(d.shader, std::span<const uint32_t>(d.constants), std::as_bytes(std::span<const Push>(&push, 1)), d.x,
              d.y, d.z, d.flops, d.bytes);
   }
+  // Reads the host collects later (a training step's result, read one step late): read_later
+  // records a copy of `bytes` at device address `src` into one of kReadbackSlots host-visible
+  // slots, with the current series of time marks (which it takes: marks() no longer returns
+  // them), and submits; collect waits only for that copy's command buffer, if still running, and
+  // returns the bytes and the marks' seconds since mark 0. A slot is reused after its collect.
+  struct PendingRead {
+    size_t slot = 0, batch = 0, bytes = 0;
+    uint64_t submission = 0;
+    uint32_t marks = 0;
+  };
+  static constexpr size_t kReadbackSlots = 2, kReadbackBytes = (size_t{1} << 20) + 256;
+  PendingRead read_later(uint64_t src, size_t bytes);
+  std::span<const std::byte> collect(const PendingRead& read, std::vector<double>& marks);
   // Submits what is recorded and waits for everything submitted.
   void flush();
   // Submits what is recorded without waiting (the device starts on it; the next recording goes to
@@ -96,8 +109,11 @@ class VulkanContext {
   // What the host asked of the device since the context opened: dispatches, command buffers
   // submitted, and waits for the device; and the dispatches by shader (summed over its pipelines
   // when asked: a dispatch only adds one to its pipeline's count).
+  // overlapped_waits: the waits for a command buffer that later submissions followed (the device
+  // had more work queued while the host waited: a pending read collected after the next step was
+  // recorded).
   struct Counters {
-    uint64_t dispatches = 0, submissions = 0, waits = 0;
+    uint64_t dispatches = 0, submissions = 0, waits = 0, overlapped_waits = 0;
   };
   const Counters& counters() const { return counters_; }
   std::map<std::string, uint64_t> dispatches_by_shader() const;
@@ -197,6 +213,11 @@ class VulkanContext {
   uint64_t allocated_bytes_ = 0;
   Allocation staging_;
   void* staging_host_ = nullptr;
+  Allocation readback_;  // kReadbackSlots slots of kTimeMarks timestamps, then kReadbackBytes
+  std::byte* readback_host_ = nullptr;
+  size_t next_readback_ = 0;
+  // Converts a series of n timestamps to seconds since the first.
+  std::vector<double> seconds_since_first(const uint64_t* ticks, uint32_t n) const;
   std::map<PipelineKey, Pipeline, PipelineKeyLess> pipelines_;
   // MEMTUNE_VULKAN_PROFILE=1: every dispatch runs alone and is timed by two device timestamps
   // around it (the host's clock without timestamps); per shader, the seconds, dispatches,

@@ -93,6 +93,7 @@ VulkanDeviceInfo read_device(VkPhysicalDevice pd, int index) {
   vkGetPhysicalDeviceFeatures2(pd, &features);
   d.storage_16bit = f11.storageBuffer16BitAccess == VK_TRUE;
   d.shader_int64 = features.features.shaderInt64 == VK_TRUE;
+  d.shader_float64 = features.features.shaderFloat64 == VK_TRUE;
   d.buffer_device_address = f12.bufferDeviceAddress == VK_TRUE;
   return d;
 }
@@ -179,10 +180,12 @@ std::string describe_vulkan_device(const VulkanDeviceInfo& d) {
   auto yes = [](bool b) { return b ? "yes" : "no"; };
   return fmt::format(
       "{} ({}; {} {}, Vulkan {})\n  memory: {}; one allocation up to {}, one storage binding up to {}\n"
-      "  features: 16-bit storage {}, 64-bit integers {}, buffer device address {}, subgroup {}{}, shared memory {}, "
+      "  features: 16-bit storage {}, 64-bit integers {}, 64-bit floats {}, buffer device address {}, subgroup {}{}, "
+      "shared memory {}, "
       "cooperative matrix {}, memory budget {}, timestamps {}",
       d.name, d.type, d.driver, d.driver_info, d.api_version, heaps, format_bytes(d.max_allocation_bytes),
-      format_bytes(d.max_storage_buffer_range), yes(d.storage_16bit), yes(d.shader_int64), yes(d.buffer_device_address),
+      format_bytes(d.max_storage_buffer_range), yes(d.storage_16bit), yes(d.shader_int64), yes(d.shader_float64),
+      yes(d.buffer_device_address),
       d.subgroup_size, d.subgroup_shuffle ? " with shuffles" : " without shuffles", format_bytes(d.shared_memory_bytes), yes(d.cooperative_matrix), yes(d.memory_budget),
       yes(d.timestamps));
 }
@@ -205,6 +208,7 @@ nlohmann::json vulkan_device_json(const VulkanDeviceInfo& d) {
           {"shared_memory_bytes", d.shared_memory_bytes},
           {"storage_16bit", d.storage_16bit},
           {"shader_int64", d.shader_int64},
+          {"shader_float64", d.shader_float64},
           {"buffer_device_address", d.buffer_device_address},
           {"cooperative_matrix", d.cooperative_matrix},
           {"memory_budget", d.memory_budget},

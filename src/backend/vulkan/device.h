@@ -35,6 +35,7 @@ struct VulkanDeviceInfo {
   uint64_t max_allocation_bytes = 0, max_storage_buffer_range = 0;
   uint32_t subgroup_size = 0, shared_memory_bytes = 0;
   bool storage_16bit = false, shader_int64 = false, buffer_device_address = false;
+  bool shader_float64 = false;  // float64 in shaders: training steps decided on the device (step_decision.comp)
   bool subgroup_shuffle = false;  // subgroupShuffleXor in compute shaders
   bool memory_budget = false, cooperative_matrix = false, timestamps = false;
   float timestamp_period_ns = 0;  // nanoseconds per timestamp tick

@@ -11,6 +11,8 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "backend/vulkan/context.h"
 #include "backend/vulkan/device.h"
@@ -48,9 +50,11 @@ class VulkanBackend final : public Backend {
       return;
     }
     ctx_ = std::make_unique<VulkanContext>();
-    partials_ = ctx_->allocate(kPartials * sizeof(float));
+    decision_ = ctx_->allocate(kDecisionBytes + kPartials * sizeof(float));
+    partials_ = decision_ + kDecisionBytes;  // a step's decision, loss slots and partials: one read
     split_scratch_ = ctx_->allocate(kSplitScratchFloats * sizeof(float));
     tables_ = ctx_->allocate(2 * kTableEntries * 6 * sizeof(uint64_t));
+    pending_steps_.reserve(VulkanContext::kReadbackSlots);
     std::fprintf(stderr, "vulkan: device %d, %s\n", ctx_->info().index, describe_vulkan_device(ctx_->info()).c_str());
   }
   std::string_view name() const override { return "vulkan"; }
@@ -62,13 +66,21 @@ class VulkanBackend final : public Backend {
   std::optional<DeviceCounters> device_counters() const override {
     if (!ctx_) return std::nullopt;
     const VulkanContext::Counters& c = ctx_->counters();
-    return DeviceCounters{.dispatches = c.dispatches, .submissions = c.submissions, .waits = c.waits};
+    return DeviceCounters{
+        .dispatches = c.dispatches, .submissions = c.submissions, .waits = c.waits, .overlapped_waits = c.overlapped_waits};
   }
   std::map<std::string, uint64_t> dispatches_by_shader() const override {
     return ctx_ ? ctx_->dispatches_by_shader() : std::map<std::string, uint64_t>{};
   }
-  void time_mark(int i) override { ctx().mark(i); }
-  std::vector<double> time_marks() override { return ctx().marks(); }
+  void time_mark(int i) override {
+    if (i == 0) taken_marks_.clear();
+    ctx().mark(i);
+  }
+  // A taken step's marks (take_step) while no series has started since, else the last series.
+  std::vector<double> time_marks() override {
+    if (!taken_marks_.empty()) return std::exchange(taken_marks_, {});
+    return ctx().marks();
+  }
   std::optional<DeviceMemoryFigures> device_memory_figures() const override {
     if (profile_)
       return DeviceMemoryFigures{.device = "given by --vulkan_max_allocation and --device_memory (not on this machine)",
@@ -283,25 +295,11 @@ class VulkanBackend final : public Backend {
   // with the step's deferred loss sums. The grid depends on the tensors only, so the same call
   // gives the same sum every run. Tables of more than kTableEntries tensors go in parts.
   double scale_and_sum_squares(std::span<const Tensor> xs, float scale) override {
-    uint32_t used = kLossSlots;  // after the loss slots, which the same download brings back
-    auto entry = [&](size_t i) { return AdamWTensor{.grad = xs[i]}; };
-    for_each_table(xs.size(), 0, entry, [&](uint64_t table, uint64_t total, uint32_t count) {
-      const VulkanDispatch d = vulkan_geometry::multi_tensor("scale_sum_squares", total, 8, 3, kPartialsPerCall);
-      MT_ASSERT(used + d.x <= kPartials, "vulkan: more partial sums than the buffer holds");
-      struct {
-        uint64_t table, total, partials;
-        uint32_t count;
-        float scale;
-      } push{table, total, partials_ + used * sizeof(float), count, scale};
-      ctx().dispatch(d, push);
-      used += d.x;
-    });
+    const uint32_t used = sum_squares_partials(xs, scale);
     if (used == kLossSlots && loss_slots_ == 0) return 0.0;
     ctx().download(partial_sums_.data(), partials_, used * sizeof(float));
     collect_loss_slots();
-    double total = 0.0;
-    for (uint32_t i = kLossSlots; i < used; ++i) total += partial_sums_[i];
-    return total;
+    return sum_of_partials(partial_sums_.data(), used);
   }
   void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                     const AdamWStep& step) override {
@@ -310,30 +308,54 @@ class VulkanBackend final : public Backend {
   }
   // Every tensor in one dispatch (adamw.comp over a tensor table).
   void adamw_update_group(std::span<const AdamWTensor> tensors, const AdamWStep& step) override {
-    const AdamWConfig& c = step.config;
-    const double bias1 = 1.0 - std::pow(c.beta1, static_cast<double>(step.t));
-    const double bias2 = 1.0 - std::pow(c.beta2, static_cast<double>(step.t));
-    auto entry = [&](size_t i) {
-      MT_ASSERT(tensors[i].param.numel() == tensors[i].grad.numel(), "adamw of tensors of different sizes");
-      return tensors[i];
-    };
-    for_each_table(tensors.size(), 1, entry, [&](uint64_t table, uint64_t total, uint32_t count) {
-      struct {
-        uint64_t table, total;
-        uint32_t count;
-        float b1, b2, step_size, inv_sqrt_bias2, eps, keep, grad_scale;
-      } push{table,
-             total,
-             count,
-             static_cast<float>(c.beta1),
-             static_cast<float>(c.beta2),
-             static_cast<float>(step.learning_rate / bias1),
-             static_cast<float>(1.0 / std::sqrt(bias2)),
-             static_cast<float>(c.eps),
-             static_cast<float>(1.0 - step.learning_rate * c.weight_decay),
-             step.grad_scale};
-      ctx().dispatch(vulkan_geometry::multi_tensor("adamw", total, 28, 16, vulkan_geometry::kMaxGroups), push);
-    });
+    adamw(tensors, step, 0);
+  }
+
+  // The decision needs float64 in a shader (step_decision.comp); without it the trainer waits
+  // for each step's norm.
+  bool decides_steps() const override { return ctx_ && ctx_->info().shader_float64; }
+  void decide_and_update(std::span<const Tensor> grads, float scale, std::span<const AdamWTensor> tensors,
+                         const DecidedStep& step) override {
+    MT_ASSERT(decides_steps() && !decided_, "vulkan: a decided step before the last one was read");
+    const uint32_t used = sum_squares_partials(grads, scale);
+    const AdamWConstants a = adamw_constants(step.if_previous_skipped), b = adamw_constants(step.if_previous_counted);
+    struct {
+      uint64_t partials, decision;
+      double max_norm;
+      uint32_t n;
+      AdamWConstants skipped, counted;
+    } push{partials_ + kLossSlots * sizeof(float),
+           decision_,
+           step.max_grad_norm,
+           used - kLossSlots,
+           a,
+           b};
+    ctx().dispatch(vulkan_geometry::per_row("step_decision", 1, used - kLossSlots, 4, 1), push);
+    adamw(tensors, step.if_previous_skipped, decision_);
+    decided_ = used;
+  }
+  void read_step() override {
+    MT_ASSERT(decided_ > 0 && pending_steps_.size() < VulkanContext::kReadbackSlots,
+              "vulkan: read_step without a decided step, or with two unread");
+    pending_steps_.push_back({ctx().read_later(decision_, kDecisionBytes + decided_ * sizeof(float)), decided_,
+                              loss_slots_});
+    loss_slots_ = 0;  // the next step's sums start again at slot 0, after this copy
+    decided_ = 0;
+  }
+  StepReadback take_step() override {
+    MT_ASSERT(!pending_steps_.empty(), "vulkan: take_step without a step read");
+    const PendingStep p = pending_steps_.front();
+    pending_steps_.erase(pending_steps_.begin());
+    StepReadback r;
+    const std::span<const std::byte> bytes = ctx().collect(p.read, r.marks);
+    uint32_t counted = 0;
+    std::memcpy(&counted, bytes.data(), sizeof counted);
+    std::memcpy(partial_sums_.data(), bytes.data() + kDecisionBytes, p.partials * sizeof(float));
+    r.counted = counted != 0;
+    r.sum_squares = sum_of_partials(partial_sums_.data(), p.partials);
+    for (uint32_t i = 0; i < p.loss_slots; ++i) r.loss_sum += partial_sums_[i];
+    taken_marks_ = r.marks;  // what time_marks() returns until the next series starts
+    return r;
   }
 
   void quantized_matmul_forward(const Tensor& out, const Tensor& inp, const QuantizedWeight& w, const Tensor& bias,
@@ -587,6 +609,70 @@ class VulkanBackend final : public Backend {
     } finish{address(out), split_scratch_, u32(cols), blocks.blocks, alpha};
     ctx().dispatch(d[1], finish);
   }
+  // scale_sum_squares.comp over xs: the partial sums after the loss slots; returns the number of
+  // floats from the start of the partials buffer that then matter (loss slots included).
+  uint32_t sum_squares_partials(std::span<const Tensor> xs, float scale) {
+    uint32_t used = kLossSlots;  // after the loss slots, which the same download brings back
+    auto entry = [&](size_t i) { return AdamWTensor{.grad = xs[i]}; };
+    for_each_table(xs.size(), 0, entry, [&](uint64_t table, uint64_t total, uint32_t count) {
+      const VulkanDispatch d = vulkan_geometry::multi_tensor("scale_sum_squares", total, 8, 3, kPartialsPerCall);
+      MT_ASSERT(used + d.x <= kPartials, "vulkan: more partial sums than the buffer holds");
+      struct {
+        uint64_t table, total, partials;
+        uint32_t count;
+        float scale;
+      } push{table, total, partials_ + used * sizeof(float), count, scale};
+      ctx().dispatch(d, push);
+      used += d.x;
+    });
+    return used;
+  }
+  // The squared norm from the partials: added in order in float64 (step_decision.comp adds them
+  // the same way).
+  static double sum_of_partials(const float* partials, uint32_t used) {
+    double total = 0.0;
+    for (uint32_t i = kLossSlots; i < used; ++i) total += partials[i];
+    return total;
+  }
+  // AdamW's per-step constants as float32, from the host's float64 arithmetic.
+  struct AdamWConstants {
+    float step_size, inv_sqrt_bias2, keep;
+  };
+  static AdamWConstants adamw_constants(const AdamWStep& step) {
+    const AdamWConfig& c = step.config;
+    const double bias1 = 1.0 - std::pow(c.beta1, static_cast<double>(step.t));
+    const double bias2 = 1.0 - std::pow(c.beta2, static_cast<double>(step.t));
+    return {static_cast<float>(step.learning_rate / bias1), static_cast<float>(1.0 / std::sqrt(bias2)),
+            static_cast<float>(1.0 - step.learning_rate * c.weight_decay)};
+  }
+  // adamw.comp over the tensors: the constants of `step`, or those of a decision (its address:
+  // step_decision.comp's; 0 for none).
+  void adamw(std::span<const AdamWTensor> tensors, const AdamWStep& step, uint64_t decision) {
+    const AdamWConfig& c = step.config;
+    const AdamWConstants k = adamw_constants(step);
+    auto entry = [&](size_t i) {
+      MT_ASSERT(tensors[i].param.numel() == tensors[i].grad.numel(), "adamw of tensors of different sizes");
+      return tensors[i];
+    };
+    for_each_table(tensors.size(), 1, entry, [&](uint64_t table, uint64_t total, uint32_t count) {
+      struct {
+        uint64_t table, total, decision;
+        uint32_t count;
+        float b1, b2, step_size, inv_sqrt_bias2, eps, keep, grad_scale;
+      } push{table,
+             total,
+             decision,
+             count,
+             static_cast<float>(c.beta1),
+             static_cast<float>(c.beta2),
+             k.step_size,
+             k.inv_sqrt_bias2,
+             static_cast<float>(c.eps),
+             k.keep,
+             step.grad_scale};
+      ctx().dispatch(vulkan_geometry::multi_tensor("adamw", total, 28, 16, vulkan_geometry::kMaxGroups), push);
+    });
+  }
   // The loss slots of the last download, summed in slot order into deferred_loss_.
   void collect_loss_slots() {
     for (uint32_t i = 0; i < loss_slots_; ++i) deferred_loss_ += partial_sums_[i];
@@ -743,6 +829,16 @@ class VulkanBackend final : public Backend {
   std::optional<VulkanDeviceProfile> profile_;
   std::unique_ptr<VulkanContext> ctx_;
   uint64_t partials_ = 0;
+  // step_decision.comp's output (tensor_table.glsl's Decision), just before the partials.
+  static constexpr size_t kDecisionBytes = 32;
+  uint64_t decision_ = 0;
+  uint32_t decided_ = 0;  // the partials that matter for a decided step not yet read (0: none)
+  struct PendingStep {
+    VulkanContext::PendingRead read;
+    uint32_t partials = 0, loss_slots = 0;
+  };
+  std::vector<PendingStep> pending_steps_;  // read, not yet taken, oldest first
+  std::vector<double> taken_marks_;         // the last taken step's marks, until a series starts
   // vulkan_geometry::kScratchFloats: the partials of split-K products, of paged attention's
   // context splits and of the loss's row pieces.
   static constexpr int64_t kSplitScratchFloats = vulkan_geometry::kScratchFloats;

@@ -17,3 +17,10 @@ uint table_find(Table t, uint count, uint64_t e) {
   }
   return lo;
 }
+// A training step decided on the device (step_decision.comp writes it, adamw.comp reads it):
+// whether the step counts (its gradient norm is finite), the clipping coefficient, AdamW's
+// constants for the step, whether the decided step before it counted, and the squared norm's
+// float64 bits (as two words: a shader that reads a decision needs no float64 arithmetic).
+layout(buffer_reference, std430, buffer_reference_align = 8) buffer Decision {
+  uint counted; float clip, step_size, inv_sqrt_bias2, keep; uint previous; uvec2 sumsq;
+};
