@@ -28,6 +28,11 @@ void DeviceWork::end() {
   start_.reset();
 }
 
+std::optional<DeviceWork::Totals> DeviceWork::totals() const {
+  if (!backend_->device_counters()) return std::nullopt;
+  return Totals{units_, waits_.total, overlapped_waits_.total, submissions_.total, dispatches_.total};
+}
+
 nlohmann::json DeviceWork::to_json(const std::string& unit) const {
   if (!backend_->device_counters()) return nullptr;
   std::map<std::string, uint64_t> by_shader;

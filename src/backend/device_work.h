@@ -27,6 +27,13 @@ class DeviceWork {
   void begin() { start_ = backend_->device_counters(); }
   void end();
   int64_t units() const { return units_; }
+  // The sums over the units counted so far (the server's /metrics); none for a backend without
+  // device counters.
+  struct Totals {
+    int64_t units = 0;
+    uint64_t waits = 0, overlapped_waits = 0, submissions = 0, dispatches = 0;
+  };
+  std::optional<Totals> totals() const;
   // {"unit", "units", "waits", "overlapped_waits", "submissions", "dispatches": {"min", "max", "mean"},
   // "dispatches_by_shader" (since counting began)}; null for a backend without device counters.
   nlohmann::json to_json(const std::string& unit) const;

@@ -111,6 +111,8 @@ class GenerationEngine {
   // token) and prefill steps apart: {"decode_step": ..., "prefill_step": ...}, null without device
   // counters.
   nlohmann::json device_work_json() const;
+  const DeviceWork& decode_work() const { return decode_work_; }
+  const DeviceWork& prefill_work() const { return prefill_work_; }
 
   struct Sequence;  // one request while it waits or runs (generator.cpp)
 

@@ -40,16 +40,23 @@ void EngineLoop::cancel(const std::shared_ptr<Channel>& channel) {
 
 EngineGauges EngineLoop::gauges() const {
   const int64_t free = blocks_free_.load();
-  return {.running = running_.load(),
-          .waiting = waiting_.load(),
-          .blocks_used = engine_.total_blocks() - free,
-          .blocks_free = free};
+  EngineGauges g{.running = running_.load(),
+                 .waiting = waiting_.load(),
+                 .blocks_used = engine_.total_blocks() - free,
+                 .blocks_free = free};
+  const std::lock_guard lock(work_mu_);
+  g.decode_work = decode_work_;
+  g.prefill_work = prefill_work_;
+  return g;
 }
 
 void EngineLoop::publish() {
   running_ = engine_.num_running();
   waiting_ = engine_.num_waiting();
   blocks_free_ = engine_.free_blocks();
+  const std::lock_guard lock(work_mu_);
+  decode_work_ = engine_.decode_work().totals();
+  prefill_work_ = engine_.prefill_work().totals();
 }
 
 // Adds the request to the engine with callbacks that feed its channel and the metrics; a

@@ -72,6 +72,8 @@ class EngineLoop {
   const double shutdown_grace_seconds_;
   std::mutex mu_;
   std::condition_variable wake_;
+  mutable std::mutex work_mu_;  // the device work totals, copied out after each step
+  std::optional<DeviceWork::Totals> decode_work_, prefill_work_;
   std::vector<std::pair<GenerationRequest, std::shared_ptr<Channel>>> inbox_;
   std::vector<std::shared_ptr<Channel>> cancels_;
   bool closed_ = false;  // the loop has ended: nothing more is taken (guarded by mu_)

@@ -62,6 +62,20 @@ std::string ServerMetrics::text(const EngineGauges& gauges) const {
       "# HELP memtune_kv_cache_blocks_free KV cache blocks free.\n"
       "# TYPE memtune_kv_cache_blocks_free gauge\nmemtune_kv_cache_blocks_free {}\n",
       prompt_tokens_, generation_tokens_, gauges.running, gauges.waiting, gauges.blocks_used, gauges.blocks_free);
+  if (gauges.decode_work && gauges.prefill_work) {
+    const DeviceWork::Totals &d = *gauges.decode_work, &p = *gauges.prefill_work;
+    auto counter = [&](const char* name, const char* help, uint64_t decode, uint64_t prefill) {
+      out += fmt::format("# HELP {0} {1}\n# TYPE {0} counter\n{0}{{kind=\"decode\"}} {2}\n{0}{{kind=\"prefill\"}} {3}\n",
+                         name, help, decode, prefill);
+    };
+    counter("memtune_engine_steps_total", "Engine steps on the device: decode (no prompt token) and prefill.",
+            static_cast<uint64_t>(d.units), static_cast<uint64_t>(p.units));
+    counter("memtune_device_waits_total", "Waits of the host for the device during engine steps.", d.waits, p.waits);
+    counter("memtune_device_submissions_total", "Command buffers submitted to the device during engine steps.",
+            d.submissions, p.submissions);
+    counter("memtune_device_dispatches_total", "Compute dispatches recorded during engine steps.", d.dispatches,
+            p.dispatches);
+  }
   time_to_first_token_.write(out, "memtune_time_to_first_token_seconds",
                              "Seconds from a request's arrival to its first generated token.");
   inter_token_latency_.write(out, "memtune_inter_token_latency_seconds",

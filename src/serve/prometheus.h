@@ -6,8 +6,11 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
+
+#include "backend/device_work.h"
 
 namespace memtune {
 
@@ -26,9 +29,11 @@ class Histogram {
   uint64_t count_ = 0;
 };
 
-// What the engine thread publishes after every step.
+// What the engine thread publishes after every step; on a device, what its decode and prefill
+// steps asked of it (backend/device_work.h).
 struct EngineGauges {
   int64_t running = 0, waiting = 0, blocks_used = 0, blocks_free = 0;
+  std::optional<DeviceWork::Totals> decode_work, prefill_work;
 };
 
 class ServerMetrics {

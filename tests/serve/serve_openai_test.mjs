@@ -357,6 +357,15 @@ if (vulkanDevice !== null) {
   results = await Promise.all(picked.map((i) => complete(client, requests[i], true)));
   results.forEach((got, k) => checkAgainstReference(got, picked[k], "vulkan concurrent"));
   onVulkan = picked.length + 1;
+  // What the engine's steps asked of the device, from the backend's own counters (/metrics): a
+  // decode or prefill step waits once, for its token ids, and submits at least once.
+  for (const kind of ["decode", "prefill"]) {
+    const steps = await metric(server.url, `memtune_engine_steps_total{kind="${kind}"}`);
+    assert.ok(steps > 0, `no ${kind} steps on vulkan`);
+    assert.equal(await metric(server.url, `memtune_device_waits_total{kind="${kind}"}`), steps, `${kind} waits`);
+    assert.ok((await metric(server.url, `memtune_device_submissions_total{kind="${kind}"}`)) >= steps);
+    assert.ok((await metric(server.url, `memtune_device_dispatches_total{kind="${kind}"}`)) > 10 * steps);
+  }
   stopped = await stopServer(server);
   assert.equal(stopped.code, 0, `vulkan SIGTERM: exit code ${stopped.code}\n${server.output()}`);
 } else if (devices.vulkan_backend_built && process.env.MEMTUNE_REQUIRE_ALL_TESTS === "1") {
