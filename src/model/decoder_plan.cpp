@@ -95,9 +95,11 @@ DecoderBuffers declare_inference_buffers(const ModelConfig& c, const ModelOption
         plan.declare("forward.input_16bit", Category::Working, half_operand_bytes(c, o), F, F);
   if (c.torch_dtype != DType::F32 || c.quant.enabled()) {
     // With 16-bit products no layer matrix is widened (decoding reads them as stored, longer
-    // steps take 16-bit products): only a group's 16-bit biases, widened together.
-    const size_t matrix_elems = half ? DecoderBuffers::kMaxGroupSites * largest_vector_elems(specs)
-                                    : layer_matrix_scratch_elems(c, specs, backend);
+    // steps take 16-bit products), nor where no step has more rows than the backend reads 16-bit
+    // weights as stored for: only a group's 16-bit biases, widened together.
+    const bool as_stored = half || (!c.quant.enabled() && o.max_tokens <= backend.stored_weight_rows());
+    const size_t matrix_elems = as_stored ? DecoderBuffers::kMaxGroupSites * largest_vector_elems(specs)
+                                          : layer_matrix_scratch_elems(c, specs, backend);
     b.matrix_f32[static_cast<size_t>(F)] =
         plan.declare("forward.matrix_f32", Category::Working, matrix_elems * 4, F, F);
     b.vector_f32[static_cast<size_t>(F)] =

@@ -228,8 +228,8 @@ TEST(Generator, ABfloat16ModelsInferencePlanWidensNoMatrix) {
   if (backend_named("cpu").sixteen_bit_products(DType::BF16).empty())
     GTEST_SKIP() << "the cpu backend has no bfloat16 products on this CPU";
   const ModelConfig c = tiny(DType::BF16);
-  auto matrix_scratch = [&](DType compute) {
-    ModelOptions o = inference_model_options(c, limits(64, 1, 64), &backend_named("cpu"));
+  auto matrix_scratch = [&](DType compute, int64_t step_tokens) {
+    ModelOptions o = inference_model_options(c, limits(64, 1, step_tokens), &backend_named("cpu"));
     o.compute_dtype = compute;
     const Decoder m(c, o);
     for (const BufferDecl& b : m.plan().buffers())
@@ -237,8 +237,19 @@ TEST(Generator, ABfloat16ModelsInferencePlanWidensNoMatrix) {
     return size_t{0};
   };
   const size_t largest_vector = static_cast<size_t>(std::max(c.q_dim(), c.intermediate_size));
-  EXPECT_LE(matrix_scratch(DType::BF16), 3 * largest_vector * 4);
-  EXPECT_EQ(matrix_scratch(DType::F32), static_cast<size_t>(c.intermediate_size * c.hidden_size) * 4);
+  EXPECT_LE(matrix_scratch(DType::BF16, 64), 3 * largest_vector * 4);
+  EXPECT_EQ(matrix_scratch(DType::F32, 64), static_cast<size_t>(c.intermediate_size * c.hidden_size) * 4);
+  // float32 arithmetic whose steps never exceed the rows read as stored (decoding's few rows):
+  // no matrix widened either, and generation runs inside that plan (a view beyond a planned
+  // buffer stops it).
+  const int64_t few = backend_named("cpu").stored_weight_rows();
+  EXPECT_LE(matrix_scratch(DType::F32, few), 3 * largest_vector * 4);
+  ModelOptions o = inference_model_options(c, limits(64, 4, few), &backend_named("cpu"));
+  o.compute_dtype = DType::F32;
+  Decoder m(c, o);
+  m.parameters().init_random(kWeightsSeed);
+  const std::vector<GenerationResult> r = Generator(m, nullptr).generate(mixed_requests(c));
+  for (const GenerationResult& g : r) EXPECT_FALSE(g.token_ids.empty());
 }
 
 TEST(Generator, BatchedChunkedAndWaitingRequestsGiveTheSameTokensAsOneByOne) {
