@@ -16,6 +16,7 @@ void Backend::adamw_update_group(std::span<const AdamWTensor> tensors, const Ada
     AdamWStep s = step;
     s.decay = t.decay;
     adamw_update(t.param, t.grad, t.m, t.v, s);
+    if (t.storage) convert(t.storage, t.param);
   }
 }
 

@@ -328,11 +328,14 @@ class Backend {
   virtual void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                             const AdamWStep& step) = 0;
   // The same update of many tensors with one step's constants, each tensor's own `decay`
-  // (step.decay is not read): by default adamw_update per tensor, in order; a device backend
-  // makes it one dispatch.
+  // (step.decay is not read), and each updated param rounded into its `storage` where it has one
+  // (the 16-bit weight a float32 master stands for: as convert(storage, param) after the update):
+  // by default adamw_update and convert per tensor, in order; a device backend makes it one
+  // dispatch.
   struct AdamWTensor {
     Tensor param, grad, m, v;
     bool decay = true;
+    Tensor storage;
   };
   virtual void adamw_update_group(std::span<const AdamWTensor> tensors, const AdamWStep& step);
 

@@ -314,21 +314,17 @@ Tensor ModelParameters::adam_v(size_t i) const {
   return state_arena().f32(trainables_.at(i).v, {static_cast<int64_t>(optimizer_shard(i).size())});
 }
 
-void ModelParameters::store_trainable(size_t i) {
+Tensor ModelParameters::master_storage(size_t i) const {
   const Trainable& t = trainables_.at(i);
-  if (!t.widen_into) return;
+  if (!t.widen_into) return {};
   const Shard s = optimizer_shard(i);
-  backend_->convert(param(*t.widen_into).flat_range(static_cast<int64_t>(s.begin), static_cast<int64_t>(s.size())),
-                    trainable_value(i));
+  return param(*t.widen_into).flat_range(static_cast<int64_t>(s.begin), static_cast<int64_t>(s.size()));
 }
 
 void ModelParameters::load_masters() {
   for (size_t i = 0; i < trainables_.size(); ++i) {
     const Trainable& t = trainables_[i];
-    if (!t.widen_into) continue;
-    const Shard s = optimizer_shard(i);
-    backend_->convert(trainable_value(i),
-                      param(*t.widen_into).flat_range(static_cast<int64_t>(s.begin), static_cast<int64_t>(s.size())));
+    if (t.widen_into) backend_->convert(trainable_value(i), master_storage(i));
   }
 }
 

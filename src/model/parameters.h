@@ -157,7 +157,7 @@ class ModelParameters {
 
   // What the optimizer updates: the base parameters (full fine-tuning) or the LoRA adapters.
   // Values are float32: the parameter itself, its float32 master when stored in 16 bits, or the
-  // adapter matrix. After updating a value, store_trainable(i) rounds it into 16-bit storage.
+  // adapter matrix. An update rounds a master into its 16-bit storage (master_storage).
   size_t num_trainable() const { return trainables_.size(); }
   const ParamSpec& trainable_spec(size_t i) const { return trainables_.at(i).spec; }
   Tensor trainable_value(size_t i) const;
@@ -171,8 +171,9 @@ class ModelParameters {
   Tensor adam_v(size_t i) const;
   Tensor shard_value(size_t i) const;  // the float32 values the optimizer updates
   Tensor shard_grad(size_t i) const;
-  // Rounds the shard's float32 master into the 16-bit weight (nothing for float32 values).
-  void store_trainable(size_t i);
+  // The view of the 16-bit weight the shard's float32 master rounds into after an update
+  // (AdamWTensor::storage); empty for float32 values.
+  Tensor master_storage(size_t i) const;
   // True when trainable i is the float32 master of a 16-bit base weight (checkpoints keep it).
   bool trainable_is_master(size_t i) const { return trainables_.at(i).widen_into.has_value(); }
   // The storage every rank must hold whole after an update (the ZeRO-1 allgather): the 16-bit

@@ -180,7 +180,7 @@ StepResult Trainer::step(std::span<const TokenBatch> micro_batches) {
   adam_tensors_.clear();
   for (size_t i = 0; i < P; ++i)
     adam_tensors_.push_back({params_.shard_value(i), params_.shard_grad(i), params_.adam_m(i), params_.adam_v(i),
-                             takes_weight_decay(params_.trainable_spec(i).name)});
+                             takes_weight_decay(params_.trainable_spec(i).name), params_.master_storage(i)});
   if (on_device_) {
     // The device decides from the norm; AdamW's t and learning rate depend on whether the step
     // still pending (if any) counts, so both candidates go with it.
@@ -191,7 +191,6 @@ StepResult Trainer::step(std::span<const TokenBatch> micro_batches) {
                                {.max_grad_norm = config_.max_grad_norm,
                                 .if_previous_skipped = adam_step(known, 1.0f),
                                 .if_previous_counted = adam_step(unknown ? known + 1 : known, 1.0f)});
-    for (size_t i = 0; i < P; ++i) params_.store_trainable(i);  // unchanged masters round as before
     backend_.read_step();
     arena.enter_phase(Phase::Forward);
     r.pending = true;
@@ -222,14 +221,11 @@ StepResult Trainer::step(std::span<const TokenBatch> micro_batches) {
   const double clip = config_.max_grad_norm > 0 ? std::min(1.0, config_.max_grad_norm / (r.grad_norm + 1e-6)) : 1.0;
 
   const AdamWStep adam_step = this->adam_step(step_++, static_cast<float>(clip));
-  if (!sharded) {  // every tensor in one call (one dispatch on a device), then their storage
-    backend_.adamw_update_group(adam_tensors_, adam_step);
-    for (size_t i = 0; i < P; ++i) params_.store_trainable(i);
-  }
+  // Every tensor in one call (one dispatch on a device), their 16-bit storage with them.
+  if (!sharded) backend_.adamw_update_group(adam_tensors_, adam_step);
   // ZeRO-1: every rank updates its block of each tensor; all of them get the whole tensor back.
   for (size_t i = 0; sharded && i < P; ++i) {
     backend_.adamw_update_group(std::span(&adam_tensors_[i], 1), adam_step);
-    params_.store_trainable(i);
     const Tensor storage = params_.trainable_storage(i);
     on_tensor(storage, [&](std::span<std::byte> bytes) { comm_->allgather(bytes, dtype_size(storage.dtype)); });
   }

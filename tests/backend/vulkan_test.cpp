@@ -528,6 +528,34 @@ TEST_F(VulkanOps, GradientNormAndAdamWEqualTheReference) {
   }
 }
 
+TEST_F(VulkanOps, AdamWRoundsEachUpdatedMasterIntoItsSixteenBitStorage) {
+  // Three tensors in one update: a bfloat16 weight, a float16 weight (their float32 masters
+  // updated and rounded in the same pass) and a float32 value with no storage. The storage must
+  // hold exactly what convert() makes of the updated master, on the device as on the reference.
+  const int64_t n = 5003;
+  for (Backend* be : {&vk(), &ref()}) {
+    SCOPED_TRACE(be->name());
+    std::vector<Backend::AdamWTensor> ts;
+    for (int i = 0; i < 3; ++i) {
+      const Tensor storage = i < 2 ? make(*be, i == 0 ? DType::BF16 : DType::F16, {n}, randn(n, 80 + i)) : Tensor{};
+      ts.push_back({make(*be, DType::F32, {n}, randn(n, 70 + i)), make(*be, DType::F32, {n}, randn(n, 73 + i)),
+                    make(*be, DType::F32, {n}, std::vector<float>(n, 0.0f)),
+                    make(*be, DType::F32, {n}, std::vector<float>(n, 0.0f)), i != 1, storage});
+    }
+    const std::vector<float> third_before = download_f32(*be, ts[2].param);
+    be->adamw_update_group(ts, AdamWStep{.t = 2, .learning_rate = 1e-2, .config = {.weight_decay = 0.1}});
+    for (int i = 0; i < 2; ++i) {
+      const Tensor want = make(*be, ts[i].storage.dtype, {n});
+      be->convert(want, ts[i].param);
+      std::vector<std::byte> a(ts[i].storage.bytes()), b(want.bytes());
+      be->copy_to_host(a.data(), ts[i].storage);
+      be->copy_to_host(b.data(), want);
+      EXPECT_EQ(a, b) << "tensor " << i;
+    }
+    EXPECT_NE(download_f32(*be, ts[2].param), third_before);
+  }
+}
+
 TEST_F(VulkanOps, StepsDecidedOnTheDeviceEqualTheHostsDecisions) {
   // Four steps decided on the device, read late (two read and untaken at once), against the same
   // steps decided on the host: step 0 clipped, step 1 with a NaN gradient (skipped: nothing

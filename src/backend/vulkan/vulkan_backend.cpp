@@ -53,7 +53,7 @@ class VulkanBackend final : public Backend {
     decision_ = ctx_->allocate(kDecisionBytes + kPartials * sizeof(float));
     partials_ = decision_ + kDecisionBytes;  // a step's decision, loss slots and partials: one read
     split_scratch_ = ctx_->allocate(kSplitScratchFloats * sizeof(float));
-    tables_ = ctx_->allocate(2 * kTableEntries * 6 * sizeof(uint64_t));
+    tables_ = ctx_->allocate(2 * kTableEntries * kTableWords * sizeof(uint64_t));
     pending_steps_.reserve(VulkanContext::kReadbackSlots);
     std::fprintf(stderr, "vulkan: device %d, %s\n", ctx_->info().index, describe_vulkan_device(ctx_->info()).c_str());
   }
@@ -567,7 +567,7 @@ class VulkanBackend final : public Backend {
   // device holds.
   template <class Entry, class Body>
   void for_each_table(size_t n, int which, const Entry& entry, const Body& body) {
-    const uint64_t at = tables_ + static_cast<uint64_t>(which) * kTableEntries * 6 * sizeof(uint64_t);
+    const uint64_t at = tables_ + static_cast<uint64_t>(which) * kTableEntries * kTableWords * sizeof(uint64_t);
     for (size_t begin = 0; begin < n; begin += kTableEntries) {
       std::vector<uint64_t>& words = table_words_;
       words.clear();
@@ -577,8 +577,11 @@ class VulkanBackend final : public Backend {
         if (t.grad.numel() == 0) continue;
         t.grad.f32();
         const auto count = static_cast<uint64_t>(t.grad.numel());
+        if (t.storage)
+          MT_ASSERT(t.storage.numel() == t.grad.numel() && t.storage.dtype != DType::F32, "adamw storage");
         words.insert(words.end(), {address(t.param), address(t.grad), address(t.m), address(t.v), total,
-                                   count | (t.decay ? uint64_t{1} << 63 : 0)});
+                                   count | (t.decay ? uint64_t{1} << 63 : 0), address(t.storage),
+                                   t.storage ? vulkan_geometry::dtype_code(t.storage.dtype) : 0u});
         total += count;
       }
       if (words.empty()) continue;
@@ -586,7 +589,7 @@ class VulkanBackend final : public Backend {
         ctx().upload(at, words.data(), words.size() * sizeof(uint64_t));
         uploaded_tables_[which] = words;
       }
-      body(at, total, static_cast<uint32_t>(words.size() / 6));
+      body(at, total, static_cast<uint32_t>(words.size() / kTableWords));
     }
   }
   // out[c] += alpha * sum over rows of a[n, c] (b and rstd absent), or of a[n, c] b[n, c] rstd[n]:
@@ -812,9 +815,10 @@ class VulkanBackend final : public Backend {
   // table of tensors, in the backend's own small buffer and its host copy, after kLossSlots
   // floats for deferred loss sums (one per lm_head_loss call of a step).
   static constexpr uint32_t kPartials = 1u << 18, kPartialsPerCall = 8192, kLossSlots = 1024;
-  // The multi-tensor shaders' tables: two of kTableEntries entries of six 64-bit words (48 KiB
-  // each, so an upload is recorded into the command buffer).
-  static constexpr size_t kTableEntries = 1024;
+  // The multi-tensor shaders' tables: two of kTableEntries entries of kTableWords 64-bit words
+  // (tensor_table.glsl's TABLE_WORDS; 64 KiB each, so an upload is recorded into the command
+  // buffer).
+  static constexpr size_t kTableEntries = 1024, kTableWords = 8;
   uint64_t tables_ = 0;
   std::vector<uint64_t> table_words_, uploaded_tables_[2];
   uint32_t loss_slots_ = 0;    // loss slots written since the last download of them

@@ -17,7 +17,7 @@ void main() {
     uint k = table_find(p.table, p.count, begin);
     for (uint64_t e = begin + t; e < end; e += 256u) {
       while (e >= table_first(p.table, k) + table_count(p.table, k)) ++k;
-      F32 x = F32(p.table.w[6u * k + 1u]);
+      F32 x = F32(table_word(p.table, k, 1u));
       const uint i = uint(e - table_first(p.table, k));
       const float v = x.v[i] * p.scale;
       x.v[i] = v;
