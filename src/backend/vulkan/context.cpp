@@ -477,6 +477,27 @@ void VulkanContext::download(void* dst, uint64_t src, size_t bytes) {
   }
 }
 
+void VulkanContext::download(std::initializer_list<Range> ranges) {
+  size_t at = 0;
+  for (const Range& r : ranges) {
+    if (r.bytes == 0) continue;
+    MT_ASSERT(at + r.bytes <= kTransferBytes, "vulkan: downloads beyond the staging buffer in one wait");
+    const auto [a, offset] = locate(r.src, r.bytes);
+    const VkBufferCopy region{offset, at, r.bytes};
+    vkCmdCopyBuffer(recording(), a->buffer, staging_.buffer, 1, &region);
+    at += (r.bytes + 15) / 16 * 16;
+  }
+  if (at == 0) return;
+  barrier();
+  flush();
+  at = 0;
+  for (const Range& r : ranges) {
+    if (r.bytes == 0) continue;
+    std::memcpy(r.dst, static_cast<const std::byte*>(staging_host_) + at, r.bytes);
+    at += (r.bytes + 15) / 16 * 16;
+  }
+}
+
 void VulkanContext::copy(uint64_t dst, uint64_t src, size_t bytes) {
   if (bytes == 0) return;
   const auto [to, to_offset] = locate(dst, bytes);

@@ -60,6 +60,14 @@ class VulkanContext {
   static constexpr size_t kRecordedUploadBytes = 65536;
   void upload(uint64_t dst, const void* src, size_t bytes);
   void download(void* dst, uint64_t src, size_t bytes);
+  // Several small downloads with one wait: each range copied to its own place in the staging
+  // buffer (together at most kTransferBytes), one flush, then each read.
+  struct Range {
+    void* dst;
+    uint64_t src;
+    size_t bytes;
+  };
+  void download(std::initializer_list<Range> ranges);
   // Recorded: a device-to-device copy, and a fill of 4-byte words.
   void copy(uint64_t dst, uint64_t src, size_t bytes);
   void fill_words(uint64_t dst, uint32_t word, size_t bytes);
