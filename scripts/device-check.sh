@@ -7,8 +7,8 @@
 #   ops       the vulkan op table (VulkanOps.*, BackendOps.*) on that device;
 #   e2e       the end-to-end test on it (every command on vulkan against cpu, resume bit-identical);
 #   model     a Qwen2.5-0.5B-shaped bfloat16 model (random weights): full fine-tuning steps
-#             (tokens/s, MFU against MEMTUNE_PEAK_FLOPS), the per-shader profile of those steps
-#             (MEMTUNE_VULKAN_PROFILE), prefill and batch-1 / batch-8 decode (tokens/s against the
+#             (tokens/s, MFU against MEMTUNE_PEAK_FLOPS, the waits per step), the per-shader
+#             profile of two more steps (MEMTUNE_VULKAN_PROFILE), prefill and batch-1 / batch-8 decode (tokens/s against the
 #             bound MEMTUNE_HBM_BYTES_PER_S sets), the device's own memory use against the plan;
 #   trainer   where python3 imports transformers and torch sees CUDA: Hugging Face Trainer on the
 #             same model, batch and steps (bf16 autocast, SDPA attention, fused AdamW; full and
@@ -232,12 +232,16 @@ stage_model() {
   mt init-model --preset "$preset" --set vocab_size=151936 --torch_dtype bfloat16 --seed 1 --out "$model" > /dev/null
   cp "$tokenizer"/tokenizer*.json "$model/"
   python3 "$root/tools/make_bench_text.py" "$out/train.jsonl" 64 0  # 501-510 tokens each
-  MEMTUNE_VULKAN_PROFILE=1 with_driver timeout "$STAGE_LIMIT" "$memtune_bin" train --backend vulkan \
-    --model_name_or_path "$model" --train_file "$out/train.jsonl" --output_dir "$out/train" --tuner_type full --bf16 \
-    --per_device_train_batch_size "$batch" --max_length 512 --max_steps "$steps" --logging_steps 1 \
-    --save_strategy no --learning_rate 1e-5 --lr_scheduler_type constant --overwrite_output_dir \
+  # The timed steps run as a user's do (the host records step N+1 while the device runs step N);
+  # the per-shader profile runs every dispatch alone, so it comes from two more steps of its own.
+  local train=(train --backend vulkan --model_name_or_path "$model" --train_file "$out/train.jsonl" --tuner_type full
+               --bf16 --per_device_train_batch_size "$batch" --max_length 512 --logging_steps 1 --save_strategy no
+               --learning_rate 1e-5 --lr_scheduler_type constant --overwrite_output_dir)
+  with_driver timeout "$STAGE_LIMIT" "$memtune_bin" "${train[@]}" --max_steps "$steps" --output_dir "$out/train" \
     > "$out/train.log" 2>&1
   tail -n 3 "$out/train.log"
+  MEMTUNE_VULKAN_PROFILE=1 with_driver timeout "$(left)" "$memtune_bin" "${train[@]}" --max_steps 2 \
+    --output_dir "$out/train-profile" > "$out/train-profile.log" 2>&1
   python3 - "$out/prompts.jsonl" <<'EOF'
 import json, random, sys
 random.seed(1)
@@ -277,13 +281,14 @@ profile = {m.group(1): {"seconds": float(m.group(2)), "dispatches": int(m.group(
                         "gb_per_s": float(m.group(8))}
            for m in re.finditer(r"vulkan profile: (\S+)\s+(\S+) s in (\d+) dispatches, (\d+) workgroups, "
                                 r"(\S+) GFLOP, (\S+) GB: (\S+) GFLOP/s, (\S+) GB/s",
-                                open(f"{out}/train.log").read())}
+                                open(f"{out}/train-profile.log").read())}
 gen = {b: json.load(open(f"{out}/generate{b}.json")) for b in (1, 8)}
 print(json.dumps({
     "preset": os.environ.get("MEMTUNE_CHECK_PRESET", "qwen2.5-0.5b"),
     "train_full_bf16": {"batch": batch, "seq": 512, "timed_steps": len(timed), "tokens_per_s": tokens_per_s,
                         "mfu": tokens_per_s * flops_per_token / peak_flops, "peak_flops": peak_flops,
                         "plan_arena_bytes": memory["arena_bytes"], "device": memory.get("device"),
+                        "device_work": memory.get("device_work"),
                         "phase_seconds": {k: timed[-1].get(f"{k}_seconds") for k in ("forward", "loss", "backward")},
                         "phase_clock": timed[-1].get("phase_clock")},
     "profile_by_shader": profile,
