@@ -35,6 +35,12 @@ using Result = testing_support::CommandResult;
 
 const std::string kMpirun = "mpirun --allow-run-as-root --oversubscribe -np ";
 
+// A command's exit, with its output when it failed (an MPI launch's own messages included).
+::testing::AssertionResult succeeded(const Result& r) {
+  if (r.status == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "exit status " << r.status << ":\n" << r.output;
+}
+
 Result mpirun(int ranks, const std::string& args) {
   return testing_support::run_command(kMpirun + std::to_string(ranks) + " " + testing_support::memtune_binary() + " " + args);
 }
@@ -69,7 +75,7 @@ class DataParallelTest : public ::testing::Test {
  protected:
   void SetUp() override {
     dir_ = testing_support::make_temp_dir("data_parallel_test");
-    ASSERT_EQ(testing_support::run_memtune("init-model --preset tiny --seed 1 --out " + path("model")).status, 0);
+    ASSERT_TRUE(succeeded(testing_support::run_memtune("init-model --preset tiny --seed 1 --out " + path("model"))));
     testing_support::write_synthetic_tokenizer(dir_ / "model");
     std::ofstream data(dir_ / "train.jsonl"), cls(dir_ / "cls.jsonl");
     const char* words[] = {"red", "green", "blue", "cyan"};
@@ -173,14 +179,11 @@ TEST_F(DataParallelTest, EvaluationMergesAcrossRanks) {
         " --metrics " + metrics + " --eval_file " + path(metrics[0] == 'l' ? "cls.jsonl" : "train.jsonl");
     const bool generates = metrics.find("generate") != std::string::npos;
     const std::string name = metrics[0] == 'l' ? "cls" : generates ? "gen" : "tok";
-    ASSERT_EQ(mpirun(2, train_args(name + "2", flags + " --per_device_eval_batch_size 3" + eval)).status, 0);
-    ASSERT_EQ(testing_support::run_memtune(train_args(name + "1",
-                                                      "--per_device_train_batch_size 4 --max_steps 2 "
-                                                      "--eval_strategy steps --eval_steps 2 "
-                                                      "--per_device_eval_batch_size 6" +
-                                                          eval))
-                  .status,
-              0);
+    ASSERT_TRUE(succeeded(mpirun(2, train_args(name + "2", flags + " --per_device_eval_batch_size 3" + eval))));
+    ASSERT_TRUE(succeeded(testing_support::run_memtune(
+        train_args(name + "1", "--per_device_train_batch_size 4 --max_steps 2 --eval_strategy steps --eval_steps 2 "
+                               "--per_device_eval_batch_size 6" +
+                                   eval))));
     const json e2 = read_jsonl(dir_ / (name + "2") / "log.jsonl").back(),
                e1 = read_jsonl(dir_ / (name + "1") / "log.jsonl").back();
     ASSERT_TRUE(e2.contains("eval_loss")) << e2.dump();
@@ -202,15 +205,15 @@ TEST_F(DataParallelTest, CheckpointsResumeAcrossWorldSizes) {
   const std::string two = "--per_device_train_batch_size 1 --gradient_accumulation_steps 2 --max_steps 4";
   const std::string one = "--per_device_train_batch_size 2 --gradient_accumulation_steps 2 --max_steps 4";
   // Uninterrupted reference, single process.
-  ASSERT_EQ(testing_support::run_memtune(train_args("ref", one)).status, 0);
+  ASSERT_TRUE(succeeded(testing_support::run_memtune(train_args("ref", one))));
   // Saved with 2 ranks at step 2, resumed with 1 process.
-  ASSERT_EQ(mpirun(2, train_args("a", two + " --save_strategy steps --save_steps 2")).status, 0);
+  ASSERT_TRUE(succeeded(mpirun(2, train_args("a", two + " --save_strategy steps --save_steps 2"))));
   const Result r1 =
       testing_support::run_memtune(train_args("a", one + " --resume_from_checkpoint " + path("a/checkpoint-2")));
   ASSERT_EQ(r1.status, 0) << r1.output;
   EXPECT_LT(max_relative_difference(dir_ / "a" / "model.safetensors", dir_ / "ref" / "model.safetensors"), 2e-5);
   // Saved with 1 process, resumed with 2 ranks.
-  ASSERT_EQ(testing_support::run_memtune(train_args("b", one + " --save_strategy steps --save_steps 2")).status, 0);
+  ASSERT_TRUE(succeeded(testing_support::run_memtune(train_args("b", one + " --save_strategy steps --save_steps 2"))));
   const Result r2 = mpirun(2, train_args("b", two + " --resume_from_checkpoint " + path("b/checkpoint-2")));
   ASSERT_EQ(r2.status, 0) << r2.output;
   EXPECT_CONTAINS(r2.output, "resumed from");
@@ -220,10 +223,8 @@ TEST_F(DataParallelTest, CheckpointsResumeAcrossWorldSizes) {
 // ZeRO-1: the AdamW state (and float32 masters of 16-bit weights) is sharded over the ranks, the
 // gradients reduce-scattered and the parameters allgathered; the training is the same.
 TEST_F(DataParallelTest, ZeroStage1EqualsZeroStage0) {
-  ASSERT_EQ(
-      testing_support::run_memtune("init-model --preset tiny --seed 1 --torch_dtype bfloat16 --out " + path("model16"))
-          .status,
-      0);
+  ASSERT_TRUE(succeeded(
+      testing_support::run_memtune("init-model --preset tiny --seed 1 --torch_dtype bfloat16 --out " + path("model16"))));
   testing_support::write_synthetic_tokenizer(dir_ / "model16");
   for (const std::string model : {"model", "model16"}) {
     for (const std::string tuner : {"full", "lora"}) {
