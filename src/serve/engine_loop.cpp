@@ -40,14 +40,13 @@ void EngineLoop::cancel(const std::shared_ptr<Channel>& channel) {
 
 EngineGauges EngineLoop::gauges() const {
   const int64_t free = blocks_free_.load();
-  EngineGauges g{.running = running_.load(),
-                 .waiting = waiting_.load(),
-                 .blocks_used = engine_.total_blocks() - free,
-                 .blocks_free = free};
   const std::lock_guard lock(work_mu_);
-  g.decode_work = decode_work_;
-  g.prefill_work = prefill_work_;
-  return g;
+  return {.running = running_.load(),
+          .waiting = waiting_.load(),
+          .blocks_used = engine_.total_blocks() - free,
+          .blocks_free = free,
+          .decode_work = decode_work_,
+          .prefill_work = prefill_work_};
 }
 
 void EngineLoop::publish() {

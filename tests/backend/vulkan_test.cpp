@@ -595,8 +595,8 @@ TEST_F(VulkanOps, StepsDecidedOnTheDeviceEqualTheHostsDecisions) {
     return s;
   };
   auto tensors = [](const State& s) {
-    return std::vector<Backend::AdamWTensor>{{s.p[0], s.g[0], s.m[0], s.v[0], true},
-                                             {s.p[1], s.g[1], s.m[1], s.v[1], false}};
+    return std::vector<Backend::AdamWTensor>{{s.p[0], s.g[0], s.m[0], s.v[0], true, {}},
+                                             {s.p[1], s.g[1], s.m[1], s.v[1], false, {}}};
   };
   const float scale = 0.5f;
   // The host deciding: the norm comes back before the update.
@@ -803,7 +803,7 @@ TEST_F(VulkanOps, TheOptimizerOverMoreTensorsThanOneTableEqualsTheReference) {
     std::vector<Backend::AdamWTensor> tensors;
     for (int64_t i = 0; i < count; ++i) {
       grads.push_back(view(0, i));
-      tensors.push_back({view(1, i), view(0, i), view(2, i), view(3, i), i % 2 == 0});
+      tensors.push_back({view(1, i), view(0, i), view(2, i), view(3, i), i % 2 == 0, {}});
     }
     const double sumsq = be.scale_and_sum_squares(grads, 0.5f);
     AdamWStep step;

@@ -303,7 +303,7 @@ class VulkanBackend final : public Backend {
   }
   void adamw_update(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v,
                     const AdamWStep& step) override {
-    const AdamWTensor one{param, grad, m, v, step.decay};
+    const AdamWTensor one{param, grad, m, v, step.decay, {}};
     adamw_update_group(std::span(&one, 1), step);
   }
   // Every tensor in one dispatch (adamw.comp over a tensor table).
