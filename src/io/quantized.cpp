@@ -72,7 +72,7 @@ void gptq_dequantize(const GptqPacked& p, int bits, int64_t in, int64_t out, int
 }
 
 void awq_dequantize(const AwqPacked& p, int64_t in, int64_t out, int64_t group_size, std::span<float> w) {
-  const int64_t groups = check_awq(p, in, out, group_size);
+  check_awq(p, in, out, group_size);
   check_size(w.size(), in * out, "the output");
   for (int64_t k = 0; k < in; ++k) {
     const int64_t g = k / group_size;

@@ -184,7 +184,6 @@ Dispatches training_step(const Model& m, const Training& t) {
 Dispatches decode_step(const Model& m, int64_t batch, int64_t context, DType weights) {
   Dispatches d;
   const Training t{.tokens = batch, .weights = weights};
-  const Layer l = layer_of(m);
   add(d, g::elementwise("embedding", batch * m.D, 4 + dtype_size(weights), 0));
   Dispatches attention = {g::elementwise("kv_cache_write", batch * m.Hkv * m.hd, 2 * (4 + dtype_size(weights)))};
   add(attention, g::paged_attention({.rows = batch,

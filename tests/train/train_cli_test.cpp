@@ -463,7 +463,9 @@ TEST_F(TrainCliTest, EveryCommandRunsOnVulkanAndAgreesWithCpu) {
     const auto sampled = generated["sampled_vulkan"][i]["token_ids"];
     EXPECT_EQ(sampled.size(), 12u);
     for (const auto& t : sampled) EXPECT_LT(t.get<int64_t>(), 512);
-    if (cpu_device) EXPECT_EQ(sampled, generated["sampled_cpu"][i]["token_ids"]) << i;
+    if (cpu_device) {
+      EXPECT_EQ(sampled, generated["sampled_cpu"][i]["token_ids"]) << i;
+    }
   }
   // The device's own memory figures beside the plan: lavapipe has no VK_EXT_memory_budget, so
   // the process's RSS is the measurement; a GPU driver's usage must hold the arena.
