@@ -69,7 +69,9 @@ FitResult fit_search(const TrainingPlanner& planner, const ModelOptions& eval, c
   if (static_cast<size_t>(r.loss_workspace_bytes) > (size_t{32} << 20)) workspaces.push_back(size_t{32} << 20);
   const bool bf16 = config.torch_dtype == DType::BF16;
   std::vector<bool> dtypes = {bf16}, offloads = {r.optim_offload};
-  if (!r.optim_offload) offloads.push_back(true);
+  // Offloading needs an optimizer that reads host memory (not a device's: ModelParameters says so).
+  const Backend* backend = planner.run_options(r.per_device_train_batch_size, r.max_length).backend;
+  if (!r.optim_offload && (!backend || backend->host_addressable())) offloads.push_back(true);
   std::vector<int> zeros = {static_cast<int>(r.zero_stage)};
   if (a.world_size > 1 && r.zero_stage == 0) zeros.push_back(1);
   if (config.torch_dtype == DType::F32) dtypes.push_back(true);

@@ -71,10 +71,17 @@ ModelParameters::ModelParameters(const ModelConfig& config, const ModelOptions& 
     weight_ids_.push_back(
         device_plan.declare_persistent(s.name, Category::Weights, s.numel() * dtype_size(config.torch_dtype)));
   }
+  const Backend& backend = options_.backend ? *options_.backend : default_backend();
+  // The optimizer runs where the backend computes; a device's shaders cannot reach host memory.
+  if (options_.optim_offload && !backend.host_addressable())
+    throw Error(fmt::format(
+        "--optim_offload keeps AdamW's state and the float32 masters in host memory, which --backend {} cannot "
+        "update (its optimizer runs on the device): leave it out, and fit with --gradient_checkpointing, LoRA or "
+        "--zero_stage 1 over several ranks (memtune plan --fit lists what fits)",
+        backend.name()));
   declare_trainables(device_plan, host_plan);
   // Data parallel on a backend whose memory the host cannot address: MPI reads host memory, so a
   // collective runs on a host copy of one tensor at a time, as large as the largest trainable.
-  const Backend& backend = options_.backend ? *options_.backend : default_backend();
   if (options_.world_size > 1 && options_.with_grads && !backend.host_addressable() &&
       !backend.memory_in_host_pages()) {
     size_t largest = 0;

@@ -225,6 +225,29 @@ TEST(PlanCommand, FitSearchFindsConfigurationsWithinTheBudget) {
   EXPECT_EQ(testing_support::run_memtune("plan --preset tiny --fit").status, 1);
 }
 
+TEST(PlanCommand, OptimizerOffloadIsRefusedOnADeviceAndNotOfferedByFit) {
+  // A device's optimizer cannot reach host memory: --optim_offload on vulkan is refused naming
+  // the flag and the backend, and --fit never offers it there, while the same search on cpu does.
+  const std::string shape = "--preset qwen2.5-0.5b --tuner_type full --per_device_train_batch_size 4 --max_length 1024";
+  const std::string device = " --backend vulkan --vulkan_max_allocation 4GiB";
+  const auto refused = testing_support::run_memtune("plan " + shape + device + " --device_memory 24GiB --optim_offload");
+  EXPECT_EQ(refused.status, 1) << refused.output;
+  EXPECT_CONTAINS(refused.output, "--optim_offload keeps AdamW's state");
+  EXPECT_CONTAINS(refused.output, "--backend vulkan cannot update");
+  auto offloaded = [](const json& fit) {
+    int n = 0;
+    for (const auto& k : fit["fit"]) n += k["flags"].get<std::string>().find("--optim_offload") != std::string::npos;
+    return n;
+  };
+  const json host = plan(shape + " --fit --device_memory 10GiB");
+  EXPECT_GT(offloaded(host), 0);
+  const auto r = testing_support::run_memtune("plan --json " + shape + device + " --fit --device_memory 10GiB");
+  ASSERT_EQ(r.status, 0) << r.output;
+  const json on_device = json::parse(r.output.substr(r.output.find("{\"")));
+  EXPECT_FALSE(on_device["fit"].empty());
+  EXPECT_EQ(offloaded(on_device), 0);
+}
+
 TEST(PlanCommand, ThePlanIsWhatARunOfTheSameConfigurationMeasures) {
   for (const char* tuner : {"full", "lora"})
     for (bool checkpointing : {false, true}) {
