@@ -85,9 +85,13 @@ Trainer::~Trainer() {
   }
 }
 
+double Trainer::learning_rate(int64_t updates_before) const {
+  return config_.learning_rate * config_.schedule.multiplier(updates_before);
+}
+
 AdamWStep Trainer::adam_step(int64_t updates_before, float clip) const {
   return {.t = updates_before + 1,
-          .learning_rate = config_.learning_rate * config_.schedule.multiplier(updates_before),
+          .learning_rate = learning_rate(updates_before),
           .config = config_.adam,
           .decay = true,
           .grad_scale = clip};
@@ -101,7 +105,7 @@ StepResult Trainer::finish() {
   r.pending = false;
   r.loss_sum += b.loss_sum;
   r.grad_norm = std::sqrt(b.sum_squares);
-  r.learning_rate = adam_step(step_, 1.0f).learning_rate;  // every earlier step is finished
+  r.learning_rate = learning_rate(step_);  // every earlier step is finished
   if (!b.counted) {
     r.skipped_nonfinite = true;
     good_steps_ = 0;
@@ -152,7 +156,7 @@ StepResult Trainer::step(std::span<const TokenBatch> micro_batches) {
       start_bucket(rest_bucket_);
       if (!during_backward) comm_->wait_all();  // nothing stays in flight outside collective()
     });
-  r.learning_rate = config_.learning_rate * config_.schedule.multiplier(step_);
+  r.learning_rate = learning_rate(step_);  // a pending step's is known once the one before it is
   const size_t P = params_.num_trainable();
   Arena& arena = model_.arena();
   if (comm_->world_size() > 1) {

@@ -110,6 +110,8 @@ class Trainer {
   int64_t step_ = 0;  // optimizer updates made (AdamW's t, the schedule's step), of finished steps
   bool on_device_ = false;
   std::vector<StepResult> pending_;  // recorded, not yet finished, oldest first
+  // The schedule's rate, and AdamW's step, after `updates_before` updates.
+  double learning_rate(int64_t updates_before) const;
   AdamWStep adam_step(int64_t updates_before, float clip) const;
   double scale_ = 1.0;
   int64_t good_steps_ = 0;

@@ -184,6 +184,36 @@ TEST_F(VulkanOps, TransfersAndCopiesRoundTripEveryByte) {
   EXPECT_EQ(download_f32(vk(), make(vk(), DType::F32, {33})), std::vector<float>(33, 0.0f));
 }
 
+// Several ranges in one download: those that fit the staging buffer together cost one wait; a
+// range is cut where the buffer is full, and every byte arrives (a context of its own: the
+// ranges' addresses are its allocations).
+TEST_F(VulkanOps, DownloadsOfSeveralRangesShareWaitsAndArriveWhole) {
+  VulkanContext ctx;
+  const size_t big = size_t{6} << 20, small = 4 * 1000 + 12;
+  std::vector<std::vector<std::byte>> in;
+  std::vector<uint64_t> at;
+  for (const size_t n : {big, big - 4, small}) {
+    std::vector<std::byte> bytes(n);
+    Rng rng(n);
+    for (std::byte& b : bytes) b = static_cast<std::byte>(rng.next_u64());
+    at.push_back(ctx.allocate(n));
+    ctx.upload(at.back(), bytes.data(), n);
+    in.push_back(std::move(bytes));
+  }
+  std::vector<std::vector<std::byte>> out;
+  for (const auto& b : in) out.emplace_back(b.size());
+  auto waits = [&] { return ctx.counters().waits; };
+  uint64_t before = waits();
+  ctx.download({{out[2].data(), at[2], small}, {out[0].data(), at[0], 1000}});  // both fit: one wait
+  EXPECT_EQ(waits() - before, 1u);
+  EXPECT_TRUE(std::equal(out[0].begin(), out[0].begin() + 1000, in[0].begin()));
+  EXPECT_EQ(out[2], in[2]);
+  before = waits();
+  ctx.download({{out[0].data(), at[0], big}, {out[1].data(), at[1], big - 4}, {out[2].data(), at[2], small}});
+  EXPECT_EQ(waits() - before, 2u) << "12 MiB through the 8 MiB staging buffer: cut once";
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(out[i], in[i]) << "range " << i;
+}
+
 // Narrowing equals the reference bit for bit in both 16-bit types, float16 subnormals and the ties
 // between them included; widening is exact for every one of the 65536 float16 and bfloat16 words.
 TEST_F(VulkanOps, ConvertRoundsToSixteenBitsAsTheReferenceDoes) {

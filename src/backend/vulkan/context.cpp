@@ -109,12 +109,11 @@ VulkanContext::VulkanContext(std::optional<int> requested_device) {
                          VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | VK_MEMORY_PROPERTY_HOST_COHERENT_BIT,
                          VK_MEMORY_PROPERTY_HOST_CACHED_BIT);
   check(vkMapMemory(device_, staging_.memory, 0, kTransferBytes, 0, &staging_host_), "vkMapMemory");
-  constexpr size_t kSlot = Backend::kTimeMarks * sizeof(uint64_t) + kReadbackBytes;
-  readback_ = make_buffer(kReadbackSlots * kSlot, VK_BUFFER_USAGE_TRANSFER_DST_BIT,
+  readback_ = make_buffer(kReadbackSlots * kSlotBytes, VK_BUFFER_USAGE_TRANSFER_DST_BIT,
                           VK_MEMORY_PROPERTY_HOST_VISIBLE_BIT | VK_MEMORY_PROPERTY_HOST_COHERENT_BIT,
                           VK_MEMORY_PROPERTY_HOST_CACHED_BIT);
   void* readback = nullptr;
-  check(vkMapMemory(device_, readback_.memory, 0, kReadbackSlots * kSlot, 0, &readback), "vkMapMemory");
+  check(vkMapMemory(device_, readback_.memory, 0, kReadbackSlots * kSlotBytes, 0, &readback), "vkMapMemory");
   readback_host_ = static_cast<std::byte*>(readback);
   const char* profile = std::getenv("MEMTUNE_VULKAN_PROFILE");
   profile_ = profile && std::string(profile) == "1";
@@ -381,9 +380,14 @@ void VulkanContext::mark(int i) {
   marks_pending_ = true;
 }
 
-std::vector<double> VulkanContext::marks() {
+uint32_t VulkanContext::series_length() const {
   uint32_t n = 0;
   while (n < static_cast<uint32_t>(Backend::kTimeMarks) && (marked_ >> n & 1u)) ++n;
+  return n;
+}
+
+std::vector<double> VulkanContext::marks() {
+  const uint32_t n = series_length();
   marked_ = 0;
   if (n == 0) return {};
   // A wait of its own only when a mark's work may not have finished: marks that an earlier wait
@@ -405,18 +409,17 @@ std::vector<double> VulkanContext::seconds_since_first(const uint64_t* ticks, ui
 
 VulkanContext::PendingRead VulkanContext::read_later(uint64_t src, size_t bytes) {
   MT_ASSERT(bytes <= kReadbackBytes, "vulkan: a pending read larger than its slot");
-  PendingRead r{.slot = next_readback_, .bytes = bytes};
+  PendingRead r{.slot = next_readback_, .bytes = bytes, .marks = series_length()};
   next_readback_ = (next_readback_ + 1) % kReadbackSlots;
-  const VkDeviceSize at = r.slot * (Backend::kTimeMarks * sizeof(uint64_t) + kReadbackBytes);
+  const VkDeviceSize at = r.slot * kSlotBytes;
   VkCommandBuffer c = recording();
-  while (r.marks < static_cast<uint32_t>(Backend::kTimeMarks) && (marked_ >> r.marks & 1u)) ++r.marks;
   if (r.marks > 0)  // the series goes with the read (a query copy waits for its timestamps)
     vkCmdCopyQueryPoolResults(c, timestamps_, 0, r.marks, readback_.buffer, at, sizeof(uint64_t),
                               VK_QUERY_RESULT_64_BIT | VK_QUERY_RESULT_WAIT_BIT);
   marked_ = 0;
   if (bytes > 0) {
     const auto [a, offset] = locate(src, bytes);
-    const VkBufferCopy region{offset, at + Backend::kTimeMarks * sizeof(uint64_t), bytes};
+    const VkBufferCopy region{offset, at + kMarkBytes, bytes};
     vkCmdCopyBuffer(c, a->buffer, readback_.buffer, 1, &region);
   }
   barrier();
@@ -429,11 +432,11 @@ VulkanContext::PendingRead VulkanContext::read_later(uint64_t src, size_t bytes)
 std::span<const std::byte> VulkanContext::collect(const PendingRead& read, std::vector<double>& marks) {
   submit();  // what was recorded since runs while the host waits
   retire(read.batch, read.submission);
-  const std::byte* slot = readback_host_ + read.slot * (Backend::kTimeMarks * sizeof(uint64_t) + kReadbackBytes);
+  const std::byte* slot = readback_host_ + read.slot * kSlotBytes;
   uint64_t ticks[Backend::kTimeMarks];
   std::memcpy(ticks, slot, sizeof ticks);
   marks = read.marks ? seconds_since_first(ticks, read.marks) : std::vector<double>{};
-  return {slot + Backend::kTimeMarks * sizeof(uint64_t), read.bytes};
+  return {slot + kMarkBytes, read.bytes};
 }
 
 void VulkanContext::upload(uint64_t dst, const void* src, size_t bytes) {
@@ -466,36 +469,32 @@ void VulkanContext::upload(uint64_t dst, const void* src, size_t bytes) {
 }
 
 void VulkanContext::download(void* dst, uint64_t src, size_t bytes) {
-  const auto [a, offset] = locate(src, bytes);
-  for (size_t done = 0; done < bytes; done += kTransferBytes) {
-    const size_t n = std::min(kTransferBytes, bytes - done);
-    const VkBufferCopy region{offset + done, 0, n};
-    vkCmdCopyBuffer(recording(), a->buffer, staging_.buffer, 1, &region);
-    barrier();
-    flush();
-    std::memcpy(static_cast<std::byte*>(dst) + done, staging_host_, n);
-  }
+  download({{dst, src, bytes}});
 }
 
 void VulkanContext::download(std::initializer_list<Range> ranges) {
-  size_t at = 0;
+  size_t at = 0;  // where the next piece goes in the staging buffer
+  auto read_staged = [&] {
+    barrier();
+    flush();
+    for (const StagedPiece& p : staged_) std::memcpy(p.dst, static_cast<const std::byte*>(staging_host_) + p.at, p.bytes);
+    staged_.clear();
+    at = 0;
+  };
   for (const Range& r : ranges) {
     if (r.bytes == 0) continue;
-    MT_ASSERT(at + r.bytes <= kTransferBytes, "vulkan: downloads beyond the staging buffer in one wait");
     const auto [a, offset] = locate(r.src, r.bytes);
-    const VkBufferCopy region{offset, at, r.bytes};
-    vkCmdCopyBuffer(recording(), a->buffer, staging_.buffer, 1, &region);
-    at += (r.bytes + 15) / 16 * 16;
+    for (size_t done = 0; done < r.bytes;) {
+      if (at == kTransferBytes) read_staged();
+      const size_t n = std::min(r.bytes - done, kTransferBytes - at);
+      const VkBufferCopy region{offset + done, at, n};
+      vkCmdCopyBuffer(recording(), a->buffer, staging_.buffer, 1, &region);
+      staged_.push_back({static_cast<std::byte*>(r.dst) + done, at, n});
+      done += n;
+      at = std::min(kTransferBytes, (at + n + 15) / 16 * 16);
+    }
   }
-  if (at == 0) return;
-  barrier();
-  flush();
-  at = 0;
-  for (const Range& r : ranges) {
-    if (r.bytes == 0) continue;
-    std::memcpy(r.dst, static_cast<const std::byte*>(staging_host_) + at, r.bytes);
-    at += (r.bytes + 15) / 16 * 16;
-  }
+  if (!staged_.empty()) read_staged();
 }
 
 void VulkanContext::copy(uint64_t dst, uint64_t src, size_t bytes) {

@@ -29,6 +29,7 @@
 #include <string_view>
 #include <vector>
 
+#include "backend/backend.h"
 #include "backend/vulkan/device.h"
 #include "backend/vulkan/geometry.h"
 
@@ -60,8 +61,9 @@ class VulkanContext {
   static constexpr size_t kRecordedUploadBytes = 65536;
   void upload(uint64_t dst, const void* src, size_t bytes);
   void download(void* dst, uint64_t src, size_t bytes);
-  // Several small downloads with one wait: each range copied to its own place in the staging
-  // buffer (together at most kTransferBytes), one flush, then each read.
+  // Several downloads with as few waits as the staging buffer allows: the ranges are copied into
+  // it one after another (cut where it is full), and each time it is full, and at the end, one
+  // flush and the host reads what it holds. Ranges that fit together cost one wait.
   struct Range {
     void* dst;
     uint64_t src;
@@ -106,6 +108,8 @@ class VulkanContext {
     uint32_t marks = 0;
   };
   static constexpr size_t kReadbackSlots = 2, kReadbackBytes = (size_t{1} << 20) + 256;
+  // A slot: the series' timestamps, then the bytes.
+  static constexpr size_t kMarkBytes = Backend::kTimeMarks * sizeof(uint64_t), kSlotBytes = kMarkBytes + kReadbackBytes;
   PendingRead read_later(uint64_t src, size_t bytes);
   std::span<const std::byte> collect(const PendingRead& read, std::vector<double>& marks);
   // Submits what is recorded and waits for everything submitted.
@@ -221,9 +225,16 @@ class VulkanContext {
   uint64_t allocated_bytes_ = 0;
   Allocation staging_;
   void* staging_host_ = nullptr;
-  Allocation readback_;  // kReadbackSlots slots of kTimeMarks timestamps, then kReadbackBytes
+  struct StagedPiece {  // a download's piece in the staging buffer, read after the flush
+    std::byte* dst;
+    size_t at, bytes;
+  };
+  std::vector<StagedPiece> staged_;
+  Allocation readback_;  // kReadbackSlots slots of kSlotBytes
   std::byte* readback_host_ = nullptr;
   size_t next_readback_ = 0;
+  // The marks of the current series: 0..n-1 written without a gap.
+  uint32_t series_length() const;
   // Converts a series of n timestamps to seconds since the first.
   std::vector<double> seconds_since_first(const uint64_t* ticks, uint32_t n) const;
   std::map<PipelineKey, Pipeline, PipelineKeyLess> pipelines_;

@@ -542,12 +542,7 @@ class VulkanBackend final : public Backend {
     // The row losses and the observer's row statistics come back together: one wait.
     const size_t losses_bytes = !logits_to_host && count > 0 ? static_cast<size_t>(count) * sizeof(float) : 0,
                  stats_bytes = a.observer && count > 0 ? static_cast<size_t>(count) * sizeof(RowStats) : 0;
-    if (losses_bytes + stats_bytes + 32 <= kTransferBytes)
-      ctx().download({{st.row_losses, address(a.row_losses), losses_bytes}, {st.row_stats, address(a.row_stats), stats_bytes}});
-    else {
-      if (losses_bytes) ctx().download(st.row_losses, address(a.row_losses), losses_bytes);
-      if (stats_bytes) ctx().download(st.row_stats, address(a.row_stats), stats_bytes);
-    }
+    ctx().download({{st.row_losses, address(a.row_losses), losses_bytes}, {st.row_stats, address(a.row_stats), stats_bytes}});
     if (losses_bytes)
       for (int64_t r = 0; r < count; ++r) total += st.row_losses[r];  // in row order: the same sum every run
     if (stats_bytes) a.observer->observe_rows({st.row_stats, st.targets, st.positions, count});
