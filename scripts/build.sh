@@ -1,8 +1,22 @@
 #!/usr/bin/env bash
 # Configures and builds one build tree. Usage: scripts/build.sh [build-dir] [extra cmake args...]
+# Progress goes to stdout; a failure goes to stderr as well (cmake's log, or the build's failed
+# commands with the compiler's messages), so a caller that silences stdout still shows why.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 dir="${1:-$root/build}"
 shift || true
-cmake -S "$root" -B "$dir" -G Ninja "$@" > "$dir.cmake.log" 2>&1 || { cat "$dir.cmake.log"; exit 1; }
-cmake --build "$dir" -j "$(nproc)"
+mkdir -p "$(dirname "$dir")"
+if ! cmake -S "$root" -B "$dir" -G Ninja "$@" > "$dir.cmake.log" 2>&1; then
+  echo "build.sh: configuring $dir failed; cmake said ($dir.cmake.log):" >&2
+  cat "$dir.cmake.log" >&2
+  exit 1
+fi
+status=0
+cmake --build "$dir" -j "$(nproc)" 2>&1 | tee "$dir.build.log" || status=$?
+if ((status != 0)); then
+  # Ninja prints each failed command as "FAILED: ..." followed by the compiler's messages.
+  echo "build.sh: building $dir failed (exit status $status); the failed steps ($dir.build.log):" >&2
+  sed -n '/^FAILED: /,$p' "$dir.build.log" | head -n 200 >&2
+  exit "$status"
+fi

