@@ -46,9 +46,7 @@ class VulkanOps : public ::testing::Test {
     bool usable = false;
     for (const VulkanDeviceInfo& d : found.devices) usable |= d.usable();
     if (!usable) {
-      const std::string why = "no usable Vulkan device (" + found.problem + "): install mesa-vulkan-drivers";
-      if (testing_support::all_tests_required()) FAIL() << why;
-      GTEST_SKIP() << why;
+      SKIP_OR_FAIL_WHERE_REQUIRED("no usable Vulkan device (" + found.problem + "): install mesa-vulkan-drivers");
     }
   }
   void TearDown() override {
@@ -591,7 +589,7 @@ TEST_F(VulkanOps, StepsDecidedOnTheDeviceEqualTheHostsDecisions) {
   // steps decided on the host: step 0 clipped, step 1 with a NaN gradient (skipped: nothing
   // changes), step 2 after a skip (the device must take the first candidate), step 3 after an
   // update (the second). The host's own path is the oracle: the same bits.
-  if (!vk().decides_steps()) GTEST_SKIP() << "this device has no float64 in shaders";
+  if (!vk().decides_steps()) SKIP_OR_FAIL_WHERE_REQUIRED("this device has no float64 in shaders");
   const int64_t n0 = 70001, n1 = 513;
   struct Step {
     std::vector<float> g0, g1;

@@ -16,6 +16,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "support/test_util.h"
 #include "tokenizer/tokenizer.h"
 
 namespace memtune::testing_support {
@@ -156,20 +157,10 @@ inline std::optional<std::string> real_tokenizer_dir() {
   return std::string(dir);
 }
 
-// True where every test must run (CI: configured with MEMTUNE_REQUIRE_ALL_TESTS=ON).
-inline bool all_tests_required() {
-  const char* v = std::getenv("MEMTUNE_REQUIRE_ALL_TESTS");
-  return v && std::string(v) == "1";
-}
-
 }  // namespace memtune::testing_support
 
 // Declares `dir`, the real Qwen2.5 tokenizer's directory. Without one the test is skipped, or
 // fails where every test is required: a check that silently does not run is not a pass.
-#define REQUIRE_QWEN_TOKENIZER(dir)                                                                       \
-  const std::optional<std::string> dir = ::memtune::testing_support::real_tokenizer_dir();                \
-  if (!dir) {                                                                                             \
-    const char* why = "MEMTUNE_TOKENIZER_DIR is not set (scripts/prepare-tokenizer.sh prints the directory)"; \
-    if (::memtune::testing_support::all_tests_required()) FAIL() << why;                                  \
-    GTEST_SKIP() << why;                                                                                  \
-  }
+#define REQUIRE_QWEN_TOKENIZER(dir)                                                    \
+  const std::optional<std::string> dir = ::memtune::testing_support::real_tokenizer_dir(); \
+  if (!dir) SKIP_OR_FAIL_WHERE_REQUIRED("MEMTUNE_TOKENIZER_DIR is not set (scripts/prepare-tokenizer.sh prints the directory)")

@@ -164,8 +164,7 @@ TEST_F(DataParallelTest, TwoReferenceRanksEqualOneCpuProcess) { two_ranks_equal_
 TEST_F(DataParallelTest, TwoVulkanRanksEqualOneCpuProcess) {
   const Result devices = testing_support::run_memtune("devices --json");
   if (devices.status != 0 || devices.output.find("\"backend_vulkan_device\": null") != std::string::npos) {
-    if (testing_support::all_tests_required()) FAIL() << "no usable Vulkan device: " << devices.output;
-    GTEST_SKIP() << "no usable Vulkan device";
+    SKIP_OR_FAIL_WHERE_REQUIRED("no usable Vulkan device: " + devices.output);
   }
   two_ranks_equal_one_cpu_process("vulkan");
 }

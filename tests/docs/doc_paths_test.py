@@ -14,7 +14,12 @@ and an ellipsis (`...`, `…`) ends the path: what comes before it must exist.
 
 Exits 1 listing every missing path with the file and line that cite it. Before scanning, the check
 proves itself on a temporary markdown file that cites one existing and one missing path
-(--self-test runs only that)."""
+(--self-test runs only that).
+
+A style rule of the tests rides along: no test under tests/ takes the largest difference as
+std::max(worst, std::abs(a - b)) (or Python's max(worst, abs(a - b))), which keeps `worst` when the
+difference is NaN, so a kernel that writes NaN would pass; tests/support/numeric.h and numeric.py
+compare instead. It proves itself on known lines first too."""
 import argparse
 import fnmatch
 import glob
@@ -150,6 +155,40 @@ def self_test(root, entries):
     print("doc_paths self-test: the missing path was reported, the existing ones and run outputs were not")
 
 
+# The largest difference kept with max(), which drops NaN: C++ std::max(x, std::abs(a - b)) and
+# Python max(x, abs(a - b)).
+NAN_DROPPING_MAX = re.compile(r"std::max\s*\(\s*\w+\s*,\s*(?:std::)?f?abs\s*\([^;]*-"
+                              r"|(?:^|[^\w.])max\(\s*\w+\s*,\s*(?:abs|np\.abs|math\.fabs)\([^)]*-")
+
+
+def nan_dropping_maxes(lines):
+    """(line number, line) of every line that keeps a largest difference with max()."""
+    return [(n, line.strip()) for n, line in enumerate(lines, 1) if NAN_DROPPING_MAX.search(line)]
+
+
+def check_tests_style(root):
+    known = ["worst = std::max(worst, std::abs(s - out[i]));",  # 1: reported
+             "scale = std::max(scale, std::abs(z[v]));",  # a largest value, not a difference
+             "    worst = max(worst, abs(got - want))",  # 3: reported
+             "EXPECT_NEAR(g, fd, 2e-3 * std::max(1.0, std::abs(fd)));"]
+    if [n for n, _ in nan_dropping_maxes(known)] != [1, 3]:
+        sys.exit(f"tests style self-test failed: {nan_dropping_maxes(known)}")
+    found = []
+    for folder, _, names in os.walk(os.path.join(root, "tests")):
+        for name in sorted(names):
+            if not name.endswith((".cpp", ".h", ".py")) or name == os.path.basename(__file__):
+                continue
+            path = os.path.join(folder, name)
+            with open(path, encoding="utf-8") as f:
+                found += [(os.path.relpath(path, root), n, line) for n, line in nan_dropping_maxes(f)]
+    for path, n, line in found:
+        print(f"{path}:{n}: a largest difference kept with max() drops NaN (use tests/support/numeric): {line}",
+              file=sys.stderr)
+    if found:
+        sys.exit(f"{len(found)} NaN-dropping max() in tests/")
+    print("tests style: no largest difference kept with max() in tests/")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--self-test", action="store_true", help="only check the check, on a temporary page")
@@ -167,6 +206,7 @@ def main():
     if missing:
         sys.exit(f"{len(missing)} cited path(s) missing in {', '.join(os.path.relpath(f, root) for f in files)}")
     print(f"doc_paths: every repository path cited in {len(files)} files exists")
+    check_tests_style(root)
 
 
 if __name__ == "__main__":

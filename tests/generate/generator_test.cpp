@@ -18,6 +18,7 @@
 #include "support/test_util.h"
 #include "tokenizer/unicode.h"
 #include "support/numeric.h"
+#include "support/visible_weights.h"
 #include "options/inference_options.h"
 
 namespace memtune {
@@ -40,7 +41,7 @@ InferenceLimits limits(int64_t max_model_len, int64_t max_num_seqs = 8, int64_t 
 std::unique_ptr<Decoder> inference_model(const ModelConfig& c, const InferenceLimits& l,
                                             Backend* backend = nullptr) {
   auto m = std::make_unique<Decoder>(c, inference_model_options(c, l, backend));
-  m->parameters().init_random(kWeightsSeed);
+  testing_support::init_visible_weights(*m, kWeightsSeed);
   return m;
 }
 
@@ -60,7 +61,7 @@ std::vector<std::vector<float>> full_forward_logits(const ModelConfig& c, const 
   o.max_tokens = static_cast<int64_t>(tokens.size());
   o.with_grads = false;
   Decoder m(c, o);
-  m.parameters().init_random(kWeightsSeed);
+  testing_support::init_visible_weights(m, kWeightsSeed);
   CollectLogits observer(tokens.size());
   m.set_observer(&observer);
   const std::vector<int32_t> cu = {0, static_cast<int32_t>(tokens.size())};
@@ -86,7 +87,10 @@ std::vector<int32_t> random_ids(int64_t n, int64_t vocab, uint64_t seed) {
 struct Variant {
   DType dtype;
   bool tied;
-  double tolerance;  // on logits: a bfloat16 cache holds K and V rounded to bfloat16
+  // On logits, relative to the largest |logit|: a few times the error measured on an AMD EPYC
+  // (Zen 4): 1.3e-6 in float32, 2.5e-3 to 4.6e-3 where a bfloat16 model's cache holds K and V
+  // rounded to bfloat16.
+  double tolerance;
   const char* preset = "tiny";  // tiny (Qwen2), tiny-qwen3 (q_norm/k_norm), tiny-llama (llama3 RoPE)
 };
 class GenerationVariants : public ::testing::TestWithParam<Variant> {};
@@ -111,7 +115,9 @@ TEST_P(GenerationVariants, GreedyTokensAreTheArgmaxOfFullForwardPasses) {
     const auto best = std::max_element(row.begin(), row.end());
     exact += (best - row.begin()) == out.token_ids[static_cast<size_t>(i)];
     // A different choice is only acceptable between (numerically) tied logits.
-    EXPECT_GE(row[static_cast<size_t>(out.token_ids[static_cast<size_t>(i)])], *best - v.tolerance) << "token " << i;
+    const float scale = std::max(*best, -*std::min_element(row.begin(), row.end()));
+    EXPECT_GE(row[static_cast<size_t>(out.token_ids[static_cast<size_t>(i)])], *best - v.tolerance * scale)
+        << "token " << i;
   }
   EXPECT_GE(exact, T - 3);
 }
@@ -144,23 +150,24 @@ TEST_P(GenerationVariants, CacheLogitsEqualFullForwardLogitsAtEveryStep) {
     cached.push_back(std::move(row));
   }
   const auto full = full_forward_logits(c, tokens);
-  double worst = 0;
+  double worst = 0;  // relative to the step's largest |logit|
   for (size_t i = 0; i < cached.size(); ++i) {
     const testing_support::Difference d = testing_support::difference(cached[i], full[static_cast<size_t>(P - 1) + i]);
-    EXPECT_TRUE(d.ok() && d.worst < v.tolerance) << "step " << i << ": " << d.describe();
-    worst = d.ok() ? std::max(worst, d.worst) : d.worst;
+    EXPECT_TRUE(d.ok() && d.worst < v.tolerance * d.scale) << "step " << i << ": " << d.describe();
+    if (!(d.worst / d.scale <= worst)) worst = d.worst / d.scale;
   }
-  RecordProperty("max_abs_logit_difference", std::to_string(worst));
+  std::printf("worst logit difference relative to the largest |logit|: %.3g (bound %.3g)\n", worst, v.tolerance);
+  RecordProperty("max_relative_logit_difference", std::to_string(worst));
   EXPECT_EQ(steps.total().count, 0u) << "a generation step allocated " << steps.total().bytes << " bytes";
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, GenerationVariants,
-                         ::testing::Values(Variant{DType::F32, true, 1e-5}, Variant{DType::F32, false, 1e-5},
-                                           Variant{DType::BF16, true, 5e-3}, Variant{DType::BF16, false, 5e-3},
-                                           Variant{DType::F32, true, 1e-5, "tiny-qwen3"},
-                                           Variant{DType::BF16, false, 5e-3, "tiny-qwen3"},
-                                           Variant{DType::F32, false, 1e-5, "tiny-llama"},
-                                           Variant{DType::BF16, true, 5e-3, "tiny-llama"}),
+                         ::testing::Values(Variant{DType::F32, true, 5e-6}, Variant{DType::F32, false, 5e-6},
+                                           Variant{DType::BF16, true, 1.5e-2}, Variant{DType::BF16, false, 1.5e-2},
+                                           Variant{DType::F32, true, 5e-6, "tiny-qwen3"},
+                                           Variant{DType::BF16, false, 1.5e-2, "tiny-qwen3"},
+                                           Variant{DType::F32, false, 5e-6, "tiny-llama"},
+                                           Variant{DType::BF16, true, 1.5e-2, "tiny-llama"}),
                          [](const auto& info) {
                            std::string family = info.param.preset;
                            family = family == "tiny" ? "" : family.substr(5) + "_";
@@ -192,9 +199,9 @@ std::vector<std::vector<int32_t>> tokens_of(const std::vector<GenerationResult>&
 // for) takes bfloat16 operands with float32 accumulation, as Hugging Face and vLLM compute such a
 // model: its logits agree with the reference backend's, which rounds at the same points and sums
 // exact products, and lie within bfloat16's precision of float32 arithmetic (and differ from it).
+// Where the cpu backend has no bfloat16 products the prefill is float32 arithmetic, bit for bit.
 TEST(Generator, ABfloat16ModelsPrefillTakesBfloat16ProductsAsTheReferenceDoes) {
-  if (backend_named("cpu").sixteen_bit_products(DType::BF16).empty())
-    GTEST_SKIP() << "the cpu backend has no bfloat16 products on this CPU";
+  const bool products = !backend_named("cpu").sixteen_bit_products(DType::BF16).empty();
   const ModelConfig c = tiny(DType::BF16);
   const int64_t P = 40;
   const std::vector<int32_t> tokens = random_ids(P, c.vocab_size, 5);
@@ -211,12 +218,21 @@ TEST(Generator, ABfloat16ModelsPrefillTakesBfloat16ProductsAsTheReferenceDoes) {
         {.input_ids = tokens, .cu_seqlens = cu, .context_lens = ctx, .block_tables = blocks, .sample_seqs = sample});
     return std::vector<float>(l.row(0), l.row(0) + c.vocab_size);
   };
-  const std::vector<float> cpu = last_logits("cpu", DType::BF16), reference = last_logits("reference", DType::BF16),
-                           float32 = last_logits("cpu", DType::F32);
+  const std::vector<float> cpu = last_logits("cpu", DType::BF16), float32 = last_logits("cpu", DType::F32);
+  if (!products) {
+    EXPECT_EQ(cpu, float32);
+    const testing_support::Difference d = testing_support::difference(cpu, last_logits("reference", DType::F32));
+    EXPECT_TRUE(d.ok() && d.worst < 1e-6 * d.scale) << d.describe();
+    return;
+  }
+  const std::vector<float> reference = last_logits("reference", DType::BF16);
   const testing_support::Difference same = testing_support::difference(cpu, reference),
                                     rounded = testing_support::difference(cpu, float32);
-  EXPECT_TRUE(same.ok() && same.worst < 2e-5) << same.describe();
-  EXPECT_TRUE(rounded.ok() && rounded.worst > 1e-4 && rounded.worst < 5e-2) << rounded.describe();
+  // Measured on an AMD EPYC (Zen 4): 2.4e-7 from the reference, 6.4e-4 from float32 arithmetic,
+  // for logits of order 1.
+  EXPECT_TRUE(same.ok() && same.worst < 1e-6 * same.scale) << same.describe();
+  EXPECT_TRUE(rounded.ok() && rounded.worst > 1e-4 * rounded.scale && rounded.worst < 3e-3 * rounded.scale)
+      << rounded.describe();
   std::printf("prefill logits, cpu against the reference: %s; against float32 arithmetic: %s\n",
               same.describe().c_str(), rounded.describe().c_str());
 }
@@ -224,9 +240,9 @@ TEST(Generator, ABfloat16ModelsPrefillTakesBfloat16ProductsAsTheReferenceDoes) {
 // With bfloat16 products no layer matrix is widened in inference either: the forward's matrix
 // scratch holds only a group's 16-bit biases (three vectors), where float32 arithmetic widens a
 // whole matrix into it.
+// (Where the cpu backend has no bfloat16 products, a whole matrix is widened as for float32.)
 TEST(Generator, ABfloat16ModelsInferencePlanWidensNoMatrix) {
-  if (backend_named("cpu").sixteen_bit_products(DType::BF16).empty())
-    GTEST_SKIP() << "the cpu backend has no bfloat16 products on this CPU";
+  const bool products = !backend_named("cpu").sixteen_bit_products(DType::BF16).empty();
   const ModelConfig c = tiny(DType::BF16);
   auto matrix_scratch = [&](DType compute, int64_t step_tokens) {
     ModelOptions o = inference_model_options(c, limits(64, 1, step_tokens), &backend_named("cpu"));
@@ -237,8 +253,12 @@ TEST(Generator, ABfloat16ModelsInferencePlanWidensNoMatrix) {
     return size_t{0};
   };
   const size_t largest_vector = static_cast<size_t>(std::max(c.q_dim(), c.intermediate_size));
-  EXPECT_LE(matrix_scratch(DType::BF16, 64), 3 * largest_vector * 4);
-  EXPECT_EQ(matrix_scratch(DType::F32, 64), static_cast<size_t>(c.intermediate_size * c.hidden_size) * 4);
+  const size_t matrix = static_cast<size_t>(c.intermediate_size * c.hidden_size) * 4;
+  if (products)
+    EXPECT_LE(matrix_scratch(DType::BF16, 64), 3 * largest_vector * 4);
+  else
+    EXPECT_EQ(matrix_scratch(DType::BF16, 64), matrix);
+  EXPECT_EQ(matrix_scratch(DType::F32, 64), matrix);
   // float32 arithmetic whose steps never exceed the rows read as stored (decoding's few rows):
   // no matrix widened either, and generation runs inside that plan (a view beyond a planned
   // buffer stops it).

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -21,7 +22,23 @@
 
 #define EXPECT_CONTAINS(text, part) EXPECT_NE((text).find(part), std::string::npos) << "in: " << (text)
 
+// Skips the test for `why` (a missing device, tokenizer or interpreter), or fails it where every
+// test is required (CI: MEMTUNE_REQUIRE_ALL_TESTS=1): a check that silently does not run is not a
+// pass. The one way a test skips (TestSwitches proves the variable arrives).
+#define SKIP_OR_FAIL_WHERE_REQUIRED(why)                                    \
+  do {                                                                      \
+    const std::string skip_reason_ = (why);                                 \
+    if (::memtune::testing_support::all_tests_required()) FAIL() << skip_reason_; \
+    GTEST_SKIP() << skip_reason_;                                           \
+  } while (false)
+
 namespace memtune::testing_support {
+
+// True where every test must run (CI: configured with MEMTUNE_REQUIRE_ALL_TESTS=ON).
+inline bool all_tests_required() {
+  const char* v = std::getenv("MEMTUNE_REQUIRE_ALL_TESTS");
+  return v && std::string(v) == "1";
+}
 
 // The message of the memtune::Error that f throws; a test failure if it throws none.
 template <class F>

@@ -291,10 +291,8 @@ TEST(Trainer, OnVulkanStepsDecidedOnTheDeviceEqualTheHostsDecisionsReadOneStepLa
   // copies, and their own values written back before step 3), so step 3's AdamW constants depend
   // on a skip the host has not read when it records step 3.
   // (Left out of the sanitizer build's run with the other vulkan tests: "OnVulkan".)
-  if (!vulkan_backend_available() || !backend_named("vulkan").decides_steps()) {
-    if (testing_support::all_tests_required() && !vulkan_backend_available()) FAIL() << "no usable Vulkan device";
-    GTEST_SKIP() << "no Vulkan device that decides steps";
-  }
+  if (!vulkan_backend_available() || !backend_named("vulkan").decides_steps())
+    SKIP_OR_FAIL_WHERE_REQUIRED("no Vulkan device that decides steps (float64 in shaders)");
   ModelConfig cfg = model_preset("tiny");
   cfg.torch_dtype = DType::BF16;
   ModelOptions o = train_options(41);
