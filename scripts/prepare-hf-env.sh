@@ -15,7 +15,7 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 requirements="$root/tools/hf-oracle/requirements.txt"
 hash="$(sha256sum "$requirements" | cut -c1-12)"
 env_dir="${MEMTUNE_HF_ENV:-${XDG_CACHE_HOME:-$HOME/.cache}/memtune/hf-env-$hash}"
-check='import torch, transformers, peft, tokenizers, safetensors, accelerate, tensorboard, numpy, optimum, auto_gptq'
+check='import torch, transformers, peft, tokenizers, safetensors, accelerate, tensorboard, numpy, optimum, auto_gptq, gguf'
 
 if [[ ! -f "$env_dir/.memtune-complete" ]]; then
   echo "prepare-hf-env: installing tools/hf-oracle/requirements.txt into $env_dir (about 3 GB from PyPI)" >&2

@@ -1,20 +1,30 @@
-#!/usr/bin/python3
-"""bench/gguf_writer.py against the GGUF format read back here from its specification. Two small
-Qwen2 checkpoints (bfloat16, q/k/v biases) and a small BPE tokenizer, each written as f16, q8_0
-and q4_0:
+"""bench/gguf_writer.py's files read back by `gguf`, the GGUF package llama.cpp publishes on PyPI.
+
+    PY tests/bench/gguf_writer_test.py --workdir DIR
+
+PY is the pinned Hugging Face environment (scripts/prepare-hf-env.sh; tools/hf-oracle/
+requirements.txt pins gguf). Two small Qwen2 checkpoints (bfloat16, q/k/v biases) and a small BPE
+tokenizer, each written as f16, q8_0 and q4_0:
   - "tied": lm_head shares the embedding, so the file has no output.weight; every row length is a
     multiple of 32 (Q8_0 / Q4_0's block).
   - "untied": a separate lm_head.weight, written as output.weight (Q8_0 in the q4_0 file, where
     token_embd then stays Q4_0), and intermediate_size 80, so mlp.down_proj's rows (80 values)
     are not a multiple of 32: those cannot be cut into blocks and must stay float16, as the
     Hugging Face converter does, in every file type.
-Checks the header, the metadata the comparison relies on, every tensor's name, shape, type and
-aligned offset; every block's float16 scale against the format's definition computed here in
-float32 (Q8_0: d = max|x| / 127; Q4_0: d = m / -8 for m the value of largest magnitude, sign
-kept, the first one on ties), bit for bit; and that each value dequantizes to the checkpoint's
-within half a step of its block (f16: within float16 rounding). A NaN or infinity on either side
-fails. Also that a GPTQ checkpoint is refused."""
+gguf.GGUFReader opens each file, and what is checked comes from the package, not from the writer:
+the metadata llama.cpp reads, under the package's key names (gguf.Keys) with its file and token
+type codes; every tensor's name (the Hugging Face name mapped by the package's own converter
+table, gguf.get_tensor_name_map), shape, type and aligned offset; every value dequantized by
+gguf.quants.dequantize within half a quantization step of the checkpoint's (f16: float16
+rounding; f32: exact). Each block's float16 scale equals, bit for bit, the one the package's
+quantizer (gguf.quants.quantize, a port of ggml's reference quantizers) gives the checkpoint's
+values, and Q8_0 blocks equal its blocks whole. Q4_0 codes may differ from its codes by one where
+a value lies exactly halfway between two (x / d + 8.5 an integer, which bfloat16 inputs make
+common): the writer rounds x * (1 / d) + 8.5 once, as ggml's C reference compiles (a fused
+multiply-add), the package's numpy port rounds twice; both codes are half a step away, which the
+bound allows. A NaN or infinity on either side fails. Also that a GPTQ checkpoint is refused."""
 import argparse
+import importlib.metadata
 import json
 import os
 import struct
@@ -22,25 +32,22 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gguf
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))
-from numeric import NumericMismatch, assert_close, check, difference  # noqa: E402
+from numeric import NumericMismatch, assert_close, difference  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WRITER = os.path.join(ROOT, "bench", "gguf_writer.py")
 H, V, L = 64, 40, 2
 QK = 32
-F32, F16, Q4_0, Q8_0 = 0, 1, 2, 8
+Q = gguf.GGMLQuantizationType
+F32, F16, Q4_0, Q8_0 = Q.F32, Q.F16, Q.Q4_0, Q.Q8_0
 MODELS = {"tied": {"tied": True, "intermediate": 96}, "untied": {"tied": False, "intermediate": 80}}
-FIXED_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-               "lm_head.weight": "output.weight"}
-LAYER_NAMES = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-               "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
-               "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
-               "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
-               "self_attn.o_proj.weight": "attn_output.weight", "mlp.gate_proj.weight": "ffn_gate.weight",
-               "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+FILE_TYPES = {"f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+              "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}
+ARCH = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.QWEN2]
 
 
 def write_checkpoint(d, tied, inter, seed):
@@ -82,85 +89,6 @@ def write_checkpoint(d, tied, inter, seed):
     return values
 
 
-class Reader:
-    """GGUF v3 from the specification: header, metadata, tensor infos, aligned data."""
-
-    def __init__(self, path):
-        self.b = open(path, "rb").read()
-        self.p = 0
-        magic, version, n_tensors, n_kv = self.take("<4sIQQ")
-        check(magic == b"GGUF" and version == 3, f"{path}: magic {magic!r}, version {version}; expected GGUF v3")
-        self.kv = {}
-        for _ in range(n_kv):
-            key = self.string()
-            (vtype,) = self.take("<I")
-            self.kv[key] = self.value(vtype)
-        self.tensors = {}
-        for _ in range(n_tensors):
-            name = self.string()
-            (dims,) = self.take("<I")
-            ne = self.take(f"<{dims}Q")
-            ggml_type, off = self.take("<IQ")
-            self.tensors[name] = (tuple(reversed(ne)), ggml_type, off)
-        align = self.kv.get("general.alignment", 32)
-        self.data = self.p + (-self.p % align)
-        self.align = align
-
-    def take(self, fmt):
-        out = struct.unpack_from(fmt, self.b, self.p)
-        self.p += struct.calcsize(fmt)
-        return out
-
-    def string(self):
-        (n,) = self.take("<Q")
-        s = self.b[self.p:self.p + n].decode()
-        self.p += n
-        return s
-
-    def value(self, vtype):
-        scalar = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
-                  12: "<d"}
-        if vtype == 8:
-            return self.string()
-        if vtype == 9:
-            elem, n = self.take("<IQ")
-            return [self.value(elem) for _ in range(n)]
-        return self.take(scalar[vtype])[0]
-
-    def dequantize(self, name):
-        """(values as float32 in the tensor's shape, the float16 scale of each block [blocks] or None,
-        each value's step |d| in the tensor's shape or None)."""
-        shape, t, off = self.tensors[name]
-        n = int(np.prod(shape))
-        at = self.data + off
-        if t == F32:
-            return np.frombuffer(self.b, "<f4", n, at).reshape(shape), None, None
-        if t == F16:
-            return np.frombuffer(self.b, "<f2", n, at).astype(np.float32).reshape(shape), None, None
-        size = {Q8_0: 2 + QK, Q4_0: 2 + QK // 2}[t]
-        raw = np.frombuffer(self.b, np.uint8, n // QK * size, at).reshape(-1, size)
-        d16 = raw[:, :2].copy().view("<f2")  # [blocks, 1]
-        d = d16.astype(np.float32)
-        if t == Q8_0:  # d, 32 int8
-            q = raw[:, 2:].view(np.int8).astype(np.float32)
-        else:  # Q4_0: d, low nibbles are values 0..15, high nibbles 16..31, offset 8
-            q = np.concatenate([raw[:, 2:] & 15, raw[:, 2:] >> 4], axis=1).astype(np.float32) - 8
-        return (d * q).reshape(shape), d16[:, 0], np.abs(d).repeat(QK, axis=1).reshape(shape)
-
-
-def definition_scales(x, t):
-    """The format's block scale of each QK-value block of x's rows, in float32 then rounded to
-    float16 as stored: Q8_0 d = max|x| / 127; Q4_0 d = m / -8, m the block's value of largest
-    magnitude with its sign (the first of equal magnitudes)."""
-    blocks = x.astype(np.float32).reshape(-1, QK)
-    if t == Q8_0:
-        d = np.max(np.abs(blocks), axis=1) / np.float32(127)
-    else:
-        m = blocks[np.arange(len(blocks)), np.argmax(np.abs(blocks), axis=1)]
-        d = m / np.float32(-8)
-    return d.astype(np.float32).astype(np.float16)
-
-
 def expected_type(kind, tied, name, shape):
     if len(shape) == 1:
         return F32
@@ -169,13 +97,6 @@ def expected_type(kind, tied, name, shape):
     if kind == "q8_0" or name == "output.weight" or (tied and name == "token_embd.weight"):
         return Q8_0
     return Q4_0
-
-
-def gguf_name(hf):
-    if hf in FIXED_NAMES:
-        return FIXED_NAMES[hf]
-    parts = hf.split(".")
-    return f"blk.{parts[2]}.{LAYER_NAMES['.'.join(parts[3:])]}"
 
 
 def within_bound(got, want, bound):
@@ -193,61 +114,99 @@ def within_bound(got, want, bound):
             f"want {want[k]:.9g}, |diff| {err[k]:.6g} > tolerance {bound[k]:.6g}")
 
 
-def check_file(model, kind, g, values, inter, tied):
+def field(reader, key):
+    f = reader.get_field(key)
+    return None if f is None else f.contents()
+
+
+def check_metadata(reader, kind, inter):
+    k = gguf.Keys
+    expect = {k.General.ARCHITECTURE: ARCH, k.General.FILE_TYPE: FILE_TYPES[kind],
+              k.General.QUANTIZATION_VERSION: gguf.GGML_QUANT_VERSION,
+              k.General.ALIGNMENT: gguf.GGUF_DEFAULT_ALIGNMENT,
+              k.LLM.CONTEXT_LENGTH.format(arch=ARCH): 128, k.LLM.EMBEDDING_LENGTH.format(arch=ARCH): H,
+              k.LLM.BLOCK_COUNT.format(arch=ARCH): L, k.LLM.FEED_FORWARD_LENGTH.format(arch=ARCH): inter,
+              k.Attention.HEAD_COUNT.format(arch=ARCH): 4, k.Attention.HEAD_COUNT_KV.format(arch=ARCH): 2,
+              k.Rope.FREQ_BASE.format(arch=ARCH): 1e6,
+              k.Attention.LAYERNORM_RMS_EPS.format(arch=ARCH): float(np.float32(1e-6)),
+              k.Tokenizer.MODEL: "gpt2", k.Tokenizer.PRE: "qwen2", k.Tokenizer.MERGES: ["a b", "ab c"],
+              k.Tokenizer.BOS_ID: 30, k.Tokenizer.EOS_ID: 30, k.Tokenizer.ADD_BOS: False}
+    failures = [f"{key} = {field(reader, key)!r}, expected {want!r}" for key, want in expect.items()
+                if field(reader, key) != want]
+    tokens, types = field(reader, k.Tokenizer.LIST), field(reader, k.Tokenizer.TOKEN_TYPE)
+    t = gguf.TokenType
+    if (len(tokens or []) != V or len(types or []) != V or tokens[27] != "abc" or tokens[35] != "[PAD35]"
+            or (types[0], types[27], types[30], types[35]) != (t.NORMAL, t.NORMAL, t.CONTROL, t.UNUSED)):
+        failures.append(f"tokens {(tokens or [])[25:36]} of {len(tokens or [])}, types {(types or [])[25:36]}")
+    return failures
+
+
+def check_values(name, t, x, tensor):
+    """The tensor's values dequantized by the package against the checkpoint's x; its block scales
+    (and Q8_0 blocks whole) against the package's quantizer. Returns what is wrong."""
     failures = []
-    expect = {"general.architecture": "qwen2", "qwen2.embedding_length": H, "qwen2.block_count": L,
-              "qwen2.feed_forward_length": inter, "qwen2.attention.head_count": 4,
-              "qwen2.attention.head_count_kv": 2, "tokenizer.ggml.model": "gpt2",
-              "tokenizer.ggml.eos_token_id": 30}
-    for key, want in expect.items():
-        if g.kv.get(key) != want:
-            failures.append(f"{key} = {g.kv.get(key)!r}, expected {want!r}")
-    tokens = g.kv["tokenizer.ggml.tokens"]
-    if len(tokens) != V or tokens[27] != "abc" or tokens[35] != "[PAD35]":
-        failures.append(f"token list {tokens[25:36]} of {len(tokens)}")
-    if g.kv["tokenizer.ggml.merges"] != ["a b", "ab c"]:
-        failures.append(f"merges {g.kv['tokenizer.ggml.merges']}")
-    want_names = {gguf_name(hf) for hf in values}
-    if set(g.tensors) != want_names:
-        failures.append(f"tensors {sorted(set(g.tensors) ^ want_names)} differ from the checkpoint's "
+    got = gguf.quants.dequantize(tensor.data, t).reshape(x.shape)
+    if t == F32:
+        bound = np.zeros(x.shape)
+    elif t == F16:
+        bound = (2.0 ** -11) * np.abs(x) + 1e-7
+    else:
+        block_bytes = gguf.GGML_QUANT_SIZES[t][1]
+        ours = np.asarray(tensor.data).reshape(-1, block_bytes)
+        theirs = gguf.quants.quantize(x, t).reshape(-1, block_bytes)
+        # A block opens with its float16 scale d (ggml's block_q8_0 / block_q4_0).
+        d = theirs[:, :2].copy().view("<f2")
+        try:
+            assert_close(ours[:, :2].copy().view("<f2"), d,
+                         what=f"{name}: float16 block scales (index: block) against gguf.quants.quantize's")
+        except NumericMismatch as e:
+            failures.append(str(e))
+        if t == Q8_0 and not np.array_equal(ours, theirs):
+            failures.append(f"{name}: {int(np.sum(np.any(ours != theirs, axis=1)))} of {len(ours)} Q8_0 blocks "
+                            f"differ from gguf.quants.quantize's")
+        # Half a step of the block's float16 scale, plus that scale's own float16 rounding times the
+        # largest code (128); Q4_0's codes reach -8 d .. 7 d with d = m / -8, so a value near -m
+        # takes a whole step.
+        step = np.abs(d.astype(np.float32)).repeat(QK, axis=1).reshape(x.shape)
+        clamped = (t == Q4_0) & (np.abs(x) > 7.5 * step)
+        bound = step * (np.where(clamped, 1.0, 0.5) + 128 * 2.0 ** -11)
+    problem = within_bound(got, x, bound)
+    if problem:
+        failures.append(f"{name} ({t.name}) dequantized by gguf.quants.dequantize: {problem}")
+    return failures
+
+
+def check_file(model, kind, reader, values, inter, tied):
+    failures = check_metadata(reader, kind, inter)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, L)
+    gguf_name = {hf: names.get_name(hf, try_suffixes=(".weight", ".bias")) for hf in values}
+    tensors = {t.name: t for t in reader.tensors}
+    want_names = set(gguf_name.values())
+    if set(tensors) != want_names:
+        failures.append(f"tensors {sorted(set(tensors) ^ want_names)} differ from the checkpoint's "
                         f"({'tied: no output.weight' if tied else 'untied: output.weight from lm_head.weight'})")
     seen = set()
     for hf, x in values.items():
-        name = gguf_name(hf)
-        if name not in g.tensors:
+        name = gguf_name[hf]
+        if name not in tensors:
             continue
-        shape, t, off = g.tensors[name]
-        if shape != x.shape or off % g.align:
-            failures.append(f"{name} shape {shape} offset {off}, expected {x.shape}, aligned")
+        tensor = tensors[name]
+        shape = tuple(reversed(tensor.shape.tolist()))  # GGUF lists dims fastest first
+        offset = tensor.data_offset - reader.data_offset
+        if shape != x.shape or offset % reader.alignment:
+            failures.append(f"{name} shape {shape} offset {offset}, expected {x.shape}, aligned")
             continue
+        t = tensor.tensor_type
         want_t = expected_type(kind, tied, name, x.shape)
         if t != want_t:
-            failures.append(f"{name} has type {t}, expected {want_t}")
+            failures.append(f"{name} has type {t.name}, expected {want_t.name}")
             continue
         seen.add(t)
-        got, scales, step = g.dequantize(name)
-        if scales is not None:
-            try:
-                assert_close(scales, definition_scales(x, t), atol=0.0, rtol=0.0,
-                             what=f"{name}: float16 block scales (index: block) against the definition "
-                                  f"{'max|x| / 127' if t == Q8_0 else 'm / -8'}")
-            except NumericMismatch as e:
-                failures.append(str(e))
-        # Half a step of the block's float16 scale, plus that scale's own float16 rounding
-        # times the largest code (128); Q4_0's codes reach -8 d .. 7 d with d = m / -8, so a
-        # value near -m takes a whole step. f16 and f32 weights: float16 rounding of the value.
-        if step is None:
-            bound = (2.0 ** -11) * np.abs(x) + 1e-7
-        else:
-            clamped = (t == Q4_0) & (np.abs(x) > 7.5 * step)
-            bound = step * (np.where(clamped, 1.0, 0.5) + 128 * 2.0 ** -11)
-        problem = within_bound(got, x, bound)
-        if problem:
-            failures.append(f"{name} (type {t}): {problem}")
+        failures += check_values(name, t, x, tensor)
     # The q4_0 file holds every type the model can give: Q4_0, the Q8_0 head, float32 1-D tensors,
     # and float16 where a row is not whole blocks.
     if kind == "q4_0" and seen != {F32, Q4_0, Q8_0} | ({F16} if inter % QK else set()):
-        failures.append(f"tensor types {seen}")
+        failures.append(f"tensor types {sorted(t.name for t in seen)}")
     return [f"{model} {kind}: {f}" for f in failures]
 
 
@@ -255,6 +214,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--workdir", required=True)
     work = parser.parse_args().workdir
+    print(f"gguf {importlib.metadata.version('gguf')}")
     failures = []
     for seed, (model_name, spec) in enumerate(MODELS.items(), start=3):
         model = os.path.join(work, f"model-{model_name}")
@@ -262,7 +222,8 @@ def main():
         for kind in ("f16", "q8_0", "q4_0"):
             out = os.path.join(work, f"model-{model_name}-{kind}.gguf")
             subprocess.run([sys.executable, WRITER, "--model", model, "--type", kind, "--out", out], check=True)
-            failures += check_file(model_name, kind, Reader(out), values, spec["intermediate"], spec["tied"])
+            failures += check_file(model_name, kind, gguf.GGUFReader(out), values, spec["intermediate"],
+                                   spec["tied"])
     # A GPTQ checkpoint is refused with the file and field named, and nothing is written.
     model = os.path.join(work, "model-tied")
     config = json.load(open(os.path.join(model, "config.json")))

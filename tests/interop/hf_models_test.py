@@ -165,13 +165,20 @@ def memtune_greedy(memtune, workdir, model_dir, adapter=None):
 
 
 def same_greedy(got, model, what):
-    """Greedy tokens equal; where they part, transformers' own logits must show a tie (the two
-    best within LOGIT_RTOL of the largest logit), which float32 rounding may break either way."""
+    """Greedy tokens equal for every prompt, NEW_TOKENS each (both sides ignore EOS); where they
+    part, transformers' own logits must show a tie (the two best within LOGIT_RTOL of the largest
+    logit), which float32 rounding may break either way. A missing prompt's result, or a sequence
+    that stops early, is a difference."""
     want = hf_greedy(model)
+    check(len(got) == len(PROMPTS) and len(want) == len(PROMPTS),
+          lambda: f"{what}: {len(got)} results from memtune and {len(want)} from transformers for {len(PROMPTS)} prompts")
     for p, g, w in zip(PROMPTS, got, want):
-        if g == w:
+        check(len(g) == NEW_TOKENS and len(w) == NEW_TOKENS,
+              lambda: f"{what}: prompt {p}: memtune gave {len(g)} tokens, transformers {len(w)}, both should give "
+                      f"{NEW_TOKENS}: memtune {g}, transformers {w}")
+        if len(g) != len(w) or g == w:
             continue
-        k = next(i for i in range(min(len(g), len(w))) if g[i] != w[i]) if len(g) == len(w) else 0
+        k = next(i for i in range(len(g)) if g[i] != w[i])
         with torch.no_grad():
             logits = model(torch.tensor([p + w[:k]])).logits[0, -1].float()
         gap = float(logits[w[k]] - logits[g[k]])
