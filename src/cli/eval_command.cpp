@@ -264,9 +264,13 @@ Action add_eval(CLI::App& app) {
   app.add_option("--max_new_tokens,--generation_max_length", a->max_new_tokens,
                  "with --predict_with_generate: tokens generated per example (default: the longest answer + 8)");
   app.add_flag("--json", a->json, "print the results as one JSON object");
-  app.add_option("--torch_dtype", a->flags.torch_dtype, "storage dtype of the weights: float32 | bfloat16 | float16");
-  app.add_flag("--bf16", a->flags.bf16, "store weights in bfloat16");
-  app.add_flag("--fp16", a->flags.fp16, "store weights in float16");
+  app.add_option("--torch_dtype", a->flags.torch_dtype,
+                 "storage dtype of the weights: float32 | bfloat16 | float16 (default: the checkpoint's); the losses "
+                 "and metrics compute in float32 (16-bit weights are widened to it); --predict_with_generate "
+                 "generates as generate does, a bfloat16 model's prompts taking bfloat16 products where the backend "
+                 "has them");
+  app.add_flag("--bf16", a->flags.bf16, "the same as --torch_dtype bfloat16");
+  app.add_flag("--fp16", a->flags.fp16, "the same as --torch_dtype float16");
   app.add_option("--host_memory", a->flags.host_memory,
                  "budget for the whole process (e.g. 16GiB): refuse to start when the prediction is above it");
   app.add_option("--save_predictions", a->save_predictions,

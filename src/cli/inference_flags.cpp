@@ -252,9 +252,15 @@ void add_limit_flags(CLI::App& app, InferenceArgs& args, InferenceCommand comman
   app.add_option("--memory_fraction,--gpu_memory_utilization,--gpu-memory-utilization", a->memory_fraction,
                  "the share of --device_memory the plan may use")
       ->capture_default_str();
-  app.add_option("--torch_dtype,--dtype", a->flags.torch_dtype, "storage dtype of the weights: float32 | bfloat16 | float16");
-  app.add_flag("--bf16", a->flags.bf16, "store weights in bfloat16");
-  app.add_flag("--fp16", a->flags.fp16, "store weights in float16");
+  // Each dtype's arithmetic, as inference_model_options (options/inference_options.h) sets it.
+  app.add_option("--torch_dtype,--dtype", a->flags.torch_dtype,
+                 "storage dtype of the weights: float32 | bfloat16 | float16 (default: the checkpoint's). An "
+                 "unquantized bfloat16 model's steps of more than 16 rows (prompts, long serving steps) take bfloat16 "
+                 "operands with float32 accumulation where the backend has bfloat16 products (cpu: oneDNN's "
+                 "AVX512-BF16 or AMX kernels; reference), and decoding's few rows keep float32 inputs against the "
+                 "weights as stored; float16 and float32 models compute in float32");
+  app.add_flag("--bf16", a->flags.bf16, "the same as --torch_dtype bfloat16");
+  app.add_flag("--fp16", a->flags.fp16, "the same as --torch_dtype float16");
   app.add_option("--host_memory", a->flags.host_memory,
                  "budget for the whole process (e.g. 16GiB): refuse to start when the prediction is above it");
 }

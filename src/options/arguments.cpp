@@ -113,9 +113,22 @@ void add_training_arguments(CLI::App& app, TrainingArguments& a, ArgumentsFor us
                "resume although the training file differs from the one the checkpoint was trained on");
   app.add_option("--seed", a.seed)->capture_default_str();
   app.add_option("--data_seed", a.data_seed, "seed of the data order (default: seed)");
-  app.add_option("--torch_dtype", a.torch_dtype, "storage dtype of the base weights: float32 | bfloat16 | float16");
-  app.add_flag("--bf16", a.bf16, "store weights in bfloat16 (compute stays float32)");
-  app.add_flag("--fp16", a.fp16, "store weights in float16 (with dynamic loss scaling)");
+  // What these say is what describe_arithmetic (model/decoder_plan.h) prints on the run's
+  // arithmetic: line; PlanCommand.DtypeFlagsHelpSaysTheArithmeticTheRunPrints holds them to it.
+  app.add_option("--torch_dtype", a.torch_dtype,
+                 "storage dtype of the base weights: float32 | bfloat16 | float16 (default: the checkpoint's); the "
+                 "arithmetic stays float32 (16-bit storage, widened as it is read), float16 storage trains with "
+                 "dynamic loss scaling, and only --bf16 takes 16-bit products");
+  app.add_flag("--bf16", a.bf16,
+               "mixed precision, as Hugging Face's --bf16: the weights are stored in bfloat16 and, where the backend "
+               "has bfloat16 products (cpu: oneDNN's AVX512-BF16 or AMX kernels; reference), the linear layers' and "
+               "the LM head's products take bfloat16 operands with float32 accumulation; norms, attention, softmax, "
+               "losses, gradients, master weights and AdamW stay float32. Where the backend has no bfloat16 products "
+               "(vulkan, other CPUs) or the weights are quantized: float32, not mixed precision, over the bfloat16 "
+               "weights. train and plan print which on their arithmetic: line");
+  app.add_flag("--fp16", a.fp16,
+               "store the weights in float16 and train with dynamic loss scaling, as Hugging Face's --fp16; no "
+               "float16 products: the arithmetic stays float32 (float16 storage, widened as it is read)");
   app.add_flag("--gradient_checkpointing,--use_gradient_checkpointing", a.gradient_checkpointing,
                "keep layer inputs only, recompute in backward");
   app.add_option("--zero_stage", a.zero_stage,

@@ -1,5 +1,6 @@
 // `memtune plan`: published parameter counts of real-size presets planned without allocating,
-// the budget check, and the plan's peak equal to what a run of the same configuration measures.
+// the arithmetic a run gets (and the dtype flags' help saying the same), the budget check, and
+// the plan's peak equal to what a run of the same configuration measures.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -60,6 +61,74 @@ TEST(PlanCommand, SaysWhichArithmeticTheRunGets) {
   ASSERT_EQ(vulkan.status, 0) << vulkan.output;
   EXPECT_CONTAINS(vulkan.output,
                   "\narithmetic: float32, not mixed precision: the vulkan backend has no bfloat16 products here");
+}
+
+// The help of one flag in a command's --help: its line and the lines that continue it.
+std::string flag_help(const std::string& help, const std::string& flag) {
+  size_t at = help.find("\n  " + flag + " ");
+  if (at == std::string::npos) return {};
+  std::string text;
+  do {
+    const size_t end = help.find('\n', at + 1);
+    text += help.substr(at + 1, end - at - 1);
+    at = end;
+  } while (at != std::string::npos && help.compare(at + 1, 4, "    ") == 0);
+  return text;
+}
+
+// What `train --help` says of --bf16, --fp16 and --torch_dtype is the arithmetic: line a run
+// with the flag prints (plan's, from the same describe_arithmetic): --bf16's mixed precision on
+// the reference backend (which always has bfloat16 products) and its float32 fallback on vulkan
+// (which has none), the cpu backend taking one of the two; the others' float32 over 16-bit storage.
+TEST(PlanCommand, DtypeFlagsHelpSaysTheArithmeticTheRunPrints) {
+  const auto help = testing_support::run_memtune("train --help");
+  ASSERT_EQ(help.status, 0) << help.output;
+  const std::string bf16 = flag_help(help.output, "--bf16"), fp16 = flag_help(help.output, "--fp16"),
+                    torch_dtype = flag_help(help.output, "--torch_dtype");
+  ASSERT_FALSE(bf16.empty() || fp16.empty() || torch_dtype.empty()) << help.output;
+  // The arithmetic: line `plan` prints, as the run prints it.
+  auto arithmetic = [](const std::string& flags) {
+    const auto r = testing_support::run_memtune("plan --preset tiny --max_length 64 " + flags);
+    EXPECT_EQ(r.status, 0) << r.output;
+    const size_t at = r.output.find("\narithmetic: ");
+    if (at == std::string::npos) return "(no arithmetic: line in) " + r.output;
+    const size_t start = at + 13;
+    return r.output.substr(start, r.output.find('\n', start) - start);
+  };
+
+  // --bf16 where the backend has bfloat16 products: the line's claims word for word, the
+  // products' and what stays float32.
+  const std::string head = "mixed precision: ", mixed = arithmetic("--bf16 --backend reference");
+  ASSERT_TRUE(mixed.starts_with(head)) << mixed;
+  const size_t products_end = mixed.find(" ("), rest = mixed.find("); ");
+  ASSERT_NE(rest, std::string::npos) << mixed;
+  EXPECT_CONTAINS(bf16, "mixed precision");
+  EXPECT_CONTAINS(bf16, mixed.substr(head.size(), products_end - head.size()));  // "... float32 accumulation"
+  EXPECT_CONTAINS(bf16, mixed.substr(rest + 3));                                  // "norms, ... stay float32"
+  // Where the backend has none: float32, not mixed precision, as the help says.
+  const std::string fallback = arithmetic("--bf16 --backend vulkan --vulkan_max_allocation 1GiB --device_memory 8GiB");
+  EXPECT_TRUE(fallback.starts_with("float32, not mixed precision: the vulkan backend has no bfloat16 products"))
+      << fallback;
+  EXPECT_CONTAINS(bf16, "float32, not mixed precision");
+  EXPECT_CONTAINS(bf16, "no bfloat16 products (vulkan");
+  const std::string cpu = arithmetic("--bf16");
+  if (backend_named("cpu").sixteen_bit_products(DType::BF16).empty())
+    EXPECT_TRUE(cpu.starts_with("float32, not mixed precision: the cpu backend has no bfloat16 products")) << cpu;
+  else
+    EXPECT_TRUE(cpu.starts_with(mixed.substr(0, products_end) + " (oneDNN ")) << cpu;
+
+  // --fp16: float16 storage and float32 arithmetic, the line word for word.
+  const std::string half = arithmetic("--fp16");
+  EXPECT_EQ(half, "float32 (float16 storage, widened as it is read)");
+  EXPECT_CONTAINS(fp16, half);
+  EXPECT_CONTAINS(fp16, "dynamic loss scaling");
+  // --torch_dtype alone: float32 arithmetic over any storage, bfloat16 included.
+  for (const std::string dtype : {"bfloat16", "float16"})
+    EXPECT_EQ(arithmetic("--torch_dtype " + dtype), "float32 (" + dtype + " storage, widened as it is read)");
+  EXPECT_EQ(arithmetic("--torch_dtype float32"), "float32");
+  EXPECT_CONTAINS(torch_dtype, "float32 | bfloat16 | float16");
+  EXPECT_CONTAINS(torch_dtype, "the arithmetic stays float32 (16-bit storage, widened as it is read)");
+  EXPECT_CONTAINS(torch_dtype, "only --bf16 takes 16-bit products");
 }
 
 TEST(PlanCommand, BudgetCheckAndCheckpointingLever) {

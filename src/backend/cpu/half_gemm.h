@@ -1,7 +1,7 @@
 // Matrix products with 16-bit operands (bfloat16 / float16) and float32 accumulation, through
 // oneDNN's matmul (Debian's libdnnl): oneDNN picks the CPU's matrix unit by itself (AMX tiles,
 // AVX512-BF16 / AVX512-FP16 instructions); ONEDNN_MAX_CPU_ISA caps what it may use. This is the
-// arithmetic of mixed precision (--bf16 / --fp16 in training: docs/architecture.md).
+// arithmetic of mixed precision (--bf16 in training, a bfloat16 model's prefill: docs/architecture.md).
 //
 // Primitives are made once per shape and kept (a bounded cache). Their scratchpad is ours: one
 // buffer of kHalfGemmScratchpadBytes that every product shares (a term of the process
