@@ -211,7 +211,7 @@ TEST(Generator, ABfloat16ModelsPrefillTakesBfloat16ProductsAsTheReferenceDoes) {
     o.compute_dtype = compute;
     o.host_logits = true;
     Decoder m(c, o);
-    m.parameters().init_random(kWeightsSeed);
+    testing_support::init_visible_weights(m, kWeightsSeed);
     const std::vector<int32_t> cu = {0, static_cast<int32_t>(P)}, ctx = {static_cast<int32_t>(P)},
                                blocks = {0, 1, 2, 3}, sample = {0};
     const StepLogits l = m.generation_step(
@@ -228,10 +228,10 @@ TEST(Generator, ABfloat16ModelsPrefillTakesBfloat16ProductsAsTheReferenceDoes) {
   const std::vector<float> reference = last_logits("reference", DType::BF16);
   const testing_support::Difference same = testing_support::difference(cpu, reference),
                                     rounded = testing_support::difference(cpu, float32);
-  // Measured on an AMD EPYC (Zen 4): 2.4e-7 from the reference, 6.4e-4 from float32 arithmetic,
-  // for logits of order 1.
+  // Measured on an AMD EPYC (Zen 4), relative to the largest |logit| (2.7): 1.3e-7 from the
+  // reference, 6.7e-3 from float32 arithmetic.
   EXPECT_TRUE(same.ok() && same.worst < 1e-6 * same.scale) << same.describe();
-  EXPECT_TRUE(rounded.ok() && rounded.worst > 1e-4 * rounded.scale && rounded.worst < 3e-3 * rounded.scale)
+  EXPECT_TRUE(rounded.ok() && rounded.worst > 1e-3 * rounded.scale && rounded.worst < 2e-2 * rounded.scale)
       << rounded.describe();
   std::printf("prefill logits, cpu against the reference: %s; against float32 arithmetic: %s\n",
               same.describe().c_str(), rounded.describe().c_str());
@@ -267,7 +267,7 @@ TEST(Generator, ABfloat16ModelsInferencePlanWidensNoMatrix) {
   ModelOptions o = inference_model_options(c, limits(64, 4, few), &backend_named("cpu"));
   o.compute_dtype = DType::F32;
   Decoder m(c, o);
-  m.parameters().init_random(kWeightsSeed);
+  testing_support::init_visible_weights(m, kWeightsSeed);
   const std::vector<GenerationResult> r = Generator(m, nullptr).generate(mixed_requests(c));
   for (const GenerationResult& g : r) EXPECT_FALSE(g.token_ids.empty());
 }
@@ -347,7 +347,7 @@ TEST(Generator, APoolSizedByABudgetMakesRequestsWaitForBlocks) {
   const ModelOptions o = inference_model_options(c, l, nullptr);
   EXPECT_EQ(o.kv_cache.blocks, 6);
   Decoder m(c, o);
-  m.parameters().init_random(kWeightsSeed);
+  testing_support::init_visible_weights(m, kWeightsSeed);
   EXPECT_LE(m.plan().peak_bytes(), l.device_memory);
   Generator g(m, nullptr);
   const auto rs = mixed_requests(c);
@@ -393,7 +393,7 @@ TEST(Generator, UnmergedLoraEqualsMergedLora) {
   o.lora = test_lora();
   auto with_adapter = [&] {
     auto m = std::make_unique<Decoder>(c, o);
-    m->parameters().init_random(kWeightsSeed);
+    testing_support::init_visible_weights(*m, kWeightsSeed);
     randomize_adapter(*m, 100);
     return m;
   };
@@ -429,7 +429,7 @@ TEST(Generator, AGenerationViewUsesItsBaseModelsCurrentParameters) {
   train_options.with_optimizer = true;
   train_options.lora = test_lora();
   Decoder training(c, train_options);
-  training.parameters().init_random(kWeightsSeed);
+  testing_support::init_visible_weights(training, kWeightsSeed);
   randomize_adapter(training, 100);
   Decoder view(training, inference_model_options(c, limits(64, 2, 16), nullptr));
 
@@ -437,7 +437,7 @@ TEST(Generator, AGenerationViewUsesItsBaseModelsCurrentParameters) {
   copy_options.lora = test_lora();
   auto copy_with_adapter = [&](uint64_t seed) {
     auto m = std::make_unique<Decoder>(c, copy_options);
-    m->parameters().init_random(kWeightsSeed);
+    testing_support::init_visible_weights(*m, kWeightsSeed);
     randomize_adapter(*m, seed);
     return m;
   };
@@ -474,7 +474,7 @@ TEST(Generator, AdaptersChosenPerRequestEqualEachAlone) {
     o.with_grads = false;
     o.lora = lora;
     Decoder m(c, o);
-    m.parameters().init_random(kWeightsSeed);
+    testing_support::init_visible_weights(m, kWeightsSeed);
     for (size_t i = 0; i < m.parameters().num_trainable(); ++i) {
       const Tensor t = m.parameters().trainable_value(i);
       Rng rng(200 + 10 * k + i);
@@ -488,7 +488,7 @@ TEST(Generator, AdaptersChosenPerRequestEqualEachAlone) {
   ModelOptions o = inference_model_options(c, limits(64, 6, 64), nullptr);
   o.adapter_sets = configs;
   Decoder both(c, o);
-  both.parameters().init_random(kWeightsSeed);
+  testing_support::init_visible_weights(both, kWeightsSeed);
   for (size_t k = 0; k < 2; ++k) both.parameters().load_adapter_set(k, (dir / std::to_string(k)).string());
   std::vector<GenerationRequest> rs = mixed_requests(c);
   rs.push_back(rs[1]);
@@ -498,7 +498,7 @@ TEST(Generator, AdaptersChosenPerRequestEqualEachAlone) {
     ModelOptions alone_options = inference_model_options(c, limits(64, 1, 64), nullptr);
     if (rs[i].adapter >= 0) alone_options.lora = configs[static_cast<size_t>(rs[i].adapter)];
     Decoder alone(c, alone_options);
-    alone.parameters().init_random(kWeightsSeed);
+    testing_support::init_visible_weights(alone, kWeightsSeed);
     if (rs[i].adapter >= 0) alone.parameters().load_adapter((dir / std::to_string(rs[i].adapter)).string());
     GenerationRequest r = rs[i];
     r.adapter = -1;
