@@ -34,7 +34,6 @@ lora_A's gradient is zero and shows nothing).
 Exit status 0 only if every check passes.
 """
 
-import contextlib
 import json
 import os
 import sys
@@ -45,6 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "support"))
 import memtune_cli  # noqa: E402
 from byte_tokenizer import EOS_ID, write_tokenizer  # noqa: E402
+from hf_checks import run_families  # noqa: E402
 from numeric import assert_close, check, difference  # noqa: E402
 
 import peft  # noqa: E402
@@ -184,36 +184,5 @@ def family_checks(memtune, workdir, family, checks):
         compare(f"{family} LoRA", memtune_dump(memtune, workdir, base, adapter), loss, grads)
 
 
-class Checks:
-    def __init__(self):
-        self.failures = []
-        self.passed = 0
-
-    @contextlib.contextmanager
-    def case(self, name):
-        try:
-            yield
-            self.passed += 1
-            print(f"ok    {name}", flush=True)
-        except Exception as e:  # every failure is reported, the other cases still run
-            self.failures.append(name)
-            print(f"FAIL  {name}: {type(e).__name__}: {e}", flush=True)
-
-
-def main():
-    a = memtune_cli.test_arguments(lambda ap: ap.add_argument("--families", default="qwen2,qwen3,llama"))
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
-    transformers.utils.logging.disable_progress_bar()
-    print(f"transformers {transformers.__version__}, peft {peft.__version__}, torch {torch.__version__}")
-    checks = Checks()
-    for family in a.families.split(","):
-        os.makedirs(os.path.join(a.workdir, family), exist_ok=True)
-        family_checks(a.memtune, a.workdir, family, checks)
-    print(f"{checks.passed} passed, {len(checks.failures)} failed")
-    for name in checks.failures:
-        print(f"  failed: {name}")
-    sys.exit(1 if checks.failures else 0)
-
-
 if __name__ == "__main__":
-    main()
+    run_families(family_checks)

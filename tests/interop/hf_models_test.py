@@ -47,6 +47,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "support"))
 import memtune_cli  # noqa: E402
 from byte_tokenizer import EOS_ID, write_tokenizer  # noqa: E402
+from hf_checks import run_families  # noqa: E402
 from numeric import assert_close, check  # noqa: E402
 
 import transformers  # noqa: E402
@@ -71,22 +72,6 @@ INIT_STD = 0.1
 
 def run(args):
     return memtune_cli.run(args).stdout
-
-
-class Checks:
-    def __init__(self):
-        self.failures = []
-        self.passed = 0
-
-    @contextlib.contextmanager
-    def case(self, name):
-        try:
-            yield
-            self.passed += 1
-            print(f"ok    {name}", flush=True)
-        except Exception as e:  # every failure is reported, the other cases still run
-            self.failures.append(name)
-            print(f"FAIL  {name}: {type(e).__name__}: {e}", flush=True)
 
 
 @contextlib.contextmanager
@@ -429,21 +414,5 @@ def hf_to_memtune(memtune, workdir, family, checks):
               "a step at learning rate 1e-2 left a lora_A unchanged")
 
 
-def main():
-    a = memtune_cli.test_arguments(lambda ap: ap.add_argument("--families", default="qwen2,qwen3,llama"))
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
-    transformers.utils.logging.disable_progress_bar()
-    print(f"transformers {transformers.__version__}, peft {peft.__version__}, torch {torch.__version__}")
-    checks = Checks()
-    for family in a.families.split(","):
-        os.makedirs(os.path.join(a.workdir, family), exist_ok=True)
-        memtune_to_hf(a.memtune, a.workdir, family, checks)
-        hf_to_memtune(a.memtune, a.workdir, family, checks)
-    print(f"{checks.passed} passed, {len(checks.failures)} failed")
-    for name in checks.failures:
-        print(f"  failed: {name}")
-    sys.exit(1 if checks.failures else 0)
-
-
 if __name__ == "__main__":
-    main()
+    run_families(memtune_to_hf, hf_to_memtune)
