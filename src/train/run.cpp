@@ -416,7 +416,7 @@ void TrainingRun::save_checkpoint() {
                      {"num_input_tokens_seen", progress_.num_input_tokens_seen}};
     position.update(run_identity_json(run_identity()));
     write_file_atomically((tmp / "memtune_state.json").string(), position.dump(2) + "\n");
-    fs::remove_all(final_dir);
+    remove_checkpoint(final_dir);
     fs::rename(tmp, final_dir);
     if (is_best_step(progress_.global_step)) {
       progress_.best_model_checkpoint = final_dir.string();

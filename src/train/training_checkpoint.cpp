@@ -61,13 +61,21 @@ std::vector<std::pair<int64_t, fs::path>> list_checkpoints(const fs::path& outpu
   return out;
 }
 
+void remove_checkpoint(const fs::path& dir) {
+  if (!fs::exists(dir)) return;
+  const fs::path doomed = dir.parent_path() / ("tmp-" + dir.filename().string() + ".removing");
+  fs::remove_all(doomed);
+  fs::rename(dir, doomed);
+  fs::remove_all(doomed);
+}
+
 void rotate_checkpoints(const fs::path& output_dir, int64_t limit, const std::string& keep) {
   if (limit <= 0) return;
   const auto all = list_checkpoints(output_dir);
   size_t excess = all.size() > static_cast<size_t>(limit) ? all.size() - static_cast<size_t>(limit) : 0;
   for (size_t i = 0; i + 1 < all.size() && excess > 0; ++i) {
     if (all[i].second.string() == keep) continue;
-    fs::remove_all(all[i].second);
+    remove_checkpoint(all[i].second);
     --excess;
   }
 }

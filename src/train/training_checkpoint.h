@@ -35,6 +35,9 @@ void remove_earlier_run_outputs(const std::filesystem::path& output_dir);
 // checkpoint) nor the newest (with a limit of 1 and a best that is not the newest, two remain,
 // as in Hugging Face).
 void rotate_checkpoints(const std::filesystem::path& output_dir, int64_t limit, const std::string& keep);
+// Removes a checkpoint directory so that a kill at any moment leaves it whole or gone: it is first
+// renamed to a tmp-checkpoint-* name (one atomic step; a starting run clears those), then deleted.
+void remove_checkpoint(const std::filesystem::path& dir);
 
 // Every rank calls it (with ZeRO-1 the shards are gathered on rank 0); rank 0 writes `file`.
 void write_optimizer_state(ModelParameters& params, Arena& arena, Communicator& comm,
