@@ -222,7 +222,8 @@ TEST(Generator, ABfloat16ModelsPrefillTakesBfloat16ProductsAsTheReferenceDoes) {
   if (!products) {
     EXPECT_EQ(cpu, float32);
     const testing_support::Difference d = testing_support::difference(cpu, last_logits("reference", DType::F32));
-    EXPECT_TRUE(d.ok() && d.worst < 1e-6 * d.scale) << d.describe();
+    // float32 against float64 sums: 1.6e-6 of the largest logit measured (the sanitizer build).
+    EXPECT_TRUE(d.ok() && d.worst < 5e-6 * d.scale) << d.describe();
     return;
   }
   const std::vector<float> reference = last_logits("reference", DType::BF16);
