@@ -19,6 +19,10 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 # A failure names the step it happened in (each command's own message comes before it).
 step="starting"
+section() {  # section TITLE: prints the step's heading and names it for a failure
+  step="step $1"
+  echo "== $1"
+}
 trap 'status=$?; ((status == 0)) || echo "demo.sh: failed (exit status $status) while $step" >&2' EXIT
 quick="${MEMTUNE_DEMO_QUICK:-0}"
 out="${MEMTUNE_DEMO_OUT:-$root/out/demo}"
@@ -67,14 +71,12 @@ system="Classify the Debian package by its section."
 budget=384MiB       # the device part (the arena)
 host_budget=640MiB  # the whole process
 
-step="step 1. a 20M-parameter Qwen2 with the Qwen2.5 vocabulary (151936 tokens) and tokenizer"
-echo "== 1. a 20M-parameter Qwen2 with the Qwen2.5 vocabulary (151936 tokens) and tokenizer"
+section "1. a 20M-parameter Qwen2 with the Qwen2.5 vocabulary (151936 tokens) and tokenizer"
 model="$out/model"
 "$root/scripts/demo-model.sh" "$memtune" "$tokenizer" "$model"
 
 echo
-step="step 2. the data: Debian package descriptions labelled with their section ($data)"
-echo "== 2. the data: Debian package descriptions labelled with their section ($data)"
+section "2. the data: Debian package descriptions labelled with their section ($data)"
 "$memtune" data stats --tokenizer "$model" --file "$data/train.jsonl" --system "$system" --max_length 256 |
   grep -v '^  \['
 "$memtune" data stats --tokenizer "$model" --file "$eval_file" --system "$system" | grep -E '^(/|labels|majority)'
@@ -82,8 +84,7 @@ baseline="$("$memtune" data stats --tokenizer "$model" --file "$eval_file" --sys
   "$py" -c 'import json, sys; print(json.load(sys.stdin)["majority_baseline"])')"
 
 echo
-step="step 3. the plan for this run against $budget (arena) and $host_budget (process), and the fastest configuration that fits"
-echo "== 3. the plan for this run against $budget (arena) and $host_budget (process), and the fastest configuration that fits"
+section "3. the plan for this run against $budget (arena) and $host_budget (process), and the fastest configuration that fits"
 plan_flags=(--model "$model" --tuner_type full --per_device_train_batch_size 16 --per_device_eval_batch_size 8
   --max_length 256 --train_file "$data/train.jsonl" --eval_file "$eval_file" --metrics label_accuracy,macro_f1
   --eval_strategy steps --system "$system" --device_memory "$budget" --host_memory "$host_budget")
@@ -93,8 +94,7 @@ read -r -a fit_flags <<< "$("$memtune" plan "${plan_flags[@]}" --fit --json |
 echo "training with: ${fit_flags[*]}"
 
 echo
-step="step 4. training (full fine-tuning), evaluating label accuracy every $eval_every steps"
-echo "== 4. training (full fine-tuning), evaluating label accuracy every $eval_every steps"
+section "4. training (full fine-tuning), evaluating label accuracy every $eval_every steps"
 run_once "$out/run/.done" "$memtune" train --model_name_or_path "$model" --train_file "$data/train.jsonl" \
   --eval_file "$eval_file" --output_dir "$out/run" --tuner_type full "${steps[@]}" "${fit_flags[@]}" \
   --per_device_eval_batch_size 8 --learning_rate 2e-3 --lr_scheduler_type cosine --warmup_ratio 0.05 \
@@ -103,8 +103,7 @@ run_once "$out/run/.done" "$memtune" train --model_name_or_path "$model" --train
   --overwrite_output_dir
 
 echo
-step="step 5. evaluation of the trained model"
-echo "== 5. evaluation of the trained model ($(wc -l < "$eval_file") examples, every label scored)"
+section "5. evaluation of the trained model ($(wc -l < "$eval_file") examples, every label scored)"
 run_once "$out/eval/.done" "$memtune" eval --model_name_or_path "$out/run" --eval_file "$eval_file" \
   --metrics label_accuracy,macro_f1 --system "$system" --max_length 256 --output_dir "$out/eval"
 "$py" - "$out/eval/eval_results.json" "$baseline" "$out/run/memory.json" "$budget" "$host_budget" <<'PY'
@@ -121,8 +120,7 @@ assert results["label_accuracy"] > 2 * baseline, "the trained model is not clear
 PY
 
 echo
-step="step 6. a real-size plan: Qwen2.5-7B LoRA r=8, bfloat16, max_length 2048, micro-batch 1 x accumulation 16"
-echo "== 6. a real-size plan: Qwen2.5-7B LoRA r=8, bfloat16, max_length 2048, micro-batch 1 x accumulation 16"
+section "6. a real-size plan: Qwen2.5-7B LoRA r=8, bfloat16, max_length 2048, micro-batch 1 x accumulation 16"
 for ckpt in "" --gradient_checkpointing; do
   echo "-- ${ckpt:-without gradient checkpointing}"
   "$memtune" plan --preset qwen2.5-7b --tuner_type lora --lora_rank 8 --bf16 --max_length 2048 \
@@ -132,8 +130,7 @@ done
 
 if [[ "$quick" != 1 ]]; then
   echo
-  step="step 7. the numbers: loss and every gradient of a batch against the PyTorch reference"
-  echo "== 7. the numbers: loss and every gradient of a batch against the PyTorch reference"
+  section "7. the numbers: loss and every gradient of a batch against the PyTorch reference"
   "$py" - "$out/batch.json" <<'PY'
 import json, random, sys
 rng = random.Random(0)

@@ -36,7 +36,7 @@ mounted_under() { grep -q " $1" /proc/mounts; }
 
 # run_in FS LOG SCRIPT [OVERLAY_DIR REPO]: SCRIPT (bash) in the root FS, as root, with a bare
 # environment, in new mount and PID namespaces (every mount vanishes with them); its output goes
-# to LOG and to stdout. With OVERLAY_DIR, FS is the lower layer of an overlay whose upper layer is
+# to LOG. With OVERLAY_DIR, FS is the lower layer of an overlay whose upper layer is
 # OVERLAY_DIR/upper, and REPO is cloned into it at /root/memtune first.
 run_in() {
   unshare --mount --pid --fork --kill-child bash -c '
@@ -58,7 +58,7 @@ run_in() {
     fi
     exec chroot "$fs" /usr/bin/env -i PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
       HOME=/root LANG=C.UTF-8 TERM=dumb "${trust[@]}" /bin/bash -c "$script"
-  ' _ "$1" "$3" "${4:-}" "${5:-}" "$network_ca" 2>&1 | tee "$2"
+  ' _ "$1" "$3" "${4:-}" "${5:-}" "$network_ca" > "$2" 2>&1
 }
 
 # The network's own certificate authority where this machine's traffic to PyPI and npm passes a
@@ -92,7 +92,7 @@ EOF
   t0=$SECONDS
   mkdir -p "$base/fs/tmp/deps"
   cp "$root/scripts/install-deps.sh" "$base/fs/tmp/deps/"
-  run_in "$base/fs" "$work/install-deps.log" "/tmp/deps/install-deps.sh" > /dev/null ||
+  run_in "$base/fs" "$work/install-deps.log" "/tmp/deps/install-deps.sh" ||
     { tail -n 30 "$work/install-deps.log" >&2; echo "fresh-root-check: install-deps.sh failed in the new root" >&2; exit 1; }
   rm -rf "$base/fs/tmp/deps" "$base/fs/var/cache/apt/archives/"*.deb
   echo "install-deps.sh: $((SECONDS - t0)) s"
@@ -118,7 +118,7 @@ echo "== scripts/test.sh --build-only"
 t=$SECONDS
 scripts/test.sh --build-only
 echo "test.sh --build-only: $((SECONDS - t)) s"'
-if ! run_in "$base/fs" "$work/commands.log" "$commands" "$run_dir" "$root" > /dev/null; then
+if ! run_in "$base/fs" "$work/commands.log" "$commands" "$run_dir" "$root"; then
   tail -n 60 "$work/commands.log" >&2
   echo "fresh-root-check: the README's commands failed in the fresh root ($work/commands.log)" >&2
   exit 1
