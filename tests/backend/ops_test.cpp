@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdlib>
 #include <functional>
 #include <map>
 #include <memory>
@@ -639,7 +640,11 @@ struct HeadWorkspace {
 // the loss's gradient are rounded, and the head's float32 gradient is accumulated.
 void check_lm_head(DType weight_dtype, float label_smoothing, int64_t V = 11, DType operands = DType::F32) {
   const int64_t N = 7, D = 6, chunk = 3, slice = 4;
-  const std::vector<int32_t> targets = {2, kIgnoreIndex, 10, 0, kIgnoreIndex, 7, 7};
+  // Over a vocabulary of several loss pieces (8192 columns on vulkan), targets in each of them.
+  const std::vector<int32_t> targets = V > 16384
+                                           ? std::vector<int32_t>{2, kIgnoreIndex, static_cast<int32_t>(V - 1), 0,
+                                                                  kIgnoreIndex, 8192, 8192}
+                                           : std::vector<int32_t>{2, kIgnoreIndex, 10, 0, kIgnoreIndex, 7, 7};
   Input weight = f32_input("weight", {V, D}, 18, weight_dtype == DType::F32 || operands != DType::F32);
   weight.dtype = weight_dtype;
   const auto loss = std::make_shared<CrossEntropyLoss>(label_smoothing);
@@ -737,9 +742,14 @@ class DoubledCrossEntropy final : public ChunkLoss {
 };
 
 // V = 20000 puts the tie in another piece of the vulkan backend's split rows (tie column 17001).
-void check_observers(int64_t V, int64_t tie) {
+// With `gradient`, the call also computes d(hidden) (the loss's gradient written over each chunk's
+// logits) and the targets lie in every piece: the losses and stats must not change.
+void check_observers(int64_t V, int64_t tie, bool gradient = false) {
   const int64_t N = 9, D = 5, chunk = 4;
-  const std::vector<int32_t> targets = {3, kIgnoreIndex, 12, 0, 9, kIgnoreIndex, 7, 7, 1};
+  const std::vector<int32_t> targets =
+      gradient ? std::vector<int32_t>{3, kIgnoreIndex, static_cast<int32_t>(V - 1), 0, 8197, kIgnoreIndex,
+                                      static_cast<int32_t>(tie), 7, 1}
+               : std::vector<int32_t>{3, kIgnoreIndex, 12, 0, 9, kIgnoreIndex, 7, 7, 1};
   std::vector<float> hidden = randn(N * D, 41), weight = randn(V * D, 42);
   // Quarters: every product and partial sum is exact in float32, so the logits are the same in
   // any summation order and ties are ties on every backend. Rows 6 and 7 share a hidden vector
@@ -785,6 +795,7 @@ void check_observers(int64_t V, int64_t tie) {
         a.loss = custom_loss ? static_cast<const ChunkLoss*>(&doubled) : &plain;
         a.observer = &rec;
         a.host_targets = targets;
+        if (gradient) a.dhidden = ws.make(DType::F32, {N, D});
         const LossSum loss = be.lm_head_loss(a);
         const size_t M = want_positions.size();
         ASSERT_EQ(loss.count, static_cast<int64_t>(M));
@@ -824,6 +835,17 @@ void check_observers(int64_t V, int64_t tie) {
 }
 TEST(BackendOps, LmHeadObserversGetRowStatsAndLogits) { check_observers(13, 9); }
 TEST(BackendOps, LmHeadObserversGetRowStatsOverAVocabularyOfSeveralPieces) { check_observers(20000, 17001); }
+// The vulkan backend's debug ordering (MEMTUNE_VULKAN_TARGET_PIECE_FIRST=1) runs the loss's second
+// pass for the pieces holding their row's target before the others: a pass that read z_t from the
+// logits, whose target column that piece overwrites with its gradient, gets the losses and the
+// target logits wrong in this order (other backends ignore the variable). With and without it,
+// a call that computes the gradient gets the losses and stats of one that does not.
+TEST(BackendOps, LmHeadLossAndStatsBesideTheGradient) { check_observers(20000, 17001, /*gradient=*/true); }
+TEST(BackendOps, LmHeadLossWithTheTargetsPiecesRunFirst) {
+  ASSERT_EQ(setenv("MEMTUNE_VULKAN_TARGET_PIECE_FIRST", "1", 1), 0);
+  check_observers(20000, 17001, /*gradient=*/true);
+  unsetenv("MEMTUNE_VULKAN_TARGET_PIECE_FIRST");
+}
 
 TEST(BackendOps, ScaleAndSumSquares) {
   const int64_t n = 50;

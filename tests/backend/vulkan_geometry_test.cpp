@@ -30,9 +30,12 @@ using Dispatches = std::vector<VulkanDispatch>;
 struct Model {
   std::string name;
   int64_t D, I, Hq, Hkv, hd, V, L;
+  bool qk_norm = false;  // Qwen3: RMSNorm over each head of q and k, before RoPE
 };
 const Model kQwen05B{"Qwen2.5-0.5B", 896, 4864, 14, 2, 64, 151936, 24};
 const Model kQwen7B{"Qwen2.5-7B", 3584, 18944, 28, 4, 128, 152064, 28};
+const Model kQwen72B{"Qwen2.5-72B", 8192, 29568, 64, 8, 128, 152064, 80};
+const Model kQwen3_06B{"Qwen3-0.6B", 1024, 3072, 16, 8, 128, 151936, 28, true};
 
 struct Training {
   int64_t tokens = 0, sequences = 1, lora_rank = 0;  // rank 0: full fine-tuning
@@ -95,6 +98,10 @@ void layer_forward(Dispatches& d, const Model& m, const Training& t, int64_t N, 
   const Layer l = layer_of(m);
   add(d, g::rmsnorm(N, m.D, false));
   for (const Linear& x : {l.q, l.k, l.v}) linear_forward(d, t, N, x);
+  if (m.qk_norm) {
+    add(d, g::rmsnorm(N * m.Hq, m.hd, false));
+    add(d, g::rmsnorm(N * m.Hkv, m.hd, false));
+  }
   add(d, g::elementwise("rope", N * m.Hq * m.hd / 2, 16, 6));
   add(d, g::elementwise("rope", N * m.Hkv * m.hd / 2, 16, 6));
   add(d, attention);
@@ -126,6 +133,11 @@ void layer_backward(Dispatches& d, const Model& m, const Training& t) {
   add(d, g::attention_backward_dkv(a));
   add(d, g::elementwise("rope", N * m.Hq * m.hd / 2, 16, 6));
   add(d, g::elementwise("rope", N * m.Hkv * m.hd / 2, 16, 6));
+  if (m.qk_norm)
+    for (const int64_t heads : {m.Hq, m.Hkv}) {
+      add(d, g::per_row("rmsnorm_backward", N * heads, m.hd, 12, 6));
+      if (norms) add(d, g::column_sums(N * heads, m.hd, 8, g::kScratchFloats));
+    }
   for (const Linear& x : {l.q, l.k, l.v}) linear_backward(d, t, N, x);
   add(d, g::per_row("rmsnorm_backward", N, m.D, 12, 6));
   if (norms) add(d, g::column_sums(N, m.D, 8, g::kScratchFloats));
@@ -180,8 +192,9 @@ Dispatches training_step(const Model& m, const Training& t) {
 }
 
 // One decode step: `batch` sequences, one new token each, at `context` tokens (16-bit weights
-// read as stored up to 16 rows, widened beyond), then the last rows' logits and sampling.
-Dispatches decode_step(const Model& m, int64_t batch, int64_t context, DType weights) {
+// read as stored up to 16 rows, widened beyond), then the last rows' logits and sampling; or,
+// with `prefill`, one sequence's `batch` prompt tokens at once, the last one's logits sampled.
+Dispatches decode_step(const Model& m, int64_t batch, int64_t context, DType weights, bool prefill = false) {
   Dispatches d;
   const Training t{.tokens = batch, .weights = weights};
   add(d, g::elementwise("embedding", batch * m.D, 4 + dtype_size(weights), 0));
@@ -195,10 +208,11 @@ Dispatches decode_step(const Model& m, int64_t batch, int64_t context, DType wei
                                      .cache = weights},
                                     g::kScratchFloats));
   for (int64_t i = 0; i < m.L; ++i) layer_forward(d, m, t, batch, attention);
-  add(d, g::elementwise("gather_rows", batch * m.D, 8, 0));
-  add(d, g::rmsnorm(batch, m.D, false));
-  linear_forward(d, t, batch, {m.D, m.V, false});
-  add(d, g::per_row("sample", batch, m.V, 8, 4));
+  const int64_t sampled = prefill ? 1 : batch;
+  add(d, g::elementwise("gather_rows", sampled * m.D, 8, 0));
+  add(d, g::rmsnorm(sampled, m.D, false));
+  linear_forward(d, Training{.tokens = sampled, .weights = weights}, sampled, {m.D, m.V, false});
+  add(d, g::sample(sampled, m.V));
   return d;
 }
 
@@ -213,6 +227,33 @@ std::vector<Case> real_cases() {
            training_step(kQwen7B, {.tokens = 2048, .lora_rank = 16, .checkpointing = true, .weights = DType::BF16})},
           {"Qwen2.5-7B decode, batch 1, 4096-token context, bf16", decode_step(kQwen7B, 1, 4096, DType::BF16)},
           {"Qwen2.5-7B decode, batch 32, 4096-token context, bf16", decode_step(kQwen7B, 32, 4096, DType::BF16)}};
+}
+
+// Shapes at the edge of one dispatch's grid (65,535 workgroups along each dimension): Qwen3's
+// per-head norms at 4,096 tokens x 16 heads (65,536 rows), and what plans for a 72B model make.
+std::vector<Case> grid_cases() {
+  return {{"Qwen3-0.6B full fine-tuning, 1 x 4096 tokens", training_step(kQwen3_06B, {.tokens = 4096})},
+          {"Qwen2.5-72B LoRA r16, 8 x 4096 tokens, checkpointing, bf16 base",
+           training_step(kQwen72B, {.tokens = 8 * 4096, .sequences = 8, .lora_rank = 16, .checkpointing = true,
+                                    .weights = DType::BF16})},
+          {"Qwen2.5-72B prefill of 131072 tokens, bf16", decode_step(kQwen72B, 131072, 131072, DType::BF16, true)},
+          {"Qwen2.5-72B decode, batch 256, 32768-token context, bf16", decode_step(kQwen72B, 256, 32768, DType::BF16)}};
+}
+
+TEST(VulkanGeometry, EveryDispatchOfRealModelsFitsTheGrid) {
+  std::vector<Case> cases = real_cases();
+  for (Case& c : grid_cases()) cases.push_back(std::move(c));
+  int64_t at_the_limit = 0;  // dispatches whose rows go beyond one dimension (the check is not vacuous)
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    for (const VulkanDispatch& d : c.dispatches) {
+      EXPECT_LE(d.x, g::kMaxGroups) << d.shader;
+      EXPECT_LE(d.y, g::kMaxGroups) << d.shader;
+      EXPECT_LE(d.z, g::kMaxGroups) << d.shader;
+      at_the_limit += d.x == g::kMaxGroups || d.y == g::kMaxGroups;
+    }
+  }
+  EXPECT_GT(at_the_limit, 0);
 }
 
 bool real_work(const VulkanDispatch& d) { return d.flops > 1e9 || d.bytes > 64.0 * (1 << 20); }

@@ -780,6 +780,62 @@ TEST_F(VulkanOps, PagedAttentionSplitOverALongContextEqualsTheReference) {
   }
 }
 
+// More rows than one grid dimension takes (65,535 workgroups: Qwen3's per-head q/k norm at 4,096
+// tokens x 16 heads has 65,536): the norm's rows beyond the grid are walked by the same
+// workgroups, paged attention's query rows continue over z; every row equals the reference.
+// 65,600 rows of 8 (the norms); 4,100 sequences of 16 new tokens each, one block apiece, head
+// dimension 64 (attention).
+TEST_F(VulkanOps, RowsBeyondOneGridDimensionAreAllComputed) {
+  const int64_t N = 65600, C = 8;
+  ASSERT_EQ(vulkan_geometry::rmsnorm(N, C, false).x, vulkan_geometry::kMaxGroups);
+  const std::vector<float> x = randn(N * C, 51), w = randn(C, 52), dy = randn(N * C, 53), add = randn(N * C, 54);
+  auto norms = [&](Backend& be) {
+    const Tensor tx = make(be, DType::F32, {N, C}, x), tw = make(be, DType::F32, {C}, w),
+                 out = make(be, DType::F32, {N, C}), rstd = make(be, DType::F32, {N}),
+                 tdy = make(be, DType::F32, {N, C}, dy), dx = make(be, DType::F32, {N, C}, add),
+                 dw = make(be, DType::F32, {C}), res = make(be, DType::F32, {N, C}, x),
+                 tadd = make(be, DType::F32, {N, C}, add), normed = make(be, DType::F32, {N, C}),
+                 rstd_res = make(be, DType::F32, {N});
+    be.rmsnorm_forward(out, rstd, tx, tw, 1e-6f);
+    be.rmsnorm_backward(dx, dw, tdy, tx, tw, rstd);
+    be.add_rmsnorm_forward(normed, rstd_res, res, tadd, tw, 1e-6f);
+    return std::vector{download_f32(be, out), download_f32(be, rstd), download_f32(be, dx), download_f32(be, dw),
+                       download_f32(be, res), download_f32(be, normed), download_f32(be, rstd_res)};
+  };
+  const auto got = norms(vk()), want = norms(ref());
+  for (size_t i = 0; i < got.size(); ++i) {
+    SCOPED_TRACE(fmt::format("norm output {}", i));
+    expect_close(got[i], want[i], i == 3 ? 1e-4f : 2e-5f);  // dw: a sum over 65,600 rows
+  }
+
+  const int64_t block = 16, S = 4100, Q = S * block, hd = 64;
+  const vulkan_geometry::PagedAttention shape{.rows = Q, .q_heads = 1, .kv_heads = 1, .head_dim = hd, .max_context = block};
+  const VulkanDispatch paged = vulkan_geometry::paged_attention(shape, vulkan_geometry::kScratchFloats).at(0);
+  ASSERT_EQ(paged.y, vulkan_geometry::kMaxGroups);
+  ASSERT_EQ(paged.z, 2u);
+  std::vector<int32_t> tables(S), slots(Q), cu(S + 1), context(S, static_cast<int32_t>(block));
+  for (int32_t s = 0; s < S; ++s) {
+    tables[s] = static_cast<int32_t>(S - 1 - s);  // scattered: from the top of the cache
+    cu[s + 1] = static_cast<int32_t>((s + 1) * block);
+    for (int32_t j = 0; j < block; ++j) slots[s * block + j] = tables[s] * static_cast<int32_t>(block) + j;
+  }
+  const std::vector<float> q = randn(Q * hd, 55), k = randn(Q * hd, 56), v = randn(Q * hd, 57);
+  auto attention = [&](Backend& be) {
+    std::vector<std::tuple<Backend*, void*, size_t>> held;
+    const Tensor tq = make(be, DType::F32, {Q, hd}, q), tk = make(be, DType::F32, {Q, hd}, k),
+                 tv = make(be, DType::F32, {Q, hd}, v), kc = make(be, DType::F32, {Q, hd}),
+                 vc = make(be, DType::F32, {Q, hd}), out = make(be, DType::F32, {Q, hd});
+    const Tensor tslots = ints_on(be, held, slots, {Q}), ttables = ints_on(be, held, tables, {S, 1}),
+                 tcu = ints_on(be, held, cu, {S + 1}), tctx = ints_on(be, held, context, {S});
+    be.kv_cache_write(kc, vc, tk, tv, tslots);
+    be.paged_attention_forward(out, tq, kc, vc, ttables, tcu, tctx, hd, block);
+    auto r = download_f32(be, out);
+    for (auto [b, p, n] : held) b->deallocate(p, n);
+    return r;
+  };
+  expect_close(attention(vk()), attention(ref()), 2e-5f);
+}
+
 // Products large enough for gemm.comp's bigger tiles (smaller ones take 32 x 32 to give the
 // device more workgroups), for every weight dtype: 1536 x 1472 outputs over K = 20 take 64 x 64
 // tiles, 2945 x 2689 over K = 24 take 128 x 128 with a ragged edge each way (float32 and

@@ -61,10 +61,14 @@ VulkanDispatch multi_tensor(const char* shader, uint64_t total, double bytes_per
 
 VulkanDispatch per_row(const char* shader, int64_t rows, int64_t cols, double bytes_per_element,
                        double flops_per_element) {
-  MT_ASSERT(rows <= kMaxGroups, "vulkan: more rows than one dispatch takes");
   const double n = static_cast<double>(rows) * static_cast<double>(cols);
-  return {.shader = shader, .constants = {}, .x = static_cast<uint32_t>(std::max<int64_t>(rows, 1)),
+  return {.shader = shader, .constants = {}, .x = static_cast<uint32_t>(std::clamp<int64_t>(rows, 1, kMaxGroups)),
           .flops = flops_per_element * n, .bytes = bytes_per_element * n};
+}
+
+VulkanDispatch sample(int64_t rows, int64_t vocab) {
+  MT_ASSERT(rows <= kMaxGroups, "vulkan: more rows to sample than one dispatch takes");
+  return per_row("sample", rows, vocab, 8, 4);
 }
 
 VulkanDispatch rmsnorm(int64_t rows, int64_t cols, bool add) {
@@ -112,7 +116,7 @@ VulkanDispatch quantized_matmul(int64_t rows, int64_t inner, int64_t outputs, in
 }
 
 uint32_t cross_entropy_pieces(int64_t rows, int64_t vocab, int64_t scratch_floats) {
-  const int64_t fit = scratch_floats / (5 * std::max<int64_t>(rows, 1));
+  const int64_t fit = scratch_floats / (kCrossEntropyPartials * std::max<int64_t>(rows, 1));
   MT_ASSERT(fit >= 1, "vulkan: more logits rows than the cross-entropy scratch holds");
   return static_cast<uint32_t>(std::clamp<int64_t>((vocab + kCrossEntropyPiece - 1) / kCrossEntropyPiece, 1, fit));
 }
@@ -247,13 +251,14 @@ std::vector<VulkanDispatch> paged_attention(const PagedAttention& a, int64_t scr
   const PagedSplit s = paged_split(a, scratch_floats);
   const double hd = static_cast<double>(a.head_dim), rows = static_cast<double>(a.rows);
   const double context = static_cast<double>(a.context > 0 ? a.context : a.max_context);
-  MT_ASSERT(a.rows <= kMaxGroups && uint64_t{s.splits} * a.q_heads <= kMaxGroups,
-            "vulkan: more query rows than one paged attention dispatch takes");
+  MT_ASSERT(uint64_t{s.splits} * a.q_heads <= kMaxGroups, "vulkan: more heads x splits than one dispatch takes");
+  const auto y = static_cast<uint32_t>(std::clamp<int64_t>(a.rows, 1, kMaxGroups));  // rows beyond: over z
   std::vector<VulkanDispatch> d{
       {.shader = "paged_attention",
        .constants = {static_cast<uint32_t>(a.head_dim), t.lanes, t.tile, t.threads, dtype_code(a.cache)},
        .x = static_cast<uint32_t>(a.q_heads) * s.splits,
-       .y = static_cast<uint32_t>(a.rows),
+       .y = y,
+       .z = ceil_div(std::max<int64_t>(a.rows, 1), y),
        .flops = 4 * rows * static_cast<double>(a.q_heads) * context * hd,
        // Each row's keys and values (a row per sequence when decoding), q and out.
        .bytes = rows * (context * static_cast<double>(a.kv_heads) * hd * 2 * static_cast<double>(dtype_size(a.cache)) +

@@ -44,9 +44,12 @@ VulkanDispatch elementwise(const char* shader, int64_t n, double bytes_per_eleme
 // tensors: a workgroup per chunk of 4096 elements, at most max_groups (then each takes several).
 VulkanDispatch multi_tensor(const char* shader, uint64_t total, double bytes_per_element, double flops_per_element,
                             uint32_t max_groups);
-// A shader with one workgroup per row (rmsnorm, cross_entropy, sample).
+// A shader with one workgroup per row (rmsnorm, rmsnorm_backward, loss_sum, step_decision), at
+// most kMaxGroups of them: the shader walks the rows beyond the grid.
 VulkanDispatch per_row(const char* shader, int64_t rows, int64_t cols, double bytes_per_element,
                        double flops_per_element = 2);
+// sample.comp: one workgroup per row of logits (no loop: at most kMaxGroups rows).
+VulkanDispatch sample(int64_t rows, int64_t vocab);
 
 // rmsnorm.comp over `rows` rows of `cols`: a workgroup per row; with the residual add before it
 // (`add`), the row and the addend read, the sum written back, then normalized.
@@ -93,8 +96,8 @@ VulkanDispatch quantized_matmul(int64_t rows, int64_t inner, int64_t outputs, in
 
 // Cross-entropy over a logits chunk of `rows` x `vocab` (cross_entropy_partials.comp, then
 // cross_entropy.comp): rows split into pieces of kCrossEntropyPiece columns, a workgroup per
-// (piece, row) in each pass, five partials per (row, piece) in a scratch of `scratch_floats`.
-constexpr int64_t kCrossEntropyPiece = 8192;
+// (piece, row) in each pass, kCrossEntropyPartials per (row, piece) in a scratch of `scratch_floats`.
+constexpr int64_t kCrossEntropyPiece = 8192, kCrossEntropyPartials = 6;
 uint32_t cross_entropy_pieces(int64_t rows, int64_t vocab, int64_t scratch_floats);
 std::vector<VulkanDispatch> cross_entropy(int64_t rows, int64_t vocab, int64_t scratch_floats);
 

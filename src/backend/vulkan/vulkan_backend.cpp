@@ -7,10 +7,12 @@
 #include <bit>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -33,6 +35,13 @@ uint64_t address(const void* p) {
 uint32_t u32(int64_t v) {
   MT_ASSERT(v >= 0 && v <= static_cast<int64_t>(UINT32_MAX), "vulkan: a size beyond 32 bits");
   return static_cast<uint32_t>(v);
+}
+
+// MEMTUNE_VULKAN_TARGET_PIECE_FIRST=1 (a test's debug ordering): the loss's second pass runs the
+// pieces holding their row's target first, then the others, in two dispatches.
+bool target_piece_first() {
+  const char* v = std::getenv("MEMTUNE_VULKAN_TARGET_PIECE_FIRST");
+  return v && std::string_view(v) == "1";
 }
 
 std::optional<VulkanDeviceProfile>& absent_device() {
@@ -286,7 +295,7 @@ class VulkanBackend final : public Backend {
       uint64_t logits, rows, tokens;
       uint32_t V;
     } push{address(a.logits), address(a.device_rows), address(a.device_tokens), u32(V)};
-    ctx().dispatch(vulkan_geometry::per_row("sample", R, V, 8, 4), push);
+    ctx().dispatch(vulkan_geometry::sample(R, V), push);
     ctx().download(a.tokens.data(), address(a.device_tokens), static_cast<size_t>(R) * sizeof(int32_t));
   }
 
@@ -508,6 +517,11 @@ class VulkanBackend final : public Backend {
                pieces,
                flags,
                cross_entropy ? cross_entropy->label_smoothing() : 0.0f};
+        if (target_piece_first()) {  // the order that exposes a read of the target's overwritten column
+          push.flags = flags | 8u;
+          ctx().dispatch(passes[1], push);
+          push.flags = flags | 16u;
+        }
         ctx().dispatch(passes[1], push);
       }
       if (logits_to_host) {
@@ -702,9 +716,9 @@ class VulkanBackend final : public Backend {
   void rmsnorm(const Tensor& out, const Tensor& rstd, const Tensor& inp, const Tensor& add, const Tensor& w, float eps) {
     struct {
       uint64_t out, rstd, inp, w, add;
-      uint32_t C;
+      uint32_t N, C;
       float eps;
-    } push{address(out), address(rstd), address(inp), address(w), address(add), u32(inp.cols()), eps};
+    } push{address(out), address(rstd), address(inp), address(w), address(add), u32(inp.rows()), u32(inp.cols()), eps};
     ctx().dispatch(vulkan_geometry::rmsnorm(inp.rows(), inp.cols(), static_cast<bool>(add)), push);
   }
   // out[M, Nc] (+)= alpha A @ B (+ bias), A float32 and B float32 or 16-bit, both given by

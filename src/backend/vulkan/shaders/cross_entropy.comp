@@ -8,7 +8,12 @@
 //   flags & 4: the row's RowStats (backend/chunk_loss.h) into stats[4 r ..]: log-sum-exp, z_t,
 //              the first argmax, and the target's rank (higher logits, plus equal ones with a
 //              lower id).
-// The losses and stats are written by the row's first piece.
+// The losses and stats are written by the row's first piece. z_t comes from the first piece's
+// partials, not from the logits: the workgroup holding the target's piece overwrites that column
+// with its gradient while other workgroups of the row may still be reading. flags & 8 runs only
+// the pieces holding their row's target, flags & 16 only the others: the backend's debug ordering
+// (MEMTUNE_VULKAN_TARGET_PIECE_FIRST) dispatches the first, then the second, which is the order
+// that would expose a read of the overwritten column.
 #include "common.glsl"
 layout(local_size_x = 256) in;
 layout(push_constant) uniform Push {
@@ -17,25 +22,27 @@ layout(push_constant) uniform Push {
 } p;
 void main() {
   const uint t = gl_LocalInvocationID.x, piece = gl_WorkGroupID.x, row = gl_WorkGroupID.y;
-  const uint base = row * p.V, target = uint(p.targets.v[p.positions.v[row]]), first = row * p.pieces * 5u;
+  const uint base = row * p.V, target = uint(p.targets.v[p.positions.v[row]]), first = row * p.pieces * 6u;
+  const bool holds_target = target / p.piece == piece;
+  if (((p.flags & 8u) != 0u && !holds_target) || ((p.flags & 16u) != 0u && holds_target)) return;
   float m = -1.0 / 0.0;
   uint arg = 0xffffffffu;
   for (uint i = 0u; i < p.pieces; ++i) {
-    const float mi = p.partials.v[first + 5u * i];
+    const float mi = p.partials.v[first + 6u * i];
     if (mi > m) {  // strictly: the first piece holding the maximum has its first column
       m = mi;
-      arg = floatBitsToUint(p.partials.v[first + 5u * i + 1u]);
+      arg = floatBitsToUint(p.partials.v[first + 6u * i + 1u]);
     }
   }
   float se = 0.0, zs = 0.0;
   uint above = 0u;
   for (uint i = 0u; i < p.pieces; ++i) {
-    const uint at = first + 5u * i;
+    const uint at = first + 6u * i;
     se += p.partials.v[at + 2u] * exp(p.partials.v[at] - m);
     zs += p.partials.v[at + 3u];
     above += floatBitsToUint(p.partials.v[at + 4u]);
   }
-  const float lse = m + log(se), eps = p.smoothing, zt = p.logits.v[base + target];
+  const float lse = m + log(se), eps = p.smoothing, zt = p.partials.v[first + 5u];
   if (t == 0u && piece == 0u) {
     if ((p.flags & 1u) != 0u) p.losses.v[row] = (1.0 - eps) * (lse - zt) + eps * (lse - zs / float(p.V));
     if ((p.flags & 4u) != 0u) {
@@ -46,7 +53,6 @@ void main() {
     }
   }
   if ((p.flags & 2u) == 0u) return;
-  barrier();  // every invocation has read z_t before the target's piece overwrites its column
   const float shift = eps / float(p.V);
   const uint end = min((piece + 1u) * p.piece, p.V);
   for (uint v = piece * p.piece + t; v < end; v += 256u) {

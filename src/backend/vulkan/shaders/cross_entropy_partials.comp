@@ -1,8 +1,10 @@
 #version 460
 // The first pass of cross_entropy.comp: a workgroup per (piece of `piece` columns, row) of a
-// logits chunk reduces its piece to five numbers in partials[(row * pieces + piece) * 5 ..]: the
-// piece's maximum, the first column holding it, sum exp(z - that maximum), sum z, and how many
-// of its logits rank above the row's target (higher, or equal with a lower id). Shared-memory
+// logits chunk reduces its piece to six numbers in partials[(row * pieces + piece) * 6 ..]: the
+// piece's maximum, the first column holding it, sum exp(z - that maximum), sum z, how many
+// of its logits rank above the row's target (higher, or equal with a lower id), and the target's
+// logit z_t (every piece reads it; the second pass takes it from here, never from the logits,
+// whose target column that pass overwrites). Shared-memory
 // trees over a fixed split: the same sums every run. Rows split into pieces so that a chunk of a
 // few hundred rows of a 150k vocabulary still gives the device thousands of workgroups.
 #include "common.glsl"
@@ -64,10 +66,11 @@ void main() {
     barrier();
   }
   if (t != 0u) return;
-  const uint at = (row * p.pieces + piece) * 5u;
+  const uint at = (row * p.pieces + piece) * 6u;
   p.partials.v[at] = m;
   p.partials.v[at + 1u] = uintBitsToFloat(s_arg[0]);
   p.partials.v[at + 2u] = s_sum[0];
   p.partials.v[at + 3u] = s_zsum[0];
   p.partials.v[at + 4u] = uintBitsToFloat(s_above[0]);
+  p.partials.v[at + 5u] = zt;
 }

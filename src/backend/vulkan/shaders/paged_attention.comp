@@ -19,7 +19,10 @@ shared float row_acc[ROWS * HD];
 float cache_at(uint64_t cache, uint i) { return load_f32(cache, CDTYPE, i); }
 void main() {
   const uint id = place(), r = id / LANES, d0 = (id % LANES) * DIMS;
-  const uint h = gl_WorkGroupID.x % p.Hq, split = gl_WorkGroupID.x / p.Hq, t = gl_WorkGroupID.y;
+  const uint h = gl_WorkGroupID.x % p.Hq, split = gl_WorkGroupID.x / p.Hq;
+  // Query rows over y, and z beyond 65,535 of them (the grid's limit per dimension).
+  const uint t = gl_WorkGroupID.z * gl_NumWorkGroups.y + gl_WorkGroupID.y;
+  if (t >= p.N) return;
   const uint s = sequence_of(p.cu, p.S, t), begin = uint(p.cu.v[s]), end = uint(p.cu.v[s + 1u]);
   const uint position = uint(p.context.v[s]) - (end - begin) + (t - begin), g = h / (p.Hq / p.Hkv);
   const uint kvd = p.Hkv * HD, lo = split * p.split_keys, hi = min(lo + p.split_keys, position + 1u);
