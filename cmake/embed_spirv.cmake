@@ -5,19 +5,23 @@ cmake_policy(SET CMP0057 NEW)  # if(... IN_LIST ...)
 string(REPLACE "," ";" SPV "${SPV}")
 # Every shader the backend dispatches by name (`dispatch("NAME"`, `.shader = "NAME"`, or the
 # geometry's `elementwise("NAME"`, `per_row("NAME"`, `multi_tensor("NAME"`, `column_reduction("NAME"`
-# in the files of USES) must exist: a missing one fails the build instead of the first dispatch.
+# in the files of USES) must exist, or be in OPTIONAL: a missing one fails the build instead of the
+# first dispatch.
 set(names "")
 foreach(spv ${SPV})
   get_filename_component(name ${spv} NAME_WE)
   list(APPEND names ${name})
 endforeach()
 string(REPLACE "," ";" USES "${USES}")
+# Shaders a build may leave out (the cooperative-matrix variants without a compiler for them):
+# the backend asks for them only where vulkan_shader(name) has them.
+string(REPLACE "," ";" OPTIONAL "${OPTIONAL}")
 foreach(source ${USES})
   file(READ ${source} text)
   string(REGEX MATCHALL "(dispatch\\(|elementwise\\(|per_row\\(|multi_tensor\\(|column_reduction\\(|\\.shader = )\"[a-z_0-9]+\"" calls "${text}")
   foreach(call ${calls})
     string(REGEX REPLACE ".*\"([a-z_0-9]+)\"" "\\1" name "${call}")
-    if(NOT name IN_LIST names)
+    if(NOT name IN_LIST names AND NOT name IN_LIST OPTIONAL)
       message(FATAL_ERROR "${source} dispatches \"${name}\": there is no src/backend/vulkan/shaders/${name}.comp")
     endif()
   endforeach()

@@ -16,11 +16,16 @@
 # The exit status is 0 only if every stage that ran passed.
 #
 # The GPU machine may have no compiler, no -dev packages, no Vulkan loader and no network:
-#   scripts/device-check.sh --bundle FILE.tar.gz    (here) one compressed archive of at most
-#       48 MiB: memtune and memtune_tests, every shared library they load but glibc's, Debian's
-#       Vulkan loader and glvnd's libGLdispatch (NVIDIA's Vulkan driver loads it), and the
+#   scripts/device-check.sh --bundle FILE.tar.gz [BUILD_DIR]
+#       (here) one compressed archive of at most 48 MiB: memtune and memtune_tests (of build/,
+#       built first, or of BUILD_DIR as they are), every shared library they load but glibc's,
+#       Debian's Vulkan loader and glvnd's libGLdispatch (NVIDIA's Vulkan driver loads it), and the
 #       Qwen2.5 tokenizer. The binaries find their libraries through $ORIGIN (patchelf), and the
 #       tests take the memtune binary from $MEMTUNE_BINARY: nothing refers to this machine's paths.
+#       The C++ runtime (libstdc++, libgcc_s) is kept apart, in lib/cxx-runtime/: the bundle's
+#       `library-path` (scripts/bundle-library-path.sh) prints the library path for memtune's
+#       processes, with that runtime only where the machine's own is missing or older, since a
+#       newer machine's Vulkan driver can need its newer one.
 #   scripts/device-check.sh --from FILE.tar.gz      (there, in a copy of this tree) unpacks it under
 #       out/device-check/bundle and runs the stages with it.
 # Without --from, build/ is built and used. Library paths and the driver manifest are set for
@@ -35,22 +40,29 @@ set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 mode=run archive=""
 case "${1:-}" in
-  --bundle) mode=bundle archive="${2:?--bundle needs an archive name (FILE.tar.gz)}" ;;
+  --bundle) mode=bundle archive="${2:?--bundle needs an archive name (FILE.tar.gz)}" build_dir="${3:-}" ;;
   --from) archive="${2:?--from needs the archive --bundle made}" ;;
   "") ;;
-  *) echo "device-check: unknown argument '$1' (expected --bundle FILE.tar.gz or --from FILE.tar.gz)" >&2; exit 1 ;;
+  *) echo "device-check: unknown argument '$1' (expected --bundle FILE.tar.gz [BUILD_DIR] or --from FILE.tar.gz)" >&2; exit 1 ;;
 esac
 
 if [[ "$mode" == bundle ]]; then
   command -v patchelf > /dev/null || { echo "device-check: --bundle needs patchelf (scripts/install-deps.sh)" >&2; exit 1; }
-  "$root/scripts/build.sh" "$root/build" > /dev/null
+  if [[ -z "$build_dir" ]]; then
+    build_dir="$root/build"
+    "$root/scripts/build.sh" "$build_dir" > /dev/null
+  fi
+  for bin in memtune memtune_tests; do
+    [[ -x "$build_dir/$bin" ]] || { echo "device-check: --bundle: $build_dir/$bin is missing (build it first)" >&2; exit 1; }
+  done
   stage="$(mktemp -d)"
   trap 'rm -rf "$stage"' EXIT
   b="$stage/memtune-bundle"
-  mkdir -p "$b/bin" "$b/lib" "$b/tokenizer"
-  cp "$root/build/memtune" "$root/build/memtune_tests" "$b/bin/"
+  mkdir -p "$b/bin" "$b/lib/cxx-runtime" "$b/tokenizer"
+  cp "$build_dir/memtune" "$build_dir/memtune_tests" "$b/bin/"
+  cp "$root/scripts/bundle-library-path.sh" "$b/library-path"
   libs=()
-  for bin in "$root/build/memtune" "$root/build/memtune_tests"; do
+  for bin in "$build_dir/memtune" "$build_dir/memtune_tests"; do
     while read -r lib; do libs+=("$lib"); done < <(ldd "$bin" | awk '/=> \// {print $3}')
   done
   # Debian's Vulkan loader (the GPU machine may have none) and glvnd's dispatch library.
@@ -63,14 +75,16 @@ if [[ "$mode" == bundle ]]; then
   for lib in "${libs[@]}"; do
     case "$(basename "$lib")" in
       libc.so*|libm.so*|libpthread.so*|libdl.so*|librt.so*|ld-linux*|libresolv.so*) ;;  # glibc's
+      libstdc++.so*|libgcc_s.so*) cp -L "$lib" "$b/lib/cxx-runtime/$(basename "$lib")" ;;
       *) cp -L "$lib" "$b/lib/$(basename "$lib")" ;;
     esac
   done
-  # Every binary and library looks in the bundle's lib/ first, wherever the bundle is unpacked.
+  # Every binary and library looks in the bundle's lib/ first, wherever the bundle is unpacked;
+  # none looks in lib/cxx-runtime/ (library-path adds it where the machine needs it).
   for f in "$b/bin/"*; do patchelf --set-rpath '$ORIGIN/../lib' "$f"; done
-  for f in "$b/lib/"*; do patchelf --set-rpath '$ORIGIN' "$f"; done
-  strip --strip-unneeded "$b/bin/"* "$b/lib/"* 2> /dev/null || true
-  cp "$("$root/scripts/prepare-tokenizer.sh" | tail -n 1)"/tokenizer*.json "$b/tokenizer/"
+  for f in "$b/lib/"*.so* "$b/lib/cxx-runtime/"*; do patchelf --set-rpath '$ORIGIN' "$f"; done
+  strip --strip-unneeded "$b/bin/"* "$b/lib/"*.so* "$b/lib/cxx-runtime/"* 2> /dev/null || true
+  cp "${MEMTUNE_TOKENIZER_DIR:-$("$root/scripts/prepare-tokenizer.sh" | tail -n 1)}"/tokenizer*.json "$b/tokenizer/"
   git -C "$root" rev-parse --short=10 HEAD > "$b/COMMIT" 2> /dev/null || echo unknown > "$b/COMMIT"
   mkdir -p "$(dirname "$archive")"
   tar -C "$stage" -czf "$archive.tmp" memtune-bundle
@@ -81,7 +95,7 @@ if [[ "$mode" == bundle ]]; then
     exit 1
   fi
   mv "$archive.tmp" "$archive"
-  echo "device-check: wrote $archive ($((size / 1048576)) MiB, $(ls "$b/lib" | wc -l) libraries)"
+  echo "device-check: wrote $archive ($((size / 1048576)) MiB, $(find "$b/lib" -type f | wc -l) libraries)"
   exit 0
 fi
 
@@ -105,9 +119,12 @@ driver_files="${VK_DRIVER_FILES:-${VK_ICD_FILENAMES:-}}"
 
 # memtune's processes (and only they) run with the bundle's libraries first (what the driver
 # loads, libGLdispatch, is found there too: a RUNPATH does not reach a dlopen'ed driver's own
-# dependencies) and the driver manifest that was found.
-library_path="${bundle:+$bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}"
-library_path="${library_path:-${LD_LIBRARY_PATH:-}}"
+# dependencies), the bundle's C++ runtime where this machine's is missing or older (the bundle's
+# library-path says which), and the driver manifest that was found.
+library_path="${LD_LIBRARY_PATH:-}"
+if [[ -n "${bundle:-}" ]]; then
+  library_path="$("$bundle/library-path")${library_path:+:$library_path}"
+fi
 with_driver() {
   local vars=(MEMTUNE_BINARY="$memtune_bin" MEMTUNE_TOKENIZER_DIR="$tokenizer" LD_LIBRARY_PATH="$library_path")
   [[ -n "$driver_files" ]] && vars+=(VK_DRIVER_FILES="$driver_files" VK_ICD_FILENAMES="$driver_files")

@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
-# Runs every test: installs dependencies, prepares the real Qwen2.5 tokenizer, builds (release),
-# runs the whole ctest suite including the comparisons with the PyTorch reference and the
-# JavaScript tokenizer, then builds with AddressSanitizer + UndefinedBehaviorSanitizer and runs
-# the unit tests again, runs a short libFuzzer run of every input reader, and ends by proving the
-# README's two commands in a minimal Debian 12 root made from nothing (scripts/fresh-root-check.sh).
+# Runs every test: installs dependencies, prepares the real Qwen2.5 tokenizer, builds (release; the
+# vulkan backend's cooperative-matrix shaders compiled by the glslc of a Debian sid root kept in
+# the cache, scripts/coopmat-root.sh), runs the whole ctest suite including the comparisons with
+# the PyTorch reference and the JavaScript tokenizer, runs the vulkan tests again in that root,
+# whose lavapipe has cooperative matrices (the tests that need them run only there), then builds
+# with AddressSanitizer + UndefinedBehaviorSanitizer and runs the unit tests again, runs a short
+# libFuzzer run of every input reader, and ends by proving the README's two commands in a minimal
+# Debian 12 root made from nothing (scripts/fresh-root-check.sh). The two roots need root: as
+# another user, those steps run through sudo.
 #
 #   scripts/test.sh               everything
-#   scripts/test.sh --build-only  the installs and the release build, then stop (what the fresh
-#                                 root runs of this command)
+#   scripts/test.sh --build-only  the installs, the sid root and the release build, then stop (what
+#                                 the fresh root runs of this command)
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 build_only=0
@@ -32,15 +36,33 @@ step="preparing the pinned Python environment from PyPI (scripts/prepare-hf-env.
 # the hf_* tests: memtune's files opened by the tools that wrote the formats, and theirs by memtune.
 hf_python="$("$root/scripts/prepare-hf-env.sh" | tail -n 1)"
 
+# The Debian sid root (made once, kept in the cache) needs root: through sudo otherwise, keeping
+# the root in this user's cache, where the build can run its glslc.
+as_root() {
+  if [[ $(id -u) -eq 0 ]]; then
+    "$@"
+  else
+    sudo env XDG_CACHE_HOME="${XDG_CACHE_HOME:-$HOME/.cache}" MEMTUNE_TOKENIZER_DIR="$MEMTUNE_TOKENIZER_DIR" "$@"
+  fi
+}
+step="making the Debian sid root whose glslc compiles the cooperative-matrix shaders (scripts/coopmat-root.sh; its logs are in out/coopmat-root/)"
+coopmat_glslc="$(as_root "$root/scripts/coopmat-root.sh" glslc-path)"
+
 echo "== release build and tests"
 step="the release build (scripts/build.sh build)"
-"$root/scripts/build.sh" "$root/build" -DMEMTUNE_REQUIRE_ALL_TESTS=ON "-DMEMTUNE_HF_PYTHON=$hf_python"
+"$root/scripts/build.sh" "$root/build" -DMEMTUNE_REQUIRE_ALL_TESTS=ON "-DMEMTUNE_HF_PYTHON=$hf_python" \
+  "-DMEMTUNE_COOPMAT_GLSLC=$coopmat_glslc"
 if ((build_only)); then
   echo "test.sh --build-only: built $root/build"
   exit 0
 fi
 step="the release tests (ctest in build)"
-ctest --test-dir "$root/build" --output-on-failure -j "$(nproc)"
+# (Debian 12's lavapipe has no cooperative matrices: the tests that need them run in the sid root.)
+ctest --test-dir "$root/build" --output-on-failure -j "$(nproc)" -E "VulkanCoopmat"
+
+echo "== the vulkan tests on Debian sid's lavapipe, with cooperative matrices (scripts/coopmat-root.sh test build)"
+step="the vulkan tests in the Debian sid root (scripts/coopmat-root.sh test; its log is out/coopmat-root/test.log)"
+as_root "$root/scripts/coopmat-root.sh" test "$root/build"
 
 echo "== AddressSanitizer + UndefinedBehaviorSanitizer build and unit tests (and the server under the OpenAI client)"
 # -O1 -g1 (line tables: what the sanitizers' stack traces print) in place of -O2 -g: on a 2-core

@@ -118,7 +118,7 @@ void add_training_arguments(CLI::App& app, TrainingArguments& a, ArgumentsFor us
   app.add_option("--torch_dtype", a.torch_dtype,
                  "storage dtype of the base weights: float32 | bfloat16 | float16 (default: the checkpoint's); the "
                  "arithmetic stays float32 (16-bit storage, widened as it is read), float16 storage trains with "
-                 "dynamic loss scaling, and only --bf16 takes 16-bit products");
+                 "dynamic loss scaling, and only --bf16 and --fp16 take 16-bit products");
   app.add_flag("--bf16", a.bf16,
                "mixed precision, as Hugging Face's --bf16: the weights are stored in bfloat16 and, where the backend "
                "has bfloat16 products (cpu: oneDNN's AVX512-BF16 or AMX kernels; reference), the linear layers' and "
@@ -127,8 +127,11 @@ void add_training_arguments(CLI::App& app, TrainingArguments& a, ArgumentsFor us
                "(vulkan, other CPUs) or the weights are quantized: float32, not mixed precision, over the bfloat16 "
                "weights. train and plan print which on their arithmetic: line");
   app.add_flag("--fp16", a.fp16,
-               "store the weights in float16 and train with dynamic loss scaling, as Hugging Face's --fp16; no "
-               "float16 products: the arithmetic stays float32 (float16 storage, widened as it is read)");
+               "mixed precision, as Hugging Face's --fp16: the weights are stored in float16, training runs with "
+               "dynamic loss scaling, and where the backend has float16 products (vulkan: cooperative matrices, "
+               "where the device has them; cpu: oneDNN's AVX512-FP16 or AMX-FP16 kernels; reference) the linear "
+               "layers' and the LM head's products take float16 operands with float32 accumulation. Where it has "
+               "none: float32, not mixed precision, over the float16 weights");
   app.add_flag("--gradient_checkpointing,--use_gradient_checkpointing", a.gradient_checkpointing,
                "keep layer inputs only, recompute in backward");
   app.add_option("--zero_stage", a.zero_stage,

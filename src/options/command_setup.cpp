@@ -72,10 +72,11 @@ ModelOptions training_model_options(const TrainingArguments& args, int64_t max_t
   o.rank = rank;
   o.world_size = world_size;
   o.backend = &backend_named(args.backend);
-  // --bf16 is Hugging Face's mixed precision (torch.autocast's products); --torch_dtype bfloat16
-  // alone stores the weights in 16 bits and computes in float32. --fp16 stores in float16 and
-  // computes in float32: float16 products need AVX512-FP16 / AMX-FP16, untested so far.
+  // --bf16 and --fp16 are Hugging Face's mixed precision (torch.autocast's products) where the
+  // backend has such products (Backend::sixteen_bit_products); --torch_dtype alone stores the
+  // weights in 16 bits and computes in float32.
   if (args.bf16) o.compute_dtype = DType::BF16;
+  if (args.fp16) o.compute_dtype = DType::F16;
   if (args.tuner_type == "lora") {
     o.lora.rank = args.lora_rank;
     o.lora.alpha = args.lora_alpha;

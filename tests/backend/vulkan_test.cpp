@@ -16,6 +16,8 @@
 #include <tuple>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "backend/backend.h"
 #include "backend/registry.h"
 #include "backend/vulkan/context.h"
@@ -150,9 +152,9 @@ TEST(VulkanDevice, UsableOnlyWithEverythingTheShadersNeed) {
 }
 
 // The push-constant block's size as the SPIR-V declares it, which every dispatch checks its C++
-// struct against: rmsnorm has five addresses, a uint and a float (48 bytes).
+// struct against: rmsnorm has five addresses, two uints and a float (52 bytes).
 TEST(VulkanShaders, PushConstantBlocksAreReadFromTheSpirv) {
-  EXPECT_EQ(vulkan_push_constant_bytes(vulkan_shader("rmsnorm")), 48u);
+  EXPECT_EQ(vulkan_push_constant_bytes(vulkan_shader("rmsnorm")), 52u);
   EXPECT_EQ(vulkan_push_constant_bytes(vulkan_shader("rmsnorm_backward")), 48u);  // 5 addresses, N, C
   EXPECT_TRUE(vulkan_shader("no_such_shader").empty());
 }
@@ -781,13 +783,14 @@ TEST_F(VulkanOps, PagedAttentionSplitOverALongContextEqualsTheReference) {
 }
 
 // More rows than one grid dimension takes (65,535 workgroups: Qwen3's per-head q/k norm at 4,096
-// tokens x 16 heads has 65,536): the norm's rows beyond the grid are walked by the same
-// workgroups, paged attention's query rows continue over z; every row equals the reference.
+// tokens x 16 heads has 65,536): the norms' rows continue over y, paged attention's over z;
+// every row equals the reference.
 // 65,600 rows of 8 (the norms); 4,100 sequences of 16 new tokens each, one block apiece, head
 // dimension 64 (attention).
-TEST_F(VulkanOps, RowsBeyondOneGridDimensionAreAllComputed) {
+TEST_F(VulkanOps, NormRowsBeyondOneGridDimensionAreAllComputed) {
   const int64_t N = 65600, C = 8;
   ASSERT_EQ(vulkan_geometry::rmsnorm(N, C, false).x, vulkan_geometry::kMaxGroups);
+  ASSERT_EQ(vulkan_geometry::rmsnorm(N, C, false).y, 2u);
   const std::vector<float> x = randn(N * C, 51), w = randn(C, 52), dy = randn(N * C, 53), add = randn(N * C, 54);
   auto norms = [&](Backend& be) {
     const Tensor tx = make(be, DType::F32, {N, C}, x), tw = make(be, DType::F32, {C}, w),
@@ -807,6 +810,8 @@ TEST_F(VulkanOps, RowsBeyondOneGridDimensionAreAllComputed) {
     SCOPED_TRACE(fmt::format("norm output {}", i));
     expect_close(got[i], want[i], i == 3 ? 1e-4f : 2e-5f);  // dw: a sum over 65,600 rows
   }
+}
+TEST_F(VulkanOps, QueryRowsBeyondOneGridDimensionAreAllAttended) {
 
   const int64_t block = 16, S = 4100, Q = S * block, hd = 64;
   const vulkan_geometry::PagedAttention shape{.rows = Q, .q_heads = 1, .kv_heads = 1, .head_dim = hd, .max_context = block};
@@ -834,6 +839,78 @@ TEST_F(VulkanOps, RowsBeyondOneGridDimensionAreAllComputed) {
     return r;
   };
   expect_close(attention(vk()), attention(ref()), 2e-5f);
+}
+
+// The cooperative-matrix variants (gemm_coopmat.comp), on a device whose VK_KHR_cooperative_matrix
+// has float16 x float16 -> float32 in subgroup scope (Mesa 26's lavapipe: 8 x 8 x 8; CI runs these
+// in the Debian sid root of scripts/coopmat-root.sh). Elsewhere they say why they cannot run
+// (a build without the shader, a device without the extension): a skip, or a failure where every
+// test is required, so the release tests on a device without them exclude VulkanCoopmat.
+class VulkanCoopmat : public VulkanOps {
+ protected:
+  void SetUp() override {
+    VulkanOps::SetUp();
+    if (IsSkipped() || HasFatalFailure()) return;
+    std::string why = "no usable Vulkan device";
+    for (const VulkanDeviceInfo& d : vulkan_devices().devices)
+      if (d.usable() && cooperative_product_shape(d, DType::F16, &why)) return;
+    SKIP_OR_FAIL_WHERE_REQUIRED("no float16 cooperative-matrix products here: " + why);
+  }
+};
+
+// `memtune devices` names the shapes the driver reports and the kernel each family takes; the
+// backend offers float16 products (so --fp16 is mixed precision) and no bfloat16 ones (no variant).
+TEST_F(VulkanCoopmat, TheDeviceListsItsShapesAndTheKernelsThatUseThem) {
+  const VulkanDevices found = vulkan_devices();
+  const nlohmann::json j = vulkan_device_json(choose_vulkan_device(found, std::nullopt));
+  ASSERT_FALSE(j.at("cooperative_matrix_shapes").empty());
+  bool f16 = false;
+  for (const auto& s : j.at("cooperative_matrix_shapes"))
+    f16 |= s.at("a") == "float16" && s.at("b") == "float16" && s.at("result") == "float32" && s.at("scope") == "subgroup";
+  EXPECT_TRUE(f16);
+  const std::string kernel = j.at("kernels").at("float16 products (--fp16)");
+  EXPECT_NE(kernel.find("gemm_coopmat.comp"), std::string::npos) << kernel;
+  EXPECT_NE(vk().sixteen_bit_products(DType::F16).find("cooperative matrices"), std::string::npos);
+  EXPECT_TRUE(vk().sixteen_bit_products(DType::BF16).empty());
+}
+
+// float16 products against the reference's exact products of the same float16 operands (summed
+// in float64): forward with and without a bias, and backward (dinp, dweight, and the bias gradient of
+// the float16 output gradient), at a ragged 32 x 32-tile shape, a 64 x 64-tile shape and a
+// split-K shape; a second run gives the same bits.
+TEST_F(VulkanCoopmat, FloatSixteenProductsEqualTheReferenceInEveryTilingAndRepeatBitForBit) {
+  struct Shape {
+    int64_t N, C, OC;
+    uint32_t tile, splits;
+  };
+  for (const Shape& sh : {Shape{37, 96, 80, 32, 1}, Shape{1536, 40, 1472, 64, 1}, Shape{24, 2048, 40, 32, 8}}) {
+    const auto [N, C, OC, tile, splits] = sh;
+    SCOPED_TRACE(fmt::format("{} x {} over {}", N, OC, C));
+    const vulkan_geometry::GemmSplit split = vulkan_geometry::gemm_split(N, OC, C, vulkan_geometry::kScratchFloats);
+    ASSERT_EQ(std::min<uint32_t>(split.tile, 64), tile);
+    ASSERT_EQ(split.splits, splits);
+    const std::vector<float> x = randn(N * C, 61), w = randn(OC * C, 62), b = randn(OC, 63), dy = randn(N * OC, 64),
+                             prior = randn(N * OC, 65);
+    auto run = [&](Backend& be) {
+      const Tensor tx = make(be, DType::F16, {N, C}, x), tw = make(be, DType::F16, {OC, C}, w),
+                   tb = make(be, DType::F32, {OC}, b), out = make(be, DType::F32, {N, OC}),
+                   plain = make(be, DType::F32, {N, OC}, prior), tdy = make(be, DType::F16, {N, OC}, dy),
+                   dx = make(be, DType::F32, {N, C}, std::vector<float>(x.size(), 0.25f)),
+                   dw = make(be, DType::F32, {OC, C}), db = make(be, DType::F32, {OC});
+      be.matmul_forward(out, tx, tw, tb);
+      be.matmul_forward(plain, tx, tw, Tensor{});
+      be.matmul_backward(dx, dw, db, tdy, tx, tw, 1.0f);
+      return std::vector{download_f32(be, out), download_f32(be, plain), download_f32(be, dx), download_f32(be, dw),
+                         download_f32(be, db)};
+    };
+    const auto got = run(vk()), again = run(vk()), want = run(ref());
+    const char* names[] = {"out", "out without a bias", "dinp", "dweight", "dbias"};
+    for (size_t i = 0; i < got.size(); ++i) {
+      SCOPED_TRACE(names[i]);
+      expect_close(got[i], want[i], 5e-5f);  // float32 accumulation in the units' order: 2e-5 measured
+      EXPECT_EQ(0, std::memcmp(got[i].data(), again[i].data(), got[i].size() * sizeof(float)));
+    }
+  }
 }
 
 // Products large enough for gemm.comp's bigger tiles (smaller ones take 32 x 32 to give the

@@ -117,18 +117,27 @@ TEST(PlanCommand, DtypeFlagsHelpSaysTheArithmeticTheRunPrints) {
   else
     EXPECT_TRUE(cpu.starts_with(mixed.substr(0, products_end) + " (oneDNN ")) << cpu;
 
-  // --fp16: float16 storage and float32 arithmetic, the line word for word.
-  const std::string half = arithmetic("--fp16");
-  EXPECT_EQ(half, "float32 (float16 storage, widened as it is read)");
-  EXPECT_CONTAINS(fp16, half);
+  // --fp16: the same over float16, with dynamic loss scaling; mixed precision on the reference
+  // backend, float32 where the backend has no float16 products.
+  const std::string half_mixed = arithmetic("--fp16 --backend reference");
+  EXPECT_TRUE(half_mixed.starts_with("mixed precision: the linear layers' and the LM head's products take float16 "
+                                     "operands with float32 accumulation"))
+      << half_mixed;
+  EXPECT_CONTAINS(fp16, "the linear layers' and the LM head's products take float16 operands with float32 accumulation");
   EXPECT_CONTAINS(fp16, "dynamic loss scaling");
+  EXPECT_CONTAINS(fp16, "float32, not mixed precision, over the float16 weights");
+  const std::string half_cpu = arithmetic("--fp16");
+  if (backend_named("cpu").sixteen_bit_products(DType::F16).empty())
+    EXPECT_EQ(half_cpu, "float32, not mixed precision: the cpu backend has no float16 products here (float16 storage)");
+  else
+    EXPECT_TRUE(half_cpu.starts_with("mixed precision: ")) << half_cpu;
   // --torch_dtype alone: float32 arithmetic over any storage, bfloat16 included.
   for (const std::string dtype : {"bfloat16", "float16"})
     EXPECT_EQ(arithmetic("--torch_dtype " + dtype), "float32 (" + dtype + " storage, widened as it is read)");
   EXPECT_EQ(arithmetic("--torch_dtype float32"), "float32");
   EXPECT_CONTAINS(torch_dtype, "float32 | bfloat16 | float16");
   EXPECT_CONTAINS(torch_dtype, "the arithmetic stays float32 (16-bit storage, widened as it is read)");
-  EXPECT_CONTAINS(torch_dtype, "only --bf16 takes 16-bit products");
+  EXPECT_CONTAINS(torch_dtype, "only --bf16 and --fp16 take 16-bit products");
 }
 
 TEST(PlanCommand, BudgetCheckAndCheckpointingLever) {

@@ -3,7 +3,8 @@
 embeds, names no shader that does not exist, and no shader is dead.
 
 The build compiles and embeds every src/backend/vulkan/shaders/*.comp (CMakeLists.txt globs them;
-cmake/embed_spirv.cmake turns them into the table the backend looks shaders up in by name). The
+cmake/embed_spirv.cmake turns them into the table the backend looks shaders up in by name), and
+shaders/coopmat/*.comp where a compiler for cooperative matrices is at hand. The
 shader table is the first markdown table under the heading "### The vulkan backend's shaders"; a
 shader has a row when its file name (`NAME.comp`, in backticks) is in a row's first cell, and every
 `NAME.comp` anywhere in the table must exist. A shader is alive when a C++ source under src/ looks
@@ -35,8 +36,9 @@ COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
 
 
 def embedded_shaders(root):
-    """The names of the shaders the build embeds: every shaders/*.comp."""
-    return sorted(os.path.basename(p)[:-len(".comp")] for p in glob.glob(os.path.join(root, SHADERS, "*.comp")))
+    """The names of the shaders the build embeds: every shaders/*.comp and shaders/coopmat/*.comp."""
+    files = glob.glob(os.path.join(root, SHADERS, "*.comp")) + glob.glob(os.path.join(root, SHADERS, "coopmat", "*.comp"))
+    return sorted(os.path.basename(p)[:-len(".comp")] for p in files)
 
 
 def shader_table(root):

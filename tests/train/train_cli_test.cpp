@@ -441,6 +441,45 @@ TEST_F(TrainCliTest, ProfileOnVulkanGivesEachShadersWorkByDesignAndItsRates) {
   EXPECT_GT(by_shader["matvec"][3], 0.0);
 }
 
+// --fp16 on a device with float16 cooperative matrices (gemm_coopmat.comp): mixed precision, as
+// the arithmetic: line says, no float32 copy of a weight in the plan, and full fine-tuning steps
+// whose losses equal the reference backend's (the same float16 operands, exact products summed
+// in float64) to float32 rounding. Where the device has no such products: skipped, or failed
+// where every test is required (the release tests on Debian 12's lavapipe exclude VulkanCoopmat;
+// scripts/coopmat-root.sh runs them on Mesa 26's).
+TEST_F(TrainCliTest, VulkanCoopmatFloat16MixedPrecisionTrainsAsTheReference) {
+  const Result devices = run("devices --json");
+  if (devices.output.find("gemm_coopmat.comp") == std::string::npos)
+    SKIP_OR_FAIL_WHERE_REQUIRED("no float16 cooperative-matrix products on this machine's Vulkan device:\n" +
+                                run("devices").output);
+  ASSERT_EQ(run("init-model --preset tiny --seed 1 --torch_dtype float16 --out " + path("model16")).status, 0);
+  testing_support::write_synthetic_tokenizer(dir_ / "model16");
+  const std::string flags = " --model_name_or_path " + path("model16") + " --train_file " + path("train.jsonl") +
+                            " --per_device_train_batch_size 4 --logging_steps 1 --lr_scheduler_type constant"
+                            " --tuner_type full --fp16 --max_steps 6 --learning_rate 1e-3";
+  const Result plan = run("plan --backend vulkan" + flags);
+  ASSERT_EQ(plan.status, 0) << plan.output;
+  EXPECT_CONTAINS(plan.output, "arithmetic: mixed precision: the linear layers' and the LM head's products take "
+                               "float16 operands with float32 accumulation (cooperative matrices");
+  std::map<std::string, std::vector<double>> losses;
+  for (const char* backend : {"reference", "vulkan"}) {
+    const Result r = run("train --backend " + std::string(backend) + " --output_dir " + path(std::string("fp16_") + backend) + flags);
+    ASSERT_EQ(r.status, 0) << r.output;
+    EXPECT_CONTAINS(r.output, "arithmetic: mixed precision");
+    // A step's loss, or -1 where dynamic loss scaling skipped it (the first steps overflow float16
+    // at the initial scale of 65536, as under Hugging Face's GradScaler).
+    for (const auto& rec : read_jsonl(dir_ / (std::string("fp16_") + backend) / "log.jsonl"))
+      if (rec.contains("loss") || rec.contains("skipped"))
+        losses[backend].push_back(rec.contains("loss") ? rec["loss"].get<double>() : -1.0);
+  }
+  const auto &want = losses["reference"], &got = losses["vulkan"];
+  ASSERT_EQ(want.size(), 6u);
+  ASSERT_EQ(got.size(), want.size());
+  EXPECT_GT(std::count_if(want.begin(), want.end(), [](double l) { return l > 0; }), 2) << "too few steps trained";
+  // 1.8e-6 and 1.2e-6 relative measured on Mesa 26's lavapipe.
+  for (size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(got[i], want[i], 2e-5 * std::abs(want[i])) << "step " << i + 1;
+}
+
 TEST_F(TrainCliTest, EveryCommandRunsOnVulkanAndAgreesWithCpu) {
   if (run("devices --json").output.find("\"backend_vulkan_device\": null") != std::string::npos ||
       run("devices --json").status != 0) {

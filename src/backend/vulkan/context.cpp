@@ -1,6 +1,8 @@
 // One Vulkan device opened for compute (see context.h).
 #include "backend/vulkan/context.h"
 
+#include "backend/vulkan/cooperative_matrix.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -11,6 +13,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/vulkan/cooperative_matrix.h"
 #include "backend/vulkan/shaders.h"
 #include "core/console.h"
 #include "core/error.h"
@@ -31,7 +34,8 @@ VulkanContext::VulkanContext(std::optional<int> requested_device) {
 
   auto app = vk_struct<VkApplicationInfo>(VK_STRUCTURE_TYPE_APPLICATION_INFO);
   app.pApplicationName = "memtune";
-  app.apiVersion = VK_API_VERSION_1_2;
+  // Vulkan 1.3 where the device has it: the cooperative-matrix shaders are SPIR-V 1.6.
+  app.apiVersion = info_.api >= VK_API_VERSION_1_3 ? VK_API_VERSION_1_3 : VK_API_VERSION_1_2;
   auto instance_info = vk_struct<VkInstanceCreateInfo>(VK_STRUCTURE_TYPE_INSTANCE_CREATE_INFO);
   instance_info.pApplicationInfo = &app;
   check(vkCreateInstance(&instance_info, nullptr, &instance_), "vkCreateInstance");
@@ -73,11 +77,19 @@ VulkanContext::VulkanContext(std::optional<int> requested_device) {
   device_info.queueCreateInfoCount = 1;
   device_info.pQueueCreateInfos = &queue_info;
   // The device's own usage and budget figures (memory.json), where the driver has them.
-  const char* budget_extension = "VK_EXT_memory_budget";
-  if (info_.memory_budget) {
-    device_info.enabledExtensionCount = 1;
-    device_info.ppEnabledExtensionNames = &budget_extension;
+  std::vector<const char*> extensions;
+  if (info_.memory_budget) extensions.push_back("VK_EXT_memory_budget");
+  // Cooperative matrices and float16 arithmetic where gemm_coopmat.comp will run.
+  auto matrices = vk_struct<VkPhysicalDeviceCooperativeMatrixFeaturesKHR>(
+      VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR);
+  if (cooperative_product_shape(info_, DType::F16)) {
+    extensions.push_back(VK_KHR_COOPERATIVE_MATRIX_EXTENSION_NAME);
+    matrices.cooperativeMatrix = VK_TRUE;
+    f11.pNext = &matrices;
+    f12.shaderFloat16 = VK_TRUE;
   }
+  device_info.enabledExtensionCount = static_cast<uint32_t>(extensions.size());
+  device_info.ppEnabledExtensionNames = extensions.data();
   check(vkCreateDevice(physical_, &device_info, nullptr, &device_), "vkCreateDevice");
   vkGetDeviceQueue(device_, queue_family_, 0, &queue_);
 
@@ -261,7 +273,9 @@ std::pair<const VulkanContext::Allocation*, size_t> VulkanContext::locate(uint64
 }
 
 std::optional<VulkanContext::MemoryBudget> VulkanContext::memory_budget() const {
-  if (!info_.memory_budget) return std::nullopt;
+  // A CPU implementation's memory is this process's, measured by its RSS: Mesa 26's lavapipe
+  // has the extension, but its usage figure does not move when memory is allocated.
+  if (!info_.memory_budget || info_.type == "CPU") return std::nullopt;
   auto budget = vk_struct<VkPhysicalDeviceMemoryBudgetPropertiesEXT>(
       VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MEMORY_BUDGET_PROPERTIES_EXT);
   auto props = vk_struct<VkPhysicalDeviceMemoryProperties2>(VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MEMORY_PROPERTIES_2);

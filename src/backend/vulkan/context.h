@@ -136,7 +136,7 @@ class VulkanContext {
   void mark(int i);
   std::vector<double> marks();
   // The driver's figures for the device-local heaps (VK_EXT_memory_budget): what this process
-  // uses and what it may use; none without the extension (lavapipe).
+  // uses and what it may use; none without the extension, or on a CPU implementation (lavapipe).
   struct MemoryBudget {
     uint64_t usage_bytes = 0, budget_bytes = 0;
   };

@@ -11,6 +11,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "backend/vulkan/cooperative_matrix.h"
+#include "backend/vulkan/shaders.h"
 #include "core/console.h"
 #include "core/error.h"
 
@@ -18,17 +20,45 @@ namespace memtune {
 
 namespace {
 
+std::string component_name(VkComponentTypeKHR t) {
+  switch (t) {
+    case VK_COMPONENT_TYPE_FLOAT16_KHR: return "float16";
+    case VK_COMPONENT_TYPE_FLOAT32_KHR: return "float32";
+    case VK_COMPONENT_TYPE_FLOAT64_KHR: return "float64";
+    case VK_COMPONENT_TYPE_SINT8_KHR: return "sint8";
+    case VK_COMPONENT_TYPE_SINT16_KHR: return "sint16";
+    case VK_COMPONENT_TYPE_SINT32_KHR: return "sint32";
+    case VK_COMPONENT_TYPE_SINT64_KHR: return "sint64";
+    case VK_COMPONENT_TYPE_UINT8_KHR: return "uint8";
+    case VK_COMPONENT_TYPE_UINT16_KHR: return "uint16";
+    case VK_COMPONENT_TYPE_UINT32_KHR: return "uint32";
+    case VK_COMPONENT_TYPE_UINT64_KHR: return "uint64";
+    case VK_COMPONENT_TYPE_BFLOAT16_KHR: return "bfloat16";
+    default: return fmt::format("type {}", static_cast<int>(t));
+  }
+}
+std::string scope_name(VkScopeKHR s) {
+  switch (s) {
+    case VK_SCOPE_DEVICE_KHR: return "device";
+    case VK_SCOPE_WORKGROUP_KHR: return "workgroup";
+    case VK_SCOPE_SUBGROUP_KHR: return "subgroup";
+    case VK_SCOPE_QUEUE_FAMILY_KHR: return "queue family";
+    default: return fmt::format("scope {}", static_cast<int>(s));
+  }
+}
+
 std::string version_text(uint32_t v) {
   return fmt::format("{}.{}.{}", VK_API_VERSION_MAJOR(v), VK_API_VERSION_MINOR(v), VK_API_VERSION_PATCH(v));
 }
 
-VulkanDeviceInfo read_device(VkPhysicalDevice pd, int index) {
+VulkanDeviceInfo read_device(VkInstance instance, VkPhysicalDevice pd, int index) {
   VulkanDeviceInfo d;
   d.index = index;
   VkPhysicalDeviceProperties props{};
   vkGetPhysicalDeviceProperties(pd, &props);
   d.name = props.deviceName;
   d.api_version = version_text(props.apiVersion);
+  d.api = props.apiVersion;
   switch (props.deviceType) {
     case VK_PHYSICAL_DEVICE_TYPE_DISCRETE_GPU:
       d.type = "discrete GPU", d.type_rank = 0;
@@ -87,10 +117,27 @@ VulkanDeviceInfo read_device(VkPhysicalDevice pd, int index) {
 
   auto f11 = vk_struct<VkPhysicalDeviceVulkan11Features>(VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES);
   auto f12 = vk_struct<VkPhysicalDeviceVulkan12Features>(VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES);
+  auto matrices = vk_struct<VkPhysicalDeviceCooperativeMatrixFeaturesKHR>(
+      VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR);
   f11.pNext = &f12;
+  if (has(VK_KHR_COOPERATIVE_MATRIX_EXTENSION_NAME)) f12.pNext = &matrices;
   auto features = vk_struct<VkPhysicalDeviceFeatures2>(VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2);
   features.pNext = &f11;
   vkGetPhysicalDeviceFeatures2(pd, &features);
+  d.shader_float16 = f12.shaderFloat16 == VK_TRUE;
+  d.khr_cooperative_matrix = matrices.cooperativeMatrix == VK_TRUE;
+  const auto shapes = reinterpret_cast<PFN_vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR>(
+      vkGetInstanceProcAddr(instance, "vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR"));
+  if (d.khr_cooperative_matrix && shapes) {
+    uint32_t n = 0;
+    shapes(pd, &n, nullptr);
+    std::vector<VkCooperativeMatrixPropertiesKHR> list(
+        n, vk_struct<VkCooperativeMatrixPropertiesKHR>(VK_STRUCTURE_TYPE_COOPERATIVE_MATRIX_PROPERTIES_KHR));
+    shapes(pd, &n, list.data());
+    for (const VkCooperativeMatrixPropertiesKHR& s : list)
+      d.matrix_shapes.push_back({s.MSize, s.NSize, s.KSize, component_name(s.AType), component_name(s.BType),
+                                 component_name(s.CType), component_name(s.ResultType), scope_name(s.scope)});
+  }
   d.storage_16bit = f11.storageBuffer16BitAccess == VK_TRUE;
   d.shader_int64 = features.features.shaderInt64 == VK_TRUE;
   d.shader_float64 = features.features.shaderFloat64 == VK_TRUE;
@@ -117,7 +164,7 @@ VulkanDevices vulkan_devices() {
   out.loader_version = version_text(loader);
   auto app = vk_struct<VkApplicationInfo>(VK_STRUCTURE_TYPE_APPLICATION_INFO);
   app.pApplicationName = "memtune";
-  app.apiVersion = VK_API_VERSION_1_2;
+  app.apiVersion = loader >= VK_API_VERSION_1_3 ? VK_API_VERSION_1_3 : VK_API_VERSION_1_2;
   auto info = vk_struct<VkInstanceCreateInfo>(VK_STRUCTURE_TYPE_INSTANCE_CREATE_INFO);
   info.pApplicationInfo = &app;
   VkInstance instance = VK_NULL_HANDLE;
@@ -132,7 +179,7 @@ VulkanDevices vulkan_devices() {
   vkEnumeratePhysicalDevices(instance, &count, nullptr);
   std::vector<VkPhysicalDevice> devices(count);
   vkEnumeratePhysicalDevices(instance, &count, devices.data());
-  for (uint32_t i = 0; i < count; ++i) out.devices.push_back(read_device(devices[i], static_cast<int>(i)));
+  for (uint32_t i = 0; i < count; ++i) out.devices.push_back(read_device(instance, devices[i], static_cast<int>(i)));
   vkDestroyInstance(instance, nullptr);
   if (out.devices.empty()) out.problem = "the Vulkan loader lists no device";
   return out;
@@ -172,6 +219,45 @@ const VulkanDeviceInfo& choose_vulkan_device(const VulkanDevices& found, std::op
   return *best;
 }
 
+std::optional<VulkanMatrixShape> cooperative_product_shape(const VulkanDeviceInfo& d, DType operands,
+                                                           std::string* why) {
+  auto no = [&](std::string reason) {
+    if (why) *why = std::move(reason);
+    return std::nullopt;
+  };
+  if (operands != DType::F16)
+    return no(fmt::format("this build has no {} cooperative-matrix variant", dtype_torch_name(operands)));
+  if (vulkan_shader("gemm_coopmat").empty())
+    return no("built without a shader compiler that knows GL_KHR_cooperative_matrix (scripts/coopmat-root.sh)");
+  if (!d.khr_cooperative_matrix) return no("the device has no VK_KHR_cooperative_matrix");
+  if (d.api < VK_API_VERSION_1_3) return no("the device is not Vulkan 1.3");
+  if (!d.shader_float16) return no("the device has no float16 arithmetic in shaders");
+  const VulkanMatrixShape* best = nullptr;
+  for (const VulkanMatrixShape& s : d.matrix_shapes) {
+    const bool fits = s.a == "float16" && s.b == "float16" && s.c == "float32" && s.result == "float32" &&
+                      s.scope == "subgroup" && s.m == s.n && (s.m == 8 || s.m == 16) &&
+                      (s.k == 8 || s.k == 16 || s.k == 32);
+    if (fits && (!best || s.m * s.n * s.k > best->m * best->n * best->k)) best = &s;
+  }
+  if (!best) return no("the device reports no subgroup float16 x float16 -> float32 shape of 8 or 16");
+  return *best;
+}
+
+std::vector<std::pair<std::string, std::string>> vulkan_kernel_variants(const VulkanDeviceInfo& d) {
+  std::vector<std::pair<std::string, std::string>> out;
+  out.emplace_back("float32 products", "register-tiled float32 FMAs (gemm.comp; matvec.comp up to 32 rows)");
+  for (const DType dt : {DType::F16, DType::BF16}) {
+    std::string why;
+    const std::optional<VulkanMatrixShape> s = cooperative_product_shape(d, dt, &why);
+    out.emplace_back(fmt::format("{} products (--{})", dtype_torch_name(dt), dt == DType::F16 ? "fp16" : "bf16"),
+                     s ? fmt::format("cooperative matrices {}x{}x{} (gemm_coopmat.comp)", s->m, s->n, s->k)
+                       : fmt::format("float32 arithmetic of the widened operands: {}", why));
+  }
+  out.emplace_back("attention", "float32 FMAs (attention.comp, attention_backward_dq.comp, attention_backward_dkv.comp)");
+  out.emplace_back("decode attention", "float32 FMAs, split over the context (paged_attention.comp)");
+  return out;
+}
+
 std::string describe_vulkan_device(const VulkanDeviceInfo& d) {
   std::string heaps;
   for (size_t h = 0; h < d.heaps.size(); ++h)
@@ -187,7 +273,16 @@ std::string describe_vulkan_device(const VulkanDeviceInfo& d) {
       format_bytes(d.max_storage_buffer_range), yes(d.storage_16bit), yes(d.shader_int64), yes(d.shader_float64),
       yes(d.buffer_device_address),
       d.subgroup_size, d.subgroup_shuffle ? " with shuffles" : " without shuffles", format_bytes(d.shared_memory_bytes), yes(d.cooperative_matrix), yes(d.memory_budget),
-      yes(d.timestamps));
+      yes(d.timestamps)) +
+         [&] {
+           std::string shapes;
+           for (const VulkanMatrixShape& s : d.matrix_shapes)
+             shapes += fmt::format("{}{}x{}x{} {} x {} -> {}", shapes.empty() ? "" : ", ", s.m, s.n, s.k, s.a, s.b,
+                                   s.result);
+           std::string text = shapes.empty() ? "" : "\n  cooperative matrix shapes: " + shapes;
+           for (const auto& [family, kernel] : vulkan_kernel_variants(d)) text += fmt::format("\n  {}: {}", family, kernel);
+           return text;
+         }();
 }
 
 nlohmann::json vulkan_device_json(const VulkanDeviceInfo& d) {
@@ -211,6 +306,20 @@ nlohmann::json vulkan_device_json(const VulkanDeviceInfo& d) {
           {"shader_float64", d.shader_float64},
           {"buffer_device_address", d.buffer_device_address},
           {"cooperative_matrix", d.cooperative_matrix},
+          {"cooperative_matrix_shapes",
+           [&] {
+             nlohmann::json list = nlohmann::json::array();
+             for (const VulkanMatrixShape& s : d.matrix_shapes)
+               list.push_back({{"m", s.m}, {"n", s.n}, {"k", s.k}, {"a", s.a}, {"b", s.b}, {"c", s.c},
+                               {"result", s.result}, {"scope", s.scope}});
+             return list;
+           }()},
+          {"kernels",
+           [&] {
+             nlohmann::json kernels = nlohmann::json::object();
+             for (const auto& [family, kernel] : vulkan_kernel_variants(d)) kernels[family] = kernel;
+             return kernels;
+           }()},
           {"memory_budget", d.memory_budget},
           {"timestamps", d.timestamps},
           {"usable", d.usable()}};

@@ -8,9 +8,12 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json_fwd.hpp>
+
+#include "core/dtype.h"
 
 namespace memtune {
 
@@ -27,6 +30,14 @@ struct VulkanHeap {
   bool device_local = false;
 };
 
+// One product shape VK_KHR_cooperative_matrix reports: A [m, k] x B [k, n] + C [m, n] into a
+// result [m, n], component types by name ("float16", "bfloat16", "float32", "sint8", ...), in a
+// scope ("subgroup", "workgroup", ...).
+struct VulkanMatrixShape {
+  uint32_t m = 0, n = 0, k = 0;
+  std::string a, b, c, result, scope;
+};
+
 struct VulkanDeviceInfo {
   int index = 0;
   std::string name, type, driver, driver_info, api_version;  // type: discrete GPU | integrated GPU | CPU | ...
@@ -38,6 +49,11 @@ struct VulkanDeviceInfo {
   bool shader_float64 = false;  // float64 in shaders: training steps decided on the device (step_decision.comp)
   bool subgroup_shuffle = false;  // subgroupShuffleXor in compute shaders
   bool memory_budget = false, cooperative_matrix = false, timestamps = false;
+  uint32_t api = 0;  // the device's Vulkan version (VK_MAKE_API_VERSION)
+  // VK_KHR_cooperative_matrix with its feature on, and the shapes it reports; float16 arithmetic
+  // in shaders (shaderFloat16), which float16 matrices need.
+  bool khr_cooperative_matrix = false, shader_float16 = false;
+  std::vector<VulkanMatrixShape> matrix_shapes;
   float timestamp_period_ns = 0;  // nanoseconds per timestamp tick
   // What the backend needs: buffer device addresses, 64-bit integers and 16-bit storage for its
   // memory, and subgroups of at least 8 invocations that shuffle (the attention shaders split a
@@ -60,6 +76,17 @@ struct VulkanDevices {
   std::string loader_version;  // the instance version the loader offers, e.g. "1.3.239"
   std::string problem;         // why there are none (no loader, no driver), empty otherwise
 };
+
+// The shape gemm_coopmat.comp multiplies 16-bit `operands` with on this device (float32
+// accumulation, subgroup scope, a square m x n of 8 or 16 and k of 8, 16 or 32; the largest), or
+// none: the build has no cooperative-matrix shader, the device lacks VK_KHR_cooperative_matrix,
+// Vulkan 1.3 or float16 arithmetic, or reports no such shape (lavapipe has float16 only; bfloat16
+// has no variant in this build). `why` (when given) says which.
+std::optional<VulkanMatrixShape> cooperative_product_shape(const VulkanDeviceInfo& d, DType operands,
+                                                           std::string* why = nullptr);
+// Which kernel each family of products and attention takes on this device, for `memtune
+// devices` (name, then the kernel and shape, or why not).
+std::vector<std::pair<std::string, std::string>> vulkan_kernel_variants(const VulkanDeviceInfo& d);
 
 // Asks the Vulkan loader (libvulkan) once per call; never throws.
 VulkanDevices vulkan_devices();

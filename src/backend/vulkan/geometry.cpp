@@ -62,7 +62,8 @@ VulkanDispatch multi_tensor(const char* shader, uint64_t total, double bytes_per
 VulkanDispatch per_row(const char* shader, int64_t rows, int64_t cols, double bytes_per_element,
                        double flops_per_element) {
   const double n = static_cast<double>(rows) * static_cast<double>(cols);
-  return {.shader = shader, .constants = {}, .x = static_cast<uint32_t>(std::clamp<int64_t>(rows, 1, kMaxGroups)),
+  const auto x = static_cast<uint32_t>(std::clamp<int64_t>(rows, 1, kMaxGroups));
+  return {.shader = shader, .constants = {}, .x = x, .y = ceil_div(std::max<int64_t>(rows, 1), x),
           .flops = flops_per_element * n, .bytes = bytes_per_element * n};
 }
 
@@ -153,6 +154,27 @@ std::vector<VulkanDispatch> gemm(int64_t M, int64_t N, int64_t K, DType b, int64
                                  .z = s.splits,
                                  .flops = 2 * m * n * k,
                                  .bytes = 4 * m * k + static_cast<double>(dtype_size(b)) * k * n + 4 * m * n * s.splits}};
+  MT_ASSERT(d[0].x <= kMaxGroups && d[0].y <= kMaxGroups, "vulkan: a product beyond one dispatch's grid");
+  if (s.splits > 1) d.push_back(elementwise("gemm_reduce", M * N, 4.0 * (s.splits + 2), s.splits));
+  return d;
+}
+
+std::vector<VulkanDispatch> gemm_coopmat(int64_t M, int64_t N, int64_t K, const MatrixUnit& unit, DType a, DType b,
+                                         int64_t scratch_floats) {
+  GemmSplit s = gemm_split(M, N, K, scratch_floats);
+  s.tile = std::min<uint32_t>(s.tile, 64);  // a quarter of 64 x 64 holds 2 x 2 (16) or 4 x 4 (8) matrices
+  MT_ASSERT((unit.m == 8 || unit.m == 16) && unit.n == unit.m && unit.subgroup >= 1,
+            "gemm_coopmat takes square matrices of 8 or 16");
+  const double m = static_cast<double>(M), n = static_cast<double>(N), k = static_cast<double>(K);
+  std::vector<VulkanDispatch> d{{.shader = "gemm_coopmat",
+                                 .constants = {s.tile, unit.subgroup, unit.m, unit.n, unit.k, 4 * unit.subgroup,
+                                               dtype_code(a), dtype_code(b)},
+                                 .x = ceil_div(N, s.tile),
+                                 .y = ceil_div(M, s.tile),
+                                 .z = s.splits,
+                                 .flops = 2 * m * n * k,
+                                 .bytes = static_cast<double>(dtype_size(a)) * m * k +
+                                          static_cast<double>(dtype_size(b)) * k * n + 4 * m * n * s.splits}};
   MT_ASSERT(d[0].x <= kMaxGroups && d[0].y <= kMaxGroups, "vulkan: a product beyond one dispatch's grid");
   if (s.splits > 1) d.push_back(elementwise("gemm_reduce", M * N, 4.0 * (s.splits + 2), s.splits));
   return d;

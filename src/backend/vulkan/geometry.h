@@ -44,8 +44,8 @@ VulkanDispatch elementwise(const char* shader, int64_t n, double bytes_per_eleme
 // tensors: a workgroup per chunk of 4096 elements, at most max_groups (then each takes several).
 VulkanDispatch multi_tensor(const char* shader, uint64_t total, double bytes_per_element, double flops_per_element,
                             uint32_t max_groups);
-// A shader with one workgroup per row (rmsnorm, rmsnorm_backward, loss_sum, step_decision), at
-// most kMaxGroups of them: the shader walks the rows beyond the grid.
+// A shader with one workgroup per row (rmsnorm, rmsnorm_backward, loss_sum, step_decision): x
+// rows, and beyond kMaxGroups rows a y as well (folded_row() in common.glsl).
 VulkanDispatch per_row(const char* shader, int64_t rows, int64_t cols, double bytes_per_element,
                        double flops_per_element = 2);
 // sample.comp: one workgroup per row of logits (no loop: at most kMaxGroups rows).
@@ -77,6 +77,16 @@ struct GemmSplit {
 };
 GemmSplit gemm_split(int64_t M, int64_t N, int64_t K, int64_t scratch_floats);
 std::vector<VulkanDispatch> gemm(int64_t M, int64_t N, int64_t K, DType b, int64_t scratch_floats);
+// The same product with 16-bit operands on the device's matrix units (gemm_coopmat.comp): A and B
+// float16 (or float32, rounded as loaded), a workgroup of four subgroups per 64 x 64 output tile
+// (32 x 32 where gemm_split would take 32), each subgroup a quarter of it as unit-shaped
+// cooperative matrices; split-K as gemm(). Constants: tile, subgroup size, m, n, k, workgroup size,
+// A's and B's dtype codes.
+struct MatrixUnit {
+  uint32_t m = 16, n = 16, k = 16, subgroup = 32;
+};
+std::vector<VulkanDispatch> gemm_coopmat(int64_t M, int64_t N, int64_t K, const MatrixUnit& unit, DType a, DType b,
+                                         int64_t scratch_floats);
 // gemm.comp's `vectors` bit for one operand: 1 where it may load it 128 bits at a time. The
 // operand's strides along its output dimension (m of A, n of B) and along K, in elements, its
 // number of lines (M or N), K, and the address of its first element: float32 four values along

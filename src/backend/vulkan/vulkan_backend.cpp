@@ -64,6 +64,8 @@ class VulkanBackend final : public Backend {
     split_scratch_ = ctx_->allocate(kSplitScratchFloats * sizeof(float));
     tables_ = ctx_->allocate(2 * kTableEntries * kTableWords * sizeof(uint64_t));
     pending_steps_.reserve(VulkanContext::kReadbackSlots);
+    if (const std::optional<VulkanMatrixShape> s = cooperative_product_shape(ctx_->info(), DType::F16))
+      half_unit_ = vulkan_geometry::MatrixUnit{s->m, s->n, s->k, ctx_->info().subgroup_size};
     std::fprintf(stderr, "vulkan: device %d, %s\n", ctx_->info().index, describe_vulkan_device(ctx_->info()).c_str());
   }
   std::string_view name() const override { return "vulkan"; }
@@ -118,6 +120,13 @@ class VulkanBackend final : public Backend {
   // The tiled matmul reads 16-bit weights as stored for any number of rows; the model's default
   // split (16, as on cpu) also sets serve's --max_decode_step_tokens, so it is kept.
   int64_t stored_weight_rows() const override { return 16; }
+  // float16 products on the device's matrix units where it has them (gemm_coopmat.comp); bfloat16
+  // has no variant in this build.
+  std::string sixteen_bit_products(DType dtype) const override {
+    if (dtype != DType::F16 || !half_unit_) return {};
+    return fmt::format("cooperative matrices {}x{}x{} on {} (gemm_coopmat.comp)", half_unit_->m, half_unit_->n,
+                       half_unit_->k, ctx_->info().name);
+  }
   size_t quantized_scratch_elems(int64_t) const override { return 0; }
   size_t quantized_scratch_used(int64_t, int64_t) const override { return 0; }
 
@@ -184,6 +193,14 @@ class VulkanBackend final : public Backend {
                        const Tensor& inp, const Tensor& weight, float scale) override {
     const int64_t N = inp.rows(), C = inp.cols(), OC = weight.rows();
     MT_ASSERT(weight.cols() == C && dout.rows() == N && dout.cols() == OC, "matmul_backward shapes");
+    if (dout.dtype != DType::F32) {  // 16-bit operands: dout, the weight and (for dweight) inp
+      MT_ASSERT(scale == 1.0f && weight.dtype == dout.dtype && (!dweight || inp.dtype == dout.dtype),
+                "a 16-bit backward product takes scale 1 and its operands in one dtype");
+      if (dinp) half_gemm(dinp, dout, weight, N, C, OC, /*a_m=*/OC, /*a_k=*/1, /*b_k=*/C, /*b_n=*/1, 1.0f);
+      if (dweight) half_gemm(dweight, dout, inp, OC, C, N, /*a_m=*/1, /*a_k=*/OC, /*b_k=*/C, /*b_n=*/1, 1.0f);
+      if (dbias) column_sums(dbias, dout, Tensor{}, Tensor{}, N, OC, 1.0f);
+      return;
+    }
     if (dinp) {  // dinp[N, C] += scale dout[N, OC] @ W[OC, C] (W float32 or 16-bit)
       gemm(dinp, dout, weight, N, C, OC, /*a_m=*/OC, /*a_k=*/1, /*b_k=*/C, /*b_n=*/1, scale);
     }
@@ -481,6 +498,10 @@ class VulkanBackend final : public Backend {
     }
     if (count > 0) ctx().upload(address(a.positions), st.positions, static_cast<size_t>(count) * sizeof(int32_t));
     const bool backward = static_cast<bool>(a.dhidden);
+    // Mixed precision: the head's products on the matrix units, the head stored in that dtype.
+    const bool half = a.operands != DType::F32;
+    MT_ASSERT(!half || (a.weight.dtype == a.operands && half_unit_), "16-bit head products need the head stored in "
+                                                                    "that dtype and the device's matrix units");
     const auto* cross_entropy = dynamic_cast<const CrossEntropyLoss*>(a.loss);
     const bool logits_to_host = !cross_entropy || (a.observer && a.observer->needs_logits());
     if (!logits_to_host) MT_ASSERT(a.row_losses.numel() >= count, "vulkan: no row_losses workspace");
@@ -492,7 +513,10 @@ class VulkanBackend final : public Backend {
       const Tensor pos = a.positions.flat_range(c0, m);
       const Tensor rows(a.rows.data, DType::F32, {m, D}), logits(a.logits.data, DType::F32, {m, V});
       rows_op(rows, a.hidden, pos, 0);
-      matmul(logits, rows, a.weight, Tensor{}, false, 1.0f);
+      if (half)  // logits = rows @ W^T, the rows rounded to 16 bits as the product loads them
+        half_gemm(logits, rows, a.weight, m, V, D, /*a_m=*/D, /*a_k=*/1, /*b_k=*/1, /*b_n=*/D, 1.0f, false);
+      else
+        matmul(logits, rows, a.weight, Tensor{}, false, 1.0f);
       const uint32_t flags = (logits_to_host ? 0u : 1u | (backward ? 2u : 0u)) | (a.observer ? 4u : 0u);
       if (flags != 0) {
         const std::vector<VulkanDispatch> passes = vulkan_geometry::cross_entropy(m, V, kSplitScratchFloats);
@@ -538,9 +562,18 @@ class VulkanBackend final : public Backend {
       if (!backward) continue;
       const Tensor drows(a.drows.data, DType::F32, {m, D});
       fill(drows, 0.0f);
-      gemm(drows, logits, a.weight, m, D, V, /*a_m=*/V, /*a_k=*/1, /*b_k=*/D, /*b_n=*/1, a.grad_scale);
+      if (half) {  // d(logits) x grad_scale rounded to 16 bits as loaded, the rows too
+        half_gemm(drows, logits, a.weight, m, D, V, /*a_m=*/V, /*a_k=*/1, /*b_k=*/D, /*b_n=*/1, 1.0f, true, {},
+                  a.grad_scale);
+        if (a.dweight)
+          half_gemm(a.dweight, logits, rows, V, D, m, /*a_m=*/1, /*a_k=*/V, /*b_k=*/D, /*b_n=*/1, 1.0f, true, {},
+                    a.grad_scale);
+      } else {
+        gemm(drows, logits, a.weight, m, D, V, /*a_m=*/V, /*a_k=*/1, /*b_k=*/D, /*b_n=*/1, a.grad_scale);
+        if (a.dweight)
+          gemm(a.dweight, logits, rows, V, D, m, /*a_m=*/1, /*a_k=*/V, /*b_k=*/D, /*b_n=*/1, a.grad_scale);
+      }
       rows_op(a.dhidden, drows, pos, 1);
-      if (a.dweight) gemm(a.dweight, logits, rows, V, D, m, /*a_m=*/1, /*a_k=*/V, /*b_k=*/D, /*b_n=*/1, a.grad_scale);
     }
     if (!logits_to_host && count > 0 && a.defer_sum && !a.observer && loss_slots_ < kLossSlots) {
       // The sum stays on the device, in a slot of the partials buffer that the gradient norm's
@@ -616,7 +649,7 @@ class VulkanBackend final : public Backend {
       uint64_t partials, a, b, rstd;
       uint32_t N, C, rows_per_block, mode;
     } partials{split_scratch_, address(a), address(b), address(rstd), u32(rows), u32(cols), blocks.rows_per_block,
-               b ? 1u : 0u};
+               b ? 1u : (a.dtype == DType::F32 ? 0u : 1u + vulkan_geometry::dtype_code(a.dtype))};
     ctx().dispatch(d[0], partials);
     struct {
       uint64_t out, partials;
@@ -698,6 +731,8 @@ class VulkanBackend final : public Backend {
               float scale) {
     const int64_t N = inp.rows(), C = inp.cols(), OC = weight.rows();
     MT_ASSERT(weight.cols() == C && out.rows() == N && out.cols() == OC, "matmul shapes");
+    if (inp.dtype != DType::F32)  // 16-bit operands (mixed precision) on the matrix units, any rows
+      return half_gemm(out, inp, weight, N, OC, C, /*a_m=*/C, /*a_k=*/1, /*b_k=*/1, /*b_n=*/C, scale, accumulate, bias);
     if (N > vulkan_geometry::kMatvecRows)  // out = inp @ W^T: A(m, k) = inp[m C + k], B(k, n) = W[n C + k]
       return gemm(out, inp, weight, N, OC, C, /*a_m=*/C, /*a_k=*/1, /*b_k=*/1, /*b_n=*/C, scale, accumulate, bias);
     inp.f32();
@@ -753,14 +788,56 @@ class VulkanBackend final : public Backend {
                (vulkan_geometry::gemm_vector_loads(b_n, b_k, Nc, K, address(b), b.dtype) << 1),
            alpha};
     ctx().dispatch(d[0], push);
-    if (!partial) return;
+    if (partial) reduce_splits(d[1], out, M * Nc, Nc, split.splits, bias, accumulate, alpha);
+  }
+  // gemm_reduce.comp: the split-K partials in the scratch added in split order into out.
+  void reduce_splits(const VulkanDispatch& d, const Tensor& out, int64_t n, int64_t Nc, uint32_t splits,
+                     const Tensor& bias, bool accumulate, float alpha) {
     struct {
       uint64_t out, partials, bias;
       uint32_t n, Nc, splits, has_bias, accumulate;
       float alpha;
-    } reduce{address(out), split_scratch_, address(bias), u32(M * Nc), u32(Nc), split.splits, bias ? 1u : 0u,
+    } reduce{address(out), split_scratch_, address(bias), u32(n), u32(Nc), splits, bias ? 1u : 0u,
              accumulate ? 1u : 0u, alpha};
-    ctx().dispatch(d[1], reduce);
+    ctx().dispatch(d, reduce);
+  }
+  // out[M, Nc] (+)= alpha A @ B (+ bias) with float16 operands on the device's matrix units
+  // (gemm_coopmat.comp), A and B given by strides; a float32 operand is rounded to float16 as it
+  // is loaded, A times a_scale first. Split over K as gemm().
+  void half_gemm(const Tensor& out, const Tensor& a, const Tensor& b, int64_t M, int64_t Nc, int64_t K, int64_t a_m,
+                 int64_t a_k, int64_t b_k, int64_t b_n, float alpha, bool accumulate = true, const Tensor& bias = {},
+                 float a_scale = 1.0f) {
+    out.f32();
+    MT_ASSERT(half_unit_ && (a.dtype == DType::F32 || a.dtype == DType::F16) &&
+                  (b.dtype == DType::F32 || b.dtype == DType::F16),
+              "vulkan: 16-bit products need the device's float16 cooperative matrices (sixteen_bit_products)");
+    const std::vector<VulkanDispatch> d =
+        vulkan_geometry::gemm_coopmat(M, Nc, K, *half_unit_, a.dtype, b.dtype, kSplitScratchFloats);
+    const vulkan_geometry::GemmSplit split = vulkan_geometry::gemm_split(M, Nc, K, kSplitScratchFloats);
+    const bool partial = d.size() > 1;
+    struct {
+      uint64_t out, a, b, bias;
+      uint32_t M, Nc, K, a_m, a_k, b_k, b_n, has_bias, accumulate, k_split, partial;
+      float alpha, a_scale;
+    } push{partial ? split_scratch_ : address(out),
+           address(a),
+           address(b),
+           address(bias),
+           u32(M),
+           u32(Nc),
+           u32(K),
+           u32(a_m),
+           u32(a_k),
+           u32(b_k),
+           u32(b_n),
+           bias ? 1u : 0u,
+           accumulate ? 1u : 0u,
+           split.k_split,
+           partial ? 1u : 0u,
+           alpha,
+           a_scale};
+    ctx().dispatch(d[0], push);
+    if (partial) reduce_splits(d[1], out, M * Nc, Nc, split.splits, bias, accumulate, alpha);
   }
   // mode 0: out[r] = inp[index[r]]; mode 1: out[index[r]] = inp[r] (rows of float32 matrices).
   void rows_op(const Tensor& out, const Tensor& inp, const Tensor& index, uint32_t mode) {
@@ -845,6 +922,8 @@ class VulkanBackend final : public Backend {
   }
   std::optional<VulkanDeviceProfile> profile_;
   std::unique_ptr<VulkanContext> ctx_;
+  // The device's float16 matrix units (cooperative_product_shape), where gemm_coopmat.comp runs.
+  std::optional<vulkan_geometry::MatrixUnit> half_unit_;
   uint64_t partials_ = 0;
   // step_decision.comp's output (tensor_table.glsl's Decision), just before the partials.
   static constexpr size_t kDecisionBytes = 32;

@@ -10,6 +10,11 @@ layout(buffer_reference, std430, buffer_reference_align = 4) buffer F32 { float 
 layout(buffer_reference, std430, buffer_reference_align = 2) buffer U16 { uint16_t v[]; };
 layout(buffer_reference, std430, buffer_reference_align = 4) buffer I32 { int v[]; };
 
+// The row of a shader with a workgroup per row, over a grid that vulkan_geometry::per_row folds
+// into x and y beyond 65,535 rows (the x * y workgroups may exceed the rows by less than a row of
+// the grid: those return at once).
+uint folded_row() { return gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x; }
+
 // A grid-stride loop over n elements for a 1-D dispatch of 256-wide workgroups.
 #define FOR_EACH(i, n) for (uint i = gl_GlobalInvocationID.x; i < (n); i += gl_NumWorkGroups.x * 256u)
 
