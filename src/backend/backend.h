@@ -151,6 +151,7 @@ struct DeviceMemoryFigures {
 // (the host waited for a step's result while the next step was queued).
 struct DeviceCounters {
   uint64_t dispatches = 0, submissions = 0, waits = 0, overlapped_waits = 0;
+  uint64_t barriers = 0;  // execution and memory dependencies recorded between commands
 };
 
 class Backend {

@@ -24,13 +24,14 @@ void DeviceWork::end() {
   overlapped_waits_.add(now->overlapped_waits - start_->overlapped_waits);
   submissions_.add(now->submissions - start_->submissions);
   dispatches_.add(now->dispatches - start_->dispatches);
+  barriers_.add(now->barriers - start_->barriers);
   ++units_;
   start_.reset();
 }
 
 std::optional<DeviceWork::Totals> DeviceWork::totals() const {
   if (!backend_->device_counters()) return std::nullopt;
-  return Totals{units_, waits_.total, overlapped_waits_.total, submissions_.total, dispatches_.total};
+  return Totals{units_, waits_.total, overlapped_waits_.total, submissions_.total, dispatches_.total, barriers_.total};
 }
 
 nlohmann::json DeviceWork::to_json(const std::string& unit) const {
@@ -47,6 +48,7 @@ nlohmann::json DeviceWork::to_json(const std::string& unit) const {
           {"overlapped_waits", overlapped_waits_.to_json(units_)},
           {"submissions", submissions_.to_json(units_)},
           {"dispatches", dispatches_.to_json(units_)},
+          {"barriers", barriers_.to_json(units_)},
           {"dispatches_by_shader", by_shader}};
 }
 

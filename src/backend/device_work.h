@@ -1,7 +1,7 @@
 // What the host asks of a device per unit of work (a training step, an evaluation batch, an
 // engine step of generation): the waits for the device (and of those, the ones after which the
-// device still had work the host had submitted since), the command buffers submitted and the
-// dispatches, each as min / max / mean over the units, from the backend's own counters
+// device still had work the host had submitted since), the command buffers submitted, the
+// dispatches and the barriers between commands, each as min / max / mean over the units, from the backend's own counters
 // (Backend::device_counters), and the dispatches by shader since counting began.
 // memory.json's and generate's "device_work".
 #pragma once
@@ -31,10 +31,10 @@ class DeviceWork {
   // device counters.
   struct Totals {
     int64_t units = 0;
-    uint64_t waits = 0, overlapped_waits = 0, submissions = 0, dispatches = 0;
+    uint64_t waits = 0, overlapped_waits = 0, submissions = 0, dispatches = 0, barriers = 0;
   };
   std::optional<Totals> totals() const;
-  // {"unit", "units", "waits", "overlapped_waits", "submissions", "dispatches": {"min", "max", "mean"},
+  // {"unit", "units", "waits", "overlapped_waits", "submissions", "dispatches", "barriers": {"min", "max", "mean"},
   // "dispatches_by_shader" (since counting began)}; null for a backend without device counters.
   nlohmann::json to_json(const std::string& unit) const;
 
@@ -47,7 +47,7 @@ class DeviceWork {
   const Backend* backend_;
   std::map<std::string, uint64_t> shaders_at_start_;
   std::optional<DeviceCounters> start_;
-  Range waits_, overlapped_waits_, submissions_, dispatches_;
+  Range waits_, overlapped_waits_, submissions_, dispatches_, barriers_;
   int64_t units_ = 0;
 };
 

@@ -75,6 +75,8 @@ std::string ServerMetrics::text(const EngineGauges& gauges) const {
             d.submissions, p.submissions);
     counter("memtune_device_dispatches_total", "Compute dispatches recorded during engine steps.", d.dispatches,
             p.dispatches);
+    counter("memtune_device_barriers_total", "Barriers recorded between device commands during engine steps.",
+            d.barriers, p.barriers);
   }
   time_to_first_token_.write(out, "memtune_time_to_first_token_seconds",
                              "Seconds from a request's arrival to its first generated token.");

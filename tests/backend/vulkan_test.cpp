@@ -25,6 +25,7 @@
 #include "backend/vulkan/geometry.h"
 #include "backend/vulkan/shaders.h"
 #include "backend/vulkan/vulkan_backend.h"
+#include "core/error.h"
 #include "core/rng.h"
 #include "memory/arena.h"
 #include "data/synthetic_tokenizer.h"
@@ -839,6 +840,43 @@ TEST_F(VulkanOps, QueryRowsBeyondOneGridDimensionAreAllAttended) {
     return r;
   };
   expect_close(attention(vk()), attention(ref()), 2e-5f);
+}
+
+// Where the context puts a barrier (VulkanContext::needs_barrier): before a command that reads
+// what one since the last barrier wrote, writes what one wrote or read, or states nothing (or
+// after such a command); never between readers of one range or commands on disjoint ranges.
+TEST(VulkanBarriers, OnlyWhereACommandMeetsAnEarlierWrite) {
+  using A = VulkanContext::Access;
+  const std::vector<A> pending = {{1000, 100, false}, {2000, 100, true}};
+  auto needs = [&](std::vector<A> next, bool unstated = false, bool pending_unstated = false) {
+    return VulkanContext::needs_barrier(pending, pending_unstated, next, unstated);
+  };
+  EXPECT_FALSE(needs({{1000, 100, false}}));             // read after read
+  EXPECT_TRUE(needs({{1050, 10, true}}));                // write after read
+  EXPECT_TRUE(needs({{2099, 1, false}}));                // read after write (its last byte)
+  EXPECT_TRUE(needs({{1990, 20, true}}));                // write after write, overlapping
+  EXPECT_FALSE(needs({{2100, 50, true}, {0, 1000, true}}));  // disjoint: touching ends only
+  EXPECT_FALSE(needs({{3000, 8, false}, {1000, 8, false}}));
+  EXPECT_TRUE(needs({}, /*unstated=*/true));             // states nothing
+  EXPECT_TRUE(needs({{5000, 4, false}}, false, /*pending_unstated=*/true));
+  EXPECT_FALSE(VulkanContext::needs_barrier({}, false, {}, /*unstated=*/true));  // nothing since the last
+}
+
+// A dispatch handed a device address it does not state is refused before it is recorded: its
+// shader could read or write memory no barrier orders.
+TEST_F(VulkanOps, ADispatchHandedAnAddressItDoesNotStateIsRefused) {
+  VulkanContext ctx;
+  const uint64_t y = ctx.allocate(1024), x = ctx.allocate(1024);
+  struct {
+    uint64_t y, x;
+    uint32_t n;
+  } push{y, x, 256};
+  const VulkanDispatch d = vulkan_geometry::elementwise("add_inplace", 256, 12);
+  EXPECT_THROW(ctx.dispatch(d, push, {{y, 1024, true}}), InternalError);
+  EXPECT_NO_THROW(ctx.dispatch(d, push, {{y, 1024, true}, {x, 1024, false}}));
+  ctx.flush();
+  ctx.deallocate(x);
+  ctx.deallocate(y);
 }
 
 // The cooperative-matrix variants (gemm_coopmat.comp), on a device whose VK_KHR_cooperative_matrix

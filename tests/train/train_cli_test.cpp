@@ -660,6 +660,10 @@ TEST_F(TrainCliTest, EveryCommandRunsOnVulkanAndAgreesWithCpu) {
     const uint64_t dispatches = w["dispatches"]["min"], submissions = w["submissions"]["min"];
     EXPECT_GE(submissions, std::max<uint64_t>(w["waits"]["min"].get<uint64_t>(), (dispatches + 63) / 64));
     EXPECT_GT(w["dispatches"]["min"].get<uint64_t>(), 10u);
+    // Barriers only where a command meets what one since the last barrier wrote (context.h): the
+    // independent commands of a layer (q / k / v, gate / up, a gradient's two products) share one.
+    EXPECT_GT(w["barriers"]["min"].get<uint64_t>(), 0u);
+    EXPECT_LT(w["barriers"]["mean"].get<double>(), w["dispatches"]["mean"].get<double>());
     for (const auto& [shader, n] : w["dispatches_by_shader"].items()) ran.insert(shader);
   };
   work(json::parse(std::ifstream(dir_ / "lora_vulkan" / "memory.json"))["device_work"], "training step", 4, 4, 3,

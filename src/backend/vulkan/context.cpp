@@ -322,15 +322,54 @@ VkCommandBuffer VulkanContext::recording() {
   return batches_[current_].commands;
 }
 
-void VulkanContext::barrier() {
+void VulkanContext::barrier(bool host) {
+  ++counters_.barriers;
   auto b = vk_struct<VkMemoryBarrier>(VK_STRUCTURE_TYPE_MEMORY_BARRIER);
   b.srcAccessMask = VK_ACCESS_SHADER_WRITE_BIT | VK_ACCESS_TRANSFER_WRITE_BIT;
   b.dstAccessMask = VK_ACCESS_SHADER_READ_BIT | VK_ACCESS_SHADER_WRITE_BIT | VK_ACCESS_TRANSFER_READ_BIT |
-                    VK_ACCESS_TRANSFER_WRITE_BIT | VK_ACCESS_HOST_READ_BIT;
+                    VK_ACCESS_TRANSFER_WRITE_BIT | (host ? VK_ACCESS_HOST_READ_BIT : 0);
   vkCmdPipelineBarrier(
       recording(), VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | VK_PIPELINE_STAGE_TRANSFER_BIT,
-      VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | VK_PIPELINE_STAGE_TRANSFER_BIT | VK_PIPELINE_STAGE_HOST_BIT, 0, 1, &b, 0,
-      nullptr, 0, nullptr);
+      VK_PIPELINE_STAGE_COMPUTE_SHADER_BIT | VK_PIPELINE_STAGE_TRANSFER_BIT | (host ? VK_PIPELINE_STAGE_HOST_BIT : 0),
+      0, 1, &b, 0, nullptr, 0, nullptr);
+  pending_.clear();
+  pending_unstated_ = false;
+}
+
+bool VulkanContext::needs_barrier(std::span<const Access> pending, bool pending_unstated,
+                                  std::span<const Access> accesses, bool unstated) {
+  if (pending_unstated) return true;
+  if (unstated) return !pending.empty();
+  for (const Access& a : accesses)
+    for (const Access& p : pending)
+      if ((a.write || p.write) && a.address < p.address + p.bytes && p.address < a.address + a.bytes) return true;
+  return false;
+}
+
+void VulkanContext::order(std::span<const Access> accesses) {
+  const bool unstated = accesses.empty();
+  if (needs_barrier(pending_, pending_unstated_, accesses, unstated)) barrier();
+  if (unstated) pending_unstated_ = true;
+  for (const Access& a : accesses)
+    if (a.bytes > 0) pending_.push_back(a);
+}
+
+void VulkanContext::check_stated(std::span<const std::byte> push, std::span<const Access> accesses) const {
+  for (size_t at = 0; at + 8 <= push.size(); at += 8) {
+    uint64_t word = 0;
+    std::memcpy(&word, push.data() + at, 8);
+    if (word == 0) continue;
+    auto it = allocations_.upper_bound(word);
+    if (it == allocations_.begin()) continue;
+    --it;
+    if (word >= it->first + it->second.bytes) continue;  // not in this context's memory
+    const bool stated = std::any_of(accesses.begin(), accesses.end(), [&](const Access& a) {
+      return word >= a.address && (word < a.address + a.bytes || (a.bytes == 0 && word == a.address));
+    });
+    MT_ASSERT(stated, fmt::format("vulkan: a dispatch is handed device address {:#x} (push constant bytes {}..{}) "
+                                  "in no range it states",
+                                  word, at, at + 8));
+  }
 }
 
 void VulkanContext::submit() {
@@ -433,10 +472,11 @@ VulkanContext::PendingRead VulkanContext::read_later(uint64_t src, size_t bytes)
   marked_ = 0;
   if (bytes > 0) {
     const auto [a, offset] = locate(src, bytes);
+    order({{src, bytes, false}});
     const VkBufferCopy region{offset, at + kMarkBytes, bytes};
-    vkCmdCopyBuffer(c, a->buffer, readback_.buffer, 1, &region);
+    vkCmdCopyBuffer(recording(), a->buffer, readback_.buffer, 1, &region);
   }
-  barrier();
+  barrier(/*host=*/true);
   r.batch = current_;
   submit();
   r.submission = batches_[r.batch].submission;
@@ -457,8 +497,9 @@ void VulkanContext::upload(uint64_t dst, const void* src, size_t bytes) {
   const auto [a, offset] = locate(dst, bytes);
   if (bytes <= kRecordedUploadBytes && bytes % 4 == 0 && offset % 4 == 0) {
     // Small: the bytes go into the command buffer itself, so nothing waits (a step's batch).
-    if (bytes > 0) vkCmdUpdateBuffer(recording(), a->buffer, offset, bytes, src);
-    barrier();
+    if (bytes == 0) return;
+    order({{dst, bytes, true}});
+    vkCmdUpdateBuffer(recording(), a->buffer, offset, bytes, src);
     return;
   }
   // Slices of half the staging buffer, the halves in turn, each copy submitted at once: the host
@@ -473,8 +514,8 @@ void VulkanContext::upload(uint64_t dst, const void* src, size_t bytes) {
     const size_t at = next_half_ * kHalf;
     std::memcpy(static_cast<std::byte*>(staging_host_) + at, static_cast<const std::byte*>(src) + done, n);
     const VkBufferCopy region{at, offset + done, n};
+    order({{dst + done, n, true}});
     vkCmdCopyBuffer(recording(), staging_.buffer, a->buffer, 1, &region);
-    barrier();
     const size_t batch = current_;
     submit();
     half = {batch, batches_[batch].submission};
@@ -489,7 +530,7 @@ void VulkanContext::download(void* dst, uint64_t src, size_t bytes) {
 void VulkanContext::download(std::initializer_list<Range> ranges) {
   size_t at = 0;  // where the next piece goes in the staging buffer
   auto read_staged = [&] {
-    barrier();
+    barrier(/*host=*/true);
     flush();
     for (const StagedPiece& p : staged_) std::memcpy(p.dst, static_cast<const std::byte*>(staging_host_) + p.at, p.bytes);
     staged_.clear();
@@ -502,6 +543,7 @@ void VulkanContext::download(std::initializer_list<Range> ranges) {
       if (at == kTransferBytes) read_staged();
       const size_t n = std::min(r.bytes - done, kTransferBytes - at);
       const VkBufferCopy region{offset + done, at, n};
+      order({{r.src + done, n, false}});
       vkCmdCopyBuffer(recording(), a->buffer, staging_.buffer, 1, &region);
       staged_.push_back({static_cast<std::byte*>(r.dst) + done, at, n});
       done += n;
@@ -516,16 +558,16 @@ void VulkanContext::copy(uint64_t dst, uint64_t src, size_t bytes) {
   const auto [to, to_offset] = locate(dst, bytes);
   const auto [from, from_offset] = locate(src, bytes);
   const VkBufferCopy region{from_offset, to_offset, bytes};
+  order({{src, bytes, false}, {dst, bytes, true}});
   vkCmdCopyBuffer(recording(), from->buffer, to->buffer, 1, &region);
-  barrier();
 }
 
 void VulkanContext::fill_words(uint64_t dst, uint32_t word, size_t bytes) {
   if (bytes == 0) return;
   const auto [a, offset] = locate(dst, bytes);
   MT_ASSERT(offset % 4 == 0 && bytes % 4 == 0, "vulkan: a fill of whole 4-byte words");
+  order({{dst, bytes, true}});
   vkCmdFillBuffer(recording(), a->buffer, offset, bytes, word);
-  barrier();
 }
 
 VulkanContext::Pipeline& VulkanContext::pipeline(std::string_view shader, std::span<const uint32_t> constants) {
@@ -558,7 +600,7 @@ VulkanContext::Pipeline& VulkanContext::pipeline(std::string_view shader, std::s
 
 void VulkanContext::dispatch(std::string_view shader, std::span<const uint32_t> constants,
                              std::span<const std::byte> push, uint32_t groups_x, uint32_t groups_y, uint32_t groups_z,
-                             double flops, double bytes) {
+                             double flops, double bytes, std::span<const Access> accesses) {
   MT_ASSERT(push.size() <= 128, "vulkan: push constants of at most 128 bytes");
   if (groups_x == 0 || groups_y == 0 || groups_z == 0) return;
   Pipeline& p = pipeline(shader, constants);
@@ -567,8 +609,10 @@ void VulkanContext::dispatch(std::string_view shader, std::span<const uint32_t> 
   MT_ASSERT(push.size() >= p.push_bytes && push.size() <= (p.push_bytes + 7) / 8 * 8,
             fmt::format("vulkan: {} pushes {} bytes of constants; shaders/{}.comp declares {}", shader, push.size(),
                         shader, p.push_bytes));
+  if (!accesses.empty()) check_stated(push, accesses);
   if (profile_) flush();  // time this dispatch alone
   const auto start = std::chrono::steady_clock::now();
+  order(accesses);
   VkCommandBuffer c = recording();
   if (profile_queries_) {
     vkCmdResetQueryPool(c, profile_queries_, 0, 2);
@@ -578,7 +622,6 @@ void VulkanContext::dispatch(std::string_view shader, std::span<const uint32_t> 
   vkCmdPushConstants(c, layout_, VK_SHADER_STAGE_COMPUTE_BIT, 0, static_cast<uint32_t>(push.size()), push.data());
   vkCmdDispatch(c, groups_x, groups_y, groups_z);
   if (profile_queries_) vkCmdWriteTimestamp(c, VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, profile_queries_, 1);
-  barrier();
   ++counters_.dispatches;
   ++p.dispatches;
   // The device starts on what is recorded while the host records the rest of the step.

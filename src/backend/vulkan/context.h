@@ -8,12 +8,21 @@
 // those 64-bit addresses in push constants, so maxStorageBufferRange (128 MiB on lavapipe) never
 // limits a tensor. The host never dereferences these addresses.
 //
-// Submission: dispatches and device-side copies are recorded into command buffers with a memory
-// barrier after each (every op may read what the previous one wrote; a barrier orders everything
-// earlier in submission order, across command buffers), each submitted once it holds
-// kSubmitEvery dispatches so the device runs while the host records the rest of the step; the
+// Submission: dispatches and device-side copies are recorded into command buffers, each submitted
+// once it holds kSubmitEvery dispatches so the device runs while the host records the rest of the step; the
 // host waits (flush) only where a value must come back or host memory is touched: a download,
-// freeing memory. A large upload goes through the staging buffer's halves in turn and waits only
+// freeing memory.
+//
+// Barriers: a command states the device memory it reads and writes (Access: address ranges; a
+// write may also read). A memory barrier (compute and transfer stages, both ways) is recorded
+// before a command only where one of its ranges meets a range of a command since the last
+// barrier and one of the two writes it (read after write, write after write, write after read);
+// a barrier orders everything earlier in submission order, across command buffers. A command
+// that states nothing (a shader reaching tensors through a table in device memory) is ordered
+// after everything before it and before everything after it. Every address in a dispatch's push
+// constants that lies in this context's memory must be inside one of its stated ranges (checked
+// at each dispatch), so a tensor the shader is handed cannot be left out. The host stage is a
+// barrier's destination only before the host reads what the device wrote (downloads, read_later). A large upload goes through the staging buffer's halves in turn and waits only
 // to refill a half whose copy is still running; nothing waits after its last slice.
 #pragma once
 
@@ -50,6 +59,13 @@ class VulkanContext {
 
   const VulkanDeviceInfo& info() const { return info_; }
 
+  // Device memory a command reads, or writes (and may read): [address, address + bytes).
+  struct Access {
+    uint64_t address = 0;
+    size_t bytes = 0;
+    bool write = false;
+  };
+
   // Device-local memory of `bytes`, zero-filled; returns its device address. An Error naming
   // the device's limit when one allocation cannot hold it.
   uint64_t allocate(size_t bytes);
@@ -73,29 +89,25 @@ class VulkanContext {
   // Recorded: a device-to-device copy, and a fill of 4-byte words.
   void copy(uint64_t dst, uint64_t src, size_t bytes);
   void fill_words(uint64_t dst, uint32_t word, size_t bytes);
+  // The barrier state as a pure function, for tests: whether a command of `accesses` (none: it
+  // states nothing) needs a barrier after commands of `pending` since the last one.
+  static bool needs_barrier(std::span<const Access> pending, bool pending_unstated, std::span<const Access> accesses,
+                            bool unstated);
 
   // Records a dispatch of shaders/NAME.comp with `push` as its push constants (at most 128
   // bytes, laid out as the shader declares them). `constants` are its specialization constants
   // (constant_id 0, 1, ...: a head dimension, a tile size, a dtype), fixed when its pipeline is
   // made: each distinct set is a pipeline of its own, compiled on first use.
   // flops and bytes: what the dispatch is designed to do (VulkanDispatch), for the profile.
+  // `accesses`: the memory it reads and writes (see Barriers above); empty: it states none.
   void dispatch(std::string_view shader, std::span<const uint32_t> constants, std::span<const std::byte> push,
-                uint32_t groups_x, uint32_t groups_y = 1, uint32_t groups_z = 1, double flops = 0, double bytes = 0);
-  template <class Push>
-  void dispatch(std::string_view shader, const Push& push, uint32_t gx, uint32_t gy = 1, uint32_t gz = 1) {
-    dispatch(shader, std::span<const uint32_t>(), std::as_bytes(std::span<const Push>(&push, 1)), gx, gy, gz);
-  }
-  template <class Push>
-  void dispatch(std::string_view shader, std::initializer_list<uint32_t> constants, const Push& push, uint32_t gx,
-                uint32_t gy = 1, uint32_t gz = 1) {
-    dispatch(shader, std::span<const uint32_t>(constants.begin(), constants.size()),
-             std::as_bytes(std::span<const Push>(&push, 1)), gx, gy, gz);
-  }
+                uint32_t groups_x, uint32_t groups_y, uint32_t groups_z, double flops, double bytes,
+                std::span<const Access> accesses);
   // A dispatch as vulkan_geometry computed it (shader, constants, grid).
   template <class Push>
-  void dispatch(const VulkanDispatch& d, const Push& push) {
+  void dispatch(const VulkanDispatch& d, const Push& push, std::initializer_list<Access> accesses = {}) {
     dispatch(d.shader, std::span<const uint32_t>(d.constants), std::as_bytes(std::span<const Push>(&push, 1)), d.x,
-             d.y, d.z, d.flops, d.bytes);
+             d.y, d.z, d.flops, d.bytes, std::span<const Access>(accesses.begin(), accesses.size()));
   }
   // Reads the host collects later (a training step's result, read one step late): read_later
   // records a copy of `bytes` at device address `src` into one of kReadbackSlots host-visible
@@ -125,7 +137,7 @@ class VulkanContext {
   // had more work queued while the host waited: a pending read collected after the next step was
   // recorded).
   struct Counters {
-    uint64_t dispatches = 0, submissions = 0, waits = 0, overlapped_waits = 0;
+    uint64_t dispatches = 0, submissions = 0, waits = 0, overlapped_waits = 0, barriers = 0;
   };
   const Counters& counters() const { return counters_; }
   std::map<std::string, uint64_t> dispatches_by_shader() const;
@@ -183,7 +195,15 @@ class VulkanContext {
                          VkMemoryPropertyFlags preferred = 0);
   void destroy(Allocation& a);
   VkCommandBuffer recording();
-  void barrier();
+  // A barrier between device commands, or (host) also before the host reads.
+  void barrier(bool host = false);
+  // Records what the next command touches, with a barrier first where needs_barrier says.
+  void order(std::span<const Access> accesses);
+  void order(std::initializer_list<Access> accesses) { order(std::span<const Access>(accesses.begin(), accesses.size())); }
+  // Every push-constant word that is an address in this context's memory lies in `accesses`.
+  void check_stated(std::span<const std::byte> push, std::span<const Access> accesses) const;
+  std::vector<Access> pending_;  // since the last barrier
+  bool pending_unstated_ = false;  // a command since the last barrier stated nothing
   Pipeline& pipeline(std::string_view shader, std::span<const uint32_t> constants);
 
   VulkanDeviceInfo info_;

@@ -44,6 +44,11 @@ bool target_piece_first() {
   return v && std::string_view(v) == "1";
 }
 
+// What a dispatch reads, or writes (and may read), for the context's barriers (context.h).
+using Access = VulkanContext::Access;
+Access reads(const Tensor& t) { return {address(t), t ? t.bytes() : 0, false}; }
+Access writes(const Tensor& t) { return {address(t), t ? t.bytes() : 0, true}; }
+
 std::optional<VulkanDeviceProfile>& absent_device() {
   static std::optional<VulkanDeviceProfile> profile;
   return profile;
@@ -77,8 +82,11 @@ class VulkanBackend final : public Backend {
   std::optional<DeviceCounters> device_counters() const override {
     if (!ctx_) return std::nullopt;
     const VulkanContext::Counters& c = ctx_->counters();
-    return DeviceCounters{
-        .dispatches = c.dispatches, .submissions = c.submissions, .waits = c.waits, .overlapped_waits = c.overlapped_waits};
+    return DeviceCounters{.dispatches = c.dispatches,
+                          .submissions = c.submissions,
+                          .waits = c.waits,
+                          .overlapped_waits = c.overlapped_waits,
+                          .barriers = c.barriers};
   }
   std::map<std::string, uint64_t> dispatches_by_shader() const override {
     return ctx_ ? ctx_->dispatches_by_shader() : std::map<std::string, uint64_t>{};
@@ -155,7 +163,7 @@ class VulkanBackend final : public Backend {
       uint64_t dst, src;
       uint32_t n, mode;
     } push{address(dst), address(src), u32(dst.numel()), mode};
-    ctx().dispatch(vulkan_geometry::elementwise("convert", dst.numel(), 6), push);
+    ctx().dispatch(vulkan_geometry::elementwise("convert", dst.numel(), 6), push, {reads(src), writes(dst)});
   }
   void fill(const Tensor& dst, float value) override {
     dst.f32();
@@ -179,14 +187,15 @@ class VulkanBackend final : public Backend {
       uint64_t y, x;
       uint32_t n;
     } push{address(y), address(x), u32(y.numel())};
-    ctx().dispatch(vulkan_geometry::elementwise("add_inplace", y.numel(), 12), push);
+    ctx().dispatch(vulkan_geometry::elementwise("add_inplace", y.numel(), 12), push, {reads(x), writes(y)});
   }
   void swiglu_forward(const Tensor& h, const Tensor& gate, const Tensor& up) override {
     struct {
       uint64_t h, gate, up;
       uint32_t n;
     } push{address(h), address(gate), address(up), u32(h.numel())};
-    ctx().dispatch(vulkan_geometry::elementwise("swiglu", h.numel(), 12, 8), push);
+    ctx().dispatch(vulkan_geometry::elementwise("swiglu", h.numel(), 12, 8), push,
+                   {reads(gate), reads(up), writes(h)});
   }
 
   void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
@@ -222,7 +231,8 @@ class VulkanBackend final : public Backend {
       uint64_t dinp, dout, inp, w, rstd;
       uint32_t N, C;
     } push{address(dinp), address(dout), address(inp), address(w), address(rstd), u32(inp.rows()), u32(inp.cols())};
-    ctx().dispatch(vulkan_geometry::per_row("rmsnorm_backward", inp.rows(), inp.cols(), 12, 6), push);
+    ctx().dispatch(vulkan_geometry::per_row("rmsnorm_backward", inp.rows(), inp.cols(), 12, 6), push,
+                   {writes(dinp), reads(dout), reads(inp), reads(w), reads(rstd)});
     if (dweight) column_sums(dweight, dout, inp, rstd, inp.rows(), inp.cols(), 1.0f);
   }
   void rope_forward(const Tensor& x, const Tensor& positions, const Tensor& inv_freq) override {
@@ -239,7 +249,8 @@ class VulkanBackend final : public Backend {
       uint32_t N, C, cdtype;
     } push{address(k_cache), address(v_cache), address(k),    address(v),
            address(slots),   u32(k.rows()),    u32(k.cols()), vulkan_geometry::dtype_code(k_cache.dtype)};
-    ctx().dispatch(vulkan_geometry::elementwise("kv_cache_write", k.numel(), 2 * (4 + dtype_size(k_cache.dtype))), push);
+    ctx().dispatch(vulkan_geometry::elementwise("kv_cache_write", k.numel(), 2 * (4 + dtype_size(k_cache.dtype))), push,
+                   {writes(k_cache), writes(v_cache), reads(k), reads(v), reads(slots)});
   }
   void gather_rows(const Tensor& out, const Tensor& inp, const Tensor& index) override { rows_op(out, inp, index, 0); }
   void swiglu_backward(const Tensor& dgate, const Tensor& dup, const Tensor& dh, const Tensor& gate,
@@ -248,7 +259,8 @@ class VulkanBackend final : public Backend {
       uint64_t dgate, dup, dh, gate, up;
       uint32_t n;
     } push{address(dgate), address(dup), address(dh), address(gate), address(up), u32(dh.numel())};
-    ctx().dispatch(vulkan_geometry::elementwise("swiglu_backward", dh.numel(), 20, 12), push);
+    ctx().dispatch(vulkan_geometry::elementwise("swiglu_backward", dh.numel(), 20, 12), push,
+                   {writes(dgate), writes(dup), reads(dh), reads(gate), reads(up)});
   }
   void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& table) override {
     embedding(table, out, ids, vulkan_geometry::dtype_code(table.dtype), 0,
@@ -266,7 +278,7 @@ class VulkanBackend final : public Backend {
     } push{
         address(out),     address(x), key, u32(x.numel()), static_cast<uint32_t>(static_cast<double>(p) * 16777216.0),
         1.0f / (1.0f - p)};
-    ctx().dispatch(vulkan_geometry::elementwise("dropout", x.numel(), 8, 8), push);
+    ctx().dispatch(vulkan_geometry::elementwise("dropout", x.numel(), 8, 8), push, {writes(out), reads(x)});
   }
   // Sampling on the device (sample_penalties.comp, sample.comp): the rows' settings and the
   // penalty tokens go up with the step, R token ids come back.
@@ -306,13 +318,15 @@ class VulkanBackend final : public Backend {
         uint64_t logits, rows, entries;
         uint32_t n, V;
       } push{address(a.logits), address(a.device_rows), address(a.device_penalties), u32(n), u32(V)};
-      ctx().dispatch(vulkan_geometry::elementwise("sample_penalties", n, 24), push);
+      ctx().dispatch(vulkan_geometry::elementwise("sample_penalties", n, 24), push,
+                     {writes(a.logits), reads(a.device_rows), reads(a.device_penalties)});
     }
     struct {
       uint64_t logits, rows, tokens;
       uint32_t V;
     } push{address(a.logits), address(a.device_rows), address(a.device_tokens), u32(V)};
-    ctx().dispatch(vulkan_geometry::sample(R, V), push);
+    ctx().dispatch(vulkan_geometry::sample(R, V), push,
+                   {reads(a.logits), reads(a.device_rows), writes(a.device_tokens)});
     ctx().download(a.tokens.data(), address(a.device_tokens), static_cast<size_t>(R) * sizeof(int32_t));
   }
 
@@ -402,7 +416,8 @@ class VulkanBackend final : public Backend {
       float scale;
     } push{address(out), address(lse), address(q), address(k), address(v), address(cu_seqlens),
            u32(q.rows()), u32(cu_seqlens.numel() - 1), u32(q.cols() / hd), u32(k.cols() / hd), attention_scale(hd)};
-    ctx().dispatch(vulkan_geometry::attention_forward(attention_shape(q, k, cu_seqlens, hd)), push);
+    ctx().dispatch(vulkan_geometry::attention_forward(attention_shape(q, k, cu_seqlens, hd)), push,
+                   {writes(out), writes(lse), reads(q), reads(k), reads(v), reads(cu_seqlens)});
   }
   // FlashAttention-2's two passes: dq by query tiles, dk and dv by key tiles.
   void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& out,
@@ -416,7 +431,8 @@ class VulkanBackend final : public Backend {
     } query_side{address(dq),    address(dout), address(out), address(lse), address(q), address(k), address(v),
                  address(cu_seqlens), u32(q.rows()), u32(cu_seqlens.numel() - 1), u32(q.cols() / hd),
                  u32(k.cols() / hd), attention_scale(hd)};
-    ctx().dispatch(vulkan_geometry::attention_backward_dq(shape), query_side);
+    ctx().dispatch(vulkan_geometry::attention_backward_dq(shape), query_side,
+                   {writes(dq), reads(dout), reads(out), reads(lse), reads(q), reads(k), reads(v), reads(cu_seqlens)});
     struct {
       uint64_t dk, dv, dout, out, lse, q, k, v, cu;
       uint32_t N, S, Hq, Hkv;
@@ -424,7 +440,9 @@ class VulkanBackend final : public Backend {
     } key_side{address(dk), address(dv), address(dout), address(out), address(lse), address(q), address(k),
                address(v),  address(cu_seqlens), u32(q.rows()), u32(cu_seqlens.numel() - 1), u32(q.cols() / hd),
                u32(k.cols() / hd), attention_scale(hd)};
-    ctx().dispatch(vulkan_geometry::attention_backward_dkv(shape), key_side);
+    ctx().dispatch(vulkan_geometry::attention_backward_dkv(shape), key_side,
+                   {writes(dk), writes(dv), reads(dout), reads(out), reads(lse), reads(q), reads(k), reads(v),
+                    reads(cu_seqlens)});
   }
   // Split over the context where few query rows would leave the device idle (decoding), the
   // splits' partials in the backend's own scratch, merged by a second dispatch.
@@ -460,13 +478,15 @@ class VulkanBackend final : public Backend {
            split.split_keys,
            split.splits,
            attention_scale(hd)};
-    ctx().dispatch(dispatches[0], push);
+    ctx().dispatch(dispatches[0], push,
+                   {writes(out), scratch(true), reads(q), reads(k_cache), reads(v_cache), reads(block_tables),
+                    reads(cu_seqlens), reads(context_lens)});
     if (dispatches.size() < 2) return;
     struct {
       uint64_t out, partials;
       uint32_t rows, hd, splits;
     } merge{address(out), split_scratch_, u32(q.rows() * shape.q_heads), u32(hd), split.splits};
-    ctx().dispatch(dispatches[1], merge);
+    ctx().dispatch(dispatches[1], merge, {writes(out), scratch(false)});
   }
   // The fused head on the device: each chunk's logits are computed here (16-bit heads read as
   // stored); cross-entropy runs on them (cross_entropy.comp), writing its gradient in place for
@@ -525,7 +545,7 @@ class VulkanBackend final : public Backend {
           uint64_t logits, targets, positions, partials;
           uint32_t V, piece, pieces;
         } partials{address(logits), address(a.targets), address(pos), split_scratch_, u32(V), piece, pieces};
-        ctx().dispatch(passes[0], partials);
+        ctx().dispatch(passes[0], partials, {reads(logits), reads(a.targets), reads(pos), scratch(true)});
         struct {
           uint64_t logits, targets, positions, losses, stats, partials;
           uint32_t V, piece, pieces, flags;
@@ -541,12 +561,16 @@ class VulkanBackend final : public Backend {
                pieces,
                flags,
                cross_entropy ? cross_entropy->label_smoothing() : 0.0f};
+        const Tensor losses = logits_to_host ? Tensor{} : a.row_losses.flat_range(c0, m),
+                     stats = a.observer ? a.row_stats.flat_range(4 * c0, 4 * m) : Tensor{};
+        const std::initializer_list<Access> second = {writes(logits), reads(a.targets), reads(pos), writes(losses),
+                                                      writes(stats), scratch(false)};
         if (target_piece_first()) {  // the order that exposes a read of the target's overwritten column
           push.flags = flags | 8u;
-          ctx().dispatch(passes[1], push);
+          ctx().dispatch(passes[1], push, second);
           push.flags = flags | 16u;
         }
-        ctx().dispatch(passes[1], push);
+        ctx().dispatch(passes[1], push, second);
       }
       if (logits_to_host) {
         if (!st.logits)
@@ -582,7 +606,8 @@ class VulkanBackend final : public Backend {
         uint64_t out, x;
         uint32_t n;
       } push{partials_ + loss_slots_ * sizeof(float), address(a.row_losses), u32(count)};
-      ctx().dispatch(vulkan_geometry::per_row("loss_sum", 1, count, 4, 1), push);
+      ctx().dispatch(vulkan_geometry::per_row("loss_sum", 1, count, 4, 1), push,
+                     {{partials_ + loss_slots_ * sizeof(float), sizeof(float), true}, reads(a.row_losses)});
       ++loss_slots_;
       return LossSum{0.0, count, true};
     }
@@ -650,13 +675,13 @@ class VulkanBackend final : public Backend {
       uint32_t N, C, rows_per_block, mode;
     } partials{split_scratch_, address(a), address(b), address(rstd), u32(rows), u32(cols), blocks.rows_per_block,
                b ? 1u : (a.dtype == DType::F32 ? 0u : 1u + vulkan_geometry::dtype_code(a.dtype))};
-    ctx().dispatch(d[0], partials);
+    ctx().dispatch(d[0], partials, {scratch(true), reads(a), reads(b), reads(rstd)});
     struct {
       uint64_t out, partials;
       uint32_t C, blocks;
       float alpha;
     } finish{address(out), split_scratch_, u32(cols), blocks.blocks, alpha};
-    ctx().dispatch(d[1], finish);
+    ctx().dispatch(d[1], finish, {writes(out), scratch(false)});
   }
   // scale_sum_squares.comp over xs: the partial sums after the loss slots; returns the number of
   // floats from the start of the partials buffer that then matter (loss slots included).
@@ -744,7 +769,8 @@ class VulkanBackend final : public Backend {
       float scale;
     } push{address(out), address(inp), address(weight), address(bias), u32(N), u32(OC), u32(C), bias ? 1u : 0u,
            accumulate ? 1u : 0u, scale};
-    ctx().dispatch(vulkan_geometry::matvec(N, OC, C, weight.dtype, vector_loads), push);
+    ctx().dispatch(vulkan_geometry::matvec(N, OC, C, weight.dtype, vector_loads), push,
+                   {writes(out), reads(inp), reads(weight), reads(bias)});
   }
 
   // rmsnorm.comp: out = rmsnorm(inp), or with `add` inp += add first (the same pass).
@@ -754,7 +780,8 @@ class VulkanBackend final : public Backend {
       uint32_t N, C;
       float eps;
     } push{address(out), address(rstd), address(inp), address(w), address(add), u32(inp.rows()), u32(inp.cols()), eps};
-    ctx().dispatch(vulkan_geometry::rmsnorm(inp.rows(), inp.cols(), static_cast<bool>(add)), push);
+    ctx().dispatch(vulkan_geometry::rmsnorm(inp.rows(), inp.cols(), static_cast<bool>(add)), push,
+                   {writes(out), writes(rstd), add ? writes(inp) : reads(inp), reads(w), reads(add)});
   }
   // out[M, Nc] (+)= alpha A @ B (+ bias), A float32 and B float32 or 16-bit, both given by
   // strides (gemm.comp; split over K through the scratch where the geometry says so).
@@ -787,7 +814,7 @@ class VulkanBackend final : public Backend {
            vulkan_geometry::gemm_vector_loads(a_m, a_k, M, K, address(a), DType::F32) |
                (vulkan_geometry::gemm_vector_loads(b_n, b_k, Nc, K, address(b), b.dtype) << 1),
            alpha};
-    ctx().dispatch(d[0], push);
+    ctx().dispatch(d[0], push, {partial ? scratch(true) : writes(out), reads(a), reads(b), reads(bias)});
     if (partial) reduce_splits(d[1], out, M * Nc, Nc, split.splits, bias, accumulate, alpha);
   }
   // gemm_reduce.comp: the split-K partials in the scratch added in split order into out.
@@ -799,7 +826,7 @@ class VulkanBackend final : public Backend {
       float alpha;
     } reduce{address(out), split_scratch_, address(bias), u32(n), u32(Nc), splits, bias ? 1u : 0u,
              accumulate ? 1u : 0u, alpha};
-    ctx().dispatch(d, reduce);
+    ctx().dispatch(d, reduce, {writes(out), scratch(false), reads(bias)});
   }
   // out[M, Nc] (+)= alpha A @ B (+ bias) with float16 operands on the device's matrix units
   // (gemm_coopmat.comp), A and B given by strides; a float32 operand is rounded to float16 as it
@@ -836,7 +863,7 @@ class VulkanBackend final : public Backend {
            partial ? 1u : 0u,
            alpha,
            a_scale};
-    ctx().dispatch(d[0], push);
+    ctx().dispatch(d[0], push, {partial ? scratch(true) : writes(out), reads(a), reads(b), reads(bias)});
     if (partial) reduce_splits(d[1], out, M * Nc, Nc, split.splits, bias, accumulate, alpha);
   }
   // mode 0: out[r] = inp[index[r]]; mode 1: out[index[r]] = inp[r] (rows of float32 matrices).
@@ -846,7 +873,8 @@ class VulkanBackend final : public Backend {
       uint64_t out, inp, index;
       uint32_t R, C, mode;
     } push{address(out), address(inp), address(index), u32(rows.rows()), u32(rows.cols()), mode};
-    ctx().dispatch(vulkan_geometry::elementwise("gather_rows", rows.numel(), 8, 0), push);
+    ctx().dispatch(vulkan_geometry::elementwise("gather_rows", rows.numel(), 8, 0), push,
+                   {writes(out), reads(inp), reads(index)});
   }
   void quantized(const Tensor& out, const Tensor& inp, const QuantizedWeight& w, const Tensor& bias, uint32_t mode) {
     MT_ASSERT(w.bits == 4 || w.bits == 8 || w.bits == 2, "quantized weights of 2, 4 or 8 bits");
@@ -871,7 +899,9 @@ class VulkanBackend final : public Backend {
            mode};
     ctx().dispatch(vulkan_geometry::quantized_matmul(inp.rows(), mode == 0 ? w.in : w.out, mode == 0 ? w.out : w.in,
                                                      static_cast<int>(w.bits)),
-                   push);
+                   push,
+                   {writes(out), reads(inp), reads(w.codes), reads(w.scales), reads(w.zeros), reads(w.g_idx),
+                    reads(bias)});
   }
   // 1 / sqrt(head_dim), after checking head_dim against what the shaders hold per thread.
   static vulkan_geometry::Attention attention_shape(const Tensor& q, const Tensor& k, const Tensor& cu_seqlens,
@@ -890,7 +920,8 @@ class VulkanBackend final : public Backend {
       uint32_t N, half_dim, heads;
       float direction;
     } push{address(x), address(positions), address(inv_freq), u32(x.rows()), u32(half), u32(heads), direction};
-    ctx().dispatch(vulkan_geometry::elementwise("rope", x.rows() * half * heads, 16, 6), push);
+    ctx().dispatch(vulkan_geometry::elementwise("rope", x.rows() * half * heads, 16, 6), push,
+                   {writes(x), reads(positions), reads(inv_freq)});
   }
   void embedding(const Tensor& table, const Tensor& rows, const Tensor& ids, uint32_t tdtype, uint32_t mode,
                  const VulkanDispatch& geometry) {
@@ -898,7 +929,8 @@ class VulkanBackend final : public Backend {
       uint64_t table, rows, ids;
       uint32_t N, D, tdtype, mode;
     } push{address(table), address(rows), address(ids), u32(ids.numel()), u32(table.cols()), tdtype, mode};
-    ctx().dispatch(geometry, push);
+    ctx().dispatch(geometry, push, {mode == 0 ? reads(table) : writes(table), mode == 0 ? writes(rows) : reads(rows),
+                                    reads(ids)});
   }
 
   // Partial sums of scale_and_sum_squares, one float per workgroup, at most kPartialsPerCall per
@@ -922,6 +954,8 @@ class VulkanBackend final : public Backend {
   }
   std::optional<VulkanDeviceProfile> profile_;
   std::unique_ptr<VulkanContext> ctx_;
+  // The split scratch as a dispatch's access: the split work writes it, its second pass reads it.
+  Access scratch(bool write) const { return {split_scratch_, kSplitScratchFloats * sizeof(float), write}; }
   // The device's float16 matrix units (cooperative_product_shape), where gemm_coopmat.comp runs.
   std::optional<vulkan_geometry::MatrixUnit> half_unit_;
   uint64_t partials_ = 0;
