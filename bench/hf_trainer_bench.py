@@ -54,6 +54,7 @@ import numpy as np
 import peft
 import torch
 import transformers
+from packaging.version import Version
 from transformers import (AutoModelForCausalLM, AutoTokenizer, DataCollatorForLanguageModeling, Trainer,
                           TrainerCallback, TrainingArguments)
 
@@ -122,8 +123,14 @@ def tokenize_text_file(path, tokenizer_dir, memtune, max_length, limit=None):
     return tokenizer, examples
 
 
+def dtype_argument(dtype):
+    """from_pretrained's dtype keyword: `dtype` from transformers 4.56 on (5 deprecates
+    `torch_dtype`), `torch_dtype` before it (4.51 takes no `dtype`)."""
+    return {"dtype": dtype} if Version(transformers.__version__).release >= (4, 56) else {"torch_dtype": dtype}
+
+
 def load_model(model_dir):
-    return AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(model_dir, **dtype_argument(torch.float32))
 
 
 def common_arguments(output_dir, device="cpu", **kwargs):

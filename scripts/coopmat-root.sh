@@ -16,20 +16,26 @@
 #       matrices), VulkanOps.*, VulkanShaders.*, VulkanDevice.*, BackendOps.*, VulkanGeometry.* and
 #       the end-to-end TrainCliTest.EveryCommandRunsOnVulkanAndAgreesWithCpu. Its log is
 #       out/coopmat-root/test.log.
+#   scripts/coopmat-root.sh check BUILD_DIR
+#       the GPU check (scripts/device-check.sh --from) with its small settings (MEMTUNE_CHECK_*
+#       as given, else the tiny preset, batch 1, 2 steps, 4 new tokens) on the root's lavapipe,
+#       with BUILD_DIR's bundle and a copy of this tree, python3 installed from the mirror into
+#       the throw-away overlay first: the model stage's --fp16 run takes gemm_coopmat.comp there.
+#       Its log is out/coopmat-root/check.log, the check's files out/coopmat-root/device-check/.
 #
 # As root (debootstrap, chroot, mount). The root is kept under
 # ~/.cache/memtune/coopmat-root-<key>/fs, where the key hashes the suite, the mirror and the
 # package list below (a change makes it again from nothing; sid moves on, the kept root does
 # not: remove the directory to take today's sid). Making it takes 35 to 50 s on 2 cores
 # (debootstrap, then the packages), once; `test` with the default filter about 60 s (the bundle,
-# then the tests on lavapipe). Progress goes to stderr, so `path` and `glslc-path` print only the
+# then the tests on lavapipe); `check` CHECK_TIME. Progress goes to stderr, so `path` and `glslc-path` print only the
 # path on stdout.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-usage="usage: scripts/coopmat-root.sh path | glslc-path | test BUILD_DIR [GTEST_FILTER]"
+usage="usage: scripts/coopmat-root.sh path | glslc-path | test BUILD_DIR [GTEST_FILTER] | check BUILD_DIR"
 command="${1:-}"
 case "$command" in
-  path|glslc-path|test) ;;
+  path|glslc-path|test|check) ;;
   *) echo "coopmat-root: unknown or missing subcommand '$command'; $usage" >&2; exit 2 ;;
 esac
 [[ $(id -u) -eq 0 ]] || { echo "coopmat-root: needs root (debootstrap, chroot, mount); run it as root or with sudo" >&2; exit 1; }
@@ -195,8 +201,51 @@ env OMP_WAIT_POLICY=PASSIVE MEMTUNE_REQUIRE_ALL_TESTS=1 MEMTUNE_BINARY="$b/bin/m
   echo "coopmat-root: test passed in $((SECONDS - t0)) s ($work/test.log)"
 }
 
+# check BUILD_DIR: the GPU check's small settings in a throw-away overlay of the root.
+run_check() {
+  local build_dir="${1:?check needs a build directory; $usage}"
+  [[ -d "$build_dir" ]] || fail "check: $build_dir is not a directory"
+  build_dir="$(cd "$build_dir" && pwd)"
+  make_root
+  local t0=$SECONDS
+  echo "== the GPU check's small settings with $build_dir on the Debian sid root's lavapipe"
+  "$root/scripts/device-check.sh" --bundle "$work/bundle.tar.gz" "$build_dir" ||
+    fail "check: bundling $build_dir failed (scripts/device-check.sh --bundle)"
+  local run_dir="$work/run"
+  mounted_under "$run_dir" && fail "$run_dir is still mounted"
+  rm -rf "$run_dir"
+  mkdir -p "$run_dir/upper/work/memtune" "$run_dir/work" "$run_dir/fs"
+  # This tree as the GPU machine receives it (tracked and untracked-but-not-ignored files).
+  (cd "$root" && git ls-files -z --cached --others --exclude-standard |
+    xargs -0 cp --parents -t "$run_dir/upper/work/memtune")
+  cp "$work/bundle.tar.gz" "$run_dir/upper/work/bundle.tar.gz"
+  local settings=() v
+  for v in PRESET=tiny BATCH=1 STEPS=2 NEW_TOKENS=4 SEQ= BUDGET_S=; do
+    local name="MEMTUNE_CHECK_${v%%=*}"
+    [[ -n "${!name:-${v#*=}}" ]] && settings+=("$name=${!name:-${v#*=}}")
+  done
+  local script
+  script="set -euo pipefail
+export DEBIAN_FRONTEND=noninteractive
+${apt[*]} update -qq
+${apt[*]} install -y -qq --no-install-recommends python3 > /dev/null
+cd /work/memtune
+env MEMTUNE_CHECK_ALLOW_CPU=1 $(printf '%q ' "${settings[@]}")scripts/device-check.sh --from /work/bundle.tar.gz"
+  local rc=0
+  run_in "$fs" "$work/check.log" "$script" "$run_dir" || rc=$?
+  rm -rf "$work/device-check"
+  [[ ! -d "$run_dir/upper/work/memtune/out/device-check" ]] ||
+    cp -r "$run_dir/upper/work/memtune/out/device-check" "$work/device-check"
+  rm -rf "$work/device-check/memtune-bundle"
+  grep -E '^== |^arithmetic: |^fp16 against|passed|failed|^driver:' "$work/check.log" || true
+  ((rc == 0)) || fail "check: failed in the root after $((SECONDS - t0)) s ($work/check.log)"
+  rm -rf "$run_dir"
+  echo "coopmat-root: check passed in $((SECONDS - t0)) s ($work/device-check/device-check.json)"
+}
+
 case "$command" in
   path) make_root; echo "$fs" ;;
   glslc-path) make_root; echo "$glslc" ;;
   test) shift; run_tests "$@" ;;
+  check) shift; run_check "$@" ;;
 esac

@@ -2,7 +2,9 @@
 """Writes a deterministic `text`-format JSONL dataset for the benchmarks: COUNT examples of
 500-509 random common English words. Each word is one Qwen2.5 token with its leading space and
 memtune's text format appends the eos token, so an example is 501-510 tokens: max_length 512
-deletes none. Usage: make_bench_text.py OUT COUNT SEED"""
+deletes none. With MAX_LENGTH (default 512), MAX_LENGTH - 12 to MAX_LENGTH - 3 words: examples of
+MAX_LENGTH - 11 to MAX_LENGTH - 2 tokens (512 gives the same file as no MAX_LENGTH).
+Usage: make_bench_text.py OUT COUNT SEED [MAX_LENGTH]"""
 import json
 import random
 import sys
@@ -26,13 +28,15 @@ room sea against top turned learn point city play toward five using himself usua
 morning river""".split()
 
 
-def main(out, count, seed):
+def main(out, count, seed, max_length=512):
+    if max_length < 16:
+        sys.exit(f"make_bench_text: MAX_LENGTH {max_length} is under 16")
     rng = random.Random(seed)
     with open(out, "w") as f:
         for _ in range(count):
-            text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(500, 509)))
+            text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(max_length - 12, max_length - 3)))
             f.write(json.dumps({"text": text}) + "\n")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), *(int(a) for a in sys.argv[4:5]))

@@ -97,7 +97,12 @@ Layer layer_of(const Model& m) {
 void layer_forward(Dispatches& d, const Model& m, const Training& t, int64_t N, const Dispatches& attention) {
   const Layer l = layer_of(m);
   add(d, g::rmsnorm(N, m.D, false));
-  for (const Linear& x : {l.q, l.k, l.v}) linear_forward(d, t, N, x);
+  // Decoding's q / k / v and gate / up run as one matvec each (matmul_forward_group).
+  const bool grouped = N <= g::kMatvecRows && t.lora_rank == 0;
+  if (grouped)
+    add(d, g::matvec(N, l.q.out + l.k.out + l.v.out, m.D, t.weights, true));
+  else
+    for (const Linear& x : {l.q, l.k, l.v}) linear_forward(d, t, N, x);
   if (m.qk_norm) {
     add(d, g::rmsnorm(N * m.Hq, m.hd, false));
     add(d, g::rmsnorm(N * m.Hkv, m.hd, false));
@@ -107,8 +112,12 @@ void layer_forward(Dispatches& d, const Model& m, const Training& t, int64_t N, 
   add(d, attention);
   linear_forward(d, t, N, l.o);
   add(d, g::rmsnorm(N, m.D, true));  // the residual add and the norm in one pass
-  linear_forward(d, t, N, l.gate);
-  linear_forward(d, t, N, l.up);
+  if (grouped) {
+    add(d, g::matvec(N, l.gate.out + l.up.out, m.D, t.weights, true));
+  } else {
+    linear_forward(d, t, N, l.gate);
+    linear_forward(d, t, N, l.up);
+  }
   add(d, g::elementwise("swiglu", N * m.I, 12, 8));
   linear_forward(d, t, N, l.down);
   add(d, g::elementwise("add_inplace", N * m.D, 12));

@@ -1,6 +1,7 @@
 """What the Hugging Face interop tests share: named checks that all run and report (one failing
-case does not stop the others), and the main that runs a test's per-family checks over
---families with the versions of transformers, PEFT and torch printed first."""
+case does not stop the others), the main that runs a test's per-family checks over --families
+with the versions of transformers, PEFT and torch printed first, and from_pretrained's dtype
+keyword for the installed transformers."""
 
 import contextlib
 import os
@@ -9,6 +10,7 @@ import sys
 import peft
 import torch
 import transformers
+from packaging.version import Version
 
 import memtune_cli
 
@@ -45,3 +47,14 @@ def run_families(*per_family):
     for name in checks.failures:
         print(f"  failed: {name}")
     sys.exit(1 if checks.failures else 0)
+
+
+def dtype_argument(dtype):
+    """from_pretrained's dtype keyword: `dtype` from transformers 4.56 on (5 deprecates
+    `torch_dtype`), `torch_dtype` before it (4.51 takes no `dtype`)."""
+    return {"dtype": dtype} if Version(transformers.__version__).release >= (4, 56) else {"torch_dtype": dtype}
+
+
+def saved_dtype(config):
+    """The dtype a config.json that transformers saved names: `dtype` from 4.56 on, `torch_dtype` before."""
+    return config.get("dtype", config.get("torch_dtype"))

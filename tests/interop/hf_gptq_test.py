@@ -27,6 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "support"))
 import memtune_cli  # noqa: E402
 from byte_tokenizer import write_tokenizer  # noqa: E402
+from hf_checks import dtype_argument  # noqa: E402
 from numeric import assert_close, check  # noqa: E402
 
 import auto_gptq  # noqa: E402
@@ -59,7 +60,8 @@ def check_variant(memtune, workdir, base, name):
     run([memtune, "quantize", "--model", base, "--out", out, *variant, *calibration])
     qc = json.load(open(os.path.join(out, "config.json")))["quantization_config"]
     check(qc["quant_method"] == "gptq", f"{out}: quantization_config {qc}")
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(out, device_map="cpu", torch_dtype=torch.float32,
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(out, device_map="cpu",
+                                                                    **dtype_argument(torch.float32),
                                                                     output_loading_info=True)
     for key in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
         check(not info[key], lambda: f"{out}: transformers reports {key} {info[key]}")

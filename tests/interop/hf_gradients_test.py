@@ -44,7 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "support"))
 import memtune_cli  # noqa: E402
 from byte_tokenizer import EOS_ID, write_tokenizer  # noqa: E402
-from hf_checks import run_families  # noqa: E402
+from hf_checks import dtype_argument, run_families  # noqa: E402
 from numeric import assert_close, check, difference  # noqa: E402
 
 import peft  # noqa: E402
@@ -112,7 +112,7 @@ def memtune_dump(memtune, workdir, model_dir, adapter=None):
 def hf_base(model_dir):
     """The checkpoint in transformers, float32, every tensor read."""
     model, info = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, torch_dtype=torch.float32, output_loading_info=True)
+        model_dir, **dtype_argument(torch.float32), output_loading_info=True)
     for key in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
         check(not info[key], lambda: f"{model_dir}: transformers reports {key} {info[key]}")
     return model.eval()  # no dropout; autograd is on all the same

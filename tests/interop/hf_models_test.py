@@ -47,7 +47,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "support"))
 import memtune_cli  # noqa: E402
 from byte_tokenizer import EOS_ID, write_tokenizer  # noqa: E402
-from hf_checks import run_families  # noqa: E402
+from hf_checks import dtype_argument, run_families, saved_dtype  # noqa: E402
 from numeric import assert_close, check  # noqa: E402
 
 import transformers  # noqa: E402
@@ -97,7 +97,7 @@ def hf_load(model_dir):
     """The checkpoint in transformers, computing in float32 over the stored values."""
     with no_transformers_warnings(f"from_pretrained({model_dir})"):
         model, info = transformers.AutoModelForCausalLM.from_pretrained(
-            model_dir, torch_dtype=torch.float32, output_loading_info=True)
+            model_dir, **dtype_argument(torch.float32), output_loading_info=True)
         if os.path.exists(os.path.join(model_dir, "generation_config.json")):
             transformers.GenerationConfig.from_pretrained(model_dir)
     for key in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
@@ -347,8 +347,8 @@ def hf_to_memtune(memtune, workdir, family, checks):
     with checks.case(f"{family}: transformers' bfloat16 save_pretrained"):
         d = os.path.join(workdir, family, "hf_bf16")
         shutil.rmtree(d, ignore_errors=True)
-        transformers.AutoModelForCausalLM.from_pretrained(f32, torch_dtype=torch.bfloat16).save_pretrained(d)
-        check(json.load(open(os.path.join(d, "config.json")))["torch_dtype"] == "bfloat16", "not saved as bfloat16")
+        transformers.AutoModelForCausalLM.from_pretrained(f32, **dtype_argument(torch.bfloat16)).save_pretrained(d)
+        check(saved_dtype(json.load(open(os.path.join(d, "config.json")))) == "bfloat16", "not saved as bfloat16")
         assert_close(memtune_logits(memtune, workdir, d), hf_logits(hf_load(d)), rtol=LOGIT_RTOL,
                      what="logits of transformers' bfloat16 checkpoint, memtune against transformers")
 

@@ -178,6 +178,15 @@ class VulkanBackend final : public Backend {
   void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& bias) override {
     matmul(out, inp, weight, bias, false, 1.0f);
   }
+  // Decoding's products of one input (q / k / v, gate / up) in one matvec.comp dispatch where
+  // they are float weights of one dtype over at most kMatvecRows rows; otherwise one by one.
+  void matmul_forward_group(std::span<const GroupMember> group, const Tensor& inp, const Tensor& scratch) override {
+    bool one = group.size() <= kMatvecMembers && inp.rows() <= vulkan_geometry::kMatvecRows && inp.dtype == DType::F32;
+    for (const GroupMember& m : group)
+      one = one && !m.quantized && m.weight.dtype == group.front().weight.dtype;
+    if (!one || group.empty()) return Backend::matmul_forward_group(group, inp, scratch);
+    matvec(group, inp, false, 1.0f);
+  }
   void matmul_accumulate(const Tensor& out, const Tensor& inp, const Tensor& weight, float scale) override {
     matmul(out, inp, weight, Tensor{}, true, scale);
   }
@@ -760,18 +769,43 @@ class VulkanBackend final : public Backend {
       return half_gemm(out, inp, weight, N, OC, C, /*a_m=*/C, /*a_k=*/1, /*b_k=*/1, /*b_n=*/C, scale, accumulate, bias);
     if (N > vulkan_geometry::kMatvecRows)  // out = inp @ W^T: A(m, k) = inp[m C + k], B(k, n) = W[n C + k]
       return gemm(out, inp, weight, N, OC, C, /*a_m=*/C, /*a_k=*/1, /*b_k=*/1, /*b_n=*/C, scale, accumulate, bias);
-    inp.f32();
-    out.f32();
-    const bool vector_loads = C % 8 == 0 && address(weight) % 16 == 0 && address(inp) % 16 == 0;
-    struct {
-      uint64_t out, inp, w, bias;
-      uint32_t N, OC, C, has_bias, accumulate;
-      float scale;
-    } push{address(out), address(inp), address(weight), address(bias), u32(N), u32(OC), u32(C), bias ? 1u : 0u,
-           accumulate ? 1u : 0u, scale};
-    ctx().dispatch(vulkan_geometry::matvec(N, OC, C, weight.dtype, vector_loads), push,
-                   {writes(out), reads(inp), reads(weight), reads(bias)});
+    const GroupMember one{out, weight, bias};
+    matvec(std::span(&one, 1), inp, accumulate, scale);
   }
+  // matvec.comp: up to three products of one input of at most kMatvecRows rows in one dispatch,
+  // the members' weights of one dtype.
+  void matvec(std::span<const GroupMember> group, const Tensor& inp, bool accumulate, float scale) {
+    MT_ASSERT(!group.empty() && group.size() <= kMatvecMembers, "matvec of one to three products");
+    const int64_t N = inp.rows(), C = inp.cols();
+    inp.f32();
+    bool vector_loads = C % 8 == 0 && address(inp) % 16 == 0;
+    uint64_t out[kMatvecMembers] = {}, w[kMatvecMembers] = {}, bias[kMatvecMembers] = {};
+    uint32_t oc[kMatvecMembers] = {}, has_bias = 0;
+    std::vector<Access> accesses{reads(inp)};
+    for (size_t i = 0; i < group.size(); ++i) {
+      const GroupMember& m = group[i];
+      m.out.f32();
+      MT_ASSERT(m.weight.cols() == C && m.out.rows() == N && m.out.cols() == m.weight.rows() &&
+                    m.weight.dtype == group[0].weight.dtype,
+                "matvec: a member's shapes or weight dtype differ");
+      vector_loads = vector_loads && address(m.weight) % 16 == 0;
+      out[i] = address(m.out), w[i] = address(m.weight), bias[i] = address(m.bias);
+      oc[i] = u32(m.weight.rows());
+      if (m.bias) has_bias |= 1u << i;
+      accesses.insert(accesses.end(), {writes(m.out), reads(m.weight), reads(m.bias)});
+    }
+    struct {
+      uint64_t out0, out1, out2, inp, w0, w1, w2, bias0, bias1, bias2;
+      uint32_t N, OC0, OC1, OC2, C, has_bias, accumulate;
+      float scale;
+    } push{out[0], out[1], out[2], address(inp), w[0], w[1], w[2], bias[0], bias[1], bias[2], u32(N), oc[0], oc[1],
+           oc[2], u32(C), has_bias, accumulate ? 1u : 0u, scale};
+    const VulkanDispatch d =
+        vulkan_geometry::matvec(N, int64_t{oc[0]} + oc[1] + oc[2], C, group[0].weight.dtype, vector_loads);
+    ctx().dispatch(d.shader, d.constants, std::as_bytes(std::span(&push, 1)), d.x, d.y, d.z, d.flops, d.bytes,
+                   accesses);
+  }
+  static constexpr size_t kMatvecMembers = 3;
 
   // rmsnorm.comp: out = rmsnorm(inp), or with `add` inp += add first (the same pass).
   void rmsnorm(const Tensor& out, const Tensor& rstd, const Tensor& inp, const Tensor& add, const Tensor& w, float eps) {

@@ -5,7 +5,9 @@
 // words, 16 bytes each with VEC: 8 16-bit weights or 4 float32 ones), each keeping a partial sum
 // per input row; the 32 partials of a (row, column) are then summed in a fixed order in shared
 // memory. The weights are read once per step whatever the number of rows. WDTYPE: 0 f32, 1 bf16,
-// 2 f16.
+// 2 f16. Up to three products of one input in one dispatch (Backend::matmul_forward_group:
+// decoding's q / k / v, gate / up): their output columns one after another (OC0, then OC1, then
+// OC2), each member with its own output, weight and bias (bit m of has_bias).
 #include "common.glsl"
 layout(constant_id = 0) const uint WDTYPE = 0;
 layout(constant_id = 1) const uint VEC = 0;  // 1: 16-byte loads (C a multiple of 8, aligned tensors)
@@ -13,8 +15,8 @@ layout(local_size_x = 128) in;
 layout(buffer_reference, std430, buffer_reference_align = 16) buffer U32x4 { uvec4 v[]; };
 layout(buffer_reference, std430, buffer_reference_align = 16) buffer F32x4 { vec4 v[]; };
 layout(push_constant) uniform Push {
-  F32 out_; F32 inp; uint64_t w; F32 bias;
-  uint N, OC, C, has_bias, accumulate;
+  F32 out0; F32 out1; F32 out2; F32 inp; uint64_t w0; uint64_t w1; uint64_t w2; F32 bias0; F32 bias1; F32 bias2;
+  uint N, OC0, OC1, OC2, C, has_bias, accumulate;
   float scale;
 } p;
 const uint OUTS = 4u, LANES = 32u, MAX_ROWS = 32u, PER_LOAD = WDTYPE == 0u ? 4u : 8u;
@@ -22,19 +24,23 @@ shared float partial[OUTS][MAX_ROWS][LANES + 1u];
 float widen(uint half_word) { return WDTYPE == 1u ? bf16_to_f32(uint16_t(half_word)) : f16_to_f32(uint16_t(half_word)); }
 void main() {
   const uint o = gl_LocalInvocationID.x / LANES, lane = gl_LocalInvocationID.x % LANES;
-  const uint oc = (gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x) * OUTS + o;
+  const uint g = (gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x) * OUTS + o;  // over every member
+  const uint m = g < p.OC0 ? 0u : (g < p.OC0 + p.OC1 ? 1u : 2u);
+  const uint OC = m == 0u ? p.OC0 : (m == 1u ? p.OC1 : p.OC2);
+  const uint oc = g - (m == 0u ? 0u : (m == 1u ? p.OC0 : p.OC0 + p.OC1));  // the member's column
+  const uint64_t w = m == 0u ? p.w0 : (m == 1u ? p.w1 : p.w2);
   float acc[MAX_ROWS];
   for (uint n = 0u; n < MAX_ROWS; ++n) acc[n] = 0.0;
-  if (oc < p.OC) {
+  if (oc < OC) {
     const uint row = oc * p.C;
     if (VEC == 1u) {
       for (uint k = lane * PER_LOAD; k < p.C; k += LANES * PER_LOAD) {
         float wv[8];
         if (WDTYPE == 0u) {
-          const vec4 x = F32x4(p.w).v[(row + k) / 4u];
+          const vec4 x = F32x4(w).v[(row + k) / 4u];
           wv[0] = x.x, wv[1] = x.y, wv[2] = x.z, wv[3] = x.w;
         } else {
-          const uvec4 x = U32x4(p.w).v[(row + k) / 8u];
+          const uvec4 x = U32x4(w).v[(row + k) / 8u];
           for (uint i = 0u; i < 4u; ++i) {
             wv[2u * i] = widen(x[i] & 0xffffu);
             wv[2u * i + 1u] = widen(x[i] >> 16);
@@ -50,7 +56,7 @@ void main() {
       }
     } else {
       for (uint k = lane; k < p.C; k += LANES) {
-        const float wk = load_f32(p.w, WDTYPE, row + k);
+        const float wk = load_f32(w, WDTYPE, row + k);
         for (uint n = 0u; n < MAX_ROWS; ++n) {
           if (n >= p.N) break;
           acc[n] += wk * p.inp.v[n * p.C + k];
@@ -60,10 +66,15 @@ void main() {
   }
   for (uint n = 0u; n < MAX_ROWS; ++n) partial[o][n][lane] = acc[n];
   barrier();
-  if (oc >= p.OC || lane >= p.N) return;
+  if (oc >= OC || lane >= p.N) return;
   float sum = 0.0;  // invocation `lane` finishes input row n = lane of this column
   for (uint l = 0u; l < LANES; ++l) sum += partial[o][lane][l];
-  const uint at = lane * p.OC + oc;
-  if (p.accumulate != 0u) p.out_.v[at] += p.scale * sum;
-  else p.out_.v[at] = sum + (p.has_bias != 0u ? p.bias.v[oc] : 0.0);
+  const uint at = lane * OC + oc;
+  F32 out_ = m == 0u ? p.out0 : (m == 1u ? p.out1 : p.out2);
+  if (p.accumulate != 0u) {
+    out_.v[at] += p.scale * sum;
+  } else {
+    F32 bias = m == 0u ? p.bias0 : (m == 1u ? p.bias1 : p.bias2);
+    out_.v[at] = sum + ((p.has_bias >> m & 1u) != 0u ? bias.v[oc] : 0.0);
+  }
 }
