@@ -82,10 +82,14 @@ VulkanContext::VulkanContext(std::optional<int> requested_device) {
   // Cooperative matrices and float16 arithmetic where gemm_coopmat.comp will run.
   auto matrices = vk_struct<VkPhysicalDeviceCooperativeMatrixFeaturesKHR>(
       VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR);
+  auto f13 = vk_struct<VkPhysicalDeviceVulkan13Features>(VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_3_FEATURES);
   if (cooperative_product_shape(info_, DType::F16)) {
     extensions.push_back(VK_KHR_COOPERATIVE_MATRIX_EXTENSION_NAME);
     matrices.cooperativeMatrix = VK_TRUE;
-    f11.pNext = &matrices;
+    f13.subgroupSizeControl = VK_TRUE;
+    f13.computeFullSubgroups = VK_TRUE;
+    f13.pNext = &matrices;
+    f11.pNext = &f13;
     f12.shaderFloat16 = VK_TRUE;
   }
   device_info.enabledExtensionCount = static_cast<uint32_t>(extensions.size());
@@ -592,6 +596,15 @@ VulkanContext::Pipeline& VulkanContext::pipeline(std::string_view shader, std::s
   const VkSpecializationInfo specialization{static_cast<uint32_t>(entries.size()), entries.data(),
                                             constants.size_bytes(), constants.data()};
   if (!constants.empty()) pipeline_info.stage.pSpecializationInfo = &specialization;
+  // The cooperative-matrix shaders divide a workgroup into subgroups of exactly the device's
+  // subgroup_size (a driver may otherwise pick another size per pipeline).
+  auto subgroup_size = vk_struct<VkPipelineShaderStageRequiredSubgroupSizeCreateInfo>(
+      VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_REQUIRED_SUBGROUP_SIZE_CREATE_INFO);
+  if (shader.starts_with("gemm_coopmat")) {
+    subgroup_size.requiredSubgroupSize = info_.subgroup_size;
+    pipeline_info.stage.pNext = &subgroup_size;
+    pipeline_info.stage.flags = VK_PIPELINE_SHADER_STAGE_CREATE_REQUIRE_FULL_SUBGROUPS_BIT;
+  }
   pipeline_info.layout = layout_;
   check(vkCreateComputePipelines(device_, VK_NULL_HANDLE, 1, &pipeline_info, nullptr, &p.pipeline),
         "vkCreateComputePipelines");

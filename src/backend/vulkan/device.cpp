@@ -51,7 +51,8 @@ std::string version_text(uint32_t v) {
   return fmt::format("{}.{}.{}", VK_API_VERSION_MAJOR(v), VK_API_VERSION_MINOR(v), VK_API_VERSION_PATCH(v));
 }
 
-VulkanDeviceInfo read_device(VkInstance instance, VkPhysicalDevice pd, int index) {
+// vulkan13: the instance was made for Vulkan 1.3 (its structures may be chained where the device has it).
+VulkanDeviceInfo read_device(VkInstance instance, VkPhysicalDevice pd, int index, bool vulkan13) {
   VulkanDeviceInfo d;
   d.index = index;
   VkPhysicalDeviceProperties props{};
@@ -103,7 +104,10 @@ VulkanDeviceInfo read_device(VkInstance instance, VkPhysicalDevice pd, int index
   auto maintenance =
       vk_struct<VkPhysicalDeviceMaintenance3Properties>(VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_MAINTENANCE_3_PROPERTIES);
   auto subgroup = vk_struct<VkPhysicalDeviceSubgroupProperties>(VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_PROPERTIES);
+  auto size_control = vk_struct<VkPhysicalDeviceSubgroupSizeControlProperties>(
+      VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_SUBGROUP_SIZE_CONTROL_PROPERTIES);
   maintenance.pNext = &driver;
+  if (vulkan13 && props.apiVersion >= VK_API_VERSION_1_3) driver.pNext = &size_control;
   subgroup.pNext = &maintenance;
   auto props2 = vk_struct<VkPhysicalDeviceProperties2>(VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2);
   props2.pNext = &subgroup;
@@ -117,14 +121,24 @@ VulkanDeviceInfo read_device(VkInstance instance, VkPhysicalDevice pd, int index
 
   auto f11 = vk_struct<VkPhysicalDeviceVulkan11Features>(VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_1_FEATURES);
   auto f12 = vk_struct<VkPhysicalDeviceVulkan12Features>(VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_2_FEATURES);
+  auto f13 = vk_struct<VkPhysicalDeviceVulkan13Features>(VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_3_FEATURES);
   auto matrices = vk_struct<VkPhysicalDeviceCooperativeMatrixFeaturesKHR>(
       VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR);
   f11.pNext = &f12;
-  if (has(VK_KHR_COOPERATIVE_MATRIX_EXTENSION_NAME)) f12.pNext = &matrices;
+  void** tail = &f12.pNext;
+  if (vulkan13 && props.apiVersion >= VK_API_VERSION_1_3) {
+    *tail = &f13;
+    tail = &f13.pNext;
+  }
+  if (has(VK_KHR_COOPERATIVE_MATRIX_EXTENSION_NAME)) *tail = &matrices;
   auto features = vk_struct<VkPhysicalDeviceFeatures2>(VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2);
   features.pNext = &f11;
   vkGetPhysicalDeviceFeatures2(pd, &features);
   d.shader_float16 = f12.shaderFloat16 == VK_TRUE;
+  d.subgroup_size_control = f13.subgroupSizeControl == VK_TRUE && f13.computeFullSubgroups == VK_TRUE &&
+                            (size_control.requiredSubgroupSizeStages & VK_SHADER_STAGE_COMPUTE_BIT) != 0 &&
+                            d.subgroup_size >= size_control.minSubgroupSize &&
+                            d.subgroup_size <= size_control.maxSubgroupSize;
   d.khr_cooperative_matrix = matrices.cooperativeMatrix == VK_TRUE;
   const auto shapes = reinterpret_cast<PFN_vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR>(
       vkGetInstanceProcAddr(instance, "vkGetPhysicalDeviceCooperativeMatrixPropertiesKHR"));
@@ -179,7 +193,8 @@ VulkanDevices vulkan_devices() {
   vkEnumeratePhysicalDevices(instance, &count, nullptr);
   std::vector<VkPhysicalDevice> devices(count);
   vkEnumeratePhysicalDevices(instance, &count, devices.data());
-  for (uint32_t i = 0; i < count; ++i) out.devices.push_back(read_device(instance, devices[i], static_cast<int>(i)));
+  for (uint32_t i = 0; i < count; ++i)
+    out.devices.push_back(read_device(instance, devices[i], static_cast<int>(i), app.apiVersion >= VK_API_VERSION_1_3));
   vkDestroyInstance(instance, nullptr);
   if (out.devices.empty()) out.problem = "the Vulkan loader lists no device";
   return out;
@@ -232,6 +247,7 @@ std::optional<VulkanMatrixShape> cooperative_product_shape(const VulkanDeviceInf
   if (!d.khr_cooperative_matrix) return no("the device has no VK_KHR_cooperative_matrix");
   if (d.api < VK_API_VERSION_1_3) return no("the device is not Vulkan 1.3");
   if (!d.shader_float16) return no("the device has no float16 arithmetic in shaders");
+  if (!d.subgroup_size_control) return no("the device cannot require a compute pipeline's subgroup size");
   const VulkanMatrixShape* best = nullptr;
   for (const VulkanMatrixShape& s : d.matrix_shapes) {
     const bool fits = s.a == "float16" && s.b == "float16" && s.c == "float32" && s.result == "float32" &&

@@ -53,6 +53,9 @@ struct VulkanDeviceInfo {
   // VK_KHR_cooperative_matrix with its feature on, and the shapes it reports; float16 arithmetic
   // in shaders (shaderFloat16), which float16 matrices need.
   bool khr_cooperative_matrix = false, shader_float16 = false;
+  // Vulkan 1.3's subgroup size control with full subgroups in compute: a pipeline can require its
+  // subgroup size (gemm_coopmat.comp's four subgroups per workgroup need subgroup_size exactly).
+  bool subgroup_size_control = false;
   std::vector<VulkanMatrixShape> matrix_shapes;
   float timestamp_period_ns = 0;  // nanoseconds per timestamp tick
   // What the backend needs: buffer device addresses, 64-bit integers and 16-bit storage for its
