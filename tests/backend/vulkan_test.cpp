@@ -158,6 +158,10 @@ TEST(VulkanShaders, PushConstantBlocksAreReadFromTheSpirv) {
   EXPECT_EQ(vulkan_push_constant_bytes(vulkan_shader("rmsnorm")), 52u);
   EXPECT_EQ(vulkan_push_constant_bytes(vulkan_shader("rmsnorm_backward")), 48u);  // 5 addresses, N, C
   EXPECT_TRUE(vulkan_shader("no_such_shader").empty());
+  // The members that may hold addresses (what a dispatch's stated ranges are checked against):
+  // rmsnorm's five buffer references, not N, C or eps; dropout's two and its 64-bit key.
+  EXPECT_EQ(vulkan_push_constant_address_offsets(vulkan_shader("rmsnorm")), (std::vector<uint32_t>{0, 8, 16, 24, 32}));
+  EXPECT_EQ(vulkan_push_constant_address_offsets(vulkan_shader("dropout")), (std::vector<uint32_t>{0, 8, 16}));
 }
 
 // Transfers larger than the staging buffer, at offsets inside an allocation, and device copies.

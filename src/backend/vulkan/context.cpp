@@ -358,8 +358,10 @@ void VulkanContext::order(std::span<const Access> accesses) {
     if (a.bytes > 0) pending_.push_back(a);
 }
 
-void VulkanContext::check_stated(std::span<const std::byte> push, std::span<const Access> accesses) const {
-  for (size_t at = 0; at + 8 <= push.size(); at += 8) {
+void VulkanContext::check_stated(std::span<const std::byte> push, std::span<const uint32_t> offsets,
+                                 std::span<const Access> accesses) const {
+  for (const uint32_t at : offsets) {
+    if (at + 8 > push.size()) continue;
     uint64_t word = 0;
     std::memcpy(&word, push.data() + at, 8);
     if (word == 0) continue;
@@ -581,6 +583,7 @@ VulkanContext::Pipeline& VulkanContext::pipeline(std::string_view shader, std::s
   MT_ASSERT(!code.empty(), "vulkan: no embedded shader of that name");
   Pipeline p;
   p.push_bytes = vulkan_push_constant_bytes(code);
+  p.address_offsets = vulkan_push_constant_address_offsets(code);
   auto module_info = vk_struct<VkShaderModuleCreateInfo>(VK_STRUCTURE_TYPE_SHADER_MODULE_CREATE_INFO);
   module_info.codeSize = code.size_bytes();
   module_info.pCode = code.data();
@@ -622,7 +625,7 @@ void VulkanContext::dispatch(std::string_view shader, std::span<const uint32_t> 
   MT_ASSERT(push.size() >= p.push_bytes && push.size() <= (p.push_bytes + 7) / 8 * 8,
             fmt::format("vulkan: {} pushes {} bytes of constants; shaders/{}.comp declares {}", shader, push.size(),
                         shader, p.push_bytes));
-  if (!accesses.empty()) check_stated(push, accesses);
+  if (!accesses.empty()) check_stated(push, p.address_offsets, accesses);
   if (profile_) flush();  // time this dispatch alone
   const auto start = std::chrono::steady_clock::now();
   order(accesses);

@@ -164,6 +164,7 @@ class VulkanContext {
     VkShaderModule module = VK_NULL_HANDLE;
     VkPipeline pipeline = VK_NULL_HANDLE;
     size_t push_bytes = 0;  // the shader's push-constant block (vulkan_push_constant_bytes)
+    std::vector<uint32_t> address_offsets;  // its members that may hold addresses
     uint64_t dispatches = 0;
   };
   // Pipelines by (shader, specialization constants), found from views of both: a dispatch
@@ -200,8 +201,10 @@ class VulkanContext {
   // Records what the next command touches, with a barrier first where needs_barrier says.
   void order(std::span<const Access> accesses);
   void order(std::initializer_list<Access> accesses) { order(std::span<const Access>(accesses.begin(), accesses.size())); }
-  // Every push-constant word that is an address in this context's memory lies in `accesses`.
-  void check_stated(std::span<const std::byte> push, std::span<const Access> accesses) const;
+  // Every push-constant member that may hold an address (`offsets`) and holds one in this
+  // context's memory lies in `accesses`.
+  void check_stated(std::span<const std::byte> push, std::span<const uint32_t> offsets,
+                    std::span<const Access> accesses) const;
   std::vector<Access> pending_;  // since the last barrier
   bool pending_unstated_ = false;  // a command since the last barrier stated nothing
   Pipeline& pipeline(std::string_view shader, std::span<const uint32_t> constants);
