@@ -18,17 +18,19 @@
 #       out/coopmat-root/test.log.
 #   scripts/coopmat-root.sh check BUILD_DIR
 #       the GPU check (scripts/device-check.sh --from) with its small settings (MEMTUNE_CHECK_*
-#       as given, else the tiny preset, batch 1, 2 steps, 4 new tokens) on the root's lavapipe,
-#       with BUILD_DIR's bundle and a copy of this tree, python3 installed from the mirror into
-#       the throw-away overlay first: the model stage's --fp16 run takes gemm_coopmat.comp there.
-#       Its log is out/coopmat-root/check.log, the check's files out/coopmat-root/device-check/.
+#       as given, else the tiny preset, batch 1, 2 steps of each run, 4 new tokens) on the
+#       root's lavapipe, with BUILD_DIR's bundle and a copy of this tree, python3 installed from
+#       the mirror into the throw-away overlay first: the model stage's --fp16 run takes
+#       gemm_coopmat.comp there. Its log is out/coopmat-root/check.log, the check's files
+#       out/coopmat-root/device-check/.
 #
 # As root (debootstrap, chroot, mount). The root is kept under
 # ~/.cache/memtune/coopmat-root-<key>/fs, where the key hashes the suite, the mirror and the
 # package list below (a change makes it again from nothing; sid moves on, the kept root does
 # not: remove the directory to take today's sid). Making it takes 35 to 50 s on 2 cores
 # (debootstrap, then the packages), once; `test` with the default filter about 60 s (the bundle,
-# then the tests on lavapipe); `check` CHECK_TIME. Progress goes to stderr, so `path` and `glslc-path` print only the
+# then the tests on lavapipe); `check` about 3 minutes (the bundle, python3 from the mirror, then
+# the check). Progress goes to stderr, so `path` and `glslc-path` print only the
 # path on stdout.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -220,7 +222,7 @@ run_check() {
     xargs -0 cp --parents -t "$run_dir/upper/work/memtune")
   cp "$work/bundle.tar.gz" "$run_dir/upper/work/bundle.tar.gz"
   local settings=() v
-  for v in PRESET=tiny BATCH=1 STEPS=2 NEW_TOKENS=4 SEQ= BUDGET_S=; do
+  for v in PRESET=tiny BATCH=1 STEPS=2 FP16_STEPS=2 NEW_TOKENS=4 SEQ= BUDGET_S=; do
     local name="MEMTUNE_CHECK_${v%%=*}"
     [[ -n "${!name:-${v#*=}}" ]] && settings+=("$name=${!name:-${v#*=}}")
   done

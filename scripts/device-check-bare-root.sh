@@ -8,7 +8,8 @@
 # small settings twice: with python3 alone, and with a python3 that imports torch and
 # transformers (the pinned environment's site-packages, scripts/prepare-hf-env.sh). Each run must
 # pass every stage and write out/device-check/device-check.json, whose driver must be that
-# manifest, found by the search. Prints the archive's size and each run's time.
+# manifest, found by the search, with every stage's part (the model stage's both training runs,
+# their ratio, the profiles and generation). Prints the archive's size and each run's time.
 #
 #   scripts/device-check-bare-root.sh          (as root; debootstrap from Debian's mirror, once)
 #
@@ -76,8 +77,8 @@ run() {
     mount --rbind /sys "$fs/sys"
     if [[ -n "$site" ]]; then mkdir -p "$fs/hf-site"; mount --bind "$site" "$fs/hf-site"; fi
     exec chroot "$fs" /usr/bin/env -i PATH=/usr/bin:/bin HOME=/root ${site:+PYTHONPATH=/hf-site} \
-      MEMTUNE_CHECK_PRESET=tiny MEMTUNE_CHECK_BATCH=1 MEMTUNE_CHECK_STEPS=2 MEMTUNE_CHECK_NEW_TOKENS=4 \
-      MEMTUNE_CHECK_ALLOW_CPU=1 /bin/bash -c "cd /work/memtune && scripts/device-check.sh --from /work/bundle.tar.gz"
+      MEMTUNE_CHECK_PRESET=tiny MEMTUNE_CHECK_BATCH=1 MEMTUNE_CHECK_STEPS=2 MEMTUNE_CHECK_FP16_STEPS=2 \
+      MEMTUNE_CHECK_NEW_TOKENS=4 MEMTUNE_CHECK_ALLOW_CPU=1 /bin/bash -c "cd /work/memtune && scripts/device-check.sh --from /work/bundle.tar.gz"
   ' _ "$fs" "$pythonpath" > "$work/$name.log" 2>&1 || rc=$?
   grep -E '^== |passed|failed|driver:' "$work/$name.log" || true
   ((rc == 0)) || { echo "device-check-bare-root: $name failed (exit $rc), $work/$name.log" >&2; exit 1; }
@@ -85,7 +86,9 @@ run() {
 import json, sys
 d = json.load(open(sys.argv[1]))
 want = "/usr/local/nvidia/share/vulkan/icd.d/lvp_icd.x86_64.json"
-problems = [k for k in ("devices", "ops", "e2e", "model", "trainer") if k not in d]
+problems = [k for k in ("devices", "peaks", "ops", "e2e", "model", "trainer") if k not in d]
+problems += [f"model.{k}" for k in ("train_full_bf16", "train_full_fp16", "fp16_against_bf16", "profile_by_shader",
+                                    "generate") if k not in d.get("model", {})]
 if d.get("driver", {}).get("manifest") != want:
     problems.append(f"driver {d.get('driver')} (want {want}, found by the search)")
 if d["ops"]["failed"] or d["e2e"]["failed"] or not d["ops"]["passed"]:
