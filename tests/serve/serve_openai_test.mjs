@@ -427,9 +427,11 @@ if (vulkanDevice !== null) {
     assert.ok((await metric(server.url, `memtune_device_submissions_total{kind="${kind}"}`)) >= steps);
     const dispatches = await metric(server.url, `memtune_device_dispatches_total{kind="${kind}"}`);
     assert.ok(dispatches > 10 * steps);
-    // Barriers only where a command meets an earlier write: fewer than the dispatches.
+    // The barriers between the steps' commands are counted (that they fall below one a command is
+    // TrainCliTest.EveryCommandRunsOnVulkanAndAgreesWithCpu's check: an engine step's uploads and
+    // token read also take some, so here there may be as many as dispatches).
     const barriers = await metric(server.url, `memtune_device_barriers_total{kind="${kind}"}`);
-    assert.ok(barriers > 0 && barriers < dispatches, `${barriers} barriers for ${dispatches} dispatches`);
+    assert.ok(barriers > 0 && barriers <= dispatches + 4 * steps, `${barriers} barriers for ${dispatches} dispatches`);
   }
   stopped = await stopServer(server);
   assert.equal(stopped.code, 0, `vulkan SIGTERM: exit code ${stopped.code}\n${server.output()}`);
