@@ -800,8 +800,11 @@ class VulkanBackend final : public Backend {
       float scale;
     } push{out[0], out[1], out[2], address(inp), w[0], w[1], w[2], bias[0], bias[1], bias[2], u32(N), oc[0], oc[1],
            oc[2], u32(C), has_bias, accumulate ? 1u : 0u, scale};
-    const VulkanDispatch d =
-        vulkan_geometry::matvec(N, int64_t{oc[0]} + oc[1] + oc[2], C, group[0].weight.dtype, vector_loads);
+    // Each member starts at a workgroup of its own: the grid covers their columns rounded up.
+    int64_t columns = 0;
+    for (const uint32_t n : oc)
+      columns += (n + vulkan_geometry::kMatvecOutputs - 1) / vulkan_geometry::kMatvecOutputs * vulkan_geometry::kMatvecOutputs;
+    const VulkanDispatch d = vulkan_geometry::matvec(N, columns, C, group[0].weight.dtype, vector_loads);
     ctx().dispatch(d.shader, d.constants, std::as_bytes(std::span(&push, 1)), d.x, d.y, d.z, d.flops, d.bytes,
                    accesses);
   }

@@ -6,8 +6,10 @@
 // per input row; the 32 partials of a (row, column) are then summed in a fixed order in shared
 // memory. The weights are read once per step whatever the number of rows. WDTYPE: 0 f32, 1 bf16,
 // 2 f16. Up to three products of one input in one dispatch (Backend::matmul_forward_group:
-// decoding's q / k / v, gate / up): their output columns one after another (OC0, then OC1, then
-// OC2), each member with its own output, weight and bias (bit m of has_bias).
+// decoding's q / k / v, gate / up): their workgroups one after another (ceil(OC0 / 4), then
+// OC1's, then OC2's), each member with its own output, weight and bias (bit m of has_bias); the
+// member is the workgroup's, so its addresses stay uniform (a per-invocation address made
+// lavapipe gather every load, 12x slower).
 #include "common.glsl"
 layout(constant_id = 0) const uint WDTYPE = 0;
 layout(constant_id = 1) const uint VEC = 0;  // 1: 16-byte loads (C a multiple of 8, aligned tensors)
@@ -24,10 +26,11 @@ shared float partial[OUTS][MAX_ROWS][LANES + 1u];
 float widen(uint half_word) { return WDTYPE == 1u ? bf16_to_f32(uint16_t(half_word)) : f16_to_f32(uint16_t(half_word)); }
 void main() {
   const uint o = gl_LocalInvocationID.x / LANES, lane = gl_LocalInvocationID.x % LANES;
-  const uint g = (gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x) * OUTS + o;  // over every member
-  const uint m = g < p.OC0 ? 0u : (g < p.OC0 + p.OC1 ? 1u : 2u);
+  const uint wg = gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x;  // over every member
+  const uint g0 = (p.OC0 + OUTS - 1u) / OUTS, g1 = (p.OC1 + OUTS - 1u) / OUTS;
+  const uint m = wg < g0 ? 0u : (wg < g0 + g1 ? 1u : 2u);
   const uint OC = m == 0u ? p.OC0 : (m == 1u ? p.OC1 : p.OC2);
-  const uint oc = g - (m == 0u ? 0u : (m == 1u ? p.OC0 : p.OC0 + p.OC1));  // the member's column
+  const uint oc = (wg - (m == 0u ? 0u : (m == 1u ? g0 : g0 + g1))) * OUTS + o;  // the member's column
   const uint64_t w = m == 0u ? p.w0 : (m == 1u ? p.w1 : p.w2);
   float acc[MAX_ROWS];
   for (uint n = 0u; n < MAX_ROWS; ++n) acc[n] = 0.0;
