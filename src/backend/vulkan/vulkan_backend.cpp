@@ -824,46 +824,11 @@ class VulkanBackend final : public Backend {
   // strides (gemm.comp; split over K through the scratch where the geometry says so).
   void gemm(const Tensor& out, const Tensor& a, const Tensor& b, int64_t M, int64_t Nc, int64_t K, int64_t a_m,
             int64_t a_k, int64_t b_k, int64_t b_n, float alpha, bool accumulate = true, const Tensor& bias = {}) {
-    out.f32();
     a.f32();
-    const std::vector<VulkanDispatch> d = vulkan_geometry::gemm(M, Nc, K, b.dtype, kSplitScratchFloats);
-    const vulkan_geometry::GemmSplit split = vulkan_geometry::gemm_split(M, Nc, K, kSplitScratchFloats);
-    const bool partial = d.size() > 1;
-    struct {
-      uint64_t out, a, b, bias;
-      uint32_t M, Nc, K, a_m, a_k, b_k, b_n, has_bias, accumulate, k_split, partial, vectors;
-      float alpha;
-    } push{partial ? split_scratch_ : address(out),
-           address(a),
-           address(b),
-           address(bias),
-           u32(M),
-           u32(Nc),
-           u32(K),
-           u32(a_m),
-           u32(a_k),
-           u32(b_k),
-           u32(b_n),
-           bias ? 1u : 0u,
-           accumulate ? 1u : 0u,
-           split.k_split,
-           partial ? 1u : 0u,
-           vulkan_geometry::gemm_vector_loads(a_m, a_k, M, K, address(a), DType::F32) |
-               (vulkan_geometry::gemm_vector_loads(b_n, b_k, Nc, K, address(b), b.dtype) << 1),
-           alpha};
-    ctx().dispatch(d[0], push, {partial ? scratch(true) : writes(out), reads(a), reads(b), reads(bias)});
-    if (partial) reduce_splits(d[1], out, M * Nc, Nc, split.splits, bias, accumulate, alpha);
-  }
-  // gemm_reduce.comp: the split-K partials in the scratch added in split order into out.
-  void reduce_splits(const VulkanDispatch& d, const Tensor& out, int64_t n, int64_t Nc, uint32_t splits,
-                     const Tensor& bias, bool accumulate, float alpha) {
-    struct {
-      uint64_t out, partials, bias;
-      uint32_t n, Nc, splits, has_bias, accumulate;
-      float alpha;
-    } reduce{address(out), split_scratch_, address(bias), u32(n), u32(Nc), splits, bias ? 1u : 0u,
-             accumulate ? 1u : 0u, alpha};
-    ctx().dispatch(d, reduce, {writes(out), scratch(false), reads(bias)});
+    const uint32_t vectors = vulkan_geometry::gemm_vector_loads(a_m, a_k, M, K, address(a), DType::F32) |
+                             (vulkan_geometry::gemm_vector_loads(b_n, b_k, Nc, K, address(b), b.dtype) << 1);
+    product(vulkan_geometry::gemm(M, Nc, K, b.dtype, kSplitScratchFloats), out, a, b, M, Nc, K, a_m, a_k, b_k, b_n,
+            alpha, accumulate, bias, vectors, 1.0f);
   }
   // out[M, Nc] (+)= alpha A @ B (+ bias) with float16 operands on the device's matrix units
   // (gemm_coopmat.comp), A and B given by strides; a float32 operand is rounded to float16 as it
@@ -871,17 +836,23 @@ class VulkanBackend final : public Backend {
   void half_gemm(const Tensor& out, const Tensor& a, const Tensor& b, int64_t M, int64_t Nc, int64_t K, int64_t a_m,
                  int64_t a_k, int64_t b_k, int64_t b_n, float alpha, bool accumulate = true, const Tensor& bias = {},
                  float a_scale = 1.0f) {
-    out.f32();
     MT_ASSERT(half_unit_ && (a.dtype == DType::F32 || a.dtype == DType::F16) &&
                   (b.dtype == DType::F32 || b.dtype == DType::F16),
               "vulkan: 16-bit products need the device's float16 cooperative matrices (sixteen_bit_products)");
-    const std::vector<VulkanDispatch> d =
-        vulkan_geometry::gemm_coopmat(M, Nc, K, *half_unit_, a.dtype, b.dtype, kSplitScratchFloats);
+    product(vulkan_geometry::gemm_coopmat(M, Nc, K, *half_unit_, a.dtype, b.dtype, kSplitScratchFloats), out, a, b, M,
+            Nc, K, a_m, a_k, b_k, b_n, alpha, accumulate, bias, 0, a_scale);
+  }
+  // One product's dispatches as the geometry gave them (gemm.comp or gemm_coopmat.comp, which share
+  // their push-constant block), then gemm_reduce.comp where K was split.
+  void product(const std::vector<VulkanDispatch>& d, const Tensor& out, const Tensor& a, const Tensor& b, int64_t M,
+               int64_t Nc, int64_t K, int64_t a_m, int64_t a_k, int64_t b_k, int64_t b_n, float alpha, bool accumulate,
+               const Tensor& bias, uint32_t vectors, float a_scale) {
+    out.f32();
     const vulkan_geometry::GemmSplit split = vulkan_geometry::gemm_split(M, Nc, K, kSplitScratchFloats);
     const bool partial = d.size() > 1;
     struct {
       uint64_t out, a, b, bias;
-      uint32_t M, Nc, K, a_m, a_k, b_k, b_n, has_bias, accumulate, k_split, partial;
+      uint32_t M, Nc, K, a_m, a_k, b_k, b_n, has_bias, accumulate, k_split, partial, vectors;
       float alpha, a_scale;
     } push{partial ? split_scratch_ : address(out),
            address(a),
@@ -898,10 +869,18 @@ class VulkanBackend final : public Backend {
            accumulate ? 1u : 0u,
            split.k_split,
            partial ? 1u : 0u,
+           vectors,
            alpha,
            a_scale};
     ctx().dispatch(d[0], push, {partial ? scratch(true) : writes(out), reads(a), reads(b), reads(bias)});
-    if (partial) reduce_splits(d[1], out, M * Nc, Nc, split.splits, bias, accumulate, alpha);
+    if (!partial) return;
+    struct {
+      uint64_t out, partials, bias;
+      uint32_t n, Nc, splits, has_bias, accumulate;
+      float alpha;
+    } reduce{address(out), split_scratch_, address(bias), u32(M * Nc), u32(Nc), split.splits, bias ? 1u : 0u,
+             accumulate ? 1u : 0u, alpha};
+    ctx().dispatch(d[1], reduce, {writes(out), scratch(false), reads(bias)});
   }
   // mode 0: out[r] = inp[index[r]]; mode 1: out[index[r]] = inp[r] (rows of float32 matrices).
   void rows_op(const Tensor& out, const Tensor& inp, const Tensor& index, uint32_t mode) {

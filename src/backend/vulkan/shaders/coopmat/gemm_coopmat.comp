@@ -32,6 +32,7 @@ layout(constant_id = 7) const uint BDTYPE = 2;
 layout(push_constant) uniform Push {
   F32 out_; uint64_t a; uint64_t b; F32 bias;
   uint M, Nc, K, a_m, a_k, b_k, b_n, has_bias, accumulate, k_split, partial;
+  uint vectors;  // gemm.comp's (the two share this block); unused here
   float alpha, a_scale;
 } p;
 #define ELEM float16_t
