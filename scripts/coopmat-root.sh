@@ -157,20 +157,29 @@ EOF
   echo "coopmat-root: the root is made in $((SECONDS - t0)) s: $fs" >&2
 }
 
-# test BUILD_DIR [FILTER]: BUILD_DIR's binaries, bundled, in a throw-away overlay of the root.
-run_tests() {
-  local build_dir="${1:?test needs a build directory; $usage}" filter="${2:-$default_filter}"
-  [[ -d "$build_dir" ]] || fail "test: $build_dir is not a directory"
+# prepare_run WHAT BUILD_DIR: the root made, BUILD_DIR's binaries bundled into $work/bundle.tar.gz,
+# and an empty overlay run directory at $run_dir (upper, work, fs); WHAT names the subcommand in
+# messages.
+prepare_run() {
+  local what="$1" build_dir="$2"
+  [[ -n "$build_dir" ]] || fail "$what needs a build directory; $usage"
+  [[ -d "$build_dir" ]] || fail "$what: $build_dir is not a directory"
   build_dir="$(cd "$build_dir" && pwd)"
   make_root
-  local t0=$SECONDS
-  echo "== the cooperative-matrix tests of $build_dir on the Debian sid root's lavapipe"
   "$root/scripts/device-check.sh" --bundle "$work/bundle.tar.gz" "$build_dir" ||
-    fail "test: bundling $build_dir failed (scripts/device-check.sh --bundle)"
-  local run_dir="$work/run"
+    fail "$what: bundling $build_dir failed (scripts/device-check.sh --bundle)"
+  run_dir="$work/run"
   mounted_under "$run_dir" && fail "$run_dir is still mounted"
   rm -rf "$run_dir"
-  mkdir -p "$run_dir/upper/opt" "$run_dir/work" "$run_dir/fs"
+  mkdir -p "$run_dir/upper" "$run_dir/work" "$run_dir/fs"
+}
+
+# test BUILD_DIR [FILTER]: BUILD_DIR's binaries, bundled, in a throw-away overlay of the root.
+run_tests() {
+  local filter="${2:-$default_filter}" t0=$SECONDS run_dir
+  echo "== the cooperative-matrix tests of ${1:-} on the Debian sid root's lavapipe"
+  prepare_run test "${1:-}"
+  mkdir -p "$run_dir/upper/opt"
   tar -C "$run_dir/upper/opt" -xzf "$work/bundle.tar.gz"  # /opt/memtune-bundle in the overlay
   local script
   script="set -euo pipefail
@@ -205,18 +214,10 @@ env OMP_WAIT_POLICY=PASSIVE MEMTUNE_REQUIRE_ALL_TESTS=1 MEMTUNE_BINARY="$b/bin/m
 
 # check BUILD_DIR: the GPU check's small settings in a throw-away overlay of the root.
 run_check() {
-  local build_dir="${1:?check needs a build directory; $usage}"
-  [[ -d "$build_dir" ]] || fail "check: $build_dir is not a directory"
-  build_dir="$(cd "$build_dir" && pwd)"
-  make_root
-  local t0=$SECONDS
-  echo "== the GPU check's small settings with $build_dir on the Debian sid root's lavapipe"
-  "$root/scripts/device-check.sh" --bundle "$work/bundle.tar.gz" "$build_dir" ||
-    fail "check: bundling $build_dir failed (scripts/device-check.sh --bundle)"
-  local run_dir="$work/run"
-  mounted_under "$run_dir" && fail "$run_dir is still mounted"
-  rm -rf "$run_dir"
-  mkdir -p "$run_dir/upper/work/memtune" "$run_dir/work" "$run_dir/fs"
+  local t0=$SECONDS run_dir
+  echo "== the GPU check's small settings with ${1:-} on the Debian sid root's lavapipe"
+  prepare_run check "${1:-}"
+  mkdir -p "$run_dir/upper/work/memtune"
   # This tree as the GPU machine receives it (tracked and untracked-but-not-ignored files).
   (cd "$root" && git ls-files -z --cached --others --exclude-standard |
     xargs -0 cp --parents -t "$run_dir/upper/work/memtune")
