@@ -185,6 +185,11 @@ class Backend {
   // weight, LmHeadArgs::operands), named for `memtune plan` (e.g. "oneDNN brg:avx512_core_bf16");
   // empty where this backend has none here. Then the model keeps float32 operands.
   virtual std::string sixteen_bit_products(DType) const { return {}; }
+  // Mixed precision in attention: what computes attention's products with 16-bit operands of
+  // `dtype` (attention_forward's `operands`), named for `memtune plan`; empty where this backend
+  // keeps attention in float32 (the model then passes F32). The reference backend rounds where a
+  // backend under test does, so that its ops can be compared at the same rounding points.
+  virtual std::string sixteen_bit_attention(DType) const { return {}; }
   // Host memory those products' runtime holds beyond the arena (generated kernels, scratchpad
   // pages): a term of the process prediction where a model takes them.
   virtual size_t sixteen_bit_runtime_bytes() const { return 0; }
@@ -280,13 +285,17 @@ class Backend {
   virtual void rope_backward(const Tensor& dx, const Tensor& positions, const Tensor& inv_freq) = 0;
   // Causal grouped-query attention over packed sequences (cu_seqlens [S+1]), never a [T, T]
   // score matrix; head_dim is at most kMaxAttentionHeadDim. q[N, Hq*hd], k/v[N, Hkv*hd] ->
-  // out[N, Hq*hd]; saves lse[N, Hq].
+  // out[N, Hq*hd]; saves lse[N, Hq]. All tensors are float32; `operands` F16 lets the products
+  // (q.k, p.v; in backward dout.v, ds.k, ds.q, p.dout) round their operands to float16 with
+  // float32 accumulation, where the backend says so (sixteen_bit_attention); F32: none rounded.
   virtual void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
-                                 const Tensor& v, const Tensor& cu_seqlens, int64_t head_dim) = 0;
+                                 const Tensor& v, const Tensor& cu_seqlens, int64_t head_dim,
+                                 DType operands = DType::F32) = 0;
   // dq, dk, dv are OVERWRITTEN (every token belongs to one sequence).
   virtual void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout,
                                   const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
-                                  const Tensor& v, const Tensor& cu_seqlens, int64_t head_dim) = 0;
+                                  const Tensor& v, const Tensor& cu_seqlens, int64_t head_dim,
+                                  DType operands = DType::F32) = 0;
   // Inference over a paged KV cache. A cache is [slots, kv_dim] in the model's storage dtype;
   // slot = block * block_size + offset, and a sequence's block table lists its blocks in order.
   // kv_cache_write stores k, v [N, kv_dim] (float32) at slots[N].

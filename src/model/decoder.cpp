@@ -447,7 +447,8 @@ void Decoder::layer_forward(int64_t l, const LayerActs& a, const Tensor& x, cons
                                arena_->i32(buf_.cu_seqlens, {num_seqs_ + 1}),
                                arena_->i32(buf_.context_lens, {num_seqs_}), hd, kv.block_size);
   } else {
-    be.attention_forward(att, act(a.lse, Hq), q, k, v, arena_->i32(buf_.cu_seqlens, {num_seqs_ + 1}), hd);
+    be.attention_forward(att, act(a.lse, Hq), q, k, v, arena_->i32(buf_.cu_seqlens, {num_seqs_ + 1}), hd,
+                         attention_operands());
   }
   linear_forward(l, LinearSite::O, a, att, res1);
   be.add_rmsnorm_forward(ln2, act(a.rstd2, 1), res1, x, weight_f32(p.ln2), eps);
@@ -482,7 +483,7 @@ void Decoder::layer_backward(int64_t l, const LayerActs& a, const Tensor& x, con
   be.fill(datt, 0.0f);
   linear_backward(l, LinearSite::O, a, dstream, act(a.att, qd), datt);
   be.attention_backward(dq, dk, dv, datt, act(a.att, qd), act(a.lse, Hq), act(a.q, qd), act(a.k, kvd), act(a.v, kvd),
-                        arena_->i32(buf_.cu_seqlens, {num_seqs_ + 1}), hd);
+                        arena_->i32(buf_.cu_seqlens, {num_seqs_ + 1}), hd, attention_operands());
   be.rope_backward(dq, pos, freqs);
   be.rope_backward(dk, pos, freqs);
   Tensor dq_in = dq, dk_in = dk;  // d(loss)/d(q and k projections)

@@ -212,6 +212,11 @@ class Decoder {
   float grad_scale_ = 1.0f;
   bool defer_loss_sum_ = false;
   std::optional<DType> half_;  // the 16-bit dtype the products take (sixteen_bit_operands)
+  // The operands attention's products take: half_ where the backend has such attention
+  // (Backend::sixteen_bit_attention), else float32.
+  DType attention_operands() const {
+    return half_ && !backend_->sixteen_bit_attention(*half_).empty() ? *half_ : DType::F32;
+  }
   // Whether this step's linear products take 16-bit operands: every training step; an inference
   // step with more rows than the backend reads 16-bit weights as stored for (prefill), while
   // decoding keeps float32 inputs against the 16-bit weights.

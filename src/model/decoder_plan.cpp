@@ -145,11 +145,18 @@ std::optional<DType> sixteen_bit_operands(const ModelConfig& c, const ModelOptio
 
 std::string describe_arithmetic(const ModelConfig& c, const ModelOptions& o, const Backend& backend) {
   const std::string storage(dtype_torch_name(c.torch_dtype));
-  if (const std::optional<DType> half = sixteen_bit_operands(c, o, backend))
+  if (const std::optional<DType> half = sixteen_bit_operands(c, o, backend)) {
+    const std::string attention = backend.sixteen_bit_attention(*half);
+    if (attention.empty())
+      return fmt::format(
+          "mixed precision: the linear layers' and the LM head's products take {} operands with float32 accumulation "
+          "({}); norms, attention, softmax, losses, gradients, master weights and AdamW stay float32",
+          dtype_torch_name(*half), backend.sixteen_bit_products(*half));
     return fmt::format(
-        "mixed precision: the linear layers' and the LM head's products take {} operands with float32 accumulation "
-        "({}); norms, attention, softmax, losses, gradients, master weights and AdamW stay float32",
-        dtype_torch_name(*half), backend.sixteen_bit_products(*half));
+        "mixed precision: the linear layers', the LM head's and attention's products take {} operands with float32 "
+        "accumulation ({}; attention: {}); norms, softmax, losses, gradients, master weights and AdamW stay float32",
+        dtype_torch_name(*half), backend.sixteen_bit_products(*half), attention);
+  }
   if (o.compute_dtype == DType::F32)
     return c.torch_dtype == DType::F32 ? "float32"
                                        : fmt::format("float32 ({} storage, widened as it is read)", storage);

@@ -130,8 +130,9 @@ void add_training_arguments(CLI::App& app, TrainingArguments& a, ArgumentsFor us
                "mixed precision, as Hugging Face's --fp16: the weights are stored in float16, training runs with "
                "dynamic loss scaling, and where the backend has float16 products (vulkan: cooperative matrices, "
                "where the device has them; cpu: oneDNN's AVX512-FP16 or AMX-FP16 kernels; reference) the linear "
-               "layers' and the LM head's products take float16 operands with float32 accumulation. Where it has "
-               "none: float32, not mixed precision, over the float16 weights");
+               "layers' and the LM head's products take float16 operands with float32 accumulation (on vulkan's "
+               "cooperative matrices attention's products too). Where it has none: float32, not mixed precision, "
+               "over the float16 weights");
   app.add_flag("--gradient_checkpointing,--use_gradient_checkpointing", a.gradient_checkpointing,
                "keep layer inputs only, recompute in backward");
   app.add_option("--zero_stage", a.zero_stage,

@@ -303,9 +303,9 @@ TEST(VulkanGeometry, TheLargestDispatchesAreThoseTheDocsList) {
                       {1, "attention_backward_dkv", 1024, 60.2, 0.1, 100, 1},
                       {1, "cross_entropy", 6004, 0.1, 0.1, 367, 1},
                       {2, "matvec", 38016, 1.1, 0.1, 1040, 1},
-                      {2, "paged_attention", 896, 0.06, 0.01, 8, 1},
+                      {2, "paged_attention", 128, 0.06, 0.01, 8, 1},
                       {3, "matvec", 38016, 34.9, 0.1, 2098, 1},
-                      {3, "paged_attention", 1792, 1.9, 0.1, 257, 1}};
+                      {3, "paged_attention", 1152, 1.9, 0.1, 257, 1}};
   const std::vector<Case> cases = real_cases();
   for (const Row& row : rows) {
     SCOPED_TRACE(fmt::format("{}: {}", cases[row.case_index].name, row.shader));
@@ -329,4 +329,44 @@ std::set<std::string> vulkan_geometry_listed_shaders() {
   return listed;
 }
 
+}  // namespace memtune
+
+namespace memtune {
+namespace {
+
+// Attention on the matrix units takes, per pass, the largest tile of 64, 32 and 16 rows whose
+// shared memory fits the device's: on lavapipe (8 x 8 x 8, subgroups of 8, 32 KiB) and on an
+// NVIDIA GPU (16 x 16 x 16, subgroups of 32, the 48 KiB its Vulkan driver reports), at Qwen's head
+// dimensions; where none fits (the dK/dV pass at head_dim 128 in 48 KiB) or the head dimension
+// does not divide into the unit, 0: the float32 shaders run.
+TEST(VulkanGeometry, AttentionOnTheMatrixUnitsTakesTheLargestTileThatFits) {
+  namespace g = vulkan_geometry;
+  using g::AttentionPass;
+  const g::MatrixUnit lavapipe{8, 8, 8, 8, 32768}, nvidia{16, 16, 16, 32, 49152};
+  struct Case {
+    const g::MatrixUnit& unit;
+    int64_t hd;
+    uint32_t forward, query, key;
+  };
+  for (const Case& c : {Case{lavapipe, 64, 32, 32, 16}, Case{lavapipe, 128, 16, 16, 16}, Case{lavapipe, 16, 32, 32, 32},
+                        Case{nvidia, 64, 32, 32, 32}, Case{nvidia, 128, 32, 32, 0}, Case{nvidia, 16, 0, 0, 0},
+                        Case{nvidia, 96, 32, 32, 32}}) {
+    SCOPED_TRACE(fmt::format("{}x{}x{}, head_dim {}", c.unit.m, c.unit.n, c.unit.k, c.hd));
+    const std::array<std::pair<AttentionPass, uint32_t>, 3> passes = {
+        {{AttentionPass::Forward, c.forward}, {AttentionPass::Query, c.query}, {AttentionPass::Key, c.key}}};
+    for (const auto& [pass, tile] : passes) {
+      EXPECT_EQ(g::attention_coopmat_tile(c.hd, c.unit, pass), tile);
+      if (tile == 0) continue;
+      EXPECT_LE(g::attention_coopmat_shared_bytes(c.hd, tile, c.unit, pass), c.unit.shared_bytes);
+      if (tile < 64) EXPECT_GT(g::attention_coopmat_shared_bytes(c.hd, 2 * tile, c.unit, pass), c.unit.shared_bytes);
+      const VulkanDispatch d = g::attention_coopmat({4096, 8, 14, 2, c.hd}, c.unit, pass);
+      EXPECT_EQ(d.x, 4096 / tile);
+      EXPECT_EQ(d.y, pass == AttentionPass::Key ? 2u : 14u);
+      EXPECT_EQ(d.constants[1], tile);
+      EXPECT_EQ(d.constants.back(), 4 * c.unit.subgroup);
+    }
+  }
+}
+
+}  // namespace
 }  // namespace memtune

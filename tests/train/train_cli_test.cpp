@@ -459,16 +459,28 @@ TEST_F(TrainCliTest, VulkanCoopmatFloat16MixedPrecisionTrainsAsTheReference) {
                             " --tuner_type full --fp16 --max_steps 6 --learning_rate 1e-3";
   const Result plan = run("plan --backend vulkan" + flags);
   ASSERT_EQ(plan.status, 0) << plan.output;
-  EXPECT_CONTAINS(plan.output, "arithmetic: mixed precision: the linear layers' and the LM head's products take "
-                               "float16 operands with float32 accumulation (cooperative matrices");
+  EXPECT_CONTAINS(plan.output, "arithmetic: mixed precision: the linear layers', the LM head's and attention's "
+                               "products take float16 operands with float32 accumulation (cooperative matrices");
+  EXPECT_CONTAINS(plan.output, "attention: cooperative matrices");
   std::map<std::string, std::vector<double>> losses;
-  for (const char* backend : {"reference", "vulkan"}) {
-    const Result r = run("train --backend " + std::string(backend) + " --output_dir " + path(std::string("fp16_") + backend) + flags);
+  for (const std::string backend : {"reference", "vulkan"}) {
+    // On vulkan with the device's profile: the products and attention's three passes ran on the
+    // matrix units, and no float32 product or attention shader did.
+    const Result r = testing_support::run_command(std::string(backend == "vulkan" ? "MEMTUNE_VULKAN_PROFILE=1 " : "") +
+                                                  testing_support::memtune_binary() +
+                                 " train --backend " + backend + " --output_dir " + path("fp16_" + backend) + flags);
     ASSERT_EQ(r.status, 0) << r.output;
     EXPECT_CONTAINS(r.output, "arithmetic: mixed precision");
+    if (backend == "vulkan") {
+      for (const char* shader : {"gemm_coopmat", "attention_coopmat", "attention_backward_dq_coopmat",
+                                 "attention_backward_dkv_coopmat"})
+        EXPECT_CONTAINS(r.output, fmt::format("vulkan profile: {} ", shader));
+      for (const char* shader : {"gemm", "attention", "attention_backward_dq", "attention_backward_dkv"})
+        EXPECT_EQ(r.output.find(fmt::format("vulkan profile: {} ", shader)), std::string::npos) << shader;
+    }
     // A step's loss, or -1 where dynamic loss scaling skipped it (the first steps overflow float16
     // at the initial scale of 65536, as under Hugging Face's GradScaler).
-    for (const auto& rec : read_jsonl(dir_ / (std::string("fp16_") + backend) / "log.jsonl"))
+    for (const auto& rec : read_jsonl(dir_ / ("fp16_" + backend) / "log.jsonl"))
       if (rec.contains("loss") || rec.contains("skipped"))
         losses[backend].push_back(rec.contains("loss") ? rec["loss"].get<double>() : -1.0);
   }

@@ -181,13 +181,15 @@ class CpuBackend final : public Backend {
     cpu::rope_backward(dx.f32(), positions.i32(), dx.rows(), dx.cols() / head_dim, head_dim, inv_freq.f32());
   }
   void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
-                         const Tensor& cu_seqlens, int64_t hd) override {
+                         const Tensor& cu_seqlens, int64_t hd, DType operands) override {
+    MT_ASSERT(operands == DType::F32, "cpu attention keeps float32 operands (sixteen_bit_attention)");
     cpu::attention_forward(out.f32(), lse.f32(), q.f32(), k.f32(), v.f32(), cu_seqlens.i32(), cu_seqlens.numel() - 1,
                            q.cols() / hd, k.cols() / hd, hd);
   }
   void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& out,
                           const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
-                          const Tensor& cu_seqlens, int64_t hd) override {
+                          const Tensor& cu_seqlens, int64_t hd, DType operands) override {
+    MT_ASSERT(operands == DType::F32, "cpu attention keeps float32 operands (sixteen_bit_attention)");
     cpu::attention_backward(dq.f32(), dk.f32(), dv.f32(), dout.f32(), out.f32(), lse.f32(), q.f32(), k.f32(), v.f32(),
                             cu_seqlens.i32(), cu_seqlens.numel() - 1, q.cols() / hd, k.cols() / hd, hd);
   }

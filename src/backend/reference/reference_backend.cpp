@@ -222,38 +222,50 @@ class ReferenceBackend final : public Backend {
     rope(dx, positions, inv_freq, -1.0);
   }
 
+  // float16 operands (sixteen_bit_attention): q, k, v and dout rounded as the kernels load them,
+  // the probabilities rounded before they multiply v (relative to the row's final maximum; a
+  // FlashAttention kernel rounds them relative to its running maximum, within one rounding of
+  // these), and ds rounded before it multiplies k and q; products summed in float64.
+  std::string sixteen_bit_attention(DType dtype) const override {
+    return dtype == DType::F16 ? "float16 operands rounded as loaded, exact products summed in float64" : "";
+  }
   void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
-                         const Tensor& cu_seqlens, int64_t hd) override {
+                         const Tensor& cu_seqlens, int64_t hd, DType operands) override {
     Access a(*this);
     const Heads h(q, k, hd);
+    const Operand r{operands};
     for_each_query(cu_seqlens, [&](int64_t t, int64_t begin) {
       for (int64_t head = 0; head < h.q; ++head) {
-        const std::vector<double> s = scores(q, k, h, t, begin, head);
+        const std::vector<double> s = scores(q, k, h, t, begin, head, r);
         const double m = *std::max_element(s.begin(), s.end());
         double sum = 0.0;
-        for (double x : s) sum += std::exp(x - m);
-        const double l = m + std::log(sum);
-        lse.f32()[t * h.q + head] = static_cast<float>(l);
+        std::vector<double> p;
+        for (double x : s) {
+          sum += std::exp(x - m);
+          p.push_back(r(static_cast<float>(std::exp(x - m))));
+        }
+        lse.f32()[t * h.q + head] = static_cast<float>(m + std::log(sum));
         for (int64_t d = 0; d < hd; ++d) {
           double o = 0.0;
-          for (int64_t j = begin; j <= t; ++j) o += std::exp(s[j - begin] - l) * v.f32()[h.kv_index(j, head, d)];
-          out.f32()[h.q_index(t, head, d)] = static_cast<float>(o);
+          for (int64_t j = begin; j <= t; ++j) o += p[j - begin] * r(v.f32()[h.kv_index(j, head, d)]);
+          out.f32()[h.q_index(t, head, d)] = static_cast<float>(o / sum);
         }
       }
     });
   }
   void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& out,
                           const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
-                          const Tensor& cu_seqlens, int64_t hd) override {
+                          const Tensor& cu_seqlens, int64_t hd, DType operands) override {
     Access a(*this);
     const Heads h(q, k, hd);
-    // p_j = exp(s_j - lse); ds_j = p_j (dout.v_j - dout.out); dq += ds_j k_j / sqrt(hd); dk_j += ds_j q / sqrt(hd);
+    const Operand r{operands};
+    // p_j = exp(s_j - lse); ds_j = p_j (dout.v_j - dout.out) / sqrt(hd); dq += ds_j k_j; dk_j += ds_j q;
     // dv_j += p_j dout.
     std::vector<double> gq(dq.numel(), 0.0), gk(dk.numel(), 0.0), gv(dv.numel(), 0.0);
     const double scale = 1.0 / std::sqrt(double(hd));
     for_each_query(cu_seqlens, [&](int64_t t, int64_t begin) {
       for (int64_t head = 0; head < h.q; ++head) {
-        const std::vector<double> s = scores(q, k, h, t, begin, head);
+        const std::vector<double> s = scores(q, k, h, t, begin, head, r);
         double dot_out = 0.0;
         for (int64_t d = 0; d < hd; ++d)
           dot_out += double(dout.f32()[h.q_index(t, head, d)]) * out.f32()[h.q_index(t, head, d)];
@@ -261,12 +273,12 @@ class ReferenceBackend final : public Backend {
           const double p = std::exp(s[j - begin] - lse.f32()[t * h.q + head]);
           double dp = 0.0;
           for (int64_t d = 0; d < hd; ++d)
-            dp += double(dout.f32()[h.q_index(t, head, d)]) * v.f32()[h.kv_index(j, head, d)];
-          const double ds = p * (dp - dot_out);
+            dp += r(dout.f32()[h.q_index(t, head, d)]) * r(v.f32()[h.kv_index(j, head, d)]);
+          const double ds = r(static_cast<float>(p * (dp - dot_out) * scale)), pr = r(static_cast<float>(p));
           for (int64_t d = 0; d < hd; ++d) {
-            gq[h.q_index(t, head, d)] += ds * k.f32()[h.kv_index(j, head, d)] * scale;
-            gk[h.kv_index(j, head, d)] += ds * q.f32()[h.q_index(t, head, d)] * scale;
-            gv[h.kv_index(j, head, d)] += p * dout.f32()[h.q_index(t, head, d)];
+            gq[h.q_index(t, head, d)] += ds * r(k.f32()[h.kv_index(j, head, d)]);
+            gk[h.kv_index(j, head, d)] += ds * r(q.f32()[h.q_index(t, head, d)]);
+            gv[h.kv_index(j, head, d)] += pr * r(dout.f32()[h.q_index(t, head, d)]);
           }
         }
       }
@@ -589,13 +601,18 @@ class ReferenceBackend final : public Backend {
     for (int64_t s = 0; s + 1 < cu_seqlens.numel(); ++s)
       for (int64_t t = cu_seqlens.i32()[s]; t < cu_seqlens.i32()[s + 1]; ++t) f(t, cu_seqlens.i32()[s]);
   }
-  // q_t . k_j / sqrt(hd) for j = begin..t (causal).
+  // An attention operand as the products take it: float32 rounded to `dtype` (F32: as it is).
+  struct Operand {
+    DType dtype;
+    double operator()(float x) const { return dtype == DType::F32 ? x : rounded(x, dtype); }
+  };
+  // q_t . k_j / sqrt(hd) for j = begin..t (causal), of the operands as r gives them.
   static std::vector<double> scores(const Tensor& q, const Tensor& k, const Heads& h, int64_t t, int64_t begin,
-                                    int64_t head) {
+                                    int64_t head, const Operand& r) {
     std::vector<double> s;
     for (int64_t j = begin; j <= t; ++j) {
       double dot = 0.0;
-      for (int64_t d = 0; d < h.hd; ++d) dot += double(q.f32()[h.q_index(t, head, d)]) * k.f32()[h.kv_index(j, head, d)];
+      for (int64_t d = 0; d < h.hd; ++d) dot += r(q.f32()[h.q_index(t, head, d)]) * r(k.f32()[h.kv_index(j, head, d)]);
       s.push_back(dot / std::sqrt(double(h.hd)));
     }
     return s;

@@ -603,7 +603,7 @@ VulkanContext::Pipeline& VulkanContext::pipeline(std::string_view shader, std::s
   // subgroup_size (a driver may otherwise pick another size per pipeline).
   auto subgroup_size = vk_struct<VkPipelineShaderStageRequiredSubgroupSizeCreateInfo>(
       VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_REQUIRED_SUBGROUP_SIZE_CREATE_INFO);
-  if (shader.starts_with("gemm_coopmat")) {
+  if (shader.ends_with("_coopmat")) {
     subgroup_size.requiredSubgroupSize = info_.subgroup_size;
     pipeline_info.stage.pNext = &subgroup_size;
     pipeline_info.stage.flags = VK_PIPELINE_SHADER_STAGE_CREATE_REQUIRE_FULL_SUBGROUPS_BIT;

@@ -1,6 +1,8 @@
 // The Vulkan devices of this machine (see device.h).
 #include "backend/vulkan/device.h"
 
+#include "backend/vulkan/geometry.h"
+
 #include <vulkan/vulkan.h>
 
 #include <fmt/format.h>
@@ -270,6 +272,28 @@ std::vector<std::pair<std::string, std::string>> vulkan_kernel_variants(const Vu
                        : fmt::format("float32 arithmetic of the widened operands: {}", why));
   }
   out.emplace_back("attention", "float32 FMAs (attention.comp, attention_backward_dq.comp, attention_backward_dkv.comp)");
+  {
+    std::string why;
+    const std::optional<VulkanMatrixShape> s = cooperative_product_shape(d, DType::F16, &why);
+    std::string text = fmt::format("float32 FMAs, as attention: {}", why);
+    if (s) {
+      // The tiles (forward / dq / dk and dv) the device's shared memory gives Qwen's head dimensions.
+      const vulkan_geometry::MatrixUnit unit{s->m, s->n, s->k, d.subgroup_size, d.shared_memory_bytes};
+      std::string tiles;
+      for (const int64_t hd : {64, 128}) {
+        using vulkan_geometry::AttentionPass;
+        tiles += fmt::format("{}head_dim {}: {} / {} / {}", tiles.empty() ? "" : ", ", hd,
+                             vulkan_geometry::attention_coopmat_tile(hd, unit, AttentionPass::Forward),
+                             vulkan_geometry::attention_coopmat_tile(hd, unit, AttentionPass::Query),
+                             vulkan_geometry::attention_coopmat_tile(hd, unit, AttentionPass::Key));
+      }
+      text = fmt::format("cooperative matrices {}x{}x{} (attention_coopmat.comp, attention_backward_dq_coopmat.comp, "
+                         "attention_backward_dkv_coopmat.comp); tiles of forward / dq / dk-dv rows at {} (0: float32 "
+                         "FMAs)",
+                         s->m, s->n, s->k, tiles);
+    }
+    out.emplace_back("attention (--fp16)", text);
+  }
   out.emplace_back("decode attention", "float32 FMAs, split over the context (paged_attention.comp)");
   return out;
 }

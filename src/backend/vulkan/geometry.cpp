@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <bit>
 
 #include "core/error.h"
 
@@ -255,12 +256,84 @@ VulkanDispatch attention_backward_dkv(const Attention& a) {
   return attention_dispatch("attention_backward_dkv", a, true, 8, 3, 4);
 }
 
+uint32_t attention_coopmat_shared_bytes(int64_t head_dim, uint32_t tile, const MatrixUnit& unit, AttentionPass pass) {
+  const uint64_t b = tile, h = static_cast<uint64_t>(head_dim) + 8, s = b + 4, t = b + 8;
+  if (b * s < 4 * uint64_t{unit.m} * unit.n) return UINT32_MAX;  // the scores' array stages the output
+  switch (pass) {
+    case AttentionPass::Forward:  // q, k / v (float16); scores, output (float32); p (float16); m, l, begin
+      return static_cast<uint32_t>(2 * (2 * b * h) + 4 * b * s + 2 * b * t + 4 * b * (h - 4) + 3 * 4 * b);
+    case AttentionPass::Query:  // q, dout, k, v; s, dp; ds; lse, D, begin
+      return static_cast<uint32_t>(4 * (2 * b * h) + 2 * (4 * b * s) + 2 * b * t + 3 * 4 * b);
+    case AttentionPass::Key:  // k, v, q, dout; s, dp; p, ds; lse, D, end
+      return static_cast<uint32_t>(4 * (2 * b * h) + 2 * (4 * b * s) + 2 * (2 * b * t) + 3 * 4 * b);
+  }
+  return 0;
+}
+
+uint32_t attention_coopmat_tile(int64_t head_dim, const MatrixUnit& unit, AttentionPass pass) {
+  if (head_dim <= 0 || head_dim > 256 || head_dim % unit.k != 0 || head_dim / 2 % unit.n != 0) return 0;
+  for (const uint32_t tile : {64u, 32u, 16u})
+    if (tile / 2 % unit.m == 0 && tile / 2 % unit.n == 0 && tile % unit.k == 0 &&
+        attention_coopmat_shared_bytes(head_dim, tile, unit, pass) <= unit.shared_bytes)
+      return tile;
+  return 0;
+}
+
+namespace {
+// FLOPs and tensors as the float32 passes count them (attention_dispatch): the operands are
+// float16 in shared memory, float32 in memory.
+VulkanDispatch coopmat_attention_dispatch(const char* shader, const Attention& a, const MatrixUnit& unit,
+                                          AttentionPass pass, double flops_per_pair, double q_side_tensors,
+                                          double kv_side_tensors) {
+  const uint32_t tile = attention_coopmat_tile(a.head_dim, unit, pass);
+  MT_ASSERT(tile != 0, "attention_coopmat for a head dimension no tile takes");
+  const double hd = static_cast<double>(a.head_dim), n = static_cast<double>(a.tokens);
+  VulkanDispatch d{
+      .shader = shader,
+      .constants = {static_cast<uint32_t>(a.head_dim), tile, unit.subgroup, unit.m, unit.n, unit.k, 4 * unit.subgroup},
+      .x = ceil_div(a.tokens, tile),
+      .y = static_cast<uint32_t>(pass == AttentionPass::Key ? a.kv_heads : a.q_heads),
+      .flops = flops_per_pair * causal_pairs(a) * hd * static_cast<double>(a.q_heads),
+      .bytes = 4 * n * hd *
+               (q_side_tensors * static_cast<double>(a.q_heads) + kv_side_tensors * static_cast<double>(a.kv_heads))};
+  MT_ASSERT(d.x <= kMaxGroups, "vulkan: more tokens than one attention dispatch takes");
+  return d;
+}
+}  // namespace
+
+VulkanDispatch attention_coopmat(const Attention& a, const MatrixUnit& unit, AttentionPass pass) {
+  switch (pass) {
+    case AttentionPass::Forward:
+      return coopmat_attention_dispatch("attention_coopmat", a, unit, pass, 4, 2, 2);
+    case AttentionPass::Query:
+      return coopmat_attention_dispatch("attention_backward_dq_coopmat", a, unit, pass, 6, 4, 2);
+    case AttentionPass::Key:
+      break;
+  }
+  return coopmat_attention_dispatch("attention_backward_dkv_coopmat", a, unit, pass, 8, 3, 4);
+}
+
+AttentionTiles paged_attention_tiles(const PagedAttention& a) {
+  AttentionTiles t = attention_tiles(a.head_dim, false);
+  const int64_t group = std::max<int64_t>(a.q_heads / std::max<int64_t>(a.kv_heads, 1), 1);
+  t.rows = std::clamp<uint32_t>(std::bit_ceil(static_cast<uint32_t>(group)), 32 / t.lanes, 128 / t.lanes);
+  t.threads = t.rows * t.lanes;
+  return t;
+}
+
+uint32_t paged_attention_chunks(const PagedAttention& a) {
+  const int64_t group = std::max<int64_t>(a.q_heads / std::max<int64_t>(a.kv_heads, 1), 1);
+  return ceil_div(group, paged_attention_tiles(a).rows);
+}
+
 PagedSplit paged_split(const PagedAttention& a, int64_t scratch_floats) {
+  // Partials per query head; workgroups per (row, kv head, chunk of its query heads).
   const int64_t rows = a.rows * a.q_heads, max_context = std::max<int64_t>(a.max_context, 1);
+  const int64_t groups = std::max<int64_t>(a.rows * a.kv_heads * paged_attention_chunks(a), 1);
   // Splits of at least kMinSplitKeys keys, enough of them to give the device 2 x kFillWorkgroups,
   // as many as the scratch holds partials for.
   constexpr int64_t kMinSplitKeys = 128;
-  int64_t splits = std::min({(2 * static_cast<int64_t>(kFillWorkgroups) + rows - 1) / rows,
+  int64_t splits = std::min({(2 * static_cast<int64_t>(kFillWorkgroups) + groups - 1) / groups,
                              (max_context + kMinSplitKeys - 1) / kMinSplitKeys,
                              scratch_floats / (rows * (a.head_dim + 2))});
   splits = std::max<int64_t>(splits, 1);
@@ -269,16 +342,18 @@ PagedSplit paged_split(const PagedAttention& a, int64_t scratch_floats) {
 }
 
 std::vector<VulkanDispatch> paged_attention(const PagedAttention& a, int64_t scratch_floats) {
-  const AttentionTiles t = attention_tiles(a.head_dim, false);
+  const AttentionTiles t = paged_attention_tiles(a);
   const PagedSplit s = paged_split(a, scratch_floats);
+  const uint32_t x = static_cast<uint32_t>(a.kv_heads) * paged_attention_chunks(a) * s.splits;
   const double hd = static_cast<double>(a.head_dim), rows = static_cast<double>(a.rows);
   const double context = static_cast<double>(a.context > 0 ? a.context : a.max_context);
-  MT_ASSERT(uint64_t{s.splits} * a.q_heads <= kMaxGroups, "vulkan: more heads x splits than one dispatch takes");
+  MT_ASSERT(uint64_t{s.splits} * a.kv_heads * paged_attention_chunks(a) <= kMaxGroups,
+            "vulkan: more heads x splits than one dispatch takes");
   const auto y = static_cast<uint32_t>(std::clamp<int64_t>(a.rows, 1, kMaxGroups));  // rows beyond: over z
   std::vector<VulkanDispatch> d{
       {.shader = "paged_attention",
        .constants = {static_cast<uint32_t>(a.head_dim), t.lanes, t.tile, t.threads, dtype_code(a.cache)},
-       .x = static_cast<uint32_t>(a.q_heads) * s.splits,
+       .x = x,
        .y = y,
        .z = ceil_div(std::max<int64_t>(a.rows, 1), y),
        .flops = 4 * rows * static_cast<double>(a.q_heads) * context * hd,

@@ -84,6 +84,7 @@ std::vector<VulkanDispatch> gemm(int64_t M, int64_t N, int64_t K, DType b, int64
 // A's and B's dtype codes.
 struct MatrixUnit {
   uint32_t m = 16, n = 16, k = 16, subgroup = 32;
+  uint32_t shared_bytes = 32768;  // a workgroup's shared memory on the device
 };
 std::vector<VulkanDispatch> gemm_coopmat(int64_t M, int64_t N, int64_t K, const MatrixUnit& unit, DType a, DType b,
                                          int64_t scratch_floats);
@@ -125,6 +126,16 @@ AttentionTiles attention_tiles(int64_t head_dim, bool key_side);
 VulkanDispatch attention_forward(const Attention& a);
 VulkanDispatch attention_backward_dq(const Attention& a);
 VulkanDispatch attention_backward_dkv(const Attention& a);
+// The same three passes on the device's matrix units (shaders/coopmat/attention_coopmat.glsl,
+// float16 operands): a workgroup of four subgroups per tile of `tile` query (or key) rows, the
+// tile the largest of 64, 32 and 16 whose shared memory fits the unit's and whose quarters are
+// whole unit matrices; 0 where none fits or head_dim does not divide into the unit (the float32
+// shaders then run). Constants: head_dim, tile, subgroup, m, n, k, workgroup size.
+enum class AttentionPass { Forward, Query, Key };
+uint32_t attention_coopmat_tile(int64_t head_dim, const MatrixUnit& unit, AttentionPass pass);
+// The shared memory the pass's shader declares at that tile (its arrays, as they are written).
+uint32_t attention_coopmat_shared_bytes(int64_t head_dim, uint32_t tile, const MatrixUnit& unit, AttentionPass pass);
+VulkanDispatch attention_coopmat(const Attention& a, const MatrixUnit& unit, AttentionPass pass);
 
 // New queries over a paged KV cache: `rows` query tokens, keys up to max_context (the block
 // table's width), split over the context so that few rows still fill the device, within the
@@ -137,6 +148,11 @@ struct PagedAttention {
 struct PagedSplit {
   uint32_t splits = 1, split_keys = 0;
 };
+// A workgroup per (kv head, chunk of `rows` of its query heads, split, query row): each row of
+// invocations one query head of the GQA group (rows: the group rounded up to a power of two, a
+// workgroup of 32 to 128 invocations), so each key and value is read once for the group.
+AttentionTiles paged_attention_tiles(const PagedAttention& a);
+uint32_t paged_attention_chunks(const PagedAttention& a);
 PagedSplit paged_split(const PagedAttention& a, int64_t scratch_floats);
 std::vector<VulkanDispatch> paged_attention(const PagedAttention& a, int64_t scratch_floats);
 

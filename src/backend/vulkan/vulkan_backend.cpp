@@ -70,7 +70,8 @@ class VulkanBackend final : public Backend {
     tables_ = ctx_->allocate(2 * kTableEntries * kTableWords * sizeof(uint64_t));
     pending_steps_.reserve(VulkanContext::kReadbackSlots);
     if (const std::optional<VulkanMatrixShape> s = cooperative_product_shape(ctx_->info(), DType::F16))
-      half_unit_ = vulkan_geometry::MatrixUnit{s->m, s->n, s->k, ctx_->info().subgroup_size};
+      half_unit_ = vulkan_geometry::MatrixUnit{s->m, s->n, s->k, ctx_->info().subgroup_size,
+                                               ctx_->info().shared_memory_bytes};
     std::fprintf(stderr, "vulkan: device %d, %s\n", ctx_->info().index, describe_vulkan_device(ctx_->info()).c_str());
   }
   std::string_view name() const override { return "vulkan"; }
@@ -134,6 +135,13 @@ class VulkanBackend final : public Backend {
     if (dtype != DType::F16 || !half_unit_) return {};
     return fmt::format("cooperative matrices {}x{}x{} on {} (gemm_coopmat.comp)", half_unit_->m, half_unit_->n,
                        half_unit_->k, ctx_->info().name);
+  }
+  // Attention's products on the same units (attention_coopmat.comp and its backward passes), for
+  // head dimensions that divide into them (others keep the float32 shaders).
+  std::string sixteen_bit_attention(DType dtype) const override {
+    if (dtype != DType::F16 || !half_unit_) return {};
+    return fmt::format("cooperative matrices {}x{}x{} (attention_coopmat.comp)", half_unit_->m, half_unit_->n,
+                       half_unit_->k);
   }
   size_t quantized_scratch_elems(int64_t) const override { return 0; }
   size_t quantized_scratch_used(int64_t, int64_t) const override { return 0; }
@@ -418,20 +426,24 @@ class VulkanBackend final : public Backend {
     quantized(dinp, dout, w, Tensor{}, 1);
   }
   void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
-                         const Tensor& cu_seqlens, int64_t hd) override {
+                         const Tensor& cu_seqlens, int64_t hd, DType operands) override {
     struct {
       uint64_t out, lse, q, k, v, cu;
       uint32_t N, S, Hq, Hkv;
       float scale;
     } push{address(out), address(lse), address(q), address(k), address(v), address(cu_seqlens),
            u32(q.rows()), u32(cu_seqlens.numel() - 1), u32(q.cols() / hd), u32(k.cols() / hd), attention_scale(hd)};
-    ctx().dispatch(vulkan_geometry::attention_forward(attention_shape(q, k, cu_seqlens, hd)), push,
-                   {writes(out), writes(lse), reads(q), reads(k), reads(v), reads(cu_seqlens)});
+    const vulkan_geometry::Attention shape = attention_shape(q, k, cu_seqlens, hd);
+    ctx().dispatch(half_attention(operands, hd, vulkan_geometry::AttentionPass::Forward)
+                       ? vulkan_geometry::attention_coopmat(shape, *half_unit_, vulkan_geometry::AttentionPass::Forward)
+                       : vulkan_geometry::attention_forward(shape),
+                   push, {writes(out), writes(lse), reads(q), reads(k), reads(v), reads(cu_seqlens)});
   }
   // FlashAttention-2's two passes: dq by query tiles, dk and dv by key tiles.
   void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& out,
                           const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
-                          const Tensor& cu_seqlens, int64_t hd) override {
+                          const Tensor& cu_seqlens, int64_t hd, DType operands) override {
+    using vulkan_geometry::AttentionPass;
     const vulkan_geometry::Attention shape = attention_shape(q, k, cu_seqlens, hd);
     struct {
       uint64_t dq, dout, out, lse, q, k, v, cu;
@@ -440,7 +452,10 @@ class VulkanBackend final : public Backend {
     } query_side{address(dq),    address(dout), address(out), address(lse), address(q), address(k), address(v),
                  address(cu_seqlens), u32(q.rows()), u32(cu_seqlens.numel() - 1), u32(q.cols() / hd),
                  u32(k.cols() / hd), attention_scale(hd)};
-    ctx().dispatch(vulkan_geometry::attention_backward_dq(shape), query_side,
+    ctx().dispatch(half_attention(operands, hd, AttentionPass::Query)
+                       ? vulkan_geometry::attention_coopmat(shape, *half_unit_, AttentionPass::Query)
+                       : vulkan_geometry::attention_backward_dq(shape),
+                   query_side,
                    {writes(dq), reads(dout), reads(out), reads(lse), reads(q), reads(k), reads(v), reads(cu_seqlens)});
     struct {
       uint64_t dk, dv, dout, out, lse, q, k, v, cu;
@@ -449,7 +464,10 @@ class VulkanBackend final : public Backend {
     } key_side{address(dk), address(dv), address(dout), address(out), address(lse), address(q), address(k),
                address(v),  address(cu_seqlens), u32(q.rows()), u32(cu_seqlens.numel() - 1), u32(q.cols() / hd),
                u32(k.cols() / hd), attention_scale(hd)};
-    ctx().dispatch(vulkan_geometry::attention_backward_dkv(shape), key_side,
+    ctx().dispatch(half_attention(operands, hd, AttentionPass::Key)
+                       ? vulkan_geometry::attention_coopmat(shape, *half_unit_, AttentionPass::Key)
+                       : vulkan_geometry::attention_backward_dkv(shape),
+                   key_side,
                    {writes(dk), writes(dv), reads(dout), reads(out), reads(lse), reads(q), reads(k), reads(v),
                     reads(cu_seqlens)});
   }
@@ -924,6 +942,12 @@ class VulkanBackend final : public Backend {
                                                    int64_t hd) {
     return {.tokens = q.rows(), .sequences = cu_seqlens.numel() - 1, .q_heads = q.cols() / hd,
             .kv_heads = k.cols() / hd, .head_dim = hd};
+  }
+  // Whether an attention pass runs on the matrix units: float16 operands asked for, and a tile of
+  // the pass that takes this head dimension within the device's shared memory.
+  bool half_attention(DType operands, int64_t hd, vulkan_geometry::AttentionPass pass) const {
+    MT_ASSERT(operands == DType::F32 || operands == DType::F16, "vulkan attention: float32 or float16 operands");
+    return operands == DType::F16 && half_unit_ && vulkan_geometry::attention_coopmat_tile(hd, *half_unit_, pass) != 0;
   }
   static float attention_scale(int64_t hd) {
     MT_ASSERT(hd > 0 && hd <= kMaxAttentionHeadDim, "head_dim within kMaxAttentionHeadDim");

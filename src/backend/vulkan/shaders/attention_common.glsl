@@ -32,14 +32,3 @@ float row_sum(float x) {
 // by lane, so the LANES invocations of a row read LANES neighbouring words (no bank conflict),
 // and every row of the workgroup reads the same ones (a broadcast).
 uint tile_at(uint r, uint d) { return r * HD + (d % DIMS) * LANES + d / DIMS; }
-
-// The sequence s with cu[s] <= token < cu[s + 1] among S sequences.
-uint sequence_of(I32 cu, uint S, uint token) {
-  uint lo = 0u, hi = S;
-  while (hi - lo > 1u) {
-    const uint mid = (lo + hi) / 2u;
-    if (uint(cu.v[mid]) <= token) lo = mid; else hi = mid;
-  }
-  return lo;
-}
-const float NEG_INF = -1.0 / 0.0;

@@ -15,6 +15,17 @@ layout(buffer_reference, std430, buffer_reference_align = 4) buffer I32 { int v[
 // the grid: those return at once).
 uint folded_row() { return gl_WorkGroupID.y * gl_NumWorkGroups.x + gl_WorkGroupID.x; }
 
+// The sequence s with cu[s] <= token < cu[s + 1] among S sequences.
+uint sequence_of(I32 cu, uint S, uint token) {
+  uint lo = 0u, hi = S;
+  while (hi - lo > 1u) {
+    const uint mid = (lo + hi) / 2u;
+    if (uint(cu.v[mid]) <= token) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+const float NEG_INF = -1.0 / 0.0;
+
 // A grid-stride loop over n elements for a 1-D dispatch of 256-wide workgroups.
 #define FOR_EACH(i, n) for (uint i = gl_GlobalInvocationID.x; i < (n); i += gl_NumWorkGroups.x * 256u)
 

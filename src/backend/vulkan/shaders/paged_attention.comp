@@ -1,11 +1,12 @@
 #version 460
 // Attention of new queries over a paged KV cache (float32 or 16-bit: CDTYPE 0 f32, 1 bf16, 2 f16),
 // split over the context (split-KV, FlashDecoding's shape) so that one sequence at a long context
-// still fills the device: a workgroup per (head, context split, query token) walks the keys
-// [split x split_keys, +split_keys) up to the token's position through its sequence's block table,
-// ROWS keys at a time, a key per row of invocations (its head dimension split over LANES, as in
-// attention.comp), each row keeping its own online softmax. The rows' (max, sum, acc) merge in
-// shared memory in row order; with one split the result is the output, with several it is a
+// still fills the device. A workgroup per (kv head g, chunk of its query heads, context split,
+// query token) reads each key and value of g once for the whole GQA group: it stages the keys
+// [split x split_keys, +split_keys) up to the token's position, TILE at a time, through its
+// sequence's block table into shared memory, and each row of invocations (LANES of them, the head
+// dimension split over them as in attention.comp) is one query head of the group with its own
+// online softmax over the tile. With one split a row's result is its output; with several it is a
 // partial (m, l, acc[HD]) that paged_attention_merge.comp combines. No atomics.
 #include "common.glsl"
 #include "attention_common.glsl"
@@ -14,59 +15,67 @@ layout(push_constant) uniform Push {
   F32 out_; F32 q; uint64_t k_cache; uint64_t v_cache; I32 tables; I32 cu; I32 context; F32 partials;
   uint N, S, Hq, Hkv, max_blocks, block_size, split_keys, splits; float scale;
 } p;
-shared float row_m[ROWS], row_l[ROWS];
-shared float row_acc[ROWS * HD];
-float cache_at(uint64_t cache, uint i) { return load_f32(cache, CDTYPE, i); }
+shared float k_tile[TILE * HD];
+shared float v_tile[TILE * HD];
 void main() {
   const uint id = place(), r = id / LANES, d0 = (id % LANES) * DIMS;
-  const uint h = gl_WorkGroupID.x % p.Hq, split = gl_WorkGroupID.x / p.Hq;
+  const uint group = p.Hq / p.Hkv, chunks = (group + ROWS - 1u) / ROWS;
+  const uint g = gl_WorkGroupID.x % p.Hkv, chunk = gl_WorkGroupID.x / p.Hkv % chunks;
+  const uint split = gl_WorkGroupID.x / (p.Hkv * chunks);
   // Query rows over y, and z beyond 65,535 of them (the grid's limit per dimension).
   const uint t = gl_WorkGroupID.z * gl_NumWorkGroups.y + gl_WorkGroupID.y;
   if (t >= p.N) return;
   const uint s = sequence_of(p.cu, p.S, t), begin = uint(p.cu.v[s]), end = uint(p.cu.v[s + 1u]);
-  const uint position = uint(p.context.v[s]) - (end - begin) + (t - begin), g = h / (p.Hq / p.Hkv);
+  const uint position = uint(p.context.v[s]) - (end - begin) + (t - begin);
   const uint kvd = p.Hkv * HD, lo = split * p.split_keys, hi = min(lo + p.split_keys, position + 1u);
-  const uint qt = (t * p.Hq + h) * HD;
+  const bool live = chunk * ROWS + r < group;
+  const uint h = g * group + chunk * ROWS + r, qt = (t * p.Hq + h) * HD;
   float q[DIMS], acc[DIMS];
   for (uint d = 0u; d < DIMS; ++d) {
-    q[d] = p.q.v[qt + d0 + d];
+    q[d] = live ? p.q.v[qt + d0 + d] : 0.0;
     acc[d] = 0.0;
   }
   float m = NEG_INF, l = 0.0;
-  for (uint j0 = lo; j0 < hi; j0 += ROWS) {
-    const uint j = j0 + r;
-    const bool live = j < hi;
-    const uint key = live ? j : lo;  // rows past the end read a key that exists, and drop it
-    const uint slot = uint(p.tables.v[s * p.max_blocks + key / p.block_size]) * p.block_size + key % p.block_size;
-    const uint at = slot * kvd + g * HD + d0;
-    float part = 0.0;
-    for (uint d = 0u; d < DIMS; ++d) part += q[d] * cache_at(p.k_cache, at + d);
-    const float sc = row_sum(part) * p.scale;
-    if (live) {
-      const float m_new = max(m, sc), correction = exp(m - m_new), w = exp(sc - m_new);
-      l = l * correction + w;
-      for (uint d = 0u; d < DIMS; ++d) acc[d] = acc[d] * correction + w * cache_at(p.v_cache, at + d);
-      m = m_new;
+  for (uint j0 = lo; j0 < hi; j0 += TILE) {
+    for (uint e = id; e < TILE * HD; e += THREADS) {  // neighbours load neighbouring words of a key
+      const uint j = j0 + e / HD;
+      const bool key = j < hi;
+      const uint at = key ? (uint(p.tables.v[s * p.max_blocks + j / p.block_size]) * p.block_size +
+                             j % p.block_size) * kvd + g * HD + e % HD
+                          : 0u;
+      k_tile[tile_at(e / HD, e % HD)] = key ? load_f32(p.k_cache, CDTYPE, at) : 0.0;
+      v_tile[tile_at(e / HD, e % HD)] = key ? load_f32(p.v_cache, CDTYPE, at) : 0.0;
     }
+    barrier();
+    float sc[TILE];
+    float m_new = m;
+    for (uint c = 0u; c < TILE; ++c) {
+      float part = 0.0;
+      for (uint d = 0u; d < DIMS; ++d) part += q[d] * k_tile[tile_at(c, d0 + d)];
+      const float dot = row_sum(part) * p.scale;  // every invocation takes part in the shuffles
+      sc[c] = j0 + c < hi ? dot : NEG_INF;
+      m_new = max(m_new, sc[c]);
+    }
+    const float correction = exp(m - m_new);  // the tile's first key is always in range: m_new is finite
+    l *= correction;
+    for (uint d = 0u; d < DIMS; ++d) acc[d] *= correction;
+    for (uint c = 0u; c < TILE; ++c) {
+      const float w = exp(sc[c] - m_new);
+      l += w;
+      for (uint d = 0u; d < DIMS; ++d) acc[d] += w * v_tile[tile_at(c, d0 + d)];
+    }
+    m = m_new;
+    barrier();
   }
-  for (uint d = 0u; d < DIMS; ++d) row_acc[r * HD + d0 + d] = acc[d];
-  if (d0 == 0u) {
-    row_m[r] = m;
-    row_l[r] = l;
+  if (!live) return;
+  if (p.splits == 1u) {
+    for (uint d = 0u; d < DIMS; ++d) p.out_.v[qt + d0 + d] = acc[d] / l;
+    return;
   }
-  barrier();
-  float M = NEG_INF, L = 0.0;
-  for (uint c = 0u; c < ROWS; ++c) M = max(M, row_m[c]);
-  for (uint c = 0u; c < ROWS; ++c) L += row_m[c] == NEG_INF ? 0.0 : exp(row_m[c] - M) * row_l[c];
   const uint part_at = ((t * p.Hq + h) * p.splits + split) * (HD + 2u);
-  for (uint dim = id; dim < HD; dim += THREADS) {
-    float a = 0.0;
-    for (uint c = 0u; c < ROWS; ++c) a += row_m[c] == NEG_INF ? 0.0 : exp(row_m[c] - M) * row_acc[c * HD + dim];
-    if (p.splits == 1u) p.out_.v[qt + dim] = a / L;
-    else p.partials.v[part_at + 2u + dim] = a;
-  }
-  if (p.splits > 1u && id == 0u) {
-    p.partials.v[part_at] = M;
-    p.partials.v[part_at + 1u] = L;
+  for (uint d = 0u; d < DIMS; ++d) p.partials.v[part_at + 2u + d0 + d] = acc[d];
+  if (d0 == 0u) {
+    p.partials.v[part_at] = m;
+    p.partials.v[part_at + 1u] = l;
   }
 }

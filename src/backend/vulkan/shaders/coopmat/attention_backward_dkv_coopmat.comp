@@ -1,0 +1,81 @@
+#version 460
+// attention_backward_dkv.comp (FlashAttention-2's dK/dV pass) with its products on the matrix
+// units (attention_coopmat.glsl): a workgroup per (tile of B key tokens, kv head g), four
+// subgroups, keeps its keys and values as float16 in shared memory and streams, for every query
+// head of the group, the tiles of queries that see them (from the tile's first key to the end of
+// its last key's sequence): their q and dout as float16, lse and D = dout . out. Per tile:
+// S^T = K Q^T and dP^T = V dO^T into shared memory; elementwise p = exp(s scale - lse) where the
+// key counts for the query and ds = p (dp - D) scale, both rounded to float16; then dV += P^T dO
+// and dK += dS^T Q in accumulators held across all tiles, written once at the end (staged
+// through the scores' array, free by then).
+#include "attention_coopmat.glsl"
+layout(push_constant) uniform Push {
+  F32 dk; F32 dv; F32 dout; F32 out_; F32 lse; F32 q; F32 k; F32 v; I32 cu; uint N, S, Hq, Hkv; float scale;
+} p;
+shared float16_t k_s[B * H_STRIDE];
+shared float16_t v_s[B * H_STRIDE];
+shared float16_t q_s[B * H_STRIDE];
+shared float16_t do_s[B * H_STRIDE];
+shared float st_s[B * S_STRIDE];   // [key][query]
+shared float dpt_s[B * S_STRIDE];
+shared float16_t pt_s[B * T_STRIDE];
+shared float16_t dst_s[B * T_STRIDE];
+shared float lse_s[B], d_s[B];
+shared uint end_s[B];
+uint key_row(uint r) {
+  const uint j = gl_WorkGroupID.x * B + r;
+  return j < p.N ? (j * p.Hkv + gl_WorkGroupID.y) * HD : ~0u;
+}
+void main() {
+  const uint tid = gl_LocalInvocationID.x, sm = quarter_rows(), sn = quarter_cols(), hn = quarter_dims();
+  const uint g = gl_WorkGroupID.y, group = p.Hq / p.Hkv, j0 = gl_WorkGroupID.x * B;
+  const uint last = min(j0 + B, p.N) - 1u, stop = uint(p.cu.v[sequence_of(p.cu, p.S, last) + 1u]);
+  for (uint e = tid; e < B * HD; e += THREADS) {
+    const uint c = e / HD, d = e % HD, j = j0 + c, at = (j * p.Hkv + g) * HD + d;
+    k_s[c * H_STRIDE + d] = half_of(j < p.N ? p.k.v[at] : 0.0);
+    v_s[c * H_STRIDE + d] = half_of(j < p.N ? p.v.v[at] : 0.0);
+  }
+  for (uint c = tid; c < B; c += THREADS) end_s[c] = j0 + c < p.N ? uint(p.cu.v[sequence_of(p.cu, p.S, j0 + c) + 1u]) : 0u;
+  ACC acc[QM][QN];
+  ACC dk[QM][HN], dv[QM][HN];
+  for (uint i = 0u; i < QM; ++i)
+    for (uint j = 0u; j < HN; ++j) {
+      dk[i][j] = ACC(0.0);
+      dv[i][j] = ACC(0.0);
+    }
+  for (uint h = g * group; h < (g + 1u) * group; ++h) {
+    for (uint t0 = j0; t0 < stop; t0 += B) {
+      for (uint e = tid; e < B * HD; e += THREADS) {
+        const uint r = e / HD, d = e % HD, t = t0 + r, at = (t * p.Hq + h) * HD + d;
+        q_s[r * H_STRIDE + d] = half_of(t < stop ? p.q.v[at] : 0.0);
+        do_s[r * H_STRIDE + d] = half_of(t < stop ? p.dout.v[at] : 0.0);
+      }
+      for (uint r = tid; r < B; r += THREADS) {
+        const uint t = t0 + r;
+        float D = 0.0;
+        if (t < stop)
+          for (uint d = 0u; d < HD; ++d) D += p.dout.v[(t * p.Hq + h) * HD + d] * p.out_.v[(t * p.Hq + h) * HD + d];
+        d_s[r] = D;
+        lse_s[r] = t < stop ? p.lse.v[t * p.Hq + h] : 0.0;
+      }
+      barrier();
+      PRODUCT_XYT(acc, k_s, q_s, sm, sn)
+      STORE_SCORES(acc, st_s, sm, sn)
+      PRODUCT_XYT(acc, v_s, do_s, sm, sn)
+      STORE_SCORES(acc, dpt_s, sm, sn)
+      barrier();
+      for (uint e = tid; e < B * B; e += THREADS) {
+        const uint c = e / B, r = e % B, j = j0 + c, t = t0 + r;
+        const float w = (t >= j && t < end_s[c]) ? exp(st_s[c * S_STRIDE + r] * p.scale - lse_s[r]) : 0.0;
+        pt_s[c * T_STRIDE + r] = half_of(w);
+        dst_s[c * T_STRIDE + r] = half_of(w * (dpt_s[c * S_STRIDE + r] - d_s[r]) * p.scale);
+      }
+      barrier();
+      PRODUCT_PY(dv, pt_s, do_s, sm, hn)
+      PRODUCT_PY(dk, dst_s, q_s, sm, hn)
+      barrier();
+    }
+  }
+  WRITE_OUT(dk, st_s, sm, hn, p.dk, key_row)
+  WRITE_OUT(dv, st_s, sm, hn, p.dv, key_row)
+}
