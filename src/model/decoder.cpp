@@ -43,7 +43,8 @@ Decoder::Decoder(const ModelConfig& config, const ModelOptions& options, ModelPa
       host_plan_(std::make_unique<MemoryPlan>()),
       own_params_(borrowed ? nullptr : std::make_unique<ModelParameters>(config, options, *plan_, *host_plan_)),
       params_(borrowed ? borrowed : own_params_.get()),
-      buf_(declare_decoder_buffers(config, options, params_->specs(), *backend_, *plan_, *host_plan_)),
+      buf_(declare_decoder_buffers(config, options, params_->specs(), *backend_, *plan_, *host_plan_,
+                                   !params_->base_trainable())),
       half_(sixteen_bit_operands(config, options, *backend_)) {
   if (options.max_tokens <= 0) throw Error(fmt::format("max_tokens must be positive, got {}", options.max_tokens));
   const KvCacheOptions& kv = options.kv_cache;
@@ -72,12 +73,31 @@ Decoder::Decoder(const ModelConfig& config, const ModelOptions& options, ModelPa
 Tensor Decoder::weight_f32(size_t p) {
   const Tensor w = params_->param(p);
   if (w.dtype == DType::F32) return w;
-  const size_t phase = static_cast<size_t>(arena_->phase());
   const bool vector = params_->specs()[p].shape.size() == 1;
+  if (vector && buf_.vectors_f32) return widened_vector(p);
+  const size_t phase = static_cast<size_t>(arena_->phase());
   Tensor out = vector ? arena_->f32(buf_.vector_f32[phase], {w.numel()})
                       : arena_->f32(buf_.matrix_f32[phase], {w.rows(), w.cols()});
   backend_->convert(out, w);
   return out;
+}
+
+// The frozen base's vectors, widened together the first time one is asked for after the weights
+// changed (ModelParameters::values_version): a convert per vector per load, not per step.
+Tensor Decoder::widened_vector(size_t p) {
+  const std::vector<ParamSpec>& specs = params_->specs();
+  const Tensor all = arena_->f32(*buf_.vectors_f32, {static_cast<int64_t>(frozen_vector_elems(config_, specs, true))});
+  int64_t at = 0, found = -1;
+  const bool stale = widened_version_ != params_->values_version();
+  for (size_t i = 0; i < specs.size(); ++i) {
+    if (specs[i].shape.size() != 1) continue;
+    if (stale) backend_->convert(all.flat_range(at, specs[i].numel()), params_->param(i));
+    if (i == p) found = at;
+    at += specs[i].numel();
+  }
+  widened_version_ = params_->values_version();
+  MT_ASSERT(found >= 0, "widened_vector of a vector parameter");
+  return all.flat_range(found, specs[p].numel());
 }
 
 Tensor Decoder::rounded(const Tensor& x, bool dout) {
@@ -320,6 +340,7 @@ void Decoder::linear_group_forward(int64_t l, std::span<const SiteOutput> sites,
   // vector scratch holds one vector only), past what the quantized members use of it.
   const int64_t first =
       quantized ? static_cast<int64_t>(backend_->quantized_scratch_used(num_tokens_, x.cols())) : 0;
+  if (buf_.vectors_f32) widened = 0;
   const Tensor biases = widened ? arena_->f32(buf_.matrix_f32[static_cast<size_t>(arena_->phase())],
                                               {first + widened})
                                 : Tensor{};
@@ -327,6 +348,10 @@ void Decoder::linear_group_forward(int64_t l, std::span<const SiteOutput> sites,
   for (size_t i = 0; i < sites.size(); ++i) {
     group[i].bias = stored_bias[i];
     if (!stored_bias[i] || stored_bias[i].dtype == DType::F32) continue;
+    if (buf_.vectors_f32) {  // widened once
+      group[i].bias = weight_f32(*params_->linear(l, sites[i].site).bias);
+      continue;
+    }
     group[i].bias = biases.flat_range(at, stored_bias[i].numel());
     backend_->convert(group[i].bias, stored_bias[i]);
     at += stored_bias[i].numel();

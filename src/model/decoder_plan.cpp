@@ -59,6 +59,18 @@ size_t layer_matrix_scratch_elems(const ModelConfig& c, const std::vector<ParamS
   return n;
 }
 
+}  // namespace
+
+size_t frozen_vector_elems(const ModelConfig& c, const std::vector<ParamSpec>& specs, bool frozen_base) {
+  if (!frozen_base || c.torch_dtype == DType::F32) return 0;
+  size_t n = 0;
+  for (const auto& s : specs)
+    if (s.shape.size() == 1) n += static_cast<size_t>(s.numel());
+  return n;
+}
+
+namespace {
+
 // A linear product's input (or output gradient) rounded to 16 bits: every row of a step, as wide
 // as the widest of the layer's inputs and outputs.
 size_t half_operand_bytes(const ModelConfig& c, const ModelOptions& o) {
@@ -67,7 +79,7 @@ size_t half_operand_bytes(const ModelConfig& c, const ModelOptions& o) {
 
 DecoderBuffers declare_inference_buffers(const ModelConfig& c, const ModelOptions& o,
                                          const std::vector<ParamSpec>& specs, const Backend& backend,
-                                         MemoryPlan& plan, MemoryPlan& host_plan) {
+                                         MemoryPlan& plan, MemoryPlan& host_plan, size_t frozen_vectors) {
   const bool stage_logits = !backend.host_addressable();
   DecoderBuffers b;
   const KvCacheOptions& kv = o.kv_cache;
@@ -97,15 +109,22 @@ DecoderBuffers declare_inference_buffers(const ModelConfig& c, const ModelOption
     // With 16-bit products no layer matrix is widened (decoding reads them as stored, longer
     // steps take 16-bit products), nor where no step has more rows than the backend reads 16-bit
     // weights as stored for: only a group's 16-bit biases, widened together.
+    // Widened once instead, the vectors need neither (frozen_vectors).
     const bool as_stored = half || (!c.quant.enabled() && o.max_tokens <= backend.stored_weight_rows());
-    const size_t matrix_elems = as_stored ? DecoderBuffers::kMaxGroupSites * largest_vector_elems(specs)
-                                          : layer_matrix_scratch_elems(c, specs, backend);
-    b.matrix_f32[static_cast<size_t>(F)] =
-        plan.declare("forward.matrix_f32", Category::Working, matrix_elems * 4, F, F);
-    b.vector_f32[static_cast<size_t>(F)] =
-        plan.declare("forward.vector_f32", Category::Working, largest_vector_elems(specs) * 4, F, F);
-    b.vector_f32[static_cast<size_t>(L)] =
-        plan.declare("loss.vector_f32", Category::Working, largest_vector_elems(specs) * 4, L, L);
+    const size_t matrix_elems = !as_stored         ? layer_matrix_scratch_elems(c, specs, backend)
+                                : frozen_vectors ? 0
+                                                 : DecoderBuffers::kMaxGroupSites * largest_vector_elems(specs);
+    if (matrix_elems > 0)
+      b.matrix_f32[static_cast<size_t>(F)] =
+          plan.declare("forward.matrix_f32", Category::Working, matrix_elems * 4, F, F);
+    if (frozen_vectors > 0) {
+      b.vectors_f32 = plan.declare_persistent("weights.vectors_f32", Category::Working, frozen_vectors * 4);
+    } else {
+      b.vector_f32[static_cast<size_t>(F)] =
+          plan.declare("forward.vector_f32", Category::Working, largest_vector_elems(specs) * 4, F, F);
+      b.vector_f32[static_cast<size_t>(L)] =
+          plan.declare("loss.vector_f32", Category::Working, largest_vector_elems(specs) * 4, L, L);
+    }
   }
   // A packed head (quant.lm_head_bits) multiplies in the loss phase, with scratch of its own.
   if (c.quant.lm_head_bits)
@@ -172,9 +191,11 @@ std::string describe_arithmetic(const ModelConfig& c, const ModelOptions& o, con
 
 DecoderBuffers declare_decoder_buffers(const ModelConfig& c, const ModelOptions& options_,
                                        const std::vector<ParamSpec>& specs_, const Backend& backend, MemoryPlan& plan,
-                                       MemoryPlan& host_plan) {
+                                       MemoryPlan& host_plan, bool frozen_base) {
   const bool stage_chunks = !backend.host_addressable();
-  if (options_.inference()) return declare_inference_buffers(c, options_, specs_, backend, plan, host_plan);
+  const size_t frozen_vectors = frozen_vector_elems(c, specs_, frozen_base);
+  if (options_.inference())
+    return declare_inference_buffers(c, options_, specs_, backend, plan, host_plan, frozen_vectors);
   DecoderBuffers b;
   const size_t N = static_cast<size_t>(options_.max_tokens);
   const size_t D = c.hidden_size, I = c.intermediate_size, V = c.vocab_size, qd = c.q_dim(), kvd = c.kv_dim();
@@ -210,9 +231,12 @@ DecoderBuffers declare_decoder_buffers(const ModelConfig& c, const ModelOptions&
     if (!half)
       b.matrix_f32[static_cast<size_t>(ph)] =
           plan.declare(p + ".matrix_f32", Category::Working, largest_matrix * 4, ph, ph);
-    b.vector_f32[static_cast<size_t>(ph)] =
-        plan.declare(p + ".vector_f32", Category::Working, largest_vector * 4, ph, ph);
+    if (frozen_vectors == 0)
+      b.vector_f32[static_cast<size_t>(ph)] =
+          plan.declare(p + ".vector_f32", Category::Working, largest_vector * 4, ph, ph);
   };
+  if (frozen_vectors > 0)
+    b.vectors_f32 = plan.declare_persistent("weights.vectors_f32", Category::Working, frozen_vectors * 4);
   if (widen) declare_widening(F);
   if (half)
     b.half_input[static_cast<size_t>(F)] =
@@ -247,7 +271,8 @@ DecoderBuffers declare_decoder_buffers(const ModelConfig& c, const ModelOptions&
   if (widen) {
     // The final norm's weight, and the LM head widened a vocabulary slice at a time (not with
     // 16-bit products: they read the head as stored).
-    b.vector_f32[static_cast<size_t>(L)] = plan.declare("loss.vector_f32", Category::Working, largest_vector * 4, L, L);
+    if (frozen_vectors == 0)
+      b.vector_f32[static_cast<size_t>(L)] = plan.declare("loss.vector_f32", Category::Working, largest_vector * 4, L, L);
   }
   if (widen && !half) {
     b.head_slice_rows = std::min<int64_t>(V, DecoderBuffers::kHeadSliceRows);

@@ -35,6 +35,9 @@ struct DecoderBuffers {
   std::vector<LayerActs> saved;                                 // per layer, without checkpointing
   LayerActs fwd_scratch{}, recompute{};                         // with checkpointing (or without gradients)
   std::array<BufferId, kNumPhases> matrix_f32{}, vector_f32{};  // 16-bit weights widened per phase
+  // A frozen base's 16-bit vectors (norm weights, biases) widened once, one after another in
+  // parameter order (frozen_vector_elems); then no vector_f32 is planned.
+  std::optional<BufferId> vectors_f32;
   // Mixed precision: a product's input rounded to 16 bits (forward and backward), and the
   // output gradient rounded (backward); [max_tokens, widest] each.
   std::array<BufferId, kNumPhases> half_input{};
@@ -84,8 +87,14 @@ std::string describe_arithmetic(const ModelConfig& config, const ModelOptions& o
 // and their logits [V, max_seqs] (loss), and the KV cache (persistent). The backend says how
 // much scratch its quantized products need, and whether logits chunks are staged on the host
 // (a backend whose memory the host cannot address).
+// `frozen_base`: the base weights never change during the run (inference, evaluation, LoRA: the
+// parameters' own options say, which a decoder borrowing them does not share).
 DecoderBuffers declare_decoder_buffers(const ModelConfig& config, const ModelOptions& options,
                                        const std::vector<ParamSpec>& specs, const Backend& backend, MemoryPlan& plan,
-                                       MemoryPlan& host_plan);
+                                       MemoryPlan& host_plan, bool frozen_base);
+// The elements of a frozen base's 16-bit vectors, widened once into DecoderBuffers::vectors_f32
+// instead of into per-phase scratch at every use (a convert per norm and bias per step); 0 where
+// the base trains or its vectors are float32.
+size_t frozen_vector_elems(const ModelConfig& config, const std::vector<ParamSpec>& specs, bool frozen_base);
 
 }  // namespace memtune

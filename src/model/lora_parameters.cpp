@@ -126,6 +126,7 @@ void ModelParameters::merge_lora() {
         "adapters cannot be merged into a quantized base; they are applied unmerged (leave out --merge_adapter)");
   const double scaling = options_.lora.scaling();
   const int64_t r = options_.lora.rank;
+  ++values_version_;
   for (int64_t l = 0; l < config_.num_hidden_layers; ++l)
     for (size_t s = 0; s < kNumLinearSites; ++s) {
       const Linear lin = linear(l, static_cast<LinearSite>(s));

@@ -36,6 +36,7 @@ TensorToWrite device_tensor_to_write(Backend& backend, const std::string& name, 
 
 void ModelParameters::init_random(uint64_t seed) {
   if (config_.quant.enabled()) throw Error("a quantized model is made by memtune quantize, not initialized at random");
+  ++values_version_;
   std::vector<float> values;
   for (size_t i = 0; i < specs_.size(); ++i) {
     const auto& s = specs_[i];
@@ -51,6 +52,7 @@ void ModelParameters::init_random(uint64_t seed) {
 }
 
 void ModelParameters::load(const CheckpointReader& checkpoint) {
+  ++values_version_;
   std::set<std::string> expected;
   std::vector<std::byte> staging;
   for (size_t i = 0; i < specs_.size(); ++i) {

@@ -184,6 +184,10 @@ class ModelParameters {
   std::byte* collective_staging() const;
   // Sets every float32 master from its 16-bit weight (after loading or initializing weights).
   void load_masters();
+  // Counts the changes of the base weights made here (init_random, load, restore, merge_lora), so
+  // that a copy made from them (Decoder's widened vectors of a frozen base) knows when it is stale.
+  // The optimizer's updates of a trainable base are not counted: nothing copies a trainable base.
+  uint64_t values_version() const { return values_version_; }
   void zero_grads();
 
   // LoRA (options.lora enabled): PEFT initialization (A Kaiming-uniform, B zero), adapter files
@@ -210,6 +214,7 @@ class ModelParameters {
     std::optional<size_t> widen_into;  // base parameter stored in 16 bits that value is the master of
   };
   void declare_trainables(MemoryPlan& device_plan, MemoryPlan& host_plan);
+  uint64_t values_version_ = 1;
   // This rank's block of a tensor of n elements: all of it, or its ZeRO-1 shard.
   Shard shard_of_tensor(size_t n) const;
   // Where optimizer state (moments, masters) lives: the host arena with optim_offload.

@@ -441,6 +441,42 @@ TEST_F(TrainCliTest, ProfileOnVulkanGivesEachShadersWorkByDesignAndItsRates) {
   EXPECT_GT(by_shader["matvec"][3], 0.0);
 }
 
+// A bfloat16 model's norm weights and biases are widened to float32 once per load, not at every
+// use: generating five tokens on vulkan runs one convert per 1-D parameter in all (the device's
+// profile counts the dispatches), and the plan holds them in one persistent buffer instead of
+// per-phase scratch. Generation equals cpu's.
+TEST_F(TrainCliTest, AFrozenBfloat16BaseWidensItsVectorsOncePerLoadOnVulkan) {
+  if (run("devices --json").output.find("\"backend_vulkan_device\": null") != std::string::npos)
+    SKIP_OR_FAIL_WHERE_REQUIRED("no usable Vulkan device: " + run("devices").output);
+  ASSERT_EQ(run("init-model --preset tiny --seed 3 --torch_dtype bfloat16 --out " + path("bf16")).status, 0);
+  testing_support::write_synthetic_tokenizer(dir_ / "bf16");
+  int64_t vectors = 0, elements = 0;
+  const SafetensorsFile model(path("bf16/model.safetensors"));
+  for (const TensorInfo& t : model.tensors())
+    if (t.shape.size() == 1) {
+      ++vectors;
+      elements += t.numel();
+    }
+  ASSERT_GE(vectors, 5);  // two layers' norms and q/k/v biases, the final norm
+  std::ofstream(dir_ / "p.jsonl") << R"({"prompt_ids": [5, 17, 200, 3]})" << "\n";
+  const std::string flags = " --model " + path("bf16") + " --input " + path("p.jsonl") +
+                            " --max_new_tokens 5 --temperature 0 --ignore_eos";
+  const Result r = testing_support::run_command("MEMTUNE_VULKAN_PROFILE=1 " + testing_support::memtune_binary() +
+                                                " generate --backend vulkan --output " + path("v.jsonl") + flags);
+  ASSERT_EQ(r.status, 0) << r.output;
+  const std::regex line(R"(vulkan profile: convert\s+\S+ s in (\d+) dispatches)");
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(r.output, m, line)) << r.output;
+  EXPECT_EQ(std::stoll(m[1]), vectors) << r.output;
+  ASSERT_EQ(run("generate --backend cpu --output " + path("c.jsonl") + flags).status, 0);
+  EXPECT_EQ(read_jsonl(dir_ / "v.jsonl").at(0)["output_ids"], read_jsonl(dir_ / "c.jsonl").at(0)["output_ids"]);
+  // The plan's only working memory outside the steps' phases: the widened vectors.
+  const Result plan = run("plan --inference --backend vulkan --json --model " + path("bf16"));
+  ASSERT_EQ(plan.status, 0) << plan.output;
+  const nlohmann::json j = nlohmann::json::parse(plan.output.substr(plan.output.find('{')));
+  EXPECT_EQ(j["table"]["optimizer"]["working"].get<int64_t>(), 4 * elements) << j.dump();
+}
+
 // --fp16 on a device with float16 cooperative matrices (gemm_coopmat.comp): mixed precision, as
 // the arithmetic: line says, no float32 copy of a weight in the plan, and full fine-tuning steps
 // whose losses equal the reference backend's (the same float16 operands, exact products summed
