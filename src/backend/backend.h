@@ -231,6 +231,11 @@ class Backend {
   // dst = src converted between floating dtypes (f32 <-> bf16 / f16), elementwise.
   virtual void convert(const Tensor& dst, const Tensor& src) = 0;
   virtual void fill(const Tensor& dst, float value) = 0;  // f32 views
+  // Every tensor of `tensors` (f32 views) set to value, as one op where the backend has one (the
+  // step's gradients zeroed together); by default a fill() each.
+  virtual void fill_group(std::span<const Tensor> tensors, float value) {
+    for (const Tensor& t : tensors) fill(t, value);
+  }
   virtual void fill_bytes(void* device, unsigned char byte, size_t bytes) = 0;
 
   // Mixed precision (sixteen_bit_products): an inp (dout) of a 16-bit dtype makes a product of

@@ -337,7 +337,10 @@ void ModelParameters::load_masters() {
 
 void ModelParameters::zero_grads() {
   if (!options_.with_grads) return;
-  for (size_t i = 0; i < trainables_.size(); ++i) backend_->fill(trainable_grad(i), 0.0f);
+  std::vector<Tensor> grads;
+  grads.reserve(trainables_.size());
+  for (size_t i = 0; i < trainables_.size(); ++i) grads.push_back(trainable_grad(i));
+  backend_->fill_group(grads, 0.0f);
 }
 
 }  // namespace memtune

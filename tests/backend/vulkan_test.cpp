@@ -1078,6 +1078,36 @@ TEST_F(VulkanOps, TheOptimizerOverMoreTensorsThanOneTableEqualsTheReference) {
   expect_same_update(run(vk()), run(ref()));
 }
 
+// A group of tensors filled by one dispatch per table of 1024 (fill_tensors.comp): 1500 views of
+// 1 to 300 floats with a gap of one float after each; every view holds the value, every gap what
+// it held, as the reference leaves them; two dispatches in all.
+TEST_F(VulkanOps, AGroupOfTensorsIsFilledByOneDispatchPerTable) {
+  const int64_t count = 1500;
+  std::vector<int64_t> sizes, offsets = {0};
+  for (int64_t i = 0; i < count; ++i) {
+    sizes.push_back(1 + (i * 37) % 300);
+    offsets.push_back(offsets.back() + sizes.back() + 1);
+  }
+  const std::vector<float> before = randn(offsets.back(), 81);
+  auto run = [&](Backend& be, uint64_t* dispatches) {
+    const Tensor all = make(be, DType::F32, {offsets.back()}, before);
+    std::vector<Tensor> views;
+    for (int64_t i = 0; i < count; ++i) views.push_back(all.flat_range(offsets[i], sizes[i]));
+    const uint64_t first = be.device_counters() ? be.device_counters()->dispatches : 0;
+    be.fill_group(views, -2.5f);
+    if (dispatches) *dispatches = be.device_counters()->dispatches - first;
+    return download_f32(be, all);
+  };
+  uint64_t dispatches = 0;
+  const std::vector<float> got = run(vk(), &dispatches), want = run(ref(), nullptr);
+  EXPECT_EQ(dispatches, 2u);
+  EXPECT_EQ(0, std::memcmp(got.data(), want.data(), got.size() * sizeof(float)));
+  for (int64_t i = 0; i < count; ++i) {
+    EXPECT_EQ(want[offsets[i]], -2.5f);
+    EXPECT_EQ(want[offsets[i + 1] - 1], before[offsets[i + 1] - 1]);
+  }
+}
+
 // Column sums in two passes over blocks of rows: RMSNorm's weight gradient and a bias gradient
 // over 300 rows (19 blocks of 16), added into what the gradients held; the reference's, and the
 // same bits twice.

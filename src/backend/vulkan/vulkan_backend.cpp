@@ -177,6 +177,19 @@ class VulkanBackend final : public Backend {
     dst.f32();
     ctx().fill_words(address(dst), std::bit_cast<uint32_t>(value), dst.bytes());
   }
+  // One dispatch over every tensor (fill_tensors.comp over the gradient norm's table: the same
+  // tensors as the step's norm, so its upload is usually skipped).
+  void fill_group(std::span<const Tensor> tensors, float value) override {
+    auto entry = [&](size_t i) { return AdamWTensor{.grad = tensors[i]}; };
+    for_each_table(tensors.size(), 0, entry, [&](uint64_t table, uint64_t total, uint32_t count) {
+      struct {
+        uint64_t table, total;
+        uint32_t count;
+        float value;
+      } push{table, total, count, value};
+      ctx().dispatch(vulkan_geometry::multi_tensor("fill_tensors", total, 4, 0, vulkan_geometry::kMaxGroups), push);
+    });
+  }
   void fill_bytes(void* device, unsigned char byte, size_t bytes) override {
     if (address(device) % 4 == 0 && bytes % 4 == 0) return ctx().fill_words(address(device), 0x01010101u * byte, bytes);
     const std::vector<unsigned char> host(bytes, byte);  // a ragged range: rare, through staging
