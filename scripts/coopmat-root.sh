@@ -13,9 +13,9 @@
 #       bundles BUILD_DIR's memtune and memtune_tests as they are (device-check.sh --bundle) and
 #       runs memtune_tests on the root's lavapipe, every test required (MEMTUNE_REQUIRE_ALL_TESTS),
 #       by default the vulkan tests: every test named *VulkanCoopmat* (they need cooperative
-#       matrices), VulkanOps.*, VulkanShaders.*, VulkanDevice.*, BackendOps.*, VulkanGeometry.* and
-#       the end-to-end TrainCliTest.EveryCommandRunsOnVulkanAndAgreesWithCpu. Its log is
-#       out/coopmat-root/test.log.
+#       matrices), VulkanOps.*, VulkanShaders.*, VulkanDevice.*, BackendOps.*, VulkanGeometry.*,
+#       QuantizedOps.* (int8 activations on the int8 matrices) and the end-to-end
+#       TrainCliTest.EveryCommandRunsOnVulkanAndAgreesWithCpu. Its log is out/coopmat-root/test.log.
 #   scripts/coopmat-root.sh check BUILD_DIR
 #       the GPU check (scripts/device-check.sh --from) with its small settings (MEMTUNE_CHECK_*
 #       as given, else the tiny preset, batch 1, 2 steps of each run, 4 new tokens) on the
@@ -57,7 +57,7 @@ base="$cache/coopmat-root-$key"
 fs="$base/fs"
 glslc="$base/glslc"
 work="$root/out/coopmat-root"
-default_filter='*VulkanCoopmat*:TrainCliTest.EveryCommandRunsOnVulkanAndAgreesWithCpu:VulkanOps.*:VulkanShaders.*:VulkanDevice.*:BackendOps.*:VulkanGeometry.*'
+default_filter='*VulkanCoopmat*:TrainCliTest.EveryCommandRunsOnVulkanAndAgreesWithCpu:VulkanOps.*:VulkanShaders.*:VulkanDevice.*:BackendOps.*:VulkanGeometry.*:QuantizedOps.*'
 
 # mounted_under, run_in (the root entered with unshare and chroot) and network_ca.
 source "$root/scripts/root-common.sh"

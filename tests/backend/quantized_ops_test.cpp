@@ -154,7 +154,7 @@ TEST(QuantizedOps, ForwardEqualsDequantizeThenMatmul) {
 // or 32 inputs (the largest dividing the group), q = rint(x * (127 / amax)) in float32, the
 // product sum_k (amax / 127) q_k w_k in double. Decoding's row counts (<= 16), act-order and
 // inputs that are no whole number of groups keep float32 inputs; so does a backend that does not
-// take int8 activations (vulkan), and the flag unset.
+// take int8 activations (vulkan without int8 cooperative matrices), and the flag unset.
 TEST(QuantizedOps, Int8ActivationsRoundTheInputPerBlockForManyRows) {
   const int64_t OC = 39;  // a 32-row tile and a 7-row one: a pass takes 32 (AVX-512) or 16 rows
   // With more threads than tiles, the cpu kernel splits each tile's input rows between tasks.

@@ -193,6 +193,7 @@ Dispatches training_step(const Model& m, const Training& t) {
   if (t.lora_rank == 0) tensors.push_back(m.V * m.D);
   uint64_t total = 0;  // every tensor in one dispatch each (up to 1024 tensors per table)
   for (const int64_t n : tensors) total += static_cast<uint64_t>(n);
+  add(d, g::multi_tensor("fill_tensors", total, 4, 0, g::kMaxGroups));  // the gradients zeroed
   add(d, g::multi_tensor("scale_sum_squares", total, 8, 3, 8192));
   // The step decided on the device: one workgroup over the norm's partial sums.
   add(d, g::per_row("step_decision", 1, g::multi_tensor("scale_sum_squares", total, 8, 3, 8192).x, 4, 1));

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -1008,6 +1009,69 @@ TEST_F(VulkanCoopmat, FlashAttentionOnTheMatrixUnitsEqualsTheReferenceAtFloat16R
       // the float32 reference is 1.3e-3 to 2.5e-3 away (lse: 4.8e-7 against 5.5e-4).
       expect_close(got[i], want[i], 1e-3f);
       EXPECT_GT(unrounded.worst, 2 * rounded.worst);
+      EXPECT_EQ(0, std::memcmp(got[i].data(), again[i].data(), got[i].size() * sizeof(float)));
+    }
+  }
+}
+
+// Quantized products of many rows with int8 activations on the int8 matrix units
+// (quantized_matmul_int8_coopmat.comp): 4-bit codes in groups of 64 (blocks of 64) and 8-bit in
+// groups of 128 (blocks of 128), 45 rows and 70 outputs (ragged 32 x 32 tiles), with and without
+// a bias, equal the reference's products of the same rounded input (int8_activations.h) and
+// repeat bit for bit; 16 rows (decoding) keep float32 inputs and the scalar shader.
+TEST_F(VulkanCoopmat, QuantizedProductsOfManyRowsTakeTheInt8Units) {
+  std::string why;
+  bool int8 = false;
+  for (const VulkanDeviceInfo& d : vulkan_devices().devices) int8 |= d.usable() && cooperative_int8_shape(d, &why);
+  ASSERT_TRUE(int8) << why;
+  ASSERT_TRUE(vk().takes_int8_activations());
+  const int64_t IN = 256, OUT = 70;
+  for (const auto [bits, group, N] : {std::array<int64_t, 3>{4, 64, 45}, {8, 128, 45}, {4, 64, 16}}) {
+    SCOPED_TRACE(fmt::format("{}-bit codes, groups of {}, {} rows", bits, group, N));
+    const int64_t per_word = 32 / bits, groups = IN / group;
+    Rng rng(90 + bits + N);
+    std::vector<int32_t> codes(static_cast<size_t>(OUT * IN / per_word), 0);
+    for (int64_t n = 0; n < OUT; ++n)
+      for (int64_t k = 0; k < IN; ++k) {
+        const auto q = static_cast<uint32_t>(rng.uniform() * double(1 << bits)) & ((1u << bits) - 1u);
+        auto& word = codes[static_cast<size_t>(n * (IN / per_word) + k / per_word)];
+        word = static_cast<int32_t>(static_cast<uint32_t>(word) | (q << (bits * (k % per_word))));
+      }
+    std::vector<float> scales, zeros;
+    for (int64_t i = 0; i < OUT * groups; ++i) {
+      scales.push_back(static_cast<float>(0.005 + 0.02 * rng.uniform()));
+      zeros.push_back(std::floor(static_cast<float>(rng.uniform() * double(1 << bits))));
+    }
+    const std::vector<float> x = randn(N * IN, 91), b = randn(OUT, 92);
+    auto run = [&](Backend& be) {
+      QuantizedWeight w;
+      w.codes = make(be, DType::I32, {OUT, IN / per_word});
+      be.copy_to_device(w.codes, codes.data());
+      w.scales = make(be, DType::F16, {OUT, groups}, scales);
+      w.zeros = make(be, DType::F16, {OUT, groups}, zeros);
+      w.bits = static_cast<int>(bits);
+      w.in = IN;
+      w.out = OUT;
+      w.group_size = group;
+      w.groups = groups;
+      w.int8_activations = true;
+      const Tensor tx = make(be, DType::F32, {N, IN}, x), tb = make(be, DType::F32, {OUT}, b),
+                   with_bias = make(be, DType::F32, {N, OUT}), plain = make(be, DType::F32, {N, OUT});
+      be.quantized_matmul_forward(with_bias, tx, w, tb, Tensor{});
+      be.quantized_matmul_forward(plain, tx, w, Tensor{}, Tensor{});
+      return std::vector{download_f32(be, with_bias), download_f32(be, plain)};
+    };
+    const std::map<std::string, uint64_t> before = vk().dispatches_by_shader();
+    const auto got = run(vk()), again = run(vk()), want = run(ref());
+    const std::map<std::string, uint64_t> after = vk().dispatches_by_shader();
+    const auto count = [](const std::map<std::string, uint64_t>& m, const char* shader) {
+      const auto it = m.find(shader);
+      return it == m.end() ? uint64_t{0} : it->second;
+    };
+    const uint64_t on_units = count(after, "quantized_matmul_int8_coopmat") - count(before, "quantized_matmul_int8_coopmat");
+    EXPECT_EQ(on_units, N > 16 ? 4u : 0u);
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_TRUE(testing_support::close(got[i], want[i], testing_support::relative_tolerance(1e-5))) << i;
       EXPECT_EQ(0, std::memcmp(got[i].data(), again[i].data(), got[i].size() * sizeof(float)));
     }
   }

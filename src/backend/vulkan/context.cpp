@@ -83,14 +83,18 @@ VulkanContext::VulkanContext(std::optional<int> requested_device) {
   auto matrices = vk_struct<VkPhysicalDeviceCooperativeMatrixFeaturesKHR>(
       VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_FEATURES_KHR);
   auto f13 = vk_struct<VkPhysicalDeviceVulkan13Features>(VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_VULKAN_1_3_FEATURES);
-  if (cooperative_product_shape(info_, DType::F16)) {
+  // And 8-bit integer arithmetic where quantized_matmul_int8_coopmat.comp will.
+  const bool half_matrices = cooperative_product_shape(info_, DType::F16).has_value();
+  const bool int8_matrices = cooperative_int8_shape(info_).has_value();
+  if (half_matrices || int8_matrices) {
     extensions.push_back(VK_KHR_COOPERATIVE_MATRIX_EXTENSION_NAME);
     matrices.cooperativeMatrix = VK_TRUE;
     f13.subgroupSizeControl = VK_TRUE;
     f13.computeFullSubgroups = VK_TRUE;
     f13.pNext = &matrices;
     f11.pNext = &f13;
-    f12.shaderFloat16 = VK_TRUE;
+    f12.shaderFloat16 = half_matrices ? VK_TRUE : VK_FALSE;
+    f12.shaderInt8 = int8_matrices ? VK_TRUE : VK_FALSE;
   }
   device_info.enabledExtensionCount = static_cast<uint32_t>(extensions.size());
   device_info.ppEnabledExtensionNames = extensions.data();

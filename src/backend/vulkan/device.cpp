@@ -137,6 +137,7 @@ VulkanDeviceInfo read_device(VkInstance instance, VkPhysicalDevice pd, int index
   features.pNext = &f11;
   vkGetPhysicalDeviceFeatures2(pd, &features);
   d.shader_float16 = f12.shaderFloat16 == VK_TRUE;
+  d.shader_int8 = f12.shaderInt8 == VK_TRUE;
   d.subgroup_size_control = f13.subgroupSizeControl == VK_TRUE && f13.computeFullSubgroups == VK_TRUE &&
                             (size_control.requiredSubgroupSizeStages & VK_SHADER_STAGE_COMPUTE_BIT) != 0 &&
                             d.subgroup_size >= size_control.minSubgroupSize &&
@@ -261,6 +262,28 @@ std::optional<VulkanMatrixShape> cooperative_product_shape(const VulkanDeviceInf
   return *best;
 }
 
+std::optional<VulkanMatrixShape> cooperative_int8_shape(const VulkanDeviceInfo& d, std::string* why) {
+  auto no = [&](std::string reason) {
+    if (why) *why = std::move(reason);
+    return std::nullopt;
+  };
+  if (vulkan_shader("quantized_matmul_int8_coopmat").empty())
+    return no("built without a shader compiler that knows GL_KHR_cooperative_matrix (scripts/coopmat-root.sh)");
+  if (!d.khr_cooperative_matrix) return no("the device has no VK_KHR_cooperative_matrix");
+  if (d.api < VK_API_VERSION_1_3) return no("the device is not Vulkan 1.3");
+  if (!d.shader_int8) return no("the device has no 8-bit integer arithmetic in shaders");
+  if (!d.subgroup_size_control) return no("the device cannot require a compute pipeline's subgroup size");
+  const VulkanMatrixShape* best = nullptr;
+  for (const VulkanMatrixShape& s : d.matrix_shapes) {
+    const bool fits = s.a == "sint8" && s.b == "sint8" && s.c == "sint32" && s.result == "sint32" &&
+                      s.scope == "subgroup" && s.m == s.n && (s.m == 8 || s.m == 16) &&
+                      (s.k == 8 || s.k == 16 || s.k == 32);
+    if (fits && (!best || s.m * s.n * s.k > best->m * best->n * best->k)) best = &s;
+  }
+  if (!best) return no("the device reports no subgroup int8 x int8 -> int32 shape of 8 or 16");
+  return *best;
+}
+
 std::vector<std::pair<std::string, std::string>> vulkan_kernel_variants(const VulkanDeviceInfo& d) {
   std::vector<std::pair<std::string, std::string>> out;
   out.emplace_back("float32 products", "register-tiled float32 FMAs (gemm.comp; matvec.comp up to 32 rows)");
@@ -293,6 +316,17 @@ std::vector<std::pair<std::string, std::string>> vulkan_kernel_variants(const Vu
                          s->m, s->n, s->k, tiles);
     }
     out.emplace_back("attention (--fp16)", text);
+  }
+  {
+    std::string why;
+    const std::optional<VulkanMatrixShape> s = cooperative_int8_shape(d, &why);
+    out.emplace_back("quantized products of many rows (--quantized_activations int8)",
+                     s ? fmt::format("cooperative matrices {}x{}x{} int8 x int8 -> int32, activations rounded per "
+                                     "block as loaded (quantized_matmul_int8_coopmat.comp)",
+                                     s->m, s->n, s->k)
+                       : fmt::format("float32 FMAs of the dequantized codes, float32 inputs "
+                                     "(quantized_matmul.comp): {}",
+                                     why));
   }
   out.emplace_back("decode attention", "float32 FMAs, split over the context (paged_attention.comp)");
   return out;

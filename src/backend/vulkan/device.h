@@ -53,6 +53,7 @@ struct VulkanDeviceInfo {
   // VK_KHR_cooperative_matrix with its feature on, and the shapes it reports; float16 arithmetic
   // in shaders (shaderFloat16), which float16 matrices need.
   bool khr_cooperative_matrix = false, shader_float16 = false;
+  bool shader_int8 = false;  // 8-bit integer arithmetic in shaders (shaderInt8), which int8 matrices need
   // Vulkan 1.3's subgroup size control with full subgroups in compute: a pipeline can require its
   // subgroup size (gemm_coopmat.comp's four subgroups per workgroup need subgroup_size exactly).
   bool subgroup_size_control = false;
@@ -87,6 +88,11 @@ struct VulkanDevices {
 // has no variant in this build). `why` (when given) says which.
 std::optional<VulkanMatrixShape> cooperative_product_shape(const VulkanDeviceInfo& d, DType operands,
                                                            std::string* why = nullptr);
+// The int8 x int8 -> int32 shape the quantized products of many rows with int8 activations take
+// (quantized_matmul_int8_coopmat.comp: subgroup scope, a square m x n of 8 or 16, k of 8, 16 or
+// 32; the largest), or none, `why` saying why (as cooperative_product_shape, with 8-bit integer
+// arithmetic in place of float16).
+std::optional<VulkanMatrixShape> cooperative_int8_shape(const VulkanDeviceInfo& d, std::string* why = nullptr);
 // Which kernel each family of products and attention takes on this device, for `memtune
 // devices` (name, then the kernel and shape, or why not).
 std::vector<std::pair<std::string, std::string>> vulkan_kernel_variants(const VulkanDeviceInfo& d);

@@ -117,6 +117,25 @@ VulkanDispatch quantized_matmul(int64_t rows, int64_t inner, int64_t outputs, in
           .bytes = in * out * bits / 8.0 + 4 * r * (in + out)};
 }
 
+VulkanDispatch quantized_matmul_int8_coopmat(int64_t rows, int64_t inner, int64_t outputs, int bits, int64_t block,
+                                             const MatrixUnit& unit) {
+  MT_ASSERT((block == 32 || block == 64 || block == 128) && block % unit.k == 0 && kInt8Tile / 2 % unit.m == 0 &&
+                kInt8Tile / 2 % unit.n == 0,
+            "quantized_matmul_int8_coopmat: a block of 32, 64 or 128 and a unit of its tile's quarters");
+  const double r = static_cast<double>(rows), in = static_cast<double>(inner), out = static_cast<double>(outputs);
+  VulkanDispatch d{.shader = "quantized_matmul_int8_coopmat",
+                   .constants = {kInt8Tile, unit.subgroup, unit.m, unit.n, unit.k, 4 * unit.subgroup,
+                                 static_cast<uint32_t>(block)},
+                   .x = ceil_div(outputs, kInt8Tile),
+                   .y = ceil_div(rows, kInt8Tile),
+                   .flops = 2 * r * in * out,
+                   // The input read twice per column tile (its scale, then its rounding), the codes once per row tile.
+                   .bytes = ceil_div(rows, kInt8Tile) * in * out * bits / 8.0 +
+                            8 * r * in * ceil_div(outputs, kInt8Tile) + 4 * r * out};
+  MT_ASSERT(d.x <= kMaxGroups && d.y <= kMaxGroups, "vulkan: a product beyond one dispatch's grid");
+  return d;
+}
+
 uint32_t cross_entropy_pieces(int64_t rows, int64_t vocab, int64_t scratch_floats) {
   const int64_t fit = scratch_floats / (kCrossEntropyPartials * std::max<int64_t>(rows, 1));
   MT_ASSERT(fit >= 1, "vulkan: more logits rows than the cross-entropy scratch holds");

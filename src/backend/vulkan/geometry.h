@@ -104,6 +104,14 @@ VulkanDispatch matvec(int64_t rows, int64_t OC, int64_t C, DType w, bool vector_
 // Products with GPTQ / AWQ codes (quantized_matmul.comp, 16 x 16 tiles): `outputs` columns of
 // `rows` rows over `inner`.
 VulkanDispatch quantized_matmul(int64_t rows, int64_t inner, int64_t outputs, int bits);
+// The same product, out = inp @ W^T, with the input rounded to int8 per block of `block` inputs
+// (int8_activations.h) on the device's int8 matrix units (quantized_matmul_int8_coopmat.comp): a
+// workgroup of four subgroups per kInt8Tile x kInt8Tile outputs, each block's integer products
+// exact in int32, scaled into float32 once per block. Constants: tile, subgroup, m, n, k,
+// workgroup size, block.
+constexpr uint32_t kInt8Tile = 32;
+VulkanDispatch quantized_matmul_int8_coopmat(int64_t rows, int64_t inner, int64_t outputs, int bits, int64_t block,
+                                             const MatrixUnit& unit);
 
 // Cross-entropy over a logits chunk of `rows` x `vocab` (cross_entropy_partials.comp, then
 // cross_entropy.comp): rows split into pieces of kCrossEntropyPiece columns, a workgroup per

@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "backend/int8_activations.h"
 #include "backend/vulkan/context.h"
 #include "backend/vulkan/device.h"
 #include "core/console.h"
@@ -71,6 +72,9 @@ class VulkanBackend final : public Backend {
     pending_steps_.reserve(VulkanContext::kReadbackSlots);
     if (const std::optional<VulkanMatrixShape> s = cooperative_product_shape(ctx_->info(), DType::F16))
       half_unit_ = vulkan_geometry::MatrixUnit{s->m, s->n, s->k, ctx_->info().subgroup_size,
+                                               ctx_->info().shared_memory_bytes};
+    if (const std::optional<VulkanMatrixShape> s = cooperative_int8_shape(ctx_->info()))
+      int8_unit_ = vulkan_geometry::MatrixUnit{s->m, s->n, s->k, ctx_->info().subgroup_size,
                                                ctx_->info().shared_memory_bytes};
     std::fprintf(stderr, "vulkan: device %d, %s\n", ctx_->info().index, describe_vulkan_device(ctx_->info()).c_str());
   }
@@ -143,6 +147,9 @@ class VulkanBackend final : public Backend {
     return fmt::format("cooperative matrices {}x{}x{} (attention_coopmat.comp)", half_unit_->m, half_unit_->n,
                        half_unit_->k);
   }
+  // Quantized products of many rows round their input to int8 where the device has int8 matrices
+  // (quantized_matmul_int8_coopmat.comp); elsewhere they keep float32 inputs.
+  bool takes_int8_activations() const override { return int8_unit_.has_value(); }
   size_t quantized_scratch_elems(int64_t) const override { return 0; }
   size_t quantized_scratch_used(int64_t, int64_t) const override { return 0; }
 
@@ -944,8 +951,12 @@ class VulkanBackend final : public Backend {
            w.g_idx ? 1u : 0u,
            bias ? vulkan_geometry::dtype_code(bias.dtype) : 0u,
            mode};
-    ctx().dispatch(vulkan_geometry::quantized_matmul(inp.rows(), mode == 0 ? w.in : w.out, mode == 0 ? w.out : w.in,
-                                                     static_cast<int>(w.bits)),
+    // Many rows with int8 activations asked for: on the int8 matrix units.
+    const bool int8 = mode == 0 && int8_unit_ && rounds_activations(w, inp.rows());
+    ctx().dispatch(int8 ? vulkan_geometry::quantized_matmul_int8_coopmat(inp.rows(), w.in, w.out, w.bits,
+                                                                         int8_activation_block(w), *int8_unit_)
+                        : vulkan_geometry::quantized_matmul(inp.rows(), mode == 0 ? w.in : w.out,
+                                                            mode == 0 ? w.out : w.in, static_cast<int>(w.bits)),
                    push,
                    {writes(out), reads(inp), reads(w.codes), reads(w.scales), reads(w.zeros), reads(w.g_idx),
                     reads(bias)});
@@ -1011,6 +1022,8 @@ class VulkanBackend final : public Backend {
   Access scratch(bool write) const { return {split_scratch_, kSplitScratchFloats * sizeof(float), write}; }
   // The device's float16 matrix units (cooperative_product_shape), where gemm_coopmat.comp runs.
   std::optional<vulkan_geometry::MatrixUnit> half_unit_;
+  // Its int8 ones (cooperative_int8_shape), where quantized_matmul_int8_coopmat.comp runs.
+  std::optional<vulkan_geometry::MatrixUnit> int8_unit_;
   uint64_t partials_ = 0;
   // step_decision.comp's output (tensor_table.glsl's Decision), just before the partials.
   static constexpr size_t kDecisionBytes = 32;
