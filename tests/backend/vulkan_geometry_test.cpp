@@ -359,7 +359,9 @@ TEST(VulkanGeometry, AttentionOnTheMatrixUnitsTakesTheLargestTileThatFits) {
       EXPECT_EQ(g::attention_coopmat_tile(c.hd, c.unit, pass), tile);
       if (tile == 0) continue;
       EXPECT_LE(g::attention_coopmat_shared_bytes(c.hd, tile, c.unit, pass), c.unit.shared_bytes);
-      if (tile < 64) EXPECT_GT(g::attention_coopmat_shared_bytes(c.hd, 2 * tile, c.unit, pass), c.unit.shared_bytes);
+      if (tile < 64) {
+        EXPECT_GT(g::attention_coopmat_shared_bytes(c.hd, 2 * tile, c.unit, pass), c.unit.shared_bytes);
+      }
       const VulkanDispatch d = g::attention_coopmat({4096, 8, 14, 2, c.hd}, c.unit, pass);
       EXPECT_EQ(d.x, 4096 / tile);
       EXPECT_EQ(d.y, pass == AttentionPass::Key ? 2u : 14u);

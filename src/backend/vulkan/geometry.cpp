@@ -183,8 +183,9 @@ std::vector<VulkanDispatch> gemm_coopmat(int64_t M, int64_t N, int64_t K, const 
                                          int64_t scratch_floats) {
   GemmSplit s = gemm_split(M, N, K, scratch_floats);
   s.tile = std::min<uint32_t>(s.tile, 64);  // a quarter of 64 x 64 holds 2 x 2 (16) or 4 x 4 (8) matrices
-  MT_ASSERT((unit.m == 8 || unit.m == 16) && unit.n == unit.m && unit.subgroup >= 1,
-            "gemm_coopmat takes square matrices of 8 or 16");
+  MT_ASSERT((unit.m == 8 || unit.m == 16) && unit.n == unit.m && unit.subgroup >= 1 &&
+                s.tile * 32 % (4 * unit.subgroup) == 0,
+            "gemm_coopmat takes square matrices of 8 or 16, its K step staged evenly by four subgroups");
   const double m = static_cast<double>(M), n = static_cast<double>(N), k = static_cast<double>(K);
   std::vector<VulkanDispatch> d{{.shader = "gemm_coopmat",
                                  .constants = {s.tile, unit.subgroup, unit.m, unit.n, unit.k, 4 * unit.subgroup,

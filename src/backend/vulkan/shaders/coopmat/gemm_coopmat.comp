@@ -14,7 +14,8 @@
 // device's CM x CN x CK shape (8 x 8 x 8 on lavapipe, 16 x 16 x 16 on NVIDIA: specialization
 // constants from the device's reported properties). K advances BK at a time: the workgroup
 // stages A's [TILE, BK] and B's [BK, TILE] tiles in shared memory as 16-bit values (zero beyond
-// the operands), each subgroup multiplies its quarter from them, and the accumulators go through
+// the operands; the next step's read from memory while this one multiplies: two stages), each
+// subgroup multiplies its quarter from them, and the accumulators go through
 // shared memory once at the end so every output is written by one invocation (no atomics; a fixed
 // order over K: the same bits every run on one device).
 #extension GL_KHR_cooperative_matrix : require
@@ -39,6 +40,7 @@ layout(push_constant) uniform Push {
 const uint BK = 32u;
 const uint QUARTER = TILE / 2u, TM = QUARTER / CM, TN = QUARTER / CN;
 const uint A_STRIDE = BK + 8u, B_STRIDE = TILE + 8u, C_STRIDE = TILE + 4u;  // padded rows
+const uint STAGED = TILE * BK / (4u * SUBGROUP);  // elements of each operand an invocation stages per K step
 shared ELEM a_s[TILE * A_STRIDE];  // [m][k]
 shared ELEM b_s[BK * B_STRIDE];    // [k][n]
 shared float c_s[TILE * C_STRIDE];  // [m][n], the accumulators on their way out
@@ -56,19 +58,35 @@ void main() {
   for (uint i = 0u; i < TM; ++i)
     for (uint j = 0u; j < TN; ++j) acc[i][j] = coopmat<float, gl_ScopeSubgroup, CM, CN, gl_MatrixUseAccumulator>(0.0);
   const uint k_begin = gl_WorkGroupID.z * p.k_split, k_end = min(k_begin + p.k_split, p.K);
+  // Two stages: the next K step's operands are read from memory into registers while the
+  // subgroups multiply the current one from shared memory, and stored there after the barrier
+  // that ends it. Loads run along whichever dimension is contiguous (neighbouring invocations,
+  // neighbouring words).
+  ELEM a_r[STAGED], b_r[STAGED];
+#define FETCH(k0)                                                                                    \
+  for (uint i = 0u; i < STAGED; ++i) {                                                             \
+    const uint e = tid + i * threads;                                                              \
+    const uint am = p.a_k == 1u ? e / BK : e % TILE, ak = p.a_k == 1u ? e % BK : e / TILE;         \
+    const uint gm = m0 + am, gka = (k0) + ak;                                                      \
+    a_r[i] = gm < p.M && gka < k_end ? elem_at(p.a, ADTYPE, gm * p.a_m + gka * p.a_k, p.a_scale) : zero; \
+    const uint bn = p.b_n == 1u ? e % TILE : e / BK, bk = p.b_n == 1u ? e / TILE : e % BK;         \
+    const uint gn = n0 + bn, gkb = (k0) + bk;                                                      \
+    b_r[i] = gn < p.Nc && gkb < k_end ? elem_at(p.b, BDTYPE, gkb * p.b_k + gn * p.b_n, 1.0) : zero; \
+  }
+#define STAGE()                                                                                      \
+  for (uint i = 0u; i < STAGED; ++i) {                                                             \
+    const uint e = tid + i * threads;                                                              \
+    a_s[(p.a_k == 1u ? e / BK : e % TILE) * A_STRIDE + (p.a_k == 1u ? e % BK : e / TILE)] = a_r[i]; \
+    b_s[(p.b_n == 1u ? e / TILE : e % BK) * B_STRIDE + (p.b_n == 1u ? e % TILE : e / BK)] = b_r[i]; \
+  }
   const ELEM zero = ELEM(0.0);
+  if (k_begin < k_end) {
+    FETCH(k_begin)
+    STAGE()
+  }
   for (uint k0 = k_begin; k0 < k_end; k0 += BK) {
-    // Loads along whichever dimension is contiguous (neighbouring invocations, neighbouring words).
-    for (uint e = tid; e < TILE * BK; e += threads) {
-      const uint m = p.a_k == 1u ? e / BK : e % TILE, k = p.a_k == 1u ? e % BK : e / TILE;
-      const uint gm = m0 + m, gk = k0 + k;
-      a_s[m * A_STRIDE + k] = gm < p.M && gk < k_end ? elem_at(p.a, ADTYPE, gm * p.a_m + gk * p.a_k, p.a_scale) : zero;
-    }
-    for (uint e = tid; e < BK * TILE; e += threads) {
-      const uint n = p.b_n == 1u ? e % TILE : e / BK, k = p.b_n == 1u ? e / TILE : e % BK;
-      const uint gn = n0 + n, gk = k0 + k;
-      b_s[k * B_STRIDE + n] = gn < p.Nc && gk < k_end ? elem_at(p.b, BDTYPE, gk * p.b_k + gn * p.b_n, 1.0) : zero;
-    }
+    const bool next = k0 + BK < k_end;
+    if (next) FETCH(k0 + BK)
     barrier();
     for (uint kk = 0u; kk < BK; kk += CK) {
       coopmat<ELEM, gl_ScopeSubgroup, CM, CK, gl_MatrixUseA> am[TM];
@@ -81,6 +99,7 @@ void main() {
       }
     }
     barrier();
+    if (next) STAGE()  // made visible by the next step's first barrier
   }
   for (uint i = 0u; i < TM; ++i)
     for (uint j = 0u; j < TN; ++j)
