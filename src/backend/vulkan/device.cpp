@@ -237,51 +237,47 @@ const VulkanDeviceInfo& choose_vulkan_device(const VulkanDevices& found, std::op
   return *best;
 }
 
-std::optional<VulkanMatrixShape> cooperative_product_shape(const VulkanDeviceInfo& d, DType operands,
-                                                           std::string* why) {
+namespace {
+// The largest subgroup-scope shape of operand x operand -> result (accumulated in result) the
+// device reports, a square m x n of 8 or 16 and k of 8, 16 or 32, where the build has `shader` and
+// the device VK_KHR_cooperative_matrix, Vulkan 1.3, the arithmetic the types need (`arithmetic`,
+// named so) and subgroup size control; or none, `why` saying why.
+std::optional<VulkanMatrixShape> matrix_shape(const VulkanDeviceInfo& d, const char* shader, bool arithmetic,
+                                              const char* arithmetic_name, const char* operand, const char* result,
+                                              std::string* why) {
   auto no = [&](std::string reason) {
     if (why) *why = std::move(reason);
     return std::nullopt;
   };
-  if (operands != DType::F16)
-    return no(fmt::format("this build has no {} cooperative-matrix variant", dtype_torch_name(operands)));
-  if (vulkan_shader("gemm_coopmat").empty())
+  if (vulkan_shader(shader).empty())
     return no("built without a shader compiler that knows GL_KHR_cooperative_matrix (scripts/coopmat-root.sh)");
   if (!d.khr_cooperative_matrix) return no("the device has no VK_KHR_cooperative_matrix");
   if (d.api < VK_API_VERSION_1_3) return no("the device is not Vulkan 1.3");
-  if (!d.shader_float16) return no("the device has no float16 arithmetic in shaders");
+  if (!arithmetic) return no(fmt::format("the device has no {} arithmetic in shaders", arithmetic_name));
   if (!d.subgroup_size_control) return no("the device cannot require a compute pipeline's subgroup size");
   const VulkanMatrixShape* best = nullptr;
   for (const VulkanMatrixShape& s : d.matrix_shapes) {
-    const bool fits = s.a == "float16" && s.b == "float16" && s.c == "float32" && s.result == "float32" &&
+    const bool fits = s.a == operand && s.b == operand && s.c == result && s.result == result &&
                       s.scope == "subgroup" && s.m == s.n && (s.m == 8 || s.m == 16) &&
                       (s.k == 8 || s.k == 16 || s.k == 32);
     if (fits && (!best || s.m * s.n * s.k > best->m * best->n * best->k)) best = &s;
   }
-  if (!best) return no("the device reports no subgroup float16 x float16 -> float32 shape of 8 or 16");
+  if (!best) return no(fmt::format("the device reports no subgroup {} x {} -> {} shape of 8 or 16", operand, operand, result));
   return *best;
+}
+}  // namespace
+
+std::optional<VulkanMatrixShape> cooperative_product_shape(const VulkanDeviceInfo& d, DType operands,
+                                                           std::string* why) {
+  if (operands != DType::F16) {
+    if (why) *why = fmt::format("this build has no {} cooperative-matrix variant", dtype_torch_name(operands));
+    return std::nullopt;
+  }
+  return matrix_shape(d, "gemm_coopmat", d.shader_float16, "float16", "float16", "float32", why);
 }
 
 std::optional<VulkanMatrixShape> cooperative_int8_shape(const VulkanDeviceInfo& d, std::string* why) {
-  auto no = [&](std::string reason) {
-    if (why) *why = std::move(reason);
-    return std::nullopt;
-  };
-  if (vulkan_shader("quantized_matmul_int8_coopmat").empty())
-    return no("built without a shader compiler that knows GL_KHR_cooperative_matrix (scripts/coopmat-root.sh)");
-  if (!d.khr_cooperative_matrix) return no("the device has no VK_KHR_cooperative_matrix");
-  if (d.api < VK_API_VERSION_1_3) return no("the device is not Vulkan 1.3");
-  if (!d.shader_int8) return no("the device has no 8-bit integer arithmetic in shaders");
-  if (!d.subgroup_size_control) return no("the device cannot require a compute pipeline's subgroup size");
-  const VulkanMatrixShape* best = nullptr;
-  for (const VulkanMatrixShape& s : d.matrix_shapes) {
-    const bool fits = s.a == "sint8" && s.b == "sint8" && s.c == "sint32" && s.result == "sint32" &&
-                      s.scope == "subgroup" && s.m == s.n && (s.m == 8 || s.m == 16) &&
-                      (s.k == 8 || s.k == 16 || s.k == 32);
-    if (fits && (!best || s.m * s.n * s.k > best->m * best->n * best->k)) best = &s;
-  }
-  if (!best) return no("the device reports no subgroup int8 x int8 -> int32 shape of 8 or 16");
-  return *best;
+  return matrix_shape(d, "quantized_matmul_int8_coopmat", d.shader_int8, "8-bit integer", "sint8", "sint32", why);
 }
 
 std::vector<std::pair<std::string, std::string>> vulkan_kernel_variants(const VulkanDeviceInfo& d) {

@@ -248,20 +248,27 @@ AttentionTiles attention_tiles(int64_t head_dim, bool key_side) {
 }
 
 namespace {
-VulkanDispatch attention_dispatch(const char* shader, const Attention& a, bool key_side, double flops_per_pair,
-                                  double q_side_tensors, double kv_side_tensors) {
-  const AttentionTiles t = attention_tiles(a.head_dim, key_side);
+// A pass over tiles of `rows` query (or, key_side, key) rows per head: FLOPs per (query, key)
+// pair and dimension, and the float32 tensors of the query side and of the key side it moves.
+VulkanDispatch attention_pass(const char* shader, const Attention& a, std::vector<uint32_t> constants, uint32_t rows,
+                              bool key_side, double flops_per_pair, double q_side_tensors, double kv_side_tensors) {
   const double hd = static_cast<double>(a.head_dim), n = static_cast<double>(a.tokens);
   VulkanDispatch d{
       .shader = shader,
-      .constants = {static_cast<uint32_t>(a.head_dim), t.lanes, t.tile, t.threads},
-      .x = ceil_div(a.tokens, t.rows),
+      .constants = std::move(constants),
+      .x = ceil_div(a.tokens, rows),
       .y = static_cast<uint32_t>(key_side ? a.kv_heads : a.q_heads),
       .flops = flops_per_pair * causal_pairs(a) * hd * static_cast<double>(a.q_heads),
       .bytes = 4 * n * hd *
                (q_side_tensors * static_cast<double>(a.q_heads) + kv_side_tensors * static_cast<double>(a.kv_heads))};
   MT_ASSERT(d.x <= kMaxGroups, "vulkan: more tokens than one attention dispatch takes");
   return d;
+}
+VulkanDispatch attention_dispatch(const char* shader, const Attention& a, bool key_side, double flops_per_pair,
+                                  double q_side_tensors, double kv_side_tensors) {
+  const AttentionTiles t = attention_tiles(a.head_dim, key_side);
+  return attention_pass(shader, a, {static_cast<uint32_t>(a.head_dim), t.lanes, t.tile, t.threads}, t.rows, key_side,
+                        flops_per_pair, q_side_tensors, kv_side_tensors);
 }
 }  // namespace
 
@@ -307,17 +314,10 @@ VulkanDispatch coopmat_attention_dispatch(const char* shader, const Attention& a
                                           double kv_side_tensors) {
   const uint32_t tile = attention_coopmat_tile(a.head_dim, unit, pass);
   MT_ASSERT(tile != 0, "attention_coopmat for a head dimension no tile takes");
-  const double hd = static_cast<double>(a.head_dim), n = static_cast<double>(a.tokens);
-  VulkanDispatch d{
-      .shader = shader,
-      .constants = {static_cast<uint32_t>(a.head_dim), tile, unit.subgroup, unit.m, unit.n, unit.k, 4 * unit.subgroup},
-      .x = ceil_div(a.tokens, tile),
-      .y = static_cast<uint32_t>(pass == AttentionPass::Key ? a.kv_heads : a.q_heads),
-      .flops = flops_per_pair * causal_pairs(a) * hd * static_cast<double>(a.q_heads),
-      .bytes = 4 * n * hd *
-               (q_side_tensors * static_cast<double>(a.q_heads) + kv_side_tensors * static_cast<double>(a.kv_heads))};
-  MT_ASSERT(d.x <= kMaxGroups, "vulkan: more tokens than one attention dispatch takes");
-  return d;
+  return attention_pass(shader, a,
+                        {static_cast<uint32_t>(a.head_dim), tile, unit.subgroup, unit.m, unit.n, unit.k,
+                         4 * unit.subgroup},
+                        tile, pass == AttentionPass::Key, flops_per_pair, q_side_tensors, kv_side_tensors);
 }
 }  // namespace
 
