@@ -100,6 +100,10 @@ void ModelParameters::bind(Arena* device, Arena* host, Backend& backend) {
   device_ = device;
   host_ = host;
   backend_ = &backend;
+  // The gradients' views, made once here: zeroing them every step allocates nothing.
+  grad_views_.clear();
+  if (options_.with_grads && device_)
+    for (size_t i = 0; i < trainables_.size(); ++i) grad_views_.push_back(trainable_grad(i));
 }
 
 // Base parameters get gradients (and optimizer state) only when they are trained; with LoRA the
@@ -337,10 +341,7 @@ void ModelParameters::load_masters() {
 
 void ModelParameters::zero_grads() {
   if (!options_.with_grads) return;
-  std::vector<Tensor> grads;
-  grads.reserve(trainables_.size());
-  for (size_t i = 0; i < trainables_.size(); ++i) grads.push_back(trainable_grad(i));
-  backend_->fill_group(grads, 0.0f);
+  backend_->fill_group(grad_views_, 0.0f);
 }
 
 }  // namespace memtune

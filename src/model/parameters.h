@@ -215,6 +215,7 @@ class ModelParameters {
   };
   void declare_trainables(MemoryPlan& device_plan, MemoryPlan& host_plan);
   uint64_t values_version_ = 1;
+  std::vector<Tensor> grad_views_;  // trainable_grad(i) of every trainable, made by bind
   // This rank's block of a tensor of n elements: all of it, or its ZeRO-1 shard.
   Shard shard_of_tensor(size_t n) const;
   // Where optimizer state (moments, masters) lives: the host arena with optim_offload.
