@@ -712,7 +712,8 @@ Tensor ints_on(Backend& be, std::vector<std::tuple<Backend*, void*, size_t>>& he
 }
 
 // FlashAttention-2's tiling at the head dimensions real models use, each a pipeline of its own
-// (64: 4 lanes, tiles of 32; 96 and 128: tiles of 16; 256: 8 lanes, tiles of 8), over three
+// (64: 4 lanes, tiles of 32; 96 and 128: tiles of 16; 256: 8 lanes, tiles of 8; the key side
+// always 8 lanes, 64 invocations), over three
 // packed sequences whose borders fall inside query and key tiles (33, 1 and 36 tokens), with
 // three query heads per kv head: forward (out, lse) and backward (dq, dk, dv) equal the
 // reference, and a second run gives the same bits.
@@ -721,6 +722,8 @@ TEST_F(VulkanOps, FlashAttentionAtRealHeadDimensionsEqualsTheReferenceBitForBitE
   const std::vector<int32_t> cu = {0, 33, 34, 70};
   for (const int64_t hd : {64, 96, 128, 256}) {
     SCOPED_TRACE(fmt::format("head_dim {}", hd));
+    EXPECT_EQ(vulkan_geometry::attention_tiles(hd, true).lanes, 8u);
+    EXPECT_EQ(vulkan_geometry::attention_tiles(hd, true).threads, 64u);
     const std::vector<float> q = randn(N * Hq * hd, 21), k = randn(N * Hkv * hd, 22), v = randn(N * Hkv * hd, 23),
                              dout = randn(N * Hq * hd, 24);
     auto run = [&](Backend& be) {

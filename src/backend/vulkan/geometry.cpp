@@ -241,7 +241,11 @@ AttentionTiles attention_tiles(int64_t head_dim, bool key_side) {
   // Two tiles of TILE x head_dim floats in shared memory: 16 KiB at most (every device has 32).
   t.tile = head_dim <= 64 ? 32 : head_dim <= 128 ? 16 : 8;
   // The query side: 128 invocations, 32 or 16 rows. The key side: 8 keys per workgroup, so that
-  // few kv heads still give many workgroups (its rows each see many queries).
+  // few kv heads still give many workgroups (its rows each see many queries), each key over 8
+  // lanes where the head dimension divides into them (every usable device's subgroups hold 8):
+  // 64 invocations a workgroup, twice the warps a GPU keeps resident at 32, and half the registers
+  // per invocation.
+  if (key_side && head_dim % 8 == 0) t.lanes = 8;
   t.threads = key_side ? 8 * t.lanes : 128;
   t.rows = t.threads / t.lanes;
   return t;
