@@ -337,17 +337,14 @@ VulkanDispatch attention_coopmat(const Attention& a, const MatrixUnit& unit, Att
   return coopmat_attention_dispatch("attention_backward_dkv_coopmat", a, unit, pass, 8, 3, 4);
 }
 
-AttentionTiles paged_attention_tiles(const PagedAttention& a) {
-  AttentionTiles t = attention_tiles(a.head_dim, false);
+uint32_t paged_attention_heads(const PagedAttention& a) {
   const int64_t group = std::max<int64_t>(a.q_heads / std::max<int64_t>(a.kv_heads, 1), 1);
-  t.rows = std::clamp<uint32_t>(std::bit_ceil(static_cast<uint32_t>(group)), 32 / t.lanes, 128 / t.lanes);
-  t.threads = t.rows * t.lanes;
-  return t;
+  return std::min(std::bit_ceil(static_cast<uint32_t>(group)), attention_tiles(a.head_dim, false).rows);
 }
 
 uint32_t paged_attention_chunks(const PagedAttention& a) {
   const int64_t group = std::max<int64_t>(a.q_heads / std::max<int64_t>(a.kv_heads, 1), 1);
-  return ceil_div(group, paged_attention_tiles(a).rows);
+  return ceil_div(group, paged_attention_heads(a));
 }
 
 PagedSplit paged_split(const PagedAttention& a, int64_t scratch_floats) {
@@ -366,7 +363,7 @@ PagedSplit paged_split(const PagedAttention& a, int64_t scratch_floats) {
 }
 
 std::vector<VulkanDispatch> paged_attention(const PagedAttention& a, int64_t scratch_floats) {
-  const AttentionTiles t = paged_attention_tiles(a);
+  const AttentionTiles t = attention_tiles(a.head_dim, false);
   const PagedSplit s = paged_split(a, scratch_floats);
   const uint32_t x = static_cast<uint32_t>(a.kv_heads) * paged_attention_chunks(a) * s.splits;
   const double hd = static_cast<double>(a.head_dim), rows = static_cast<double>(a.rows);
@@ -376,7 +373,8 @@ std::vector<VulkanDispatch> paged_attention(const PagedAttention& a, int64_t scr
   const auto y = static_cast<uint32_t>(std::clamp<int64_t>(a.rows, 1, kMaxGroups));  // rows beyond: over z
   std::vector<VulkanDispatch> d{
       {.shader = "paged_attention",
-       .constants = {static_cast<uint32_t>(a.head_dim), t.lanes, t.tile, t.threads, dtype_code(a.cache)},
+       .constants = {static_cast<uint32_t>(a.head_dim), t.lanes, t.tile, t.threads, dtype_code(a.cache),
+                     paged_attention_heads(a)},
        .x = x,
        .y = y,
        .z = ceil_div(std::max<int64_t>(a.rows, 1), y),

@@ -156,10 +156,10 @@ struct PagedAttention {
 struct PagedSplit {
   uint32_t splits = 1, split_keys = 0;
 };
-// A workgroup per (kv head, chunk of `rows` of its query heads, split, query row): each row of
-// invocations one query head of the GQA group (rows: the group rounded up to a power of two, a
-// workgroup of 32 to 128 invocations), so each key and value is read once for the group.
-AttentionTiles paged_attention_tiles(const PagedAttention& a);
+// A workgroup per (kv head, chunk of `heads` of its query heads, split, query row), so each key
+// and value is read once for the GQA group: heads is the group rounded up to a power of two, at
+// most the workgroup's rows, which are heads x key phases (attention_tiles' query side).
+uint32_t paged_attention_heads(const PagedAttention& a);
 uint32_t paged_attention_chunks(const PagedAttention& a);
 PagedSplit paged_split(const PagedAttention& a, int64_t scratch_floats);
 std::vector<VulkanDispatch> paged_attention(const PagedAttention& a, int64_t scratch_floats);
