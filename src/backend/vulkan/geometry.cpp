@@ -251,6 +251,19 @@ AttentionTiles attention_tiles(int64_t head_dim, bool key_side) {
   return t;
 }
 
+uint32_t attention_key_splits(const Attention& a, uint32_t rows) {
+  const int64_t group = a.q_heads / std::max<int64_t>(a.kv_heads, 1);
+  const int64_t workgroups = std::max<int64_t>(ceil_div(a.tokens, rows) * a.kv_heads, 1);
+  const int64_t wanted = (2 * static_cast<int64_t>(kFillWorkgroups) + workgroups - 1) / workgroups;
+  return static_cast<uint32_t>(std::clamp<int64_t>(std::min(group / 2, wanted), 1, group));
+}
+
+std::vector<VulkanDispatch> attention_key_reduce(const Attention& a, uint32_t splits) {
+  if (splits < 2) return {};
+  const VulkanDispatch one = elementwise("gemm_reduce", a.tokens * a.kv_heads * a.head_dim, 4.0 * (splits + 1), splits);
+  return {one, one};  // dk, then dv
+}
+
 namespace {
 // A pass over tiles of `rows` query (or, key_side, key) rows per head: FLOPs per (query, key)
 // pair and dimension, and the float32 tensors of the query side and of the key side it moves.
@@ -261,7 +274,7 @@ VulkanDispatch attention_pass(const char* shader, const Attention& a, std::vecto
       .shader = shader,
       .constants = std::move(constants),
       .x = ceil_div(a.tokens, rows),
-      .y = static_cast<uint32_t>(key_side ? a.kv_heads : a.q_heads),
+      .y = static_cast<uint32_t>(key_side ? a.kv_heads * attention_key_splits(a, rows) : a.q_heads),
       .flops = flops_per_pair * causal_pairs(a) * hd * static_cast<double>(a.q_heads),
       .bytes = 4 * n * hd *
                (q_side_tensors * static_cast<double>(a.q_heads) + kv_side_tensors * static_cast<double>(a.kv_heads))};

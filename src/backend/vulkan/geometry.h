@@ -134,6 +134,13 @@ AttentionTiles attention_tiles(int64_t head_dim, bool key_side);
 VulkanDispatch attention_forward(const Attention& a);
 VulkanDispatch attention_backward_dq(const Attention& a);
 VulkanDispatch attention_backward_dkv(const Attention& a);
+// The key side over `rows` keys a workgroup split over the GQA group's query heads where its
+// (token tiles x kv heads) workgroups would leave a GPU idle: enough splits for twice
+// kFillWorkgroups, at most half the group (the splits' partial dk and dv, [splits][2][N, kv_dim],
+// are written into dq's memory, which the dq pass overwrites after them; its N x q_dim floats hold
+// group / 2 splits). Then gemm_reduce adds the splits in order into dk and into dv.
+uint32_t attention_key_splits(const Attention& a, uint32_t rows);
+std::vector<VulkanDispatch> attention_key_reduce(const Attention& a, uint32_t splits);
 // The same three passes on the device's matrix units (shaders/coopmat/attention_coopmat.glsl,
 // float16 operands): a workgroup of four subgroups per tile of `tile` query (or key) rows, the
 // tile the largest of 64, 32 and 16 whose shared memory fits the unit's and whose quarters are

@@ -465,6 +465,36 @@ class VulkanBackend final : public Backend {
                           const Tensor& cu_seqlens, int64_t hd, DType operands) override {
     using vulkan_geometry::AttentionPass;
     const vulkan_geometry::Attention shape = attention_shape(q, k, cu_seqlens, hd);
+    // The key side first: where it is split over the group's query heads, its partial dk and dv
+    // go to dq's memory (attention_key_splits) and are added in order before the dq pass.
+    const VulkanDispatch key_pass = half_attention(operands, hd, AttentionPass::Key)
+                                        ? vulkan_geometry::attention_coopmat(shape, *half_unit_, AttentionPass::Key)
+                                        : vulkan_geometry::attention_backward_dkv(shape);
+    const uint32_t splits = key_pass.y / u32(shape.kv_heads);
+    const uint64_t partial_bytes = static_cast<uint64_t>(dk.bytes());
+    MT_ASSERT(splits == 1 || 2 * splits * partial_bytes <= dq.bytes(), "vulkan: the key side's partials beyond dq");
+    struct {
+      uint64_t dk, dv, dout, out, lse, q, k, v, cu;
+      uint32_t N, S, Hq, Hkv;
+      float scale;
+      uint64_t partials;
+      uint32_t head_splits;
+    } key_side{address(dk), address(dv), address(dout), address(out), address(lse), address(q), address(k),
+               address(v),  address(cu_seqlens), u32(q.rows()), u32(cu_seqlens.numel() - 1), u32(q.cols() / hd),
+               u32(k.cols() / hd), attention_scale(hd), splits > 1 ? address(dq) : 0, splits};
+    ctx().dispatch(key_pass, key_side,
+                   {writes(dk), writes(dv), splits > 1 ? writes(dq) : Access{}, reads(dout), reads(out), reads(lse),
+                    reads(q), reads(k), reads(v), reads(cu_seqlens)});
+    const std::vector<VulkanDispatch> reduce = vulkan_geometry::attention_key_reduce(shape, splits);
+    for (size_t i = 0; i < reduce.size(); ++i) {
+      const Tensor& to = i == 0 ? dk : dv;
+      struct {
+        uint64_t out, partials, bias;
+        uint32_t n, Nc, splits, has_bias, accumulate;
+        float alpha;
+      } push{address(to), address(dq) + i * splits * partial_bytes, 0, u32(to.numel()), 1, splits, 0, 0, 1.0f};
+      ctx().dispatch(reduce[i], push, {writes(to), {address(dq), 2 * splits * partial_bytes, false}});
+    }
     struct {
       uint64_t dq, dout, out, lse, q, k, v, cu;
       uint32_t N, S, Hq, Hkv;
@@ -477,19 +507,6 @@ class VulkanBackend final : public Backend {
                        : vulkan_geometry::attention_backward_dq(shape),
                    query_side,
                    {writes(dq), reads(dout), reads(out), reads(lse), reads(q), reads(k), reads(v), reads(cu_seqlens)});
-    struct {
-      uint64_t dk, dv, dout, out, lse, q, k, v, cu;
-      uint32_t N, S, Hq, Hkv;
-      float scale;
-    } key_side{address(dk), address(dv), address(dout), address(out), address(lse), address(q), address(k),
-               address(v),  address(cu_seqlens), u32(q.rows()), u32(cu_seqlens.numel() - 1), u32(q.cols() / hd),
-               u32(k.cols() / hd), attention_scale(hd)};
-    ctx().dispatch(half_attention(operands, hd, AttentionPass::Key)
-                       ? vulkan_geometry::attention_coopmat(shape, *half_unit_, AttentionPass::Key)
-                       : vulkan_geometry::attention_backward_dkv(shape),
-                   key_side,
-                   {writes(dk), writes(dv), reads(dout), reads(out), reads(lse), reads(q), reads(k), reads(v),
-                    reads(cu_seqlens)});
   }
   // Split over the context where few query rows would leave the device idle (decoding), the
   // splits' partials in the backend's own scratch, merged by a second dispatch.

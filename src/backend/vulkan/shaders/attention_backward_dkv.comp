@@ -5,10 +5,14 @@
 // last key's sequence) through shared memory: their q, dout, lse and D = dout . out.
 // dv[j] = sum p dout_t, dk[j] = sum ds q_t over those queries and heads, written (not
 // accumulated), each row by one workgroup in a fixed order: no atomics, the same bits every run.
+// With head_splits > 1 (vulkan_geometry::attention_key_splits) workgroup y = g x head_splits + s
+// takes the s-th share of the group's heads and writes its sums to partials ([s][N, kv_dim] for
+// dk, then [head_splits + s] for dv), which gemm_reduce.comp adds in order.
 #include "common.glsl"
 #include "attention_common.glsl"
 layout(push_constant) uniform Push {
   F32 dk; F32 dv; F32 dout; F32 out_; F32 lse; F32 q; F32 k; F32 v; I32 cu; uint N, S, Hq, Hkv; float scale;
+  F32 partials; uint head_splits;
 } p;
 shared float q_tile[TILE * HD];
 shared float o_tile[TILE * HD];  // dout
@@ -16,7 +20,9 @@ shared float lse_tile[TILE];
 shared float delta_tile[TILE];
 void main() {
   const uint id = place(), r = id / LANES, d0 = (id % LANES) * DIMS;
-  const uint g = gl_WorkGroupID.y, group = p.Hq / p.Hkv, j0 = gl_WorkGroupID.x * ROWS, j = j0 + r;
+  const uint g = gl_WorkGroupID.y / p.head_splits, share = gl_WorkGroupID.y % p.head_splits, group = p.Hq / p.Hkv;
+  const uint j0 = gl_WorkGroupID.x * ROWS, j = j0 + r, per = (group + p.head_splits - 1u) / p.head_splits;
+  const uint h_begin = g * group + min(share * per, group), h_end = g * group + min((share + 1u) * per, group);
   const bool live = j < p.N;
   const uint last = min(j0 + ROWS, p.N) - 1u, stop = uint(p.cu.v[sequence_of(p.cu, p.S, last) + 1u]);
   const uint end = live ? uint(p.cu.v[sequence_of(p.cu, p.S, j) + 1u]) : 0u, kv = (j * p.Hkv + g) * HD + d0;
@@ -27,7 +33,7 @@ void main() {
     dk[d] = 0.0;
     dv[d] = 0.0;
   }
-  for (uint h = g * group; h < (g + 1u) * group; ++h) {
+  for (uint h = h_begin; h < h_end; ++h) {
     for (uint t0 = j0; t0 < stop; t0 += TILE) {
       for (uint e = id; e < TILE * HD; e += THREADS) {
         const uint t = t0 + e / HD, at = (t * p.Hq + h) * HD + e % HD;
@@ -64,8 +70,11 @@ void main() {
     }
   }
   if (!live) return;
+  const uint64_t size = uint64_t(p.N) * p.Hkv * HD * 4u;  // bytes of one [N, kv_dim] partial
+  F32 to_dk = p.head_splits == 1u ? p.dk : F32(uint64_t(p.partials) + share * size);
+  F32 to_dv = p.head_splits == 1u ? p.dv : F32(uint64_t(p.partials) + (p.head_splits + share) * size);
   for (uint d = 0u; d < DIMS; ++d) {
-    p.dk.v[kv + d] = dk[d];
-    p.dv.v[kv + d] = dv[d];
+    to_dk.v[kv + d] = dk[d];
+    to_dv.v[kv + d] = dv[d];
   }
 }

@@ -11,6 +11,7 @@
 #include "attention_coopmat.glsl"
 layout(push_constant) uniform Push {
   F32 dk; F32 dv; F32 dout; F32 out_; F32 lse; F32 q; F32 k; F32 v; I32 cu; uint N, S, Hq, Hkv; float scale;
+  F32 partials; uint head_splits;  // as attention_backward_dkv.comp's: a share of the group's heads
 } p;
 shared float16_t k_s[B * H_STRIDE];
 shared float16_t v_s[B * H_STRIDE];
@@ -24,11 +25,13 @@ shared float lse_s[B], d_s[B];
 shared uint end_s[B];
 uint key_row(uint r) {
   const uint j = gl_WorkGroupID.x * B + r;
-  return j < p.N ? (j * p.Hkv + gl_WorkGroupID.y) * HD : ~0u;
+  return j < p.N ? (j * p.Hkv + gl_WorkGroupID.y / p.head_splits) * HD : ~0u;
 }
 void main() {
   const uint tid = gl_LocalInvocationID.x, sm = quarter_rows(), sn = quarter_cols(), hn = quarter_dims();
-  const uint g = gl_WorkGroupID.y, group = p.Hq / p.Hkv, j0 = gl_WorkGroupID.x * B;
+  const uint g = gl_WorkGroupID.y / p.head_splits, share = gl_WorkGroupID.y % p.head_splits, group = p.Hq / p.Hkv;
+  const uint j0 = gl_WorkGroupID.x * B, per = (group + p.head_splits - 1u) / p.head_splits;
+  const uint h_begin = g * group + min(share * per, group), h_end = g * group + min((share + 1u) * per, group);
   const uint last = min(j0 + B, p.N) - 1u, stop = uint(p.cu.v[sequence_of(p.cu, p.S, last) + 1u]);
   for (uint e = tid; e < B * HD; e += THREADS) {
     const uint c = e / HD, d = e % HD, j = j0 + c, at = (j * p.Hkv + g) * HD + d;
@@ -43,7 +46,7 @@ void main() {
       dk[i][j] = ACC(0.0);
       dv[i][j] = ACC(0.0);
     }
-  for (uint h = g * group; h < (g + 1u) * group; ++h) {
+  for (uint h = h_begin; h < h_end; ++h) {
     for (uint t0 = j0; t0 < stop; t0 += B) {
       for (uint e = tid; e < B * HD; e += THREADS) {
         const uint r = e / HD, d = e % HD, t = t0 + r, at = (t * p.Hq + h) * HD + d;
@@ -76,6 +79,9 @@ void main() {
       barrier();
     }
   }
-  WRITE_OUT(dk, st_s, sm, hn, p.dk, key_row)
-  WRITE_OUT(dv, st_s, sm, hn, p.dv, key_row)
+  const uint64_t size = uint64_t(p.N) * p.Hkv * HD * 4u;  // bytes of one [N, kv_dim] partial
+  F32 to_dk = p.head_splits == 1u ? p.dk : F32(uint64_t(p.partials) + share * size);
+  F32 to_dv = p.head_splits == 1u ? p.dv : F32(uint64_t(p.partials) + (p.head_splits + share) * size);
+  WRITE_OUT(dk, st_s, sm, hn, to_dk, key_row)
+  WRITE_OUT(dv, st_s, sm, hn, to_dv, key_row)
 }
