@@ -454,10 +454,7 @@ class VulkanBackend final : public Backend {
     } push{address(out), address(lse), address(q), address(k), address(v), address(cu_seqlens),
            u32(q.rows()), u32(cu_seqlens.numel() - 1), u32(q.cols() / hd), u32(k.cols() / hd), attention_scale(hd)};
     const vulkan_geometry::Attention shape = attention_shape(q, k, cu_seqlens, hd);
-    ctx().dispatch(half_attention(operands, hd, vulkan_geometry::AttentionPass::Forward)
-                       ? vulkan_geometry::attention_coopmat(shape, *half_unit_, vulkan_geometry::AttentionPass::Forward)
-                       : vulkan_geometry::attention_forward(shape),
-                   push, {writes(out), writes(lse), reads(q), reads(k), reads(v), reads(cu_seqlens)});
+    ctx().dispatch(attention_pass(vulkan_geometry::AttentionPass::Forward, shape, operands), push, {writes(out), writes(lse), reads(q), reads(k), reads(v), reads(cu_seqlens)});
   }
   // FlashAttention-2's two passes: dq by query tiles, dk and dv by key tiles.
   void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& out,
@@ -467,9 +464,7 @@ class VulkanBackend final : public Backend {
     const vulkan_geometry::Attention shape = attention_shape(q, k, cu_seqlens, hd);
     // The key side first: where it is split over the group's query heads, its partial dk and dv
     // go to dq's memory (attention_key_splits) and are added in order before the dq pass.
-    const VulkanDispatch key_pass = half_attention(operands, hd, AttentionPass::Key)
-                                        ? vulkan_geometry::attention_coopmat(shape, *half_unit_, AttentionPass::Key)
-                                        : vulkan_geometry::attention_backward_dkv(shape);
+    const VulkanDispatch key_pass = attention_pass(AttentionPass::Key, shape, operands);
     const uint32_t splits = key_pass.y / u32(shape.kv_heads);
     const uint64_t partial_bytes = static_cast<uint64_t>(dk.bytes());
     MT_ASSERT(splits == 1 || 2 * splits * partial_bytes <= dq.bytes(), "vulkan: the key side's partials beyond dq");
@@ -502,10 +497,7 @@ class VulkanBackend final : public Backend {
     } query_side{address(dq),    address(dout), address(out), address(lse), address(q), address(k), address(v),
                  address(cu_seqlens), u32(q.rows()), u32(cu_seqlens.numel() - 1), u32(q.cols() / hd),
                  u32(k.cols() / hd), attention_scale(hd)};
-    ctx().dispatch(half_attention(operands, hd, AttentionPass::Query)
-                       ? vulkan_geometry::attention_coopmat(shape, *half_unit_, AttentionPass::Query)
-                       : vulkan_geometry::attention_backward_dq(shape),
-                   query_side,
+    ctx().dispatch(attention_pass(AttentionPass::Query, shape, operands), query_side,
                    {writes(dq), reads(dout), reads(out), reads(lse), reads(q), reads(k), reads(v), reads(cu_seqlens)});
   }
   // Split over the context where few query rows would leave the device idle (decoding), the
@@ -984,11 +976,19 @@ class VulkanBackend final : public Backend {
     return {.tokens = q.rows(), .sequences = cu_seqlens.numel() - 1, .q_heads = q.cols() / hd,
             .kv_heads = k.cols() / hd, .head_dim = hd};
   }
-  // Whether an attention pass runs on the matrix units: float16 operands asked for, and a tile of
-  // the pass that takes this head dimension within the device's shared memory.
-  bool half_attention(DType operands, int64_t hd, vulkan_geometry::AttentionPass pass) const {
+  // An attention pass's dispatch: on the matrix units where float16 operands are asked for and a
+  // tile of the pass takes this head dimension within the device's shared memory, else the
+  // float32 shader.
+  VulkanDispatch attention_pass(vulkan_geometry::AttentionPass pass, const vulkan_geometry::Attention& shape,
+                                DType operands) const {
+    using vulkan_geometry::AttentionPass;
     MT_ASSERT(operands == DType::F32 || operands == DType::F16, "vulkan attention: float32 or float16 operands");
-    return operands == DType::F16 && half_unit_ && vulkan_geometry::attention_coopmat_tile(hd, *half_unit_, pass) != 0;
+    if (operands == DType::F16 && half_unit_ &&
+        vulkan_geometry::attention_coopmat_tile(shape.head_dim, *half_unit_, pass) != 0)
+      return vulkan_geometry::attention_coopmat(shape, *half_unit_, pass);
+    return pass == AttentionPass::Forward ? vulkan_geometry::attention_forward(shape)
+           : pass == AttentionPass::Query ? vulkan_geometry::attention_backward_dq(shape)
+                                          : vulkan_geometry::attention_backward_dkv(shape);
   }
   static float attention_scale(int64_t hd) {
     MT_ASSERT(hd > 0 && hd <= kMaxAttentionHeadDim, "head_dim within kMaxAttentionHeadDim");
