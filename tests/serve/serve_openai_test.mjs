@@ -146,11 +146,19 @@ function checkAgainstReference(got, i, what) {
   assert.equal(got.usage.completion_tokens, e.completion_tokens, `${what}: request ${i} completion_tokens`);
   assert.equal(got.usage.total_tokens, e.prompt_tokens + e.completion_tokens, `${what}: request ${i} total_tokens`);
 }
-async function metric(url, name) {
+// One scrape of /metrics: a reader of its values. Counters compared with each other come from one
+// scrape, since the engine may finish a step (and publish its counts) between two.
+async function scrape(url) {
   const text = await (await fetch(`${url}/metrics`)).text();
-  const m = text.match(new RegExp(`^${name} (\\S+)$`, "m"));
-  assert.ok(m, `${name} not in /metrics:\n${text}`);
-  return Number(m[1]);
+  return (name) => {
+    const m = text.match(new RegExp(`^${name.replace(/[{}]/g, "\\$&")} (\\S+)$`, "m"));
+    assert.ok(m, `${name} not in /metrics:\n${text}`);
+    return Number(m[1]);
+  };
+}
+
+async function metric(url, name) {
+  return (await scrape(url))(name);
 }
 
 // 1. One server: models, each request streamed and not, against the references.
@@ -420,17 +428,18 @@ if (vulkanDevice !== null) {
   onVulkan = picked.length + 1;
   // What the engine's steps asked of the device, from the backend's own counters (/metrics): a
   // decode or prefill step waits once, for its token ids, and submits at least once.
+  const counts = await scrape(server.url);
   for (const kind of ["decode", "prefill"]) {
-    const steps = await metric(server.url, `memtune_engine_steps_total{kind="${kind}"}`);
+    const steps = counts(`memtune_engine_steps_total{kind="${kind}"}`);
     assert.ok(steps > 0, `no ${kind} steps on vulkan`);
-    assert.equal(await metric(server.url, `memtune_device_waits_total{kind="${kind}"}`), steps, `${kind} waits`);
-    assert.ok((await metric(server.url, `memtune_device_submissions_total{kind="${kind}"}`)) >= steps);
-    const dispatches = await metric(server.url, `memtune_device_dispatches_total{kind="${kind}"}`);
+    assert.equal(counts(`memtune_device_waits_total{kind="${kind}"}`), steps, `${kind} waits`);
+    assert.ok((counts(`memtune_device_submissions_total{kind="${kind}"}`)) >= steps);
+    const dispatches = counts(`memtune_device_dispatches_total{kind="${kind}"}`);
     assert.ok(dispatches > 10 * steps);
     // The barriers between the steps' commands are counted (that they fall below one a command is
     // TrainCliTest.EveryCommandRunsOnVulkanAndAgreesWithCpu's check: an engine step's uploads and
     // token read also take some, so here there may be as many as dispatches).
-    const barriers = await metric(server.url, `memtune_device_barriers_total{kind="${kind}"}`);
+    const barriers = counts(`memtune_device_barriers_total{kind="${kind}"}`);
     assert.ok(barriers > 0 && barriers <= dispatches + 4 * steps, `${barriers} barriers for ${dispatches} dispatches`);
   }
   stopped = await stopServer(server);
