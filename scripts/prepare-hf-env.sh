@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the pinned Python environment of the Hugging Face oracles and anchors
 # (tools/hf-oracle/requirements.txt: torch, transformers, PEFT, tokenizers, tensorboard, ...) from
-# PyPI into a virtual environment outside the clone, and prints its python3 on the last line.
+# PyPI into a virtual environment outside the clone, with the Python package's build tools and
+# pytest (tools/hf-oracle/requirements-python-package.txt), and prints its python3 on the last line.
 #
 #   scripts/prepare-hf-env.sh            # install if needed; print the interpreter
 #
@@ -31,5 +32,15 @@ if [[ ! -f "$env_dir/.memtune-complete" ]]; then
     -r "$requirements" >&2
   "$env_dir/bin/python3" -c "$check"
   touch "$env_dir/.memtune-complete"
+fi
+# The Python package's build tools and pytest, on top (their own marker, named by their file's hash).
+package_requirements="$root/tools/hf-oracle/requirements-python-package.txt"
+package_marker="$env_dir/.memtune-python-package-$(sha256sum "$package_requirements" | cut -c1-12)"
+if [[ ! -f "$package_marker" ]]; then
+  echo "prepare-hf-env: installing tools/hf-oracle/requirements-python-package.txt into $env_dir" >&2
+  "$env_dir/bin/python3" -m pip install --quiet --no-cache-dir --only-binary=:all: --disable-pip-version-check \
+    -r "$package_requirements" >&2
+  "$env_dir/bin/python3" -c 'import pybind11, scikit_build_core, pytest'
+  touch "$package_marker"
 fi
 echo "$env_dir/bin/python3"

@@ -1,12 +1,16 @@
 // Every memtune subcommand on one CLI11 app: what main() parses, and what the option tests walk.
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <vector>
 
 #include "cli/commands.h"
 #include "options/arguments.h"
+#include "options/config_file.h"
 
 namespace memtune::cli {
 
-Commands add_commands(CLI::App& app) {
+Commands add_commands(CLI::App& app, const TrainingHooks& hooks) {
   app.require_subcommand(1);
   Commands commands;
   auto add = [&](const char* name, const char* help, auto adder) {
@@ -20,8 +24,10 @@ Commands add_commands(CLI::App& app) {
   add("quantize", "quantize a model's linear layers to 4 or 8 bits (round-to-nearest or GPTQ) in GPTQ / AWQ files",
       add_quantize);
   add("dequantize", "write a GPTQ / AWQ model's weights back as a float checkpoint", add_dequantize);
-  add("train", "fine-tune (LoRA or full) on a JSONL dataset with Hugging Face's arguments", add_train);
-  add("eval", "streaming evaluation: loss, perplexity, token accuracy without ever holding logits", add_eval);
+  add("train", "fine-tune (LoRA or full) on a JSONL dataset with Hugging Face's arguments",
+      [&hooks](CLI::App& sub) { return add_train(sub, hooks); });
+  add("eval", "streaming evaluation: loss, perplexity, token accuracy without ever holding logits",
+      [&hooks](CLI::App& sub) { return add_eval(sub, hooks.eval); });
   add("generate", "text from a model over a planned, paged KV cache (a prompt, or a JSONL file of them)", add_generate);
   add("chat", "an interactive chat in the terminal (chat template, history; /reset, /exit; Ctrl-C stops an answer)",
       add_chat);
@@ -42,6 +48,47 @@ Commands add_commands(CLI::App& app) {
   commands.actions.emplace_back(data_stats, add_data_stats(*data_stats));
   refuse_non_finite_numbers(app);
   return commands;
+}
+
+CommandLine::CommandLine(const TrainingHooks& hooks)
+    : hooks_(hooks),
+      app_("memtune: fine-tune, evaluate, quantize and serve Qwen2.5, Qwen3 and Llama 3 models with planned memory"),
+      commands_(add_commands(app_, hooks_)) {}
+
+void CommandLine::parse(std::vector<std::string> args) {
+  // The subcommand named on the command line (e.g. "train", or "data stats"), then its flags
+  // made into CLI11's: boolean flag values, a --config file (train, plan, eval) and the Hugging
+  // Face / ms-swift / LLaMA-Factory keys that are not memtune flags.
+  CLI::App* command = &app_;
+  size_t command_at = 0;
+  for (; command_at < args.size() && !args[command_at].starts_with("-"); ++command_at) {
+    CLI::App* sub = nullptr;
+    for (CLI::App* candidate : command->get_subcommands([](CLI::App*) { return true; }))
+      if (candidate->get_name() == args[command_at]) sub = candidate;
+    if (!sub) break;
+    command = sub;
+  }
+  // `plan --inference` takes generate's flags: it is the inference planner's own subcommand.
+  if (command->get_name() == "plan" && std::find(args.begin(), args.end(), "--inference") != args.end()) {
+    args[command_at - 1] = "plan-inference";
+    command = commands_.plan_inference;
+  }
+  const std::string name = command->get_name();
+  const bool compatible = command->get_parent() == &app_ && (name == "train" || name == "plan" || name == "eval");
+  PreparedArguments prepared = prepare_arguments(args, command_at, *command, compatible);
+  if (const std::string notice = ignored_keys_notice(prepared.ignored); !notice.empty()) {
+    // Once per job: rank 0 of an mpirun launch, or the only process.
+    const char* rank = std::getenv("OMPI_COMM_WORLD_RANK");
+    if (!rank || std::string(rank) == "0") std::fprintf(stderr, "%s\n", notice.c_str());
+  }
+  args = std::move(prepared.args);
+  std::reverse(args.begin(), args.end());  // CLI11 takes the vector back to front
+  app_.parse(args);
+}
+
+void CommandLine::run() const {
+  for (const auto& [sub, action] : commands_.actions)
+    if (sub->parsed()) action();
 }
 
 }  // namespace memtune::cli

@@ -173,13 +173,24 @@ void evaluate_labels(const EvalArgs& a, Decoder& model, EvalData& eval, const Pr
 }
 
 void evaluate_tokens(const EvalArgs& a, Decoder& model, EvalData& eval, MetricSelection& selection,
-                     const ProcessPlan& process, EvalOutputs& outputs, std::ofstream& predictions) {
+                     const ProcessPlan& process, EvalOutputs& outputs, std::ofstream& predictions,
+                     const EvalHooks& hooks) {
   std::optional<PredictionWriter> writer;
   if (predictions.is_open()) writer.emplace(predictions);
-  const EvalResult r = evaluate(model, eval.batcher(), selection, writer ? &*writer : nullptr);
+  if (writer && hooks.observer) throw Error("--save_predictions: this evaluation's predictions go to its caller");
+  const EvalResult r = evaluate(model, eval.batcher(), selection, writer ? &*writer : hooks.observer);
+  MetricValues values = r.values;
+  if (hooks.metrics)
+    for (auto& v : hooks.metrics()) values.push_back(std::move(v));
   nlohmann::json out = {{"eval_examples", r.num_sequences}, {"eval_tokens", r.num_tokens}};
-  for (const auto& [name, value] : r.values) out[name] = value;
+  for (const auto& [name, value] : values) out[name] = value;
   outputs.write(model, process, out, r.heap_during_batches);
+  if (hooks.on_result) {
+    out["memory_arena_bytes"] = model.plan().peak_bytes();
+    out["memory_peak_rss_bytes"] = process_peak_rss_bytes(model.arena());
+    hooks.on_result(out);
+    return;
+  }
   if (a.json) {
     std::cout << out.dump() << "\n";
     return;
@@ -187,17 +198,20 @@ void evaluate_tokens(const EvalArgs& a, Decoder& model, EvalData& eval, MetricSe
   std::cout << fmt::format("{}: {} examples, {} target tokens; arena {} (planned), process peak {} (measured)\n",
                            a.eval_file, r.num_sequences, r.num_tokens, format_bytes(model.plan().peak_bytes()),
                            format_bytes(process_peak_rss_bytes(model.arena())));
-  for (const auto& [name, value] : r.values) std::cout << fmt::format("{:<16} {:.6f}\n", name, value);
+  for (const auto& [name, value] : values) std::cout << fmt::format("{:<16} {:.6f}\n", name, value);
 }
 
 // The command: the data, the model planned for its largest micro-batch (and the process
 // predicted before the model's memory exists), then the metrics.
-void run_eval(const EvalArgs& a, const CLI::App& app) {
+void run_eval(const EvalArgs& a, const CLI::App& app, const EvalHooks& hooks) {
   const size_t startup_rss = startup_rss_bytes(a.flags.backend);
   if (a.batch_size <= 0) throw Error("--per_device_eval_batch_size must be positive");
   const std::optional<DType> dtype = storage_dtype(a.flags.torch_dtype, a.flags.bf16, a.flags.fp16);
   check_max_length(load_model_config(a.flags.model), a.max_length,
                    (std::filesystem::path(a.flags.model) / "config.json").string());
+  if ((hooks.observer || hooks.metrics) && (a.predict_with_generate || wants_classification_metrics(a.metrics)))
+    throw Error("--metrics " + a.metrics + ": a caller's predictions and compute_metrics take token metrics, not "
+                "generation or label scoring");
   if (a.predict_with_generate) {
     evaluate_generating(a, app.count("--metrics") ? a.metrics : "exact_match", dtype, startup_rss);
     return;
@@ -226,12 +240,12 @@ void run_eval(const EvalArgs& a, const CLI::App& app) {
   if (classification)
     evaluate_labels(a, *model, eval, process, outputs, predictions);
   else
-    evaluate_tokens(a, *model, eval, selection, process, outputs, predictions);
+    evaluate_tokens(a, *model, eval, selection, process, outputs, predictions, hooks);
 }
 
 }  // namespace
 
-Action add_eval(CLI::App& app) {
+Action add_eval(CLI::App& app, const EvalHooks& hooks) {
   auto a = std::make_shared<EvalArgs>();
   app.add_option("--config",
                  "JSON or YAML with the flags' keys, or a Hugging Face / ms-swift / LLaMA-Factory config (flags "
@@ -278,7 +292,7 @@ Action add_eval(CLI::App& app) {
   app.add_option("--output_dir", a->output_dir,
                  "write eval_results.json, memory.json, memory.jsonl, run_args.json and report.html here");
   app.parse_complete_callback([a] { check_local_dataset(a->eval_file, "--eval_file (--val_dataset, --dataset)"); });
-  return [a, &app] { run_eval(*a, app); };
+  return [a, &app, &hooks] { run_eval(*a, app, hooks); };
 }
 
 }  // namespace memtune::cli

@@ -10,10 +10,10 @@
 
 namespace memtune::cli {
 
-Action add_train(CLI::App& app) {
+Action add_train(CLI::App& app, const TrainingHooks& hooks) {
   auto args = std::make_shared<TrainingArguments>();
   add_training_arguments(app, *args);
-  return [args, &app] { run_training(*args, std::cout, arguments_json(app)); };
+  return [args, &app, &hooks] { run_training(*args, std::cout, arguments_json(app), hooks); };
 }
 
 }  // namespace memtune::cli

@@ -60,6 +60,7 @@ class ExampleBuilder {
   // Fixes the record format and resolves what it needs: the chat template, the eos token.
   void set_format(DataFormat format) {
     format_ = format;
+    if (format == DataFormat::Tokens) return;  // ids as they are: no template, no eos
     const bool needs_eos = format == DataFormat::Text;
     if (format != DataFormat::Text)
       template_ = resolve_chat_template(options_.chat_template, tokenizer_, "tokenizer_config.json");
@@ -81,8 +82,16 @@ class ExampleBuilder {
         return;
       }
       MT_ASSERT(format_.has_value(), "a JSON object was seen before the format was fixed");
-      const Record record = parse_record(*object, *format_, options_.record);
-      if (record.is_text) {
+      Record record = parse_record(*object, *format_, options_.record);
+      if (record.is_tokens) {
+        const int64_t vocab = tokenizer_.vocab_size();
+        for (const int32_t id : record.ids)
+          if (id >= vocab) throw Error(fmt::format("input_ids: {} is not below the tokenizer's {} ids", id, vocab));
+        for (const int32_t id : record.labels)
+          if (id >= vocab) throw Error(fmt::format("labels: {} is not below the tokenizer's {} ids", id, vocab));
+        out.ids = std::move(record.ids);
+        out.labels = std::move(record.labels);
+      } else if (record.is_text) {
         tokenizer_.encode(record.text, out.ids, /*add_special_tokens=*/true);
         out.ids.push_back(eos_);
         out.labels = out.ids;

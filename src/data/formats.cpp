@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <array>
+#include <limits>
 #include <span>
 
 #include "core/error.h"
@@ -16,13 +17,14 @@ namespace {
 
 using nlohmann::json;
 
-constexpr std::array<std::pair<std::string_view, DataFormat>, 6> kFormatNames{{
+constexpr std::array<std::pair<std::string_view, DataFormat>, 7> kFormatNames{{
     {"messages", DataFormat::Messages},
     {"sharegpt", DataFormat::ShareGPT},
     {"alpaca", DataFormat::Alpaca},
     {"query_response", DataFormat::QueryResponse},
     {"text", DataFormat::Text},
     {"classification", DataFormat::Classification},
+    {"tokens", DataFormat::Tokens},
 }};
 
 using Names = std::span<const std::string_view>;
@@ -139,6 +141,7 @@ std::string_view data_format_name(DataFormat format) {
 
 std::optional<DataFormat> detect_data_format(const json& record) {
   if (!record.is_object()) return std::nullopt;
+  if (record.contains("input_ids")) return DataFormat::Tokens;
   if (record.contains("messages")) return DataFormat::Messages;
   if (record.contains("conversations")) return DataFormat::ShareGPT;
   if (record.contains("instruction")) return DataFormat::Alpaca;
@@ -148,8 +151,8 @@ std::optional<DataFormat> detect_data_format(const json& record) {
 }
 
 std::string_view data_format_keys_help() {
-  return "messages, conversations, instruction/input/output, query/response (or prompt, question / answer, "
-         "completion), text + label, or text";
+  return "input_ids (+ labels), messages, conversations, instruction/input/output, query/response (or prompt, "
+         "question / answer, completion), text + label, or text";
 }
 
 std::vector<ChatMessage> parse_messages(const JsonReader& messages) {
@@ -179,6 +182,29 @@ Record parse_record(const json& value, DataFormat format, const RecordOptions& o
       record.is_text = true;
       record.text = required_string(object, "text", "text");
       return record;
+    case DataFormat::Tokens: {
+      record.is_tokens = true;
+      const std::optional<JsonReader> ids = object.find("input_ids");
+      if (!ids) object.fail("missing field \"input_ids\" (tokens format)");
+      ids->as_array();
+      for (size_t i = 0; i < ids->size(); ++i)
+        record.ids.push_back(static_cast<int32_t>((*ids)[i].as_integer(0, std::numeric_limits<int32_t>::max())));
+      if (record.ids.empty()) ids->fail("expected at least one token id");
+      if (const std::optional<JsonReader> labels = object.find("labels")) {
+        labels->as_array();
+        if (labels->size() != ids->size())
+          labels->fail(fmt::format("expected as many labels as input_ids ({}), got {}", ids->size(), labels->size()));
+        for (size_t i = 0; i < labels->size(); ++i)
+          record.labels.push_back(
+              static_cast<int32_t>((*labels)[i].as_integer(-100, std::numeric_limits<int32_t>::max())));
+        for (size_t i = 0; i < record.labels.size(); ++i)
+          if (record.labels[i] < 0 && record.labels[i] != -100)
+            (*labels)[i].fail("expected a token id or -100 (no target)");
+      } else {
+        record.labels = record.ids;
+      }
+      return record;
+    }
     case DataFormat::Messages: {
       const std::optional<JsonReader> array = object.find("messages");
       if (!array) object.fail("missing field \"messages\" (messages format)");

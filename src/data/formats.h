@@ -24,13 +24,15 @@ enum class DataFormat {
   Text,            // {"text"}: every token trainable; encoded with the tokenizer's special tokens
                    // (its post-processor, e.g. a BOS; Qwen2 adds none) and eos appended
   Classification,  // {"text", "label"}: a one-turn chat whose answer is the label
+  Tokens,          // {"input_ids", "labels"?}: already tokenized (a Hugging Face dataset after its map):
+                   // the ids as they are, labels unshifted with -100 (default: the ids, every one a target)
 };
 
-// "messages" | "sharegpt" | "alpaca" | "query_response" | "text" | "classification".
+// "messages" | "sharegpt" | "alpaca" | "query_response" | "text" | "classification" | "tokens".
 DataFormat parse_data_format(std::string_view name);
 std::string_view data_format_name(DataFormat format);
 
-// The format a record's keys indicate, checked in this order: messages, conversations,
+// The format a record's keys indicate, checked in this order: input_ids, messages, conversations,
 // instruction, a query alias, text + label, text. nullopt when none matches.
 std::optional<DataFormat> detect_data_format(const nlohmann::json& record);
 // The keys detect_data_format looks for, for error messages.
@@ -45,11 +47,14 @@ struct RecordOptions {
   std::string prompt_template = "{text}";
 };
 
-// One record in the common form: text for the Text format, a conversation otherwise.
+// One record in the common form: text for the Text format, token ids for the Tokens format, a
+// conversation otherwise.
 struct Record {
   bool is_text = false;
   std::string text;
   std::vector<ChatMessage> messages;
+  bool is_tokens = false;
+  std::vector<int32_t> ids, labels;
 };
 
 // Parses one JSON record of the given format. Throws an Error naming the field and what was

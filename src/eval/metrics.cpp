@@ -69,8 +69,8 @@ MetricSelection parse_metrics(const std::string& list) {
   return s;
 }
 
-void PredictionWriter::start_batch(std::span<const int32_t> cu_seqlens) {
-  cu_.assign(cu_seqlens.begin(), cu_seqlens.end());
+void PredictionWriter::start_batch(const MicroBatch& batch) {
+  cu_.assign(batch.cu_seqlens.begin(), batch.cu_seqlens.end());
   argmax_.assign(cu_.size() - 1, {});
   loss_.assign(cu_.size() - 1, 0.0);
 }
@@ -99,9 +99,10 @@ namespace {
 // Hands each chunk to every selected metric and to the prediction writer.
 class FanOut final : public ChunkObserver {
  public:
-  FanOut(MetricSelection& s, PredictionWriter* predictions) : s_(s), predictions_(predictions) {}
+  FanOut(MetricSelection& s, BatchObserver* batches) : s_(s), predictions_(batches) {}
   bool needs_logits() const override {
-    return std::any_of(s_.metrics.begin(), s_.metrics.end(), [](const auto& m) { return m->needs_logits(); });
+    return std::any_of(s_.metrics.begin(), s_.metrics.end(), [](const auto& m) { return m->needs_logits(); }) ||
+           (predictions_ && predictions_->needs_logits());
   }
   void observe_rows(const RowStatsChunk& rows) override {
     for (auto& m : s_.metrics) m->observe_rows(rows);
@@ -110,15 +111,16 @@ class FanOut final : public ChunkObserver {
   void observe(const LogitsChunk& chunk) override {
     for (auto& m : s_.metrics)
       if (m->needs_logits()) m->observe(chunk);
+    if (predictions_ && predictions_->needs_logits()) predictions_->observe(chunk);
   }
 
  private:
   MetricSelection& s_;
-  PredictionWriter* predictions_;
+  BatchObserver* predictions_;
 };
 }  // namespace
 
-EvalResult evaluate(Decoder& model, Batcher& batcher, MetricSelection& selection, PredictionWriter* predictions,
+EvalResult evaluate(Decoder& model, Batcher& batcher, MetricSelection& selection, BatchObserver* predictions,
                     Communicator* comm) {
   for (auto& m : selection.metrics) m->reset();
   FanOut fan_out(selection, predictions);
@@ -129,7 +131,7 @@ EvalResult evaluate(Decoder& model, Batcher& batcher, MetricSelection& selection
   try {
     while (batcher.next(mb)) {
       if (mb.input_ids.empty()) continue;
-      if (predictions) predictions->start_batch(mb.cu_seqlens);
+      if (predictions) predictions->start_batch(mb);
       heap.begin();
       const LossSum part = model.forward_loss({mb.input_ids, mb.labels, mb.cu_seqlens});
       heap.end();

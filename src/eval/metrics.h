@@ -7,12 +7,15 @@
 // eval_loss is instead a mean of per-batch means, which weighs short batches more).
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <ostream>
 #include <span>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include <nlohmann/json_fwd.hpp>
 
 #include "backend/chunk_loss.h"
 #include "data/batcher.h"
@@ -62,16 +65,35 @@ struct MetricSelection {
 };
 MetricSelection parse_metrics(const std::string& list);
 
+// An observer that also sees the micro-batches whose rows it observes: start_batch before the
+// batch's chunks (its sequences' bounds, input ids and unshifted labels), finish_batch after them.
+// Predictions per sequence are built on it (--save_predictions, the Python package's
+// EvalPrediction).
+class BatchObserver : public ChunkObserver {
+ public:
+  virtual void start_batch(const MicroBatch& batch) = 0;
+  virtual void finish_batch() {}
+};
+
+// What a caller in the same process (the Python package) adds to an evaluation: an observer of
+// its batches, values computed once the eval set is done (a user's compute_metrics, named as it
+// names them), and for `memtune eval` the results handed over instead of printed.
+struct EvalHooks {
+  BatchObserver* observer = nullptr;
+  std::function<MetricValues()> metrics;
+  std::function<void(const nlohmann::json& results)> on_result;
+};
+
 // --save_predictions: one JSON line per evaluated sequence, written as each micro-batch finishes
 // ({"index", "loss" (mean over its targets), "num_targets", "argmax" (predicted ids at its target
 // positions)}), so host memory is one micro-batch's worth.
-class PredictionWriter final : public ChunkObserver {
+class PredictionWriter final : public BatchObserver {
  public:
   explicit PredictionWriter(std::ostream& out) : out_(out) {}
-  void start_batch(std::span<const int32_t> cu_seqlens);
+  void start_batch(const MicroBatch& batch) override;
   bool needs_logits() const override { return false; }
   void observe_rows(const RowStatsChunk& rows) override;
-  void finish_batch();
+  void finish_batch() override;
 
  private:
   std::ostream& out_;
@@ -90,10 +112,11 @@ struct EvalResult {
 };
 
 // Runs every micro-batch of the batcher's current epoch through the model, forward and loss
-// only (a training model's gradients are not touched), with the metrics observing the chunks.
+// only (a training model's gradients are not touched), with the metrics (and `batches`, when
+// given) observing the chunks.
 // With a communicator each rank evaluates its share and the loss sums, counts and metric states
 // are summed over ranks before the values are computed: every rank returns the global result.
 EvalResult evaluate(Decoder& model, Batcher& batcher, MetricSelection& selection,
-                    PredictionWriter* predictions = nullptr, Communicator* comm = nullptr);
+                    BatchObserver* batches = nullptr, Communicator* comm = nullptr);
 
 }  // namespace memtune

@@ -62,8 +62,9 @@ struct Progress {
 
 class TrainingRun {
  public:
-  TrainingRun(const TrainingArguments& args, std::ostream& out, const json& arguments, Communicator& comm)
-      : args_(args), out_(out), arguments_(arguments), comm_(comm), root_(comm.is_root()) {}
+  TrainingRun(const TrainingArguments& args, std::ostream& out, const json& arguments, Communicator& comm,
+              const TrainingHooks& hooks)
+      : args_(args), out_(out), arguments_(arguments), comm_(comm), root_(comm.is_root()), hooks_(hooks) {}
   void run();
 
  private:
@@ -93,6 +94,7 @@ class TrainingRun {
   const json& arguments_;
   Communicator& comm_;
   const bool root_;        // rank 0 alone prints, logs and writes files
+  const TrainingHooks& hooks_;
   bool terminal_ = false;  // a live progress line on a terminal, plain log lines otherwise
   fs::path output_dir_;
   std::optional<Tokenizer> tokenizer_;  // alive while the data is tokenized
@@ -432,6 +434,7 @@ void TrainingRun::save_checkpoint() {
     }
     throw;
   }
+  if (root_ && hooks_.on_save) hooks_.on_save(final_dir.string());
 }
 
 void TrainingRun::resume() {
@@ -487,10 +490,13 @@ void TrainingRun::run_evaluation() {
     record["eval_examples"] = r.examples;
     eval_heap_ += r.heap_during_batches;
   } else {
-    const EvalResult r = evaluate(*model_, eval_->batcher(), metrics_, nullptr, &comm_);
+    const EvalResult r = evaluate(*model_, eval_->batcher(), metrics_, hooks_.eval.observer, &comm_);
     record["eval_tokens"] = r.num_tokens;
     eval_heap_ += r.heap_during_batches;
-    for (const auto& [name, value] : r.values) record[name.starts_with("eval_") ? name : "eval_" + name] = value;
+    MetricValues values = r.values;
+    if (hooks_.eval.metrics)
+      for (auto& v : hooks_.eval.metrics()) values.push_back(std::move(v));
+    for (const auto& [name, value] : values) record[name.starts_with("eval_") ? name : "eval_" + name] = value;
   }
   if (generation_model_) {
     GenerationEvalResult g =
@@ -533,6 +539,7 @@ void TrainingRun::log(json record, std::optional<int64_t> step) {
   log_file_ << record.dump() << "\n";
   log_file_.flush();
   out_ << (terminal_ ? "\r\x1b[2K" : "") << record.dump() << "\n";
+  if (hooks_.on_log) hooks_.on_log(record);
 }
 
 bool TrainingRun::train_loop(InterruptRequests& interrupts) {
@@ -670,6 +677,11 @@ bool TrainingRun::train_loop(InterruptRequests& interrupts) {
     if (evaluate) run_evaluation();
     if (save) save_checkpoint();
     window_start += Clock::now() - pause;
+    if (root_ && hooks_.on_step_end) hooks_.on_step_end(progress_.global_step, total_steps_);
+    if (hooks_.should_stop && comm_.allreduce_max(root_ && hooks_.should_stop() ? 1 : 0) != 0) {
+      settle();
+      total_steps_ = progress_.global_step;  // the run ends here, as at max_steps
+    }
   }
   return false;
 }
@@ -719,14 +731,15 @@ void TrainingRun::write_memory_and_report() const {
 
 }  // namespace
 
-void run_training(const TrainingArguments& args, std::ostream& out, const json& arguments) {
+void run_training(const TrainingArguments& args, std::ostream& out, const json& arguments,
+                  const TrainingHooks& hooks) {
   Communicator& comm = world();
   if (comm.is_root()) {
-    TrainingRun(args, out, arguments, comm).run();
+    TrainingRun(args, out, arguments, comm, hooks).run();
     return;
   }
   std::ostream silent(nullptr);  // other ranks print nothing
-  TrainingRun(args, silent, arguments, comm).run();
+  TrainingRun(args, silent, arguments, comm, hooks).run();
 }
 
 }  // namespace memtune

@@ -11,16 +11,36 @@
 // the new one is complete.
 #pragma once
 
+#include <cstdint>
+#include <functional>
 #include <iosfwd>
+#include <string>
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "eval/metrics.h"
 #include "options/arguments.h"
 
 namespace memtune {
 
+// What a caller in the same process (the Python package's Trainer and its callbacks) hears of a
+// run, on rank 0: every record as it is logged (after it joined log_history), the end of every
+// optimizer step, every checkpoint once complete, and each evaluation's batches and extra values
+// (EvalHooks; the values join the eval record as eval_<name>, so metric_for_best_model can name
+// them). should_stop, asked after every step, ends training there as if it had reached max_steps
+// (Trainer's control.should_training_stop). An exception thrown by a hook stops the run: a
+// checkpoint being written is left out, earlier ones stay.
+struct TrainingHooks {
+  std::function<void(const nlohmann::json& record)> on_log;
+  std::function<void(int64_t step, int64_t max_steps)> on_step_end;
+  std::function<void(const std::string& checkpoint)> on_save;
+  std::function<bool()> should_stop;
+  EvalHooks eval;
+};
+
 // `arguments` (the command line as given, see cli::arguments_json) is written to
 // output_dir/run_args.json for the run report.
-void run_training(const TrainingArguments& args, std::ostream& out, const nlohmann::json& arguments);
+void run_training(const TrainingArguments& args, std::ostream& out, const nlohmann::json& arguments,
+                  const TrainingHooks& hooks = {});
 
 }  // namespace memtune

@@ -44,10 +44,9 @@ void walk(CLI::App* app, const std::string& path, std::vector<std::string>& floa
 }
 
 TEST(OptionValues, EveryFloatingPointOptionOfEveryCommandRefusesNanAndInf) {
-  CLI::App app;
-  const Commands commands = add_commands(app);
+  CommandLine line;
   std::vector<std::string> floating, wrong;
-  walk(&app, "memtune", floating, wrong);
+  walk(&line.app(), "memtune", floating, wrong);
   EXPECT_TRUE(wrong.empty()) << "accepted: " << ::testing::PrintToString(wrong);
   // The walk found the floating-point flags (a walk that found none would prove nothing).
   for (const char* known : {"memtune train --learning_rate", "memtune generate --temperature", "memtune chat --top_p",

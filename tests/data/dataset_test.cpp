@@ -126,6 +126,25 @@ TEST_F(DatasetTest, TextFormatTrainsOnEveryTokenAndAppendsEos) {
   EXPECT_EQ(d.num_targets(0), static_cast<int64_t>(d.length(0)) - 1);
 }
 
+TEST_F(DatasetTest, TokensFormatKeepsTheIdsAndLabelsAsGiven) {
+  const Dataset d = load(R"({"input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8], "attention_mask": [1, 1, 1, 1]})"
+                         "\n"
+                         R"({"input_ids": [9, 10, 11]})");
+  EXPECT_EQ(d.format(), DataFormat::Tokens);
+  ASSERT_EQ(d.size(), 2u);
+  EXPECT_EQ(std::vector<int32_t>(d.input_ids(0).begin(), d.input_ids(0).end()), (std::vector<int32_t>{5, 6, 7, 8}));
+  EXPECT_EQ(std::vector<int32_t>(d.labels(0).begin(), d.labels(0).end()), (std::vector<int32_t>{-100, -100, 7, 8}));
+  EXPECT_EQ(d.num_targets(0), 2);
+  // Without labels every id is a target (a causal LM collator's labels).
+  EXPECT_EQ(std::vector<int32_t>(d.labels(1).begin(), d.labels(1).end()), (std::vector<int32_t>{9, 10, 11}));
+  EXPECT_CONTAINS(load_error(R"({"input_ids": [1, 2], "labels": [1]})"),
+                  "data.jsonl:1: field \"labels\": expected as many labels as input_ids (2), got 1");
+  EXPECT_CONTAINS(load_error(R"({"input_ids": [1, -3]})"), "input_ids[1]");
+  EXPECT_CONTAINS(load_error(R"({"input_ids": [1, 2], "labels": [1, -5]})"), "labels[1]");
+  EXPECT_CONTAINS(load_error(R"({"input_ids": [1, 100000000]})"), "input_ids: 100000000 is not below the tokenizer's");
+  EXPECT_CONTAINS(load_error(R"({"input_ids": []})"), "expected at least one token id");
+}
+
 TEST_F(DatasetTest, ClassificationIsAOneTurnChatAnsweredWithTheLabel) {
   DataOptions options;
   options.record.system = "Classify.";
