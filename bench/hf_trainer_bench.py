@@ -28,13 +28,16 @@ whole process's, importing torch and loading the model included, as memtune's is
         averaged over the steps after the first (with one step, that step).
         Prints one JSON line: tokens_per_s, timed_steps, peak_rss_bytes and the versions.
 
-    hf_trainer_bench.py eval --model DIR --num_sequences S --seq T [--mode full|argmax]
+    hf_trainer_bench.py eval --model DIR --num_sequences S --seq T [--mode full|argmax|batch|memtune]
                              [--data FILE --tokenizer DIR --memtune BIN]
         Trainer.evaluate, per_device_eval_batch_size 4, eval_accumulation_steps unset, with the
         compute_metrics users write for token accuracy:
-          full:   compute_metrics receives the logits of the whole eval set (the evaluation loop
-                  concatenates every batch's [4, T, V] float32 logits) and takes their argmax;
-          argmax: preprocess_logits_for_metrics returns logits.argmax(-1), so only ids are kept.
+          full:    compute_metrics receives the logits of the whole eval set (the evaluation loop
+                   concatenates every batch's [4, T, V] float32 logits) and takes their argmax;
+          argmax:  preprocess_logits_for_metrics returns logits.argmax(-1), so only ids are kept;
+          batch:   batch_eval_metrics=True, the same preprocess, compute_metrics counting per batch;
+          memtune: memtune.Trainer (PYTHONPATH holding the package) with argmax's two functions,
+                   unchanged (the logits reach preprocess a [rows, V] chunk at a time).
         The eval set: the first S lines of --data (tokenized as in train, at most T tokens), or
         without --data S random sequences of T tokens (seed 0). `seconds` is Trainer.evaluate's
         wall time (not importing or loading). Prints one JSON line: peak_rss_bytes, seconds,
@@ -232,13 +235,31 @@ def compute_metrics_ids(eval_pred):
     return {"token_accuracy": token_accuracy(eval_pred.predictions, eval_pred.label_ids)}
 
 
+class BatchTokenAccuracy:
+    """The same metric in Trainer's batch_eval_metrics protocol: counts per batch (tensors)."""
+
+    def __init__(self):
+        self.hits = self.total = 0
+
+    def __call__(self, eval_pred, compute_result):
+        preds, labels = eval_pred.predictions[:, :-1], eval_pred.label_ids[:, 1:]
+        mask = labels != -100
+        self.hits += int((preds[mask] == labels[mask]).sum())
+        self.total += int(mask.sum())
+        if not compute_result:
+            return {}
+        result = {"token_accuracy": self.hits / self.total}
+        self.hits = self.total = 0
+        return result
+
+
 def preprocess_logits_for_metrics(logits, labels):
     return logits.argmax(dim=-1)
 
 
 def evaluate(args):
     torch.set_num_threads(threads())
-    model = load_model(args.model)
+    model = load_model(args.model) if args.mode != "memtune" else None  # memtune loads its own
     if args.data:
         if not (args.tokenizer and args.memtune):
             fail("eval --data needs --tokenizer and --memtune (the ids are checked against memtune's)")
@@ -247,7 +268,9 @@ def evaluate(args):
         source = f"the first {args.num_sequences} examples of {args.data}"
     else:
         gen = torch.Generator().manual_seed(0)
-        ids = torch.randint(model.config.vocab_size, (args.num_sequences, args.seq), generator=gen)
+        with open(os.path.join(args.model, "config.json")) as f:
+            vocab_size = json.load(f)["vocab_size"]
+        ids = torch.randint(vocab_size, (args.num_sequences, args.seq), generator=gen)
         examples = [{"input_ids": row.tolist()} for row in ids]
         tokenizer = None
         source = f"{args.num_sequences} x {args.seq} random tokens"
@@ -258,13 +281,27 @@ def evaluate(args):
             ids = torch.tensor([b["input_ids"] for b in batch])
             return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
     with tempfile.TemporaryDirectory(prefix="hf-trainer-bench-") as output_dir:
-        eval_args = common_arguments(output_dir, per_device_eval_batch_size=BATCH)
-        if eval_args.eval_accumulation_steps is not None:
-            fail("eval_accumulation_steps must be unset")
-        trainer = Trainer(model=model, args=eval_args, eval_dataset=examples, data_collator=collator,
-                          compute_metrics=compute_metrics_full if args.mode == "full" else compute_metrics_ids,
-                          preprocess_logits_for_metrics=preprocess_logits_for_metrics if args.mode == "argmax"
-                          else None)
+        if args.mode == "memtune":
+            # memtune.Trainer with the same compute_metrics and preprocess_logits_for_metrics; the
+            # labels are the ids, as DataCollatorForLanguageModeling makes them (no padding here:
+            # each example is its own length).
+            import memtune
+            mt_args = memtune.TrainingArguments(output_dir=output_dir, per_device_eval_batch_size=BATCH,
+                                                max_length=args.seq)
+            trainer = memtune.Trainer(model=args.model, args=mt_args, eval_dataset=examples,
+                                      compute_metrics=compute_metrics_ids,
+                                      preprocess_logits_for_metrics=preprocess_logits_for_metrics)
+        else:
+            eval_args = common_arguments(output_dir, per_device_eval_batch_size=BATCH,
+                                         batch_eval_metrics=args.mode == "batch")
+            if eval_args.eval_accumulation_steps is not None:
+                fail("eval_accumulation_steps must be unset")
+            metrics_fn = {"full": compute_metrics_full, "argmax": compute_metrics_ids,
+                          "batch": BatchTokenAccuracy()}[args.mode]
+            trainer = Trainer(model=model, args=eval_args, eval_dataset=examples, data_collator=collator,
+                              compute_metrics=metrics_fn,
+                              preprocess_logits_for_metrics=None if args.mode == "full"
+                              else preprocess_logits_for_metrics)
         torch.set_num_threads(threads())
         start = time.perf_counter()
         metrics = trainer.evaluate()
@@ -302,7 +339,9 @@ def main(argv):
     p_eval.add_argument("--model", required=True)
     p_eval.add_argument("--num_sequences", type=int, required=True)
     p_eval.add_argument("--seq", type=int, default=512)
-    p_eval.add_argument("--mode", choices=("full", "argmax"), default="full")
+    p_eval.add_argument("--mode", choices=("full", "argmax", "batch", "memtune"), default="full",
+                        help="Trainer with full logits, with preprocess_logits_for_metrics (argmax), with "
+                             "batch_eval_metrics, or memtune.Trainer with the argmax mode's functions")
     p_eval.add_argument("--data", help='JSONL of {"text": ...} lines (default: random tokens)')
     p_eval.add_argument("--tokenizer")
     p_eval.add_argument("--memtune")

@@ -18,8 +18,9 @@
 # RSS is the whole process's (getrusage).
 # Growth with the eval set: at each of SIZES (default 8,16,24 sequences) `memtune eval` and
 # Trainer.evaluate (bench/hf_trainer_bench.py eval, in the pinned environment of
-# scripts/prepare-hf-env.sh; modes full and argmax as above, written with transformers' own
-# Trainer, compute_metrics taking the argmax for token accuracy) run on the same text (the first
+# scripts/prepare-hf-env.sh; modes full and argmax as above, batch (batch_eval_metrics=True),
+# written with transformers' own Trainer, compute_metrics taking the argmax for token accuracy,
+# and memtune: memtune.Trainer from build/python with the argmax mode's two functions) run on the same text (the first
 # SIZE examples of the same generator; each size at least one batch), each in its own process; the
 # script prints every peak RSS and the growth per added sequence. Trainer's seconds are
 # Trainer.evaluate's, its peak the process's (getrusage).
@@ -178,9 +179,10 @@ for n in "${sizes[@]}"; do
   g_mt="$(memtune_eval "$sized")"
   echo "$g_mt"
   growth+=("$n" "$g_mt")
-  for mode in full argmax; do
-    echo "== Hugging Face Trainer.evaluate, $n sequences, --mode $mode ($threads threads)"
-    hf="$(OMP_NUM_THREADS=$threads measured "$mode" "$hf_python" "$root/bench/hf_trainer_bench.py" eval \
+  for mode in full argmax batch memtune; do
+    echo "== Trainer.evaluate, $n sequences, --mode $mode ($threads threads)"
+    hf="$(PYTHONPATH="$(dirname "$memtune")/python" OMP_NUM_THREADS=$threads measured "$mode" "$hf_python" \
+      "$root/bench/hf_trainer_bench.py" eval \
       --model "$model" --tokenizer "$tokenizer" --memtune "$memtune" --data "$sized" --num_sequences "$n" \
       --seq "$seq" --mode "$mode")"
     echo "$hf"
@@ -192,8 +194,8 @@ done
 import json, subprocess, sys
 root, num, batch, seq = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 mt, full, argmax = (json.loads(a) for a in sys.argv[5:8])
-rest = sys.argv[8:]  # per size: SIZE, memtune, Trainer full, Trainer argmax
-growth = [(int(rest[i]), *(json.loads(a) for a in rest[i + 1:i + 4])) for i in range(0, len(rest), 4)]
+rest = sys.argv[8:]  # per size: SIZE, memtune eval, Trainer full, argmax, batch, memtune.Trainer
+growth = [(int(rest[i]), *(json.loads(a) for a in rest[i + 1:i + 6])) for i in range(0, len(rest), 6)]
 mib = lambda b: f"{b / 2**20:.0f} MiB"
 r = mt["result"]
 print(f"\n{'path':<16} {'seconds':>9} {'seq/s':>8} {'peak RSS':>10} {'eval_loss':>10} {'token_acc':>10}")
@@ -225,15 +227,18 @@ versions = ", ".join(f"{k} {hf[k]}" for k in ("transformers", "peft", "torch")) 
 print(f"\nGrowth with the eval set: memtune eval against Hugging Face Trainer.evaluate ({versions}), "
       f"the same text, batch {batch}")
 print(f"{'sequences':>9} {'memtune RSS':>12} {'seconds':>8} {'Trainer full RSS':>17} {'seconds':>8} "
-      f"{'Trainer argmax RSS':>19} {'seconds':>8}")
+      f"{'Trainer argmax RSS':>19} {'seconds':>8} {'Trainer batch RSS':>18} {'seconds':>8} "
+      f"{'memtune.Trainer RSS':>20} {'seconds':>8} {'accuracy (argmax, memtune.Trainer)':>35}")
 cell = lambda r, w: (f"{mib(r['peak_rss_bytes']):>{w}} {r['seconds']:>8.2f}" if "failed" not in r
                      else f"{'failed':>{w}} {'-':>8}")
-for n, g_mt, g_full, g_argmax in growth:
-    print(f"{n:>9} {cell(g_mt, 12)} {cell(g_full, 17)} {cell(g_argmax, 19)}")
-for n, g_mt, g_full, g_argmax in growth:
-    for name, r in (("full", g_full), ("argmax", g_argmax)):
+accuracy = lambda r: f"{r['token_accuracy']:.6f}" if "failed" not in r else "-"
+for n, g_mt, g_full, g_argmax, g_batch, g_py in growth:
+    print(f"{n:>9} {cell(g_mt, 12)} {cell(g_full, 17)} {cell(g_argmax, 19)} {cell(g_batch, 18)} {cell(g_py, 20)} "
+          f"{accuracy(g_argmax) + ', ' + accuracy(g_py):>35}")
+for n, g_mt, *modes in growth:
+    for name, r in zip(("full", "argmax", "batch", "memtune.Trainer"), modes):
         if "failed" in r:
-            print(f"Trainer {name} at {n} sequences failed: {r['failed']}")
+            print(f"{name} at {n} sequences failed: {r['failed']}")
 
 flat_limit = 2**20  # bytes per added sequence; one sequence's ids and labels are ~4 KB, its logits ~311 MB
 
@@ -251,7 +256,8 @@ def slopes(col):
 summary = {}
 sizes_text = " -> ".join(str(n) for n, *_ in growth)
 print(f"\npeak RSS growth per added sequence ({sizes_text} sequences; flat: under {mib(flat_limit)} per sequence):")
-for name, col in (("memtune eval", 0), ("Trainer full", 1), ("Trainer argmax", 2)):
+for name, col in (("memtune eval", 0), ("Trainer full", 1), ("Trainer argmax", 2), ("Trainer batch", 3),
+                  ("memtune.Trainer", 4)):
     g = slopes(col)
     if g is None:
         print(f"  {name:<15} n/a (a run failed)")
@@ -267,16 +273,23 @@ if m is not None and f is not None:
     holds = abs(m) < flat_limit <= f
     print(f"Trainer's peak grows with the eval set while memtune's stays flat: {'yes' if holds else 'NO'} "
           f"(Trainer full {f / 2**20:+.1f} MiB per sequence, memtune {m / 2**20:+.3f} MiB per sequence)")
+p = summary["memtune.Trainer"]
+if p is not None:
+    print(f"memtune.Trainer with the user's compute_metrics and preprocess_logits_for_metrics unchanged: "
+          f"{p / 2**20:+.3f} MiB per sequence -> {'flat' if abs(p) < flat_limit else 'grows'}")
 
 rows = [{"run": f"eval {num} x ~510 tokens", "num_sequences": num, "memtune": mt,
          "reference": {"full": full, "argmax": argmax}}]
-for n, g_mt, g_full, g_argmax in growth:
+for n, g_mt, g_full, g_argmax, g_batch, g_py in growth:
     rows.append({"run": f"eval {n} x ~510 tokens, Trainer.evaluate", "num_sequences": n, "memtune": g_mt,
-                 "hf_trainer": {"full": g_full, "argmax": g_argmax}})
+                 "hf_trainer": {"full": g_full, "argmax": g_argmax, "batch": g_batch},
+                 "memtune_trainer": g_py})
 rows.append({"run": f"peak RSS growth per added sequence, {sizes_text}",
              "growth_bytes_per_sequence": {"memtune": summary["memtune eval"],
                                            "hf_trainer_full": summary["Trainer full"],
-                                           "hf_trainer_argmax": summary["Trainer argmax"]}})
+                                           "hf_trainer_argmax": summary["Trainer argmax"],
+                                           "hf_trainer_batch": summary["Trainer batch"],
+                                           "memtune_trainer": summary["memtune.Trainer"]}})
 settings = {"batch": batch, "max_length": seq, "num_sequences": num, "sizes": [n for n, *_ in growth]}
 if hf:
     settings["hf_trainer"] = {k: hf[k] for k in ("transformers", "peft", "torch")}

@@ -3,7 +3,8 @@
 # vulkan backend's cooperative-matrix shaders compiled by the glslc of a Debian sid root kept in
 # the cache, scripts/coopmat-root.sh), runs the whole ctest suite including the comparisons with
 # the PyTorch reference and the JavaScript tokenizer, runs the vulkan tests again in that root,
-# whose lavapipe has cooperative matrices (the tests that need them run only there), then builds
+# whose lavapipe has cooperative matrices (the tests that need them run only there), installs the
+# Python package into a fresh virtual environment and runs the README's Python example, then builds
 # with AddressSanitizer + UndefinedBehaviorSanitizer and runs the unit tests again, runs a short
 # libFuzzer run of every input reader, and ends by proving the README's two commands in a minimal
 # Debian 12 root made from nothing (scripts/fresh-root-check.sh). The two roots need root: as
@@ -63,6 +64,10 @@ ctest --test-dir "$root/build" --output-on-failure -j "$(nproc)" -E "VulkanCoopm
 echo "== the vulkan tests on Debian sid's lavapipe, with cooperative matrices (scripts/coopmat-root.sh test build)"
 step="the vulkan tests in the Debian sid root (scripts/coopmat-root.sh test; its log is out/coopmat-root/test.log)"
 as_root "$root/scripts/coopmat-root.sh" test "$root/build"
+
+echo "== the Python package in a fresh virtual environment: pip install ., the README's example (scripts/python-package-check.sh)"
+step="the Python package's install check (scripts/python-package-check.sh)"
+"$root/scripts/python-package-check.sh"
 
 echo "== AddressSanitizer + UndefinedBehaviorSanitizer build and unit tests (and the server under the OpenAI client)"
 # -O1 -g1 (line tables: what the sanitizers' stack traces print) in place of -O2 -g: on a 2-core

@@ -211,12 +211,6 @@ class Trainer:
             self._call("on_train_begin")
             start = time.time()
             try:
-                if not self._arg("disable_tqdm", False):
-                    try:
-                        from tqdm.auto import tqdm
-                        self._bar = tqdm(total=None, unit="step", dynamic_ncols=True)
-                    except ImportError:  # no progress bar without tqdm (pip install memtune[progress])
-                        self._bar = None
                 _memtune.run(cmd, hooks, self._output)
             finally:
                 if self._bar is not None:
@@ -341,6 +335,12 @@ class _TrainHooks:
     def on_step_end(self, step: int, max_steps: int):
         t = self.trainer
         t.state.global_step, t.state.max_steps = step, max_steps
+        if t._bar is None and not t._arg("disable_tqdm", False):
+            try:  # the bar starts with the first step, after the run's own report lines
+                from tqdm.auto import tqdm
+                t._bar = tqdm(total=max_steps, initial=step - 1, unit="step", dynamic_ncols=True)
+            except ImportError:  # no progress bar without tqdm (pip install memtune[progress])
+                t.config["disable_tqdm"] = True
         if t._bar is not None:
             if t._bar.total != max_steps:
                 t._bar.total = max_steps

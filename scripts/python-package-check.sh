@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Proves the Python package as a user installs it: a fresh virtual environment (Debian's python3),
+# `pip install .` from this repository (the build tools pinned in pyproject.toml, from PyPI; numpy
+# and tqdm pinned here), then the README's first Python example (examples/python/trainer.py) on
+# the demo's model shape, checking that its evaluation printed the user's metric.
+#
+#   scripts/python-package-check.sh
+#
+# The package's CMake build directory is kept in the cache (one per clone path), so a second run
+# compiles only what changed; the virtual environment is made anew every time.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cache="${XDG_CACHE_HOME:-$HOME/.cache}/memtune"
+build_dir="$cache/pip-build-$(printf '%s' "$root" | sha256sum | cut -c1-12)"
+work="$(mktemp -d -t memtune-python-package.XXXXXX)"
+trap 'rm -rf "$work"' EXIT
+tokenizer="${MEMTUNE_TOKENIZER_DIR:-}"
+[[ -n "$tokenizer" ]] || tokenizer="$("$root/scripts/prepare-tokenizer.sh" | tail -n 1)"
+
+/usr/bin/python3 -m venv "$work/venv"
+py="$work/venv/bin/python3"
+"$py" -m pip install --quiet --disable-pip-version-check --only-binary=:all: numpy==2.2.5 tqdm==4.70.1
+echo "python-package-check: pip install . (build directory $build_dir)"
+start=$SECONDS
+"$py" -m pip install --quiet --disable-pip-version-check "$root" -C "build-dir=$build_dir"
+echo "python-package-check: installed in $((SECONDS - start)) s"
+"$py" -c 'import memtune; print("import memtune:", memtune.__file__)'
+
+"$root/scripts/demo-model.sh" "$work/venv/bin/memtune" "$tokenizer" "$work/model" > /dev/null
+(cd "$work" && "$py" "$root/examples/python/trainer.py" "$work/model" "$work/out") > "$work/example.log" 2>&1 || {
+  cat "$work/example.log" >&2
+  echo "python-package-check: examples/python/trainer.py failed" >&2
+  exit 1
+}
+last="$(tail -n 1 "$work/example.log")"
+echo "python-package-check: examples/python/trainer.py -> $last"
+"$py" - "$last" <<'PY'
+import ast, math, sys
+metrics = ast.literal_eval(sys.argv[1])
+assert 0 <= metrics["eval_token_accuracy"] <= 1, metrics
+assert math.isfinite(metrics["eval_loss"]), metrics
+PY
