@@ -22,7 +22,7 @@ py="$work/venv/bin/python3"
 "$py" -m pip install --quiet --disable-pip-version-check --only-binary=:all: numpy==2.2.5 tqdm==4.70.1
 echo "python-package-check: pip install . (build directory $build_dir)"
 start=$SECONDS
-"$py" -m pip install --quiet --disable-pip-version-check "$root" -C "build-dir=$build_dir"
+"$py" -m pip install --quiet --disable-pip-version-check "$root" --config-settings="build-dir=$build_dir"
 echo "python-package-check: installed in $((SECONDS - start)) s"
 "$py" -c 'import memtune; print("import memtune:", memtune.__file__)'
 

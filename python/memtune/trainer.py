@@ -169,9 +169,9 @@ class Trainer:
     def _output(self, text: str):
         # The engine's report lines; its log records are printed by on_log, its progress line is
         # the tqdm bar's.
-        if "\r" in text or text.lstrip().startswith("{"):
-            return
-        self._write(text.rstrip("\n"))
+        text = text.rsplit("\r", 1)[-1].replace("\x1b[2K", "").rstrip("\n")  # after a rewritten progress line
+        if text and not text.lstrip().startswith("{"):
+            self._write(text)
 
     def _write(self, line: str):
         if self._bar is not None:
