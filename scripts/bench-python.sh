@@ -8,7 +8,7 @@
 # end call back into Python). Reported: each step's loss from both (they must agree exactly: the
 # same arithmetic in the same order) and the median over rounds of the tokens/s of the steps
 # after the first (from the runs' own log records), with their ratio (target: within 3%).
-# Writes bench/results/python-train-*.json.
+# Writes bench/results/python_train-*.json (scripts/bench_results.py tables makes its table).
 # Usage: scripts/bench-python.sh [steps=8] [rounds=3]
 # MEMTUNE_BENCH_BIN=PATH uses that memtune binary (its build directory's python/ holds the package).
 set -euo pipefail
@@ -75,7 +75,7 @@ rows = [{"run": f"full fine-tuning, batch 4 x ~510 tokens, {steps} steps", "memt
          "memtune_python": {"tokens_per_s": py_speed, "per_round": [s for _, s, _ in py], "losses": py[0][0]},
          "ratio_python_to_cli": ratio, "largest_loss_difference": worst}]
 settings = {"steps": steps, "rounds": rounds, "batch": 4, "max_length": 512, "tuner": "full"}
-subprocess.run(["/usr/bin/python3", f"{root}/scripts/bench_results.py", "record", "python-train",
+subprocess.run(["/usr/bin/python3", f"{root}/scripts/bench_results.py", "record", "python_train",
                 json.dumps(settings), json.dumps(rows)], check=True)
 if worst > 1e-6:
     sys.exit(f"bench-python: the losses differ (largest relative difference {worst:.2e})")

@@ -129,15 +129,18 @@ def table_train(results):
 
 def table_eval(results):
     """memtune eval against the PyTorch reference's Trainer-style loop and against Trainer.evaluate at
-    several eval-set sizes (full logits to compute_metrics, or argmax ids), then the peak's growth."""
+    several eval-set sizes (full logits to compute_metrics, argmax ids, batch_eval_metrics), with
+    memtune.Trainer running the argmax mode's functions unchanged, then the peak's growth."""
     def cell(x):
+        if x is None:
+            return "-"
         return "failed" if "failed" in x else f"{mib(x['peak_rss_bytes'])}, {x['seconds']:.1f} s"
 
     def per_sequence(b):
         return "-" if b is None else f"{b / 2**20:+.1f} MiB"
 
-    lines = ["| run | machine | against | memtune eval | full logits kept | argmax kept |",
-             "|---|---|---|---:|---:|---:|"]
+    lines = ["| run | machine | against | memtune eval | full logits kept | argmax kept | batch_eval_metrics | "
+             "memtune.Trainer |", "|---|---|---|---:|---:|---:|---:|---:|"]
     growth = []
     for r in results:
         for row in r["rows"]:
@@ -147,15 +150,18 @@ def table_eval(results):
             against, other = (("PyTorch reference", row["reference"]) if "reference" in row
                               else ("HF Trainer.evaluate", row["hf_trainer"]))
             lines.append(f"| {row['run']} | {machine_text(r)} | {against} | {cell(row['memtune'])} | "
-                         f"{cell(other['full'])} | {cell(other['argmax'])} |")
+                         f"{cell(other['full'])} | {cell(other['argmax'])} | {cell(other.get('batch'))} | "
+                         f"{cell(row.get('memtune_trainer'))} |")
     if growth:
         lines += ["", "| peak RSS growth per added sequence | machine | memtune eval | Trainer, full logits | "
-                  "Trainer, argmax |", "|---|---|---:|---:|---:|"]
+                  "Trainer, argmax | Trainer, batch_eval_metrics | memtune.Trainer |",
+                  "|---|---|---:|---:|---:|---:|---:|"]
         for r, row in growth:
             g = row["growth_bytes_per_sequence"]
             lines.append(f"| {row['run'].split(', ', 1)[-1]} sequences | {machine_text(r)} | "
                          f"{per_sequence(g['memtune'])} | {per_sequence(g['hf_trainer_full'])} | "
-                         f"{per_sequence(g['hf_trainer_argmax'])} |")
+                         f"{per_sequence(g['hf_trainer_argmax'])} | {per_sequence(g.get('hf_trainer_batch'))} | "
+                         f"{per_sequence(g.get('memtune_trainer'))} |")
     return lines
 
 
@@ -236,8 +242,21 @@ def table_quantize(results):
     return lines
 
 
+def table_python_train(results):
+    """The same training through `memtune train` and through memtune.Trainer (scripts/bench-python.sh)."""
+    lines = ["| run | machine | CLI tokens/s | memtune.Trainer tokens/s | Python / CLI | largest loss difference |",
+             "|---|---|---:|---:|---:|---:|"]
+    for r in results:
+        for row in r["rows"]:
+            lines.append(f"| {row['run']} | {machine_text(r)} | {row['memtune_cli']['tokens_per_s']:.1f} | "
+                         f"{row['memtune_python']['tokens_per_s']:.1f} | {row['ratio_python_to_cli']:.3f}x | "
+                         f"{row['largest_loss_difference']:.1e} |")
+    return lines
+
+
 TABLES = {"memory": table_memory, "step": table_speed, "train": table_train, "eval": table_eval,
-          "generate": table_generate, "serve": table_serve, "quantize": table_quantize}
+          "generate": table_generate, "serve": table_serve, "quantize": table_quantize,
+          "python_train": table_python_train}
 
 
 def tables():

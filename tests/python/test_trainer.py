@@ -14,6 +14,7 @@ import json
 import math
 import os
 import shutil
+import signal
 
 import numpy as np
 import pytest
@@ -321,3 +322,37 @@ def test_plan_and_generate(model_dir):
     assert len(out) == 1 and len(out[0]["token_ids"]) == 5
     again = memtune.generate(model_dir, [[9707, 11, 1879]], max_new_tokens=5, temperature=0, ignore_eos=True)
     assert again[0]["token_ids"] == out[0]["token_ids"]
+
+
+class Raiser(memtune.TrainerCallback):
+    def __init__(self, at, what):
+        self.at, self.what = at, what
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step == self.at:
+            if self.what == "sigint":
+                os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, as the terminal sends it
+            else:
+                raise RuntimeError(f"the user's callback failed at step {state.global_step}")
+
+
+@pytest.mark.parametrize("what", ["sigint", "exception"])
+def test_ctrl_c_and_a_failing_callback_stop_training_cleanly(model_dir, tmp_path, what):
+    out = tmp_path / "stopped"
+    args = memtune.TrainingArguments(output_dir=str(out), max_steps=6, per_device_train_batch_size=4,
+                                     logging_steps=1, save_steps=2, disable_tqdm=True)
+    trainer = memtune.Trainer(model=model_dir, args=args, train_dataset=records(16, seed=9),
+                              callbacks=[Raiser(3, what)])
+    expected = KeyboardInterrupt if what == "sigint" else RuntimeError
+    with pytest.raises(expected) as raised:
+        trainer.train()
+    names = sorted(p.name for p in out.iterdir())
+    assert not any(n.startswith("tmp-checkpoint") for n in names), names
+    assert not (out / "model.safetensors").exists()  # no final model for an unfinished run
+    if what == "sigint":
+        # Training's own handler saw it: the step ended, a checkpoint was saved to resume from.
+        assert "checkpoint-3" in names and (out / "checkpoint-3" / "trainer_state.json").exists()
+        assert "resume_from_checkpoint" in str(raised.value)
+    else:
+        assert "checkpoint-2" in names and "checkpoint-3" not in names
+        assert any(entry.name == "on_step_end" for entry in raised.traceback)
