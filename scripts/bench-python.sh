@@ -3,17 +3,17 @@
 # train` and memtune.Trainer (build/python, Debian's python3 with nothing else installed) on the
 # ~30M-parameter bench model (scripts/bench-common.sh), the same text (out/bench/train-text.jsonl,
 # 64 examples of 501-510 tokens), full fine-tuning, batch 4, max_length 512, STEPS steps logged
-# at every step, in ROUNDS interleaved rounds (CLI, Python, CLI, Python, ...). Both run the same
+# at every step, in ROUNDS interleaved rounds (CLI then Python, Python then CLI, ...). Both run the same
 # engine; what differs is the Python process around it and its hooks (a log record and a step's
 # end call back into Python). Reported: each step's loss from both (they must agree exactly: the
 # same arithmetic in the same order) and the median over rounds of the tokens/s of the steps
 # after the first (from the runs' own log records), with their ratio (target: within 3%).
 # Writes bench/results/python_train-*.json (scripts/bench_results.py tables makes its table).
-# Usage: scripts/bench-python.sh [steps=8] [rounds=3]
+# Usage: scripts/bench-python.sh [steps=8] [rounds=6]
 # MEMTUNE_BENCH_BIN=PATH uses that memtune binary (its build directory's python/ holds the package).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-steps="${1:-8}" rounds="${2:-3}"
+steps="${1:-8}" rounds="${2:-6}"
 for v in "$steps" "$rounds"; do
   [[ "$v" =~ ^[1-9][0-9]*$ ]] || { echo "bench-python: steps and rounds must be positive integers, got '$v'" >&2; exit 1; }
 done
@@ -32,21 +32,35 @@ fi
 work="$root/out/bench/python-train"
 rm -rf "$work"
 mkdir -p "$work"
-flags=(--model_name_or_path "$model" --train_file "$data" --tuner_type full --max_steps "$steps"
+flags=(--model_name_or_path "$model" --tokenizer "$tokenizer" --train_file "$data" --tuner_type full --max_steps "$steps"
        --per_device_train_batch_size 4 --max_length 512 --logging_steps 1 --save_strategy no
        --learning_rate 1e-4 --report_to none)
-for ((r = 1; r <= rounds; ++r)); do
-  echo "== round $r: memtune train"
-  "$memtune" train "${flags[@]}" --output_dir "$work/cli-$r" > "$work/cli-$r.log"
-  echo "== round $r: memtune.Trainer"
-  PYTHONPATH="$package" /usr/bin/python3 - "$model" "$data" "$steps" "$work/python-$r" > "$work/python-$r.log" <<'PY'
+cli_run() {
+  echo "== round $1: memtune train"
+  "$memtune" train "${flags[@]}" --output_dir "$work/cli-$1" > "$work/cli-$1.log"
+}
+python_run() {
+  echo "== round $1: memtune.Trainer"
+  PYTHONPATH="$package" /usr/bin/python3 - "$model" "$tokenizer" "$data" "$steps" "$work/python-$1" \
+    > "$work/python-$1.log" <<'PY'
 import sys
 from memtune import Trainer, TrainingArguments
-model, data, steps, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+model, tokenizer, data, steps, out = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
 args = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=4, max_length=512,
                          logging_steps=1, save_strategy="no", learning_rate=1e-4, disable_tqdm=True)
-Trainer(model=model, args=args, train_dataset=data).train()
+Trainer(model=model, args=args, train_dataset=data, processing_class=tokenizer).train()
 PY
+}
+# Rounds alternate which goes first (CLI, Python; Python, CLI; ...): a machine whose speed drifts
+# favours neither.
+for ((r = 1; r <= rounds; ++r)); do
+  if ((r % 2)); then
+    cli_run "$r"
+    python_run "$r"
+  else
+    python_run "$r"
+    cli_run "$r"
+  fi
 done
 /usr/bin/python3 - "$root" "$work" "$steps" "$rounds" <<'PY'
 import json, statistics, subprocess, sys
