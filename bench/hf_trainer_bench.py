@@ -289,7 +289,7 @@ def evaluate(args):
             mt_args = memtune.TrainingArguments(output_dir=output_dir, per_device_eval_batch_size=BATCH,
                                                 max_length=args.seq)
             trainer = memtune.Trainer(model=args.model, args=mt_args, eval_dataset=examples,
-                                      compute_metrics=compute_metrics_ids,
+                                      processing_class=args.tokenizer, compute_metrics=compute_metrics_ids,
                                       preprocess_logits_for_metrics=preprocess_logits_for_metrics)
         else:
             eval_args = common_arguments(output_dir, per_device_eval_batch_size=BATCH,

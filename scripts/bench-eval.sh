@@ -40,13 +40,17 @@ sizes_arg="${2:-8,16,24}"
 IFS=, read -r -a sizes <<< "$sizes_arg"
 for n in "${sizes[@]}"; do
   if ! [[ "$n" =~ ^[1-9][0-9]*$ ]]; then
-    echo "bench-eval: sizes must be three increasing positive integers separated by commas, got '$sizes_arg'" >&2
+    echo "bench-eval: sizes must be two or more increasing positive integers separated by commas, got '$sizes_arg'" >&2
     exit 1
   fi
 done
 batch=4 seq=512
-if (( ${#sizes[@]} != 3 )) || ! (( sizes[0] < sizes[1] && sizes[1] < sizes[2] )); then
-  echo "bench-eval: sizes must be three increasing positive integers separated by commas, got '$sizes_arg'" >&2
+increasing=1
+for ((i = 1; i < ${#sizes[@]}; ++i)); do
+  (( sizes[i - 1] < sizes[i] )) || increasing=0
+done
+if (( ${#sizes[@]} < 2 || ! increasing )); then
+  echo "bench-eval: sizes must be two or more increasing positive integers separated by commas, got '$sizes_arg'" >&2
   exit 1
 fi
 # Below one batch, a larger set is a larger batch: its peak grows with the batch, not the set.
