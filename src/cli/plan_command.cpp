@@ -69,6 +69,10 @@ struct TrainingBill {
   // What Hugging Face Trainer's evaluation keeps with a custom compute_metrics: float32 logits
   // [batch, seq, vocab] per batch, accumulated over the eval set.
   double hf_batch = 0, hf_total = 0;
+  // What memtune.Trainer keeps for compute_metrics in Trainer's default protocol (the Python
+  // package): an int64 prediction (argmax id) and an int64 label per position, [sequences,
+  // max_length] each; batch_eval_metrics keeps one batch of them.
+  double python_total = 0;
   std::optional<DeviceView> device;
   std::optional<size_t> budget, host_budget;
   std::string budget_source;
@@ -105,6 +109,7 @@ void plan_process_and_model(TrainingBill& b) {
   }
   b.hf_batch = 4.0 * static_cast<double>(r.per_device_eval_batch_size * r.max_length * config.vocab_size);
   b.hf_total = 4.0 * static_cast<double>(b.args.eval_sequences * r.max_length * config.vocab_size);
+  b.python_total = 16.0 * static_cast<double>(b.args.eval_sequences * r.max_length);
 }
 
 void plan_budgets(TrainingBill& b, Backend& backend) {
@@ -145,7 +150,8 @@ nlohmann::json bill_json(const TrainingBill& b) {
       {"evaluation", plan_to_json(b.eval_model.plan())},
       {"generation_arena_bytes", b.generation_bytes ? nlohmann::json(*b.generation_bytes) : nlohmann::json()},
       {"hf_eval_logits_bytes_per_batch", b.hf_batch},
-      {"hf_eval_logits_bytes_accumulated", b.hf_total}};
+      {"hf_eval_logits_bytes_accumulated", b.hf_total},
+      {"python_eval_predictions_bytes_accumulated", b.python_total}};
   out["categories"] = out["training"]["categories"];
   out["phases"] = out["training"]["phases"];
   out["host_arena_bytes"] = b.train_model.host_plan().peak_bytes();
@@ -267,9 +273,11 @@ void print_bill(const TrainingBill& b) {
   if (a.fit) print_fit(b);
   std::cout << fmt::format(
       "Hugging Face Trainer evaluation with compute_metrics would hold {} of float32 logits per eval batch "
-      "({} x {} x {}), {} accumulated over {} sequences; memtune's evaluation holds a {}-row logits chunk.\n",
+      "({} x {} x {}), {} accumulated over {} sequences; memtune's evaluation holds a {}-row logits chunk, and "
+      "memtune.Trainer's compute_metrics keeps {} of argmax ids and labels over them.\n",
       format_bytes(static_cast<size_t>(b.hf_batch)), r.per_device_eval_batch_size, r.max_length, config.vocab_size,
-      format_bytes(static_cast<size_t>(b.hf_total)), a.eval_sequences, b.eval_model.loss_chunk_rows());
+      format_bytes(static_cast<size_t>(b.hf_total)), a.eval_sequences, b.eval_model.loss_chunk_rows(),
+      format_bytes(static_cast<size_t>(b.python_total)));
 }
 
 // The command: the planner loads the config and the data as the run would, the bill plans the

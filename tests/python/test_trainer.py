@@ -318,6 +318,9 @@ def test_plan_and_generate(model_dir):
     assert isinstance(bill, dict) and bill
     text = json.dumps(bill)
     assert "peak" in text
+    # What compute_metrics' default protocol keeps: an int64 prediction and label per position.
+    assert bill["python_eval_predictions_bytes_accumulated"] == 16 * 1000 * 64  # --eval_sequences 1000
+    assert bill["hf_eval_logits_bytes_accumulated"] == 4 * 1000 * 64 * VOCAB
     out = memtune.Model(model_dir).generate([[9707, 11, 1879]], max_new_tokens=5, temperature=0, ignore_eos=True)
     assert len(out) == 1 and len(out[0]["token_ids"]) == 5
     again = memtune.generate(model_dir, [[9707, 11, 1879]], max_new_tokens=5, temperature=0, ignore_eos=True)
