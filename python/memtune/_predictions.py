@@ -52,10 +52,6 @@ def _torch():
         return None
 
 
-def describe(spec: PredictionsSpec) -> str:
-    return spec if isinstance(spec, str) else getattr(spec, "__name__", repr(spec))
-
-
 class Reduction:
     """How a row becomes a prediction. Built-ins: "argmax" (Trainer's
     `preprocess_logits_for_metrics=lambda l, y: l.argmax(-1)`), "label_logprob", ("top_k", k): ids

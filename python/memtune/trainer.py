@@ -16,11 +16,11 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from . import _memtune
 from ._data import dataset_file
-from ._predictions import EvalPrediction, PredictionSink, Reduction
+from ._predictions import PredictionSink, Reduction
 from .training_args import _PYTHON_ONLY, TrainingArguments, as_config
 
 TrainOutput = collections.namedtuple("TrainOutput", ["global_step", "training_loss", "metrics"])

@@ -10,7 +10,6 @@
 #include <pybind11/stl.h>
 
 #include <iostream>
-#include <sstream>
 #include <streambuf>
 #include <string>
 #include <vector>
@@ -32,8 +31,8 @@ void check_signals() {
   if (PyErr_CheckSignals() != 0) throw py::error_already_set();
 }
 
-// std::cout during a command, handed to a Python callable a line at a time (sys.stdout.write), or
-// kept in a string when the caller captures it.
+// std::cout during a command, handed to a Python callable a line at a time (sys.stdout.write, or a
+// list's append when the caller captures the output).
 class LineSink final : public std::streambuf {
  public:
   explicit LineSink(py::object write) : write_(std::move(write)) {}

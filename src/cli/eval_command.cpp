@@ -178,12 +178,11 @@ void evaluate_tokens(const EvalArgs& a, Decoder& model, EvalData& eval, MetricSe
   std::optional<PredictionWriter> writer;
   if (predictions.is_open()) writer.emplace(predictions);
   if (writer && hooks.observer) throw Error("--save_predictions: this evaluation's predictions go to its caller");
-  const EvalResult r = evaluate(model, eval.batcher(), selection, writer ? &*writer : hooks.observer);
-  MetricValues values = r.values;
-  if (hooks.metrics)
-    for (auto& v : hooks.metrics()) values.push_back(std::move(v));
+  EvalHooks with_writer = hooks;
+  if (writer) with_writer.observer = &*writer;
+  const EvalResult r = evaluate(model, eval.batcher(), selection, with_writer);
   nlohmann::json out = {{"eval_examples", r.num_sequences}, {"eval_tokens", r.num_tokens}};
-  for (const auto& [name, value] : values) out[name] = value;
+  for (const auto& [name, value] : r.values) out[name] = value;
   outputs.write(model, process, out, r.heap_during_batches);
   if (hooks.on_result) {
     out["memory_arena_bytes"] = model.plan().peak_bytes();
@@ -198,7 +197,7 @@ void evaluate_tokens(const EvalArgs& a, Decoder& model, EvalData& eval, MetricSe
   std::cout << fmt::format("{}: {} examples, {} target tokens; arena {} (planned), process peak {} (measured)\n",
                            a.eval_file, r.num_sequences, r.num_tokens, format_bytes(model.plan().peak_bytes()),
                            format_bytes(process_peak_rss_bytes(model.arena())));
-  for (const auto& [name, value] : values) std::cout << fmt::format("{:<16} {:.6f}\n", name, value);
+  for (const auto& [name, value] : r.values) std::cout << fmt::format("{:<16} {:.6f}\n", name, value);
 }
 
 // The command: the data, the model planned for its largest micro-batch (and the process

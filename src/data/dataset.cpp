@@ -85,10 +85,9 @@ class ExampleBuilder {
       Record record = parse_record(*object, *format_, options_.record);
       if (record.is_tokens) {
         const int64_t vocab = tokenizer_.vocab_size();
-        for (const int32_t id : record.ids)
-          if (id >= vocab) throw Error(fmt::format("input_ids: {} is not below the tokenizer's {} ids", id, vocab));
-        for (const int32_t id : record.labels)
-          if (id >= vocab) throw Error(fmt::format("labels: {} is not below the tokenizer's {} ids", id, vocab));
+        for (const auto& [field, ids] : {std::pair{"input_ids", &record.ids}, std::pair{"labels", &record.labels}})
+          for (const int32_t id : *ids)
+            if (id >= vocab) throw Error(fmt::format("{}: {} is not below the tokenizer's {} ids", field, id, vocab));
         out.ids = std::move(record.ids);
         out.labels = std::move(record.labels);
       } else if (record.is_text) {

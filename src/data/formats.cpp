@@ -194,12 +194,11 @@ Record parse_record(const json& value, DataFormat format, const RecordOptions& o
         labels->as_array();
         if (labels->size() != ids->size())
           labels->fail(fmt::format("expected as many labels as input_ids ({}), got {}", ids->size(), labels->size()));
-        for (size_t i = 0; i < labels->size(); ++i)
-          record.labels.push_back(
-              static_cast<int32_t>((*labels)[i].as_integer(-100, std::numeric_limits<int32_t>::max())));
-        for (size_t i = 0; i < record.labels.size(); ++i)
-          if (record.labels[i] < 0 && record.labels[i] != -100)
-            (*labels)[i].fail("expected a token id or -100 (no target)");
+        for (size_t i = 0; i < labels->size(); ++i) {
+          const int64_t label = (*labels)[i].as_integer(-100, std::numeric_limits<int32_t>::max());
+          if (label < 0 && label != -100) (*labels)[i].fail("expected a token id or -100 (no target)");
+          record.labels.push_back(static_cast<int32_t>(label));
+        }
       } else {
         record.labels = record.ids;
       }

@@ -120,8 +120,9 @@ class FanOut final : public ChunkObserver {
 };
 }  // namespace
 
-EvalResult evaluate(Decoder& model, Batcher& batcher, MetricSelection& selection, BatchObserver* predictions,
+EvalResult evaluate(Decoder& model, Batcher& batcher, MetricSelection& selection, const EvalHooks& hooks,
                     Communicator* comm) {
+  BatchObserver* const predictions = hooks.observer;
   for (auto& m : selection.metrics) m->reset();
   FanOut fan_out(selection, predictions);
   model.set_observer(&fan_out);
@@ -169,6 +170,8 @@ EvalResult evaluate(Decoder& model, Batcher& batcher, MetricSelection& selection
   if (selection.perplexity) r.values.emplace_back("perplexity", std::exp(mean));
   for (const auto& m : selection.metrics)
     for (auto& v : m->compute()) r.values.push_back(std::move(v));
+  if (hooks.metrics)
+    for (auto& v : hooks.metrics()) r.values.push_back(std::move(v));
   return r;
 }
 

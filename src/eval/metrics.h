@@ -112,11 +112,11 @@ struct EvalResult {
 };
 
 // Runs every micro-batch of the batcher's current epoch through the model, forward and loss
-// only (a training model's gradients are not touched), with the metrics (and `batches`, when
-// given) observing the chunks.
+// only (a training model's gradients are not touched), with the metrics (and hooks.observer,
+// when given) observing the chunks; hooks.metrics' values follow the selection's in the result.
 // With a communicator each rank evaluates its share and the loss sums, counts and metric states
 // are summed over ranks before the values are computed: every rank returns the global result.
-EvalResult evaluate(Decoder& model, Batcher& batcher, MetricSelection& selection,
-                    BatchObserver* batches = nullptr, Communicator* comm = nullptr);
+EvalResult evaluate(Decoder& model, Batcher& batcher, MetricSelection& selection, const EvalHooks& hooks = {},
+                    Communicator* comm = nullptr);
 
 }  // namespace memtune

@@ -490,13 +490,10 @@ void TrainingRun::run_evaluation() {
     record["eval_examples"] = r.examples;
     eval_heap_ += r.heap_during_batches;
   } else {
-    const EvalResult r = evaluate(*model_, eval_->batcher(), metrics_, hooks_.eval.observer, &comm_);
+    const EvalResult r = evaluate(*model_, eval_->batcher(), metrics_, hooks_.eval, &comm_);
     record["eval_tokens"] = r.num_tokens;
     eval_heap_ += r.heap_during_batches;
-    MetricValues values = r.values;
-    if (hooks_.eval.metrics)
-      for (auto& v : hooks_.eval.metrics()) values.push_back(std::move(v));
-    for (const auto& [name, value] : values) record[name.starts_with("eval_") ? name : "eval_" + name] = value;
+    for (const auto& [name, value] : r.values) record[name.starts_with("eval_") ? name : "eval_" + name] = value;
   }
   if (generation_model_) {
     GenerationEvalResult g =
