@@ -101,6 +101,9 @@ struct LmHeadArgs {
   Tensor positions;     // [N] i32, the positions that have a target
   Tensor row_targets;   // [chunk_rows] i32
   Tensor weight_slice;  // [slice_rows, D] f32, only for a 16-bit weight
+  // [chunk_rows, S] f32 where the backend lays the 16-bit head's products out densely through it
+  // (Backend::head_product_slice); absent otherwise.
+  Tensor product_slice;
   Tensor row_stats;     // [N, 4] i32 (RowStats), for an observer
   Tensor row_losses;    // [N] f32, a loss computed on the device
   HostChunkStaging staging = {};
@@ -162,6 +165,9 @@ class Backend {
   // backend that computes on the host's threads.
   virtual std::optional<DeviceCounters> device_counters() const { return std::nullopt; }
   virtual std::map<std::string, uint64_t> dispatches_by_shader() const { return {}; }
+  // Vocabulary rows of the [chunk_rows, S] float32 buffer through which the 16-bit head's
+  // products of `operands` run (LmHeadArgs::product_slice, planned); 0: none.
+  virtual int64_t head_product_slice(DType /*operands*/) const { return 0; }
   // The device's memory figures; none for a backend in host memory (the process's RSS covers it).
   virtual std::optional<DeviceMemoryFigures> device_memory_figures() const { return std::nullopt; }
   // Host memory the backend's own runtime holds beyond its arena once steps run (a driver, its

@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "backend/products.h"
 #include "cli/commands.h"
 #include "cli/inference_flags.h"
 #include "core/console.h"
@@ -60,7 +61,8 @@ void generate(const InferenceArgs& a) {
                             {"arena_bytes", model->plan().peak_bytes()},
                             {"process_predicted_peak_bytes", process.peak_bytes()},
                             {"process_peak_rss_bytes", process_peak_rss_bytes(model->arena())},
-                            {"device_work", generator.device_work_json()}};
+                            {"device_work", generator.device_work_json()},
+                            {"products", products_json()}};
   std::string lines;
   for (size_t i = 0; i < results.size(); ++i) {
     const GenerationResult& r = results[i];

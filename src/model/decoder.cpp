@@ -595,6 +595,9 @@ LossSum Decoder::run_step(const TokenBatch& batch, float* logits_out, bool backw
                   .positions = A.i32(buf_.loss_positions, {N}),
                   .row_targets = A.i32(buf_.row_targets, {chunk}),
                   .weight_slice = buf_.head_slice_rows ? A.f32(buf_.head_slice, {buf_.head_slice_rows, D}) : Tensor{},
+                  .product_slice = buf_.head_product_slice_cols
+                                       ? A.f32(buf_.head_product_slice, {chunk, buf_.head_product_slice_cols})
+                                       : Tensor{},
                   .row_stats = A.i32(buf_.row_stats, {N, 4}),
                   .row_losses = buf_.stages_chunks ? A.f32(buf_.row_losses, {N}) : Tensor{},
                   .staging = {}};

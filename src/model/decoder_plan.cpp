@@ -274,6 +274,12 @@ DecoderBuffers declare_decoder_buffers(const ModelConfig& c, const ModelOptions&
     if (frozen_vectors == 0)
       b.vector_f32[static_cast<size_t>(L)] = plan.declare("loss.vector_f32", Category::Working, largest_vector * 4, L, L);
   }
+  if (half) {
+    b.head_product_slice_cols = std::min<int64_t>(backend.head_product_slice(*half), static_cast<int64_t>(V));
+    if (b.head_product_slice_cols > 0)
+      b.head_product_slice = plan.declare("loss.head_product_slice", Category::LossWorkspace,
+                                          chunk * static_cast<size_t>(b.head_product_slice_cols) * 4, L, L);
+  }
   if (widen && !half) {
     b.head_slice_rows = std::min<int64_t>(V, DecoderBuffers::kHeadSliceRows);
     b.head_slice = plan.declare("loss.head_weight_slice_f32", Category::LossWorkspace,

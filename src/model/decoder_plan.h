@@ -43,8 +43,9 @@ struct DecoderBuffers {
   std::array<BufferId, kNumPhases> half_input{};
   BufferId half_dout{};
   BufferId normed, rstd_final, dnormed;
-  BufferId logits_chunk, rows, drows, loss_positions, row_targets, row_stats, head_slice{};
+  BufferId logits_chunk, rows, drows, loss_positions, row_targets, row_stats, head_slice{}, head_product_slice{};
   int64_t chunk_rows = 1, head_slice_rows = 0;
+  int64_t head_product_slice_cols = 0;  // Backend::head_product_slice: [chunk_rows, cols] f32
   // Host staging of the logits chunk for host losses and observers, and of the per-row values a
   // device backend hands back (host plan); row_losses is the device side of the latter.
   bool stages_chunks = false;

@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "backend/device_work.h"
+#include "backend/products.h"
 #include "core/error.h"
 #include "core/json_reader.h"
 #include "data/batcher.h"
@@ -722,6 +723,7 @@ void TrainingRun::write_memory_and_report() const {
   memory["process_predicted_peak_bytes"] = process_.peak_bytes();
   if (!rank_peaks_.empty()) memory["ranks"] = rank_peaks_;
   memory["device_work"] = device_work_ ? device_work_->to_json("training step") : nlohmann::json(nullptr);
+  memory["products"] = products_json();
   write_file_atomically((output_dir_ / "memory.json").string(), memory.dump(2) + "\n");
   write_report(output_dir_);
 }

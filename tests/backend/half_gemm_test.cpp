@@ -8,8 +8,10 @@
 #include <vector>
 
 #include "backend/cpu/half_gemm.h"
+#include "backend/cpu/ops.h"
 #include "backend/registry.h"
 #include "core/dtype.h"
+#include "core/error.h"
 #include "core/rng.h"
 #include "support/numeric.h"
 
@@ -75,8 +77,8 @@ TEST(CpuSixteenBitProducts, AProductOverItsScratchpadRunsInPiecesAndBothAgreeWit
   std::vector<float> whole(static_cast<size_t>(M * N)), pieces(whole.size());
   // A transposed A (as the weight gradient's dout^T), which oneDNN copies per thread.
   const cpu::HalfMatrix At{a.data(), 1, M}, B{b.data(), N, 1};
-  EXPECT_EQ(cpu::half_gemm(DType::BF16, M, N, K, At, B, whole.data(), N, false), M);
-  const int64_t rows = cpu::half_gemm(DType::BF16, M, N, K, At, B, pieces.data(), N, false, 4096);
+  EXPECT_EQ(cpu::half_gemm(ProductFamily::Layers, DType::BF16, M, N, K, At, B, whole.data(), N, false), M);
+  const int64_t rows = cpu::half_gemm(ProductFamily::Layers, DType::BF16, M, N, K, At, B, pieces.data(), N, false, 4096);
   EXPECT_LT(rows, M) << "a 4 KiB scratchpad should not hold a " << M << "-row primitive's";
   std::vector<double> exact(whole.size());
   for (int64_t i = 0; i < M; ++i)
@@ -88,6 +90,34 @@ TEST(CpuSixteenBitProducts, AProductOverItsScratchpadRunsInPiecesAndBothAgreeWit
   // Sums of 2000 products of order 1 (|sum| ~ 45) in float32: a few ulps of the partial sums.
   EXPECT_TRUE(testing_support::close(whole, exact, testing_support::absolute_tolerance(1e-3)));
   EXPECT_TRUE(testing_support::close(pieces, exact, testing_support::absolute_tolerance(1e-3)));
+}
+
+// The 16-bit head's layout (ops.h: HeadProducts): asked for by MEMTUNE_HEAD_PRODUCTS, otherwise
+// dense exactly where oneDNN runs a dense slice on the tile unit (AMX), which a CPU with AMX
+// tiles and an uncapped oneDNN does; a bad value names the variable and its choices.
+TEST(CpuSixteenBitProducts, TheHeadsLayoutIsChosenFromTheKernelOrAskedFor) {
+  if (!bfloat16_instructions_allowed())
+    GTEST_SKIP() << "this CPU has no bfloat16 instructions oneDNN may use (ONEDNN_MAX_CPU_ISA=" << onednn_cap() << ")";
+  Backend& cpu = backend_named("cpu");
+  ASSERT_EQ(setenv("MEMTUNE_HEAD_PRODUCTS", "dense", 1), 0);
+  EXPECT_EQ(cpu.head_product_slice(DType::BF16), cpu::kDenseHeadSliceRows);
+  ASSERT_EQ(setenv("MEMTUNE_HEAD_PRODUCTS", "strided", 1), 0);
+  EXPECT_EQ(cpu.head_product_slice(DType::BF16), 0);
+  ASSERT_EQ(setenv("MEMTUNE_HEAD_PRODUCTS", "sideways", 1), 0);
+  try {
+    cpu.head_product_slice(DType::BF16);
+    ADD_FAILURE() << "an unknown layout was taken";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("MEMTUNE_HEAD_PRODUCTS"), std::string::npos) << e.what();
+  }
+  unsetenv("MEMTUNE_HEAD_PRODUCTS");
+  const std::string dense =
+      cpu::half_gemm_kernel(DType::BF16, 256, cpu::kDenseHeadSliceRows, 1024, cpu::kDenseHeadSliceRows);
+  std::printf("a dense head slice runs on %s: the head's products are %s\n", dense.c_str(),
+              cpu.head_product_slice(DType::BF16) ? "dense" : "strided");
+  EXPECT_EQ(cpu.head_product_slice(DType::BF16), cpu::tile_unit_kernel(dense) ? cpu::kDenseHeadSliceRows : 0);
+  if (cpu_has("amx_bf16") && onednn_cap() == "ALL") EXPECT_TRUE(cpu::tile_unit_kernel(dense)) << dense;
+  EXPECT_EQ(cpu.head_product_slice(DType::F32), 0);
 }
 
 TEST(CpuSixteenBitProducts, RoundingRowsInPlaceLeavesEachRowsValuesInItsFirstHalf) {

@@ -606,9 +606,10 @@ TEST(BackendOps, AddInplace) {
 
 // The fused head's workspace for N rows in chunks of `chunk` (device memory of `be`) and, for a
 // backend whose memory the host cannot address, its host staging; slice > 0: a 16-bit head's
-// widening slice.
+// widening slice; 16-bit operands: the product slice buffer where the backend asks for one.
 struct HeadWorkspace {
-  HeadWorkspace(Backend& be, int64_t N, int64_t D, int64_t V, int64_t chunk, int64_t slice = 0)
+  HeadWorkspace(Backend& be, int64_t N, int64_t D, int64_t V, int64_t chunk, int64_t slice = 0,
+                DType operands = DType::F32)
       : ws(be), logits(static_cast<size_t>(chunk * V)), losses(static_cast<size_t>(N)), ints(static_cast<size_t>(2 * N)),
         stats(static_cast<size_t>(N)) {
     args.logits = ws.make(DType::F32, {chunk, V});
@@ -617,6 +618,8 @@ struct HeadWorkspace {
     args.positions = ws.make(DType::I32, {N});
     args.row_targets = ws.make(DType::I32, {chunk});
     if (slice > 0) args.weight_slice = ws.make(DType::F32, {slice, D});
+    if (const int64_t s = operands == DType::F32 ? 0 : be.head_product_slice(operands); s > 0)
+      args.product_slice = ws.make(DType::F32, {chunk, std::min(s, V)});
     args.row_stats = ws.make(DType::I32, {N, 4});
     args.row_losses = ws.make(DType::F32, {N});
     if (!be.host_addressable())
@@ -654,7 +657,7 @@ void check_lm_head(DType weight_dtype, float label_smoothing, int64_t V = 11, DT
   // inputs widened: float32_arithmetic) runs the float32 head.
   auto run = [=](Backend& be, const Views& in, Tensor dhidden, Tensor dweight) {
     const bool half_head = in.at("weight").dtype != DType::F32;
-    HeadWorkspace head(be, N, D, V, chunk, half_head ? slice : 0);
+    HeadWorkspace head(be, N, D, V, chunk, half_head ? slice : 0, half_head ? operands : DType::F32);
     LmHeadArgs& a = head.args;
     a.hidden = in.at("hidden");
     a.targets = in.at("targets");
@@ -690,11 +693,19 @@ TEST(BackendOps, LmHeadLossLabelSmoothing) {
 TEST(BackendOps, LmHeadLossBfloat16Head) {
   check_lm_head(DType::BF16, 0.0f);
 }
+// Both of the cpu's layouts of the head's products (ops.h: HeadProducts), whichever this CPU
+// would choose: strided, the logits product in two 16384-row slices at 20000; dense, in slices of
+// 2048 through the product slice buffer, d(hidden) summed over them.
 TEST(BackendOps, LmHeadLossWithSixteenBitOperands) {
-  check_lm_head(DType::BF16, 0.0f, 11, DType::BF16);
-  check_lm_head(DType::BF16, 0.1f, 3001, DType::BF16);
-  check_lm_head(DType::BF16, 0.0f, 20000, DType::BF16);  // the cpu's logits product in two slices
-  check_lm_head(DType::F16, 0.0f, 11, DType::F16);
+  for (const char* layout : {"strided", "dense"}) {
+    SCOPED_TRACE(layout);
+    ASSERT_EQ(setenv("MEMTUNE_HEAD_PRODUCTS", layout, 1), 0);
+    check_lm_head(DType::BF16, 0.0f, 11, DType::BF16);
+    check_lm_head(DType::BF16, 0.1f, 3001, DType::BF16);
+    check_lm_head(DType::BF16, 0.0f, 20000, DType::BF16);
+    check_lm_head(DType::F16, 0.0f, 11, DType::F16);
+  }
+  unsetenv("MEMTUNE_HEAD_PRODUCTS");
 }
 // A vocabulary the vulkan backend's loss splits into pieces reduced apart and combined.
 TEST(BackendOps, LmHeadLossOverAVocabularyOfSeveralPieces) {

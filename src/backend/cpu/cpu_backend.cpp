@@ -43,6 +43,9 @@ class CpuBackend final : public Backend {
     const std::string& kernel = cpu::half_gemm_kernel(dtype);
     return kernel.empty() ? std::string() : "oneDNN " + kernel;
   }
+  int64_t head_product_slice(DType operands) const override {
+    return cpu::head_products(operands) == cpu::HeadProducts::Dense ? cpu::kDenseHeadSliceRows : 0;
+  }
   size_t quantized_scratch_elems(int64_t in) const override {
     return static_cast<size_t>(cpu::kQuantizedTileRows * in);
   }
@@ -76,7 +79,7 @@ class CpuBackend final : public Backend {
     if (inp.dtype != DType::F32) {  // 16-bit operands: out = inp @ weight^T through oneDNN
       MT_ASSERT(weight.dtype == inp.dtype, "a 16-bit product takes both operands in one dtype");
       const int64_t N = inp.rows(), C = inp.cols(), OC = weight.rows();
-      cpu::half_gemm(inp.dtype, N, OC, C, {inp.data, C, 1}, {weight.data, 1, C}, out.f32(), OC, false);
+      cpu::half_gemm(ProductFamily::Layers, inp.dtype, N, OC, C, {inp.data, C, 1}, {weight.data, 1, C}, out.f32(), OC, false);
       if (bias) cpu::add_bias(out.f32(), bias.f32(), N, OC);
       return;
     }
@@ -156,8 +159,8 @@ class CpuBackend final : public Backend {
       const int64_t N = dout.rows(), C = inp.cols(), OC = weight.rows();
       MT_ASSERT(scale == 1.0f && weight.dtype == dt && (!dweight || inp.dtype == dt),
                 "a 16-bit backward product takes scale 1 and its operands in one dtype");
-      if (dinp) cpu::half_gemm(dt, N, C, OC, {dout.data, OC, 1}, {weight.data, C, 1}, dinp.f32(), C, true);
-      if (dweight) cpu::half_gemm(dt, OC, C, N, {dout.data, 1, OC}, {inp.data, C, 1}, dweight.f32(), C, true);
+      if (dinp) cpu::half_gemm(ProductFamily::Layers, dt, N, C, OC, {dout.data, OC, 1}, {weight.data, C, 1}, dinp.f32(), C, true);
+      if (dweight) cpu::half_gemm(ProductFamily::Layers, dt, OC, C, N, {dout.data, 1, OC}, {inp.data, C, 1}, dweight.f32(), C, true);
       if (dbias) cpu::column_sums_accumulate(dbias.f32(), dout.data, dt, N, OC);
       return;
     }

@@ -62,10 +62,15 @@ class Engine {
     std::lock_guard lock(mutex_);
     return kernel_locked(dtype);
   }
+  const std::string& kernel(const Shape& s) {
+    std::lock_guard lock(mutex_);
+    return entry(s).kernel;
+  }
 
-  int64_t run(const Shape& s, HalfMatrix A, HalfMatrix B, float* C) {
+  int64_t run(ProductFamily family, const Shape& s, HalfMatrix A, HalfMatrix B, float* C) {
     std::lock_guard lock(mutex_);
     Entry& e = entry(s);
+    const ProductTimer timer(family, "oneDNN " + e.kernel, 2.0 * static_cast<double>(s.M * s.N * s.K));
     const int64_t element = static_cast<int64_t>(dtype_size(s.dtype));
     for (int64_t r0 = 0; r0 < s.M; r0 += e.piece_rows) {
       Call& call = std::min(e.piece_rows, s.M - r0) == e.piece_rows ? e.piece : e.last;
@@ -108,6 +113,7 @@ class Engine {
   struct Entry {
     int64_t piece_rows;
     Call piece, last;
+    std::string kernel;  // the primitive's implementation name
   };
   // Shapes change with every micro-batch's token count; a long run meets many, so the cache is
   // bounded (making a primitive costs a fraction of a millisecond).
@@ -150,7 +156,7 @@ class Engine {
       pd = describe(s, rows);
     }
     const int64_t tail = s.M % rows;
-    Entry e{rows, call(s, pd, rows), call(s, tail ? describe(s, tail) : pd, tail ? tail : rows)};
+    Entry e{rows, call(s, pd, rows), call(s, tail ? describe(s, tail) : pd, tail ? tail : rows), pd.impl_info_str()};
     return cache_.emplace(s, std::move(e)).first->second;
   }
 
@@ -167,11 +173,20 @@ class Engine {
 
 const std::string& half_gemm_kernel(DType dtype) { return Engine::get().kernel(dtype); }
 
-int64_t half_gemm(DType dtype, int64_t M, int64_t N, int64_t K, HalfMatrix A, HalfMatrix B, float* C, int64_t ldc,
-                  bool accumulate, size_t scratchpad_limit) {
+const std::string& half_gemm_kernel(DType dtype, int64_t M, int64_t N, int64_t K, int64_t ldc) {
+  return Engine::get().kernel(Shape{dtype, M, N, K, K, 1, N, 1, ldc, false, kHalfGemmScratchpadBytes});
+}
+
+bool tile_unit_kernel(const std::string& implementation) {
+  return implementation.find("amx") != std::string::npos;
+}
+
+int64_t half_gemm(ProductFamily family, DType dtype, int64_t M, int64_t N, int64_t K, HalfMatrix A, HalfMatrix B,
+                  float* C, int64_t ldc, bool accumulate, size_t scratchpad_limit) {
   if (M <= 0 || N <= 0) return M;
   MT_ASSERT(K > 0, "a 16-bit product over K = 0");
   return Engine::get().run(
+      family,
       {dtype, M, N, K, A.row_stride, A.col_stride, B.row_stride, B.col_stride, ldc, accumulate, scratchpad_limit}, A,
       B, C);
 }

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <string>
 
+#include "backend/products.h"
 #include "core/dtype.h"
 
 namespace memtune::cpu {
@@ -35,9 +36,19 @@ const std::string& half_gemm_kernel(DType dtype);
 // C[M, N] = A[M, K] @ B[K, N] (accumulate: C += A @ B), A and B of `dtype` (BF16 or F16), C
 // float32 row-major with leading dimension ldc. Only where half_gemm_kernel(dtype) is not empty.
 // Returns the output rows one primitive computed (M, or fewer where the scratchpad a primitive
-// for M rows wants exceeds scratchpad_limit, at most kHalfGemmScratchpadBytes).
-int64_t half_gemm(DType dtype, int64_t M, int64_t N, int64_t K, HalfMatrix A, HalfMatrix B, float* C, int64_t ldc,
-                  bool accumulate, size_t scratchpad_limit = kHalfGemmScratchpadBytes);
+// for M rows wants exceeds scratchpad_limit, at most kHalfGemmScratchpadBytes). The call is
+// counted under `family` with the implementation name of the primitive oneDNN made (products.h).
+int64_t half_gemm(ProductFamily family, DType dtype, int64_t M, int64_t N, int64_t K, HalfMatrix A, HalfMatrix B,
+                  float* C, int64_t ldc, bool accumulate, size_t scratchpad_limit = kHalfGemmScratchpadBytes);
+
+// The implementation oneDNN picks for C[M, N] = A[M, K] @ B[K, N] with dense row-major operands
+// and C of leading dimension ldc (asked once per shape, remembered with the primitive).
+const std::string& half_gemm_kernel(DType dtype, int64_t M, int64_t N, int64_t K, int64_t ldc);
+
+// Whether a oneDNN implementation name is a matrix-tile unit's (AMX): where the layout of a
+// product decides whether oneDNN may use the tile unit at all, the cpu backend lays the product
+// out for it (ops.cpp, the LM head; quantized_ops.cpp, prefill).
+bool tile_unit_kernel(const std::string& implementation);
 
 // Rounds each of `rows` float32 rows of n values (row stride `stride` floats) to `dtype` in
 // place: row r's 16-bit values take the first half of its own bytes, so the result is a 16-bit

@@ -358,6 +358,15 @@ void quantized_matmul_int8_activations(float* out, const float* inp, const Quant
 bool int8_activation_kernels() {
   return true;
 }
+const char* int8_activation_kernel() {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return "memtune int8 x int8 (AVX512-VNNI)";
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
+  return "memtune int8 x int8 (AVX-VNNI)";
+#else
+  return "memtune int8 x int8 (AVX2)";
+#endif
+}
 
 #else  // no AVX2: quantized products keep float32 inputs
 
@@ -371,6 +380,7 @@ void quantized_matmul_int8_activations(float*, const float*, const QuantizedWeig
 bool int8_activation_kernels() {
   return false;
 }
+const char* int8_activation_kernel() { return ""; }
 
 #endif
 

@@ -5,6 +5,7 @@
 #include "backend/cpu/simd.h"
 
 #include <cblas.h>
+#include <fmt/format.h>
 // GCC 12 reports its own _mm512_undefined_* placeholders as maybe-uninitialized where the
 // intrinsics are inlined, so the warning is off for the whole file.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -14,9 +15,11 @@
 #include <bit>
 #include <cmath>
 #include <cstddef>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <string>
 #include <type_traits>
 
 #include "core/dtype.h"
@@ -32,6 +35,15 @@ constexpr int64_t kParallelMinElements = 32768;
 
 // What OpenBLAS reports it runs: its own choice for this CPU, or OPENBLAS_CORETYPE's.
 const char* blas_kernels() { return openblas_get_corename(); }
+
+const std::string& blas_kernel() {
+  static const std::string name = fmt::format("OpenBLAS sgemm ({})", blas_kernels());
+  return name;
+}
+
+namespace {
+double product_flops(int64_t M, int64_t N, int64_t K) { return 2.0 * static_cast<double>(M) * N * K; }
+}  // namespace
 
 // Sums rows of x[N, C] (float32, or 16-bit widened) into acc[C] (+=), parallel over column
 // blocks so no two threads write the same element.
@@ -71,22 +83,31 @@ void add_bias(float* out, const float* bias, int64_t N, int64_t OC) {
 void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int64_t C,
                     int64_t OC) {
   if (N == 0) return;
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, OC, C, 1.0f, inp, C, weight, C, 0.0f, out, OC);
+  {
+    const ProductTimer timer(ProductFamily::Layers, blas_kernel(), product_flops(N, OC, C));
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, OC, C, 1.0f, inp, C, weight, C, 0.0f, out, OC);
+  }
   if (bias) add_bias(out, bias, N, OC);
 }
 
 void matmul_accumulate(float* out, const float* inp, const float* weight, int64_t N, int64_t C, int64_t OC,
                        float scale) {
   if (N == 0) return;
+  const ProductTimer timer(ProductFamily::Layers, blas_kernel(), product_flops(N, OC, C));
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, OC, C, scale, inp, C, weight, C, 1.0f, out, OC);
 }
 
 void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                      const float* weight, int64_t N, int64_t C, int64_t OC, float scale) {
   if (N == 0) return;
-  if (dinp) cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, C, OC, scale, dout, OC, weight, C, 1.0f, dinp, C);
-  if (dweight)
+  if (dinp) {
+    const ProductTimer timer(ProductFamily::Layers, blas_kernel(), product_flops(N, C, OC));
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, C, OC, scale, dout, OC, weight, C, 1.0f, dinp, C);
+  }
+  if (dweight) {
+    const ProductTimer timer(ProductFamily::Layers, blas_kernel(), product_flops(OC, C, N));
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OC, C, N, scale, dout, OC, inp, C, 1.0f, dweight, C);
+  }
   if (dbias) {
     MT_ASSERT(scale == 1.0f, "scaled bias gradients are not needed");
     column_sum_accumulate(dbias, dout, N, OC);
@@ -743,16 +764,92 @@ class HeadSlices {
 
 }  // namespace
 
-// The 16-bit head's logits product runs over slices of this many vocabulary rows. Measured
+// The 16-bit head's products in their strided layout run over slices of this many vocabulary
+// rows (the logits product; the backward products take the whole chunk). Measured
 // (docs/benchmarks.md): for the whole vocabulary oneDNN 2.6 picks its brgemm kernel, at 250
-// GFLOP/s against 330-365 for slices of 4096-32768 rows, which get its jit gemm.
+// GFLOP/s against 330-365 for slices of 4096-32768 rows, which get its jit gemm (AVX512-BF16).
 inline constexpr int64_t kHalfHeadSliceRows = 16384;
+
+HeadProducts head_products(DType operands) {
+  if (operands == DType::F32 || half_gemm_kernel(operands).empty()) return HeadProducts::Strided;
+  const char* env = std::getenv("MEMTUNE_HEAD_PRODUCTS");
+  const std::string asked = env && *env ? env : "auto";
+  if (asked == "dense") return HeadProducts::Dense;
+  if (asked == "strided") return HeadProducts::Strided;
+  if (asked != "auto") throw Error(fmt::format("MEMTUNE_HEAD_PRODUCTS: expected auto, dense or strided, got '{}'", asked));
+  // A representative slice: the hidden size does not change which unit oneDNN runs it on.
+  return tile_unit_kernel(half_gemm_kernel(operands, 256, kDenseHeadSliceRows, 1024, kDenseHeadSliceRows))
+             ? HeadProducts::Dense
+             : HeadProducts::Strided;
+}
+
+namespace {
+
+// The 16-bit head's products, strided: each vocabulary slice's logits written in place into the
+// [m, V] chunk (leading dimension V), the loss's gradient rounded in place (each row's 16-bit
+// values in the first half of its own bytes, a row stride of 2V) where both backward products read it.
+void half_head_strided(const LmHeadArgs& a, int64_t m, const uint16_t* rows16, float* logits, bool backward) {
+  const int64_t V = a.vocab(), D = a.hidden_size();
+  const DType half = a.operands;
+  const auto* w = a.weight.as<const uint16_t>();
+  if (!backward) {
+    for (int64_t v0 = 0; v0 < V; v0 += kHalfHeadSliceRows) {
+      const int64_t v1 = std::min(V, v0 + kHalfHeadSliceRows);
+      half_gemm(ProductFamily::HeadForward, half, m, v1 - v0, D, {rows16, D, 1}, {w + v0 * D, 1, D}, logits + v0, V,
+                false);
+    }
+    return;
+  }
+  round_rows_in_place(logits, m, V, V, half, a.grad_scale);
+  half_gemm(ProductFamily::HeadInputGradient, half, m, D, V, {logits, 2 * V, 1}, {w, D, 1}, a.drows.as<float>(), D,
+            false);
+  if (a.dweight)
+    half_gemm(ProductFamily::HeadWeightGradient, half, V, D, m, {logits, 1, 2 * V}, {rows16, D, 1},
+              a.dweight.as<float>(), D, true);
+}
+
+// The same products, dense: every operand and output of a product is a dense matrix, which some
+// kernels need (oneDNN's tile-unit kernels refuse a slice of a wider output). The logits of a
+// vocabulary slice are computed into the product slice buffer [m, S] and copied into the chunk;
+// the loss's gradient is rounded a slice at a time into that buffer, where both backward products
+// read it (d(hidden rows) summed over the slices).
+void half_head_dense(const LmHeadArgs& a, int64_t m, const uint16_t* rows16, float* logits, bool backward) {
+  const int64_t V = a.vocab(), D = a.hidden_size(), S = a.product_slice.cols();
+  MT_ASSERT(a.product_slice.rows() >= m && S > 0, "dense head products need the product slice buffer");
+  const DType half = a.operands;
+  const auto* w = a.weight.as<const uint16_t>();
+  float* slice = a.product_slice.as<float>();
+  auto* slice16 = a.product_slice.as<uint16_t>();
+  for (int64_t v0 = 0; v0 < V; v0 += S) {
+    const int64_t n = std::min(S, V - v0);
+    if (!backward) {
+      half_gemm(ProductFamily::HeadForward, half, m, n, D, {rows16, D, 1}, {w + v0 * D, 1, D}, slice, n, false);
+#pragma omp parallel for schedule(static)
+      for (int64_t r = 0; r < m; ++r) std::memcpy(logits + r * V + v0, slice + r * n, static_cast<size_t>(n) * 4);
+      continue;
+    }
+    const float scale = a.grad_scale;
+    const bool bf16 = half == DType::BF16;
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < m; ++r) {
+      const float* in = logits + r * V + v0;
+      uint16_t* out = slice16 + r * n;
+      for (int64_t i = 0; i < n; ++i) out[i] = bf16 ? f32_to_bf16(in[i] * scale) : f32_to_f16(in[i] * scale);
+    }
+    half_gemm(ProductFamily::HeadInputGradient, half, m, D, n, {slice16, n, 1}, {w + v0 * D, D, 1},
+              a.drows.as<float>(), D, v0 > 0);
+    if (a.dweight)
+      half_gemm(ProductFamily::HeadWeightGradient, half, n, D, m, {slice16, 1, n}, {rows16, D, 1},
+                a.dweight.as<float>() + v0 * D, D, true);
+  }
+}
+
+}  // namespace
 
 // With 16-bit operands (LmHeadArgs::operands: mixed precision) the hidden rows are rounded as
 // they are gathered (into the first half of the float32 rows buffer) and the head is read in place
-// as stored; d(logits) x grad_scale is rounded in place in the logits chunk (each row's 16-bit
-// values in the first half of its own bytes, a row stride of 2V), where both backward products
-// read it. Logits and gradients accumulate in float32 either way.
+// as stored; d(logits) x grad_scale is rounded to 16 bits where the backward products read it
+// (half_head_strided / half_head_dense). Logits and gradients accumulate in float32 either way.
 LossSum lm_head_loss(const LmHeadArgs& a) {
   const int64_t chunk_rows = a.logits.rows(), V = a.vocab(), D = a.hidden_size(), N = a.hidden.rows();
   MT_ASSERT(chunk_rows > 0);
@@ -762,6 +859,9 @@ LossSum lm_head_loss(const LmHeadArgs& a) {
             "16-bit head products need the head stored in that dtype");
   std::optional<HeadSlices> head;
   if (half == DType::F32) head.emplace(a);
+  const auto half_products = half == DType::F32 ? nullptr
+                             : a.product_slice  ? half_head_dense
+                                                : half_head_strided;
   const int64_t S = head ? head->slice_rows() : V;
   const float* hidden = a.hidden.as<const float>();
   const int32_t* targets = a.targets.as<const int32_t>();
@@ -789,17 +889,14 @@ LossSum lm_head_loss(const LmHeadArgs& a) {
       for (int64_t r = 0; r < m; ++r) std::copy_n(hidden + pos[r] * D, D, rows + r * D);
       for (int64_t v0 = 0; v0 < V; v0 += S) {
         const int64_t v1 = std::min(V, v0 + S);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, v1 - v0, D, 1.0f, rows, D, head->slice(v0, v1), D,
-                    0.0f, logits + v0, V);
+        const float* w = head->slice(v0, v1);
+        const ProductTimer timer(ProductFamily::HeadForward, blas_kernel(), product_flops(m, v1 - v0, D));
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, m, v1 - v0, D, 1.0f, rows, D, w, D, 0.0f, logits + v0, V);
       }
-    } else {  // logits[m, V] = rows[m, D] @ W[V, D]^T, a vocabulary slice at a time
+    } else {  // logits[m, V] = rows[m, D] @ W[V, D]^T
       for (int64_t r = 0; r < m; ++r)
         convert_from_f32(hidden + pos[r] * D, rows16 + r * D, half, static_cast<size_t>(D));
-      const auto* w = a.weight.as<const uint16_t>();
-      for (int64_t v0 = 0; v0 < V; v0 += kHalfHeadSliceRows) {
-        const int64_t v1 = std::min(V, v0 + kHalfHeadSliceRows);
-        half_gemm(half, m, v1 - v0, D, {rows16, D, 1}, {w + v0 * D, 1, D}, logits + v0, V, false);
-      }
+      half_products(a, m, rows16, logits, false);
     }
 
     for (int64_t r = 0; r < m; ++r) row_targets[r] = targets[pos[r]];
@@ -817,16 +914,19 @@ LossSum lm_head_loss(const LmHeadArgs& a) {
       for (int64_t v0 = 0; v0 < V; v0 += S) {
         const int64_t v1 = std::min(V, v0 + S);
         const float* w = head->slice(v0, v1);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, D, v1 - v0, a.grad_scale, logits + v0, V, w, D,
-                    v0 == 0 ? 0.0f : 1.0f, drows, D);
-        if (dweight)
+        {
+          const ProductTimer timer(ProductFamily::HeadInputGradient, blas_kernel(), product_flops(m, D, v1 - v0));
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, m, D, v1 - v0, a.grad_scale, logits + v0, V, w, D,
+                      v0 == 0 ? 0.0f : 1.0f, drows, D);
+        }
+        if (dweight) {
+          const ProductTimer timer(ProductFamily::HeadWeightGradient, blas_kernel(), product_flops(v1 - v0, D, m));
           cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, v1 - v0, D, m, a.grad_scale, logits + v0, V, rows, D,
                       1.0f, dweight + v0 * D, D);
+        }
       }
     } else {
-      round_rows_in_place(logits, m, V, V, half, a.grad_scale);
-      half_gemm(half, m, D, V, {logits, 2 * V, 1}, {a.weight.data, D, 1}, drows, D, false);
-      if (dweight) half_gemm(half, V, D, m, {logits, 1, 2 * V}, {rows16, D, 1}, dweight, D, true);
+      half_products(a, m, rows16, logits, true);
     }
     for (int64_t r = 0; r < m; ++r) std::copy_n(drows + r * D, D, dhidden + pos[r] * D);
   }

@@ -27,6 +27,8 @@ constexpr int64_t kQuantizedTileRows = 256;
 // its sgemm below what the CPU can do), otherwise OpenBLAS picks by CPU. Figures of one machine
 // differ by kernel set, so reports name it (docs/benchmarks.md).
 const char* blas_kernels();
+// The name the float32 products are counted under (products.h): "OpenBLAS sgemm (<kernel set>)".
+const std::string& blas_kernel();
 
 // out[N,OC] = inp[N,C] @ weight[OC,C]^T (+ bias[OC])
 void matmul_forward(float* out, const float* inp, const float* weight, const float* bias, int64_t N, int64_t C,
@@ -80,6 +82,8 @@ void quantized_matmul_int8_activations(float* out, const float* inp, const Quant
                                        int64_t N, void* scratch, size_t scratch_bytes);
 size_t int8_activation_scratch_bytes(int64_t rows, const QuantizedWeight& weight);
 bool int8_activation_kernels();
+// Which of them: "memtune int8 x int8 (AVX512-VNNI)", "(AVX-VNNI)" or "(AVX2)".
+const char* int8_activation_kernel();
 
 // out[N,OC] = inp[N,C] @ weight[OC,C]^T (+ bias) for few rows: each weight row is read once
 // (widened from bfloat16 / float16 in registers) and applied to every input row; parallel over
@@ -144,5 +148,16 @@ void adamw_update(float* param, const float* grad, float* m, float* v, int64_t n
 
 // The fused LM head (backend.h: LmHeadArgs), on host-addressable memory.
 LossSum lm_head_loss(const LmHeadArgs& args);
+
+// How a 16-bit head lays out its products (lm_head_loss): Strided writes each vocabulary slice's
+// logits in place into the [rows, V] chunk and reads the rounded gradient there (row stride 2V);
+// Dense gives every product dense operands through a [chunk_rows, kDenseHeadSliceRows] float32
+// buffer (LmHeadArgs::product_slice), at the cost of a copy of the logits. oneDNN runs a product
+// on the CPU's tile unit (AMX) only with dense operands, so Dense is chosen where oneDNN's kernel
+// for a dense slice is a tile-unit kernel; elsewhere Strided measured faster (docs/benchmarks.md).
+// MEMTUNE_HEAD_PRODUCTS=dense|strided|auto overrides the choice (tests take both on any CPU).
+enum class HeadProducts { Strided, Dense };
+constexpr int64_t kDenseHeadSliceRows = 2048;
+HeadProducts head_products(DType operands);
 
 }  // namespace memtune::cpu

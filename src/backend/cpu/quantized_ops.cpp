@@ -21,11 +21,13 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
 
 #include "backend/cpu/ops.h"
 #include "backend/cpu/parallel.h"
 #include "backend/cpu/simd.h"
 #include "backend/int8_activations.h"
+#include "backend/products.h"
 #include "core/dtype.h"
 #include "core/error.h"
 
@@ -318,10 +320,14 @@ void quantized_matmul_forward(float* out, const float* inp, const QuantizedWeigh
     });
     return;
   }
-  if (rounds_activations(weight, N) && int8_activation_kernels())
+  if (rounds_activations(weight, N) && int8_activation_kernels()) {
+    const ProductTimer timer(ProductFamily::Prefill, int8_activation_kernel(), 2.0 * static_cast<double>(N) * w.out * w.in);
     return quantized_matmul_int8_activations(out, inp, weight, bias, N, scratch,
                                              static_cast<size_t>(kQuantizedTileRows * w.in) * sizeof(float));
+  }
   const int64_t OC = w.out, C = w.in;
+  static const std::string kernel = "memtune dequantize + " + blas_kernel();
+  const ProductTimer timer(ProductFamily::Prefill, kernel, 2.0 * static_cast<double>(N) * OC * C);
   for (int64_t o0 = 0; o0 < OC; o0 += kQuantizedTileRows) {
     const int64_t rows = std::min(kQuantizedTileRows, OC - o0);
     dequantize_rows(scratch, w, o0, rows);
