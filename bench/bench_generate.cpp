@@ -23,6 +23,8 @@
 #include <nlohmann/json.hpp>
 
 #include "backend/cpu/ops.h"
+#include "backend/products.h"
+#include "backend/registry.h"
 #include "core/error.h"
 #include "core/rng.h"
 #include "generate/generator.h"
@@ -31,6 +33,7 @@
 #include "memory/process_memory.h"
 #include "model/load.h"
 #include "bench_util.h"
+#include "options/command_setup.h"
 #include "options/inference_options.h"
 
 using namespace memtune;
@@ -93,9 +96,9 @@ int main(int argc, char** argv) {
   app.add_option("--prompt", prompt);
   app.add_option("--new", new_tokens);
   app.add_option("--batches", batches)->delimiter(',');
-  std::string quantized_activations = "int8";
-  app.add_option("--quantized_activations", quantized_activations, "int8 | float (GPTQ / AWQ models)")
-      ->check(CLI::IsMember({"int8", "float"}));
+  std::string quantized_activations = "auto";
+  app.add_option("--quantized_activations", quantized_activations, "auto | int8 | bf16 | float (GPTQ / AWQ models)")
+      ->check(CLI::IsMember({"auto", "int8", "bf16", "float"}));
   int lm_head_bits = 0;
   app.add_option("--lm_head_bits", lm_head_bits, "GPTQ / AWQ models: the LM head packed at load (4 | 8)")
       ->check(CLI::IsMember({0, 4, 8}));
@@ -118,10 +121,14 @@ int main(int argc, char** argv) {
           weight_bytes += double(quantized_layer_bytes(bits, s.shape[1], s.shape[0], q.groups(s.shape[1]),
                                                        q.desc_act && s.name != "lm_head.weight"));
     }
+    ModelOptions activations;  // what --quantized_activations resolves to on this CPU
+    apply_quantized_activations(quantized_activations, activations, backend_named("cpu"));
     const std::string label =
         c.quant.enabled()
             ? quantization_name(c.quant) + (c.quant.lm_head_bits ? fmt::format(", {}-bit head", c.quant.lm_head_bits) : "") +
-                  (quantized_activations == "int8" ? ", int8 activations" : "")
+                  (activations.bf16_quantized_products ? ", bfloat16 products"
+                   : activations.int8_activations     ? ", int8 activations"
+                                                      : "")
             : dtype_name;
     const double bandwidth = read_bandwidth();
     const double ceiling =
@@ -136,7 +143,8 @@ int main(int argc, char** argv) {
     const InferenceLimits limits{.max_model_len = prompt + new_tokens, .max_num_seqs = max_batch,
                                  .max_num_batched_tokens = prompt * max_batch, .block_size = 16};
     ModelOptions options = inference_model_options(c, limits, nullptr);
-    options.int8_activations = quantized_activations == "int8";
+    options.int8_activations = activations.int8_activations;
+    options.bf16_quantized_products = activations.bf16_quantized_products;
     const std::unique_ptr<Decoder> model = load_model(model_dir, options, "", changes);
     Generator generator(*model, nullptr);
     Rng rng(1);
@@ -209,6 +217,7 @@ int main(int argc, char** argv) {
                                 {"memory_read_gb_per_s_at_start", bandwidth / 1e9},
                                 {"sgemm_ceiling_gflops", ceiling},
                                 {"blas_kernels", cpu::blas_kernels()},
+                                {"products", products_json()},
                                 {"weight_bytes_per_token", weight_bytes},
                                 {"decode_limit_tokens_per_s", limit},
                                 {"decode_tokens_per_s", decode},

@@ -76,7 +76,8 @@ timed = steps[1:] or steps
 with open(os.path.join(out, "memory.json")) as f:
     memory = json.load(f)
 print(json.dumps({"tokens_per_s": sum(r["tokens_per_second"] for r in timed) / len(timed),
-                  "timed_steps": len(timed), "peak_rss_bytes": memory["process_peak_rss_bytes"]}))
+                  "timed_steps": len(timed), "peak_rss_bytes": memory["process_peak_rss_bytes"],
+                  "products": memory.get("products", [])}))
 EOF
 )"
     echo "$mt"

@@ -123,6 +123,11 @@ struct QuantizedWeight {
   // Products of many rows may round their input to int8 (int8_activations.h); set by the model
   // where the backend takes it (Backend::takes_int8_activations) and its options ask for it.
   bool int8_activations = false;
+  // Products of many rows take bfloat16 operands instead (int8_activations.h: rounds_to_bfloat16):
+  // the input and the dequantized weight rounded to bfloat16, float32 accumulation, on the CPU's
+  // matrix unit; set by the model where the backend has them (Backend::bf16_quantized_products)
+  // and its options ask for them.
+  bool bf16_products = false;
 };
 inline int64_t LmHeadArgs::vocab() const { return quantized ? quantized->out : weight.rows(); }
 inline int64_t LmHeadArgs::hidden_size() const { return quantized ? quantized->in : weight.cols(); }
@@ -168,6 +173,11 @@ class Backend {
   // Vocabulary rows of the [chunk_rows, S] float32 buffer through which the 16-bit head's
   // products of `operands` run (LmHeadArgs::product_slice, planned); 0: none.
   virtual int64_t head_product_slice(DType /*operands*/) const { return 0; }
+  // Quantized products of many rows with bfloat16 operands (QuantizedWeight::bf16_products): what
+  // runs them, empty where the backend has none; and whether they are its fastest way to run
+  // those products (`--quantized_activations auto` takes them then, int8 activations otherwise).
+  virtual std::string bf16_quantized_products() const { return {}; }
+  virtual bool prefers_bf16_quantized_products() const { return false; }
   // The device's memory figures; none for a backend in host memory (the process's RSS covers it).
   virtual std::optional<DeviceMemoryFigures> device_memory_figures() const { return std::nullopt; }
   // Host memory the backend's own runtime holds beyond its arena once steps run (a driver, its

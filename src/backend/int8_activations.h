@@ -1,7 +1,8 @@
 // Int8 activations for quantized products of many rows (prefill, serving steps, evaluation): a
 // numerics choice the model makes per weight (QuantizedWeight::int8_activations), written here
 // once for every backend that takes it (cpu computes it with integer dot products, reference in
-// float64 from the same rounded values).
+// float64 from the same rounded values). The other choice for those products, bfloat16 operands
+// (QuantizedWeight::bf16_products), is written here too (rounds_to_bfloat16).
 //
 // The input of a product of more than kInt8ActivationRows rows is rounded per block of
 // int8_activation_block(w) inputs (128, 64 or 32: the largest that divides the weight's group),
@@ -33,7 +34,14 @@ inline int64_t int8_activation_block(const QuantizedWeight& w) {
 
 // Whether a product of `rows` input rows with w rounds its input to int8.
 inline bool rounds_activations(const QuantizedWeight& w, int64_t rows) {
-  return w.int8_activations && rows > kInt8ActivationRows && int8_activation_block(w) > 0;
+  return w.int8_activations && !w.bf16_products && rows > kInt8ActivationRows && int8_activation_block(w) > 0;
+}
+
+// Whether a product of `rows` input rows with w takes bfloat16 operands instead: the input
+// rounded to bfloat16 (round to nearest even) and each dequantized weight, scale * (code - zero)
+// in float32, rounded the same way; products accumulate in float32. Decoding keeps its kernels.
+inline bool rounds_to_bfloat16(const QuantizedWeight& w, int64_t rows) {
+  return w.bf16_products && rows > kInt8ActivationRows;
 }
 
 // One block: q[i] = rint(x[i] * (127 / amax)); returns the scale amax / 127 (0 for a zero block).

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <map>
 #include <mutex>
+#include <string_view>
 #include <utility>
 
 namespace memtune {
@@ -14,9 +15,25 @@ int64_t now_ns() {
       .count();
 }
 
+// Keyed by (family, kernel), looked up by a view of the kernel's name (no string is made).
+struct Key {
+  ProductFamily family;
+  std::string kernel;
+};
+struct KeyOrder {
+  using is_transparent = void;
+  template <class A, class B>
+  bool operator()(const A& a, const B& b) const {
+    return std::pair(a.family, std::string_view(a.kernel)) < std::pair(b.family, std::string_view(b.kernel));
+  }
+};
+struct KeyView {
+  ProductFamily family;
+  std::string_view kernel;
+};
 struct Totals {
   std::mutex mutex;
-  std::map<std::pair<ProductFamily, std::string>, ProductRecord> records;
+  std::map<Key, ProductRecord, KeyOrder> records;
 };
 Totals& totals() {
   static Totals t;
@@ -36,16 +53,17 @@ const char* product_family_name(ProductFamily family) {
   return "?";
 }
 
-ProductTimer::ProductTimer(ProductFamily family, std::string kernel, double flops)
-    : family_(family), kernel_(std::move(kernel)), flops_(flops), start_ns_(now_ns()) {}
+ProductTimer::ProductTimer(ProductFamily family, std::string_view kernel, double flops)
+    : family_(family), kernel_(kernel), flops_(flops), start_ns_(now_ns()) {}
 
 ProductTimer::~ProductTimer() {
   const double seconds = static_cast<double>(now_ns() - start_ns_) * 1e-9;
   Totals& t = totals();
   std::lock_guard lock(t.mutex);
-  ProductRecord& r = t.records[{family_, kernel_}];
-  r.family = family_;
-  r.kernel = kernel_;
+  auto it = t.records.find(KeyView{family_, kernel_});
+  if (it == t.records.end())
+    it = t.records.emplace(Key{family_, std::string(kernel_)}, ProductRecord{family_, std::string(kernel_)}).first;
+  ProductRecord& r = it->second;
   r.calls += 1;
   r.seconds += seconds;
   r.flops += flops_;

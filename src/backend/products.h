@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -28,18 +29,21 @@ struct ProductRecord {
   double seconds = 0, flops = 0;
 };
 
-// Times one product (or one loop of products of a family): the clock runs from construction to
-// destruction, and the record joins the process's totals then. Thread-safe.
+// Times one product call: the clock runs from construction to destruction, and the record joins
+// the process's totals then (allocating only the first time a family meets a kernel: a step
+// allocates nothing once its products have run; `kernel` outlives the timer). What a product's operands were prepared by beforehand (a 16-bit
+// copy, a dequantized tile) is not in its time; a kernel that unpacks as it multiplies (memtune's
+// int8 kernel) has it in. Thread-safe.
 class ProductTimer {
  public:
-  ProductTimer(ProductFamily family, std::string kernel, double flops);
+  ProductTimer(ProductFamily family, std::string_view kernel, double flops);
   ~ProductTimer();
   ProductTimer(const ProductTimer&) = delete;
   ProductTimer& operator=(const ProductTimer&) = delete;
 
  private:
   ProductFamily family_;
-  std::string kernel_;
+  std::string_view kernel_;
   double flops_;
   int64_t start_ns_;
 };

@@ -226,8 +226,8 @@ void run_eval(const EvalArgs& a, const CLI::App& app, const EvalHooks& hooks) {
   o.max_tokens = eval.batcher().max_micro_batch_tokens();
   o.max_targets = eval.batcher().max_micro_batch_targets();
   o.with_grads = false;
-  o.int8_activations = a.flags.int8_activations();
   o.backend = &backend_named(a.flags.backend);
+  apply_quantized_activations(a.flags.quantized_activations, o, *o.backend);
   // The whole process, predicted before the model's memory exists (the tokenizer stays alive
   // for --save_predictions, so it is part of the prepared data).
   ProcessPlan process;

@@ -17,6 +17,7 @@
 #include "io/safetensors.h"
 #include "model/load.h"
 #include "options/arguments.h"
+#include "options/command_setup.h"
 #include "model/config.h"
 
 namespace memtune::cli {
@@ -76,7 +77,7 @@ Action add_init_model(CLI::App& app) {
 
 Action add_dump(CLI::App& app) {
   struct Args {
-    std::string model, input, out, adapter, backend = "cpu", quantized_activations = "int8";
+    std::string model, input, out, adapter, backend = "cpu", quantized_activations = "auto";
     int lm_head_bits = 0;
     bool gradient_checkpointing = false;
     size_t loss_workspace_bytes = kDefaultLossWorkspaceBytes;
@@ -130,7 +131,7 @@ Action add_dump(CLI::App& app) {
     options.backend = &backend_named(args->backend);
     // A quantized base has no gradients of its own: without an adapter, logits and loss only.
     options.with_grads = !args->adapter.empty() || !load_model_config(args->model).quant.enabled();
-    options.int8_activations = args->quantized_activations == "int8";
+    apply_quantized_activations(args->quantized_activations, options, *options.backend);
     const std::unique_ptr<Decoder> model = load_model(args->model, options, args->adapter, {std::nullopt, args->lm_head_bits});
     const ModelConfig& cfg = model->config();
     if (args->dropout_seed) {

@@ -69,6 +69,10 @@ struct ModelOptions {
   // steps, evaluation) round their input to int8 where the backend takes it (int8_activations.h);
   // false keeps float32 inputs (--quantized_activations float). Training keeps float32 inputs.
   bool int8_activations = true;
+  // Or bfloat16 operands for those products where the backend has them
+  // (Backend::bf16_quantized_products; --quantized_activations bf16, or auto where they are the
+  // backend's fastest): takes precedence over int8_activations.
+  bool bf16_quantized_products = false;
   // Mixed precision (training's --bf16; a bfloat16 model's inference): the matrix products of
   // the decoder and the LM head take operands rounded to this 16-bit dtype (the weights as stored
   // in it) with float32 accumulation, where the backend has such products

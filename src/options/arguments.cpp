@@ -37,10 +37,12 @@ void add_quantized_model_options(CLI::App& app, std::string& activations, int& l
       ->check(CLI::IsMember({0, 4, 8}))
       ->capture_default_str();
   app.add_option("--quantized_activations", activations,
-                 "GPTQ / AWQ models: int8 rounds the input of products of more than 16 rows (prompts, serving "
-                 "steps, evaluation) to int8 per block for integer dot products (decoding keeps float32); float "
-                 "keeps float32 inputs everywhere")
-      ->check(CLI::IsMember({"int8", "float"}))
+                 "GPTQ / AWQ models, products of more than 16 rows (prompts, serving steps, evaluation; "
+                 "decoding keeps float32 inputs): int8 rounds their input to int8 per block for integer dot "
+                 "products; bf16 rounds the input and each dequantized weight tile to bfloat16 for the CPU's "
+                 "matrix unit (oneDNN: AMX or AVX512-BF16); float keeps float32 inputs; auto takes bf16 where "
+                 "the matrix unit is AMX tiles, int8 otherwise")
+      ->check(CLI::IsMember({"auto", "int8", "bf16", "float"}))
       ->capture_default_str();
 }
 

@@ -108,12 +108,21 @@ void predict_process(ProcessPlan& process, const ModelFlags& flags, const ModelC
     check_host_budget(process, parse_bytes(flags.host_memory, "--host_memory"), "--host_memory");
 }
 
+void apply_quantized_activations(const std::string& a, ModelOptions& options, const Backend& backend) {
+  if (a == "bf16" && backend.bf16_quantized_products().empty())
+    throw Error(fmt::format("--quantized_activations bf16: the {} backend has no bfloat16 products here (the cpu "
+                            "backend has them on CPUs with AVX512-BF16 or AMX); use auto, int8 or float",
+                            backend.name()));
+  options.bf16_quantized_products = a == "bf16" || (a == "auto" && backend.prefers_bf16_quantized_products());
+  options.int8_activations = !options.bf16_quantized_products && (a == "int8" || a == "auto");
+}
+
 InferenceSetup inference_setup(const ModelFlags& flags, InferenceLimits limits, size_t startup_rss) {
   InferenceSetup s;
   s.model = choose_model(flags);
   if (limits.max_model_len == 0) limits.max_model_len = s.model.config.max_position_embeddings;
   s.options = inference_model_options(s.model.config, limits, &backend_named(flags.backend));
-  s.options.int8_activations = flags.int8_activations();
+  apply_quantized_activations(flags.quantized_activations, s.options, *s.options.backend);
   for (const std::string& dir : flags.adapter_sets) s.options.adapter_sets.push_back(load_lora_adapter_config(dir));
   if (startup_rss > 0) s.process.measure_preparation(startup_rss);
   predict_process(s.process, flags, s.model, s.options);

@@ -52,13 +52,19 @@ struct ModelFlags {
   std::string adapter;                    // one PEFT adapter directory
   std::vector<std::string> adapter_sets;  // adapter directories held at once (selected per request)
   std::string host_memory;                // --host_memory: a budget for the whole process
-  std::string quantized_activations = "int8";  // --quantized_activations int8 | float
-  bool int8_activations() const { return quantized_activations == "int8"; }  // ModelOptions::int8_activations
+  std::string quantized_activations = "auto";  // --quantized_activations auto | int8 | bf16 | float
+
   int lm_head_bits = 0;                   // --lm_head_bits: the LM head packed at load (quantize_lm_head)
 };
 
 // The config the flags describe (the directory's or the preset's, in the storage dtype asked
 // for, quantized when asked), and the dtype its checkpoint files hold.
+// ModelOptions::int8_activations and bf16_quantized_products as --quantized_activations asks
+// (auto | int8 | bf16 | float), on `backend` (auto: bf16 where the backend prefers it, int8
+// otherwise); bf16 on a backend that has no such products is an error naming the flag.
+void apply_quantized_activations(const std::string& quantized_activations, ModelOptions& options,
+                                 const Backend& backend);
+
 struct ModelChoice {
   ModelConfig config;
   DType checkpoint_dtype = DType::F32;

@@ -5,6 +5,8 @@
 // partial chunk, groups smaller than a chunk, one group per row, act-order g_idx, and output
 // rows that leave a partial tile.
 #include <gtest/gtest.h>
+
+#include <cstring>
 #include <omp.h>
 
 #include <fmt/format.h>
@@ -237,6 +239,65 @@ TEST(QuantizedOps, Int8ActivationsRoundTheInputPerBlockForManyRows) {
         }
   }
   omp_set_num_threads(saved_threads);
+}
+
+// This test's own bfloat16 rounding (to nearest, ties to even) of a finite float32.
+double to_bfloat16(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  float r;
+  std::memcpy(&r, &bits, 4);
+  return r;
+}
+
+// bfloat16 operands (int8_activations.h: rounds_to_bfloat16) against this test's own rounding
+// of the input and of each dequantized weight (scale * (code - zero) in float32), summed in
+// double: products of more than 16 rows on every backend that has them (the cpu's oneDNN
+// products: tiles of 128 weight rows, blocks of input rows, the output copied into place; the
+// reference's float64 sums); 16 rows (decoding) keep float32 inputs and the float weights.
+TEST(QuantizedOps, Bfloat16ProductsRoundTheInputAndTheWeightForManyRows) {
+  const int64_t OC = 300;  // tiles of 128, 128 and 44 weight rows
+  int backends = 0;
+  for (const std::string_view name : backend_list()) {
+    Backend& be = backend_named(name);
+    if (be.bf16_quantized_products().empty()) {
+      std::printf("%s: no bfloat16 quantized products (%s)\n", std::string(name).c_str(),
+                  name == "cpu" ? "no oneDNN bfloat16 kernel on this CPU" : "the backend has none");
+      continue;
+    }
+    ++backends;
+    for (const Shape& s : kShapes)
+      for (const int64_t N : {16, 17, 700}) {  // 700 rows: more than one block of input rows on the cpu
+        if (name == "reference" && N > 17) continue;  // float64 sums of every product: slow
+        const bool rounds = N > 16;
+        const QuantizedLayer layer = random_layer(s.bits, s.in, OC, s.group_size, s.act_order, 5 + s.in + N);
+        const std::vector<float> w = dequantize_layer(layer), bias = randn(OC, 3), x = randn(N * s.in, 4 + N);
+        std::vector<double> expected(static_cast<size_t>(N * OC));
+        for (int64_t n = 0; n < N; ++n)
+          for (int64_t o = 0; o < OC; ++o) {
+            double sum = bias[static_cast<size_t>(o)];
+            for (int64_t k = 0; k < s.in; ++k) {
+              const float xv = x[static_cast<size_t>(n * s.in + k)], wv = w[static_cast<size_t>(o * s.in + k)];
+              sum += rounds ? to_bfloat16(xv) * to_bfloat16(wv) : double(xv) * wv;
+            }
+            expected[static_cast<size_t>(n * OC + o)] = sum;
+          }
+        Device d(be);
+        const Tensor out = d.alloc(DType::F32, {N, OC});
+        QuantizedWeight qw = d.weight(layer);
+        qw.bf16_products = true;
+        qw.int8_activations = true;  // bfloat16 operands take precedence
+        be.quantized_matmul_forward(out, d.f32(x, {N, s.in}), qw, d.f32(bias, {OC}),
+                                    d.alloc(DType::F32, {static_cast<int64_t>(be.quantized_scratch_elems(s.in))}));
+        std::vector<float> got(static_cast<size_t>(N * OC));
+        be.copy_to_host(got.data(), out);
+        EXPECT_TRUE(testing_support::close(got, expected, testing_support::relative_tolerance(1e-5)))
+            << name << ": " << s.bits << "-bit, in " << s.in << ", group " << s.group_size << ", act-order "
+            << s.act_order << ", " << N << " rows";
+      }
+  }
+  EXPECT_GE(backends, 1);
 }
 
 TEST(QuantizedOps, BackwardInputAccumulatesDoutTimesTheDequantizedWeight) {

@@ -43,6 +43,13 @@ class CpuBackend final : public Backend {
     const std::string& kernel = cpu::half_gemm_kernel(dtype);
     return kernel.empty() ? std::string() : "oneDNN " + kernel;
   }
+  std::string bf16_quantized_products() const override {
+    const std::string& kernel = cpu::half_gemm_kernel(DType::BF16);
+    return kernel.empty() ? std::string() : "dequantized tiles on oneDNN " + kernel;
+  }
+  bool prefers_bf16_quantized_products() const override {
+    return cpu::tile_unit_kernel(cpu::half_gemm_kernel(DType::BF16));
+  }
   int64_t head_product_slice(DType operands) const override {
     return cpu::head_products(operands) == cpu::HeadProducts::Dense ? cpu::kDenseHeadSliceRows : 0;
   }

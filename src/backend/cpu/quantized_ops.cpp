@@ -23,6 +23,7 @@
 #include <cstring>
 #include <string>
 
+#include "backend/cpu/half_gemm.h"
 #include "backend/cpu/ops.h"
 #include "backend/cpu/parallel.h"
 #include "backend/cpu/simd.h"
@@ -292,6 +293,66 @@ void dequantize_rows(float* tile, const Layout& w, int64_t o0, int64_t rows) {
   }
 }
 
+// The same rows as bfloat16 [rows, in] (rounded to nearest even from the float32 values above),
+// a piece of a row at a time through a float32 buffer on the stack.
+void dequantize_rows_bf16(uint16_t* tile, const Layout& w, int64_t o0, int64_t rows) {
+  const int P = w.per_word();
+  const uint32_t mask = (1u << w.bits) - 1u;
+  constexpr int64_t kPiece = 256;  // a multiple of every per_word()
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t o = o0 + r;
+    const uint32_t* words = w.codes + o * (w.in / P);
+    float y[kPiece];
+    for (int64_t k0 = 0; k0 < w.in; k0 += kPiece) {
+      const int64_t n = std::min(kPiece, w.in - k0);
+      for (int64_t c = 0; c < n / P; ++c)
+        for (int j = 0; j < P; ++j) y[c * P + j] = static_cast<float>((words[k0 / P + c] >> (w.bits * j)) & mask);
+      for (int64_t i = 0; i < n;) {
+        const int64_t k = k0 + i;
+        const int64_t g = w.group(k);
+        const int64_t run = w.g_idx ? 1 : std::min(n - i, (g + 1) * w.group_size - k);
+        const float s = half_to_float(w.scales[o * w.groups + g]), z = half_to_float(w.zeros[o * w.groups + g]);
+        for (int64_t e = i; e < i + run; ++e) tile[r * w.in + k0 + e] = f32_to_bf16(s * (y[e] - z));
+        i += run;
+      }
+    }
+  }
+}
+
+// Products of many rows with bfloat16 operands (int8_activations.h: rounds_to_bfloat16) through
+// oneDNN, which runs them on the CPU's matrix unit (AMX tiles, AVX512-BF16). The float32 tile
+// scratch (kQuantizedTileRows x in floats) holds a tile of kTile weight rows widened to bfloat16,
+// a block of input rows rounded to bfloat16 and the block's dense [rows, kTile] output, which is
+// copied into place (a tile-unit kernel takes no output that is a slice of a wider one).
+void quantized_matmul_bf16(float* out, const float* inp, const QuantizedWeight& weight, const float* bias, int64_t N,
+                           float* scratch) {
+  constexpr int64_t kTile = kQuantizedTileRows / 2;
+  const Layout w(weight);
+  const int64_t OC = w.out, C = w.in;
+  // Bytes: tile 2 kTile C, input block 2 R C, output block 4 R kTile, within 4 kQuantizedTileRows C.
+  const int64_t budget = 4 * kQuantizedTileRows * C - 2 * kTile * C;
+  const int64_t R = std::max<int64_t>(1, budget / (2 * C + 4 * kTile));
+  auto* tile = reinterpret_cast<uint16_t*>(scratch);
+  uint16_t* x16 = tile + kTile * C;
+  auto* block = reinterpret_cast<float*>(x16 + R * C);
+  for (int64_t n0 = 0; n0 < N; n0 += R) {
+    const int64_t rows = std::min(R, N - n0);
+    convert_from_f32(inp + n0 * C, x16, DType::BF16, static_cast<size_t>(rows * C));
+    for (int64_t o0 = 0; o0 < OC; o0 += kTile) {
+      const int64_t t = std::min(kTile, OC - o0);
+      dequantize_rows_bf16(tile, w, o0, t);
+      half_gemm(ProductFamily::Prefill, DType::BF16, rows, t, C, {x16, C, 1}, {tile, 1, C}, block, t, false);
+#pragma omp parallel for schedule(static)
+      for (int64_t r = 0; r < rows; ++r) {
+        float* dst = out + (n0 + r) * OC + o0;
+        const float* src = block + r * t;
+        for (int64_t o = 0; o < t; ++o) dst[o] = src[o] + (bias ? bias[o0 + o] : 0.0f);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 void QuantizedSkinny::prepare(const float* in, float* scratch) {
@@ -320,17 +381,17 @@ void quantized_matmul_forward(float* out, const float* inp, const QuantizedWeigh
     });
     return;
   }
+  if (rounds_to_bfloat16(weight, N)) return quantized_matmul_bf16(out, inp, weight, bias, N, scratch);
   if (rounds_activations(weight, N) && int8_activation_kernels()) {
     const ProductTimer timer(ProductFamily::Prefill, int8_activation_kernel(), 2.0 * static_cast<double>(N) * w.out * w.in);
     return quantized_matmul_int8_activations(out, inp, weight, bias, N, scratch,
                                              static_cast<size_t>(kQuantizedTileRows * w.in) * sizeof(float));
   }
   const int64_t OC = w.out, C = w.in;
-  static const std::string kernel = "memtune dequantize + " + blas_kernel();
-  const ProductTimer timer(ProductFamily::Prefill, kernel, 2.0 * static_cast<double>(N) * OC * C);
   for (int64_t o0 = 0; o0 < OC; o0 += kQuantizedTileRows) {
     const int64_t rows = std::min(kQuantizedTileRows, OC - o0);
     dequantize_rows(scratch, w, o0, rows);
+    const ProductTimer timer(ProductFamily::Prefill, blas_kernel(), 2.0 * static_cast<double>(N) * rows * C);
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, static_cast<int>(N), static_cast<int>(rows),
                 static_cast<int>(C), 1.0f, inp, static_cast<int>(C), scratch, static_cast<int>(C), 0.0f, out + o0,
                 static_cast<int>(OC));

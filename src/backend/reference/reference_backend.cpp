@@ -111,10 +111,16 @@ class ReferenceBackend final : public Backend {
     Access a(*this);
     const int64_t N = inp.rows(), C = inp.cols(), OC = w.out;
     MT_ASSERT(w.in == C && out.rows() == N && out.cols() == OC);
-    // With int8 activations, the input as rounded (int8_activations.h), then the same float64 sums.
+    // With int8 activations or bfloat16 operands, the operands as rounded (int8_activations.h), then
+    // the same float64 sums.
     std::vector<float> rounded;
     const float* x = inp.f32();
-    if (rounds_activations(w, N)) {
+    const bool bf16 = rounds_to_bfloat16(w, N);
+    if (bf16) {  // bfloat16 operands: the input and each dequantized weight rounded, exact sums
+      rounded.resize(static_cast<size_t>(N * C));
+      for (int64_t i = 0; i < N * C; ++i) rounded[static_cast<size_t>(i)] = static_cast<float>(::memtune::rounded(x[i], DType::BF16));
+      x = rounded.data();
+    } else if (rounds_activations(w, N)) {
       const int64_t block = int8_activation_block(w);
       rounded.resize(static_cast<size_t>(N * C));
       std::vector<int8_t> q(static_cast<size_t>(block));
@@ -127,11 +133,15 @@ class ReferenceBackend final : public Backend {
     for (int64_t n = 0; n < N; ++n)
       for (int64_t o = 0; o < OC; ++o) {
         double s = bias ? element(bias, o) : 0.0;
-        for (int64_t c = 0; c < C; ++c) s += double(x[n * C + c]) * dequantized(w, o, c);
+        for (int64_t c = 0; c < C; ++c) {
+          const double wv = dequantized(w, o, c);
+          s += double(x[n * C + c]) * (bf16 ? ::memtune::rounded(static_cast<float>(wv), DType::BF16) : wv);
+        }
         out.f32()[n * OC + o] = static_cast<float>(s);
       }
   }
   bool takes_int8_activations() const override { return true; }
+  std::string bf16_quantized_products() const override { return "exact products summed in float64"; }
   void quantized_matmul_backward_input(const Tensor& dinp, const Tensor& dout, const QuantizedWeight& w,
                                        const Tensor&) override {
     Access a(*this);
