@@ -39,14 +39,15 @@ if [[ "$llama_cpp" == 1 ]]; then
 fi
 threads="$(nproc)"
 rows="["
-# The GPTQ copies as the default (--quantized_activations auto: bfloat16 operands where the CPU's
-# matrix unit is AMX tiles, int8 activations otherwise), then with int8 activations (prefill rounds
-# its input to int8 for integer dot products), bfloat16 operands (the input and each dequantized
-# weight tile rounded to bfloat16, products through oneDNN) and float32 inputs, in the same run.
+# The GPTQ copies with int8 activations (prefill rounds its input to int8 for integer dot
+# products), with bfloat16 operands (the input and each dequantized weight tile rounded to
+# bfloat16, products through oneDNN) and with float32 inputs, in the same run; the packed-head
+# copies take the default (--quantized_activations auto: bfloat16 operands where the CPU's matrix
+# unit is AMX tiles, int8 activations otherwise). Each row's "products" names the kernels.
 # llama.cpp's q4_0 (its llama-quantize's choice for this shape: a Q8_0 head) sits beside the int4
 # copy with an 8-bit head.
-for run in float32 bfloat16 llama.cpp:f16 gptq-int8 gptq-int8:int8 gptq-int8:bf16 gptq-int8:float llama.cpp:q8_0 \
-           gptq-int4 gptq-int4:int8 gptq-int4:bf16 gptq-int4:float gptq-int4:head8 llama.cpp:q4_0 gptq-int4:head4; do
+for run in float32 bfloat16 llama.cpp:f16 gptq-int8:int8 gptq-int8:bf16 gptq-int8:float llama.cpp:q8_0 \
+           gptq-int4:int8 gptq-int4:bf16 gptq-int4:float gptq-int4:head8 llama.cpp:q4_0 gptq-int4:head4; do
   [[ "$run" == llama.cpp:* && "$llama_cpp" != 1 ]] && continue
   echo "== $run ($threads threads)"
   case "$run" in
@@ -58,7 +59,6 @@ for run in float32 bfloat16 llama.cpp:f16 gptq-int8 gptq-int8:int8 gptq-int8:bf1
     gptq-*:head*) args=(--model "$model-${run%:head*}" --torch_dtype bfloat16 --lm_head_bits "${run##*:head}") ;;
     gptq-*:int8 | gptq-*:bf16 | gptq-*:float)
       args=(--model "$model-${run%:*}" --torch_dtype bfloat16 --quantized_activations "${run##*:}") ;;
-    gptq-*) args=(--model "$model-$run" --torch_dtype bfloat16) ;;
     *) args=(--model "$model" --torch_dtype "$run") ;;
   esac
   line="$(OMP_NUM_THREADS=$threads "$root/build/bench_generate" "${args[@]}" \

@@ -81,6 +81,20 @@ def machine_text(r):
     return f"{m['cpu']}, {m['simd']}, {m['threads']} threads; commit {r['commit']}, {r['date'][:10]}"
 
 
+def kernels_text(products, families):
+    """The kernel each of `families` ran (a row's "products", backend/products.h), "-" for a row
+    recorded before runs said it: "head_forward: oneDNN gemm:jit; ...", a family's kernels joined
+    by " + " where it ran more than one."""
+    if not products:
+        return "-"
+    parts = []
+    for family in families:
+        kernels = [p["kernel"] for p in products if p["family"] == family]
+        if kernels:
+            parts.append(f"{family}: {' + '.join(kernels)}")
+    return "; ".join(parts) or "-"
+
+
 # NAME -> (header, row formatter) for the generated tables.
 def table_memory(results):
     lines = ["| run | machine | arena (plan) | process predicted | process measured (peak RSS) | error | "
@@ -110,8 +124,8 @@ def table_train(results):
     """memtune train against the PyTorch reference (float32 rows) and Hugging Face Trainer (rows with
     "hf_trainer": float32 and bf16); a figure a row does not have is "-"."""
     lines = ["| run | machine | memtune tok/s | PyTorch tok/s | speed | Trainer tok/s | vs Trainer | memtune RSS | "
-             "PyTorch RSS | memory | Trainer RSS | vs Trainer |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "PyTorch RSS | memory | Trainer RSS | vs Trainer | memtune's kernels |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in results:
         for row in r["rows"]:
             mt = row["memtune"]
@@ -123,7 +137,7 @@ def table_train(results):
             (pt_tok, pt_speed, pt_rss, pt_mem), (hf_tok, hf_speed, hf_rss, hf_mem) = cells
             lines.append(f"| {row['run']} | {machine_text(r)} | {mt['tokens_per_s']:.0f} | {pt_tok} | {pt_speed} | "
                          f"{hf_tok} | {hf_speed} | {mib(mt['peak_rss_bytes'])} | {pt_rss} | {pt_mem} | {hf_rss} | "
-                         f"{hf_mem} |")
+                         f"{hf_mem} | {kernels_text(mt.get('products'), ('layers', 'head_forward'))} |")
     return lines
 
 
@@ -167,8 +181,8 @@ def table_eval(results):
 
 def table_generate(results):
     lines = ["| dtype | machine | read GB/s | decode limit tok/s | batch-1 decode tok/s | of limit | batch-8 decode "
-             "tok/s | batch-8 / batch-1 | prefill tok/s | prefill GFLOP/s | of sgemm ceiling |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "tok/s | batch-8 / batch-1 | prefill tok/s | prefill GFLOP/s | of sgemm ceiling | prefill's kernels |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     llama_cpp = []
     for r in results:
         for row in r["rows"]:
@@ -181,13 +195,15 @@ def table_generate(results):
                          f"{row['decode_limit_tokens_per_s']:.1f} | {b1:.1f} | "
                          f"{b1 / row['decode_limit_tokens_per_s']:.0%} | {b8:.1f} | {b8 / b1:.2f}x | "
                          f"{row['prefill_tokens_per_s']:.1f} | {row['prefill_gflops']:.1f} | "
-                         f"{row['prefill_gflops'] / row['sgemm_ceiling_gflops']:.0%} |")
+                         f"{row['prefill_gflops'] / row['sgemm_ceiling_gflops']:.0%} | "
+                         f"{kernels_text(row.get('products'), ('layers', 'prefill'))} |")
     if llama_cpp:  # the same weights in llama.cpp, measured in the same run: memtune's rate over its
         lines += ["", "| memtune | llama.cpp (same weights, same run) | machine | prefill tok/s | vs llama.cpp | "
                   "batch-1 decode tok/s | vs llama.cpp |", "|---|---|---|---:|---:|---:|---:|"]
-        pairs = {"f16": ["bfloat16"], "q8_0": ["gptq-int8, int8 activations"],
-                 "q4_0": ["gptq-int4, int8 activations", "gptq-int4, 8-bit head, int8 activations",
-                          "gptq-int4, 4-bit head, int8 activations"]}
+        pairs = {"f16": ["bfloat16"], "q8_0": ["gptq-int8, int8 activations", "gptq-int8, bfloat16 products"],
+                 "q4_0": ["gptq-int4, int8 activations", "gptq-int4, bfloat16 products",
+                          "gptq-int4, 8-bit head, int8 activations", "gptq-int4, 8-bit head, bfloat16 products",
+                          "gptq-int4, 4-bit head, int8 activations", "gptq-int4, 4-bit head, bfloat16 products"]}
         for r, ref in llama_cpp:
             paired = [row for row in r["rows"] if row.get("torch_dtype") in pairs.get(ref["type"], [])]
             if not paired:  # a renamed label would otherwise drop the comparison without a word
