@@ -41,14 +41,48 @@ std::optional<double> optional_positive_number(const JsonReader& doc, std::strin
 constexpr FamilyTraits kFamilyTraits[] = {
     {.family = ModelFamily::Qwen2, .model_type = "qwen2", .architecture = "Qwen2ForCausalLM",
      .attention_bias_always = true, .head_dim_in_config = false, .default_head_dim = 0, .qk_norm = false,
-     .llama3_rope_scaling = false, .sliding_window_keys = true, .llama_mlp_keys = false},
+     .llama3_rope_scaling = false, .sliding_window_keys = true, .llama_mlp_keys = false, .qkv_bias_key = false,
+     .moe = false},
     {.family = ModelFamily::Qwen3, .model_type = "qwen3", .architecture = "Qwen3ForCausalLM",
      .attention_bias_always = false, .head_dim_in_config = true, .default_head_dim = 128, .qk_norm = true,
-     .llama3_rope_scaling = false, .sliding_window_keys = true, .llama_mlp_keys = false},
+     .llama3_rope_scaling = false, .sliding_window_keys = true, .llama_mlp_keys = false, .qkv_bias_key = false,
+     .moe = false},
     {.family = ModelFamily::Llama, .model_type = "llama", .architecture = "LlamaForCausalLM",
      .attention_bias_always = false, .head_dim_in_config = true, .default_head_dim = 0, .qk_norm = false,
-     .llama3_rope_scaling = true, .sliding_window_keys = false, .llama_mlp_keys = true}};
-constexpr std::string_view kSupported = "Qwen2ForCausalLM (qwen2), Qwen3ForCausalLM (qwen3), LlamaForCausalLM (llama)";
+     .llama3_rope_scaling = true, .sliding_window_keys = false, .llama_mlp_keys = true, .qkv_bias_key = false,
+     .moe = false},
+    {.family = ModelFamily::Qwen2Moe, .model_type = "qwen2_moe", .architecture = "Qwen2MoeForCausalLM",
+     .attention_bias_always = false, .head_dim_in_config = false, .default_head_dim = 0, .qk_norm = false,
+     .llama3_rope_scaling = false, .sliding_window_keys = true, .llama_mlp_keys = false, .qkv_bias_key = true,
+     .moe = true},
+    {.family = ModelFamily::Qwen3Moe, .model_type = "qwen3_moe", .architecture = "Qwen3MoeForCausalLM",
+     .attention_bias_always = false, .head_dim_in_config = true, .default_head_dim = 0, .qk_norm = true,
+     .llama3_rope_scaling = false, .sliding_window_keys = true, .llama_mlp_keys = false, .qkv_bias_key = false,
+     .moe = true}};
+constexpr std::string_view kSupported =
+    "Qwen2ForCausalLM (qwen2), Qwen3ForCausalLM (qwen3), LlamaForCausalLM (llama), Qwen2MoeForCausalLM "
+    "(qwen2_moe), Qwen3MoeForCausalLM (qwen3_moe)";
+
+// The mixture-of-experts keys of a qwen2_moe / qwen3_moe config.json, with transformers' defaults
+// where a key may be absent.
+MoeConfig parse_moe_config(const JsonReader& doc, const ModelConfig& c) {
+  MoeConfig m;
+  m.num_experts = doc.integer("num_experts", 1);
+  m.experts_per_token = doc.integer("num_experts_per_tok", 1, m.num_experts);
+  m.expert_intermediate_size = doc.integer("moe_intermediate_size", 1);
+  if (c.family == ModelFamily::Qwen2Moe)
+    m.shared_expert_intermediate_size = doc.integer("shared_expert_intermediate_size", 1);
+  m.norm_topk_prob = doc.optional_bool("norm_topk_prob").value_or(false);
+  m.decoder_sparse_step = doc.optional_integer("decoder_sparse_step", 1).value_or(1);
+  if (const std::optional<JsonReader> only = doc.optional_array("mlp_only_layers"))
+    for (size_t i = 0; i < only->size(); ++i) m.mlp_only_layers.push_back((*only)[i].as_integer(0, c.num_hidden_layers - 1));
+  if (const std::optional<JsonReader> coef = doc.find("router_aux_loss_coef")) {
+    m.router_aux_loss_coef = coef->as_number();
+    if (m.router_aux_loss_coef < 0) coef->fail(fmt::format("is {}; expected 0 or more", m.router_aux_loss_coef));
+  }
+  m.output_router_logits = doc.optional_bool("output_router_logits").value_or(false);
+  return m;
+}
 
 ModelFamily check_architecture(const JsonReader& doc) {
   std::optional<ModelFamily> by_arch, by_type;
@@ -313,8 +347,18 @@ ModelConfig parse_model_config(const nlohmann::json& document, const std::string
       doc.fail(field, fmt::format("gives head_dim {}; the attention kernels take at most {}", c.head_dim(),
                                   kMaxAttentionHeadDim));
   }
+  if (traits.qkv_bias_key) c.attention_bias = doc.optional_bool("qkv_bias").value_or(true);
+  if (traits.moe) c.moe = parse_moe_config(doc, c);
   c.quant = parse_quant_config(doc, c);
+  if (c.moe.enabled() && c.quant.enabled())
+    doc.fail("quantization_config", "is set on a mixture-of-experts model; memtune reads and writes float "
+                                    "mixture-of-experts checkpoints only (quantized experts are not supported yet)");
   return c;
+}
+
+bool MoeConfig::sparse(int64_t layer) const {
+  return enabled() && layer % decoder_sparse_step == decoder_sparse_step - 1 &&
+         std::find(mlp_only_layers.begin(), mlp_only_layers.end(), layer) == mlp_only_layers.end();
 }
 
 ModelConfig load_config_json(const std::string& path) {
@@ -410,7 +454,22 @@ nlohmann::json config_json(const ModelConfig& c) {
       {"torch_dtype", dtype_torch_name(c.torch_dtype)},
   };
   if (traits.head_dim_in_config) j["head_dim"] = c.head_dim();
-  if (!traits.attention_bias_always) j["attention_bias"] = c.attention_bias;
+  if (traits.qkv_bias_key)
+    j["qkv_bias"] = c.attention_bias;
+  else if (!traits.attention_bias_always)
+    j["attention_bias"] = c.attention_bias;
+  if (traits.moe) {
+    const MoeConfig& m = c.moe;
+    j["num_experts"] = m.num_experts;
+    j["num_experts_per_tok"] = m.experts_per_token;
+    j["moe_intermediate_size"] = m.expert_intermediate_size;
+    if (c.family == ModelFamily::Qwen2Moe) j["shared_expert_intermediate_size"] = m.shared_expert_intermediate_size;
+    j["norm_topk_prob"] = m.norm_topk_prob;
+    j["decoder_sparse_step"] = m.decoder_sparse_step;
+    j["mlp_only_layers"] = m.mlp_only_layers;
+    j["router_aux_loss_coef"] = m.router_aux_loss_coef;
+    j["output_router_logits"] = m.output_router_logits;
+  }
   if (traits.sliding_window_keys) {
     j["use_sliding_window"] = false;
     j["sliding_window"] = nullptr;
@@ -477,6 +536,23 @@ std::vector<Preset> make_presets() {
                        .rope_scaling = {},
                        .quant = {}};
   };
+  auto qwen3_moe = [&](int64_t hidden, int64_t intermediate, int64_t layers, int64_t heads, int64_t kv_heads,
+                       int64_t expert_intermediate) {
+    ModelConfig c = qwen3(hidden, intermediate, layers, heads, kv_heads, false);
+    c.family = ModelFamily::Qwen3Moe;
+    c.moe = {.num_experts = 128, .experts_per_token = 8, .expert_intermediate_size = expert_intermediate,
+             .norm_topk_prob = true};
+    return c;
+  };
+  auto qwen2_moe = [&](int64_t hidden, int64_t intermediate, int64_t layers, int64_t heads, int64_t kv_heads,
+                       int64_t experts, int64_t per_token, int64_t expert_intermediate, int64_t shared,
+                       int64_t max_positions) {
+    ModelConfig c = qwen25(hidden, intermediate, layers, heads, kv_heads, 151936, false, 1e-6, max_positions);
+    c.family = ModelFamily::Qwen2Moe;
+    c.moe = {.num_experts = experts, .experts_per_token = per_token, .expert_intermediate_size = expert_intermediate,
+             .shared_expert_intermediate_size = shared};
+    return c;
+  };
   // meta-llama/Llama-3.2-*B and Llama-3.1-*B: vocabulary 128256, 8 KV heads, RoPE theta 500000
   // with Llama 3 scaling (factor 32 for 3.2, 8 for 3.1; low 1, high 4, original 8192 positions).
   auto llama3 = [](int64_t hidden, int64_t intermediate, int64_t layers, int64_t heads, int64_t head_dim, bool tied,
@@ -522,6 +598,18 @@ std::vector<Preset> make_presets() {
   tiny_qwen3.explicit_head_dim = 24;
   tiny_qwen3.attention_bias = false;
   tiny_qwen3.qk_norm = true;
+  // Mixtures of experts small enough for the tests and transformers' oracle: 8 experts, 2 a token,
+  // renormalized (qwen3_moe); 6 experts, 2 a token, a shared expert, layer 0 dense (qwen2_moe's
+  // decoder_sparse_step 2).
+  ModelConfig tiny_qwen3_moe = tiny_qwen3;
+  tiny_qwen3_moe.family = ModelFamily::Qwen3Moe;
+  tiny_qwen3_moe.explicit_head_dim = 24;
+  tiny_qwen3_moe.moe = {.num_experts = 8, .experts_per_token = 2, .expert_intermediate_size = 48,
+                        .norm_topk_prob = true};
+  ModelConfig tiny_qwen2_moe = tiny;
+  tiny_qwen2_moe.family = ModelFamily::Qwen2Moe;
+  tiny_qwen2_moe.moe = {.num_experts = 6, .experts_per_token = 2, .expert_intermediate_size = 40,
+                        .shared_expert_intermediate_size = 56, .decoder_sparse_step = 2};
   ModelConfig tiny_llama = tiny;
   tiny_llama.family = ModelFamily::Llama;
   tiny_llama.explicit_head_dim = 32;
@@ -539,6 +627,8 @@ std::vector<Preset> make_presets() {
       {"tiny", tiny},
       {"tiny-qwen3", tiny_qwen3},
       {"tiny-llama", tiny_llama},
+      {"tiny-qwen3-moe", tiny_qwen3_moe},
+      {"tiny-qwen2-moe", tiny_qwen2_moe},
       {"qwen2.5-0.5b", qwen25(896, 4864, 24, 14, 2, 151936, true, 1e-6, 32768)},
       {"qwen2.5-1.5b", qwen25(1536, 8960, 28, 12, 2, 151936, true, 1e-6, 131072)},
       {"qwen2.5-3b", qwen25(2048, 11008, 36, 16, 2, 151936, true, 1e-6, 32768)},
@@ -552,6 +642,13 @@ std::vector<Preset> make_presets() {
       {"qwen3-8b", qwen3(4096, 12288, 36, 32, 8, false)},
       {"qwen3-14b", qwen3(5120, 17408, 40, 40, 8, false)},
       {"qwen3-32b", qwen3(5120, 25600, 64, 64, 8, false)},
+      // Qwen/Qwen3-30B-A3B and -235B-A22B (config.json on the Hub): 128 experts, 8 a token,
+      // renormalized, head_dim 128.
+      {"qwen3-30b-a3b", qwen3_moe(2048, 6144, 48, 32, 4, 768)},
+      {"qwen3-235b-a22b", qwen3_moe(4096, 12288, 94, 64, 4, 1536)},
+      // Qwen/Qwen2-57B-A14B and Qwen/Qwen1.5-MoE-A2.7B: a shared expert beside the routed ones.
+      {"qwen2-57b-a14b", qwen2_moe(3584, 18944, 28, 28, 4, 64, 8, 2560, 20480, 131072)},
+      {"qwen1.5-moe-a2.7b", qwen2_moe(2048, 5632, 24, 16, 16, 60, 4, 1408, 5632, 8192)},
       {"llama-3.2-1b", llama3(2048, 8192, 16, 32, 64, true, 32.0)},
       {"llama-3.2-3b", llama3(3072, 8192, 28, 24, 128, true, 32.0)},
       {"llama-3.1-8b", llama3(4096, 14336, 32, 32, 128, false, 8.0)},

@@ -23,7 +23,11 @@ namespace memtune {
 //           each head of q and k before RoPE (q_norm, k_norm)
 //   llama   no biases, head_dim from config.json (default hidden / heads), Llama 3's
 //           rope_scaling ("llama3"), no tied embeddings by default
-enum class ModelFamily { Qwen2, Qwen3, Llama };
+//   qwen2_moe   qwen2's attention (biases from config.json's qkv_bias, default true) with
+//               mixture-of-experts MLPs and a gated shared expert (MoeConfig)
+//   qwen3_moe   qwen3's attention with mixture-of-experts MLPs (head_dim from config.json,
+//               default hidden / heads)
+enum class ModelFamily { Qwen2, Qwen3, Llama, Qwen2Moe, Qwen3Moe };
 struct FamilyTraits {
   ModelFamily family;
   std::string_view model_type;    // config.json's model_type
@@ -38,6 +42,8 @@ struct FamilyTraits {
   bool llama3_rope_scaling;  // rope_scaling's rope_type "llama3" is taken
   bool sliding_window_keys;  // its config.json carries use_sliding_window / max_window_layers
   bool llama_mlp_keys;       // its config.json carries mlp_bias / pretraining_tp
+  bool qkv_bias_key;         // q/k/v biases from config.json's qkv_bias (default true)
+  bool moe;                  // mixture-of-experts MLPs (MoeConfig)
 };
 const FamilyTraits& family_traits(ModelFamily family);
 std::string_view model_family_name(ModelFamily family);  // the config.json model_type
@@ -74,6 +80,27 @@ std::string_view quant_method_name(QuantMethod method);  // "gptq", "awq"
 QuantConfig parse_quantization_name(std::string_view name);
 std::string quantization_name(const QuantConfig& q);  // "gptq-int4", "awq", "none"
 
+// Mixture-of-experts MLPs (qwen2_moe, qwen3_moe; transformers' Qwen2MoeSparseMoeBlock and
+// Qwen3MoeSparseMoeBlock): a router (`mlp.gate`, [experts, hidden], no bias) scores each token,
+// softmax in float32, the top experts_per_token experts run on it (optionally renormalized to sum
+// to 1) and their outputs are summed with those weights; qwen2_moe adds a shared expert on every
+// token, scaled by sigmoid(shared_expert_gate . x). Layer l is sparse unless it is in
+// mlp_only_layers or (l + 1) % decoder_sparse_step != 0; dense layers keep the SwiGLU MLP of
+// intermediate_size.
+struct MoeConfig {
+  int64_t num_experts = 0;  // 0: no mixture of experts
+  int64_t experts_per_token = 0;                // num_experts_per_tok
+  int64_t expert_intermediate_size = 0;         // moe_intermediate_size
+  int64_t shared_expert_intermediate_size = 0;  // qwen2_moe; 0: no shared expert
+  bool norm_topk_prob = false;
+  int64_t decoder_sparse_step = 1;
+  std::vector<int64_t> mlp_only_layers;
+  double router_aux_loss_coef = 0.001;
+  bool output_router_logits = false;
+  bool enabled() const { return num_experts > 0; }
+  bool sparse(int64_t layer) const;
+};
+
 struct ModelConfig {
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;
@@ -93,6 +120,7 @@ struct ModelConfig {
   bool qk_norm = false;           // RMSNorm over each head of q and k before RoPE (qwen3)
   RopeScaling rope_scaling;
   QuantConfig quant;
+  MoeConfig moe;
 
   int64_t head_dim() const { return explicit_head_dim > 0 ? explicit_head_dim : hidden_size / num_attention_heads; }
   int64_t q_dim() const { return num_attention_heads * head_dim(); }
@@ -124,8 +152,8 @@ void check_max_length(const ModelConfig& config, int64_t max_length, const std::
 // The classic (transformers 4.x) config.json form, with architectures/model_type set.
 nlohmann::json config_to_json(const ModelConfig& config);
 
-// Named presets: the real Qwen2.5, Qwen3 and Llama 3 shapes, and `tiny` (`tiny-qwen3`,
-// `tiny-llama`) for tests.
+// Named presets: the real Qwen2.5, Qwen3, Qwen3-MoE, Qwen2-MoE and Llama 3 shapes, and `tiny`
+// (`tiny-qwen3`, `tiny-llama`, `tiny-qwen3-moe`, `tiny-qwen2-moe`) for tests.
 ModelConfig model_preset(const std::string& name);
 // Every preset model_preset knows, comma-separated: "tiny, tiny-qwen3, ..., llama-3.1-70b".
 std::string model_preset_names();

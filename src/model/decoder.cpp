@@ -288,9 +288,13 @@ Tensor Decoder::lora_input(int64_t l, LinearSite s, const Tensor& x) {
 
 void Decoder::linear_forward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& x, const Tensor& y,
                              const Tensor& x16) {
-  const ModelParameters::Linear lin = params_->linear(l, s);
-  Backend& be = *backend_;
   if (linear_input_observer_) linear_input_observer_(l, s, x);
+  product(params_->linear(l, s), x, y, x16);
+  linear_adapters_forward(l, s, a, x, y);
+}
+
+void Decoder::product(const ModelParameters::Linear& lin, const Tensor& x, const Tensor& y, const Tensor& x16) {
+  Backend& be = *backend_;
   // The weight and the bias widen into different scratch buffers (matrix / vector); a few rows
   // (decoding) read a 16-bit weight as it is stored, and quantized weights are never widened whole.
   if (params_->quantized(lin.weight)) {
@@ -303,7 +307,101 @@ void Decoder::linear_forward(int64_t l, LinearSite s, const LayerActs& a, const 
         num_tokens_ <= backend_->stored_weight_rows() ? params_->param(lin.weight) : weight_f32(lin.weight);
     be.matmul_forward(y, x, w, lin.bias ? weight_f32(*lin.bias) : Tensor{});
   }
-  linear_adapters_forward(l, s, a, x, y);
+}
+
+namespace {
+// Rows [r0, r0 + n) of a float32 matrix view.
+Tensor row_range(const Tensor& t, int64_t r0, int64_t n) {
+  return Tensor(t.flat_range(r0 * t.cols(), n * t.cols()).data, DType::F32, {n, t.cols()});
+}
+}  // namespace
+
+void Decoder::moe_forward(int64_t l, const LayerActs& a, const Tensor& x, const Tensor& x_out) {
+  const ModelParameters::MoeParams& p = *params_->layer(l).moe;
+  const MoeConfig& m = config_.moe;
+  const MoeBuffers& b = *buf_.moe;
+  const int64_t N = num_tokens_, D = config_.hidden_size, E = m.num_experts, K = m.experts_per_token;
+  const int64_t Ie = m.expert_intermediate_size, R = N * K;
+  Backend& be = *backend_;
+  Arena& H = *host_arena_;
+  // The router's logits, read back: softmax in float32, each token's K best experts (the first of
+  // equal ones), their weights renormalized to sum to 1 where the config says so.
+  const Tensor logits = arena_->f32(b.router, {N, E});
+  const Tensor x16 = sixteen_bit_step() ? rounded(x) : Tensor{};
+  product({p.router, std::nullopt, D, E}, x, logits, x16);
+  float* probs = H.f32(b.host_logits, {N, E}).as<float>();
+  be.copy_to_host(probs, logits);
+  auto* choices = H.i32(b.host_choices, {R}).as<int32_t>();
+  float* choice_weights = H.f32(b.host_choice_weights, {R}).as<float>();
+  auto* offsets = static_cast<int64_t*>(H.raw(b.host_offsets));  // each expert's first row
+  std::fill(offsets, offsets + E + 1, int64_t{0});
+  for (int64_t n = 0; n < N; ++n) {
+    float* z = probs + n * E;
+    const float top = *std::max_element(z, z + E);
+    float sum = 0.0f;
+    for (int64_t e = 0; e < E; ++e) sum += (z[e] = std::exp(z[e] - top));
+    for (int64_t e = 0; e < E; ++e) z[e] /= sum;
+    int32_t* chosen = choices + n * K;
+    float* w = choice_weights + n * K;
+    float chosen_sum = 0.0f;
+    for (int64_t k = 0; k < K; ++k) {
+      int32_t best = -1;
+      for (int32_t e = 0; e < E; ++e)
+        if (std::find(chosen, chosen + k, e) == chosen + k && (best < 0 || z[e] > z[best])) best = e;
+      chosen[k] = best;
+      w[k] = z[best];
+      chosen_sum += z[best];
+      ++offsets[best + 1];
+    }
+    if (m.norm_topk_prob)
+      for (int64_t k = 0; k < K; ++k) w[k] /= chosen_sum;
+  }
+  for (int64_t e = 0; e < E; ++e) offsets[e + 1] += offsets[e];
+  // Rows grouped by expert, tokens in order within each expert.
+  auto* tokens = H.i32(b.host_tokens, {R}).as<int32_t>();
+  float* weights = H.f32(b.host_weights, {R}).as<float>();
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t r = offsets[choices[n * K + k]]++;
+      tokens[r] = static_cast<int32_t>(n);
+      weights[r] = choice_weights[n * K + k];
+    }
+  for (int64_t e = E; e > 0; --e) offsets[e] = offsets[e - 1];  // each back to its first row
+  offsets[0] = 0;
+  const Tensor row_token_ids = arena_->i32(b.tokens, {R}), row_weight_values = arena_->f32(b.weights, {R});
+  be.copy_to_device(row_token_ids, tokens);
+  be.copy_to_device(row_weight_values, weights);
+  // Each routed row's input, then each expert over its rows.
+  const Tensor rows = arena_->f32(b.rows, {R, D}), outputs = arena_->f32(b.outputs, {R, D});
+  be.gather_rows(rows, x, row_token_ids);
+  auto mlp = [&](const ModelParameters::ExpertParams& w, int64_t width, const Tensor& in, const Tensor& out) {
+    const int64_t c = in.rows();
+    const Tensor gate = arena_->f32(a.gate, {c, width}), up = arena_->f32(a.up, {c, width});
+    const Tensor h = arena_->f32(a.h, {c, width});
+    const Tensor in16 = sixteen_bit_step() ? rounded(in) : Tensor{};
+    product({w.gate, std::nullopt, D, width}, in, gate, in16);
+    product({w.up, std::nullopt, D, width}, in, up, in16);
+    be.swiglu_forward(h, gate, up);
+    product({w.down, std::nullopt, width, D}, h, out);
+  };
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = offsets[e], c = offsets[e + 1] - r0;
+    if (c > 0) mlp(p.experts[static_cast<size_t>(e)], Ie, row_range(rows, r0, c), row_range(outputs, r0, c));
+  }
+  be.fill(x_out, 0.0f);
+  be.scatter_add_rows(x_out, outputs, row_token_ids, row_weight_values);
+  if (!p.shared) return;
+  // The shared expert on every token, scaled by sigmoid(shared_expert_gate . x).
+  const Tensor shared_logit = arena_->f32(b.shared_logit, {N, 1});
+  product({*p.shared_gate, std::nullopt, D, 1}, x, shared_logit, x16);
+  float* gate_values = H.f32(b.host_shared_weights, {N}).as<float>();
+  be.copy_to_host(gate_values, shared_logit);
+  for (int64_t n = 0; n < N; ++n) gate_values[n] = 1.0f / (1.0f + std::exp(-gate_values[n]));
+  const Tensor shared_weights = arena_->f32(b.shared_weights, {N});
+  be.copy_to_device(shared_weights, gate_values);
+  const Tensor shared_out = row_range(outputs, 0, N);
+  mlp(*p.shared, m.shared_expert_intermediate_size, x, shared_out);
+  be.scatter_add_rows(x_out, shared_out, Tensor{}, shared_weights);
 }
 
 void Decoder::linear_group_forward(int64_t l, std::span<const SiteOutput> sites, const LayerActs& a,
@@ -443,7 +541,7 @@ void Decoder::layer_forward(int64_t l, const LayerActs& a, const Tensor& x, cons
   Backend& be = *backend_;
   const Tensor pos = arena_->i32(buf_.positions, {num_tokens_}), freqs = rope_freqs();
   const Tensor ln1 = act(a.ln1, D), q = act(a.q, qd), k = act(a.k, kvd), v = act(a.v, kvd), att = act(a.att, qd);
-  const Tensor res1 = act(a.res1, D), ln2 = act(a.ln2, D), gate = act(a.gate, I), up = act(a.up, I), h = act(a.h, I);
+  const Tensor res1 = act(a.res1, D), ln2 = act(a.ln2, D);
 
   be.rmsnorm_forward(ln1, act(a.rstd1, 1), x, weight_f32(p.ln1), eps);
   if (c.qk_norm) {
@@ -477,9 +575,14 @@ void Decoder::layer_forward(int64_t l, const LayerActs& a, const Tensor& x, cons
   }
   linear_forward(l, LinearSite::O, a, att, res1);
   be.add_rmsnorm_forward(ln2, act(a.rstd2, 1), res1, x, weight_f32(p.ln2), eps);
-  linear_group_forward(l, std::array{SiteOutput{LinearSite::Gate, gate}, SiteOutput{LinearSite::Up, up}}, a, ln2);
-  be.swiglu_forward(h, gate, up);
-  linear_forward(l, LinearSite::Down, a, h, x_out);
+  if (p.moe) {
+    moe_forward(l, a, ln2, x_out);
+  } else {
+    const Tensor gate = act(a.gate, I), up = act(a.up, I), h = act(a.h, I);
+    linear_group_forward(l, std::array{SiteOutput{LinearSite::Gate, gate}, SiteOutput{LinearSite::Up, up}}, a, ln2);
+    be.swiglu_forward(h, gate, up);
+    linear_forward(l, LinearSite::Down, a, h, x_out);
+  }
   be.add_inplace(x_out, res1);
 }
 

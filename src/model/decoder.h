@@ -150,6 +150,12 @@ class Decoder {
   // With 16-bit products, x16 may hold x already rounded (several products of one input).
   void linear_forward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& x, const Tensor& y,
                       const Tensor& x16 = {});
+  // y = x W^T + b for one linear layer, without adapters: the weight as stored (few rows or 16-bit
+  // operands, x16 holding x rounded where given), widened, or quantized.
+  void product(const ModelParameters::Linear& lin, const Tensor& x, const Tensor& y, const Tensor& x16 = {});
+  // A sparse layer's MLP (MoeConfig): x_out = sum over each token's experts of weight x expert(x)
+  // (+ the gated shared expert); gate / up / h hold one expert's activations at a time.
+  void moe_forward(int64_t l, const LayerActs& a, const Tensor& x, const Tensor& x_out);
   // Linear layers of one input (q / k / v, gate / up) as one matmul_forward_group when decoding.
   struct SiteOutput {
     LinearSite site;

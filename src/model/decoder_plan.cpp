@@ -13,7 +13,8 @@ namespace {
 LayerActs declare_layer_acts(const ModelConfig& config_, const ModelOptions& options_, MemoryPlan& plan,
                              const std::string& prefix, Category cat, Phase first, Phase last) {
   const size_t N = static_cast<size_t>(options_.max_tokens);
-  const size_t D = config_.hidden_size, I = config_.intermediate_size, qd = config_.q_dim(), kvd = config_.kv_dim();
+  const size_t D = config_.hidden_size, I = static_cast<size_t>(mlp_width(config_)), qd = config_.q_dim(),
+               kvd = config_.kv_dim();
   const size_t Hq = config_.num_attention_heads;
   auto f32 = [&](const char* name, size_t elems) { return plan.declare(prefix + name, cat, elems * 4, first, last); };
   LayerActs acts{f32("ln1", N * D),  f32("rstd1", N),    f32("q", N * qd),   f32("k", N * kvd), f32("v", N * kvd),
@@ -61,6 +62,15 @@ size_t layer_matrix_scratch_elems(const ModelConfig& c, const std::vector<ParamS
 
 }  // namespace
 
+int64_t mlp_width(const ModelConfig& c) {
+  int64_t width = 0;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+    width = std::max(width, c.moe.sparse(l) ? std::max(c.moe.expert_intermediate_size,
+                                                      c.moe.shared_expert_intermediate_size)
+                                            : c.intermediate_size);
+  return width;
+}
+
 size_t frozen_vector_elems(const ModelConfig& c, const std::vector<ParamSpec>& specs, bool frozen_base) {
   if (!frozen_base || c.torch_dtype == DType::F32) return 0;
   size_t n = 0;
@@ -74,7 +84,31 @@ namespace {
 // A linear product's input (or output gradient) rounded to 16 bits: every row of a step, as wide
 // as the widest of the layer's inputs and outputs.
 size_t half_operand_bytes(const ModelConfig& c, const ModelOptions& o) {
-  return static_cast<size_t>(o.max_tokens * std::max({c.hidden_size, c.intermediate_size, c.q_dim()})) * 2;
+  return static_cast<size_t>(o.max_tokens * std::max({c.hidden_size, mlp_width(c), c.q_dim()})) * 2;
+}
+
+MoeBuffers declare_moe_buffers(const ModelConfig& c, const ModelOptions& o, MemoryPlan& plan, MemoryPlan& host_plan) {
+  const size_t N = static_cast<size_t>(o.max_tokens), D = c.hidden_size, E = c.moe.num_experts;
+  const size_t R = N * static_cast<size_t>(c.moe.experts_per_token);
+  const Phase F = Phase::Forward;
+  auto device = [&](const char* name, size_t bytes) { return plan.declare(std::string("moe.") + name, Category::Working, bytes, F, F); };
+  auto host = [&](const char* name, size_t bytes) {
+    return host_plan.declare_persistent(std::string("staging.moe.") + name, Category::Working, bytes);
+  };
+  return {.router = device("router_logits", N * E * 4),
+          .shared_logit = device("shared_gate_logits", N * 4),
+          .rows = device("routed_rows", R * D * 4),
+          .outputs = device("expert_outputs", R * D * 4),
+          .tokens = device("row_tokens", R * 4),
+          .weights = device("row_weights", R * 4),
+          .shared_weights = device("shared_weights", N * 4),
+          .host_logits = host("router_logits", N * E * 4),
+          .host_choices = host("token_experts", R * 4),
+          .host_choice_weights = host("token_expert_weights", R * 4),
+          .host_tokens = host("row_tokens", R * 4),
+          .host_weights = host("row_weights", R * 4),
+          .host_shared_weights = host("shared_weights", N * 4),
+          .host_offsets = host("expert_offsets", (E + 1) * 8)};
 }
 
 DecoderBuffers declare_inference_buffers(const ModelConfig& c, const ModelOptions& o,
@@ -99,6 +133,7 @@ DecoderBuffers declare_inference_buffers(const ModelConfig& c, const ModelOption
   for (int i = 0; i < 2; ++i)
     b.residual.push_back(plan.declare(fmt::format("act.x{}", i), Category::Working, N * D * 4, F, L));
   b.fwd_scratch = declare_layer_acts(c, o, plan, "fwd.layer.", Category::Working, F, F);
+  if (c.moe.enabled()) b.moe = declare_moe_buffers(c, o, plan, host_plan);
   // 16-bit products for steps of many rows (prefill); decoding's few rows read 16-bit weights
   // with float32 inputs (Decoder::sixteen_bit_step).
   const bool half = sixteen_bit_operands(c, o, backend).has_value();
@@ -214,6 +249,7 @@ DecoderBuffers declare_decoder_buffers(const ModelConfig& c, const ModelOptions&
     b.residual.push_back(plan.declare(fmt::format("act.x{}", l), Category::SavedActivations, N * D * 4, F, keep_until));
   if (options_.gradient_checkpointing || !options_.with_grads) {
     b.fwd_scratch = declare_layer_acts(c, options_, plan, "fwd.layer.", Category::Working, F, F);
+    if (c.moe.enabled()) b.moe = declare_moe_buffers(c, options_, plan, host_plan);
   } else {
     for (int64_t l = 0; l < c.num_hidden_layers; ++l)
       b.saved.push_back(

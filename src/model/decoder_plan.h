@@ -26,6 +26,17 @@ struct LayerActs {
   BufferId adapter_u{};                            // adapter sets: x A^T, [N, largest rank]
 };
 
+// A sparse layer's routing (MoeConfig), one layer at a time in the forward phase: the router's
+// logits [N, experts] and the shared expert's gate logit [N]; the routed rows [N x k, hidden]
+// (each token's input gathered once per chosen expert, grouped by expert) and their experts'
+// outputs; per routed row its token and weight, and the shared expert's weight per token. The
+// routing is computed on the host (host plan: the logits read back, the rows' tokens, weights and
+// each expert's first row) and uploaded: a few numbers per token.
+struct MoeBuffers {
+  BufferId router, shared_logit, rows, outputs, tokens, weights, shared_weights;
+  BufferId host_logits, host_choices, host_choice_weights, host_tokens, host_weights, host_shared_weights, host_offsets;
+};
+
 struct DecoderBuffers {
   static constexpr int64_t kHeadSliceRows = 4096;               // vocabulary rows of a 16-bit head widened at once
   static constexpr size_t kMaxGroupSites = 3;                  // products of one input run as a group (q, k, v)
@@ -57,6 +68,7 @@ struct DecoderBuffers {
   std::array<BufferId, kNumPhases> lora_xd{};
   // Inference (options.inference()): the paged cache per layer, the step's block tables, cache
   // lengths and slots, and the LM head over the last row of each sequence that samples.
+  std::optional<MoeBuffers> moe;  // a mixture-of-experts model (MoeConfig)
   std::vector<BufferId> kv_k, kv_v;
   BufferId block_tables{}, context_lens{}, slots{}, last_rows_index{};
   BufferId last_rows{}, last_normed{}, last_rstd{}, last_logits{};
@@ -66,6 +78,10 @@ struct DecoderBuffers {
   BufferId sample_rows{}, sample_penalties{}, sampled_tokens{};
   int64_t sample_penalty_capacity = 0;
 };
+
+// The widest MLP of the model's layers: intermediate_size where a layer is dense, a sparse layer's
+// expert and shared-expert widths; the MLP activations of a layer hold that many columns per token.
+int64_t mlp_width(const ModelConfig& config);
 
 // The 16-bit dtype the decoder's products take (ModelOptions::compute_dtype) when they do: a
 // model whose (unquantized) weights are stored in it, on a backend that has such products;

@@ -44,6 +44,24 @@ std::vector<ParamSpec> model_parameter_specs(const ModelConfig& c) {
       specs.push_back({p + "self_attn.k_norm.weight", {c.head_dim()}});
     }
     specs.push_back({p + "post_attention_layernorm.weight", {D}});
+    if (c.moe.sparse(l)) {  // transformers' Qwen2MoeSparseMoeBlock / Qwen3MoeSparseMoeBlock
+      const MoeConfig& m = c.moe;
+      const int64_t Ie = m.expert_intermediate_size, Is = m.shared_expert_intermediate_size;
+      specs.push_back({p + "mlp.gate.weight", {m.num_experts, D}});
+      for (int64_t e = 0; e < m.num_experts; ++e) {
+        const std::string x = fmt::format("{}mlp.experts.{}.", p, e);
+        specs.push_back({x + "gate_proj.weight", {Ie, D}});
+        specs.push_back({x + "up_proj.weight", {Ie, D}});
+        specs.push_back({x + "down_proj.weight", {D, Ie}});
+      }
+      if (Is > 0) {
+        specs.push_back({p + "mlp.shared_expert.gate_proj.weight", {Is, D}});
+        specs.push_back({p + "mlp.shared_expert.up_proj.weight", {Is, D}});
+        specs.push_back({p + "mlp.shared_expert.down_proj.weight", {D, Is}});
+        specs.push_back({p + "mlp.shared_expert_gate.weight", {1, D}});
+      }
+      continue;
+    }
     specs.push_back({p + "mlp.gate_proj.weight", {I, D}});
     specs.push_back({p + "mlp.up_proj.weight", {I, D}});
     specs.push_back({p + "mlp.down_proj.weight", {D, I}});
@@ -63,6 +81,14 @@ int64_t model_parameter_count(const ModelConfig& config) {
   int64_t total = 0;
   for (const auto& s : model_parameter_specs(config)) total += s.numel();
   return total;
+}
+
+int64_t model_active_parameter_count(const ModelConfig& config) {
+  int64_t shared = 0, routed = 0;
+  for (const auto& s : model_parameter_specs(config))
+    (s.name.find(".mlp.experts.") != std::string::npos ? routed : shared) += s.numel();
+  const MoeConfig& m = config.moe;
+  return m.enabled() ? shared + routed / m.num_experts * m.experts_per_token : shared;
 }
 
 }  // namespace memtune

@@ -22,9 +22,26 @@
 
 namespace memtune {
 
+void check_mixture_of_experts(const ModelConfig& config, const ModelOptions& options) {
+  if (!config.moe.enabled()) return;
+  const std::string model = fmt::format("{} ({})", family_traits(config.family).architecture,
+                                        model_family_name(config.family));
+  const std::string runs = "memtune evaluates, dumps and generates with mixture-of-experts models (eval, dump, "
+                           "generate, chat, serve) and plans their inference (plan --inference)";
+  if (options.with_grads || options.with_optimizer)
+    throw Error(fmt::format("{}: training mixture-of-experts models is not supported yet; {}", model, runs));
+  if (options.lora.enabled() || !options.adapter_sets.empty())
+    throw Error(fmt::format("{}: LoRA adapters on mixture-of-experts models are not supported yet; {}", model, runs));
+  const Backend& backend = options.backend ? *options.backend : default_backend();
+  if (!backend.computes_mixture_of_experts())
+    throw Error(fmt::format("{}: --backend {} has no mixture-of-experts layers yet; use --backend cpu (or reference)",
+                            model, backend.name()));
+}
+
 ModelParameters::ModelParameters(const ModelConfig& config, const ModelOptions& options, MemoryPlan& device_plan,
                                  MemoryPlan& host_plan)
     : config_(config), options_(options), specs_(model_parameter_specs(config)) {
+  check_mixture_of_experts(config, options);
   std::unordered_map<std::string, size_t> index;
   for (size_t k = 0; k < specs_.size(); ++k) index[specs_[k].name] = k;
   auto find = [&](const std::string& name) -> std::optional<size_t> {
@@ -40,14 +57,27 @@ ModelParameters::ModelParameters(const ModelConfig& config, const ModelOptions& 
                              .wv = at(p + "self_attn.v_proj.weight"),
                              .wo = at(p + "self_attn.o_proj.weight"),
                              .ln2 = at(p + "post_attention_layernorm.weight"),
-                             .wg = at(p + "mlp.gate_proj.weight"),
-                             .wu = at(p + "mlp.up_proj.weight"),
-                             .wd = at(p + "mlp.down_proj.weight"),
+                             .wg = find(p + "mlp.gate_proj.weight").value_or(kNone),
+                             .wu = find(p + "mlp.up_proj.weight").value_or(kNone),
+                             .wd = find(p + "mlp.down_proj.weight").value_or(kNone),
                              .bq = find(p + "self_attn.q_proj.bias"),
                              .bk = find(p + "self_attn.k_proj.bias"),
                              .bv = find(p + "self_attn.v_proj.bias"),
                              .q_norm = find(p + "self_attn.q_norm.weight"),
-                             .k_norm = find(p + "self_attn.k_norm.weight")});
+                             .k_norm = find(p + "self_attn.k_norm.weight"),
+                             .moe = std::nullopt});
+    if (config.moe.sparse(l)) {
+      MoeParams m{.router = at(p + "mlp.gate.weight"), .experts = {}, .shared = std::nullopt, .shared_gate = std::nullopt};
+      auto expert = [&](const std::string& x) {
+        return ExpertParams{at(x + "gate_proj.weight"), at(x + "up_proj.weight"), at(x + "down_proj.weight")};
+      };
+      for (int64_t e = 0; e < config.moe.num_experts; ++e) m.experts.push_back(expert(fmt::format("{}mlp.experts.{}.", p, e)));
+      if (config.moe.shared_expert_intermediate_size > 0) {
+        m.shared = expert(p + "mlp.shared_expert.");
+        m.shared_gate = at(p + "mlp.shared_expert_gate.weight");
+      }
+      layer_params_.back().moe = std::move(m);
+    }
   }
   final_norm_ = at("model.norm.weight");
   head_ = config.tie_word_embeddings ? embed_ : at("lm_head.weight");

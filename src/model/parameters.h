@@ -38,6 +38,9 @@ struct ParamSpec {
 // All parameters of a Qwen2ForCausalLM in Hugging Face order (lm_head.weight only when untied).
 std::vector<ParamSpec> model_parameter_specs(const ModelConfig& config);
 int64_t model_parameter_count(const ModelConfig& config);
+// The parameters one token's forward pass reads: all of them but the routed experts', of which
+// experts_per_token of num_experts count (a mixture of experts' "activated" parameters).
+int64_t model_active_parameter_count(const ModelConfig& config);
 // The bits of a parameter a quantized model holds packed (io/quantized.h): every decoder layer's
 // linear weight (quant.bits) and, with quant.lm_head_bits, the LM head; 0 for the others.
 int packed_bits(const ModelConfig& config, const ParamSpec& spec);
@@ -102,6 +105,11 @@ struct ModelOptions {
   bool shards_optimizer() const { return zero_stage >= 1 && world_size > 1; }
 };
 
+// What a mixture-of-experts model (MoeConfig) may do with these options: forward passes without
+// gradients or adapters, on a backend that computes its layers; an Error naming the model and the
+// missing piece otherwise.
+void check_mixture_of_experts(const ModelConfig& config, const ModelOptions& options);
+
 class ModelParameters {
  public:
   // Declares the weights (device plan), their gradients and the trainables with their optimizer
@@ -115,10 +123,24 @@ class ModelParameters {
   bool optimizer_sharded() const { return options_.shards_optimizer(); }
 
   const std::vector<ParamSpec>& specs() const { return specs_; }
+  static constexpr size_t kNone = SIZE_MAX;
+  // A sparse layer's mixture of experts (MoeConfig): the router, each expert's gate / up / down,
+  // and a shared expert with its gate where the family has one.
+  struct ExpertParams {
+    size_t gate, up, down;
+  };
+  struct MoeParams {
+    size_t router;
+    std::vector<ExpertParams> experts;
+    std::optional<ExpertParams> shared;
+    std::optional<size_t> shared_gate;
+  };
   struct LayerParams {  // indices into specs()
-    size_t ln1, wq, wk, wv, wo, ln2, wg, wu, wd;
+    size_t ln1, wq, wk, wv, wo, ln2;
+    size_t wg = kNone, wu = kNone, wd = kNone;  // the dense MLP; kNone in a sparse layer
     std::optional<size_t> bq, bk, bv;     // q/k/v biases (config.attention_bias)
     std::optional<size_t> q_norm, k_norm;  // per-head RMSNorm weights (config.qk_norm)
+    std::optional<MoeParams> moe;          // a sparse layer (MoeConfig::sparse)
   };
   struct Linear {  // one linear layer of a decoder layer
     size_t weight;

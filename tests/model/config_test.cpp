@@ -12,6 +12,8 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "core/error.h"
 #include "support/test_util.h"
@@ -475,10 +477,10 @@ TEST(ModelConfigTest, RefusesWhatQwen3AndLlamaDoNotSupport) {
   doc = qwen3_06b();
   doc["head_dim"] = 127;
   refused(doc, "head_dim");
-  doc = qwen3_06b();
+  doc = qwen3_06b();  // a mixture of experts needs its own keys
   doc["model_type"] = "qwen3_moe";
   doc["architectures"] = {"Qwen3MoeForCausalLM"};
-  EXPECT_CONTAINS(refused(doc, "architectures"), "Qwen3MoeForCausalLM");
+  refused(doc, "num_experts");
 }
 
 TEST(ModelConfigTest, Qwen3AndLlama3PresetsMatchThePublishedModels) {
@@ -501,6 +503,88 @@ TEST(ModelConfigTest, Qwen3AndLlama3PresetsMatchThePublishedModels) {
   const int64_t mlp = 3 * q.hidden_size * q.intermediate_size;
   EXPECT_EQ(model_parameter_count(q),
             q.vocab_size * q.hidden_size + q.num_hidden_layers * (attention + mlp + 2 * q.hidden_size) + q.hidden_size);
+}
+
+// Model cards: Qwen3-30B-A3B 30.5B parameters, 3.3B activated (3.35B counted here, the embedding
+// and the head included); Qwen3-235B-A22B 235B, 22B; Qwen2-57B-A14B 57B, 14B; Qwen1.5-MoE-A2.7B
+// 14.3B, 2.7B.
+TEST(ModelConfigTest, MixtureOfExpertsPresetsMatchThePublishedModels) {
+  const std::tuple<const char*, double, double, double> published[] = {
+      {"qwen3-30b-a3b", 30.5, 3.3, 0.06},     {"qwen3-235b-a22b", 235.0, 22.0, 0.5},
+      {"qwen2-57b-a14b", 57.0, 14.0, 0.5},    {"qwen1.5-moe-a2.7b", 14.3, 2.7, 0.05}};
+  for (const auto& [name, total, active, digits] : published) {
+    const ModelConfig c = model_preset(name);
+    EXPECT_TRUE(c.moe.enabled()) << name;
+    EXPECT_NEAR(static_cast<double>(model_parameter_count(c)) / 1e9, total, digits) << name;
+    EXPECT_NEAR(static_cast<double>(model_active_parameter_count(c)) / 1e9, active, digits) << name;
+  }
+  // A dense model's parameters are all active.
+  EXPECT_EQ(model_active_parameter_count(model_preset("qwen3-8b")), model_parameter_count(model_preset("qwen3-8b")));
+  // Qwen3-30B-A3B's layer by hand: attention (no biases, q/k norms), the router, 128 experts.
+  const ModelConfig q = model_preset("qwen3-30b-a3b");
+  const int64_t D = q.hidden_size, Ie = q.moe.expert_intermediate_size;
+  const int64_t attention = 2 * D * q.q_dim() + 2 * D * q.kv_dim() + 2 * q.head_dim();
+  const int64_t layer = attention + 128 * D + 128 * 3 * D * Ie + 2 * D;
+  EXPECT_EQ(model_parameter_count(q), 2 * q.vocab_size * D + q.num_hidden_layers * layer + D);
+}
+
+TEST(ModelConfigTest, MixtureOfExpertsConfigsRoundTripAndSayWhichLayersAreSparse) {
+  for (const char* name : {"tiny-qwen3-moe", "tiny-qwen2-moe", "qwen3-30b-a3b", "qwen2-57b-a14b"}) {
+    const ModelConfig c = model_preset(name);
+    const json doc = config_to_json(c);
+    const ModelConfig back = parse_model_config(json::parse(doc.dump()), name);
+    EXPECT_EQ(back.family, c.family) << name;
+    EXPECT_EQ(back.attention_bias, c.attention_bias) << name;
+    EXPECT_EQ(back.head_dim(), c.head_dim()) << name;
+    EXPECT_EQ(back.moe.num_experts, c.moe.num_experts) << name;
+    EXPECT_EQ(back.moe.experts_per_token, c.moe.experts_per_token) << name;
+    EXPECT_EQ(back.moe.expert_intermediate_size, c.moe.expert_intermediate_size) << name;
+    EXPECT_EQ(back.moe.shared_expert_intermediate_size, c.moe.shared_expert_intermediate_size) << name;
+    EXPECT_EQ(back.moe.norm_topk_prob, c.moe.norm_topk_prob) << name;
+    EXPECT_EQ(back.moe.decoder_sparse_step, c.moe.decoder_sparse_step) << name;
+    EXPECT_EQ(model_parameter_count(back), model_parameter_count(c)) << name;
+  }
+  EXPECT_EQ(config_to_json(model_preset("qwen2-57b-a14b"))["architectures"], json({"Qwen2MoeForCausalLM"}));
+  EXPECT_EQ(config_to_json(model_preset("qwen3-30b-a3b"))["model_type"], "qwen3_moe");
+  // transformers' rule: sparse unless in mlp_only_layers or (l + 1) % decoder_sparse_step != 0.
+  json doc = config_to_json(model_preset("tiny-qwen3-moe"));
+  doc["num_hidden_layers"] = 6;
+  doc["decoder_sparse_step"] = 2;
+  doc["mlp_only_layers"] = {3};
+  const ModelConfig c = parse_model_config(doc, "config.json");
+  std::vector<bool> sparse;
+  for (int64_t l = 0; l < 6; ++l) sparse.push_back(c.moe.sparse(l));
+  EXPECT_EQ(sparse, (std::vector<bool>{false, true, false, false, false, true}));
+  // Qwen2-MoE's attention biases come from qkv_bias, default true.
+  json q2 = config_to_json(model_preset("tiny-qwen2-moe"));
+  q2.erase("qkv_bias");
+  EXPECT_TRUE(parse_model_config(q2, "config.json").attention_bias);
+  q2["qkv_bias"] = false;
+  EXPECT_FALSE(parse_model_config(q2, "config.json").attention_bias);
+}
+
+TEST(ModelConfigTest, RefusesWhatMixtureOfExpertsConfigsCannotHold) {
+  auto error = [](json doc) {
+    try {
+      parse_model_config(doc, "moe/config.json");
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  json doc = config_to_json(model_preset("tiny-qwen3-moe"));
+  json more = doc;
+  more["num_experts_per_tok"] = 9;  // of 8 experts
+  EXPECT_NE(error(more).find("num_experts_per_tok"), std::string::npos) << error(more);
+  more = doc;
+  more.erase("moe_intermediate_size");
+  EXPECT_NE(error(more).find("moe_intermediate_size"), std::string::npos) << error(more);
+  more = doc;
+  more["mlp_only_layers"] = {2};  // of 2 layers
+  EXPECT_NE(error(more).find("mlp_only_layers"), std::string::npos) << error(more);
+  more = doc;
+  more["quantization_config"] = {{"quant_method", "gptq"}, {"bits", 4}, {"group_size", 32}};
+  EXPECT_NE(error(more).find("quantized experts are not supported yet"), std::string::npos) << error(more);
 }
 
 TEST(ModelConfigTest, Llama3RopeScalingKeepsHighFrequenciesAndSlowsLowOnes) {

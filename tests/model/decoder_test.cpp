@@ -2,6 +2,7 @@
 // gradient checkpointing and loss chunking change nothing numerically, packed sequences are
 // independent, 16-bit storage stays 16-bit, and checkpoints round-trip through HF files.
 #include <gtest/gtest.h>
+#include <fmt/format.h>
 
 #include <unistd.h>
 #include <cmath>
@@ -400,6 +401,95 @@ TEST(Qwen2, MixedPrecisionStaysWithinBfloat16PrecisionOfFloat32Arithmetic) {
     }
   EXPECT_GT(diff2, 0.0);
   EXPECT_LT(std::sqrt(diff2 / ref2), 2.0 / 256) << "relative distance of all gradients";
+}
+
+}  // namespace
+}  // namespace memtune
+
+namespace memtune {
+namespace {
+
+// A mixture of experts whose experts are all one dense MLP, with weights renormalized to sum to
+// 1 (tiny-qwen3-moe: 2 of 8 experts a token), computes exactly that dense model: an oracle
+// written apart from the routing, whatever the routing is. Routers of zeros (every score ties:
+// experts 0 and 1 take every token, the other six none) and random ones (uneven loads), on every
+// backend that computes mixtures of experts, in float32 and with bfloat16 weights.
+TEST(MixtureOfExperts, ExpertsThatAreOneMlpComputeThatDenseModel) {
+  for (const std::string_view name : backend_list()) {
+    if (!backend_named(name).computes_mixture_of_experts()) continue;
+    for (const DType dtype : {DType::F32, DType::BF16})
+      for (const bool zero_router : {true, false}) {
+        SCOPED_TRACE(fmt::format("{} {} {} router", name, dtype_torch_name(dtype), zero_router ? "zero" : "random"));
+        ModelConfig moe = model_preset("tiny-qwen3-moe"), dense = model_preset("tiny-qwen3");
+        moe.torch_dtype = dense.torch_dtype = dtype;
+        dense.intermediate_size = moe.moe.expert_intermediate_size;
+        moe.vocab_size = dense.vocab_size = 300;
+        ModelOptions o;
+        o.max_tokens = 40;
+        o.with_grads = false;
+        o.backend = &backend_named(name);
+        Decoder d(dense, o), m(moe, o);
+        d.parameters().init_random(3);
+        m.parameters().init_random(4);
+        const std::vector<ParamSpec>& specs = m.parameters().specs();
+        for (size_t i = 0; i < specs.size(); ++i) {
+          const std::string& n = specs[i].name;
+          std::string source = n;
+          if (const size_t at = n.find("mlp.experts."); at != std::string::npos)
+            source = n.substr(0, at) + "mlp." + n.substr(n.find('.', at + 12) + 1);
+          if (n.ends_with("mlp.gate.weight")) {
+            if (zero_router) upload_f32(m.backend(), m.parameters().param(i), std::vector<float>(specs[i].numel(), 0.0f));
+            continue;
+          }
+          const auto& dspecs = d.parameters().specs();
+          const auto it = std::find_if(dspecs.begin(), dspecs.end(), [&](const ParamSpec& s) { return s.name == source; });
+          ASSERT_NE(it, dspecs.end()) << n;
+          upload_f32(m.backend(), m.parameters().param(i),
+                     download_f32(d.backend(), d.parameters().param(static_cast<size_t>(it - dspecs.begin()))));
+        }
+        const Sample s = make_sample({23, 17}, 300, 9);
+        std::vector<float> want(40 * 300), got(40 * 300);
+        const double dense_loss = d.forward_loss(s.batch(), want.data()).sum;
+        const double moe_loss = m.forward_loss(s.batch(), got.data()).sum;
+        // Renormalized weights sum to 1 up to float32 rounding: the two outputs differ by a few ulps.
+        EXPECT_TRUE(testing_support::close(got, std::vector<double>(want.begin(), want.end()),
+                                           testing_support::relative_tolerance(1e-5)));
+        EXPECT_NEAR(moe_loss, dense_loss, 1e-5 * std::abs(dense_loss));
+      }
+  }
+}
+
+// What a mixture-of-experts model does not do yet is refused by name before any memory exists.
+TEST(MixtureOfExperts, TrainingAdaptersAndOtherBackendsAreRefusedByName) {
+  const ModelConfig c = model_preset("tiny-qwen2-moe");
+  auto error = [&](const ModelOptions& o) {
+    try {
+      Decoder m(c, o);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  ModelOptions o;
+  o.max_tokens = 8;
+  EXPECT_NE(error(o).find("Qwen2MoeForCausalLM (qwen2_moe): training mixture-of-experts models is not supported yet"),
+            std::string::npos)
+      << error(o);
+  o.with_grads = false;
+  EXPECT_EQ(error(o), "accepted");
+  o.lora.rank = 4;
+  o.lora.targets.fill(true);
+  EXPECT_NE(error(o).find("LoRA adapters on mixture-of-experts models"), std::string::npos) << error(o);
+  o.lora = {};
+  int refused = 0;
+  for (const std::string_view name : backend_list()) {
+    if (backend_named(name).computes_mixture_of_experts()) continue;
+    o.backend = &backend_named(name);
+    EXPECT_NE(error(o).find(fmt::format("--backend {} has no mixture-of-experts layers", name)), std::string::npos)
+        << error(o);
+    ++refused;
+  }
+  std::printf("%d backend(s) without mixture-of-experts layers refuse the model\n", refused);
 }
 
 }  // namespace

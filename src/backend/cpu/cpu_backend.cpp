@@ -222,6 +222,12 @@ class CpuBackend final : public Backend {
     MT_ASSERT(out.cols() == inp.cols() && index.numel() == out.rows());
     cpu::gather_rows(out.f32(), inp.f32(), index.i32(), out.rows(), out.cols());
   }
+  bool computes_mixture_of_experts() const override { return true; }
+  void scatter_add_rows(const Tensor& out, const Tensor& inp, const Tensor& index, const Tensor& weights) override {
+    MT_ASSERT(out.cols() == inp.cols() && weights.numel() == inp.rows() && (!index || index.numel() == inp.rows()));
+    cpu::scatter_add_rows(out.f32(), inp.f32(), index ? index.i32() : nullptr, weights.f32(), inp.rows(), inp.cols(),
+                          out.rows());
+  }
   void swiglu_forward(const Tensor& h, const Tensor& gate, const Tensor& up) override {
     cpu::swiglu_forward(h.f32(), gate.f32(), up.f32(), h.numel());
   }

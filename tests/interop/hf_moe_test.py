@@ -1,0 +1,169 @@
+"""Mixture-of-experts Qwen (Qwen3MoeForCausalLM, Qwen2MoeForCausalLM) between transformers and memtune.
+
+    PY tests/interop/hf_moe_test.py --memtune BIN --workdir DIR [--families qwen3_moe,qwen2_moe]
+
+PY is the pinned Hugging Face environment (scripts/prepare-hf-env.sh). For each family, a tiny
+configuration with many experts (qwen3_moe: 16 experts, 4 a token, renormalized, layer 1 dense
+through mlp_only_layers; qwen2_moe: 12 experts, 3 a token, not renormalized, a gated shared
+expert, layer 0 dense through decoder_sparse_step 2), with one expert's router row scaled so
+that it takes about half the tokens while some take one or none (uneven routing, checked):
+
+1. transformers -> memtune. save_pretrained (float32, sharded) loads in `memtune dump` with
+   transformers' logits (within 1e-4 of the largest) and mean loss; `memtune eval` gives the same
+   loss; greedy decoding (`memtune generate`, the paged-cache path) gives transformers' tokens.
+2. memtune -> transformers. `memtune init-model --preset tiny-qwen3-moe / tiny-qwen2-moe` loads
+   with AutoModelForCausalLM.from_pretrained with no missing or unexpected tensor, and its logits
+   equal `memtune dump`'s.
+3. What is not supported yet says so: `memtune train` on the model exits non-zero naming
+   mixture-of-experts training, and writes no output directory.
+
+Exit status 0 only if every check passes.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "support"))
+sys.path.insert(0, HERE)
+import hf_models_test as hm  # noqa: E402
+from byte_tokenizer import write_tokenizer  # noqa: E402
+from hf_checks import run_families  # noqa: E402
+from numeric import assert_close, check  # noqa: E402
+
+import transformers  # noqa: E402
+from safetensors.numpy import load_file  # noqa: E402
+
+PRESETS = {"qwen3_moe": "tiny-qwen3-moe", "qwen2_moe": "tiny-qwen2-moe"}
+
+
+def hf_config(family):
+    common = dict(vocab_size=hm.VOCAB + 61, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  initializer_range=hm.INIT_STD, rms_norm_eps=1e-6, use_sliding_window=False, sliding_window=None,
+                  tie_word_embeddings=False)
+    if family == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(head_dim=24, num_experts=16, num_experts_per_tok=4,
+                                           moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1],
+                                           **common)
+    return transformers.Qwen2MoeConfig(num_experts=12, num_experts_per_tok=3, moe_intermediate_size=40,
+                                       shared_expert_intermediate_size=56, norm_topk_prob=False,
+                                       decoder_sparse_step=2, **common)
+
+
+def uneven(model):
+    """Expert 0's router row scaled up: it wins wherever its score is positive (about half the
+    tokens), so the experts' loads differ several-fold and some take no token or one."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if isinstance(gate, torch.nn.Linear) and gate.out_features > 1:
+                gate.weight[0] *= 6
+
+
+def mean_loss(model, ids):
+    with torch.no_grad():
+        return float(model(torch.tensor(ids), labels=torch.tensor(ids)).loss)
+
+
+def memtune_dump(memtune, workdir, model_dir, ids):
+    inp = os.path.join(workdir, "moe_dump_in.json")
+    out = os.path.join(workdir, "moe_dump_out.safetensors")
+    with open(inp, "w") as f:
+        json.dump({"input_ids": ids, "labels": ids}, f)
+    hm.run([memtune, "dump", "--model", model_dir, "--input", inp, "--out", out])
+    t = load_file(out)
+    return t["logits"], float(t["loss"])
+
+
+def routing_spread(model, ids):
+    """How many tokens each expert of the first sparse layer takes in transformers (uneven by
+    construction: the test says so when it is not)."""
+    counts = None
+    hook_out = {}
+
+    def hook(_module, _inp, out):
+        hook_out["logits"] = out
+
+    for layer in model.model.layers:
+        gate = getattr(layer.mlp, "gate", None)
+        if isinstance(gate, torch.nn.Linear) and gate.out_features > 1:
+            handle = gate.register_forward_hook(hook)
+            with torch.no_grad():
+                model(torch.tensor(ids))
+            handle.remove()
+            k = model.config.num_experts_per_tok
+            chosen = torch.topk(torch.softmax(hook_out["logits"].float(), -1), k, dim=-1).indices
+            counts = torch.bincount(chosen.flatten(), minlength=gate.out_features).tolist()
+            break
+    return counts
+
+
+def hf_to_memtune(memtune, workdir, family, checks):
+    torch.manual_seed({"qwen3_moe": 11, "qwen2_moe": 12}[family])
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(family)).eval()
+    uneven(model)
+    d = os.path.join(workdir, family, "hf_f32")
+    ids = hm.batch()
+    with checks.case(f"{family}: transformers' float32 save_pretrained (sharded) in memtune dump: logits and loss"):
+        shutil.rmtree(d, ignore_errors=True)
+        model.save_pretrained(d, max_shard_size="200KB")
+        write_tokenizer(d)
+        check(hm.sharded(d) > 1, f"{d}: transformers wrote no shards")
+        counts = routing_spread(model, ids)
+        tokens = len(ids) * len(ids[0])
+        mean = tokens * model.config.num_experts_per_tok / len(counts or [1])
+        check(counts is not None and max(counts) >= 2 * mean and min(counts) <= 1,
+              lambda: f"routing is not uneven enough for the test: tokens per expert {counts} of {tokens}")
+        print(f"      tokens per expert in the first sparse layer: {counts}")
+        logits, loss = memtune_dump(memtune, workdir, d, ids)
+        assert_close(logits, hm.hf_logits(model), rtol=hm.LOGIT_RTOL,
+                     what=f"{family}: logits, memtune against transformers")
+        want = mean_loss(model, ids)
+        check(abs(loss - want) <= hm.LOSS_RTOL * abs(want),
+              lambda: f"{family}: dump's loss {loss} against transformers' {want}")
+    with checks.case(f"{family}: memtune eval's loss equals transformers'"):
+        data = os.path.join(workdir, family, "eval.jsonl")
+        hm.write_texts(data, hm.TEXTS[:3])
+        out = hm.run([memtune, "eval", "--model", d, "--eval_file", data, "--json", "--per_device_eval_batch_size", 3,
+                      "--max_length", 64])
+        got = json.loads(out.strip().splitlines()[-1])["eval_loss"]
+        want = hm.token_mean_loss(model, hm.TEXTS[:3])
+        check(abs(got - want) <= 1e-4 * abs(want), lambda: f"{family}: eval_loss {got} against transformers' {want}")
+    with checks.case(f"{family}: greedy decoding through the paged cache gives transformers' tokens"):
+        hm.same_greedy(hm.memtune_greedy(memtune, workdir, d), model, f"{family}: generate")
+    with checks.case(f"{family}: training is refused by name, nothing written"):
+        data = os.path.join(workdir, family, "train.jsonl")
+        hm.write_texts(data, hm.TEXTS)
+        out = os.path.join(workdir, family, "train_out")
+        shutil.rmtree(out, ignore_errors=True)
+        p = subprocess.run([memtune, "train", "--model", d, "--train_file", data, "--output_dir", out,
+                            "--max_steps", "1", "--max_length", "64"], capture_output=True, text=True, timeout=300)
+        said = p.stdout + p.stderr
+        check(p.returncode != 0 and "training mixture-of-experts models is not supported yet" in said,
+              lambda: f"{family}: train exited {p.returncode}: {said[-600:]}")
+        check(not os.path.exists(out), lambda: f"{family}: a refused train left {out}")
+
+
+def memtune_to_hf(memtune, workdir, family, checks):
+    with checks.case(f"{family}: memtune init-model --preset {PRESETS[family]} in transformers"):
+        d = os.path.join(workdir, family, "memtune_init")
+        shutil.rmtree(d, ignore_errors=True)
+        hm.run([memtune, "init-model", "--preset", PRESETS[family], "--seed", 5, "--out", d,
+                "--set", f"initializer_range={hm.INIT_STD}", "--set", f"vocab_size={hm.VOCAB}"])
+        write_tokenizer(d)
+        model = hm.hf_load(d)
+        logits, _ = memtune_dump(memtune, workdir, d, hm.batch())
+        assert_close(logits, hm.hf_logits(model), rtol=hm.LOGIT_RTOL,
+                     what=f"{family}: logits of memtune's checkpoint, memtune against transformers")
+
+
+if __name__ == "__main__":
+    sys.argv += [] if any(a.startswith("--families") for a in sys.argv) else ["--families", ",".join(PRESETS)]
+    run_families(hf_to_memtune, memtune_to_hf)
