@@ -331,13 +331,15 @@ class Backend {
                                        const Tensor& context_lens, int64_t head_dim, int64_t block_size) = 0;
   // out[r] = inp[index[r]] for rows of float32 matrices.
   virtual void gather_rows(const Tensor& out, const Tensor& inp, const Tensor& index) = 0;
-  // Mixture-of-experts combine: out[index[r]] += weights[r] * inp[r] for every row r of inp, in
-  // row order for each output row (index absent: row r itself). A backend that has it says so
-  // (computes_mixture_of_experts); the decoder refuses a mixture-of-experts model elsewhere.
+  // Mixture-of-experts combine: out[n] += sum over k of weights[rows[n, k]] * inp[rows[n, k]], the
+  // terms added in k order (rows: [N, K] int32 row ids of inp; absent: out[n] += weights[n] *
+  // inp[n]). A gather per output row: every element written by one invocation, no atomics. A
+  // backend that has it says so (computes_mixture_of_experts); the decoder refuses a
+  // mixture-of-experts model elsewhere.
   virtual bool computes_mixture_of_experts() const { return false; }
-  virtual void scatter_add_rows(const Tensor& /*out*/, const Tensor& /*inp*/, const Tensor& /*index*/,
-                                const Tensor& /*weights*/) {
-    MT_ASSERT(false, "this backend has no scatter_add_rows (computes_mixture_of_experts)");
+  virtual void combine_rows(const Tensor& /*out*/, const Tensor& /*inp*/, const Tensor& /*rows*/,
+                            const Tensor& /*weights*/) {
+    MT_ASSERT(false, "this backend has no combine_rows (computes_mixture_of_experts)");
   }
   // h = silu(gate) * up
   virtual void swiglu_forward(const Tensor& h, const Tensor& gate, const Tensor& up) = 0;

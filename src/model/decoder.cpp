@@ -357,20 +357,28 @@ void Decoder::moe_forward(int64_t l, const LayerActs& a, const Tensor& x, const 
       for (int64_t k = 0; k < K; ++k) w[k] /= chosen_sum;
   }
   for (int64_t e = 0; e < E; ++e) offsets[e + 1] += offsets[e];
-  // Rows grouped by expert, tokens in order within each expert.
+  // Rows grouped by expert, tokens in order within each expert; each token's rows ascending
+  // (its experts in id order, the order its outputs are summed in, as transformers sums them).
   auto* tokens = H.i32(b.host_tokens, {R}).as<int32_t>();
   float* weights = H.f32(b.host_weights, {R}).as<float>();
-  for (int64_t n = 0; n < N; ++n)
+  auto* token_rows = H.i32(b.host_token_rows, {N, K}).as<int32_t>();
+  for (int64_t n = 0; n < N; ++n) {
+    int32_t* own = token_rows + n * K;
     for (int64_t k = 0; k < K; ++k) {
       const int64_t r = offsets[choices[n * K + k]]++;
       tokens[r] = static_cast<int32_t>(n);
       weights[r] = choice_weights[n * K + k];
+      own[k] = static_cast<int32_t>(r);
     }
+    std::sort(own, own + K);
+  }
   for (int64_t e = E; e > 0; --e) offsets[e] = offsets[e - 1];  // each back to its first row
   offsets[0] = 0;
   const Tensor row_token_ids = arena_->i32(b.tokens, {R}), row_weight_values = arena_->f32(b.weights, {R});
+  const Tensor rows_of_tokens = arena_->i32(b.token_rows, {N, K});
   be.copy_to_device(row_token_ids, tokens);
   be.copy_to_device(row_weight_values, weights);
+  be.copy_to_device(rows_of_tokens, token_rows);
   // Each routed row's input, then each expert over its rows.
   const Tensor rows = arena_->f32(b.rows, {R, D}), outputs = arena_->f32(b.outputs, {R, D});
   be.gather_rows(rows, x, row_token_ids);
@@ -389,7 +397,7 @@ void Decoder::moe_forward(int64_t l, const LayerActs& a, const Tensor& x, const 
     if (c > 0) mlp(p.experts[static_cast<size_t>(e)], Ie, row_range(rows, r0, c), row_range(outputs, r0, c));
   }
   be.fill(x_out, 0.0f);
-  be.scatter_add_rows(x_out, outputs, row_token_ids, row_weight_values);
+  be.combine_rows(x_out, outputs, rows_of_tokens, row_weight_values);
   if (!p.shared) return;
   // The shared expert on every token, scaled by sigmoid(shared_expert_gate . x).
   const Tensor shared_logit = arena_->f32(b.shared_logit, {N, 1});
@@ -401,7 +409,7 @@ void Decoder::moe_forward(int64_t l, const LayerActs& a, const Tensor& x, const 
   be.copy_to_device(shared_weights, gate_values);
   const Tensor shared_out = row_range(outputs, 0, N);
   mlp(*p.shared, m.shared_expert_intermediate_size, x, shared_out);
-  be.scatter_add_rows(x_out, shared_out, Tensor{}, shared_weights);
+  be.combine_rows(x_out, shared_out, Tensor{}, shared_weights);
 }
 
 void Decoder::linear_group_forward(int64_t l, std::span<const SiteOutput> sites, const LayerActs& a,

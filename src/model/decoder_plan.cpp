@@ -101,12 +101,14 @@ MoeBuffers declare_moe_buffers(const ModelConfig& c, const ModelOptions& o, Memo
           .outputs = device("expert_outputs", R * D * 4),
           .tokens = device("row_tokens", R * 4),
           .weights = device("row_weights", R * 4),
+          .token_rows = device("token_rows", R * 4),
           .shared_weights = device("shared_weights", N * 4),
           .host_logits = host("router_logits", N * E * 4),
           .host_choices = host("token_experts", R * 4),
           .host_choice_weights = host("token_expert_weights", R * 4),
           .host_tokens = host("row_tokens", R * 4),
           .host_weights = host("row_weights", R * 4),
+          .host_token_rows = host("token_rows", R * 4),
           .host_shared_weights = host("shared_weights", N * 4),
           .host_offsets = host("expert_offsets", (E + 1) * 8)};
 }

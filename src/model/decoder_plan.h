@@ -29,12 +29,14 @@ struct LayerActs {
 // A sparse layer's routing (MoeConfig), one layer at a time in the forward phase: the router's
 // logits [N, experts] and the shared expert's gate logit [N]; the routed rows [N x k, hidden]
 // (each token's input gathered once per chosen expert, grouped by expert) and their experts'
-// outputs; per routed row its token and weight, and the shared expert's weight per token. The
-// routing is computed on the host (host plan: the logits read back, the rows' tokens, weights and
-// each expert's first row) and uploaded: a few numbers per token.
+// outputs; per routed row its token and weight, per token its k rows (ascending: expert order),
+// and the shared expert's weight per token. The routing is computed on the host (host plan: the
+// logits read back, each token's choices, the rows' tokens and weights, each expert's first row)
+// and uploaded: a few numbers per token.
 struct MoeBuffers {
-  BufferId router, shared_logit, rows, outputs, tokens, weights, shared_weights;
-  BufferId host_logits, host_choices, host_choice_weights, host_tokens, host_weights, host_shared_weights, host_offsets;
+  BufferId router, shared_logit, rows, outputs, tokens, weights, token_rows, shared_weights;
+  BufferId host_logits, host_choices, host_choice_weights, host_tokens, host_weights, host_token_rows,
+      host_shared_weights, host_offsets;
 };
 
 struct DecoderBuffers {

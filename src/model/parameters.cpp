@@ -34,8 +34,8 @@ void check_mixture_of_experts(const ModelConfig& config, const ModelOptions& opt
     throw Error(fmt::format("{}: LoRA adapters on mixture-of-experts models are not supported yet; {}", model, runs));
   const Backend& backend = options.backend ? *options.backend : default_backend();
   if (!backend.computes_mixture_of_experts())
-    throw Error(fmt::format("{}: --backend {} has no mixture-of-experts layers yet; use --backend cpu (or reference)",
-                            model, backend.name()));
+    throw Error(fmt::format("{}: --backend {} has no mixture-of-experts layers yet; use --backend cpu", model,
+                            backend.name()));
 }
 
 ModelParameters::ModelParameters(const ModelConfig& config, const ModelOptions& options, MemoryPlan& device_plan,

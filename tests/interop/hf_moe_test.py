@@ -9,8 +9,9 @@ expert, layer 0 dense through decoder_sparse_step 2), with one expert's router r
 that it takes about half the tokens while some take one or none (uneven routing, checked):
 
 1. transformers -> memtune. save_pretrained (float32, sharded) loads in `memtune dump` with
-   transformers' logits (within 1e-4 of the largest) and mean loss; `memtune eval` gives the same
-   loss; greedy decoding (`memtune generate`, the paged-cache path) gives transformers' tokens.
+   transformers' logits (within 1e-4 of the largest) and mean loss, on the cpu backend and on
+   vulkan (Mesa's lavapipe in CI); `memtune eval` gives the same loss; greedy decoding (`memtune
+   generate`, the paged-cache path, cpu and vulkan) gives transformers' tokens.
 2. memtune -> transformers. `memtune init-model --preset tiny-qwen3-moe / tiny-qwen2-moe` loads
    with AutoModelForCausalLM.from_pretrained with no missing or unexpected tensor, and its logits
    equal `memtune dump`'s.
@@ -72,14 +73,25 @@ def mean_loss(model, ids):
         return float(model(torch.tensor(ids), labels=torch.tensor(ids)).loss)
 
 
-def memtune_dump(memtune, workdir, model_dir, ids):
+def memtune_dump(memtune, workdir, model_dir, ids, backend="cpu"):
     inp = os.path.join(workdir, "moe_dump_in.json")
     out = os.path.join(workdir, "moe_dump_out.safetensors")
     with open(inp, "w") as f:
         json.dump({"input_ids": ids, "labels": ids}, f)
-    hm.run([memtune, "dump", "--model", model_dir, "--input", inp, "--out", out])
+    hm.run([memtune, "dump", "--model", model_dir, "--input", inp, "--out", out, "--backend", backend])
     t = load_file(out)
     return t["logits"], float(t["loss"])
+
+
+def vulkan_greedy(memtune, workdir, model_dir):
+    inp = os.path.join(workdir, "moe_prompts.jsonl")
+    with open(inp, "w") as f:
+        for p in hm.PROMPTS:
+            f.write(json.dumps({"prompt_ids": p}) + "\n")
+    out = os.path.join(workdir, "moe_generated.jsonl")
+    hm.run([memtune, "generate", "--model", model_dir, "--input", inp, "--output", out, "--temperature", "0",
+            "--max_new_tokens", hm.NEW_TOKENS, "--ignore_eos", "--skip_tokenizer_init", "--json", "--backend", "vulkan"])
+    return [json.loads(line)["token_ids"] for line in open(out)]
 
 
 def routing_spread(model, ids):
@@ -128,6 +140,10 @@ def hf_to_memtune(memtune, workdir, family, checks):
         want = mean_loss(model, ids)
         check(abs(loss - want) <= hm.LOSS_RTOL * abs(want),
               lambda: f"{family}: dump's loss {loss} against transformers' {want}")
+    with checks.case(f"{family}: the same logits on --backend vulkan"):
+        logits, _ = memtune_dump(memtune, workdir, d, ids, backend="vulkan")
+        assert_close(logits, hm.hf_logits(model), rtol=hm.LOGIT_RTOL,
+                     what=f"{family}: logits on vulkan, memtune against transformers")
     with checks.case(f"{family}: memtune eval's loss equals transformers'"):
         data = os.path.join(workdir, family, "eval.jsonl")
         hm.write_texts(data, hm.TEXTS[:3])
@@ -136,8 +152,9 @@ def hf_to_memtune(memtune, workdir, family, checks):
         got = json.loads(out.strip().splitlines()[-1])["eval_loss"]
         want = hm.token_mean_loss(model, hm.TEXTS[:3])
         check(abs(got - want) <= 1e-4 * abs(want), lambda: f"{family}: eval_loss {got} against transformers' {want}")
-    with checks.case(f"{family}: greedy decoding through the paged cache gives transformers' tokens"):
+    with checks.case(f"{family}: greedy decoding through the paged cache gives transformers' tokens, cpu and vulkan"):
         hm.same_greedy(hm.memtune_greedy(memtune, workdir, d), model, f"{family}: generate")
+        hm.same_greedy(vulkan_greedy(memtune, workdir, d), model, f"{family}: generate --backend vulkan")
     with checks.case(f"{family}: training is refused by name, nothing written"):
         data = os.path.join(workdir, family, "train.jsonl")
         hm.write_texts(data, hm.TEXTS)

@@ -223,10 +223,11 @@ class CpuBackend final : public Backend {
     cpu::gather_rows(out.f32(), inp.f32(), index.i32(), out.rows(), out.cols());
   }
   bool computes_mixture_of_experts() const override { return true; }
-  void scatter_add_rows(const Tensor& out, const Tensor& inp, const Tensor& index, const Tensor& weights) override {
-    MT_ASSERT(out.cols() == inp.cols() && weights.numel() == inp.rows() && (!index || index.numel() == inp.rows()));
-    cpu::scatter_add_rows(out.f32(), inp.f32(), index ? index.i32() : nullptr, weights.f32(), inp.rows(), inp.cols(),
-                          out.rows());
+  void combine_rows(const Tensor& out, const Tensor& inp, const Tensor& rows, const Tensor& weights) override {
+    MT_ASSERT(inp.cols() == out.cols() && weights.numel() == inp.rows() &&
+              (rows ? rows.rows() == out.rows() : inp.rows() == out.rows()));
+    cpu::combine_rows(out.f32(), inp.f32(), rows ? rows.i32() : nullptr, rows ? rows.cols() : 1, weights.f32(),
+                      out.rows(), out.cols(), inp.rows());
   }
   void swiglu_forward(const Tensor& h, const Tensor& gate, const Tensor& up) override {
     cpu::swiglu_forward(h.f32(), gate.f32(), up.f32(), h.numel());

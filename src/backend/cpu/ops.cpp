@@ -639,20 +639,19 @@ void gather_rows(float* out, const float* inp, const int32_t* index, int64_t R, 
   for (int64_t r = 0; r < R; ++r) std::copy_n(inp + int64_t{index[r]} * C, C, out + r * C);
 }
 
-void scatter_add_rows(float* out, const float* inp, const int32_t* index, const float* weights, int64_t R, int64_t C,
-                      int64_t out_rows) {
-  for (int64_t r = 0; index && r < R; ++r) MT_ASSERT(index[r] >= 0 && index[r] < out_rows, "scatter_add_rows: an index outside the output");
-  constexpr int64_t kBlock = 64;
-  const int64_t blocks = (C + kBlock - 1) / kBlock;
-#pragma omp parallel for schedule(static) if (R * C > kParallelMinElements)
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t c0 = b * kBlock, c1 = std::min(C, c0 + kBlock);
-    for (int64_t r = 0; r < R; ++r) {
-      float* o = out + static_cast<int64_t>(index ? index[r] : r) * C;
+void combine_rows(float* out, const float* inp, const int32_t* rows, int64_t K, const float* weights, int64_t N,
+                  int64_t C, int64_t R) {
+  for (int64_t i = 0; rows && i < N * K; ++i)
+    MT_ASSERT(rows[i] >= 0 && rows[i] < R, "combine_rows: a row outside the input");
+#pragma omp parallel for schedule(static) if (N * K * C > kParallelMinElements)
+  for (int64_t n = 0; n < N; ++n) {
+    float* o = out + n * C;
+    for (int64_t k = 0; k < K; ++k) {
+      const int64_t r = rows ? rows[n * K + k] : n;
       const float* x = inp + r * C;
       const float w = weights[r];
 #pragma omp simd
-      for (int64_t c = c0; c < c1; ++c) o[c] += w * x[c];
+      for (int64_t c = 0; c < C; ++c) o[c] += w * x[c];
     }
   }
 }

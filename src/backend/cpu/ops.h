@@ -126,10 +126,10 @@ void paged_attention_forward(float* out, const float* q, const void* k_cache, co
                              const int32_t* context_lens, int64_t num_seqs, int64_t Hq, int64_t Hkv, int64_t hd,
                              int64_t block_size);
 void gather_rows(float* out, const float* inp, const int32_t* index, int64_t R, int64_t C);
-// out[index[r]] += weights[r] * inp[r] over R rows of C (index null: row r), each output row's
-// sum in row order: parallel over column blocks, as embedding_backward.
-void scatter_add_rows(float* out, const float* inp, const int32_t* index, const float* weights, int64_t R, int64_t C,
-                      int64_t out_rows);
+// out[n] += sum over k of weights[rows[n, k]] * inp[rows[n, k]] for N rows of C, in k order
+// (rows null: K = 1, row n); inp has R rows. Parallel over output rows.
+void combine_rows(float* out, const float* inp, const int32_t* rows, int64_t K, const float* weights, int64_t N,
+                  int64_t C, int64_t R);
 
 // h = silu(gate) * up
 void swiglu_forward(float* h, const float* gate, const float* up, int64_t n);

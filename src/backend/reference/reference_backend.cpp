@@ -350,16 +350,17 @@ class ReferenceBackend final : public Backend {
       for (int64_t c = 0; c < out.cols(); ++c) out.f32()[r * out.cols() + c] = inp.f32()[index.i32()[r] * inp.cols() + c];
   }
   bool computes_mixture_of_experts() const override { return true; }
-  void scatter_add_rows(const Tensor& out, const Tensor& inp, const Tensor& index, const Tensor& weights) override {
+  void combine_rows(const Tensor& out, const Tensor& inp, const Tensor& rows, const Tensor& weights) override {
     Access a(*this);
-    MT_ASSERT(out.cols() == inp.cols() && weights.numel() == inp.rows() && (!index || index.numel() == inp.rows()));
-    const int64_t C = inp.cols();
-    for (int64_t r = 0; r < inp.rows(); ++r) {
-      const int64_t o = index ? index.i32()[r] : r;
-      MT_ASSERT(o >= 0 && o < out.rows(), "scatter_add_rows: an index outside the output");
-      for (int64_t c = 0; c < C; ++c)
-        out.f32()[o * C + c] += static_cast<float>(double(weights.f32()[r]) * inp.f32()[r * C + c]);
-    }
+    const int64_t N = out.rows(), C = out.cols(), K = rows ? rows.cols() : 1;
+    MT_ASSERT(inp.cols() == C && weights.numel() == inp.rows() && (rows ? rows.rows() == N : inp.rows() == N));
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t r = rows ? rows.i32()[n * K + k] : n;
+        MT_ASSERT(r >= 0 && r < inp.rows(), "combine_rows: a row outside the input");
+        for (int64_t c = 0; c < C; ++c)
+          out.f32()[n * C + c] += static_cast<float>(double(weights.f32()[r]) * inp.f32()[r * C + c]);
+      }
   }
   void swiglu_forward(const Tensor& h, const Tensor& gate, const Tensor& up) override {
     Access a(*this);

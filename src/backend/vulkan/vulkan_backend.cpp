@@ -290,6 +290,12 @@ class VulkanBackend final : public Backend {
                    {writes(k_cache), writes(v_cache), reads(k), reads(v), reads(slots)});
   }
   void gather_rows(const Tensor& out, const Tensor& inp, const Tensor& index) override { rows_op(out, inp, index, 0); }
+  bool computes_mixture_of_experts() const override { return true; }
+  void combine_rows(const Tensor& out, const Tensor& inp, const Tensor& rows, const Tensor& weights) override {
+    MT_ASSERT(inp.cols() == out.cols() && weights.numel() == inp.rows() &&
+              (rows ? rows.rows() == out.rows() : inp.rows() == out.rows()));
+    rows_op(out, inp, rows, 2, weights);
+  }
   void swiglu_backward(const Tensor& dgate, const Tensor& dup, const Tensor& dh, const Tensor& gate,
                        const Tensor& up) override {
     struct {
@@ -929,15 +935,19 @@ class VulkanBackend final : public Backend {
              accumulate ? 1u : 0u, alpha};
     ctx().dispatch(d[1], reduce, {writes(out), scratch(false), reads(bias)});
   }
-  // mode 0: out[r] = inp[index[r]]; mode 1: out[index[r]] = inp[r] (rows of float32 matrices).
-  void rows_op(const Tensor& out, const Tensor& inp, const Tensor& index, uint32_t mode) {
-    const Tensor& rows = mode == 0 ? out : inp;
+  // mode 0: out[r] = inp[index[r]]; mode 1: out[index[r]] = inp[r]; mode 2: combine_rows (rows
+  // of float32 matrices; gather_rows.comp).
+  void rows_op(const Tensor& out, const Tensor& inp, const Tensor& index, uint32_t mode, const Tensor& weights = {}) {
+    const Tensor& rows = mode == 1 ? inp : out;
+    const uint32_t K = mode == 2 && index ? u32(index.cols()) : 1u;
     struct {
-      uint64_t out, inp, index;
-      uint32_t R, C, mode;
-    } push{address(out), address(inp), address(index), u32(rows.rows()), u32(rows.cols()), mode};
-    ctx().dispatch(vulkan_geometry::elementwise("gather_rows", rows.numel(), 8, 0), push,
-                   {writes(out), reads(inp), reads(index)});
+      uint64_t out, inp, index, weights;
+      uint32_t R, C, mode, K, has_index;
+    } push{address(out),     address(inp),     address(index), address(weights),
+           u32(rows.rows()), u32(rows.cols()), mode,           K,
+           index ? 1u : 0u};
+    ctx().dispatch(vulkan_geometry::elementwise("gather_rows", rows.numel(), 8 + 8 * K, 0), push,
+                   {writes(out), reads(inp), reads(index), reads(weights)});
   }
   void quantized(const Tensor& out, const Tensor& inp, const QuantizedWeight& w, const Tensor& bias, uint32_t mode) {
     MT_ASSERT(w.bits == 4 || w.bits == 8 || w.bits == 2, "quantized weights of 2, 4 or 8 bits");
