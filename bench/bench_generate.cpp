@@ -114,6 +114,9 @@ int main(int argc, char** argv) {
     // Each decoded token reads every decoder weight and the LM head once (the embedding: one row).
     const double layer_params = double(D) * (c.q_dim() + 2 * c.kv_dim()) + double(c.q_dim()) * D + 3.0 * D * I;
     double weight_bytes = (L * layer_params + double(V) * D) * dtype_size(dtype);
+    if (c.moe.enabled())  // the routed experts a token reads: experts_per_token of each layer's
+      weight_bytes = (double(model_active_parameter_count(c)) - (c.tie_word_embeddings ? 0.0 : double(V) * D)) *
+                     dtype_size(dtype);
     if (const QuantConfig& q = c.quant; q.enabled()) {  // packed layers: codes, scales, zeros
       weight_bytes = q.lm_head_bits ? 0.0 : double(V) * D * dtype_size(dtype);
       for (const ParamSpec& s : model_parameter_specs(c))

@@ -1,8 +1,8 @@
 #!/usr/bin/python3
-"""Writes a Hugging Face Qwen2 checkpoint as a GGUF v3 file for llama.cpp (the speed comparison
-with llama.cpp, bench/llama_cpp_generate.mjs, runs on the same weights as memtune).
+"""Writes a Hugging Face Qwen2 or Qwen3-MoE checkpoint as a GGUF v3 file for llama.cpp (the speed
+comparison with llama.cpp, bench/llama_cpp_generate.mjs, runs on the same weights as memtune).
 
-Input: a model directory (config.json with model_type "qwen2", model.safetensors or shards named
+Input: a model directory (config.json with model_type "qwen2" or "qwen3_moe", model.safetensors or shards named
 by model.safetensors.index.json, float32 / bfloat16 / float16, tied or untied embeddings, q/k/v
 biases) and a tokenizer.json (byte-level BPE; tokenizer_config.json beside it, when present,
 names bos / eos / pad and the chat template). GPTQ / AWQ checkpoints are refused: convert the
@@ -26,7 +26,10 @@ the last 16 in the high ones. A row length that is not a multiple of 32 keeps fl
 Layout facts llama.cpp relies on: tensor dims are written fastest-first (a [rows, cols] weight
 becomes ne = [cols, rows]), data offsets are multiples of general.alignment (32), and Qwen2's q/k
 weights are written as stored (llama.cpp applies Qwen2's rope as NEOX, on the checkpoint's layout;
-only the Llama converter permutes q/k). The token list is padded to config.json's vocab_size with
+only the Llama converter permutes q/k). A qwen3_moe model (llama.cpp's "qwen3moe") adds q/k norms,
+the router (ffn_gate_inp) and each layer's experts stacked into three 3-D tensors, ffn_gate_exps /
+ffn_up_exps [experts, moe_intermediate, hidden] and ffn_down_exps [experts, hidden,
+moe_intermediate], expert by expert in id order, as the Hugging Face converter stacks them. The token list is padded to config.json's vocab_size with
 "[PAD<id>]" tokens of type UNUSED, as the Hugging Face converter does.
 
 Usage: gguf_writer.py --model DIR [--tokenizer DIR_OR_FILE] --type f32|f16|q8_0|q4_0 --out FILE.gguf
@@ -125,7 +128,8 @@ class Checkpoint:
 
 
 def hf_to_gguf_name(name):
-    """The llama.cpp name of a Qwen2ForCausalLM tensor, or None for one this script does not know."""
+    """The llama.cpp name of a Qwen2ForCausalLM / Qwen3MoeForCausalLM tensor, or None for one this
+    script does not know. A routed expert's projection maps to its layer's stacked tensor."""
     fixed = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
     if name in fixed:
@@ -136,7 +140,11 @@ def hf_to_gguf_name(name):
     parts = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
              "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down"}
+             "mlp.down_proj": "ffn_down", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "mlp.gate": "ffn_gate_inp"}
+    expert = re.fullmatch(r"mlp\.experts\.\d+\.(gate|up|down)_proj", m.group(2))
+    if expert:
+        return f"blk.{m.group(1)}.ffn_{expert.group(1)}_exps.{m.group(3)}"
     part = parts.get(m.group(2))
     return f"blk.{m.group(1)}.{part}.{m.group(3)}" if part else None
 
@@ -236,22 +244,31 @@ def model_metadata(config_path, config):
         method = config["quantization_config"].get("quant_method", "?")
         raise InputError(f"{config_path}: quantization_config names a {method} checkpoint; gguf_writer "
                          "needs the float checkpoint it was quantized from")
-    if config.get("model_type") != "qwen2":
-        raise InputError(f"{config_path}: model_type is {config.get('model_type')!r}; only \"qwen2\" is supported")
+    a = architecture(config_path, config)
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
         if not isinstance(config.get(key), int):
             raise InputError(f"{config_path}: field {key} is missing or not an integer")
     heads = config["num_attention_heads"]
     kv = [
-        ("qwen2.context_length", T_UINT32, config.get("max_position_embeddings", 32768)),
-        ("qwen2.embedding_length", T_UINT32, config["hidden_size"]),
-        ("qwen2.block_count", T_UINT32, config["num_hidden_layers"]),
-        ("qwen2.feed_forward_length", T_UINT32, config["intermediate_size"]),
-        ("qwen2.attention.head_count", T_UINT32, heads),
-        ("qwen2.attention.head_count_kv", T_UINT32, config.get("num_key_value_heads", heads)),
-        ("qwen2.rope.freq_base", T_FLOAT32, float(config.get("rope_theta", 10000.0))),
-        ("qwen2.attention.layer_norm_rms_epsilon", T_FLOAT32, float(config.get("rms_norm_eps", 1e-6))),
+        (f"{a}.context_length", T_UINT32, config.get("max_position_embeddings", 32768)),
+        (f"{a}.embedding_length", T_UINT32, config["hidden_size"]),
+        (f"{a}.block_count", T_UINT32, config["num_hidden_layers"]),
+        (f"{a}.feed_forward_length", T_UINT32, config["intermediate_size"]),
+        (f"{a}.attention.head_count", T_UINT32, heads),
+        (f"{a}.attention.head_count_kv", T_UINT32, config.get("num_key_value_heads", heads)),
+        (f"{a}.rope.freq_base", T_FLOAT32, float(config.get("rope_theta", 10000.0))),
+        (f"{a}.attention.layer_norm_rms_epsilon", T_FLOAT32, float(config.get("rms_norm_eps", 1e-6))),
     ]
+    if a == "qwen3moe":
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        if config.get("mlp_only_layers") or config.get("decoder_sparse_step", 1) != 1:
+            raise InputError(f"{config_path}: dense layers among the sparse ones (mlp_only_layers, "
+                             "decoder_sparse_step) are not written")
+        kv += [(f"{a}.attention.key_length", T_UINT32, head_dim),
+               (f"{a}.attention.value_length", T_UINT32, head_dim),
+               (f"{a}.expert_count", T_UINT32, config["num_experts"]),
+               (f"{a}.expert_used_count", T_UINT32, config["num_experts_per_tok"]),
+               (f"{a}.expert_feed_forward_length", T_UINT32, config["moe_intermediate_size"])]
     scaling = config.get("rope_scaling") or {}
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "yarn":
@@ -261,7 +278,18 @@ def model_metadata(config_path, config):
                 scaling["original_max_position_embeddings"])]
     elif kind not in (None, "default"):
         raise InputError(f"{config_path}: rope_scaling type {kind!r} is not supported (none or yarn)")
-    return kv
+    return [(key.replace("qwen2.", f"{a}.", 1), *rest) for key, *rest in kv]
+
+
+def architecture(config_path, config):
+    """llama.cpp's architecture name for config.json's model_type."""
+    names = {"qwen2": "qwen2", "qwen3_moe": "qwen3moe"}
+    if config.get("model_type") not in names:
+        raise InputError(f"{config_path}: model_type is {config.get('model_type')!r}; supported: "
+                         + ", ".join(f'"{n}"' for n in names))
+    if config.get("model_type") == "qwen3_moe" and not config.get("norm_topk_prob", False):
+        raise InputError(f"{config_path}: norm_topk_prob is false; llama.cpp's qwen3moe renormalizes the experts' weights")
+    return names[config["model_type"]]
 
 
 def tokenizer_metadata(tokenizer_arg, config, config_path):
@@ -319,17 +347,39 @@ def tokenizer_metadata(tokenizer_arg, config, config_path):
 # main
 # ---------------------------------------------------------------------------------------------
 
+def expert_id(hf_name):
+    m = re.search(r"\.mlp\.experts\.(\d+)\.", hf_name)
+    return int(m.group(1)) if m else -1
+
+
 def plan_tensors(ckpt, config, config_path, out_type):
-    """[(gguf name, hf name, shape, ggml type)] in checkpoint order, the output head checked."""
+    """[(gguf name, [hf names], shape, ggml type)] in checkpoint order, the output head checked; a
+    stacked expert tensor lists its experts' tensors in id order and has shape [experts, rows, cols]."""
     tied = config.get("tie_word_embeddings", False)
-    plan = []
+    plan, stacked = [], {}
     for hf_name in ckpt.tensors:
         name = hf_to_gguf_name(hf_name)
         if name is None:
-            raise InputError(f"{ckpt.tensors[hf_name][0]}: tensor {hf_name} is not part of a Qwen2ForCausalLM")
+            raise InputError(f"{ckpt.tensors[hf_name][0]}: tensor {hf_name} is not part of a "
+                             "Qwen2ForCausalLM or Qwen3MoeForCausalLM")
         if name == "output.weight" and tied:
             continue  # tied: llama.cpp reads the head from token_embd
-        shape = ckpt.shape(hf_name)
+        if "_exps." in name:
+            if name not in stacked:
+                stacked[name] = []
+                plan.append([name, stacked[name], None, None])
+            stacked[name].append(hf_name)
+            continue
+        plan.append([name, [hf_name], ckpt.shape(hf_name), None])
+    for entry in plan:
+        name, hf_names = entry[0], entry[1]
+        if name in stacked:
+            hf_names.sort(key=expert_id)
+            if [expert_id(n) for n in hf_names] != list(range(config.get("num_experts", -1))):
+                raise InputError(f"{config_path}: {name} does not stack experts 0..{config.get('num_experts')} - 1")
+            entry[2] = (len(hf_names), *ckpt.shape(hf_names[0]))
+    typed = []
+    for name, hf_names, shape, _ in plan:
         if len(shape) == 1 or out_type == "f32":
             ggml_type = GGML_F32
         elif out_type == "f16" or shape[-1] % QK != 0:
@@ -338,7 +388,10 @@ def plan_tensors(ckpt, config, config_path, out_type):
             ggml_type = GGML_Q8_0
         else:
             ggml_type = GGML_Q4_0
-        plan.append((name, hf_name, shape, ggml_type))
+        if name.endswith("ffn_gate_inp.weight"):
+            ggml_type = GGML_F32  # the router stays float32, as llama.cpp's quantizer leaves it
+        typed.append((name, hf_names, shape, ggml_type))
+    plan = typed
     names = {p[0] for p in plan}
     if "token_embd.weight" not in names:
         raise InputError(f"{config_path}: the checkpoint has no model.embed_tokens.weight")
@@ -348,7 +401,7 @@ def plan_tensors(ckpt, config, config_path, out_type):
 
 
 def main():
-    parser = argparse.ArgumentParser(description="Write a Qwen2 checkpoint as a GGUF v3 file.")
+    parser = argparse.ArgumentParser(description="Write a Qwen2 or Qwen3-MoE checkpoint as a GGUF v3 file.")
     parser.add_argument("--model", required=True, help="Hugging Face model directory")
     parser.add_argument("--tokenizer", help="tokenizer directory or tokenizer.json (default: --model)")
     parser.add_argument("--type", required=True, choices=sorted(FILE_TYPES), help="weight type")
@@ -357,7 +410,7 @@ def main():
 
     config_path = os.path.join(args.model, "config.json")
     config = load_json(config_path, "the model's config")
-    kv = [("general.architecture", T_STRING, "qwen2"),
+    kv = [("general.architecture", T_STRING, architecture(config_path, config)),
           ("general.name", T_STRING, os.path.basename(os.path.normpath(args.model))),
           ("general.file_type", T_UINT32, FILE_TYPES[args.type]),
           ("general.quantization_version", T_UINT32, 2),
@@ -381,12 +434,13 @@ def main():
     tmp = args.out + ".tmp"
     with open(tmp, "wb") as f:
         f.write(header)
-        for name, hf_name, shape, ggml_type in plan:
-            rows = shape[0] if len(shape) > 1 else 1
-            cols = shape[-1] if len(shape) > 1 else shape[0]
-            step = max(1, (1 << 22) // cols)  # about 16 MB of float32 at a time
-            for start in range(0, rows, step):
-                f.write(encode_rows(ggml_type, ckpt.rows(hf_name, start, min(rows, start + step))))
+        for name, hf_names, shape, ggml_type in plan:
+            for hf_name in hf_names:  # a stacked tensor: each expert's rows after the previous one's
+                rows = shape[-2] if len(shape) > 1 else 1
+                cols = shape[-1]
+                step = max(1, (1 << 22) // cols)  # about 16 MB of float32 at a time
+                for start in range(0, rows, step):
+                    f.write(encode_rows(ggml_type, ckpt.rows(hf_name, start, min(rows, start + step))))
             f.write(b"\0" * (-tensor_bytes(ggml_type, shape) % ALIGNMENT))
     os.replace(tmp, args.out)
     counts = {}

@@ -258,6 +258,22 @@ def table_quantize(results):
     return lines
 
 
+def table_moe(results):
+    """A mixture-of-experts model's generation, memtune against llama.cpp on the same weights."""
+    lines = ["| run | machine | memtune prefill tok/s | llama.cpp prefill tok/s | vs llama.cpp | memtune batch-1 "
+             "decode tok/s | llama.cpp decode tok/s | vs llama.cpp | memtune's kernels |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
+    for r in results:
+        for row in r["rows"]:
+            mt, ll = row["memtune"], row["llama_cpp"]
+            decode = mt["decode_tokens_per_s"].get("1", 0.0)
+            lines.append(f"| {row['run']} | {machine_text(r)} | {mt['prefill_tokens_per_s']:.1f} | "
+                         f"{ll['prefill_tokens_per_s']:.1f} | {mt['prefill_tokens_per_s'] / ll['prefill_tokens_per_s']:.2f}x | "
+                         f"{decode:.1f} | {ll['decode_tokens_per_s']:.1f} | {decode / ll['decode_tokens_per_s']:.2f}x | "
+                         f"{kernels_text(mt.get('products'), ('layers', 'prefill'))} |")
+    return lines
+
+
 def table_python_train(results):
     """The same training through `memtune train` and through memtune.Trainer (scripts/bench-python.sh)."""
     lines = ["| run | machine | CLI tokens/s | memtune.Trainer tokens/s | Python / CLI | largest loss difference |",
@@ -270,7 +286,7 @@ def table_python_train(results):
     return lines
 
 
-TABLES = {"memory": table_memory, "step": table_speed, "train": table_train, "eval": table_eval,
+TABLES = {"memory": table_memory, "step": table_speed, "train": table_train, "eval": table_eval, "moe": table_moe,
           "generate": table_generate, "serve": table_serve, "quantize": table_quantize,
           "python_train": table_python_train}
 

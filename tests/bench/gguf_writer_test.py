@@ -11,6 +11,10 @@ tokenizer, each written as f16, q8_0 and q4_0:
     token_embd then stays Q4_0), and intermediate_size 80, so mlp.down_proj's rows (80 values)
     are not a multiple of 32: those cannot be cut into blocks and must stay float16, as the
     Hugging Face converter does, in every file type.
+And a small Qwen3-MoE checkpoint (4 experts, 2 a token; float32, its experts out of order in the
+file) written as f16: llama.cpp's qwen3moe metadata (expert counts, key length), the router kept
+float32, the q/k norms, and each layer's experts stacked in id order into [experts, rows, cols]
+tensors whose slices are the experts' values.
 gguf.GGUFReader opens each file, and what is checked comes from the package, not from the writer:
 the metadata llama.cpp reads, under the package's key names (gguf.Keys) with its file and token
 type codes; every tensor's name (the Hugging Face name mapped by the package's own converter
@@ -27,6 +31,7 @@ import argparse
 import importlib.metadata
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -210,6 +215,78 @@ def check_file(model, kind, reader, values, inter, tied):
     return [f"{model} {kind}: {f}" for f in failures]
 
 
+def check_moe(work):
+    """A Qwen3-MoE checkpoint (4 experts, 2 a token): llama.cpp's qwen3moe names and metadata, the
+    router in float32, and each layer's experts stacked in id order into [experts, rows, cols]
+    tensors whose slices are the experts' float16 values."""
+    d = os.path.join(work, "model-moe")
+    os.makedirs(d, exist_ok=True)
+    E, I = 4, 32
+    config = {"model_type": "qwen3_moe", "hidden_size": H, "intermediate_size": 96, "num_hidden_layers": L,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": V,
+              "rope_theta": 1e6, "rms_norm_eps": 1e-6, "max_position_embeddings": 128, "tie_word_embeddings": False,
+              "eos_token_id": 30, "num_experts": E, "num_experts_per_tok": 2, "moe_intermediate_size": I,
+              "norm_topk_prob": True}
+    rng = np.random.default_rng(9)
+    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,), "lm_head.weight": (V, H)}
+    for l in range(L):
+        p = f"model.layers.{l}."
+        shapes.update({p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+                       p + "self_attn.q_proj.weight": (64, H), p + "self_attn.k_proj.weight": (32, H),
+                       p + "self_attn.v_proj.weight": (32, H), p + "self_attn.o_proj.weight": (H, 64),
+                       p + "self_attn.q_norm.weight": (16,), p + "self_attn.k_norm.weight": (16,),
+                       p + "mlp.gate.weight": (E, H)})
+        for e in reversed(range(E)):  # the file's order is not the experts' order
+            shapes.update({p + f"mlp.experts.{e}.gate_proj.weight": (I, H), p + f"mlp.experts.{e}.up_proj.weight": (I, H),
+                           p + f"mlp.experts.{e}.down_proj.weight": (H, I)})
+    values, header, blobs, offset = {}, {}, [], 0
+    for name, shape in shapes.items():
+        x = rng.standard_normal(shape).astype(np.float32)
+        values[name] = x
+        blob = x.tobytes()
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + len(blob)]}
+        blobs.append(blob)
+        offset += len(blob)
+    text = json.dumps(header).encode()
+    with open(os.path.join(d, "model.safetensors"), "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+    json.dump(config, open(os.path.join(d, "config.json"), "w"))
+    shutil.copy(os.path.join(work, "model-tied", "tokenizer.json"), d)
+    out = os.path.join(work, "model-moe-f16.gguf")
+    subprocess.run([sys.executable, WRITER, "--model", d, "--type", "f16", "--out", out], check=True)
+    reader = gguf.GGUFReader(out)
+    failures = []
+    arch = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.QWEN3MOE]
+    for key, want in ((f"{arch}.expert_count", E), (f"{arch}.expert_used_count", 2),
+                      (f"{arch}.expert_feed_forward_length", I), (f"{arch}.attention.key_length", 16),
+                      ("general.architecture", arch)):
+        if field(reader, key) != want:
+            failures.append(f"moe: {key} is {field(reader, key)!r}, expected {want!r}")
+    tensors = {t.name: t for t in reader.tensors}
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3MOE, L)
+    for hf, x in values.items():
+        if ".mlp.experts." in hf:
+            continue
+        name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        t = tensors.get(name)
+        want_t = F32 if x.ndim == 1 or name.endswith("ffn_gate_inp.weight") else F16
+        if t is None or t.tensor_type != want_t:
+            failures.append(f"moe: {hf} -> {name}: {None if t is None else t.tensor_type.name}, expected {want_t.name}")
+            continue
+        failures += check_values(name, want_t, x, t)
+    for l in range(L):
+        for proj, gguf_proj in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps")):
+            stacked = np.stack([values[f"model.layers.{l}.mlp.experts.{e}.{proj}.weight"] for e in range(E)])
+            name = f"blk.{l}.{gguf_proj}.weight"
+            t = tensors.get(name)
+            if t is None or tuple(reversed(t.shape.tolist())) != stacked.shape:
+                failures.append(f"moe: {name}: {None if t is None else tuple(reversed(t.shape.tolist()))}, "
+                                f"expected {stacked.shape}")
+                continue
+            failures += check_values(name, t.tensor_type, stacked, t)
+    return failures
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--workdir", required=True)
@@ -234,6 +311,7 @@ def main():
                        capture_output=True, text=True)
     if r.returncode == 0 or "config.json" not in r.stderr or "gptq" not in r.stderr or os.path.exists(out):
         failures.append(f"a GPTQ checkpoint: rc {r.returncode}, {r.stderr.strip()!r}")
+    failures += check_moe(work)
     for f in failures:
         print("FAIL", f)
     print("gguf_writer:", "ok" if not failures else f"{len(failures)} failures")
