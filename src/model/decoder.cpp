@@ -329,6 +329,9 @@ void Decoder::moe_forward(int64_t l, const LayerActs& a, const Tensor& x, const 
   const Tensor logits = arena_->f32(b.router, {N, E});
   const Tensor x16 = sixteen_bit_step() ? rounded(x) : Tensor{};
   product({p.router, std::nullopt, D, E}, x, logits, x16);
+  // The shared expert's gate reads x as well, before the experts' inputs take x16's buffer.
+  const Tensor shared_logit = p.shared ? arena_->f32(b.shared_logit, {N, 1}) : Tensor{};
+  if (p.shared) product({*p.shared_gate, std::nullopt, D, 1}, x, shared_logit, x16);
   float* probs = H.f32(b.host_logits, {N, E}).as<float>();
   be.copy_to_host(probs, logits);
   auto* choices = H.i32(b.host_choices, {R}).as<int32_t>();
@@ -400,8 +403,6 @@ void Decoder::moe_forward(int64_t l, const LayerActs& a, const Tensor& x, const 
   be.combine_rows(x_out, outputs, rows_of_tokens, row_weight_values);
   if (!p.shared) return;
   // The shared expert on every token, scaled by sigmoid(shared_expert_gate . x).
-  const Tensor shared_logit = arena_->f32(b.shared_logit, {N, 1});
-  product({*p.shared_gate, std::nullopt, D, 1}, x, shared_logit, x16);
   float* gate_values = H.f32(b.host_shared_weights, {N}).as<float>();
   be.copy_to_host(gate_values, shared_logit);
   for (int64_t n = 0; n < N; ++n) gate_values[n] = 1.0f / (1.0f + std::exp(-gate_values[n]));

@@ -409,53 +409,75 @@ TEST(Qwen2, MixedPrecisionStaysWithinBfloat16PrecisionOfFloat32Arithmetic) {
 namespace memtune {
 namespace {
 
-// A mixture of experts whose experts are all one dense MLP, with weights renormalized to sum to
-// 1 (tiny-qwen3-moe: 2 of 8 experts a token), computes exactly that dense model: an oracle
-// written apart from the routing, whatever the routing is. Routers of zeros (every score ties:
-// experts 0 and 1 take every token, the other six none) and random ones (uneven loads), on every
-// backend that computes mixtures of experts, in float32 and with bfloat16 weights.
+// A mixture of experts whose experts are all one dense MLP computes that dense model: an oracle
+// written apart from the routing, whatever the routing is. qwen3_moe (tiny-qwen3-moe: 2 of 8
+// experts a token, weights renormalized to sum to 1) with a router of zeros (every score ties:
+// experts 0 and 1 take every token, the other six none) and a random one (uneven loads); qwen2_moe
+// with 4 experts, 2 a token, not renormalized, and a zero router (each chosen weight 1/4, so the
+// routed half plus the shared expert, the same MLP under a zero gate's sigmoid 1/2, is the MLP).
+// On every backend that computes mixtures of experts, in float32 and with bfloat16 weights, and
+// with bfloat16 operands where the backend has them (the rounded inputs are the dense model's).
 TEST(MixtureOfExperts, ExpertsThatAreOneMlpComputeThatDenseModel) {
+  struct Family {
+    const char* moe;
+    const char* dense;
+    bool random_router;
+  };
   for (const std::string_view name : backend_list()) {
     if (!backend_named(name).computes_mixture_of_experts()) continue;
-    for (const DType dtype : {DType::F32, DType::BF16})
-      for (const bool zero_router : {true, false}) {
-        SCOPED_TRACE(fmt::format("{} {} {} router", name, dtype_torch_name(dtype), zero_router ? "zero" : "random"));
-        ModelConfig moe = model_preset("tiny-qwen3-moe"), dense = model_preset("tiny-qwen3");
-        moe.torch_dtype = dense.torch_dtype = dtype;
-        dense.intermediate_size = moe.moe.expert_intermediate_size;
-        moe.vocab_size = dense.vocab_size = 300;
-        ModelOptions o;
-        o.max_tokens = 40;
-        o.with_grads = false;
-        o.backend = &backend_named(name);
-        Decoder d(dense, o), m(moe, o);
-        d.parameters().init_random(3);
-        m.parameters().init_random(4);
-        const std::vector<ParamSpec>& specs = m.parameters().specs();
-        for (size_t i = 0; i < specs.size(); ++i) {
-          const std::string& n = specs[i].name;
-          std::string source = n;
-          if (const size_t at = n.find("mlp.experts."); at != std::string::npos)
-            source = n.substr(0, at) + "mlp." + n.substr(n.find('.', at + 12) + 1);
-          if (n.ends_with("mlp.gate.weight")) {
-            if (zero_router) upload_f32(m.backend(), m.parameters().param(i), std::vector<float>(specs[i].numel(), 0.0f));
-            continue;
+    for (const Family f : {Family{"tiny-qwen3-moe", "tiny-qwen3", false}, Family{"tiny-qwen3-moe", "tiny-qwen3", true},
+                           Family{"tiny-qwen2-moe", "tiny", false}})
+      for (const DType dtype : {DType::F32, DType::BF16})
+        for (const bool half : {false, true}) {
+          if (half && (dtype != DType::BF16 || backend_named(name).sixteen_bit_products(DType::BF16).empty())) continue;
+          SCOPED_TRACE(fmt::format("{} {} {} {} router{}", name, f.moe, dtype_torch_name(dtype),
+                                   f.random_router ? "random" : "zero", half ? ", bfloat16 operands" : ""));
+          ModelConfig moe = model_preset(f.moe), dense = model_preset(f.dense);
+          if (moe.family == ModelFamily::Qwen2Moe) {
+            moe.moe.num_experts = 4;
+            moe.moe.decoder_sparse_step = 1;
+            moe.moe.shared_expert_intermediate_size = moe.moe.expert_intermediate_size;
           }
+          moe.torch_dtype = dense.torch_dtype = dtype;
+          dense.intermediate_size = moe.moe.expert_intermediate_size;
+          moe.vocab_size = dense.vocab_size = 300;
+          ModelOptions o;
+          o.max_tokens = 40;
+          o.with_grads = false;
+          o.backend = &backend_named(name);
+          o.compute_dtype = half ? DType::BF16 : DType::F32;
+          Decoder d(dense, o), m(moe, o);
+          d.parameters().init_random(3);
+          m.parameters().init_random(4);
+          const std::vector<ParamSpec>& specs = m.parameters().specs();
           const auto& dspecs = d.parameters().specs();
-          const auto it = std::find_if(dspecs.begin(), dspecs.end(), [&](const ParamSpec& s) { return s.name == source; });
-          ASSERT_NE(it, dspecs.end()) << n;
-          upload_f32(m.backend(), m.parameters().param(i),
-                     download_f32(d.backend(), d.parameters().param(static_cast<size_t>(it - dspecs.begin()))));
+          for (size_t i = 0; i < specs.size(); ++i) {
+            const std::string& n = specs[i].name;
+            std::string source = n;
+            if (const size_t at = n.find("mlp.experts."); at != std::string::npos)
+              source = n.substr(0, at) + "mlp." + n.substr(n.find('.', at + 12) + 1);
+            if (const size_t at = n.find("mlp.shared_expert."); at != std::string::npos)
+              source = n.substr(0, at) + "mlp." + n.substr(at + 18);
+            const bool gate = n.ends_with("mlp.gate.weight") || n.ends_with("mlp.shared_expert_gate.weight");
+            if (gate) {
+              if (!f.random_router || n.ends_with("shared_expert_gate.weight"))
+                upload_f32(m.backend(), m.parameters().param(i), std::vector<float>(specs[i].numel(), 0.0f));
+              continue;
+            }
+            const auto it = std::find_if(dspecs.begin(), dspecs.end(), [&](const ParamSpec& s) { return s.name == source; });
+            ASSERT_NE(it, dspecs.end()) << n;
+            upload_f32(m.backend(), m.parameters().param(i),
+                       download_f32(d.backend(), d.parameters().param(static_cast<size_t>(it - dspecs.begin()))));
+          }
+          const Sample s = make_sample({23, 17}, 300, 9);
+          std::vector<float> want(40 * 300), got(40 * 300);
+          const double dense_loss = d.forward_loss(s.batch(), want.data()).sum;
+          const double moe_loss = m.forward_loss(s.batch(), got.data()).sum;
+          // The chosen weights sum to 1 up to float32 rounding: the outputs differ by a few ulps.
+          EXPECT_TRUE(testing_support::close(got, std::vector<double>(want.begin(), want.end()),
+                                             testing_support::relative_tolerance(1e-5)));
+          EXPECT_NEAR(moe_loss, dense_loss, 1e-5 * std::abs(dense_loss));
         }
-        const Sample s = make_sample({23, 17}, 300, 9);
-        std::vector<float> want(40 * 300), got(40 * 300);
-        const double dense_loss = d.forward_loss(s.batch(), want.data()).sum;
-        const double moe_loss = m.forward_loss(s.batch(), got.data()).sum;
-        // Renormalized weights sum to 1 up to float32 rounding: the two outputs differ by a few ulps.
-        EXPECT_TRUE(testing_support::close(got, std::vector<double>(want.begin(), want.end()),
-                                           testing_support::relative_tolerance(1e-5)));
-        EXPECT_NEAR(moe_loss, dense_loss, 1e-5 * std::abs(dense_loss));
-      }
   }
 }
 
