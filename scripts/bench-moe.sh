@@ -10,15 +10,11 @@
 # (scripts/bench_results.py tables: the moe table).
 # Usage: scripts/bench-moe.sh [prompt=128] [new_tokens=64]
 set -euo pipefail
-root="$(cd "$(dirname "$0")/.." && pwd)"
 prompt="${1:-128}" new="${2:-64}"
-"$root/scripts/install-deps.sh"
-"$root/scripts/build.sh" "$root/build" > /dev/null
-tokenizer="${MEMTUNE_TOKENIZER_DIR:-}"
-[[ -n "$tokenizer" ]] || tokenizer="$("$root/scripts/prepare-tokenizer.sh" | tail -n 1)"
+source "$(dirname "$0")/bench-common.sh"  # root, memtune (built), tokenizer
 model="$root/out/bench/qwen3-moe-2b"
 if [[ ! -f "$model/model.safetensors.index.json" && ! -f "$model/model.safetensors" ]]; then
-  "$root/build/memtune" init-model --preset qwen3-30b-a3b --torch_dtype bfloat16 --seed 1 --out "$model" \
+  "$memtune" init-model --preset qwen3-30b-a3b --torch_dtype bfloat16 --seed 1 --out "$model" \
     --set hidden_size=1024 --set num_hidden_layers=16 --set num_attention_heads=16 --set num_key_value_heads=4 \
     --set head_dim=64 --set num_experts=64 --set moe_intermediate_size=512
 fi

@@ -55,6 +55,29 @@ FILE_TYPES = {"f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.M
 ARCH = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.QWEN2]
 
 
+def write_safetensors(path, shapes, rng, bf16):
+    """Standard normal tensors of `shapes` (name -> shape) as one safetensors file, bfloat16 (by
+    truncation) or float32; returns each tensor's values as float32."""
+    values, header, blobs, offset = {}, {}, [], 0
+    for name, shape in shapes.items():
+        x = rng.standard_normal(shape).astype(np.float32)
+        if bf16:
+            bits = (x.view(np.uint32) >> 16).astype("<u2")
+            values[name] = (bits.astype(np.uint32) << 16).view(np.float32)
+            blob = bits.tobytes()
+        else:
+            values[name] = x
+            blob = x.tobytes()
+        header[name] = {"dtype": "BF16" if bf16 else "F32", "shape": list(shape),
+                        "data_offsets": [offset, offset + len(blob)]}
+        blobs.append(blob)
+        offset += len(blob)
+    text = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+    return values
+
+
 def write_checkpoint(d, tied, inter, seed):
     os.makedirs(d, exist_ok=True)
     config = {"model_type": "qwen2", "hidden_size": H, "intermediate_size": inter, "num_hidden_layers": L,
@@ -74,18 +97,7 @@ def write_checkpoint(d, tied, inter, seed):
                        p + "self_attn.v_proj.weight": (32, H), p + "self_attn.v_proj.bias": (32,),
                        p + "self_attn.o_proj.weight": (H, H), p + "mlp.gate_proj.weight": (inter, H),
                        p + "mlp.up_proj.weight": (inter, H), p + "mlp.down_proj.weight": (H, inter)})
-    values, header, blobs, offset = {}, {}, [], 0
-    for name, shape in shapes.items():
-        x = rng.standard_normal(shape).astype(np.float32)
-        bits = (x.view(np.uint32) >> 16).astype("<u2")  # bfloat16 by truncation
-        values[name] = (bits.astype(np.uint32) << 16).view(np.float32)
-        blob = bits.tobytes()
-        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + len(blob)]}
-        blobs.append(blob)
-        offset += len(blob)
-    text = json.dumps(header).encode()
-    with open(os.path.join(d, "model.safetensors"), "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+    values = write_safetensors(os.path.join(d, "model.safetensors"), shapes, rng, bf16=True)
     vocab = {chr(ord("a") + i): i for i in range(26)}
     vocab.update({"ab": 26, "abc": 27})
     tokenizer = {"model": {"type": "BPE", "vocab": vocab, "merges": ["a b", "ab c"]},
@@ -239,17 +251,7 @@ def check_moe(work):
         for e in reversed(range(E)):  # the file's order is not the experts' order
             shapes.update({p + f"mlp.experts.{e}.gate_proj.weight": (I, H), p + f"mlp.experts.{e}.up_proj.weight": (I, H),
                            p + f"mlp.experts.{e}.down_proj.weight": (H, I)})
-    values, header, blobs, offset = {}, {}, [], 0
-    for name, shape in shapes.items():
-        x = rng.standard_normal(shape).astype(np.float32)
-        values[name] = x
-        blob = x.tobytes()
-        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + len(blob)]}
-        blobs.append(blob)
-        offset += len(blob)
-    text = json.dumps(header).encode()
-    with open(os.path.join(d, "model.safetensors"), "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+    values = write_safetensors(os.path.join(d, "model.safetensors"), shapes, rng, bf16=False)
     json.dump(config, open(os.path.join(d, "config.json"), "w"))
     shutil.copy(os.path.join(work, "model-tied", "tokenizer.json"), d)
     out = os.path.join(work, "model-moe-f16.gguf")

@@ -193,6 +193,21 @@ int64_t half_gemm(ProductFamily family, DType dtype, int64_t M, int64_t N, int64
       B, C);
 }
 
+namespace {
+// out[i] = in[i] x scale rounded to bfloat16 (bf16) or float16.
+inline void round_scaled(const float* in, uint16_t* out, int64_t n, bool bf16, float scale) {
+  for (int64_t i = 0; i < n; ++i) out[i] = bf16 ? f32_to_bf16(in[i] * scale) : f32_to_f16(in[i] * scale);
+}
+}  // namespace
+
+void round_rows(const float* rows, int64_t count, int64_t n, int64_t stride, uint16_t* out, int64_t out_stride,
+                DType dtype, float scale) {
+  const bool bf16 = dtype == DType::BF16;
+  MT_ASSERT(bf16 || dtype == DType::F16);
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < count; ++r) round_scaled(rows + r * stride, out + r * out_stride, n, bf16, scale);
+}
+
 void round_rows_in_place(float* rows, int64_t count, int64_t n, int64_t stride, DType dtype, float scale) {
   const bool bf16 = dtype == DType::BF16;
   MT_ASSERT(bf16 || dtype == DType::F16);
@@ -207,7 +222,7 @@ void round_rows_in_place(float* rows, int64_t count, int64_t n, int64_t stride, 
     for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
       const int64_t b = std::min(kBlock, n - i0);
       std::memcpy(in, row + 4 * i0, static_cast<size_t>(4 * b));
-      for (int64_t i = 0; i < b; ++i) out[i] = bf16 ? f32_to_bf16(in[i] * scale) : f32_to_f16(in[i] * scale);
+      round_scaled(in, out, b, bf16, scale);
       std::memcpy(row + 2 * i0, out, static_cast<size_t>(2 * b));
     }
   }

@@ -54,5 +54,9 @@ bool tile_unit_kernel(const std::string& implementation);
 // place: row r's 16-bit values take the first half of its own bytes, so the result is a 16-bit
 // matrix with row stride 2 * stride elements. Rows run in parallel, each front to back.
 void round_rows_in_place(float* rows, int64_t count, int64_t n, int64_t stride, DType dtype, float scale);
+// The same rounding into another buffer: rows of n values (row stride `stride` floats) x scale
+// into `out` (row stride out_stride 16-bit values).
+void round_rows(const float* rows, int64_t count, int64_t n, int64_t stride, uint16_t* out, int64_t out_stride,
+                DType dtype, float scale);
 
 }  // namespace memtune::cpu

@@ -845,14 +845,7 @@ void half_head_dense(const LmHeadArgs& a, int64_t m, const uint16_t* rows16, flo
       for (int64_t r = 0; r < m; ++r) std::memcpy(logits + r * V + v0, slice + r * n, static_cast<size_t>(n) * 4);
       continue;
     }
-    const float scale = a.grad_scale;
-    const bool bf16 = half == DType::BF16;
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < m; ++r) {
-      const float* in = logits + r * V + v0;
-      uint16_t* out = slice16 + r * n;
-      for (int64_t i = 0; i < n; ++i) out[i] = bf16 ? f32_to_bf16(in[i] * scale) : f32_to_f16(in[i] * scale);
-    }
+    round_rows(logits + v0, m, n, V, slice16, n, half, a.grad_scale);
     half_gemm(ProductFamily::HeadInputGradient, half, m, D, n, {slice16, n, 1}, {w + v0 * D, D, 1},
               a.drows.as<float>(), D, v0 > 0);
     if (a.dweight)

@@ -266,56 +266,40 @@ void run_task(float* out, const float* inp, const float* prepared, const Layout&
   }
 }
 
-// Output rows o0 .. o0 + rows of the weight as float32 [rows, in]: each word's codes as floats,
-// then each group's scale and zero applied to its run of inputs.
-void dequantize_rows(float* tile, const Layout& w, int64_t o0, int64_t rows) {
+// Inputs k0 .. k0 + n of output row o as float32 into y (k0 and n whole words): each word's codes
+// as floats, then each group's scale and zero applied to its run of inputs.
+void dequantize_piece(float* y, const Layout& w, int64_t o, int64_t k0, int64_t n) {
   const int P = w.per_word();
   const uint32_t mask = (1u << w.bits) - 1u;
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t o = o0 + r;
-    float* y = tile + r * w.in;
-    const uint32_t* words = w.codes + o * (w.in / P);
-    for (int64_t c = 0; c < w.in / P; ++c)
-      for (int j = 0; j < P; ++j) y[c * P + j] = static_cast<float>((words[c] >> (w.bits * j)) & mask);
-    if (w.g_idx) {
-      for (int64_t k = 0; k < w.in; ++k) {
-        const int64_t g = o * w.groups + w.g_idx[k];
-        y[k] = half_to_float(w.scales[g]) * (y[k] - half_to_float(w.zeros[g]));
-      }
-      continue;
-    }
-    for (int64_t g = 0; g < w.groups; ++g) {
-      const float s = half_to_float(w.scales[o * w.groups + g]), z = half_to_float(w.zeros[o * w.groups + g]);
-      const int64_t end = std::min(w.in, (g + 1) * w.group_size);
-      for (int64_t k = g * w.group_size; k < end; ++k) y[k] = s * (y[k] - z);
-    }
+  const uint32_t* words = w.codes + o * (w.in / P) + k0 / P;
+  for (int64_t c = 0; c < n / P; ++c)
+    for (int j = 0; j < P; ++j) y[c * P + j] = static_cast<float>((words[c] >> (w.bits * j)) & mask);
+  for (int64_t i = 0; i < n;) {
+    const int64_t g = w.group(k0 + i);
+    const int64_t run = w.g_idx ? 1 : std::min(n - i, (g + 1) * w.group_size - (k0 + i));
+    const float s = half_to_float(w.scales[o * w.groups + g]), z = half_to_float(w.zeros[o * w.groups + g]);
+    for (int64_t e = i; e < i + run; ++e) y[e] = s * (y[e] - z);
+    i += run;
   }
 }
 
-// The same rows as bfloat16 [rows, in] (rounded to nearest even from the float32 values above),
-// a piece of a row at a time through a float32 buffer on the stack.
+// Output rows o0 .. o0 + rows of the weight as float32 [rows, in].
+void dequantize_rows(float* tile, const Layout& w, int64_t o0, int64_t rows) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; ++r) dequantize_piece(tile + r * w.in, w, o0 + r, 0, w.in);
+}
+
+// The same rows as bfloat16 [rows, in] (the float32 values rounded to nearest even), a piece of a
+// row at a time through a float32 buffer on the stack.
 void dequantize_rows_bf16(uint16_t* tile, const Layout& w, int64_t o0, int64_t rows) {
-  const int P = w.per_word();
-  const uint32_t mask = (1u << w.bits) - 1u;
   constexpr int64_t kPiece = 256;  // a multiple of every per_word()
 #pragma omp parallel for schedule(static)
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t o = o0 + r;
-    const uint32_t* words = w.codes + o * (w.in / P);
     float y[kPiece];
     for (int64_t k0 = 0; k0 < w.in; k0 += kPiece) {
       const int64_t n = std::min(kPiece, w.in - k0);
-      for (int64_t c = 0; c < n / P; ++c)
-        for (int j = 0; j < P; ++j) y[c * P + j] = static_cast<float>((words[k0 / P + c] >> (w.bits * j)) & mask);
-      for (int64_t i = 0; i < n;) {
-        const int64_t k = k0 + i;
-        const int64_t g = w.group(k);
-        const int64_t run = w.g_idx ? 1 : std::min(n - i, (g + 1) * w.group_size - k);
-        const float s = half_to_float(w.scales[o * w.groups + g]), z = half_to_float(w.zeros[o * w.groups + g]);
-        for (int64_t e = i; e < i + run; ++e) tile[r * w.in + k0 + e] = f32_to_bf16(s * (y[e] - z));
-        i += run;
-      }
+      dequantize_piece(y, w, o0 + r, k0, n);
+      convert_from_f32(y, tile + r * w.in + k0, DType::BF16, static_cast<size_t>(n));
     }
   }
 }
