@@ -481,8 +481,9 @@ TEST(MixtureOfExperts, ExpertsThatAreOneMlpComputeThatDenseModel) {
   }
 }
 
-// What a mixture-of-experts model does not do yet is refused by name before any memory exists.
-TEST(MixtureOfExperts, TrainingAdaptersAndOtherBackendsAreRefusedByName) {
+// What a mixture-of-experts model does not do yet (training, adapters) is refused by name before
+// any memory exists; a forward-only model is accepted.
+TEST(MixtureOfExperts, TrainingAndAdaptersAreRefusedByName) {
   const ModelConfig c = model_preset("tiny-qwen2-moe");
   auto error = [&](const ModelOptions& o) {
     try {
@@ -502,16 +503,6 @@ TEST(MixtureOfExperts, TrainingAdaptersAndOtherBackendsAreRefusedByName) {
   o.lora.rank = 4;
   o.lora.targets.fill(true);
   EXPECT_NE(error(o).find("LoRA adapters on mixture-of-experts models"), std::string::npos) << error(o);
-  o.lora = {};
-  int refused = 0;
-  for (const std::string_view name : backend_list()) {
-    if (backend_named(name).computes_mixture_of_experts()) continue;
-    o.backend = &backend_named(name);
-    EXPECT_NE(error(o).find(fmt::format("--backend {} has no mixture-of-experts layers", name)), std::string::npos)
-        << error(o);
-    ++refused;
-  }
-  std::printf("%d backend(s) without mixture-of-experts layers refuse the model\n", refused);
 }
 
 }  // namespace

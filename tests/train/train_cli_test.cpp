@@ -94,6 +94,21 @@ TEST_F(TrainCliTest, FullFineTuningWritesHuggingFaceOutputsLogsAndMemoryReport) 
   const json memory = json::parse(std::ifstream(out / "memory.json"));
   EXPECT_EQ(memory["arena_bytes"], memory["arena_high_water_bytes"]);
   EXPECT_GT(memory["categories"]["optimizer_state"].get<size_t>(), 0u);
+  // Which kernel ran each family of products (backend/products.h): float32 training runs them on
+  // OpenBLAS; the head's three products are one m x V x D product each per chunk, so their work
+  // is equal, and every family took time.
+  std::map<std::string, json> products;
+  for (const json& p : memory["products"]) products[p["family"].get<std::string>()] = p;
+  for (const char* family : {"layers", "head_forward", "head_weight_gradient", "head_input_gradient"}) {
+    ASSERT_TRUE(products.count(family)) << family << " in " << memory["products"].dump();
+    const json& p = products[family];
+    EXPECT_TRUE(p["kernel"].get<std::string>().starts_with("OpenBLAS sgemm (")) << p.dump();
+    EXPECT_GT(p["calls"].get<int64_t>(), 0) << family;
+    EXPECT_GT(p["gflop"].get<double>(), 0.0) << family;
+    EXPECT_GT(p["seconds"].get<double>(), 0.0) << family;
+  }
+  EXPECT_DOUBLE_EQ(products["head_weight_gradient"]["gflop"].get<double>(), products["head_forward"]["gflop"].get<double>());
+  EXPECT_DOUBLE_EQ(products["head_input_gradient"]["gflop"].get<double>(), products["head_forward"]["gflop"].get<double>());
 }
 
 TEST_F(TrainCliTest, LoraWritesAPeftAdapter) {
