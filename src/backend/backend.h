@@ -341,6 +341,16 @@ class Backend {
                             const Tensor& /*weights*/) {
     MT_ASSERT(false, "this backend has no combine_rows (computes_mixture_of_experts)");
   }
+  // The backward of combine_rows over rows that each feed one output row (tokens: [R] int32, the
+  // output row of input row r; absent: r itself): dweights[r] = inp[r] . dout[tokens[r]], then
+  // dinp[r] = weights[r] * dout[tokens[r]]. Both overwrite; dinp may be inp itself (the rows'
+  // values are read before their gradient replaces them). A backend that has it says so
+  // (trains_mixture_of_experts); the decoder refuses to train a mixture of experts elsewhere.
+  virtual bool trains_mixture_of_experts() const { return false; }
+  virtual void combine_rows_backward(const Tensor& /*dinp*/, const Tensor& /*dweights*/, const Tensor& /*inp*/,
+                                     const Tensor& /*dout*/, const Tensor& /*tokens*/, const Tensor& /*weights*/) {
+    MT_ASSERT(false, "this backend has no combine_rows_backward (trains_mixture_of_experts)");
+  }
   // h = silu(gate) * up
   virtual void swiglu_forward(const Tensor& h, const Tensor& gate, const Tensor& up) = 0;
   virtual void swiglu_backward(const Tensor& dgate, const Tensor& dup, const Tensor& dh, const Tensor& gate,

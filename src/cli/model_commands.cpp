@@ -130,9 +130,11 @@ Action add_dump(CLI::App& app) {
     options.loss_workspace_bytes = args->loss_workspace_bytes;
     options.backend = &backend_named(args->backend);
     // A quantized base has no gradients of its own: without an adapter, logits and loss only.
-    // A mixture-of-experts model computes forward passes only (check_mixture_of_experts): logits and loss.
+    // So has a mixture-of-experts model on a backend that runs only its forward pass
+    // (Backend::trains_mixture_of_experts).
     const ModelConfig stored = load_model_config(args->model);
-    options.with_grads = (!args->adapter.empty() || !stored.quant.enabled()) && !stored.moe.enabled();
+    options.with_grads = (!args->adapter.empty() || !stored.quant.enabled()) &&
+                         (!stored.moe.enabled() || options.backend->trains_mixture_of_experts());
     apply_quantized_activations(args->quantized_activations, options, *options.backend);
     const std::unique_ptr<Decoder> model = load_model(args->model, options, args->adapter, {std::nullopt, args->lm_head_bits});
     const ModelConfig& cfg = model->config();

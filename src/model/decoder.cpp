@@ -61,6 +61,12 @@ Decoder::Decoder(const ModelConfig& config, const ModelOptions& options, ModelPa
   batch_last_rows_.reserve(static_cast<size_t>(kv.max_seqs));
   batch_cu_.reserve(static_cast<size_t>(kv.max_seqs) + 1);
   batch_adapters_.reserve(static_cast<size_t>(kv.max_seqs));
+  if (router_aux_loss()) {
+    const size_t E = static_cast<size_t>(config.moe.num_experts);
+    router_aux_.selections.assign(E, 0.0);
+    router_aux_.probabilities.assign(E, 0.0);
+    router_aux_.dprobability.assign(E, 0.0f);
+  }
   if (options.allocate) {
     arena_ = std::make_unique<Arena>(*plan_, backend_);
     if (host_plan_->peak_bytes() > 0) host_arena_ = std::make_unique<Arena>(*host_plan_, nullptr);
@@ -316,22 +322,14 @@ Tensor row_range(const Tensor& t, int64_t r0, int64_t n) {
 }
 }  // namespace
 
-void Decoder::moe_forward(int64_t l, const LayerActs& a, const Tensor& x, const Tensor& x_out) {
-  const ModelParameters::MoeParams& p = *params_->layer(l).moe;
+const int64_t* Decoder::route(const Tensor& logits) {
   const MoeConfig& m = config_.moe;
   const MoeBuffers& b = *buf_.moe;
-  const int64_t N = num_tokens_, D = config_.hidden_size, E = m.num_experts, K = m.experts_per_token;
-  const int64_t Ie = m.expert_intermediate_size, R = N * K;
+  const int64_t N = num_tokens_, E = m.num_experts, K = m.experts_per_token, R = N * K;
   Backend& be = *backend_;
   Arena& H = *host_arena_;
-  // The router's logits, read back: softmax in float32, each token's K best experts (the first of
-  // equal ones), their weights renormalized to sum to 1 where the config says so.
-  const Tensor logits = arena_->f32(b.router, {N, E});
-  const Tensor x16 = sixteen_bit_step() ? rounded(x) : Tensor{};
-  product({p.router, std::nullopt, D, E}, x, logits, x16);
-  // The shared expert's gate reads x as well, before the experts' inputs take x16's buffer.
-  const Tensor shared_logit = p.shared ? arena_->f32(b.shared_logit, {N, 1}) : Tensor{};
-  if (p.shared) product({*p.shared_gate, std::nullopt, D, 1}, x, shared_logit, x16);
+  // Softmax in float32, each token's K best experts (the first of equal ones), their weights
+  // renormalized to sum to 1 where the config says so.
   float* probs = H.f32(b.host_logits, {N, E}).as<float>();
   be.copy_to_host(probs, logits);
   auto* choices = H.i32(b.host_choices, {R}).as<int32_t>();
@@ -359,6 +357,14 @@ void Decoder::moe_forward(int64_t l, const LayerActs& a, const Tensor& x, const 
     if (m.norm_topk_prob)
       for (int64_t k = 0; k < K; ++k) w[k] /= chosen_sum;
   }
+  // The auxiliary loss counts a step's forward pass (not a checkpointed layer's recomputation).
+  if (router_aux_loss() && arena_->phase() == Phase::Forward) {
+    RouterAux& aux = router_aux_;
+    for (int64_t i = 0; i < R; ++i) aux.selections[static_cast<size_t>(choices[i])] += 1.0;
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t e = 0; e < E; ++e) aux.probabilities[static_cast<size_t>(e)] += probs[n * E + e];
+    aux.rows += N;
+  }
   for (int64_t e = 0; e < E; ++e) offsets[e + 1] += offsets[e];
   // Rows grouped by expert, tokens in order within each expert; each token's rows ascending
   // (its experts in id order, the order its outputs are summed in, as transformers sums them).
@@ -377,30 +383,60 @@ void Decoder::moe_forward(int64_t l, const LayerActs& a, const Tensor& x, const 
   }
   for (int64_t e = E; e > 0; --e) offsets[e] = offsets[e - 1];  // each back to its first row
   offsets[0] = 0;
-  const Tensor row_token_ids = arena_->i32(b.tokens, {R}), row_weight_values = arena_->f32(b.weights, {R});
-  const Tensor rows_of_tokens = arena_->i32(b.token_rows, {N, K});
-  be.copy_to_device(row_token_ids, tokens);
-  be.copy_to_device(row_weight_values, weights);
-  be.copy_to_device(rows_of_tokens, token_rows);
+  be.copy_to_device(arena_->i32(b.tokens, {R}), tokens);
+  be.copy_to_device(arena_->f32(b.weights, {R}), weights);
+  be.copy_to_device(arena_->i32(b.token_rows, {N, K}), token_rows);
+  return offsets;
+}
+
+namespace {
+// An MLP's activations over `rows` rows: gate, up and h, each [rows, width] at element `first` of
+// the layer's buffers.
+struct MlpActs {
+  Tensor gate, up, h;
+};
+MlpActs mlp_acts(Arena& arena, const LayerActs& a, int64_t first, int64_t rows, int64_t width) {
+  auto view = [&](BufferId id) {
+    return Tensor(static_cast<float*>(arena.raw(id)) + first, DType::F32, {rows, width});
+  };
+  return {view(a.gate), view(a.up), view(a.h)};
+}
+}  // namespace
+
+void Decoder::moe_forward(int64_t l, const LayerActs& a, const Tensor& x, const Tensor& x_out) {
+  const ModelParameters::MoeParams& p = *params_->layer(l).moe;
+  const MoeConfig& m = config_.moe;
+  const MoeBuffers& b = *buf_.moe;
+  const int64_t N = num_tokens_, D = config_.hidden_size, E = m.num_experts, K = m.experts_per_token;
+  const int64_t Ie = m.expert_intermediate_size, R = N * K;
+  Backend& be = *backend_;
+  Arena& H = *host_arena_;
+  const Tensor logits = arena_->f32(a.router, {N, E});
+  const Tensor x16 = sixteen_bit_step() ? rounded(x) : Tensor{};
+  product({p.router, std::nullopt, D, E}, x, logits, x16);
+  // The shared expert's gate reads x as well, before the experts' inputs take x16's buffer.
+  const Tensor shared_logit = p.shared ? arena_->f32(a.shared_logit, {N, 1}) : Tensor{};
+  if (p.shared) product({*p.shared_gate, std::nullopt, D, 1}, x, shared_logit, x16);
+  const int64_t* offsets = route(logits);
   // Each routed row's input, then each expert over its rows.
   const Tensor rows = arena_->f32(b.rows, {R, D}), outputs = arena_->f32(b.outputs, {R, D});
-  be.gather_rows(rows, x, row_token_ids);
-  auto mlp = [&](const ModelParameters::ExpertParams& w, int64_t width, const Tensor& in, const Tensor& out) {
-    const int64_t c = in.rows();
-    const Tensor gate = arena_->f32(a.gate, {c, width}), up = arena_->f32(a.up, {c, width});
-    const Tensor h = arena_->f32(a.h, {c, width});
+  be.gather_rows(rows, x, arena_->i32(b.tokens, {R}));
+  auto mlp = [&](const ModelParameters::ExpertParams& w, const MlpActs& acts, const Tensor& in, const Tensor& out) {
+    const int64_t width = acts.h.cols();
     const Tensor in16 = sixteen_bit_step() ? rounded(in) : Tensor{};
-    product({w.gate, std::nullopt, D, width}, in, gate, in16);
-    product({w.up, std::nullopt, D, width}, in, up, in16);
-    be.swiglu_forward(h, gate, up);
-    product({w.down, std::nullopt, width, D}, h, out);
+    product({w.gate, std::nullopt, D, width}, in, acts.gate, in16);
+    product({w.up, std::nullopt, D, width}, in, acts.up, in16);
+    be.swiglu_forward(acts.h, acts.gate, acts.up);
+    product({w.down, std::nullopt, width, D}, acts.h, out);
   };
   for (int64_t e = 0; e < E; ++e) {
     const int64_t r0 = offsets[e], c = offsets[e + 1] - r0;
-    if (c > 0) mlp(p.experts[static_cast<size_t>(e)], Ie, row_range(rows, r0, c), row_range(outputs, r0, c));
+    if (c > 0)
+      mlp(p.experts[static_cast<size_t>(e)], mlp_acts(*arena_, a, a.expert_rows ? r0 * Ie : 0, c, Ie),
+          row_range(rows, r0, c), row_range(outputs, r0, c));
   }
   be.fill(x_out, 0.0f);
-  be.combine_rows(x_out, outputs, rows_of_tokens, row_weight_values);
+  be.combine_rows(x_out, outputs, arena_->i32(b.token_rows, {N, K}), arena_->f32(b.weights, {R}));
   if (!p.shared) return;
   // The shared expert on every token, scaled by sigmoid(shared_expert_gate . x).
   float* gate_values = H.f32(b.host_shared_weights, {N}).as<float>();
@@ -409,8 +445,116 @@ void Decoder::moe_forward(int64_t l, const LayerActs& a, const Tensor& x, const 
   const Tensor shared_weights = arena_->f32(b.shared_weights, {N});
   be.copy_to_device(shared_weights, gate_values);
   const Tensor shared_out = row_range(outputs, 0, N);
-  mlp(*p.shared, m.shared_expert_intermediate_size, x, shared_out);
+  mlp(*p.shared, mlp_acts(*arena_, a, a.expert_rows ? R * Ie : 0, N, m.shared_expert_intermediate_size), x,
+      shared_out);
   be.combine_rows(x_out, shared_out, Tensor{}, shared_weights);
+}
+
+void Decoder::moe_backward(int64_t l, const LayerActs& a, const Tensor& x, const Tensor& dy, const Tensor& dx) {
+  MT_ASSERT(a.expert_rows, "a sparse layer's backward reads every routed row's activations");
+  const ModelParameters::MoeParams& p = *params_->layer(l).moe;
+  const MoeConfig& m = config_.moe;
+  const MoeBuffers& b = *buf_.moe;
+  const int64_t N = num_tokens_, D = config_.hidden_size, E = m.num_experts, K = m.experts_per_token;
+  const int64_t Ie = m.expert_intermediate_size, R = N * K;
+  Backend& be = *backend_;
+  Arena& H = *host_arena_;
+  const int64_t* offsets = route(arena_->f32(a.router, {N, E}));
+  const Tensor rows = arena_->f32(b.rows, {R, D}), outputs = arena_->f32(b.outputs, {R, D});
+  const Tensor tokens = arena_->i32(b.tokens, {R}), dweights = arena_->f32(b.dweights, {R});
+  be.gather_rows(rows, x, tokens);
+  // One expert's MLP backward from d(out) (which then receives d(in) unless d_in is given
+  // elsewhere): out = down(silu(gate(in)) * up(in)).
+  auto mlp_backward = [&](const ModelParameters::ExpertParams& w, const MlpActs& acts, const Tensor& dout,
+                          const Tensor& in, const Tensor& din) {
+    const int64_t c = in.rows(), width = acts.h.cols();
+    const Tensor dh = arena_->f32(buf_.dh, {c, width}), dgate = arena_->f32(buf_.dgate, {c, width}),
+                 dup = arena_->f32(buf_.dup, {c, width});
+    be.fill(dh, 0.0f);
+    product_backward({w.down, std::nullopt, width, D}, dout, acts.h, dh);
+    be.fill(dgate, 0.0f);
+    be.fill(dup, 0.0f);
+    be.swiglu_backward(dgate, dup, dh, acts.gate, acts.up);
+    if (din.data == dout.data) be.fill(din, 0.0f);  // d(out) is spent
+    product_backward({w.gate, std::nullopt, D, width}, dgate, in, din);
+    product_backward({w.up, std::nullopt, D, width}, dup, in, din);
+  };
+  float* dw = H.f32(b.host_dweights, {R}).as<float>();
+  if (p.shared) {
+    // x_out += sigmoid(s) * shared(x), s = shared_expert_gate . x.
+    const int64_t Is = m.shared_expert_intermediate_size;
+    float* sig = H.f32(b.host_shared_weights, {N}).as<float>();
+    be.copy_to_host(sig, arena_->f32(a.shared_logit, {N}));
+    for (int64_t n = 0; n < N; ++n) sig[n] = 1.0f / (1.0f + std::exp(-sig[n]));
+    const Tensor shared_weights = arena_->f32(b.shared_weights, {N});
+    be.copy_to_device(shared_weights, sig);
+    const MlpActs acts = mlp_acts(*arena_, a, R * Ie, N, Is);
+    const Tensor out = row_range(outputs, 0, N), dots = dweights.flat_range(0, N);
+    product({p.shared->down, std::nullopt, Is, D}, acts.h, out);
+    be.combine_rows_backward(out, dots, out, dy, Tensor{}, shared_weights);
+    mlp_backward(*p.shared, acts, out, x, dx);
+    be.copy_to_host(dw, dots);
+    for (int64_t n = 0; n < N; ++n) dw[n] *= sig[n] * (1.0f - sig[n]);
+    const Tensor ds = arena_->f32(b.shared_grad, {N, 1});
+    be.copy_to_device(ds, dw);
+    product_backward({*p.shared_gate, std::nullopt, D, 1}, ds, x, dx);
+  }
+  // The routed experts: their outputs again (not kept), then d(weight) of each row and d(out).
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = offsets[e], c = offsets[e + 1] - r0;
+    if (c > 0)
+      product({p.experts[static_cast<size_t>(e)].down, std::nullopt, Ie, D}, mlp_acts(*arena_, a, r0 * Ie, c, Ie).h,
+              row_range(outputs, r0, c));
+  }
+  be.combine_rows_backward(outputs, dweights, outputs, dy, tokens, arena_->f32(b.weights, {R}));
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = offsets[e], c = offsets[e + 1] - r0;
+    if (c == 0) continue;
+    const Tensor d = row_range(outputs, r0, c);
+    mlp_backward(p.experts[static_cast<size_t>(e)], mlp_acts(*arena_, a, r0 * Ie, c, Ie), d, row_range(rows, r0, c),
+                 d);
+  }
+  // Each token's rows' input gradients summed into dx.
+  const Tensor ones = arena_->f32(b.ones, {R});
+  be.fill(ones, 1.0f);
+  be.combine_rows(dx, outputs, arena_->i32(b.token_rows, {N, K}), ones);
+  // The router: d(weights) through the renormalization, the auxiliary loss's d(probabilities),
+  // then the softmax, on the host; its logits' gradient back through the router's product.
+  be.copy_to_host(dw, dweights);
+  const auto* row_tokens = H.i32(b.host_tokens, {R}).as<int32_t>();
+  const auto* choices = H.i32(b.host_choices, {R}).as<int32_t>();
+  const float* choice_weights = H.f32(b.host_choice_weights, {R}).as<float>();
+  float* dchoice = H.f32(b.host_choice_grads, {R}).as<float>();  // per token and choice k
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t r = offsets[e]; r < offsets[e + 1]; ++r) {
+      const int32_t* own = choices + int64_t{row_tokens[r]} * K;
+      dchoice[(own - choices) + (std::find(own, own + K, e) - own)] = dw[r];
+    }
+  float* probs = H.f32(b.host_logits, {N, E}).as<float>();
+  const bool aux = router_aux_loss();
+  for (int64_t n = 0; n < N; ++n) {
+    float* z = probs + n * E;  // probabilities in, d(logits) out
+    const int32_t* chosen = choices + n * K;
+    float* g = dchoice + n * K;  // d(weight), then p x d(probability) of each choice
+    if (m.norm_topk_prob) {
+      float chosen_sum = 0.0f, dot = 0.0f;
+      for (int64_t k = 0; k < K; ++k) {
+        chosen_sum += z[chosen[k]];
+        dot += g[k] * choice_weights[n * K + k];
+      }
+      for (int64_t k = 0; k < K; ++k) g[k] = (g[k] - dot) / chosen_sum;
+    }
+    float dot = 0.0f;  // sum over experts of p x d(probability)
+    for (int64_t k = 0; k < K; ++k) dot += (g[k] *= z[chosen[k]]);
+    if (aux)
+      for (int64_t e = 0; e < E; ++e) dot += z[e] * router_aux_.dprobability[static_cast<size_t>(e)];
+    for (int64_t e = 0; e < E; ++e)
+      z[e] *= (aux ? router_aux_.dprobability[static_cast<size_t>(e)] : 0.0f) - dot;
+    for (int64_t k = 0; k < K; ++k) z[chosen[k]] += g[k];
+  }
+  const Tensor dlogits = arena_->f32(b.router_grad, {N, E});
+  be.copy_to_device(dlogits, probs);
+  product_backward({p.router, std::nullopt, D, E}, dlogits, x, dx);
 }
 
 void Decoder::linear_group_forward(int64_t l, std::span<const SiteOutput> sites, const LayerActs& a,
@@ -503,9 +647,8 @@ void Decoder::adapter_sets_forward(int64_t l, LinearSite s, const LayerActs& a, 
   }
 }
 
-void Decoder::linear_backward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& dy, const Tensor& x,
-                                 const Tensor& dx) {
-  const ModelParameters::Linear lin = params_->linear(l, s);
+void Decoder::product_backward(const ModelParameters::Linear& lin, const Tensor& dy, const Tensor& x,
+                               const Tensor& dx) {
   Backend& be = *backend_;
   if (params_->quantized(lin.weight)) {  // frozen (QLoRA): only the input's gradient goes through it
     be.quantized_matmul_backward_input(dx, dy, params_->quantized_param(lin.weight), quantized_scratch(lin.in));
@@ -517,6 +660,13 @@ void Decoder::linear_backward(int64_t l, LinearSite s, const LayerActs& a, const
     be.matmul_backward(dx, base_grad_or_none(lin.weight), lin.bias ? base_grad_or_none(*lin.bias) : Tensor{}, dy, x,
                        weight_f32(lin.weight), 1.0f);
   }
+}
+
+void Decoder::linear_backward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& dy, const Tensor& x,
+                                 const Tensor& dx) {
+  const ModelParameters::Linear lin = params_->linear(l, s);
+  Backend& be = *backend_;
+  product_backward(lin, dy, x, dx);
   if (lin.lora < 0) return;
   // y += s * u B^T, u = xd A^T:  du = s dy B, dB += s dy^T u, dA += du^T xd, dxd = du A.
   const int64_t r = options_.lora.rank;
@@ -603,18 +753,23 @@ void Decoder::layer_backward(int64_t l, const LayerActs& a, const Tensor& x, con
   const int64_t Hq = c.num_attention_heads, hd = c.head_dim();
   Backend& be = *backend_;
   const Tensor pos = arena_->i32(buf_.positions, {num_tokens_}), freqs = rope_freqs();
-  const Tensor dh = act(buf_.dh, I), dgate = act(buf_.dgate, I), dup = act(buf_.dup, I), dln = act(buf_.dln, D);
+  const Tensor dln = act(buf_.dln, D);
   const Tensor datt = act(buf_.datt, qd), dq = act(buf_.dq, qd), dk = act(buf_.dk, kvd), dv = act(buf_.dv, kvd);
 
-  // MLP: x_out = res1 + down(silu(gate(ln2)) * up(ln2))
-  be.fill(dh, 0.0f);
-  linear_backward(l, LinearSite::Down, a, dstream, act(a.h, I), dh);
-  be.fill(dgate, 0.0f);
-  be.fill(dup, 0.0f);
-  be.swiglu_backward(dgate, dup, dh, act(a.gate, I), act(a.up, I));
+  // MLP: x_out = res1 + down(silu(gate(ln2)) * up(ln2)), or a sparse layer's experts
   be.fill(dln, 0.0f);
-  linear_backward(l, LinearSite::Gate, a, dgate, act(a.ln2, D), dln);
-  linear_backward(l, LinearSite::Up, a, dup, act(a.ln2, D), dln);
+  if (p.moe) {
+    moe_backward(l, a, act(a.ln2, D), dstream, dln);
+  } else {
+    const Tensor dh = act(buf_.dh, I), dgate = act(buf_.dgate, I), dup = act(buf_.dup, I);
+    be.fill(dh, 0.0f);
+    linear_backward(l, LinearSite::Down, a, dstream, act(a.h, I), dh);
+    be.fill(dgate, 0.0f);
+    be.fill(dup, 0.0f);
+    be.swiglu_backward(dgate, dup, dh, act(a.gate, I), act(a.up, I));
+    linear_backward(l, LinearSite::Gate, a, dgate, act(a.ln2, D), dln);
+    linear_backward(l, LinearSite::Up, a, dup, act(a.ln2, D), dln);
+  }
   be.rmsnorm_backward(dstream, base_grad_or_none(p.ln2), dln, act(a.res1, D), weight_f32(p.ln2), act(a.rstd2, 1));
   // Attention: res1 = x + o(attn(rope(q(ln1)), rope(k(ln1)), v(ln1)))
   be.fill(datt, 0.0f);
@@ -662,6 +817,11 @@ LossSum Decoder::run_step(const TokenBatch& batch, float* logits_out, bool backw
   A.enter_phase(Phase::Forward);
   upload_batch(batch);
   const int64_t N = num_tokens_;
+  if (router_aux_loss()) {
+    std::fill(router_aux_.selections.begin(), router_aux_.selections.end(), 0.0);
+    std::fill(router_aux_.probabilities.begin(), router_aux_.probabilities.end(), 0.0);
+    router_aux_.rows = 0;
+  }
   be.embedding_forward(act(buf_.residual[0], D), A.i32(buf_.ids, {N}), params_->param(params_->embed()));
   for (int64_t l = 0; l < L; ++l)
     layer_forward(l, ckpt ? buf_.fwd_scratch : buf_.saved[l], act(buf_.residual[l], D), act(buf_.residual[l + 1], D));
@@ -721,7 +881,21 @@ LossSum Decoder::run_step(const TokenBatch& batch, float* logits_out, bool backw
                     .row_stats = H.i32(buf_.staging_row_stats, {N, 4}).as<RowStats>(),
                     .row_losses = H.f32(buf_.staging_row_losses, {N}).as<float>()};
   }
-  const LossSum loss = be.lm_head_loss(head);
+  LossSum loss = be.lm_head_loss(head);
+  if (router_aux_loss() && router_aux_.rows > 0) {
+    // transformers' load-balancing loss over the step's sparse layers (their tokens concatenated):
+    // E x sum over experts of (selections / rows) x (mean probability), added to the mean loss
+    // with its coefficient; as a sum over this micro-batch's items, it is weighted by them.
+    RouterAux& aux = router_aux_;
+    const double E = static_cast<double>(config_.moe.num_experts), rows = static_cast<double>(aux.rows);
+    const double weight = config_.moe.router_aux_loss_coef * static_cast<double>(loss.count);
+    double value = 0.0;
+    for (size_t e = 0; e < aux.selections.size(); ++e) {
+      value += aux.selections[e] * aux.probabilities[e];
+      aux.dprobability[e] = static_cast<float>(weight * E * aux.selections[e] / (rows * rows) * grad_scale_);
+    }
+    loss.sum += weight * E * value / (rows * rows);
+  }
   timings_.loss = seconds_since(t0);
   be.time_mark(2);
   if (!grads) {

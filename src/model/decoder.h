@@ -153,9 +153,31 @@ class Decoder {
   // y = x W^T + b for one linear layer, without adapters: the weight as stored (few rows or 16-bit
   // operands, x16 holding x rounded where given), widened, or quantized.
   void product(const ModelParameters::Linear& lin, const Tensor& x, const Tensor& y, const Tensor& x16 = {});
+  // dx += dy W for one linear layer without adapters, and W's (and b's) gradient where the base
+  // trains: linear_backward's base part, for the router and the experts too.
+  void product_backward(const ModelParameters::Linear& lin, const Tensor& dy, const Tensor& x, const Tensor& dx);
   // A sparse layer's MLP (MoeConfig): x_out = sum over each token's experts of weight x expert(x)
-  // (+ the gated shared expert); gate / up / h hold one expert's activations at a time.
+  // (+ the gated shared expert). gate / up / h hold what LayerActs::expert_rows says.
   void moe_forward(int64_t l, const LayerActs& a, const Tensor& x, const Tensor& x_out);
+  // Its backward: dy = d(loss)/d(x_out); dx += d(loss)/d(x); the experts', the shared expert's,
+  // its gate's and the router's gradients (through the routing weights, the softmax and, with
+  // the auxiliary loss, its term).
+  void moe_backward(int64_t l, const LayerActs& a, const Tensor& x, const Tensor& dy, const Tensor& dx);
+  // The routing of N tokens from a sparse layer's router logits, on the host (MoeBuffers): each
+  // token's experts and weights, rows grouped by expert, uploaded. Returns each expert's first
+  // row (E + 1 offsets). In a step's forward pass it adds the layer to the auxiliary loss's counts.
+  const int64_t* route(const Tensor& logits);
+  // The auxiliary load-balancing loss (MoeConfig::output_router_logits) as transformers computes
+  // it over the step's sparse layers; router_aux_ holds, during a step, each expert's selections
+  // and summed probabilities over those layers' tokens, then d(loss sum)/d(probability) per expert.
+  bool router_aux_loss() const {
+    return config_.moe.enabled() && config_.moe.output_router_logits && !options_.inference();
+  }
+  struct RouterAux {
+    std::vector<double> selections, probabilities;
+    std::vector<float> dprobability;
+    int64_t rows = 0;  // tokens x sparse layers counted
+  } router_aux_;
   // Linear layers of one input (q / k / v, gate / up) as one matmul_forward_group when decoding.
   struct SiteOutput {
     LinearSite site;

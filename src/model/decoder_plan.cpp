@@ -10,10 +10,11 @@ namespace memtune {
 
 namespace {
 
+// expert_rows: a backward reads them (LayerActs::expert_rows).
 LayerActs declare_layer_acts(const ModelConfig& config_, const ModelOptions& options_, MemoryPlan& plan,
-                             const std::string& prefix, Category cat, Phase first, Phase last) {
+                             const std::string& prefix, Category cat, Phase first, Phase last, bool expert_rows) {
   const size_t N = static_cast<size_t>(options_.max_tokens);
-  const size_t D = config_.hidden_size, I = static_cast<size_t>(mlp_width(config_)), qd = config_.q_dim(),
+  const size_t D = config_.hidden_size, I = static_cast<size_t>(mlp_width(config_, expert_rows)), qd = config_.q_dim(),
                kvd = config_.kv_dim();
   const size_t Hq = config_.num_attention_heads;
   auto f32 = [&](const char* name, size_t elems) { return plan.declare(prefix + name, cat, elems * 4, first, last); };
@@ -26,6 +27,11 @@ LayerActs declare_layer_acts(const ModelConfig& config_, const ModelOptions& opt
     acts.k_raw = f32("k_raw", N * kvd);
     acts.rstd_q = f32("rstd_q", N * Hq);
     acts.rstd_k = f32("rstd_k", N * Hkv);
+  }
+  if (config_.moe.enabled()) {
+    acts.router = f32("router_logits", N * static_cast<size_t>(config_.moe.num_experts));
+    if (config_.moe.shared_expert_intermediate_size > 0) acts.shared_logit = f32("shared_gate_logits", N);
+    acts.expert_rows = expert_rows;
   }
   int64_t widest = 0;
   for (const LoraConfig& set : options_.adapter_sets) widest = std::max(widest, set.rank);
@@ -62,12 +68,13 @@ size_t layer_matrix_scratch_elems(const ModelConfig& c, const std::vector<ParamS
 
 }  // namespace
 
-int64_t mlp_width(const ModelConfig& c) {
+int64_t mlp_width(const ModelConfig& c, bool every_routed_row) {
+  const MoeConfig& m = c.moe;
+  const int64_t sparse = every_routed_row
+                             ? m.experts_per_token * m.expert_intermediate_size + m.shared_expert_intermediate_size
+                             : std::max(m.expert_intermediate_size, m.shared_expert_intermediate_size);
   int64_t width = 0;
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
-    width = std::max(width, c.moe.sparse(l) ? std::max(c.moe.expert_intermediate_size,
-                                                      c.moe.shared_expert_intermediate_size)
-                                            : c.intermediate_size);
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) width = std::max(width, m.sparse(l) ? sparse : c.intermediate_size);
   return width;
 }
 
@@ -84,33 +91,42 @@ namespace {
 // A linear product's input (or output gradient) rounded to 16 bits: every row of a step, as wide
 // as the widest of the layer's inputs and outputs.
 size_t half_operand_bytes(const ModelConfig& c, const ModelOptions& o) {
-  return static_cast<size_t>(o.max_tokens * std::max({c.hidden_size, mlp_width(c), c.q_dim()})) * 2;
+  return static_cast<size_t>(o.max_tokens * std::max({c.hidden_size, mlp_width(c), c.q_dim(), c.moe.num_experts})) * 2;
 }
 
 MoeBuffers declare_moe_buffers(const ModelConfig& c, const ModelOptions& o, MemoryPlan& plan, MemoryPlan& host_plan) {
   const size_t N = static_cast<size_t>(o.max_tokens), D = c.hidden_size, E = c.moe.num_experts;
   const size_t R = N * static_cast<size_t>(c.moe.experts_per_token);
-  const Phase F = Phase::Forward;
-  auto device = [&](const char* name, size_t bytes) { return plan.declare(std::string("moe.") + name, Category::Working, bytes, F, F); };
+  const Phase F = Phase::Forward, B = Phase::Backward, last = o.with_grads ? B : F;
+  auto device = [&](const char* name, size_t bytes, Phase first) {
+    return plan.declare(std::string("moe.") + name, Category::Working, bytes, first, last);
+  };
   auto host = [&](const char* name, size_t bytes) {
     return host_plan.declare_persistent(std::string("staging.moe.") + name, Category::Working, bytes);
   };
-  return {.router = device("router_logits", N * E * 4),
-          .shared_logit = device("shared_gate_logits", N * 4),
-          .rows = device("routed_rows", R * D * 4),
-          .outputs = device("expert_outputs", R * D * 4),
-          .tokens = device("row_tokens", R * 4),
-          .weights = device("row_weights", R * 4),
-          .token_rows = device("token_rows", R * 4),
-          .shared_weights = device("shared_weights", N * 4),
-          .host_logits = host("router_logits", N * E * 4),
-          .host_choices = host("token_experts", R * 4),
-          .host_choice_weights = host("token_expert_weights", R * 4),
-          .host_tokens = host("row_tokens", R * 4),
-          .host_weights = host("row_weights", R * 4),
-          .host_token_rows = host("token_rows", R * 4),
-          .host_shared_weights = host("shared_weights", N * 4),
-          .host_offsets = host("expert_offsets", (E + 1) * 8)};
+  MoeBuffers b{.rows = device("routed_rows", R * D * 4, F),
+               .outputs = device("expert_outputs", R * D * 4, F),
+               .tokens = device("row_tokens", R * 4, F),
+               .weights = device("row_weights", R * 4, F),
+               .token_rows = device("token_rows", R * 4, F),
+               .shared_weights = device("shared_weights", N * 4, F),
+               .host_logits = host("router_logits", N * E * 4),
+               .host_choices = host("token_experts", R * 4),
+               .host_choice_weights = host("token_expert_weights", R * 4),
+               .host_tokens = host("row_tokens", R * 4),
+               .host_weights = host("row_weights", R * 4),
+               .host_token_rows = host("token_rows", R * 4),
+               .host_shared_weights = host("shared_weights", N * 4),
+               .host_offsets = host("expert_offsets", (E + 1) * 8)};
+  if (o.with_grads) {
+    b.dweights = device("drow_weights", R * 4, B);
+    b.ones = device("ones", R * 4, B);
+    b.router_grad = device("drouter_logits", N * E * 4, B);
+    b.shared_grad = device("dshared_gate_logits", N * 4, B);
+    b.host_dweights = host("drow_weights", R * 4);
+    b.host_choice_grads = host("dtoken_expert_weights", R * 4);
+  }
+  return b;
 }
 
 DecoderBuffers declare_inference_buffers(const ModelConfig& c, const ModelOptions& o,
@@ -134,7 +150,7 @@ DecoderBuffers declare_inference_buffers(const ModelConfig& c, const ModelOption
   // Layer l reads residual[l % 2] and writes residual[(l + 1) % 2]; nothing is kept for a backward.
   for (int i = 0; i < 2; ++i)
     b.residual.push_back(plan.declare(fmt::format("act.x{}", i), Category::Working, N * D * 4, F, L));
-  b.fwd_scratch = declare_layer_acts(c, o, plan, "fwd.layer.", Category::Working, F, F);
+  b.fwd_scratch = declare_layer_acts(c, o, plan, "fwd.layer.", Category::Working, F, F, false);
   if (c.moe.enabled()) b.moe = declare_moe_buffers(c, o, plan, host_plan);
   // 16-bit products for steps of many rows (prefill); decoding's few rows read 16-bit weights
   // with float32 inputs (Decoder::sixteen_bit_step).
@@ -235,7 +251,9 @@ DecoderBuffers declare_decoder_buffers(const ModelConfig& c, const ModelOptions&
     return declare_inference_buffers(c, options_, specs_, backend, plan, host_plan, frozen_vectors);
   DecoderBuffers b;
   const size_t N = static_cast<size_t>(options_.max_tokens);
-  const size_t D = c.hidden_size, I = c.intermediate_size, V = c.vocab_size, qd = c.q_dim(), kvd = c.kv_dim();
+  // The MLP's activation gradients take the layout of the activations a backward reads.
+  const size_t D = c.hidden_size, I = static_cast<size_t>(mlp_width(c, true)), V = c.vocab_size, qd = c.q_dim(),
+               kvd = c.kv_dim();
   const DType dt = c.torch_dtype;
 
   b.ids = plan.declare_persistent("batch.input_ids", Category::Batch, N * 4);
@@ -250,13 +268,13 @@ DecoderBuffers declare_decoder_buffers(const ModelConfig& c, const ModelOptions&
   for (int64_t l = 0; l <= c.num_hidden_layers; ++l)
     b.residual.push_back(plan.declare(fmt::format("act.x{}", l), Category::SavedActivations, N * D * 4, F, keep_until));
   if (options_.gradient_checkpointing || !options_.with_grads) {
-    b.fwd_scratch = declare_layer_acts(c, options_, plan, "fwd.layer.", Category::Working, F, F);
-    if (c.moe.enabled()) b.moe = declare_moe_buffers(c, options_, plan, host_plan);
+    b.fwd_scratch = declare_layer_acts(c, options_, plan, "fwd.layer.", Category::Working, F, F, false);
   } else {
     for (int64_t l = 0; l < c.num_hidden_layers; ++l)
-      b.saved.push_back(
-          declare_layer_acts(c, options_, plan, fmt::format("act.layer{}.", l), Category::SavedActivations, F, B));
+      b.saved.push_back(declare_layer_acts(c, options_, plan, fmt::format("act.layer{}.", l),
+                                           Category::SavedActivations, F, B, true));
   }
+  if (c.moe.enabled()) b.moe = declare_moe_buffers(c, options_, plan, host_plan);
 
   // 16-bit storage: weights are widened right before use into per-phase scratch.
   const size_t largest_matrix = layer_matrix_scratch_elems(c, specs_, backend), largest_vector = largest_vector_elems(specs_);
@@ -341,7 +359,8 @@ DecoderBuffers declare_decoder_buffers(const ModelConfig& c, const ModelOptions&
       b.dk_raw = plan.declare("bwd.dk_raw", Category::Working, N * kvd * 4, B, B);
     }
     if (options_.gradient_checkpointing)
-      b.recompute = declare_layer_acts(c, options_, plan, "bwd.recompute.", Category::RecomputeScratch, B, B);
+      b.recompute =
+          declare_layer_acts(c, options_, plan, "bwd.recompute.", Category::RecomputeScratch, B, B, true);
     if (widen) declare_widening(B);
     if (half) {
       b.half_input[static_cast<size_t>(B)] =

@@ -24,19 +24,29 @@ struct LayerActs {
   BufferId q_raw{}, k_raw{}, rstd_q{}, rstd_k{};  // qk_norm: q and k before their norm, rstd per head
   std::array<BufferId, kNumLinearSites> lora_u{};  // x A^T of each adapter, [N, r]
   BufferId adapter_u{};                            // adapter sets: x A^T, [N, largest rank]
+  // A sparse layer (MoeConfig): the router's logits [N, experts] and the shared expert's gate
+  // logit [N]. With expert_rows, gate / up / h hold every routed row's activations, grouped by
+  // expert ([N x k, expert width]), then the shared expert's ([N, shared width]): what a backward
+  // reads; without, one expert's at a time (mlp_width).
+  BufferId router{}, shared_logit{};
+  bool expert_rows = false;
 };
 
-// A sparse layer's routing (MoeConfig), one layer at a time in the forward phase: the router's
-// logits [N, experts] and the shared expert's gate logit [N]; the routed rows [N x k, hidden]
-// (each token's input gathered once per chosen expert, grouped by expert) and their experts'
-// outputs; per routed row its token and weight, per token its k rows (ascending: expert order),
+// A sparse layer's routing (MoeConfig), one layer at a time, in the forward phase and, with
+// gradients, the backward: the routed rows [N x k, hidden] (each token's input gathered once per
+// chosen expert, grouped by expert) and their experts' outputs (in the backward, the gradients
+// of both); per routed row its token and weight, per token its k rows (ascending: expert order),
 // and the shared expert's weight per token. The routing is computed on the host (host plan: the
 // logits read back, each token's choices, the rows' tokens and weights, each expert's first row)
-// and uploaded: a few numbers per token.
+// and uploaded: a few numbers per token. With gradients also: each routed row's d(weight) (and
+// the shared gate's), ones for summing the rows' input gradients per token, and d(router logits)
+// [N, experts] and d(shared gate logit) [N] computed on the host and uploaded.
 struct MoeBuffers {
-  BufferId router, shared_logit, rows, outputs, tokens, weights, token_rows, shared_weights;
+  BufferId rows, outputs, tokens, weights, token_rows, shared_weights;
+  BufferId dweights{}, ones{}, router_grad{}, shared_grad{};
   BufferId host_logits, host_choices, host_choice_weights, host_tokens, host_weights, host_token_rows,
       host_shared_weights, host_offsets;
+  BufferId host_dweights{}, host_choice_grads{};
 };
 
 struct DecoderBuffers {
@@ -81,9 +91,11 @@ struct DecoderBuffers {
   int64_t sample_penalty_capacity = 0;
 };
 
-// The widest MLP of the model's layers: intermediate_size where a layer is dense, a sparse layer's
-// expert and shared-expert widths; the MLP activations of a layer hold that many columns per token.
-int64_t mlp_width(const ModelConfig& config);
+// The MLP activations' columns per token (gate, up, h; the widest layer's): intermediate_size
+// where a layer is dense; in a sparse layer the wider of an expert's and the shared expert's
+// width, one expert's rows at a time, or with every_routed_row all of them (LayerActs::
+// expert_rows): k x the expert width, then the shared expert's width.
+int64_t mlp_width(const ModelConfig& config, bool every_routed_row = false);
 
 // The 16-bit dtype the decoder's products take (ModelOptions::compute_dtype) when they do: a
 // model whose (unquantized) weights are stored in it, on a backend that has such products;

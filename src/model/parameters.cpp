@@ -26,16 +26,19 @@ void check_mixture_of_experts(const ModelConfig& config, const ModelOptions& opt
   if (!config.moe.enabled()) return;
   const std::string model = fmt::format("{} ({})", family_traits(config.family).architecture,
                                         model_family_name(config.family));
-  const std::string runs = "memtune evaluates, dumps and generates with mixture-of-experts models (eval, dump, "
-                           "generate, chat, serve) and plans their inference (plan --inference)";
-  if (options.with_grads || options.with_optimizer)
-    throw Error(fmt::format("{}: training mixture-of-experts models is not supported yet; {}", model, runs));
   if (options.lora.enabled() || !options.adapter_sets.empty())
-    throw Error(fmt::format("{}: LoRA adapters on mixture-of-experts models are not supported yet; {}", model, runs));
+    throw Error(fmt::format("{}: LoRA adapters on mixture-of-experts models are not supported yet; memtune trains "
+                            "them fully (train --tuner_type full), evaluates, dumps and generates with "
+                            "them (eval, dump, generate, chat, serve) and plans both",
+                            model));
   const Backend& backend = options.backend ? *options.backend : default_backend();
   if (!backend.computes_mixture_of_experts())
     throw Error(fmt::format("{}: --backend {} has no mixture-of-experts layers yet; use --backend cpu", model,
                             backend.name()));
+  if ((options.with_grads || options.with_optimizer) && !backend.trains_mixture_of_experts())
+    throw Error(fmt::format("{}: --backend {} does not train mixture-of-experts layers yet (it runs their forward "
+                            "pass: eval, dump, generate); use --backend cpu",
+                            model, backend.name()));
 }
 
 ModelParameters::ModelParameters(const ModelConfig& config, const ModelOptions& options, MemoryPlan& device_plan,

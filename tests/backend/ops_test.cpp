@@ -70,6 +70,9 @@ struct OpCase {
   // is compared with the reference's exact products only: finite differences of 16-bit inputs
   // would measure their rounding.
   DType operands = DType::F32;
+  // The backends that have the backward (a capability the model asks before using it; the
+  // others are checked on the forward only); absent: all.
+  std::function<bool(const Backend&)> backward_runs_on = nullptr;
 };
 
 std::vector<float> randn(int64_t n, uint64_t seed, float scale = 1.0f) {
@@ -208,6 +211,15 @@ void check_case(const OpCase& c) {
   for (const std::string_view name : kBackends) {
     SCOPED_TRACE(name);
     Backend& be = backend_named(name);
+    if (c.backward && c.backward_runs_on && !c.backward_runs_on(be)) {
+      std::printf("[ forward  ] %s on %s: the backend has no such backward (the model never asks it for one)\n",
+                  c.name.c_str(), std::string(name).c_str());
+      OpCase forward = c;
+      forward.backward = nullptr;
+      const RunResult want = run_case(ref, forward, dout_values, prior, c.inputs);
+      expect_same_results(run_case(be, forward, dout_values, prior, c.inputs), want, c.tolerance);
+      continue;
+    }
     if (c.operands != DType::F32 && be.sixteen_bit_products(c.operands).empty()) {
       std::printf("[ float32  ] %s on %s: no %s products here, its float32 arithmetic checked instead\n",
                   c.name.c_str(), std::string(name).c_str(), std::string(dtype_torch_name(c.operands)).c_str());
@@ -536,6 +548,50 @@ TEST(BackendOps, GatherRows) {
                     be.gather_rows(out.at("out"), in.at("x"), in.at("index"));
                     return 0.0;
                   }});
+}
+
+// A mixture of experts' combine, out[n] = sum over token n's rows r of weights[r] * x[r], and its
+// backward (d x and d weights), over a routing where expert 0 takes every token, expert 3 none:
+// 5 tokens, 2 experts each, rows grouped by expert (0: rows 0-4, 1: rows 5-7, 2: rows 8-9).
+TEST(BackendOps, CombineRowsOfExperts) {
+  const int64_t N = 5, K = 2, R = N * K, C = 6;
+  Input rows = i32_input("rows", {0, 5, 1, 8, 2, 6, 3, 9, 4, 7});
+  rows.shape = {N, K};
+  check_case({.name = "combine rows",
+              .inputs = {f32_input("x", {R, C}, 42), f32_input("weights", {R}, 43), rows,
+                         i32_input("tokens", {0, 1, 2, 3, 4, 0, 2, 4, 1, 3})},
+              .outputs = {{"out", {N, C}}},
+              .forward =
+                  [](Backend& be, const Views& in, const Views& out) {
+                    be.fill(out.at("out"), 0.0f);
+                    be.combine_rows(out.at("out"), in.at("x"), in.at("rows"), in.at("weights"));
+                    return 0.0;
+                  },
+              .backward =
+                  [](Backend& be, const Views& in, const Views&, const Views& dout, const Views& din) {
+                    be.combine_rows_backward(din.at("x"), din.at("weights"), in.at("x"), dout.at("out"),
+                                             in.at("tokens"), in.at("weights"));
+                  },
+              .overwrites = {"x", "weights"},
+              .backward_runs_on = [](const Backend& be) { return be.trains_mixture_of_experts(); }});
+  // Without tokens (the shared expert: row n is token n's), the gradient written over the rows.
+  check_case({.name = "combine rows, one a token, in place",
+              .inputs = {f32_input("x", {N, C}, 44), f32_input("weights", {N}, 45)},
+              .outputs = {{"out", {N, C}}},
+              .forward =
+                  [](Backend& be, const Views& in, const Views& out) {
+                    be.fill(out.at("out"), 0.0f);
+                    be.combine_rows(out.at("out"), in.at("x"), Tensor{}, in.at("weights"));
+                    return 0.0;
+                  },
+              .backward =
+                  [](Backend& be, const Views& in, const Views&, const Views& dout, const Views& din) {
+                    be.copy(din.at("x"), in.at("x"));
+                    be.combine_rows_backward(din.at("x"), din.at("weights"), din.at("x"), dout.at("out"), Tensor{},
+                                             in.at("weights"));
+                  },
+              .overwrites = {"x", "weights"},
+              .backward_runs_on = [](const Backend& be) { return be.trains_mixture_of_experts(); }});
 }
 
 TEST(BackendOps, Swiglu) {

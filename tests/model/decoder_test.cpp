@@ -409,6 +409,38 @@ TEST(Qwen2, MixedPrecisionStaysWithinBfloat16PrecisionOfFloat32Arithmetic) {
 namespace memtune {
 namespace {
 
+// The dense model's name of a mixture-of-experts parameter: an expert's (routed or shared) is
+// the MLP's; the router and the shared expert's gate have none ("").
+std::string dense_source(const std::string& n) {
+  if (n.ends_with("mlp.gate.weight") || n.ends_with("mlp.shared_expert_gate.weight")) return "";
+  if (const size_t at = n.find("mlp.experts."); at != std::string::npos)
+    return n.substr(0, at) + "mlp." + n.substr(n.find('.', at + 12) + 1);
+  if (const size_t at = n.find("mlp.shared_expert."); at != std::string::npos)
+    return n.substr(0, at) + "mlp." + n.substr(at + 18);
+  return n;
+}
+size_t param_index(const Decoder& d, const std::string& name) {
+  const auto& specs = d.parameters().specs();
+  const auto it = std::find_if(specs.begin(), specs.end(), [&](const ParamSpec& s) { return s.name == name; });
+  MT_ASSERT(it != specs.end(), name);
+  return static_cast<size_t>(it - specs.begin());
+}
+// Every expert of m (and its shared expert) becomes d's MLP, every other weight d's; the router
+// is zeros (or kept random), the shared expert's gate zeros.
+void copy_dense_mlp_into_experts(const Decoder& d, Decoder& m, bool random_router) {
+  const std::vector<ParamSpec>& specs = m.parameters().specs();
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const std::string& n = specs[i].name;
+    const std::string source = dense_source(n);
+    if (source.empty()) {
+      if (!random_router || n.ends_with("shared_expert_gate.weight"))
+        upload_f32(m.backend(), m.parameters().param(i), std::vector<float>(specs[i].numel(), 0.0f));
+      continue;
+    }
+    upload_f32(m.backend(), m.parameters().param(i), download_f32(d.backend(), d.parameters().param(param_index(d, source))));
+  }
+}
+
 // A mixture of experts whose experts are all one dense MLP computes that dense model: an oracle
 // written apart from the routing, whatever the routing is. qwen3_moe (tiny-qwen3-moe: 2 of 8
 // experts a token, weights renormalized to sum to 1) with a router of zeros (every score ties:
@@ -449,26 +481,7 @@ TEST(MixtureOfExperts, ExpertsThatAreOneMlpComputeThatDenseModel) {
           Decoder d(dense, o), m(moe, o);
           d.parameters().init_random(3);
           m.parameters().init_random(4);
-          const std::vector<ParamSpec>& specs = m.parameters().specs();
-          const auto& dspecs = d.parameters().specs();
-          for (size_t i = 0; i < specs.size(); ++i) {
-            const std::string& n = specs[i].name;
-            std::string source = n;
-            if (const size_t at = n.find("mlp.experts."); at != std::string::npos)
-              source = n.substr(0, at) + "mlp." + n.substr(n.find('.', at + 12) + 1);
-            if (const size_t at = n.find("mlp.shared_expert."); at != std::string::npos)
-              source = n.substr(0, at) + "mlp." + n.substr(at + 18);
-            const bool gate = n.ends_with("mlp.gate.weight") || n.ends_with("mlp.shared_expert_gate.weight");
-            if (gate) {
-              if (!f.random_router || n.ends_with("shared_expert_gate.weight"))
-                upload_f32(m.backend(), m.parameters().param(i), std::vector<float>(specs[i].numel(), 0.0f));
-              continue;
-            }
-            const auto it = std::find_if(dspecs.begin(), dspecs.end(), [&](const ParamSpec& s) { return s.name == source; });
-            ASSERT_NE(it, dspecs.end()) << n;
-            upload_f32(m.backend(), m.parameters().param(i),
-                       download_f32(d.backend(), d.parameters().param(static_cast<size_t>(it - dspecs.begin()))));
-          }
+          copy_dense_mlp_into_experts(d, m, f.random_router);
           const Sample s = make_sample({23, 17}, 300, 9);
           std::vector<float> want(40 * 300), got(40 * 300);
           const double dense_loss = d.forward_loss(s.batch(), want.data()).sum;
@@ -481,9 +494,73 @@ TEST(MixtureOfExperts, ExpertsThatAreOneMlpComputeThatDenseModel) {
   }
 }
 
-// What a mixture-of-experts model does not do yet (training, adapters) is refused by name before
-// any memory exists; a forward-only model is accepted.
-TEST(MixtureOfExperts, TrainingAndAdaptersAreRefusedByName) {
+// The same oracle for the backward: where every expert is the dense model's MLP, each weight's
+// gradient is the dense model's, and the gradients of an MLP weight's copies (the experts', the
+// shared expert's) sum to the dense MLP's, whatever the routing (zero router: two experts take
+// every token; random: uneven loads, experts with no token). With and without gradient
+// checkpointing (the routing recomputed from the saved input), on every backend that trains
+// mixtures of experts. The router's and the shared gate's gradients have no dense counterpart:
+// transformers' backward checks them (tests/interop/hf_moe_test.py).
+TEST(MixtureOfExperts, ExpertsThatAreOneMlpHaveThatDenseModelsGradients) {
+  struct Family {
+    const char* moe;
+    const char* dense;
+    bool random_router;
+  };
+  for (const std::string_view name : backend_list()) {
+    if (!backend_named(name).trains_mixture_of_experts()) continue;
+    for (const Family f : {Family{"tiny-qwen3-moe", "tiny-qwen3", false}, Family{"tiny-qwen3-moe", "tiny-qwen3", true},
+                           Family{"tiny-qwen2-moe", "tiny", false}})
+      for (const bool checkpointing : {false, true}) {
+        SCOPED_TRACE(fmt::format("{} {} router {}{}", name, f.moe, f.random_router ? "random" : "zero",
+                                 checkpointing ? ", gradient checkpointing" : ""));
+        ModelConfig moe = model_preset(f.moe), dense = model_preset(f.dense);
+        if (moe.family == ModelFamily::Qwen2Moe) {
+          moe.moe.num_experts = 4;
+          moe.moe.decoder_sparse_step = 1;
+          moe.moe.shared_expert_intermediate_size = moe.moe.expert_intermediate_size;
+        }
+        moe.torch_dtype = dense.torch_dtype = DType::F32;
+        dense.intermediate_size = moe.moe.expert_intermediate_size;
+        moe.vocab_size = dense.vocab_size = 300;
+        ModelOptions o;
+        o.max_tokens = 40;
+        o.gradient_checkpointing = checkpointing;
+        o.backend = &backend_named(name);
+        Decoder d(dense, o), m(moe, o);
+        d.parameters().init_random(3);
+        m.parameters().init_random(4);
+        copy_dense_mlp_into_experts(d, m, f.random_router);
+        d.parameters().zero_grads();
+        m.parameters().zero_grads();
+        const Sample s = make_sample({23, 17}, 300, 9);
+        const double dense_loss = d.forward_backward(s.batch()).sum, moe_loss = m.forward_backward(s.batch()).sum;
+        EXPECT_NEAR(moe_loss, dense_loss, 1e-5 * std::abs(dense_loss));
+        const std::vector<std::vector<float>> want = grads_of(d), got = grads_of(m);
+        std::vector<std::vector<double>> summed(want.size());
+        std::vector<int> copies(want.size(), 0);
+        for (size_t i = 0; i < got.size(); ++i) {
+          const std::string source = dense_source(m.parameters().specs()[i].name);
+          if (source.empty()) continue;
+          const size_t j = param_index(d, source);
+          summed[j].resize(got[i].size(), 0.0);
+          for (size_t k = 0; k < got[i].size(); ++k) summed[j][k] += got[i][k];
+          ++copies[j];
+        }
+        for (size_t j = 0; j < want.size(); ++j) {
+          const std::string& n = d.parameters().specs()[j].name;
+          ASSERT_GT(copies[j], 0) << n;
+          EXPECT_TRUE(testing_support::close(summed[j], want[j], testing_support::relative_tolerance(1e-5)))
+              << n << " (" << copies[j] << " copies)";
+        }
+      }
+  }
+}
+
+// What a mixture-of-experts model does not do yet (adapters; training on a backend without the
+// experts' backward) is refused by name before any memory exists; training and forward-only
+// models are accepted where the backend has what they need.
+TEST(MixtureOfExperts, AdaptersAndUntrainableBackendsAreRefusedByName) {
   const ModelConfig c = model_preset("tiny-qwen2-moe");
   auto error = [&](const ModelOptions& o) {
     try {
@@ -495,11 +572,24 @@ TEST(MixtureOfExperts, TrainingAndAdaptersAreRefusedByName) {
   };
   ModelOptions o;
   o.max_tokens = 8;
-  EXPECT_NE(error(o).find("Qwen2MoeForCausalLM (qwen2_moe): training mixture-of-experts models is not supported yet"),
-            std::string::npos)
-      << error(o);
-  o.with_grads = false;
-  EXPECT_EQ(error(o), "accepted");
+  for (const std::string_view name : backend_list()) {
+    SCOPED_TRACE(name);
+    o.backend = &backend_named(name);
+    o.with_grads = true;
+    if (!o.backend->computes_mixture_of_experts()) {
+      EXPECT_NE(error(o).find("has no mixture-of-experts layers"), std::string::npos) << error(o);
+      continue;
+    }
+    if (o.backend->trains_mixture_of_experts())
+      EXPECT_EQ(error(o), "accepted");
+    else
+      EXPECT_NE(error(o).find(fmt::format("--backend {} does not train mixture-of-experts layers yet", name)),
+                std::string::npos)
+          << error(o);
+    o.with_grads = false;
+    EXPECT_EQ(error(o), "accepted");
+  }
+  o.backend = &backend_named("cpu");
   o.lora.rank = 4;
   o.lora.targets.fill(true);
   EXPECT_NE(error(o).find("LoRA adapters on mixture-of-experts models"), std::string::npos) << error(o);

@@ -229,6 +229,15 @@ class CpuBackend final : public Backend {
     cpu::combine_rows(out.f32(), inp.f32(), rows ? rows.i32() : nullptr, rows ? rows.cols() : 1, weights.f32(),
                       out.rows(), out.cols(), inp.rows());
   }
+  bool trains_mixture_of_experts() const override { return true; }
+  void combine_rows_backward(const Tensor& dinp, const Tensor& dweights, const Tensor& inp, const Tensor& dout,
+                             const Tensor& tokens, const Tensor& weights) override {
+    const int64_t R = inp.rows();
+    MT_ASSERT(dinp.numel() == inp.numel() && dout.cols() == inp.cols() && dweights.numel() == R &&
+              weights.numel() == R && (tokens ? tokens.numel() == R : dout.rows() == R));
+    cpu::combine_rows_backward(dinp.f32(), dweights.f32(), inp.f32(), dout.f32(), tokens ? tokens.i32() : nullptr,
+                               weights.f32(), R, inp.cols(), dout.rows());
+  }
   void swiglu_forward(const Tensor& h, const Tensor& gate, const Tensor& up) override {
     cpu::swiglu_forward(h.f32(), gate.f32(), up.f32(), h.numel());
   }

@@ -656,6 +656,25 @@ void combine_rows(float* out, const float* inp, const int32_t* rows, int64_t K, 
   }
 }
 
+void combine_rows_backward(float* dinp, float* dweights, const float* inp, const float* dout, const int32_t* tokens,
+                           const float* weights, int64_t R, int64_t C, int64_t N) {
+  for (int64_t r = 0; tokens && r < R; ++r)
+    MT_ASSERT(tokens[r] >= 0 && tokens[r] < N, "combine_rows_backward: a token outside the output");
+#pragma omp parallel for schedule(static) if (R * C > kParallelMinElements)
+  for (int64_t r = 0; r < R; ++r) {
+    const float* g = dout + (tokens ? int64_t{tokens[r]} : r) * C;
+    const float* x = inp + r * C;
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t c = 0; c < C; ++c) dot += x[c] * g[c];
+    dweights[r] = dot;
+    const float w = weights[r];
+    float* d = dinp + r * C;
+#pragma omp simd
+    for (int64_t c = 0; c < C; ++c) d[c] = w * g[c];
+  }
+}
+
 void swiglu_forward(float* h, const float* gate, const float* up, int64_t n) {
 #pragma omp parallel for simd schedule(static) if (n > kParallelMinElements)
   for (int64_t i = 0; i < n; ++i) {

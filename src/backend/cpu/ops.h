@@ -130,6 +130,9 @@ void gather_rows(float* out, const float* inp, const int32_t* index, int64_t R, 
 // (rows null: K = 1, row n); inp has R rows. Parallel over output rows.
 void combine_rows(float* out, const float* inp, const int32_t* rows, int64_t K, const float* weights, int64_t N,
                   int64_t C, int64_t R);
+// combine_rows' backward (Backend::combine_rows_backward); dinp may alias inp.
+void combine_rows_backward(float* dinp, float* dweights, const float* inp, const float* dout, const int32_t* tokens,
+                           const float* weights, int64_t R, int64_t C, int64_t N);
 
 // h = silu(gate) * up
 void swiglu_forward(float* h, const float* gate, const float* up, int64_t n);

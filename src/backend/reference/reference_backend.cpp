@@ -362,6 +362,23 @@ class ReferenceBackend final : public Backend {
           out.f32()[n * C + c] += static_cast<float>(double(weights.f32()[r]) * inp.f32()[r * C + c]);
       }
   }
+  bool trains_mixture_of_experts() const override { return true; }
+  void combine_rows_backward(const Tensor& dinp, const Tensor& dweights, const Tensor& inp, const Tensor& dout,
+                             const Tensor& tokens, const Tensor& weights) override {
+    Access a(*this);
+    const int64_t R = inp.rows(), C = inp.cols();
+    MT_ASSERT(dinp.numel() == inp.numel() && dout.cols() == C && dweights.numel() == R && weights.numel() == R &&
+              (tokens ? tokens.numel() == R : dout.rows() == R));
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t t = tokens ? tokens.i32()[r] : r;
+      MT_ASSERT(t >= 0 && t < dout.rows(), "combine_rows_backward: a token outside the output");
+      double dot = 0;
+      for (int64_t c = 0; c < C; ++c) dot += double(inp.f32()[r * C + c]) * dout.f32()[t * C + c];
+      dweights.f32()[r] = static_cast<float>(dot);
+      for (int64_t c = 0; c < C; ++c)
+        dinp.f32()[r * C + c] = static_cast<float>(double(weights.f32()[r]) * dout.f32()[t * C + c]);
+    }
+  }
   void swiglu_forward(const Tensor& h, const Tensor& gate, const Tensor& up) override {
     Access a(*this);
     for (int64_t i = 0; i < h.numel(); ++i) {
