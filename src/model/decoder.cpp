@@ -282,14 +282,51 @@ void Decoder::sample_tokens(std::span<const SampleRow> rows, std::span<const Pen
   backend_->sample_tokens(args);
 }
 
-uint64_t Decoder::dropout_key(int64_t l, LinearSite s) const { return lora_dropout_key(*dropout_seed_, l, s); }
+uint64_t Decoder::dropout_key(int64_t l, LinearSite s, std::optional<int64_t> expert) const {
+  if (!dropout_seed_) return 0;  // no dropout
+  return expert ? lora_expert_dropout_key(*dropout_seed_, l, s, *expert) : lora_dropout_key(*dropout_seed_, l, s);
+}
 
-Tensor Decoder::lora_input(int64_t l, LinearSite s, const Tensor& x) {
+Tensor Decoder::lora_input(uint64_t key, const Tensor& x) {
   const float p = static_cast<float>(options_.lora.dropout);
   if (p <= 0.0f || !dropout_seed_) return x;
-  const Tensor out = act(buf_.lora_xd[static_cast<size_t>(arena_->phase())], x.cols());
-  backend_->dropout_forward(out, x, dropout_key(l, s), p);
+  const Tensor out = arena_->f32(buf_.lora_xd[static_cast<size_t>(arena_->phase())], {x.rows(), x.cols()});
+  backend_->dropout_forward(out, x, key, p);
   return out;
+}
+
+void Decoder::lora_forward(const ModelParameters::Linear& lin, uint64_t key, const Tensor& x, const Tensor& y,
+                           const Tensor& u) {
+  Backend& be = *backend_;
+  const int64_t r = options_.lora.rank;
+  const Tensor A = params_->trainable_value(lin.lora), B = params_->trainable_value(lin.lora + 1);
+  be.matmul_forward(u, lora_input(key, x), Tensor(A.data, DType::F32, {r, lin.in}), Tensor{});
+  be.matmul_accumulate(y, u, Tensor(B.data, DType::F32, {lin.out, r}), static_cast<float>(options_.lora.scaling()));
+}
+
+void Decoder::lora_backward(const ModelParameters::Linear& lin, uint64_t key, const Tensor& dy, const Tensor& x,
+                            const Tensor& dx, const Tensor& u) {
+  // y += s * u B^T, u = xd A^T:  du = s dy B, dB += s dy^T u, dA += du^T xd, dxd = du A.
+  Backend& be = *backend_;
+  const int64_t r = options_.lora.rank, rows = x.rows();
+  const Tensor A(params_->trainable_value(lin.lora).data, DType::F32, {r, lin.in});
+  const Tensor B(params_->trainable_value(lin.lora + 1).data, DType::F32, {lin.out, r});
+  const Tensor dA(params_->trainable_grad(lin.lora).data, DType::F32, {r, lin.in});
+  const Tensor dB(params_->trainable_grad(lin.lora + 1).data, DType::F32, {lin.out, r});
+  const Tensor du = arena_->f32(buf_.lora_du, {rows, r});
+  be.fill(du, 0.0f);
+  be.matmul_backward(du, dB, Tensor{}, dy, u, B, static_cast<float>(options_.lora.scaling()));
+  const Tensor xd = lora_input(key, x);
+  if (xd.data == x.data) {
+    be.matmul_backward(dx, dA, Tensor{}, du, x, A, 1.0f);
+    return;
+  }
+  // Dropout: the same mask (regenerated from the key) routes the gradient back to x.
+  const Tensor dxd = arena_->f32(buf_.lora_dxd, {rows, lin.in});
+  be.fill(dxd, 0.0f);
+  be.matmul_backward(dxd, dA, Tensor{}, du, xd, A, 1.0f);
+  be.dropout_forward(dxd, dxd, key, static_cast<float>(options_.lora.dropout));
+  be.add_inplace(dx, dxd);
 }
 
 void Decoder::linear_forward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& x, const Tensor& y,
@@ -389,26 +426,37 @@ const int64_t* Decoder::route(const Tensor& logits) {
   return offsets;
 }
 
-namespace {
-// An MLP's activations over `rows` rows: gate, up and h, each [rows, width] at element `first` of
-// the layer's buffers.
-struct MlpActs {
-  Tensor gate, up, h;
-};
-MlpActs mlp_acts(Arena& arena, const LayerActs& a, int64_t first, int64_t rows, int64_t width) {
-  auto view = [&](BufferId id) {
-    return Tensor(static_cast<float*>(arena.raw(id)) + first, DType::F32, {rows, width});
+Decoder::ExpertSites Decoder::expert_sites(int64_t l, const LayerActs& a, int64_t e,
+                                           const ModelParameters::ExpertParams& w, int64_t row0, int64_t rows) {
+  const MoeConfig& m = config_.moe;
+  const int64_t width = e < 0 ? m.shared_expert_intermediate_size : m.expert_intermediate_size;
+  // Every routed row's activations, grouped by expert, then the shared expert's (its rows start at
+  // row0 = N x k); or one expert's at a time.
+  const int64_t first = a.expert_rows ? row0 * m.expert_intermediate_size : 0;
+  auto view = [&](BufferId id, int64_t at, int64_t cols) {
+    return Tensor(static_cast<float*>(arena_->raw(id)) + at, DType::F32, {rows, cols});
   };
-  return {view(a.gate), view(a.up), view(a.h)};
+  ExpertSites x{.gate = params_->expert_linear(w, LinearSite::Gate, width),
+                .up = params_->expert_linear(w, LinearSite::Up, width),
+                .down = params_->expert_linear(w, LinearSite::Down, width),
+                .acts = {view(a.gate, first, width), view(a.up, first, width), view(a.h, first, width)},
+                .lora_u = {},
+                .keys = {}};
+  const int64_t r = options_.lora.rank, lora_row = a.expert_rows ? row0 : 0;
+  for (size_t k = 0; k < 3; ++k) {
+    const LinearSite site = static_cast<LinearSite>(static_cast<size_t>(LinearSite::Gate) + k);
+    if ((k == 0 ? x.gate : k == 1 ? x.up : x.down).lora < 0) continue;
+    x.lora_u[k] = view(a.lora_u[static_cast<size_t>(site)], lora_row * r, r);
+    x.keys[k] = dropout_key(l, site, e);
+  }
+  return x;
 }
-}  // namespace
 
 void Decoder::moe_forward(int64_t l, const LayerActs& a, const Tensor& x, const Tensor& x_out) {
   const ModelParameters::MoeParams& p = *params_->layer(l).moe;
   const MoeConfig& m = config_.moe;
   const MoeBuffers& b = *buf_.moe;
-  const int64_t N = num_tokens_, D = config_.hidden_size, E = m.num_experts, K = m.experts_per_token;
-  const int64_t Ie = m.expert_intermediate_size, R = N * K;
+  const int64_t N = num_tokens_, D = config_.hidden_size, E = m.num_experts, K = m.experts_per_token, R = N * K;
   Backend& be = *backend_;
   Arena& H = *host_arena_;
   const Tensor logits = arena_->f32(a.router, {N, E});
@@ -421,19 +469,23 @@ void Decoder::moe_forward(int64_t l, const LayerActs& a, const Tensor& x, const 
   // Each routed row's input, then each expert over its rows.
   const Tensor rows = arena_->f32(b.rows, {R, D}), outputs = arena_->f32(b.outputs, {R, D});
   be.gather_rows(rows, x, arena_->i32(b.tokens, {R}));
-  auto mlp = [&](const ModelParameters::ExpertParams& w, const MlpActs& acts, const Tensor& in, const Tensor& out) {
-    const int64_t width = acts.h.cols();
+  // Expert e's MLP (-1: the shared expert) on its rows, whose activations start at row `row0` of
+  // the layer's layout (LayerActs::expert_rows; 0 without).
+  auto mlp = [&](int64_t e, const ModelParameters::ExpertParams& w, int64_t row0, const Tensor& in,
+                 const Tensor& out) {
+    const ExpertSites x = expert_sites(l, a, e, w, row0, in.rows());
     const Tensor in16 = sixteen_bit_step() ? rounded(in) : Tensor{};
-    product({w.gate, std::nullopt, D, width}, in, acts.gate, in16);
-    product({w.up, std::nullopt, D, width}, in, acts.up, in16);
-    be.swiglu_forward(acts.h, acts.gate, acts.up);
-    product({w.down, std::nullopt, width, D}, acts.h, out);
+    product(x.gate, in, x.acts.gate, in16);
+    product(x.up, in, x.acts.up, in16);
+    if (x.gate.lora >= 0) lora_forward(x.gate, x.keys[0], in, x.acts.gate, x.lora_u[0]);
+    if (x.up.lora >= 0) lora_forward(x.up, x.keys[1], in, x.acts.up, x.lora_u[1]);
+    be.swiglu_forward(x.acts.h, x.acts.gate, x.acts.up);
+    product(x.down, x.acts.h, out);
+    if (x.down.lora >= 0) lora_forward(x.down, x.keys[2], x.acts.h, out, x.lora_u[2]);
   };
   for (int64_t e = 0; e < E; ++e) {
     const int64_t r0 = offsets[e], c = offsets[e + 1] - r0;
-    if (c > 0)
-      mlp(p.experts[static_cast<size_t>(e)], mlp_acts(*arena_, a, a.expert_rows ? r0 * Ie : 0, c, Ie),
-          row_range(rows, r0, c), row_range(outputs, r0, c));
+    if (c > 0) mlp(e, p.experts[static_cast<size_t>(e)], r0, row_range(rows, r0, c), row_range(outputs, r0, c));
   }
   be.fill(x_out, 0.0f);
   be.combine_rows(x_out, outputs, arena_->i32(b.token_rows, {N, K}), arena_->f32(b.weights, {R}));
@@ -445,8 +497,7 @@ void Decoder::moe_forward(int64_t l, const LayerActs& a, const Tensor& x, const 
   const Tensor shared_weights = arena_->f32(b.shared_weights, {N});
   be.copy_to_device(shared_weights, gate_values);
   const Tensor shared_out = row_range(outputs, 0, N);
-  mlp(*p.shared, mlp_acts(*arena_, a, a.expert_rows ? R * Ie : 0, N, m.shared_expert_intermediate_size), x,
-      shared_out);
+  mlp(-1, *p.shared, R, x, shared_out);
   be.combine_rows(x_out, shared_out, Tensor{}, shared_weights);
 }
 
@@ -455,44 +506,52 @@ void Decoder::moe_backward(int64_t l, const LayerActs& a, const Tensor& x, const
   const ModelParameters::MoeParams& p = *params_->layer(l).moe;
   const MoeConfig& m = config_.moe;
   const MoeBuffers& b = *buf_.moe;
-  const int64_t N = num_tokens_, D = config_.hidden_size, E = m.num_experts, K = m.experts_per_token;
-  const int64_t Ie = m.expert_intermediate_size, R = N * K;
+  const int64_t N = num_tokens_, D = config_.hidden_size, E = m.num_experts, K = m.experts_per_token, R = N * K;
   Backend& be = *backend_;
   Arena& H = *host_arena_;
   const int64_t* offsets = route(arena_->f32(a.router, {N, E}));
   const Tensor rows = arena_->f32(b.rows, {R, D}), outputs = arena_->f32(b.outputs, {R, D});
   const Tensor tokens = arena_->i32(b.tokens, {R}), dweights = arena_->f32(b.dweights, {R});
   be.gather_rows(rows, x, tokens);
+  // An expert's output again (it is not kept): down(h), with its adapter.
+  auto expert_output = [&](const ExpertSites& x, const Tensor& out) {
+    product(x.down, x.acts.h, out);
+    if (x.down.lora < 0) return;
+    const Tensor B = params_->trainable_value(x.down.lora + 1);
+    be.matmul_accumulate(out, x.lora_u[2], Tensor(B.data, DType::F32, {D, options_.lora.rank}),
+                         static_cast<float>(options_.lora.scaling()));
+  };
   // One expert's MLP backward from d(out) (which then receives d(in) unless d_in is given
   // elsewhere): out = down(silu(gate(in)) * up(in)).
-  auto mlp_backward = [&](const ModelParameters::ExpertParams& w, const MlpActs& acts, const Tensor& dout,
-                          const Tensor& in, const Tensor& din) {
-    const int64_t c = in.rows(), width = acts.h.cols();
+  auto mlp_backward = [&](const ExpertSites& x, const Tensor& dout, const Tensor& in, const Tensor& din) {
+    const int64_t c = in.rows(), width = x.acts.h.cols();
     const Tensor dh = arena_->f32(buf_.dh, {c, width}), dgate = arena_->f32(buf_.dgate, {c, width}),
                  dup = arena_->f32(buf_.dup, {c, width});
     be.fill(dh, 0.0f);
-    product_backward({w.down, std::nullopt, width, D}, dout, acts.h, dh);
+    product_backward(x.down, dout, x.acts.h, dh);
+    if (x.down.lora >= 0) lora_backward(x.down, x.keys[2], dout, x.acts.h, dh, x.lora_u[2]);
     be.fill(dgate, 0.0f);
     be.fill(dup, 0.0f);
-    be.swiglu_backward(dgate, dup, dh, acts.gate, acts.up);
+    be.swiglu_backward(dgate, dup, dh, x.acts.gate, x.acts.up);
     if (din.data == dout.data) be.fill(din, 0.0f);  // d(out) is spent
-    product_backward({w.gate, std::nullopt, D, width}, dgate, in, din);
-    product_backward({w.up, std::nullopt, D, width}, dup, in, din);
+    product_backward(x.gate, dgate, in, din);
+    if (x.gate.lora >= 0) lora_backward(x.gate, x.keys[0], dgate, in, din, x.lora_u[0]);
+    product_backward(x.up, dup, in, din);
+    if (x.up.lora >= 0) lora_backward(x.up, x.keys[1], dup, in, din, x.lora_u[1]);
   };
   float* dw = H.f32(b.host_dweights, {R}).as<float>();
   if (p.shared) {
     // x_out += sigmoid(s) * shared(x), s = shared_expert_gate . x.
-    const int64_t Is = m.shared_expert_intermediate_size;
     float* sig = H.f32(b.host_shared_weights, {N}).as<float>();
     be.copy_to_host(sig, arena_->f32(a.shared_logit, {N}));
     for (int64_t n = 0; n < N; ++n) sig[n] = 1.0f / (1.0f + std::exp(-sig[n]));
     const Tensor shared_weights = arena_->f32(b.shared_weights, {N});
     be.copy_to_device(shared_weights, sig);
-    const MlpActs acts = mlp_acts(*arena_, a, R * Ie, N, Is);
+    const ExpertSites shared = expert_sites(l, a, -1, *p.shared, R, N);
     const Tensor out = row_range(outputs, 0, N), dots = dweights.flat_range(0, N);
-    product({p.shared->down, std::nullopt, Is, D}, acts.h, out);
+    expert_output(shared, out);
     be.combine_rows_backward(out, dots, out, dy, Tensor{}, shared_weights);
-    mlp_backward(*p.shared, acts, out, x, dx);
+    mlp_backward(shared, out, x, dx);
     be.copy_to_host(dw, dots);
     for (int64_t n = 0; n < N; ++n) dw[n] *= sig[n] * (1.0f - sig[n]);
     const Tensor ds = arena_->f32(b.shared_grad, {N, 1});
@@ -503,16 +562,14 @@ void Decoder::moe_backward(int64_t l, const LayerActs& a, const Tensor& x, const
   for (int64_t e = 0; e < E; ++e) {
     const int64_t r0 = offsets[e], c = offsets[e + 1] - r0;
     if (c > 0)
-      product({p.experts[static_cast<size_t>(e)].down, std::nullopt, Ie, D}, mlp_acts(*arena_, a, r0 * Ie, c, Ie).h,
-              row_range(outputs, r0, c));
+      expert_output(expert_sites(l, a, e, p.experts[static_cast<size_t>(e)], r0, c), row_range(outputs, r0, c));
   }
   be.combine_rows_backward(outputs, dweights, outputs, dy, tokens, arena_->f32(b.weights, {R}));
   for (int64_t e = 0; e < E; ++e) {
     const int64_t r0 = offsets[e], c = offsets[e + 1] - r0;
     if (c == 0) continue;
     const Tensor d = row_range(outputs, r0, c);
-    mlp_backward(p.experts[static_cast<size_t>(e)], mlp_acts(*arena_, a, r0 * Ie, c, Ie), d, row_range(rows, r0, c),
-                 d);
+    mlp_backward(expert_sites(l, a, e, p.experts[static_cast<size_t>(e)], r0, c), d, row_range(rows, r0, c), d);
   }
   // Each token's rows' input gradients summed into dx.
   const Tensor ones = arena_->f32(b.ones, {R});
@@ -615,14 +672,9 @@ void Decoder::linear_group_forward(int64_t l, std::span<const SiteOutput> sites,
 void Decoder::linear_adapters_forward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& x,
                                          const Tensor& y) {
   const ModelParameters::Linear lin = params_->linear(l, s);
-  Backend& be = *backend_;
   if (!batch_adapters_.empty()) adapter_sets_forward(l, s, a, x, y);
-  if (lin.lora < 0) return;
-  const int64_t r = options_.lora.rank;
-  const Tensor u = act(a.lora_u[static_cast<size_t>(s)], r);
-  const Tensor A = params_->trainable_value(lin.lora), B = params_->trainable_value(lin.lora + 1);
-  be.matmul_forward(u, lora_input(l, s, x), Tensor(A.data, DType::F32, {r, lin.in}), Tensor{});
-  be.matmul_accumulate(y, u, Tensor(B.data, DType::F32, {lin.out, r}), static_cast<float>(options_.lora.scaling()));
+  if (lin.lora >= 0)
+    lora_forward(lin, dropout_key(l, s), x, y, act(a.lora_u[static_cast<size_t>(s)], options_.lora.rank));
 }
 
 void Decoder::adapter_sets_forward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& x, const Tensor& y) {
@@ -665,30 +717,9 @@ void Decoder::product_backward(const ModelParameters::Linear& lin, const Tensor&
 void Decoder::linear_backward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& dy, const Tensor& x,
                                  const Tensor& dx) {
   const ModelParameters::Linear lin = params_->linear(l, s);
-  Backend& be = *backend_;
   product_backward(lin, dy, x, dx);
-  if (lin.lora < 0) return;
-  // y += s * u B^T, u = xd A^T:  du = s dy B, dB += s dy^T u, dA += du^T xd, dxd = du A.
-  const int64_t r = options_.lora.rank;
-  const Tensor A(params_->trainable_value(lin.lora).data, DType::F32, {r, lin.in});
-  const Tensor B(params_->trainable_value(lin.lora + 1).data, DType::F32, {lin.out, r});
-  const Tensor dA(params_->trainable_grad(lin.lora).data, DType::F32, {r, lin.in});
-  const Tensor dB(params_->trainable_grad(lin.lora + 1).data, DType::F32, {lin.out, r});
-  const Tensor du = act(buf_.lora_du, r);
-  be.fill(du, 0.0f);
-  be.matmul_backward(du, dB, Tensor{}, dy, act(a.lora_u[static_cast<size_t>(s)], r), B,
-                     static_cast<float>(options_.lora.scaling()));
-  const Tensor xd = lora_input(l, s, x);
-  if (xd.data == x.data) {
-    be.matmul_backward(dx, dA, Tensor{}, du, x, A, 1.0f);
-    return;
-  }
-  // Dropout: the same mask (regenerated from the key) routes the gradient back to x.
-  const Tensor dxd = act(buf_.lora_dxd, lin.in);
-  be.fill(dxd, 0.0f);
-  be.matmul_backward(dxd, dA, Tensor{}, du, xd, A, 1.0f);
-  be.dropout_forward(dxd, dxd, dropout_key(l, s), static_cast<float>(options_.lora.dropout));
-  be.add_inplace(dx, dxd);
+  if (lin.lora >= 0)
+    lora_backward(lin, dropout_key(l, s), dy, x, dx, act(a.lora_u[static_cast<size_t>(s)], options_.lora.rank));
 }
 
 void Decoder::layer_forward(int64_t l, const LayerActs& a, const Tensor& x, const Tensor& x_out) {

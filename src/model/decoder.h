@@ -12,6 +12,7 @@
 // weight gradient), Backward (final norm, layers in reverse, embedding).
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -163,6 +164,19 @@ class Decoder {
   // its gate's and the router's gradients (through the routing weights, the softmax and, with
   // the auxiliary loss, its term).
   void moe_backward(int64_t l, const LayerActs& a, const Tensor& x, const Tensor& dy, const Tensor& dx);
+  // An expert's projections (e: its index, -1 the shared expert) and, over its `rows` rows that
+  // start at row `row0` of the layer's layout (LayerActs::expert_rows), its activations, its
+  // adapters' kept x A^T and their dropout keys (gate, up, down).
+  struct ExpertSites {
+    ModelParameters::Linear gate, up, down;
+    struct {
+      Tensor gate, up, h;
+    } acts;
+    std::array<Tensor, 3> lora_u;
+    std::array<uint64_t, 3> keys;
+  };
+  ExpertSites expert_sites(int64_t l, const LayerActs& a, int64_t e, const ModelParameters::ExpertParams& w,
+                           int64_t row0, int64_t rows);
   // The routing of N tokens from a sparse layer's router logits, on the host (MoeBuffers): each
   // token's experts and weights, rows grouped by expert, uploaded. Returns each expert's first
   // row (E + 1 offsets). In a step's forward pass it adds the layer to the auxiliary loss's counts.
@@ -191,9 +205,18 @@ class Decoder {
   // dx += dy W (+ the adapter's path); accumulates the gradients of whatever is trainable.
   void linear_backward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& dy, const Tensor& x,
                        const Tensor& dx);
+  // The trained adapter of a linear layer (lin.lora >= 0): y += s (dropout(x) A^T) B^T, keeping
+  // u = dropout(x) A^T [rows, r] for the backward; key: its dropout mask's (dropout_key).
+  void lora_forward(const ModelParameters::Linear& lin, uint64_t key, const Tensor& x, const Tensor& y,
+                    const Tensor& u);
+  // Its backward: dx += d(loss)/dx through the adapter, and A's and B's gradients.
+  void lora_backward(const ModelParameters::Linear& lin, uint64_t key, const Tensor& dy, const Tensor& x,
+                     const Tensor& dx, const Tensor& u);
   // x itself, or dropout(x) in scratch when LoRA dropout is active.
-  Tensor lora_input(int64_t l, LinearSite s, const Tensor& x);
-  uint64_t dropout_key(int64_t l, LinearSite s) const;
+  Tensor lora_input(uint64_t key, const Tensor& x);
+  // A site's dropout key for this step (an expert's with `expert`: -1 the shared expert); 0 when
+  // no dropout runs.
+  uint64_t dropout_key(int64_t l, LinearSite s, std::optional<int64_t> expert = std::nullopt) const;
   Tensor base_grad_or_none(size_t param) const { return params_->base_trainable() ? params_->grad(param) : Tensor{}; }
   // The parameter as float32: its own storage, or, when stored in 16 bits, converted into the
   // current phase's conversion scratch (one for matrices, one for vectors, so a matmul's weight

@@ -37,10 +37,21 @@ LayerActs declare_layer_acts(const ModelConfig& config_, const ModelOptions& opt
   for (const LoraConfig& set : options_.adapter_sets) widest = std::max(widest, set.rank);
   if (widest > 0) acts.adapter_u = plan.declare(prefix + "adapter_u", cat, N * static_cast<size_t>(widest) * 4, first, last);
   const LoraConfig& lora = options_.lora;
-  for (size_t s = 0; s < kNumLinearSites; ++s)
+  // An MLP site's adapter in a sparse layer runs on every routed row (and the shared expert's
+  // tokens) where a backward reads them, else on one expert's rows at a time.
+  const MoeConfig& m = config_.moe;
+  const size_t mlp_rows =
+      m.enabled() && expert_rows
+          ? N * static_cast<size_t>(m.experts_per_token + (m.shared_expert_intermediate_size > 0 ? 1 : 0))
+          : N;
+  for (size_t s = 0; s < kNumLinearSites; ++s) {
+    const LinearSite site = static_cast<LinearSite>(s);
     if (lora.enabled() && lora.targets[s])
-      acts.lora_u[s] = plan.declare(prefix + std::string(linear_site_name(static_cast<LinearSite>(s))) + ".lora_u", cat,
-                                    N * static_cast<size_t>(lora.rank) * 4, first, last);
+      acts.lora_u[s] = plan.declare(prefix + std::string(linear_site_name(site)) + ".lora_u", cat,
+                                    (linear_site_block(site) == "mlp" ? mlp_rows : N) *
+                                        static_cast<size_t>(lora.rank) * 4,
+                                    first, last);
+  }
   return acts;
 }
 

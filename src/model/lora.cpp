@@ -22,6 +22,10 @@ uint64_t lora_dropout_key(uint64_t seed, int64_t layer, LinearSite site) {
                           0x9e3779b97f4a7c15ull);
 }
 
+uint64_t lora_expert_dropout_key(uint64_t seed, int64_t layer, LinearSite site, int64_t expert) {
+  return mix64(lora_dropout_key(seed, layer, site) ^ static_cast<uint64_t>(expert + 2) * 0xbf58476d1ce4e5b9ull);
+}
+
 std::string_view linear_site_name(LinearSite site) {
   return kSiteNames[static_cast<size_t>(site)];
 }
@@ -64,6 +68,12 @@ void set_lora_targets(LoraConfig& config, const std::vector<std::string>& names)
 
 std::string lora_tensor_name(int64_t layer, LinearSite site, bool is_b) {
   return fmt::format("base_model.model.model.layers.{}.{}.{}.lora_{}.weight", layer, linear_site_block(site),
+                     linear_site_name(site), is_b ? "B" : "A");
+}
+
+std::string lora_expert_tensor_name(int64_t layer, int64_t expert, LinearSite site, bool is_b) {
+  const std::string module = expert < 0 ? std::string("shared_expert") : fmt::format("experts.{}", expert);
+  return fmt::format("base_model.model.model.layers.{}.mlp.{}.{}.lora_{}.weight", layer, module,
                      linear_site_name(site), is_b ? "B" : "A");
 }
 

@@ -48,6 +48,12 @@ void set_lora_targets(LoraConfig& config, const std::vector<std::string>& names)
 // base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight
 std::string lora_tensor_name(int64_t layer, LinearSite site, bool is_b);
 
+// The same for an expert's projection in a sparse layer (site Gate, Up or Down; expert -1: the
+// shared expert), e.g. base_model.model.model.layers.3.mlp.experts.7.gate_proj.lora_A.weight
+std::string lora_expert_tensor_name(int64_t layer, int64_t expert, LinearSite site, bool is_b);
+// An expert's dropout key: the site's, mixed with the expert (-1: the shared expert).
+uint64_t lora_expert_dropout_key(uint64_t seed, int64_t layer, LinearSite site, int64_t expert);
+
 // adapter_config.json as PEFT writes it, and the reverse (validated; `source` names the file).
 nlohmann::json lora_adapter_config_json(const LoraConfig& config, const std::string& base_model_name_or_path);
 LoraConfig parse_lora_adapter_config(const nlohmann::json& doc, const std::string& source);

@@ -127,22 +127,32 @@ void ModelParameters::merge_lora() {
   const double scaling = options_.lora.scaling();
   const int64_t r = options_.lora.rank;
   ++values_version_;
-  for (int64_t l = 0; l < config_.num_hidden_layers; ++l)
+  auto merge = [&](const Linear& lin) {
+    if (lin.lora < 0) return;
+    std::vector<float> w = download_f32(*backend_, param(lin.weight));
+    const std::vector<float> a = download_f32(*backend_, trainable_value(lin.lora));
+    const std::vector<float> b = download_f32(*backend_, trainable_value(lin.lora + 1));
+    // W [out, in] += scaling * B [out, r] A [r, in]
+    for (int64_t o = 0; o < lin.out; ++o)
+      for (int64_t i = 0; i < lin.in; ++i) {
+        double sum = 0.0;
+        for (int64_t k = 0; k < r; ++k) sum += double(b[o * r + k]) * a[k * lin.in + i];
+        w[o * lin.in + i] = static_cast<float>(w[o * lin.in + i] + scaling * sum);
+      }
+    upload_f32(*backend_, param(lin.weight), w);
+  };
+  for (int64_t l = 0; l < config_.num_hidden_layers; ++l) {
+    const LayerParams& p = layer(l);
     for (size_t s = 0; s < kNumLinearSites; ++s) {
-      const Linear lin = linear(l, static_cast<LinearSite>(s));
-      if (lin.lora < 0) continue;
-      std::vector<float> w = download_f32(*backend_, param(lin.weight));
-      const std::vector<float> a = download_f32(*backend_, trainable_value(lin.lora));
-      const std::vector<float> b = download_f32(*backend_, trainable_value(lin.lora + 1));
-      // W [out, in] += scaling * B [out, r] A [r, in]
-      for (int64_t o = 0; o < lin.out; ++o)
-        for (int64_t i = 0; i < lin.in; ++i) {
-          double sum = 0.0;
-          for (int64_t k = 0; k < r; ++k) sum += double(b[o * r + k]) * a[k * lin.in + i];
-          w[o * lin.in + i] = static_cast<float>(w[o * lin.in + i] + scaling * sum);
-        }
-      upload_f32(*backend_, param(lin.weight), w);
+      const LinearSite site = static_cast<LinearSite>(s);
+      if (!p.moe || linear_site_block(site) != "mlp") {
+        merge(linear(l, site));
+        continue;
+      }
+      for (const ExpertParams& w : p.moe->experts) merge(expert_linear(w, site, config_.moe.expert_intermediate_size));
+      if (p.moe->shared) merge(expert_linear(*p.moe->shared, site, config_.moe.shared_expert_intermediate_size));
     }
+  }
   lora_merged_ = true;
 }
 

@@ -26,10 +26,9 @@ void check_mixture_of_experts(const ModelConfig& config, const ModelOptions& opt
   if (!config.moe.enabled()) return;
   const std::string model = fmt::format("{} ({})", family_traits(config.family).architecture,
                                         model_family_name(config.family));
-  if (options.lora.enabled() || !options.adapter_sets.empty())
-    throw Error(fmt::format("{}: LoRA adapters on mixture-of-experts models are not supported yet; memtune trains "
-                            "them fully (train --tuner_type full), evaluates, dumps and generates with "
-                            "them (eval, dump, generate, chat, serve) and plans both",
+  if (!options.adapter_sets.empty())
+    throw Error(fmt::format("{}: adapter sets (several adapters served at once) on mixture-of-experts models are "
+                            "not supported yet; merge one adapter (--adapter) instead",
                             model));
   const Backend& backend = options.backend ? *options.backend : default_backend();
   if (!backend.computes_mixture_of_experts())
@@ -212,26 +211,57 @@ void ModelParameters::declare_trainables(MemoryPlan& device_plan, MemoryPlan& ho
   const LoraConfig& lora = options_.lora;
   if (!lora.enabled()) return;
   const ModelConfig& c = config_;
+  // One adapter (A [r, in], B [out, r]); returns the index of its A among the trainables.
+  auto declare_adapter = [&](const std::string& name_a, const std::string& name_b, int64_t in, int64_t out) {
+    const int index = static_cast<int>(trainables_.size());
+    for (bool is_b : {false, true}) {
+      ParamSpec spec{is_b ? name_b : name_a,
+                     is_b ? std::vector<int64_t>{out, lora.rank} : std::vector<int64_t>{lora.rank, in}};
+      const BufferId value = device_plan.declare_persistent(spec.name, Category::TrainableParams, spec.numel() * 4);
+      if (options_.with_grads) {
+        add(spec, value, std::nullopt);
+      } else {
+        trainables_.push_back({spec, value, {}, {}, {}, std::nullopt});  // inference: values only
+      }
+    }
+    return index;
+  };
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     std::array<int, kNumLinearSites> index;
     index.fill(-1);
+    LayerParams& p = layer_params_[static_cast<size_t>(l)];
     for (size_t s = 0; s < kNumLinearSites; ++s) {
+      const LinearSite site = static_cast<LinearSite>(s);
       if (!lora.targets[s]) continue;
-      const Linear lin = linear(l, static_cast<LinearSite>(s));
-      index[s] = static_cast<int>(trainables_.size());
-      for (bool is_b : {false, true}) {
-        ParamSpec spec{lora_tensor_name(l, static_cast<LinearSite>(s), is_b),
-                       is_b ? std::vector<int64_t>{lin.out, lora.rank} : std::vector<int64_t>{lora.rank, lin.in}};
-        const BufferId value = device_plan.declare_persistent(spec.name, Category::TrainableParams, spec.numel() * 4);
-        if (options_.with_grads) {
-          add(spec, value, std::nullopt);
-        } else {
-          trainables_.push_back({spec, value, {}, {}, {}, std::nullopt});  // inference: values only
-        }
+      if (p.moe && linear_site_block(site) == "mlp") {
+        // A sparse layer's MLP sites are its experts' (PEFT matches gate_proj, up_proj and
+        // down_proj inside mlp.experts.E and mlp.shared_expert alike).
+        const size_t k = s - static_cast<size_t>(LinearSite::Gate);
+        auto expert = [&](ExpertParams& w, int64_t e, int64_t width) {
+          const bool down = site == LinearSite::Down;
+          w.lora[k] = declare_adapter(lora_expert_tensor_name(l, e, site, false),
+                                      lora_expert_tensor_name(l, e, site, true), down ? width : c.hidden_size,
+                                      down ? c.hidden_size : width);
+        };
+        for (size_t e = 0; e < p.moe->experts.size(); ++e)
+          expert(p.moe->experts[e], static_cast<int64_t>(e), c.moe.expert_intermediate_size);
+        if (p.moe->shared) expert(*p.moe->shared, -1, c.moe.shared_expert_intermediate_size);
+        continue;
       }
+      const Linear lin = linear(l, site);
+      index[s] = declare_adapter(lora_tensor_name(l, site, false), lora_tensor_name(l, site, true), lin.in, lin.out);
     }
     lora_index_.push_back(index);
   }
+}
+
+ModelParameters::Linear ModelParameters::expert_linear(const ExpertParams& w, LinearSite s, int64_t width) const {
+  const int64_t D = config_.hidden_size;
+  const size_t k = static_cast<size_t>(s) - static_cast<size_t>(LinearSite::Gate);
+  MT_ASSERT(k < 3, "an expert has gate, up and down projections");
+  const int lora = lora_merged_ ? -1 : w.lora[k];
+  if (s == LinearSite::Down) return {w.down, std::nullopt, width, D, lora};
+  return {s == LinearSite::Gate ? w.gate : w.up, std::nullopt, D, width, lora};
 }
 
 ModelParameters::Linear ModelParameters::linear(int64_t l, LinearSite s) const {

@@ -128,6 +128,9 @@ class ModelParameters {
   // and a shared expert with its gate where the family has one.
   struct ExpertParams {
     size_t gate, up, down;
+    // The trained LoRA adapter of each projection (gate, up, down: the LinearSite order), the
+    // index of its A among the trainables (B follows), or -1; expert_lora reads it.
+    std::array<int, 3> lora{-1, -1, -1};
   };
   struct MoeParams {
     size_t router;
@@ -149,6 +152,9 @@ class ModelParameters {
     int lora = -1;  // index of the adapter's A among the trainables (B follows), or -1
   };
   const LayerParams& layer(int64_t l) const { return layer_params_.at(static_cast<size_t>(l)); }
+  // An expert's projection (site Gate, Up or Down) as a linear layer of width `width` (the
+  // expert's or the shared expert's intermediate size), with its trained adapter unless merged.
+  Linear expert_linear(const ExpertParams& w, LinearSite s, int64_t width) const;
   Linear linear(int64_t l, LinearSite s) const;
   size_t embed() const { return embed_; }
   size_t final_norm() const { return final_norm_; }

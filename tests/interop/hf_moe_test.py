@@ -21,8 +21,12 @@ that it takes about half the tokens while some take one or none (uneven routing,
    (cross-entropy plus the auxiliary term) and loss.backward(): every gradient, the router's and
    the shared expert gate's included, within hf_gradients_test's tolerance; an expert no token
    chose has a zero gradient on both sides. Then `memtune train` on it writes a checkpoint that
-   transformers opens with memtune's logits, and LoRA (not supported yet) is refused by name
-   with nothing written.
+   transformers opens with memtune's logits.
+4. LoRA on attention and on every expert's projections (PEFT's module names: gate_proj, up_proj
+   and down_proj inside mlp.experts.E and mlp.shared_expert), auxiliary loss on: an adapter
+   `memtune train` wrote, opened by PEFT, gives PEFT's loss and every lora_A / lora_B gradient
+   in `memtune dump --adapter` (with and without checkpointing); an adapter PEFT made gives
+   PEFT's logits in memtune.
 
 Exit status 0 only if every check passes.
 """
@@ -45,6 +49,7 @@ from byte_tokenizer import write_tokenizer  # noqa: E402
 from hf_checks import run_families  # noqa: E402
 from numeric import assert_close, check  # noqa: E402
 
+import peft  # noqa: E402
 import transformers  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
 
@@ -84,12 +89,13 @@ def mean_loss(model, ids):
         return float(model(torch.tensor(ids), labels=torch.tensor(ids)).loss)
 
 
-def memtune_dump(memtune, workdir, model_dir, ids, backend="cpu"):
+def memtune_dump(memtune, workdir, model_dir, ids, backend="cpu", adapter=None):
     inp = os.path.join(workdir, "moe_dump_in.json")
     out = os.path.join(workdir, "moe_dump_out.safetensors")
     with open(inp, "w") as f:
         json.dump({"input_ids": ids, "labels": ids}, f)
-    hm.run([memtune, "dump", "--model", model_dir, "--input", inp, "--out", out, "--backend", backend])
+    hm.run([memtune, "dump", "--model", model_dir, "--input", inp, "--out", out, "--backend", backend] +
+           (["--adapter", adapter] if adapter else []))
     t = load_file(out)
     return t["logits"], float(t["loss"])
 
@@ -212,17 +218,48 @@ def training(memtune, workdir, family, checks):
         trained = hm.check_model_dir(memtune, workdir, out, f"{family}: trained", greedy=False)
         check(trained.config.output_router_logits and trained.config.router_aux_loss_coef == 0.3,
               f"{family}: the trained checkpoint lost the auxiliary loss's settings")
-    with checks.case(f"{family}: LoRA is refused by name, nothing written"):
-        out = os.path.join(workdir, family, "lora_out")
-        shutil.rmtree(out, ignore_errors=True)
-        p = subprocess.run([memtune, "train", "--model", d, "--train_file", data, "--output_dir", out,
-                            "--max_steps", "1", "--max_length", "64"],
-                           capture_output=True, text=True, timeout=300)
-        said = p.stdout + p.stderr
-        check(p.returncode != 0 and "LoRA adapters on mixture-of-experts models are not supported yet" in said
-              and "--tuner_type full" in said,
-              lambda: f"{family}: train (LoRA, the default) exited {p.returncode}: {said[-600:]}")
-        check(not os.path.exists(out), lambda: f"{family}: a refused train left {out}")
+    with checks.case(f"{family}: LoRA on attention and every expert (all-linear, PEFT's module names): memtune "
+                     f"dump --adapter against PEFT's loss and gradients, with and without checkpointing"):
+        adapter = os.path.join(workdir, family, "adapter")
+        shutil.rmtree(adapter, ignore_errors=True)
+        hm.run([memtune, "train", "--model", d, "--train_file", data, "--output_dir", adapter, "--tuner_type", "lora",
+                "--lora_dropout", 0, "--lora_rank", 4, "--lora_alpha", 8, "--target_modules", "all-linear",
+                "--per_device_train_batch_size", 2, "--max_steps", 3, "--learning_rate", 5e-2,
+                "--lr_scheduler_type", "constant", "--save_strategy", "no", "--logging_steps", 1, "--max_length", 64])
+        peft_model = peft.PeftModel.from_pretrained(hg.hf_base(d), adapter, is_trainable=True)
+        loss, grads = hg.hf_loss_and_grads(peft_model, lambda name: name.replace(".default.", "."))
+        check(any(".mlp.experts." in k for k in grads) and all(".lora_" in k for k in grads),
+              lambda: f"{family}: PEFT's adapter is not on the experts alone with attention: {sorted(grads)[:8]}")
+        unchosen = sorted(k for k, g in grads.items() if not np.any(g))  # experts no token chose; B's of A = 0
+        for ckpt in (False, True):
+            ids, labels = hg.batch()
+            inp = os.path.join(workdir, "moe_grad_in.json")
+            out = os.path.join(workdir, "moe_lora_out.safetensors")
+            with open(inp, "w") as f:
+                json.dump({"input_ids": ids, "labels": labels}, f)
+            hm.run([memtune, "dump", "--model", d, "--input", inp, "--out", out, "--adapter", adapter] +
+                   (["--gradient_checkpointing"] if ckpt else []))
+            ours = load_file(out)
+            for name in unchosen:
+                check(not np.any(ours.get(name, 1)), lambda: f"{family}: memtune's {name} is not zero")
+            hg.compare(f"{family} LoRA{' with gradient checkpointing' if ckpt else ''}",
+                       {k: v for k, v in ours.items() if k not in unchosen}, loss,
+                       {k: v for k, v in grads.items() if k not in unchosen})
+    with checks.case(f"{family}: an adapter PEFT made (random lora_B) gives PEFT's logits in memtune dump"):
+        torch.manual_seed(21)
+        made = peft.get_peft_model(hg.hf_base(d), peft.LoraConfig(
+            r=2, lora_alpha=6, lora_dropout=0.0,
+            target_modules=["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]))
+        with torch.no_grad():
+            for name, t in made.named_parameters():
+                if "lora_B" in name:
+                    t.normal_(0, 0.1)
+        peft_dir = os.path.join(workdir, family, "peft_adapter")
+        shutil.rmtree(peft_dir, ignore_errors=True)
+        made.save_pretrained(peft_dir)
+        logits, _ = memtune_dump(memtune, workdir, d, hm.batch(), adapter=peft_dir)
+        assert_close(logits, hm.hf_logits(made.eval()), rtol=hm.LOGIT_RTOL,
+                     what=f"{family}: logits of PEFT's adapter, memtune against PEFT")
 
 
 def memtune_to_hf(memtune, workdir, family, checks):
