@@ -350,9 +350,6 @@ ModelConfig parse_model_config(const nlohmann::json& document, const std::string
   if (traits.qkv_bias_key) c.attention_bias = doc.optional_bool("qkv_bias").value_or(true);
   if (traits.moe) c.moe = parse_moe_config(doc, c);
   c.quant = parse_quant_config(doc, c);
-  if (c.moe.enabled() && c.quant.enabled())
-    doc.fail("quantization_config", "is set on a mixture-of-experts model; memtune reads and writes float "
-                                    "mixture-of-experts checkpoints only (quantized experts are not supported yet)");
   return c;
 }
 

@@ -67,13 +67,14 @@ size_t largest_vector_elems(const std::vector<ParamSpec>& specs) {
     if (s.shape.size() == 1) n = std::max<size_t>(n, s.numel());
   return n;
 }
-// The float32 scratch a layer's matrices need: a whole widened 16-bit matrix, or with quantized
-// weights what the backend's quantized products need for the widest input.
+// The float32 scratch a layer's matrices need: a whole widened 16-bit matrix, or for a packed
+// one what the backend's quantized products need for its input width.
 size_t layer_matrix_scratch_elems(const ModelConfig& c, const std::vector<ParamSpec>& specs, const Backend& backend) {
   size_t n = 0;
   for (const auto& s : specs)
     if (s.shape.size() > 1 && s.name.starts_with("model.layers."))
-      n = std::max<size_t>(n, c.quant.enabled() ? backend.quantized_scratch_elems(s.shape[1]) : s.numel());
+      n = std::max<size_t>(n, packed_bits(c, s) ? backend.quantized_scratch_elems(s.shape[1])
+                                                : static_cast<size_t>(s.numel()));
   return n;
 }
 

@@ -73,6 +73,9 @@ std::vector<ParamSpec> model_parameter_specs(const ModelConfig& c) {
 
 int packed_bits(const ModelConfig& c, const ParamSpec& s) {
   if (!c.quant.enabled() || s.shape.size() != 2) return 0;
+  // A sparse layer's router and shared-expert gate stay as stored (Qwen's GPTQ MoE checkpoints:
+  // their few outputs do not pack), its experts' projections are packed.
+  if (s.name.ends_with(".mlp.gate.weight") || s.name.ends_with(".mlp.shared_expert_gate.weight")) return 0;
   if (s.name.starts_with("model.layers.")) return c.quant.bits;
   return s.name == "lm_head.weight" ? c.quant.lm_head_bits : 0;
 }

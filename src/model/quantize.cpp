@@ -213,9 +213,10 @@ ModelConfig quantized_config(const ModelConfig& source, const QuantizeOptions& o
   if (source.quant.enabled())
     throw Error(fmt::format("{}: the model is already quantized ({}-bit {})", config_path, source.quant.bits,
                             quant_method_name(source.quant.method)));
-  if (source.moe.enabled())
-    throw Error(fmt::format("{}: quantizing mixture-of-experts models ({}) is not supported yet", config_path,
-                            model_family_name(source.family)));
+  if (source.moe.enabled() && o.gptq)
+    throw Error(fmt::format("{}: GPTQ on mixture-of-experts models ({}) is not supported yet (each expert's "
+                            "Hessian of its routed rows); round to nearest instead (--method rtn)",
+                            config_path, model_family_name(source.family)));
   ModelConfig target = source;
   target.quant = o.target;
   if (o.target.lm_head_bits) {
