@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <numeric>
 #include <string_view>
 #include <utility>
@@ -33,10 +34,6 @@ BufferId MemoryPlan::declare(std::string name, Category category, size_t bytes, 
   return static_cast<BufferId>(buffers_.size() - 1);
 }
 
-static bool lifetimes_overlap(const BufferDecl& a, const BufferDecl& b) {
-  return a.first <= b.last && b.first <= a.last;
-}
-
 void MemoryPlan::finalize() {
   MT_ASSERT(!finalized_);
   // Laminar check: two lifetimes either nest or are disjoint.
@@ -62,15 +59,19 @@ void MemoryPlan::finalize() {
     if (x.first != y.first) return x.first < y.first;
     return x.padded_bytes > y.padded_bytes;
   });
-  std::vector<BufferId> placed;
+  // The bytes the placed buffers of each distinct lifetime occupy, as [begin, end) intervals
+  // merged where they touch: lifetimes are few, and a lifetime's buffers stack into one interval,
+  // so a buffer's conflicts are a handful of intervals however many buffers were placed (a
+  // mixture of experts declares hundreds of thousands).
+  std::vector<std::map<size_t, size_t>> occupied(spans.size());
+  std::vector<std::pair<size_t, size_t>> taken;  // [begin, end) occupied in conflicting lifetimes
   size_t extent = 0;
   for (BufferId id : order) {
     auto& b = buffers_[id];
-    std::vector<std::pair<size_t, size_t>> taken;  // [begin, end) of conflicting buffers
-    for (BufferId other : placed) {
-      const auto& o = buffers_[other];
-      if (lifetimes_overlap(b, o)) taken.emplace_back(o.offset, o.offset + o.padded_bytes);
-    }
+    taken.clear();
+    for (size_t j = 0; j < spans.size(); ++j)
+      if (b.first <= spans[j].second && spans[j].first <= b.last)
+        taken.insert(taken.end(), occupied[j].begin(), occupied[j].end());
     std::sort(taken.begin(), taken.end());
     size_t offset = 0;
     for (const auto& [begin, end] : taken) {
@@ -79,7 +80,20 @@ void MemoryPlan::finalize() {
     }
     b.offset = offset;
     extent = std::max(extent, offset + b.padded_bytes);
-    placed.push_back(id);
+    if (b.padded_bytes == 0) continue;
+    std::map<size_t, size_t>& own =
+        occupied[static_cast<size_t>(std::lower_bound(spans.begin(), spans.end(), std::pair(b.first, b.last)) -
+                                     spans.begin())];
+    size_t lo = offset, hi = offset + b.padded_bytes;
+    auto it = own.upper_bound(lo);
+    if (it != own.begin() && std::prev(it)->second >= lo) {
+      --it;
+      lo = it->first;
+      hi = std::max(hi, it->second);
+      it = own.erase(it);
+    }
+    for (; it != own.end() && it->first <= hi; it = own.erase(it)) hi = std::max(hi, it->second);
+    own.emplace(lo, hi);
   }
 
   peak_bytes_ = 0;
