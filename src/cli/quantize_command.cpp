@@ -113,8 +113,12 @@ Action add_quantize(CLI::App& app) {
                              a->lm_head_bits ? fmt::format(", the LM head {}-bit", a->lm_head_bits) : "",
                              format_bytes(s.float_bytes), format_bytes(s.packed_bytes));
     if (o.gptq)
-      std::cout << fmt::format("calibration: {} sequences, {} tokens, {} pass(es) over them\n", calibration.size(),
-                               s.calibration_tokens, s.passes);
+      std::cout << fmt::format("calibration: {} sequences, {} tokens, {} pass(es) over them{}\n", calibration.size(),
+                               s.calibration_tokens, s.passes,
+                               s.unreached_layers ? fmt::format("; {} experts' layers no calibration token reached "
+                                                                "rounded to nearest",
+                                                                s.unreached_layers)
+                                                  : "");
     std::cout << fmt::format("mean squared weight error {:.3e}; {:.1f} s\nwrote {}\n", s.mean_squared_error, seconds,
                              a->out);
   };

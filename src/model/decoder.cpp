@@ -331,7 +331,7 @@ void Decoder::lora_backward(const ModelParameters::Linear& lin, uint64_t key, co
 
 void Decoder::linear_forward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& x, const Tensor& y,
                              const Tensor& x16) {
-  if (linear_input_observer_) linear_input_observer_(l, s, x);
+  if (linear_input_observer_) linear_input_observer_(l, s, std::nullopt, x);
   product(params_->linear(l, s), x, y, x16);
   linear_adapters_forward(l, s, a, x, y);
 }
@@ -474,12 +474,14 @@ void Decoder::moe_forward(int64_t l, const LayerActs& a, const Tensor& x, const 
   auto mlp = [&](int64_t e, const ModelParameters::ExpertParams& w, int64_t row0, const Tensor& in,
                  const Tensor& out) {
     const ExpertSites x = expert_sites(l, a, e, w, row0, in.rows());
+    if (linear_input_observer_) linear_input_observer_(l, LinearSite::Gate, e, in);
     const Tensor in16 = sixteen_bit_step() ? rounded(in) : Tensor{};
     product(x.gate, in, x.acts.gate, in16);
     product(x.up, in, x.acts.up, in16);
     if (x.gate.lora >= 0) lora_forward(x.gate, x.keys[0], in, x.acts.gate, x.lora_u[0]);
     if (x.up.lora >= 0) lora_forward(x.up, x.keys[1], in, x.acts.up, x.lora_u[1]);
     be.swiglu_forward(x.acts.h, x.acts.gate, x.acts.up);
+    if (linear_input_observer_) linear_input_observer_(l, LinearSite::Down, e, x.acts.h);
     product(x.down, x.acts.h, out);
     if (x.down.lora >= 0) lora_forward(x.down, x.keys[2], x.acts.h, out, x.lora_u[2]);
   };
@@ -632,7 +634,7 @@ void Decoder::linear_group_forward(int64_t l, std::span<const SiteOutput> sites,
   int64_t widened = 0;  // 16-bit bias elements
   for (size_t i = 0; i < sites.size(); ++i) {
     const ModelParameters::Linear lin = params_->linear(l, sites[i].site);
-    if (linear_input_observer_) linear_input_observer_(l, sites[i].site, x);
+    if (linear_input_observer_) linear_input_observer_(l, sites[i].site, std::nullopt, x);
     group[i].out = sites[i].y;
     if (lin.bias) stored_bias[i] = params_->param(*lin.bias);
     if (stored_bias[i] && stored_bias[i].dtype != DType::F32) widened += stored_bias[i].numel();

@@ -132,9 +132,12 @@ class Decoder {
   void set_defer_loss_sum(bool defer) { defer_loss_sum_ = defer; }
   // Sees every logits chunk of the following steps (streaming metrics); nullptr for none. Not owned.
   void set_observer(ChunkObserver* observer) { observer_ = observer; }
-  // Sees the input x [tokens, in] of every linear layer as the forward pass reaches it (GPTQ's
-  // calibration, model/quantize.h); an empty function for none.
-  using LinearInputObserver = std::function<void(int64_t layer, LinearSite site, const Tensor& x)>;
+  // Sees the input x [rows, in] of every linear layer as the forward pass reaches it (GPTQ's
+  // calibration, model/quantize.h): a site's, or in a sparse layer an expert's (its index, -1 the
+  // shared expert; gate and up share the input, seen at Gate) over its routed rows; an empty
+  // function for none.
+  using LinearInputObserver =
+      std::function<void(int64_t layer, LinearSite site, std::optional<int64_t> expert, const Tensor& x)>;
   void set_linear_input_observer(LinearInputObserver observer) { linear_input_observer_ = std::move(observer); }
   // Called in backward as soon as decoder layer l's gradients are complete for this micro-batch
   // (l = L-1 down to 0), so data-parallel ranks can start reducing them while backward goes on.

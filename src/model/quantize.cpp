@@ -8,6 +8,7 @@
 #include <cmath>
 #include <filesystem>
 #include <map>
+#include <tuple>
 #include <numeric>
 
 #include <nlohmann/json.hpp>
@@ -213,10 +214,6 @@ ModelConfig quantized_config(const ModelConfig& source, const QuantizeOptions& o
   if (source.quant.enabled())
     throw Error(fmt::format("{}: the model is already quantized ({}-bit {})", config_path, source.quant.bits,
                             quant_method_name(source.quant.method)));
-  if (source.moe.enabled() && o.gptq)
-    throw Error(fmt::format("{}: GPTQ on mixture-of-experts models ({}) is not supported yet (each expert's "
-                            "Hessian of its routed rows); round to nearest instead (--method rtn)",
-                            config_path, model_family_name(source.family)));
   ModelConfig target = source;
   target.quant = o.target;
   if (o.target.lm_head_bits) {
@@ -259,25 +256,49 @@ class LayerQuantizer {
     const std::unique_ptr<Decoder> model = load_model(model_dir, options);
     ModelParameters& params = model->parameters();
     const ModelConfig& c = model->config();
-    auto width = [&](LinearSite s) { return params.linear(0, s).in; };
-    size_t layer_bytes = 0;
-    for (const LinearSite s : kInputSites) layer_bytes += static_cast<size_t>(width(s) * width(s)) * 4;
-    const int64_t per_pass = std::max<int64_t>(1, static_cast<int64_t>(o_.hessian_budget_bytes / layer_bytes));
-    for (int64_t l0 = 0; l0 < c.num_hidden_layers; l0 += per_pass) {
-      const int64_t l1 = std::min(c.num_hidden_layers, l0 + per_pass);
+    // A Hessian per distinct input: (layer, expert, input site), expert kDense for a dense
+    // layer's site (and attention's), -1 for the shared expert.
+    constexpr int64_t kDense = -2;
+    using Key = std::tuple<int64_t, int64_t, LinearSite>;
+    auto keys_of = [&](int64_t l) {
+      std::vector<std::pair<Key, int64_t>> keys;  // with the input's width
+      const bool sparse = c.moe.sparse(l);
+      for (const LinearSite s : kInputSites)
+        if (!sparse || linear_site_block(s) != "mlp") keys.push_back({{l, kDense, s}, params.linear(l, s).in});
+      if (!sparse) return keys;
+      auto expert = [&](int64_t e, int64_t width) {
+        keys.push_back({{l, e, LinearSite::Gate}, c.hidden_size});
+        keys.push_back({{l, e, LinearSite::Down}, width});
+      };
+      for (int64_t e = 0; e < c.moe.num_experts; ++e) expert(e, c.moe.expert_intermediate_size);
+      if (c.moe.shared_expert_intermediate_size > 0) expert(-1, c.moe.shared_expert_intermediate_size);
+      return keys;
+    };
+    auto layer_bytes = [&](int64_t l) {
+      size_t bytes = 0;
+      for (const auto& [key, in] : keys_of(l)) bytes += static_cast<size_t>(in * in) * 4;
+      return bytes;
+    };
+    for (int64_t l0 = 0; l0 < c.num_hidden_layers;) {
+      // As many layers as the budget holds, at least one (a layer of many experts may exceed it).
+      int64_t l1 = l0 + 1;
+      for (size_t bytes = layer_bytes(l0); l1 < c.num_hidden_layers && bytes + layer_bytes(l1) <= o_.hessian_budget_bytes;
+           ++l1)
+        bytes += layer_bytes(l1);
       // Hessians of layers l0..l1 (upper triangles, summed over calibration tokens).
-      std::map<std::pair<int64_t, LinearSite>, std::vector<float>> hessians;
+      std::map<Key, std::vector<float>> hessians;
       for (int64_t l = l0; l < l1; ++l)
-        for (const LinearSite s : kInputSites)
-          hessians[{l, s}].assign(static_cast<size_t>(width(s) * width(s)), 0.0f);
-      model->set_linear_input_observer([&](int64_t l, LinearSite s, const Tensor& x) {
-        const auto it = hessians.find({l, s});
+        for (const auto& [key, in] : keys_of(l)) hessians[key].assign(static_cast<size_t>(in * in), 0.0f);
+      auto observe = [&](const Key& key, const Tensor& x) {
+        const auto it = hessians.find(key);
         if (it == hessians.end()) return;
         const std::vector<float> rows = download_f32(backend, x);
         const int64_t n = x.rows(), in = x.cols();
         cblas_ssyrk(CblasRowMajor, CblasUpper, CblasTrans, static_cast<int>(in), static_cast<int>(n), 1.0f,
                     rows.data(), static_cast<int>(in), 1.0f, it->second.data(), static_cast<int>(in));
-      });
+      };
+      model->set_linear_input_observer(
+          [&](int64_t l, LinearSite s, std::optional<int64_t> e, const Tensor& x) { observe({l, e.value_or(kDense), s}, x); });
       for (const auto& seq : calibration) {
         const std::vector<int32_t> cu = {0, static_cast<int32_t>(seq.size())};
         model->forward_loss({seq, seq, cu});
@@ -285,19 +306,40 @@ class LayerQuantizer {
       model->set_linear_input_observer(nullptr);
       ++summary_.passes;
       for (auto& [key, H] : hessians) {
-        const int64_t in = width(key.second);
+        const int64_t in = static_cast<int64_t>(std::lround(std::sqrt(static_cast<double>(H.size()))));
         for (int64_t i = 0; i < in; ++i)
           for (int64_t j = 0; j < i; ++j) H[static_cast<size_t>(i * in + j)] = H[static_cast<size_t>(j * in + i)];
       }
-      for (int64_t l = l0; l < l1; ++l)
+      // One linear layer by GPTQ over its input's Hessian; an expert no calibration token reached
+      // has none and rounds to nearest.
+      auto quantize = [&](const ModelParameters::Linear& lin, const Key& input) {
+        const ParamSpec& spec = params.specs()[lin.weight];
+        const std::vector<float> w = download_f32(backend, params.param(lin.weight));
+        std::vector<float> H = hessians.at(input);  // a copy: GPTQ changes it
+        if (std::all_of(H.begin(), H.end(), [](float v) { return v == 0.0f; })) {
+          ++summary_.unreached_layers;
+          round(spec);
+          return;
+        }
+        record(spec, w, quantize_gptq(w, lin.out, lin.in, o_.target, H, o_.damp_percent));
+      };
+      for (int64_t l = l0; l < l1; ++l) {
+        const ModelParameters::LayerParams& p = params.layer(l);
         for (size_t si = 0; si < kNumLinearSites; ++si) {
           const LinearSite s = static_cast<LinearSite>(si);
-          const ModelParameters::Linear lin = params.linear(l, s);
-          const ParamSpec& spec = params.specs()[lin.weight];
-          const std::vector<float> w = download_f32(backend, params.param(lin.weight));
-          std::vector<float> H = hessians.at({l, input_site(s)});  // a copy: GPTQ changes it
-          record(spec, w, quantize_gptq(w, lin.out, lin.in, o_.target, H, o_.damp_percent));
+          if (p.moe && linear_site_block(s) == "mlp") continue;
+          quantize(params.linear(l, s), {l, kDense, input_site(s)});
         }
+        if (!p.moe) continue;
+        auto expert = [&](const ModelParameters::ExpertParams& w, int64_t e, int64_t width) {
+          for (const LinearSite s : {LinearSite::Gate, LinearSite::Up, LinearSite::Down})
+            quantize(params.expert_linear(w, s, width), {l, e, input_site(s)});
+        };
+        for (size_t e = 0; e < p.moe->experts.size(); ++e)
+          expert(p.moe->experts[e], static_cast<int64_t>(e), c.moe.expert_intermediate_size);
+        if (p.moe->shared) expert(*p.moe->shared, -1, c.moe.shared_expert_intermediate_size);
+      }
+      l0 = l1;
     }
     for (const ParamSpec& s : specs)
       if (s.name == "lm_head.weight" && packed_bits(target_, s)) round(s);

@@ -38,6 +38,7 @@ struct QuantizeSummary {
   int64_t layers = 0;
   int64_t calibration_tokens = 0;
   int passes = 0;             // passes over the calibration data (GPTQ)
+  int64_t unreached_layers = 0;  // GPTQ: experts' layers no calibration token reached, rounded to nearest
   size_t float_bytes = 0;     // the quantized layers' weights as the source stored them
   size_t packed_bytes = 0;    // ... and as written (qweight, qzeros, scales, g_idx)
   double mean_squared_error = 0;  // of the dequantized weights against the source, over all layers
