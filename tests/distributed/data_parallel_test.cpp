@@ -141,6 +141,32 @@ TEST_F(DataParallelTest, TwoRanksEqualOneProcessWithTheSameGlobalBatch) {
   EXPECT_EQ(json::parse(std::ifstream(dir_ / "two" / "run_args.json"))["world_size"], 2);
 }
 
+// A mixture of experts with transformers' auxiliary loss on: its term is a micro-batch's own, so
+// two ranks of one-sequence micro-batches train as one process accumulating the same four.
+TEST_F(DataParallelTest, AMixtureOfExpertsWithItsAuxiliaryLossTrainsOnTwoRanksAsInOneProcess) {
+  ASSERT_TRUE(succeeded(testing_support::run_memtune(
+      "init-model --preset tiny-qwen3-moe --seed 1 --set output_router_logits=true --set router_aux_loss_coef=0.3 "
+      "--out " + path("moe"))));
+  testing_support::write_synthetic_tokenizer(dir_ / "moe");
+  auto args = [&](const std::string& out, const std::string& flags) {
+    std::string a = train_args(out, flags + " --max_steps 3");
+    a.replace(a.find(path("model")), path("model").size(), path("moe"));
+    return a;
+  };
+  const Result two = mpirun(2, args("moe2", "--per_device_train_batch_size 1 --gradient_accumulation_steps 2"));
+  ASSERT_EQ(two.status, 0) << two.output;
+  const Result acc =
+      testing_support::run_memtune(args("moe1", "--per_device_train_batch_size 1 --gradient_accumulation_steps 4"));
+  ASSERT_EQ(acc.status, 0) << acc.output;
+  EXPECT_LT(max_relative_difference(dir_ / "moe2" / "model.safetensors", dir_ / "moe1" / "model.safetensors"), 2e-5);
+  EXPECT_GT(max_relative_difference(dir_ / "moe2" / "model.safetensors", dir_ / "moe" / "model.safetensors"), 1e-3);
+  const auto a = read_jsonl(dir_ / "moe2" / "log.jsonl"), b = read_jsonl(dir_ / "moe1" / "log.jsonl");
+  ASSERT_EQ(a.size(), 3u);
+  ASSERT_EQ(b.size(), 3u);
+  for (size_t i = 0; i < a.size(); ++i)
+    EXPECT_NEAR(a[i]["loss"].get<double>(), b[i]["loss"].get<double>(), 1e-5 * b[i]["loss"].get<double>());
+}
+
 // Two ranks on the reference backend (its memory locked outside its calls, collectives inside
 // them; ZeRO-1 for the reduce-scatter and allgather paths) train like one cpu process.
 // Two ranks on `backend`, plain and ZeRO-1, equal one cpu process with the same global batch.
