@@ -25,8 +25,8 @@ that it takes about half the tokens while some take one or none (uneven routing,
 4. LoRA on attention and on every expert's projections (PEFT's module names: gate_proj, up_proj
    and down_proj inside mlp.experts.E and mlp.shared_expert), auxiliary loss on: an adapter
    `memtune train` wrote, opened by PEFT, gives PEFT's loss and every lora_A / lora_B gradient
-   in `memtune dump --adapter` (with and without checkpointing); an adapter PEFT made gives
-   PEFT's logits in memtune.
+   in `memtune dump --adapter` (with and without checkpointing); `memtune merge` of it gives, in
+   transformers, PEFT's logits; an adapter PEFT made gives PEFT's logits in memtune.
 
 Exit status 0 only if every check passes.
 """
@@ -245,6 +245,13 @@ def training(memtune, workdir, family, checks):
             hg.compare(f"{family} LoRA{' with gradient checkpointing' if ckpt else ''}",
                        {k: v for k, v in ours.items() if k not in unchosen}, loss,
                        {k: v for k, v in grads.items() if k not in unchosen})
+    with checks.case(f"{family}: memtune merge folds the adapter into every expert: transformers' logits of the "
+                     f"merged checkpoint equal PEFT's of base + adapter"):
+        merged = os.path.join(workdir, family, "merged")
+        shutil.rmtree(merged, ignore_errors=True)
+        hm.run([memtune, "merge", "--model", d, "--adapter", adapter, "--out", merged])
+        assert_close(hm.hf_logits(hm.hf_load(merged)), hm.hf_logits(peft_model.eval()), rtol=hm.LOGIT_RTOL,
+                     what=f"{family}: merged logits against PEFT's")
     with checks.case(f"{family}: an adapter PEFT made (random lora_B) gives PEFT's logits in memtune dump"):
         torch.manual_seed(21)
         made = peft.get_peft_model(hg.hf_base(d), peft.LoraConfig(
