@@ -389,3 +389,34 @@ def test_ctrl_c_and_a_failing_callback_stop_training_cleanly(model_dir, tmp_path
     else:
         assert "checkpoint-2" in names and "checkpoint-3" not in names
         assert any(entry.name == "on_step_end" for entry in raised.traceback)
+
+
+def test_a_mixture_of_experts_trains_lora_on_its_experts(tmp_path):
+    """Qwen3-MoE through Trainer's API: LoRA on every expert's projections (PEFT's module names),
+    transformers' auxiliary loss on, evaluation with the user's own metric."""
+    tokenizer = os.environ.get("MEMTUNE_TOKENIZER_DIR")
+    if not tokenizer:
+        if os.environ.get("MEMTUNE_REQUIRE_ALL_TESTS") == "1":
+            pytest.fail("MEMTUNE_TOKENIZER_DIR is not set (scripts/prepare-tokenizer.sh prints it)")
+        pytest.skip("MEMTUNE_TOKENIZER_DIR is not set")
+    d = str(tmp_path / "moe")
+    memtune.run("init-model", "--preset", "tiny-qwen3-moe", "--out", d, "--seed", "4", "--set", f"vocab_size={VOCAB}",
+                "--set", "output_router_logits=true", "--set", "router_aux_loss_coef=0.05", capture=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(tokenizer, name), d)
+    out = str(tmp_path / "run")
+    args = memtune.TrainingArguments(output_dir=out, max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2,
+                                     logging_steps=1, save_strategy="no", disable_tqdm=True)
+    trainer = memtune.Trainer(model=d, args=args, train_dataset=records(12, seed=6), eval_dataset=records(4, seed=7),
+                              compute_metrics=token_accuracy, preprocess_logits_for_metrics=argmax_logits,
+                              peft_config={"r": 4, "lora_alpha": 8,
+                                           "target_modules": ["q_proj", "gate_proj", "up_proj", "down_proj"]})
+    result = trainer.train()
+    assert result.global_step == 3 and math.isfinite(result.training_loss)
+    metrics = trainer.evaluate()
+    assert 0 <= metrics["eval_accuracy"] <= 1 and math.isfinite(metrics["eval_loss"])
+    with open(os.path.join(out, "adapter_config.json")) as f:
+        assert sorted(json.load(f)["target_modules"]) == ["down_proj", "gate_proj", "q_proj", "up_proj"]
+    from safetensors.numpy import load_file
+    names = load_file(os.path.join(out, "adapter_model.safetensors")).keys()
+    assert any(".mlp.experts.7.down_proj.lora_B." in n for n in names)
