@@ -480,10 +480,15 @@ void Decoder::moe_forward(int64_t l, const LayerActs& a, const Tensor& x, const 
     product(x.up, in, x.acts.up, in16);
     if (x.gate.lora >= 0) lora_forward(x.gate, x.keys[0], in, x.acts.gate, x.lora_u[0]);
     if (x.up.lora >= 0) lora_forward(x.up, x.keys[1], in, x.acts.up, x.lora_u[1]);
+    if (!batch_adapters_.empty()) {
+      expert_adapter_sets_forward(l, e, LinearSite::Gate, row0, a, in, x.acts.gate);
+      expert_adapter_sets_forward(l, e, LinearSite::Up, row0, a, in, x.acts.up);
+    }
     be.swiglu_forward(x.acts.h, x.acts.gate, x.acts.up);
     if (linear_input_observer_) linear_input_observer_(l, LinearSite::Down, e, x.acts.h);
     product(x.down, x.acts.h, out);
     if (x.down.lora >= 0) lora_forward(x.down, x.keys[2], x.acts.h, out, x.lora_u[2]);
+    if (!batch_adapters_.empty()) expert_adapter_sets_forward(l, e, LinearSite::Down, row0, a, x.acts.h, out);
   };
   for (int64_t e = 0; e < E; ++e) {
     const int64_t r0 = offsets[e], c = offsets[e + 1] - r0;
@@ -501,6 +506,34 @@ void Decoder::moe_forward(int64_t l, const LayerActs& a, const Tensor& x, const 
   const Tensor shared_out = row_range(outputs, 0, N);
   mlp(-1, *p.shared, R, x, shared_out);
   be.combine_rows(x_out, shared_out, Tensor{}, shared_weights);
+}
+
+void Decoder::expert_adapter_sets_forward(int64_t l, int64_t e, LinearSite s, int64_t row0, const LayerActs& a,
+                                          const Tensor& x, const Tensor& y) {
+  // Each row's token: the routing's (host staging) for a routed expert, the row itself for the
+  // shared expert; its sequence's adapter set. Rows run in token order, so sequences are runs.
+  const auto* tokens = e < 0 ? nullptr : static_cast<const int32_t*>(host_arena_->raw(buf_.moe->host_tokens)) + row0;
+  auto adapter_of = [&](int64_t i) {
+    const int32_t token = tokens ? tokens[i] : static_cast<int32_t>(i);
+    const auto q = std::upper_bound(batch_cu_.begin(), batch_cu_.begin() + num_seqs_ + 1, token) - batch_cu_.begin() - 1;
+    return batch_adapters_[static_cast<size_t>(q)];
+  };
+  auto rows = [](const Tensor& t, int64_t begin, int64_t end) { return row_range(t, begin, end - begin); };
+  for (int64_t i = 0; i < x.rows();) {
+    const int32_t k = adapter_of(i);
+    int64_t j = i + 1;
+    while (j < x.rows() && adapter_of(j) == k) ++j;
+    if (k >= 0) {
+      const auto [A, B] = params_->adapter_expert(static_cast<size_t>(k), l, e, s);
+      if (A) {
+        const Tensor u = arena_->f32(a.adapter_u, {j - i, A.rows()});
+        backend_->matmul_forward(u, rows(x, i, j), A, Tensor{});
+        backend_->matmul_accumulate(rows(y, i, j), u, B,
+                                    static_cast<float>(params_->adapter_set_config(static_cast<size_t>(k)).scaling()));
+      }
+    }
+    i = j;
+  }
 }
 
 void Decoder::moe_backward(int64_t l, const LayerActs& a, const Tensor& x, const Tensor& dy, const Tensor& dx) {

@@ -180,6 +180,10 @@ class Decoder {
   };
   ExpertSites expert_sites(int64_t l, const LayerActs& a, int64_t e, const ModelParameters::ExpertParams& w,
                            int64_t row0, int64_t rows);
+  // y += s_k (x A_k^T) B_k^T of expert e's (-1: the shared expert's) adapter on site s over its
+  // rows whose sequences use adapter set k (row0: the expert's first routed row).
+  void expert_adapter_sets_forward(int64_t l, int64_t e, LinearSite s, int64_t row0, const LayerActs& a,
+                                   const Tensor& x, const Tensor& y);
   // The routing of N tokens from a sparse layer's router logits, on the host (MoeBuffers): each
   // token's experts and weights, rows grouped by expert, uploaded. Returns each expert's first
   // row (E + 1 offsets). In a step's forward pass it adds the layer to the auxiliary loss's counts.

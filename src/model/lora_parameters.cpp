@@ -96,6 +96,19 @@ Tensor ModelParameters::adapter_b(size_t k, int64_t l, LinearSite s) const {
                       {lin.out, options_.adapter_sets[k].rank});
 }
 
+std::pair<Tensor, Tensor> ModelParameters::adapter_expert(size_t k, int64_t l, int64_t e, LinearSite s) const {
+  const AdapterSet& a = adapter_sets_.at(k);
+  const LoraConfig& set = options_.adapter_sets.at(k);
+  if (!set.targets[static_cast<size_t>(s)]) return {};
+  const auto& experts = a.expert_ab.at(static_cast<size_t>(l));
+  const size_t index = e < 0 ? experts.size() - 1 : static_cast<size_t>(e);
+  const auto& [ida, idb] = experts.at(index)[static_cast<size_t>(s) - static_cast<size_t>(LinearSite::Gate)];
+  const int64_t width = e < 0 ? config_.moe.shared_expert_intermediate_size : config_.moe.expert_intermediate_size;
+  const bool down = s == LinearSite::Down;
+  return {device().f32(ida, {set.rank, down ? width : config_.hidden_size}),
+          device().f32(idb, {down ? config_.hidden_size : width, set.rank})};
+}
+
 void ModelParameters::load_adapter_set(size_t k, const std::string& dir) {
   const AdapterSet& a = adapter_sets_.at(k);
   std::vector<const ParamSpec*> specs;

@@ -26,10 +26,6 @@ void check_mixture_of_experts(const ModelConfig& config, const ModelOptions& opt
   if (!config.moe.enabled()) return;
   const std::string model = fmt::format("{} ({})", family_traits(config.family).architecture,
                                         model_family_name(config.family));
-  if (!options.adapter_sets.empty())
-    throw Error(fmt::format("{}: adapter sets (several adapters served at once) on mixture-of-experts models are "
-                            "not supported yet; merge one adapter (--adapter) instead",
-                            model));
   const Backend& backend = options.backend ? *options.backend : default_backend();
   if (!backend.computes_mixture_of_experts())
     throw Error(fmt::format("{}: --backend {} has no mixture-of-experts layers yet; use --backend cpu", model,
@@ -190,19 +186,40 @@ void ModelParameters::declare_trainables(MemoryPlan& device_plan, MemoryPlan& ho
       a.ab.emplace_back();
       a.targeted.emplace_back();
       a.targeted.back().fill(false);
-      for (size_t s = 0; s < kNumLinearSites; ++s) {
-        if (!set.targets[s]) continue;
-        const Linear lin = linear(l, static_cast<LinearSite>(s));
+      a.expert_ab.emplace_back();
+      auto declare = [&](const std::string& name_a, const std::string& name_b, int64_t in, int64_t out) {
         BufferId ids[2];
         for (bool is_b : {false, true}) {
-          ParamSpec spec{lora_tensor_name(l, static_cast<LinearSite>(s), is_b),
-                         is_b ? std::vector<int64_t>{lin.out, set.rank} : std::vector<int64_t>{set.rank, lin.in}};
+          ParamSpec spec{is_b ? name_b : name_a,
+                         is_b ? std::vector<int64_t>{out, set.rank} : std::vector<int64_t>{set.rank, in}};
           ids[is_b] = device_plan.declare_persistent(fmt::format("adapter{}.{}", k, spec.name), Category::Weights,
                                                      spec.numel() * 4);
           a.specs.push_back(spec);
           a.ids.push_back(ids[is_b]);
         }
-        a.ab.back()[s] = {ids[0], ids[1]};
+        return std::pair(ids[0], ids[1]);
+      };
+      const MoeParams* moe = layer_params_[static_cast<size_t>(l)].moe ? &*layer_params_[static_cast<size_t>(l)].moe
+                                                                      : nullptr;
+      if (moe) a.expert_ab.back().resize(moe->experts.size() + (moe->shared ? 1 : 0));
+      for (size_t s = 0; s < kNumLinearSites; ++s) {
+        if (!set.targets[s]) continue;
+        const LinearSite site = static_cast<LinearSite>(s);
+        if (moe && linear_site_block(site) == "mlp") {  // every expert's projection (as the trained adapter)
+          const size_t j = s - static_cast<size_t>(LinearSite::Gate);
+          for (size_t e = 0; e < a.expert_ab.back().size(); ++e) {
+            const int64_t expert = e < moe->experts.size() ? static_cast<int64_t>(e) : -1;
+            const int64_t width = expert < 0 ? config_.moe.shared_expert_intermediate_size
+                                             : config_.moe.expert_intermediate_size;
+            const bool down = site == LinearSite::Down;
+            a.expert_ab.back()[e][j] =
+                declare(lora_expert_tensor_name(l, expert, site, false), lora_expert_tensor_name(l, expert, site, true),
+                        down ? width : config_.hidden_size, down ? config_.hidden_size : width);
+          }
+          continue;
+        }
+        const Linear lin = linear(l, site);
+        a.ab.back()[s] = declare(lora_tensor_name(l, site, false), lora_tensor_name(l, site, true), lin.in, lin.out);
         a.targeted.back()[s] = true;
       }
     }

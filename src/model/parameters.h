@@ -236,6 +236,9 @@ class ModelParameters {
   const LoraConfig& adapter_set_config(size_t k) const { return options_.adapter_sets.at(k); }
   Tensor adapter_a(size_t k, int64_t l, LinearSite s) const;
   Tensor adapter_b(size_t k, int64_t l, LinearSite s) const;
+  // An expert's (e: its index, -1 the shared expert) adapter of set k on site Gate, Up or Down of
+  // sparse layer l: A [r, in] and B [out, r]; empty where the set does not target the site.
+  std::pair<Tensor, Tensor> adapter_expert(size_t k, int64_t l, int64_t e, LinearSite s) const;
   // Loads adapter k from a PEFT directory (its adapter_config.json must match the set's config).
   void load_adapter_set(size_t k, const std::string& dir);
 
@@ -281,6 +284,8 @@ class ModelParameters {
   struct AdapterSet {
     std::vector<std::array<std::pair<BufferId, BufferId>, kNumLinearSites>> ab;  // per layer and site
     std::vector<std::array<bool, kNumLinearSites>> targeted;
+    // Sparse layers: per layer, per expert (the shared expert last), gate / up / down's A and B.
+    std::vector<std::vector<std::array<std::pair<BufferId, BufferId>, 3>>> expert_ab;
     std::vector<ParamSpec> specs;  // PEFT names, in declaration order
     std::vector<BufferId> ids;
   };

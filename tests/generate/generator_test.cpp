@@ -459,9 +459,10 @@ TEST(Generator, AGenerationViewUsesItsBaseModelsCurrentParameters) {
 }
 
 // Two adapters held side by side and chosen per request, in one batch, give each request the
-// tokens of a model with only its adapter (or none).
-TEST(Generator, AdaptersChosenPerRequestEqualEachAlone) {
-  const ModelConfig c = tiny();
+// tokens of a model with only its adapter (or none). In a mixture of experts (tiny-qwen3-moe,
+// tiny-qwen2-moe with its shared expert), the second adapter is on every expert's projections,
+// each expert's rows taking their own sequences' adapters.
+void adapters_chosen_per_request_equal_each_alone(const ModelConfig& c) {
   const auto dir = testing_support::make_temp_dir("adapter_sets");
   std::vector<LoraConfig> configs;
   for (int k = 0; k < 2; ++k) {  // two adapters of different ranks and targets, saved as PEFT files
@@ -508,6 +509,15 @@ TEST(Generator, AdaptersChosenPerRequestEqualEachAlone) {
   // Requests 1 and 5 are the same request (prompt, seed, stream) with adapters 0 and 1.
   EXPECT_NE(together[1].token_ids, together[5].token_ids);
   std::filesystem::remove_all(dir);
+}
+
+TEST(Generator, AdaptersChosenPerRequestEqualEachAlone) { adapters_chosen_per_request_equal_each_alone(tiny()); }
+
+TEST(Generator, AdaptersChosenPerRequestEqualEachAloneInAMixtureOfExperts) {
+  for (const char* preset : {"tiny-qwen3-moe", "tiny-qwen2-moe"}) {
+    SCOPED_TRACE(preset);
+    adapters_chosen_per_request_equal_each_alone(tiny(DType::F32, true, preset));
+  }
 }
 
 TEST(Generator, RefusesARequestLongerThanMaxModelLen) {
