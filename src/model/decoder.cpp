@@ -426,8 +426,7 @@ const int64_t* Decoder::route(const Tensor& logits) {
   return offsets;
 }
 
-Decoder::ExpertSites Decoder::expert_sites(int64_t l, const LayerActs& a, int64_t e,
-                                           const ModelParameters::ExpertParams& w, int64_t row0, int64_t rows) {
+Decoder::ExpertSites Decoder::expert_sites(int64_t l, const LayerActs& a, int64_t e, int64_t row0, int64_t rows) {
   const MoeConfig& m = config_.moe;
   const int64_t width = e < 0 ? m.shared_expert_intermediate_size : m.expert_intermediate_size;
   // Every routed row's activations, grouped by expert, then the shared expert's (its rows start at
@@ -436,9 +435,9 @@ Decoder::ExpertSites Decoder::expert_sites(int64_t l, const LayerActs& a, int64_
   auto view = [&](BufferId id, int64_t at, int64_t cols) {
     return Tensor(static_cast<float*>(arena_->raw(id)) + at, DType::F32, {rows, cols});
   };
-  ExpertSites x{.gate = params_->expert_linear(w, LinearSite::Gate, width),
-                .up = params_->expert_linear(w, LinearSite::Up, width),
-                .down = params_->expert_linear(w, LinearSite::Down, width),
+  ExpertSites x{.gate = params_->expert_linear(l, e, LinearSite::Gate),
+                .up = params_->expert_linear(l, e, LinearSite::Up),
+                .down = params_->expert_linear(l, e, LinearSite::Down),
                 .acts = {view(a.gate, first, width), view(a.up, first, width), view(a.h, first, width)},
                 .lora_u = {},
                 .keys = {}};
@@ -458,7 +457,6 @@ void Decoder::moe_forward(int64_t l, const LayerActs& a, const Tensor& x, const 
   const MoeBuffers& b = *buf_.moe;
   const int64_t N = num_tokens_, D = config_.hidden_size, E = m.num_experts, K = m.experts_per_token, R = N * K;
   Backend& be = *backend_;
-  Arena& H = *host_arena_;
   const Tensor logits = arena_->f32(a.router, {N, E});
   const Tensor x16 = sixteen_bit_step() ? rounded(x) : Tensor{};
   product({p.router, std::nullopt, D, E}, x, logits, x16);
@@ -471,9 +469,8 @@ void Decoder::moe_forward(int64_t l, const LayerActs& a, const Tensor& x, const 
   be.gather_rows(rows, x, arena_->i32(b.tokens, {R}));
   // Expert e's MLP (-1: the shared expert) on its rows, whose activations start at row `row0` of
   // the layer's layout (LayerActs::expert_rows; 0 without).
-  auto mlp = [&](int64_t e, const ModelParameters::ExpertParams& w, int64_t row0, const Tensor& in,
-                 const Tensor& out) {
-    const ExpertSites x = expert_sites(l, a, e, w, row0, in.rows());
+  auto mlp = [&](int64_t e, int64_t row0, const Tensor& in, const Tensor& out) {
+    const ExpertSites x = expert_sites(l, a, e, row0, in.rows());
     if (linear_input_observer_) linear_input_observer_(l, LinearSite::Gate, e, in);
     const Tensor in16 = sixteen_bit_step() ? rounded(in) : Tensor{};
     product(x.gate, in, x.acts.gate, in16);
@@ -492,20 +489,26 @@ void Decoder::moe_forward(int64_t l, const LayerActs& a, const Tensor& x, const 
   };
   for (int64_t e = 0; e < E; ++e) {
     const int64_t r0 = offsets[e], c = offsets[e + 1] - r0;
-    if (c > 0) mlp(e, p.experts[static_cast<size_t>(e)], r0, row_range(rows, r0, c), row_range(outputs, r0, c));
+    if (c > 0) mlp(e, r0, row_range(rows, r0, c), row_range(outputs, r0, c));
   }
   be.fill(x_out, 0.0f);
   be.combine_rows(x_out, outputs, arena_->i32(b.token_rows, {N, K}), arena_->f32(b.weights, {R}));
   if (!p.shared) return;
   // The shared expert on every token, scaled by sigmoid(shared_expert_gate . x).
-  float* gate_values = H.f32(b.host_shared_weights, {N}).as<float>();
-  be.copy_to_host(gate_values, shared_logit);
-  for (int64_t n = 0; n < N; ++n) gate_values[n] = 1.0f / (1.0f + std::exp(-gate_values[n]));
-  const Tensor shared_weights = arena_->f32(b.shared_weights, {N});
-  be.copy_to_device(shared_weights, gate_values);
   const Tensor shared_out = row_range(outputs, 0, N);
-  mlp(-1, *p.shared, R, x, shared_out);
-  be.combine_rows(x_out, shared_out, Tensor{}, shared_weights);
+  mlp(-1, R, x, shared_out);
+  be.combine_rows(x_out, shared_out, Tensor{}, shared_expert_weights(a));
+}
+
+Tensor Decoder::shared_expert_weights(const LayerActs& a) {
+  const MoeBuffers& b = *buf_.moe;
+  const int64_t N = num_tokens_;
+  float* sig = host_arena_->f32(b.host_shared_weights, {N}).as<float>();
+  backend_->copy_to_host(sig, arena_->f32(a.shared_logit, {N}));
+  for (int64_t n = 0; n < N; ++n) sig[n] = 1.0f / (1.0f + std::exp(-sig[n]));
+  const Tensor weights = arena_->f32(b.shared_weights, {N});
+  backend_->copy_to_device(weights, sig);
+  return weights;
 }
 
 void Decoder::expert_adapter_sets_forward(int64_t l, int64_t e, LinearSite s, int64_t row0, const LayerActs& a,
@@ -577,12 +580,9 @@ void Decoder::moe_backward(int64_t l, const LayerActs& a, const Tensor& x, const
   float* dw = H.f32(b.host_dweights, {R}).as<float>();
   if (p.shared) {
     // x_out += sigmoid(s) * shared(x), s = shared_expert_gate . x.
-    float* sig = H.f32(b.host_shared_weights, {N}).as<float>();
-    be.copy_to_host(sig, arena_->f32(a.shared_logit, {N}));
-    for (int64_t n = 0; n < N; ++n) sig[n] = 1.0f / (1.0f + std::exp(-sig[n]));
-    const Tensor shared_weights = arena_->f32(b.shared_weights, {N});
-    be.copy_to_device(shared_weights, sig);
-    const ExpertSites shared = expert_sites(l, a, -1, *p.shared, R, N);
+    const Tensor shared_weights = shared_expert_weights(a);
+    const float* sig = H.f32(b.host_shared_weights, {N}).as<float>();
+    const ExpertSites shared = expert_sites(l, a, -1, R, N);
     const Tensor out = row_range(outputs, 0, N), dots = dweights.flat_range(0, N);
     expert_output(shared, out);
     be.combine_rows_backward(out, dots, out, dy, Tensor{}, shared_weights);
@@ -597,14 +597,14 @@ void Decoder::moe_backward(int64_t l, const LayerActs& a, const Tensor& x, const
   for (int64_t e = 0; e < E; ++e) {
     const int64_t r0 = offsets[e], c = offsets[e + 1] - r0;
     if (c > 0)
-      expert_output(expert_sites(l, a, e, p.experts[static_cast<size_t>(e)], r0, c), row_range(outputs, r0, c));
+      expert_output(expert_sites(l, a, e, r0, c), row_range(outputs, r0, c));
   }
   be.combine_rows_backward(outputs, dweights, outputs, dy, tokens, arena_->f32(b.weights, {R}));
   for (int64_t e = 0; e < E; ++e) {
     const int64_t r0 = offsets[e], c = offsets[e + 1] - r0;
     if (c == 0) continue;
     const Tensor d = row_range(outputs, r0, c);
-    mlp_backward(expert_sites(l, a, e, p.experts[static_cast<size_t>(e)], r0, c), d, row_range(rows, r0, c), d);
+    mlp_backward(expert_sites(l, a, e, r0, c), d, row_range(rows, r0, c), d);
   }
   // Each token's rows' input gradients summed into dx.
   const Tensor ones = arena_->f32(b.ones, {R});

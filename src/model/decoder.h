@@ -178,12 +178,14 @@ class Decoder {
     std::array<Tensor, 3> lora_u;
     std::array<uint64_t, 3> keys;
   };
-  ExpertSites expert_sites(int64_t l, const LayerActs& a, int64_t e, const ModelParameters::ExpertParams& w,
-                           int64_t row0, int64_t rows);
+  ExpertSites expert_sites(int64_t l, const LayerActs& a, int64_t e, int64_t row0, int64_t rows);
   // y += s_k (x A_k^T) B_k^T of expert e's (-1: the shared expert's) adapter on site s over its
   // rows whose sequences use adapter set k (row0: the expert's first routed row).
   void expert_adapter_sets_forward(int64_t l, int64_t e, LinearSite s, int64_t row0, const LayerActs& a,
                                    const Tensor& x, const Tensor& y);
+  // The shared expert's weight per token, sigmoid(shared_expert_gate . x), from the layer's gate
+  // logits: on the device (MoeBuffers::shared_weights, returned) and in host staging.
+  Tensor shared_expert_weights(const LayerActs& a);
   // The routing of N tokens from a sparse layer's router logits, on the host (MoeBuffers): each
   // token's experts and weights, rows grouped by expert, uploaded. Returns each expert's first
   // row (E + 1 offsets). In a step's forward pass it adds the layer to the auxiliary loss's counts.

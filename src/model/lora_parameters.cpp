@@ -103,10 +103,8 @@ std::pair<Tensor, Tensor> ModelParameters::adapter_expert(size_t k, int64_t l, i
   const auto& experts = a.expert_ab.at(static_cast<size_t>(l));
   const size_t index = e < 0 ? experts.size() - 1 : static_cast<size_t>(e);
   const auto& [ida, idb] = experts.at(index)[static_cast<size_t>(s) - static_cast<size_t>(LinearSite::Gate)];
-  const int64_t width = e < 0 ? config_.moe.shared_expert_intermediate_size : config_.moe.expert_intermediate_size;
-  const bool down = s == LinearSite::Down;
-  return {device().f32(ida, {set.rank, down ? width : config_.hidden_size}),
-          device().f32(idb, {down ? config_.hidden_size : width, set.rank})};
+  const Linear lin = expert_linear(l, e, s);
+  return {device().f32(ida, {set.rank, lin.in}), device().f32(idb, {lin.out, set.rank})};
 }
 
 void ModelParameters::load_adapter_set(size_t k, const std::string& dir) {
@@ -162,8 +160,7 @@ void ModelParameters::merge_lora() {
         merge(linear(l, site));
         continue;
       }
-      for (const ExpertParams& w : p.moe->experts) merge(expert_linear(w, site, config_.moe.expert_intermediate_size));
-      if (p.moe->shared) merge(expert_linear(*p.moe->shared, site, config_.moe.shared_expert_intermediate_size));
+      for (int64_t e = first_expert(); e < config_.moe.num_experts; ++e) merge(expert_linear(l, e, site));
     }
   }
   lora_merged_ = true;

@@ -209,12 +209,9 @@ void ModelParameters::declare_trainables(MemoryPlan& device_plan, MemoryPlan& ho
           const size_t j = s - static_cast<size_t>(LinearSite::Gate);
           for (size_t e = 0; e < a.expert_ab.back().size(); ++e) {
             const int64_t expert = e < moe->experts.size() ? static_cast<int64_t>(e) : -1;
-            const int64_t width = expert < 0 ? config_.moe.shared_expert_intermediate_size
-                                             : config_.moe.expert_intermediate_size;
-            const bool down = site == LinearSite::Down;
-            a.expert_ab.back()[e][j] =
-                declare(lora_expert_tensor_name(l, expert, site, false), lora_expert_tensor_name(l, expert, site, true),
-                        down ? width : config_.hidden_size, down ? config_.hidden_size : width);
+            const Linear lin = expert_linear(l, expert, site);
+            a.expert_ab.back()[e][j] = declare(lora_expert_tensor_name(l, expert, site, false),
+                                               lora_expert_tensor_name(l, expert, site, true), lin.in, lin.out);
           }
           continue;
         }
@@ -254,15 +251,12 @@ void ModelParameters::declare_trainables(MemoryPlan& device_plan, MemoryPlan& ho
         // A sparse layer's MLP sites are its experts' (PEFT matches gate_proj, up_proj and
         // down_proj inside mlp.experts.E and mlp.shared_expert alike).
         const size_t k = s - static_cast<size_t>(LinearSite::Gate);
-        auto expert = [&](ExpertParams& w, int64_t e, int64_t width) {
-          const bool down = site == LinearSite::Down;
-          w.lora[k] = declare_adapter(lora_expert_tensor_name(l, e, site, false),
-                                      lora_expert_tensor_name(l, e, site, true), down ? width : c.hidden_size,
-                                      down ? c.hidden_size : width);
-        };
-        for (size_t e = 0; e < p.moe->experts.size(); ++e)
-          expert(p.moe->experts[e], static_cast<int64_t>(e), c.moe.expert_intermediate_size);
-        if (p.moe->shared) expert(*p.moe->shared, -1, c.moe.shared_expert_intermediate_size);
+        for (int64_t e = first_expert(); e < c.moe.num_experts; ++e) {
+          const Linear lin = expert_linear(l, e, site);
+          (e < 0 ? *p.moe->shared : p.moe->experts[static_cast<size_t>(e)]).lora[k] =
+              declare_adapter(lora_expert_tensor_name(l, e, site, false), lora_expert_tensor_name(l, e, site, true),
+                              lin.in, lin.out);
+        }
         continue;
       }
       const Linear lin = linear(l, site);
@@ -272,8 +266,11 @@ void ModelParameters::declare_trainables(MemoryPlan& device_plan, MemoryPlan& ho
   }
 }
 
-ModelParameters::Linear ModelParameters::expert_linear(const ExpertParams& w, LinearSite s, int64_t width) const {
+ModelParameters::Linear ModelParameters::expert_linear(int64_t l, int64_t e, LinearSite s) const {
+  const MoeParams& moe = layer(l).moe.value();
+  const ExpertParams& w = e < 0 ? moe.shared.value() : moe.experts.at(static_cast<size_t>(e));
   const int64_t D = config_.hidden_size;
+  const int64_t width = e < 0 ? config_.moe.shared_expert_intermediate_size : config_.moe.expert_intermediate_size;
   const size_t k = static_cast<size_t>(s) - static_cast<size_t>(LinearSite::Gate);
   MT_ASSERT(k < 3, "an expert has gate, up and down projections");
   const int lora = lora_merged_ ? -1 : w.lora[k];

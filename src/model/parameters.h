@@ -152,9 +152,12 @@ class ModelParameters {
     int lora = -1;  // index of the adapter's A among the trainables (B follows), or -1
   };
   const LayerParams& layer(int64_t l) const { return layer_params_.at(static_cast<size_t>(l)); }
-  // An expert's projection (site Gate, Up or Down) as a linear layer of width `width` (the
-  // expert's or the shared expert's intermediate size), with its trained adapter unless merged.
-  Linear expert_linear(const ExpertParams& w, LinearSite s, int64_t width) const;
+  // Expert e's (-1: the shared expert's) projection on site Gate, Up or Down of sparse layer l as
+  // a linear layer, with its trained adapter unless merged.
+  Linear expert_linear(int64_t l, int64_t e, LinearSite s) const;
+  // The experts of a sparse layer as expert_linear numbers them: -1 (the shared expert, where the
+  // model has one) up to num_experts - 1.
+  int64_t first_expert() const { return config_.moe.shared_expert_intermediate_size > 0 ? -1 : 0; }
   Linear linear(int64_t l, LinearSite s) const;
   size_t embed() const { return embed_; }
   size_t final_norm() const { return final_norm_; }

@@ -297,30 +297,29 @@ class LayerQuantizer {
         cblas_ssyrk(CblasRowMajor, CblasUpper, CblasTrans, static_cast<int>(in), static_cast<int>(n), 1.0f,
                     rows.data(), static_cast<int>(in), 1.0f, it->second.data(), static_cast<int>(in));
       };
-      model->set_linear_input_observer(
-          [&](int64_t l, LinearSite s, std::optional<int64_t> e, const Tensor& x) { observe({l, e.value_or(kDense), s}, x); });
+      model->set_linear_input_observer([&](int64_t l, LinearSite s, std::optional<int64_t> e, const Tensor& x) {
+        observe({l, e.value_or(kDense), s}, x);
+      });
       for (const auto& seq : calibration) {
         const std::vector<int32_t> cu = {0, static_cast<int32_t>(seq.size())};
         model->forward_loss({seq, seq, cu});
       }
       model->set_linear_input_observer(nullptr);
       ++summary_.passes;
-      for (auto& [key, H] : hessians) {
-        const int64_t in = static_cast<int64_t>(std::lround(std::sqrt(static_cast<double>(H.size()))));
-        for (int64_t i = 0; i < in; ++i)
-          for (int64_t j = 0; j < i; ++j) H[static_cast<size_t>(i * in + j)] = H[static_cast<size_t>(j * in + i)];
-      }
       // One linear layer by GPTQ over its input's Hessian; an expert no calibration token reached
       // has none and rounds to nearest.
       auto quantize = [&](const ModelParameters::Linear& lin, const Key& input) {
         const ParamSpec& spec = params.specs()[lin.weight];
-        const std::vector<float> w = download_f32(backend, params.param(lin.weight));
         std::vector<float> H = hessians.at(input);  // a copy: GPTQ changes it
         if (std::all_of(H.begin(), H.end(), [](float v) { return v == 0.0f; })) {
           ++summary_.unreached_layers;
           round(spec);
           return;
         }
+        const int64_t in = lin.in;  // the upper triangle mirrored
+        for (int64_t i = 0; i < in; ++i)
+          for (int64_t j = 0; j < i; ++j) H[static_cast<size_t>(i * in + j)] = H[static_cast<size_t>(j * in + i)];
+        const std::vector<float> w = download_f32(backend, params.param(lin.weight));
         record(spec, w, quantize_gptq(w, lin.out, lin.in, o_.target, H, o_.damp_percent));
       };
       for (int64_t l = l0; l < l1; ++l) {
@@ -331,13 +330,9 @@ class LayerQuantizer {
           quantize(params.linear(l, s), {l, kDense, input_site(s)});
         }
         if (!p.moe) continue;
-        auto expert = [&](const ModelParameters::ExpertParams& w, int64_t e, int64_t width) {
+        for (int64_t e = params.first_expert(); e < c.moe.num_experts; ++e)
           for (const LinearSite s : {LinearSite::Gate, LinearSite::Up, LinearSite::Down})
-            quantize(params.expert_linear(w, s, width), {l, e, input_site(s)});
-        };
-        for (size_t e = 0; e < p.moe->experts.size(); ++e)
-          expert(p.moe->experts[e], static_cast<int64_t>(e), c.moe.expert_intermediate_size);
-        if (p.moe->shared) expert(*p.moe->shared, -1, c.moe.shared_expert_intermediate_size);
+            quantize(params.expert_linear(l, e, s), {l, e, input_site(s)});
       }
       l0 = l1;
     }

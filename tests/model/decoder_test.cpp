@@ -441,6 +441,30 @@ void copy_dense_mlp_into_experts(const Decoder& d, Decoder& m, bool random_route
   }
 }
 
+// The mixtures of experts the dense-model oracle below runs, with their dense siblings: qwen3_moe
+// with a router of zeros and a random one, qwen2_moe with a zero router.
+struct MoeFamily {
+  const char* moe;
+  const char* dense;
+  bool random_router;
+};
+constexpr MoeFamily kMoeFamilies[] = {
+    {"tiny-qwen3-moe", "tiny-qwen3", false}, {"tiny-qwen3-moe", "tiny-qwen3", true}, {"tiny-qwen2-moe", "tiny", false}};
+// The family's mixture and the dense model whose MLP is one expert's shape, in `dtype`, vocabulary
+// 300; qwen2_moe with 4 experts, every layer sparse, the shared expert as wide as an expert.
+std::pair<ModelConfig, ModelConfig> moe_and_dense(const MoeFamily& f, DType dtype) {
+  ModelConfig moe = model_preset(f.moe), dense = model_preset(f.dense);
+  if (moe.family == ModelFamily::Qwen2Moe) {
+    moe.moe.num_experts = 4;
+    moe.moe.decoder_sparse_step = 1;
+    moe.moe.shared_expert_intermediate_size = moe.moe.expert_intermediate_size;
+  }
+  moe.torch_dtype = dense.torch_dtype = dtype;
+  dense.intermediate_size = moe.moe.expert_intermediate_size;
+  moe.vocab_size = dense.vocab_size = 300;
+  return {moe, dense};
+}
+
 // A mixture of experts whose experts are all one dense MLP computes that dense model: an oracle
 // written apart from the routing, whatever the routing is. qwen3_moe (tiny-qwen3-moe: 2 of 8
 // experts a token, weights renormalized to sum to 1) with a router of zeros (every score ties:
@@ -450,29 +474,15 @@ void copy_dense_mlp_into_experts(const Decoder& d, Decoder& m, bool random_route
 // On every backend that computes mixtures of experts, in float32 and with bfloat16 weights, and
 // with bfloat16 operands where the backend has them (the rounded inputs are the dense model's).
 TEST(MixtureOfExperts, ExpertsThatAreOneMlpComputeThatDenseModel) {
-  struct Family {
-    const char* moe;
-    const char* dense;
-    bool random_router;
-  };
   for (const std::string_view name : backend_list()) {
     if (!backend_named(name).computes_mixture_of_experts()) continue;
-    for (const Family f : {Family{"tiny-qwen3-moe", "tiny-qwen3", false}, Family{"tiny-qwen3-moe", "tiny-qwen3", true},
-                           Family{"tiny-qwen2-moe", "tiny", false}})
+    for (const MoeFamily& f : kMoeFamilies)
       for (const DType dtype : {DType::F32, DType::BF16})
         for (const bool half : {false, true}) {
           if (half && (dtype != DType::BF16 || backend_named(name).sixteen_bit_products(DType::BF16).empty())) continue;
           SCOPED_TRACE(fmt::format("{} {} {} {} router{}", name, f.moe, dtype_torch_name(dtype),
                                    f.random_router ? "random" : "zero", half ? ", bfloat16 operands" : ""));
-          ModelConfig moe = model_preset(f.moe), dense = model_preset(f.dense);
-          if (moe.family == ModelFamily::Qwen2Moe) {
-            moe.moe.num_experts = 4;
-            moe.moe.decoder_sparse_step = 1;
-            moe.moe.shared_expert_intermediate_size = moe.moe.expert_intermediate_size;
-          }
-          moe.torch_dtype = dense.torch_dtype = dtype;
-          dense.intermediate_size = moe.moe.expert_intermediate_size;
-          moe.vocab_size = dense.vocab_size = 300;
+          const auto [moe, dense] = moe_and_dense(f, dtype);
           ModelOptions o;
           o.max_tokens = 40;
           o.with_grads = false;
@@ -502,28 +512,14 @@ TEST(MixtureOfExperts, ExpertsThatAreOneMlpComputeThatDenseModel) {
 // mixtures of experts. The router's and the shared gate's gradients have no dense counterpart:
 // transformers' backward checks them (tests/interop/hf_moe_test.py).
 TEST(MixtureOfExperts, ExpertsThatAreOneMlpHaveThatDenseModelsGradients) {
-  struct Family {
-    const char* moe;
-    const char* dense;
-    bool random_router;
-  };
   for (const std::string_view name : backend_list()) {
     if (!backend_named(name).trains_mixture_of_experts()) continue;
-    for (const Family f : {Family{"tiny-qwen3-moe", "tiny-qwen3", false}, Family{"tiny-qwen3-moe", "tiny-qwen3", true},
-                           Family{"tiny-qwen2-moe", "tiny", false}})
+    for (const MoeFamily& f : kMoeFamilies)
       for (const auto& [checkpointing, half] : {std::pair(false, false), std::pair(true, false), std::pair(true, true)}) {
         if (half && backend_named(name).sixteen_bit_products(DType::BF16).empty()) continue;
         SCOPED_TRACE(fmt::format("{} {} router {}{}{}", name, f.moe, f.random_router ? "random" : "zero",
                                  checkpointing ? ", gradient checkpointing" : "", half ? ", bfloat16 operands" : ""));
-        ModelConfig moe = model_preset(f.moe), dense = model_preset(f.dense);
-        if (moe.family == ModelFamily::Qwen2Moe) {
-          moe.moe.num_experts = 4;
-          moe.moe.decoder_sparse_step = 1;
-          moe.moe.shared_expert_intermediate_size = moe.moe.expert_intermediate_size;
-        }
-        moe.torch_dtype = dense.torch_dtype = half ? DType::BF16 : DType::F32;
-        dense.intermediate_size = moe.moe.expert_intermediate_size;
-        moe.vocab_size = dense.vocab_size = 300;
+        const auto [moe, dense] = moe_and_dense(f, half ? DType::BF16 : DType::F32);
         ModelOptions o;
         o.max_tokens = 40;
         o.gradient_checkpointing = checkpointing;
