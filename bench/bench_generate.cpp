@@ -120,9 +120,14 @@ int main(int argc, char** argv) {
     if (const QuantConfig& q = c.quant; q.enabled()) {  // packed layers: codes, scales, zeros
       weight_bytes = q.lm_head_bits ? 0.0 : double(V) * D * dtype_size(dtype);
       for (const ParamSpec& s : model_parameter_specs(c))
-        if (const int bits = packed_bits(c, s))
-          weight_bytes += double(quantized_layer_bytes(bits, s.shape[1], s.shape[0], q.groups(s.shape[1]),
-                                                       q.desc_act && s.name != "lm_head.weight"));
+        if (const int bits = packed_bits(c, s)) {
+          // A routed expert's projection is read by the experts_per_token of num_experts it is.
+          const double read = s.name.find(".mlp.experts.") == std::string::npos
+                                  ? 1.0
+                                  : double(c.moe.experts_per_token) / double(c.moe.num_experts);
+          weight_bytes += read * double(quantized_layer_bytes(bits, s.shape[1], s.shape[0], q.groups(s.shape[1]),
+                                                              q.desc_act && s.name != "lm_head.weight"));
+        }
     }
     ModelOptions activations;  // what --quantized_activations resolves to on this CPU
     apply_quantized_activations(quantized_activations, activations, backend_named("cpu"));

@@ -31,10 +31,11 @@ Backend::StepReadback Backend::take_step() {
 
 void Backend::matmul_forward_group(std::span<const GroupMember> group, const Tensor& inp, const Tensor& scratch) {
   for (const GroupMember& m : group) {
+    const Tensor& x = m.inp ? m.inp : inp;
     if (m.quantized)
-      quantized_matmul_forward(m.out, inp, *m.quantized, m.bias, scratch);
+      quantized_matmul_forward(m.out, x, *m.quantized, m.bias, scratch);
     else
-      matmul_forward(m.out, inp, m.weight, m.bias);
+      matmul_forward(m.out, x, m.weight, m.bias);
   }
 }
 

@@ -135,6 +135,7 @@ inline int64_t LmHeadArgs::hidden_size() const { return quantized ? quantized->i
 struct GroupMember {
   Tensor out, weight, bias;
   const QuantizedWeight* quantized = nullptr;  // set: `weight` is not read
+  Tensor inp;  // its own input (a mixture of experts' rows); absent: the group's
 };
 // The largest head_dim the attention ops take (a query row's accumulator lives on the stack);
 // config loading refuses larger heads before any memory is planned.
@@ -273,11 +274,12 @@ class Backend {
   // scratch for many); scratch: quantized_scratch_elems(C) float32 elements.
   virtual void quantized_matmul_forward(const Tensor& out, const Tensor& inp, const QuantizedWeight& weight,
                                         const Tensor& bias, const Tensor& scratch) = 0;
-  // Several products of one input (decoding's q / k / v, gate / up): for every member, out =
-  // inp @ W^T (+ bias), W its float weight (as matmul_forward takes it: 16-bit for up to
-  // stored_weight_rows() rows) or, when `quantized` is set, that quantized weight (scratch as
-  // quantized_matmul_forward's, for the first quantized member's input). A backend may run them
-  // as one pass; by default they run one after another.
+  // Several products of few rows (decoding's q / k / v and gate / up of one input; every routed
+  // expert's gate / up, then down, each on its own rows): for every member, out = x @ W^T (+ bias),
+  // x its own `inp` or else the group's, W its float weight (as matmul_forward takes it: 16-bit
+  // for up to stored_weight_rows() rows) or, when `quantized` is set, that quantized weight
+  // (scratch as quantized_matmul_forward's for the widest input). A backend may run them as one
+  // pass; by default they run one after another.
   virtual void matmul_forward_group(std::span<const GroupMember> group, const Tensor& inp, const Tensor& scratch);
   // dinp[N,C] += dout[N,OC] @ W: the gradient through a frozen quantized weight (QLoRA), tile by
   // tile through the same scratch.

@@ -487,10 +487,11 @@ void Decoder::moe_forward(int64_t l, const LayerActs& a, const Tensor& x, const 
     if (x.down.lora >= 0) lora_forward(x.down, x.keys[2], x.acts.h, out, x.lora_u[2]);
     if (!batch_adapters_.empty()) expert_adapter_sets_forward(l, e, LinearSite::Down, row0, a, x.acts.h, out);
   };
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t r0 = offsets[e], c = offsets[e + 1] - r0;
-    if (c > 0) mlp(e, r0, row_range(rows, r0, c), row_range(outputs, r0, c));
-  }
+  if (!routed_experts_grouped(l, a))
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r0 = offsets[e], c = offsets[e + 1] - r0;
+      if (c > 0) mlp(e, r0, row_range(rows, r0, c), row_range(outputs, r0, c));
+    }
   be.fill(x_out, 0.0f);
   be.combine_rows(x_out, outputs, arena_->i32(b.token_rows, {N, K}), arena_->f32(b.weights, {R}));
   if (!p.shared) return;
@@ -498,6 +499,69 @@ void Decoder::moe_forward(int64_t l, const LayerActs& a, const Tensor& x, const 
   const Tensor shared_out = row_range(outputs, 0, N);
   mlp(-1, R, x, shared_out);
   be.combine_rows(x_out, shared_out, Tensor{}, shared_expert_weights(a));
+}
+
+bool Decoder::routed_experts_grouped(int64_t l, const LayerActs& a) {
+  // Few rows (decoding) read each routed expert's weights as stored, every expert of the step in
+  // one matmul_forward_group for gate / up and one for down, where nothing else reads an expert's
+  // rows one expert at a time (adapters, a calibration observer) and every routed row's
+  // activations fit the layer's gate / up / h (they do with expert_rows; a forward-only plan holds
+  // max_tokens x one expert's width, which decoding's few tokens x k rows fit).
+  const MoeConfig& m = config_.moe;
+  const int64_t N = num_tokens_, R = N * m.experts_per_token, Ie = m.expert_intermediate_size;
+  if (N > backend_->stored_weight_rows() || sixteen_bit_step() || linear_input_observer_ || !batch_adapters_.empty() ||
+      R * Ie > options_.max_tokens * mlp_width(config_, a.expert_rows))
+    return false;
+  const ModelParameters::MoeParams& p = *params_->layer(l).moe;
+  for (const ModelParameters::ExpertParams& x : p.experts)
+    for (const int lora : x.lora)
+      if (lora >= 0) return false;
+  const MoeBuffers& b = *buf_.moe;
+  const auto* offsets = static_cast<const int64_t*>(host_arena_->raw(b.host_offsets));
+  const int64_t D = config_.hidden_size;
+  const Tensor rows = arena_->f32(b.rows, {R, D}), outputs = arena_->f32(b.outputs, {R, D});
+  // Every routed row's gate / up / h at its row of the layer's layout, as expert_rows lays them.
+  auto acts = [&](BufferId id, int64_t r0, int64_t c) {
+    return Tensor(static_cast<float*>(arena_->raw(id)) + r0 * Ie, DType::F32, {c, Ie});
+  };
+  constexpr size_t kMembers = 32;  // gate / up of 16 experts, or down of 32, a group
+  std::array<GroupMember, kMembers> group;
+  std::array<QuantizedWeight, kMembers> packed;
+  size_t n = 0;
+  auto add = [&](size_t weight, const Tensor& x, const Tensor& y) {
+    GroupMember& g = group[n] = GroupMember{};
+    g.out = y;
+    g.inp = x;
+    if (params_->quantized(weight)) {
+      packed[n] = params_->quantized_param(weight);
+      g.quantized = &packed[n];
+    } else {
+      g.weight = params_->param(weight);
+    }
+    ++n;
+  };
+  auto flush = [&](int64_t in) {
+    if (n > 0) backend_->matmul_forward_group(std::span(group.data(), n), Tensor{}, quantized_scratch(in));
+    n = 0;
+  };
+  for (int64_t e = 0; e < m.num_experts; ++e) {
+    const int64_t r0 = offsets[e], c = offsets[e + 1] - r0;
+    if (c == 0) continue;
+    if (n + 2 > kMembers) flush(D);
+    const ModelParameters::ExpertParams& x = p.experts[static_cast<size_t>(e)];
+    add(x.gate, row_range(rows, r0, c), acts(a.gate, r0, c));
+    add(x.up, row_range(rows, r0, c), acts(a.up, r0, c));
+  }
+  flush(D);
+  backend_->swiglu_forward(acts(a.h, 0, R), acts(a.gate, 0, R), acts(a.up, 0, R));
+  for (int64_t e = 0; e < m.num_experts; ++e) {
+    const int64_t r0 = offsets[e], c = offsets[e + 1] - r0;
+    if (c == 0) continue;
+    if (n + 1 > kMembers) flush(Ie);
+    add(p.experts[static_cast<size_t>(e)].down, acts(a.h, r0, c), row_range(outputs, r0, c));
+  }
+  flush(Ie);
+  return true;
 }
 
 Tensor Decoder::shared_expert_weights(const LayerActs& a) {

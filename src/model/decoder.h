@@ -163,6 +163,9 @@ class Decoder {
   // A sparse layer's MLP (MoeConfig): x_out = sum over each token's experts of weight x expert(x)
   // (+ the gated shared expert). gate / up / h hold what LayerActs::expert_rows says.
   void moe_forward(int64_t l, const LayerActs& a, const Tensor& x, const Tensor& x_out);
+  // moe_forward's routed experts as two groups of products (gate / up, down) over every routed
+  // row where a step has few rows; false (nothing run) where they run one expert at a time.
+  bool routed_experts_grouped(int64_t l, const LayerActs& a);
   // Its backward: dy = d(loss)/d(x_out); dx += d(loss)/d(x); the experts', the shared expert's,
   // its gate's and the router's gradients (through the routing weights, the softmax and, with
   // the auxiliary loss, its term).

@@ -396,4 +396,59 @@ TEST(MatmulGroup, EachMemberEqualsItsProductAlone) {
       }
 }
 
+// Members with their own inputs (a mixture of experts' routed rows: each expert's gate and up
+// read its rows, its down its h): each member equals its product alone, over more members than
+// one pass takes and more prepared inputs than the scratch holds at once, members of one input
+// next to each other (sharing its preparation) and apart, quantized of two layouts and 16-bit.
+TEST(MatmulGroup, MembersWithTheirOwnInputsEqualTheirProductsAlone) {
+  const int64_t C = 256;
+  for (const std::string_view name : backend_list()) {
+    Backend& be = backend_named(name);
+    Device d(be);
+    const Tensor scratch = d.alloc(DType::F32, {static_cast<int64_t>(be.quantized_scratch_elems(C))});
+    const int64_t kInputs = 23;
+    std::vector<Tensor> inputs;
+    for (int64_t i = 0; i < kInputs; ++i) {
+      const int64_t rows = i % 7 == 3 ? 16 : 1 + i % 5;  // the 16-row ones fill the scratch
+      inputs.push_back(d.f32(randn(rows * C, 100 + i), {rows, C}));
+    }
+    std::vector<QuantizedWeight> packed;
+    packed.reserve(2 * kInputs);
+    std::vector<GroupMember> group;
+    std::vector<Tensor> alone;
+    for (int64_t i = 0; i < 2 * kInputs; ++i) {
+      // Members 2j and 2j+1 read input j (gate and up), but every fifth pair reads inputs apart.
+      const Tensor& x = inputs[static_cast<size_t>(i % 10 == 9 ? (i * 7) % kInputs : i / 2)];
+      const int64_t out = 16 + 8 * (i % 3);
+      GroupMember g;
+      g.inp = x;
+      g.out = d.alloc(DType::F32, {x.rows(), out});
+      if (i % 4 == 3) {
+        const std::vector<float> w = randn(out * C, 300 + i);
+        std::vector<uint16_t> half(w.size());
+        convert_from_f32(w.data(), half.data(), DType::BF16, w.size());
+        g.weight = d.alloc(DType::BF16, {out, C});
+        be.copy_to_device(g.weight, half.data());
+      } else {
+        packed.push_back(d.weight(random_layer(i % 8 == 0 ? 8 : 4, C, out, 128, i % 6 == 1, 200 + i)));
+        g.quantized = &packed.back();
+      }
+      alone.push_back(d.alloc(DType::F32, {x.rows(), out}));
+      if (g.quantized)
+        be.quantized_matmul_forward(alone.back(), x, *g.quantized, g.bias, scratch);
+      else
+        be.matmul_forward(alone.back(), x, g.weight, g.bias);
+      group.push_back(g);
+    }
+    be.fill(scratch, 0.0f);
+    be.matmul_forward_group(group, Tensor{}, scratch);
+    for (size_t i = 0; i < group.size(); ++i) {
+      std::vector<float> got(static_cast<size_t>(group[i].out.numel())), want(got.size());
+      be.copy_to_host(got.data(), group[i].out);
+      be.copy_to_host(want.data(), alone[i]);
+      EXPECT_EQ(got, want) << fmt::format("{}: member {} ({} rows)", name, i, group[i].out.rows());
+    }
+  }
+}
+
 }  // namespace memtune

@@ -167,10 +167,17 @@ INSTANTIATE_TEST_SUITE_P(Models, GenerationVariants,
                                            Variant{DType::F32, true, 5e-6, "tiny-qwen3"},
                                            Variant{DType::BF16, false, 1.5e-2, "tiny-qwen3"},
                                            Variant{DType::F32, false, 5e-6, "tiny-llama"},
-                                           Variant{DType::BF16, true, 1.5e-2, "tiny-llama"}),
+                                           Variant{DType::BF16, true, 1.5e-2, "tiny-llama"},
+                                           // Decoding's few rows run every routed expert as one
+                                           // group of products; the full forward, one by one.
+                                           Variant{DType::F32, false, 5e-6, "tiny-qwen3-moe"},
+                                           Variant{DType::BF16, false, 1.5e-2, "tiny-qwen3-moe"},
+                                           Variant{DType::F32, false, 5e-6, "tiny-qwen2-moe"},
+                                           Variant{DType::BF16, false, 1.5e-2, "tiny-qwen2-moe"}),
                          [](const auto& info) {
                            std::string family = info.param.preset;
                            family = family == "tiny" ? "" : family.substr(5) + "_";
+                           std::replace(family.begin(), family.end(), '-', '_');
                            return family + (info.param.dtype == DType::F32 ? "f32" : "bf16") +
                                   (info.param.tied ? "_tied" : "_untied");
                          });

@@ -105,48 +105,68 @@ class CpuBackend final : public Backend {
     MT_ASSERT(inp.cols() == weight.in && out.cols() == weight.out && out.rows() == inp.rows());
     cpu::quantized_matmul_forward(out.f32(), inp.f32(), weight, bias.f32(), inp.rows(), scratch.f32());
   }
-  // Decoding's products of one input as one parallel region (one fork and join instead of one per
-  // product; the small k / v products no longer run alone), the quantized members reading one
-  // prepared input. Members that would not take the skinny kernels run one by one.
+  // Decoding's products as few parallel regions (one fork and join instead of one per product;
+  // the small k / v products and each routed expert's no longer run alone). A pass takes members
+  // while the scratch holds their prepared inputs: the quantized members of one input and one
+  // layout read one. Members that would not take the skinny kernels make the group run one by one.
   void matmul_forward_group(std::span<const GroupMember> group, const Tensor& inp, const Tensor& scratch) override {
-    constexpr size_t kMaxMembers = 4;
-    const int64_t N = inp.rows();
+    for (const GroupMember& m : group) {
+      const Tensor& x = m.inp ? m.inp : inp;
+      MT_ASSERT(m.out.rows() == x.rows(), "matmul_forward_group: a member's output rows differ from its input's");
+      if (m.quantized) {
+        check_quantized(*m.quantized, scratch);
+        MT_ASSERT(x.cols() == m.quantized->in && m.out.cols() == m.quantized->out);
+        if (x.rows() > cpu::kSixteenBitWeightRows || quantized_scratch_used(x.rows(), x.cols()) > size_t(scratch.numel()))
+          return Backend::matmul_forward_group(group, inp, scratch);
+      } else {
+        MT_ASSERT(x.cols() == m.weight.cols() && m.out.cols() == m.weight.rows());
+        if (m.weight.dtype == DType::F32 && x.rows() > kSkinnyRows) return Backend::matmul_forward_group(group, inp, scratch);
+      }
+    }
+    constexpr size_t kMaxMembers = 32;
     std::array<cpu::SkinnyMatmul, kMaxMembers> floats{};
     std::array<cpu::QuantizedSkinny, kMaxMembers> quantized{};
     std::array<int64_t, kMaxMembers + 1> first{};
-    const QuantizedWeight* layout = nullptr;
-    bool one_pass = group.size() <= kMaxMembers;
-    for (size_t i = 0; one_pass && i < group.size(); ++i) {
-      const GroupMember& m = group[i];
-      MT_ASSERT(m.out.rows() == N, "matmul_forward_group: a member's output rows differ from the input's");
-      if (m.quantized) {
-        check_quantized(*m.quantized, scratch);
-        MT_ASSERT(inp.cols() == m.quantized->in && m.out.cols() == m.quantized->out);
-        if (!layout) layout = m.quantized;
-        one_pass = N <= cpu::kSixteenBitWeightRows && cpu::same_input_layout(*layout, *m.quantized);
-        quantized[i] = {m.out.f32(), m.quantized, m.bias.f32(), N, inp.f32(), scratch.f32()};
-        first[i + 1] = first[i] + quantized[i].tasks();
-      } else {
-        MT_ASSERT(inp.cols() == m.weight.cols() && m.out.cols() == m.weight.rows());
-        one_pass = m.weight.dtype != DType::F32 || N <= kSkinnyRows;
-        floats[i] = {m.out.f32(),   inp.f32(), m.weight.data, m.weight.dtype,
-                     m.bias.f32(),  N,         inp.cols(),    m.weight.rows()};
-        first[i + 1] = first[i] + floats[i].tasks();
+    for (size_t begin = 0; begin < group.size();) {
+      size_t n = 0, used = 0;  // members in this pass; scratch floats its prepared inputs take
+      const cpu::QuantizedSkinny* prepared = nullptr;  // the last prepared input
+      for (; begin + n < group.size() && n < kMaxMembers; ++n) {
+        const GroupMember& m = group[begin + n];
+        const Tensor& x = m.inp ? m.inp : inp;
+        if (m.quantized) {
+          cpu::QuantizedSkinny& q = quantized[n];
+          q = {m.out.f32(), m.quantized, m.bias.f32(), x.rows(), nullptr, nullptr};
+          if (prepared && prepared->inp == x.f32() && prepared->N == x.rows() &&
+              cpu::same_input_layout(*prepared->weight, *m.quantized)) {
+            q.inp = prepared->inp;
+            q.prepared = prepared->prepared;
+          } else {
+            const size_t need = quantized_scratch_used(x.rows(), x.cols());
+            if (used + need > size_t(scratch.numel())) break;  // the next pass prepares it
+            q.prepare(x.f32(), scratch.f32() + used);
+            used += need;
+            prepared = &q;
+          }
+          first[n + 1] = first[n] + q.tasks();
+        } else {
+          floats[n] = {m.out.f32(), x.f32(),     m.weight.data, m.weight.dtype,
+                       m.bias.f32(), x.rows(), x.cols(),      m.weight.rows()};
+          first[n + 1] = first[n] + floats[n].tasks();
+        }
       }
+      const GroupMember* members = group.data() + begin;
+      cpu::parallel_for_balanced(first[n], 1, [&](int64_t t0, int64_t t1) {
+        size_t i = 0;
+        for (int64_t t = t0; t < t1; ++t) {
+          while (t >= first[i + 1]) ++i;
+          if (members[i].quantized)
+            quantized[i].run(t - first[i]);
+          else
+            floats[i].run(t - first[i]);
+        }
+      });
+      begin += n;
     }
-    if (!one_pass) return Backend::matmul_forward_group(group, inp, scratch);
-    if (layout) cpu::QuantizedSkinny{nullptr, layout, nullptr, N, nullptr, nullptr}.prepare(inp.f32(), scratch.f32());
-    const size_t members = group.size();
-    cpu::parallel_for_balanced(first[members], 1, [&](int64_t begin, int64_t end) {
-      size_t i = 0;
-      for (int64_t t = begin; t < end; ++t) {
-        while (t >= first[i + 1]) ++i;
-        if (group[i].quantized)
-          quantized[i].run(t - first[i]);
-        else
-          floats[i].run(t - first[i]);
-      }
-    });
   }
   void quantized_matmul_backward_input(const Tensor& dinp, const Tensor& dout, const QuantizedWeight& weight,
                                        const Tensor& scratch) override {

@@ -211,7 +211,7 @@ class VulkanBackend final : public Backend {
   void matmul_forward_group(std::span<const GroupMember> group, const Tensor& inp, const Tensor& scratch) override {
     bool one = group.size() <= kMatvecMembers && inp.rows() <= vulkan_geometry::kMatvecRows && inp.dtype == DType::F32;
     for (const GroupMember& m : group)
-      one = one && !m.quantized && m.weight.dtype == group.front().weight.dtype;
+      one = one && !m.quantized && !m.inp && m.weight.dtype == group.front().weight.dtype;
     if (!one || group.empty()) return Backend::matmul_forward_group(group, inp, scratch);
     matvec(group, inp, false, 1.0f);
   }
@@ -822,7 +822,7 @@ class VulkanBackend final : public Backend {
       return half_gemm(out, inp, weight, N, OC, C, /*a_m=*/C, /*a_k=*/1, /*b_k=*/1, /*b_n=*/C, scale, accumulate, bias);
     if (N > vulkan_geometry::kMatvecRows)  // out = inp @ W^T: A(m, k) = inp[m C + k], B(k, n) = W[n C + k]
       return gemm(out, inp, weight, N, OC, C, /*a_m=*/C, /*a_k=*/1, /*b_k=*/1, /*b_n=*/C, scale, accumulate, bias);
-    const GroupMember one{out, weight, bias};
+    const GroupMember one{out, weight, bias, nullptr, Tensor{}};
     matvec(std::span(&one, 1), inp, accumulate, scale);
   }
   // matvec.comp: up to three products of one input of at most kMatvecRows rows in one dispatch,
