@@ -123,6 +123,10 @@ struct QuantizedWeight {
   // Products of many rows may round their input to int8 (int8_activations.h); set by the model
   // where the backend takes it (Backend::takes_int8_activations) and its options ask for it.
   bool int8_activations = false;
+  // With int8_activations, decoding's products (at most kInt8ActivationRows rows) round their
+  // input too (int8_activations.h: rounds_decode_layout); set by the model where the backend has
+  // such kernels (Backend::takes_int8_decode_activations).
+  bool int8_decode = false;
   // Products of many rows take bfloat16 operands instead (int8_activations.h: rounds_to_bfloat16):
   // the input and the dequantized weight rounded to bfloat16, float32 accumulation, on the CPU's
   // matrix unit; set by the model where the backend has them (Backend::bf16_quantized_products)
@@ -197,6 +201,8 @@ class Backend {
   // (QuantizedWeight::int8_activations, int8_activations.h); a backend that says no computes
   // them with float32 inputs.
   virtual bool takes_int8_activations() const { return false; }
+  // Whether decoding's quantized products (few rows) take them too (QuantizedWeight::int8_decode).
+  virtual bool takes_int8_decode_activations() const { return false; }
   // Mixed precision: what computes matrix products with 16-bit operands of `dtype` (BF16, F16)
   // and float32 accumulation (matmul_forward's inp and weight, matmul_backward's dout, inp and
   // weight, LmHeadArgs::operands), named for `memtune plan` (e.g. "oneDNN brg:avx512_core_bf16");

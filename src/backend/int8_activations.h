@@ -8,7 +8,9 @@
 // int8_activation_block(w) inputs (128, 64 or 32: the largest that divides the weight's group),
 // symmetric, one float32 scale per block: q = rint(x * (127 / amax)), x ~ (amax / 127) q, so the
 // product is exactly the dequantized weight times the rounded input. Decoding (at most
-// kInt8ActivationRows rows) keeps float32 inputs.
+// kInt8ActivationRows rows) rounds the same way where the weight says so (int8_decode: the
+// backend's kernels read the codes as stored, 128 inputs at a time) and its layout allows
+// (rounds_decode_layout: its blocks are then 128); otherwise it keeps float32 inputs.
 #pragma once
 
 #include <algorithm>
@@ -32,9 +34,16 @@ inline int64_t int8_activation_block(const QuantizedWeight& w) {
   return 0;
 }
 
+// The layouts decoding rounds for: 4 or 8 bits, no g_idx, inputs and groups whole multiples of
+// 128 (one activation block of 128 within one group).
+inline bool rounds_decode_layout(const QuantizedWeight& w) {
+  return (w.bits == 4 || w.bits == 8) && !w.g_idx && w.in % 128 == 0 && w.group_size > 0 && w.group_size % 128 == 0;
+}
+
 // Whether a product of `rows` input rows with w rounds its input to int8.
 inline bool rounds_activations(const QuantizedWeight& w, int64_t rows) {
-  return w.int8_activations && !w.bf16_products && rows > kInt8ActivationRows && int8_activation_block(w) > 0;
+  if (!w.int8_activations || w.bf16_products) return false;
+  return rows > kInt8ActivationRows ? int8_activation_block(w) > 0 : w.int8_decode && rounds_decode_layout(w);
 }
 
 // Whether a product of `rows` input rows with w takes bfloat16 operands instead: the input

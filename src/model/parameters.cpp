@@ -323,6 +323,7 @@ QuantizedWeight ModelParameters::quantized_param(size_t i) const {
   w.group_size = q.group_size_for(in);
   w.groups = groups;
   w.int8_activations = options_.int8_activations && !options_.with_grads && backend().takes_int8_activations();
+  w.int8_decode = w.int8_activations && backend().takes_int8_decode_activations();
   w.bf16_products =
       options_.bf16_quantized_products && !options_.with_grads && !backend().bf16_quantized_products().empty();
   return w;

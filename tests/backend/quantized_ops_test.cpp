@@ -154,9 +154,11 @@ TEST(QuantizedOps, ForwardEqualsDequantizeThenMatmul) {
 
 // Int8 activations (int8_activations.h), against this test's own rounding: per block of 128, 64
 // or 32 inputs (the largest dividing the group), q = rint(x * (127 / amax)) in float32, the
-// product sum_k (amax / 127) q_k w_k in double. Decoding's row counts (<= 16), act-order and
-// inputs that are no whole number of groups keep float32 inputs; so does a backend that does not
-// take int8 activations (vulkan without int8 cooperative matrices), and the flag unset.
+// product sum_k (amax / 127) q_k w_k in double. Decoding's row counts (<= 16) round where the
+// backend takes int8 decoding (the cpu's AVX512-VNNI kernels, and the reference where the cpu
+// does) and the groups are whole blocks of 128, else keep float32 inputs; act-order and inputs
+// that are no whole number of groups keep float32 inputs; so does a backend that does not take
+// int8 activations (vulkan without int8 cooperative matrices), and the flag unset.
 TEST(QuantizedOps, Int8ActivationsRoundTheInputPerBlockForManyRows) {
   const int64_t OC = 39;  // a 32-row tile and a 7-row one: a pass takes 32 (AVX-512) or 16 rows
   // With more threads than tiles, the cpu kernel splits each tile's input rows between tasks.
@@ -169,13 +171,14 @@ TEST(QuantizedOps, Int8ActivationsRoundTheInputPerBlockForManyRows) {
     };
     const Case cases[] = {{{4, 256, 128, false}, 128}, {{4, 256, 64, false}, 64},   {{8, 256, 64, false}, 64},
                           {{8, 96, 96, false}, 32},    {{8, 512, 128, false}, 128}, {{4, 176, 128, false}, 0},
-                          {{4, 128, 32, true}, 0}};
+                          {{4, 128, 32, true}, 0},     {{8, 256, 256, false}, 128}, {{4, 384, 384, false}, 128}};
     for (const std::string_view name : backend_list())
       for (const Case& c : cases)
-        for (const int64_t N : {16, 17, 38}) {
+        for (const int64_t N : {3, 8, 16, 17, 38}) {
           Backend& be = backend_named(name);
           const Shape& s = c.shape;
-          const bool rounds = be.takes_int8_activations() && c.block > 0 && N > 16;
+          const bool decodes = be.takes_int8_decode_activations() && c.block == 128 && s.group_size % 128 == 0;
+          const bool rounds = be.takes_int8_activations() && c.block > 0 && (N > 16 || decodes);
           const QuantizedLayer layer = random_layer(s.bits, s.in, OC, s.group_size, s.act_order, 21 + s.in + N);
           const std::vector<float> w = dequantize_layer(layer), bias = randn(OC, 9);
           std::vector<float> x = randn(N * s.in, 7 + N);
@@ -208,6 +211,7 @@ TEST(QuantizedOps, Int8ActivationsRoundTheInputPerBlockForManyRows) {
           const Tensor out = d.alloc(DType::F32, {N, OC});
           QuantizedWeight qw = d.weight(layer);
           qw.int8_activations = true;
+          qw.int8_decode = be.takes_int8_decode_activations();  // as the model sets it
           be.quantized_matmul_forward(out, d.f32(x, {N, s.in}), qw, d.f32(bias, {OC}),
                                       d.alloc(DType::F32, {static_cast<int64_t>(be.quantized_scratch_elems(s.in))}));
           std::vector<float> got(static_cast<size_t>(N * OC));

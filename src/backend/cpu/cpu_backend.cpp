@@ -35,6 +35,7 @@ class CpuBackend final : public Backend {
   bool memory_in_host_pages() const override { return true; }
   int64_t stored_weight_rows() const override { return cpu::kSixteenBitWeightRows; }
   bool takes_int8_activations() const override { return cpu::int8_activation_kernels(); }
+  bool takes_int8_decode_activations() const override { return cpu::int8_decode_kernels(); }
   // oneDNN's generated kernels and the scratchpad pages steps touch: about 1 MiB measured at 2
   // threads (docs/benchmarks.md); the scratchpad a primitive takes grows with threads, up to its
   // kHalfGemmScratchpadBytes, so half of that is counted.

@@ -355,6 +355,120 @@ void quantized_matmul_int8_activations(float* out, const float* inp, const Quant
   }
 }
 
+// Decoding (at most kInt8ActivationRows rows, int8_activations.h: rounds_decode_layout): the
+// codes are read as stored, 128 inputs (one activation block, within one group) at a time. 4-bit:
+// 64 bytes whose low nibbles are inputs 8i + 2j and high nibbles 8i + 2j + 1 (byte 4i + j), so the
+// rounded input is stored in that order, low half then high half, and two vpdpbusd give each
+// lane's sum over inputs 8i .. 8i + 7; 8-bit: two loads of 64 codes in input order. Per block one
+// float multiply-add by scale x activation scale; the zero term once per group.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+namespace {
+
+constexpr int64_t kDecodeBlock = 128;
+
+// One rounded input row: [in] int8 (4 bits: each block permuted as above), a scale per block, a
+// zero-term sum per group.
+int64_t decode_row_bytes(const QuantizedWeight& w) {
+  return w.in + 4 * (w.in / kDecodeBlock) + 4 * w.groups;
+}
+
+template <int Bits>
+void decode_rows(float* out, const std::byte* prepared, const QuantizedWeight& w, const float* bias, int64_t N,
+                 int64_t o0, int64_t o1) {
+  const int64_t in = w.in, blocks = in / kDecodeBlock, per_group = w.group_size / kDecodeBlock;
+  const int64_t row_bytes = decode_row_bytes(w), code_bytes = in * Bits / 8;
+  const auto* codes = reinterpret_cast<const uint8_t*>(w.codes.as<const uint32_t>());
+  const uint16_t* scales = w.scales.as<const uint16_t>();
+  const uint16_t* zeros = w.zeros.as<const uint16_t>();
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  for (int64_t o = o0; o < o1; ++o) {
+    const uint8_t* row = codes + o * code_bytes;
+    _mm_prefetch(reinterpret_cast<const char*>(row + 8 * code_bytes), _MM_HINT_T0);
+    for (int64_t n = 0; n < N; ++n) {
+      const std::byte* x = prepared + n * row_bytes;
+      const auto* q = reinterpret_cast<const int8_t*>(x);
+      const float* d = reinterpret_cast<const float*>(x + in);
+      const float* zsum = d + blocks;
+      __m512 total = _mm512_setzero_ps();
+      float zero_term = 0.0f;
+      for (int64_t g = 0, a = 0; g < w.groups; ++g) {
+        const float s = half_to_float(scales[o * w.groups + g]);
+        zero_term += s * half_to_float(zeros[o * w.groups + g]) * zsum[g];
+        for (int64_t b = 0; b < per_group; ++b, ++a) {
+          __m512i acc = _mm512_setzero_si512();
+          const int8_t* xa = q + a * kDecodeBlock;
+          if constexpr (Bits == 4) {
+            const __m512i c = _mm512_loadu_si512(row + a * kDecodeBlock / 2);
+            acc = Vec::dot(acc, _mm512_and_si512(c, low), _mm512_loadu_si512(xa));
+            acc = Vec::dot(acc, _mm512_and_si512(_mm512_srli_epi16(c, 4), low), _mm512_loadu_si512(xa + 64));
+          } else {
+            acc = Vec::dot(acc, _mm512_loadu_si512(row + a * kDecodeBlock), _mm512_loadu_si512(xa));
+            acc = Vec::dot(acc, _mm512_loadu_si512(row + a * kDecodeBlock + 64), _mm512_loadu_si512(xa + 64));
+          }
+          total = _mm512_fmadd_ps(Vec::cvt(acc), _mm512_set1_ps(s * d[a]), total);
+        }
+      }
+      out[n * w.out + o] = _mm512_reduce_add_ps(total) - zero_term + (bias ? bias[o] : 0.0f);
+    }
+  }
+}
+
+}  // namespace
+
+bool int8_decode_kernels() { return true; }
+
+size_t int8_decode_prepared_bytes(const QuantizedWeight& w, int64_t rows) {
+  return static_cast<size_t>(rows * decode_row_bytes(w));
+}
+
+void int8_decode_prepare(const float* inp, const QuantizedWeight& w, int64_t N, void* prepared) {
+  MT_ASSERT(rounds_decode_layout(w), "int8 decoding takes 4- or 8-bit codes in blocks of 128 within groups");
+  const int64_t in = w.in, blocks = in / kDecodeBlock, per_group = w.group_size / kDecodeBlock;
+  for (int64_t n = 0; n < N; ++n) {
+    std::byte* x = static_cast<std::byte*>(prepared) + n * decode_row_bytes(w);
+    auto* q = reinterpret_cast<int8_t*>(x);
+    float* d = reinterpret_cast<float*>(x + in);
+    float* zsum = d + blocks;
+    std::fill(zsum, zsum + w.groups, 0.0f);
+    for (int64_t a = 0; a < blocks; ++a) {
+      alignas(64) int8_t plain[kDecodeBlock];
+      d[a] = round_block_to_int8(inp + n * in + a * kDecodeBlock, kDecodeBlock, plain);
+      int32_t sum = 0;
+      for (int64_t i = 0; i < kDecodeBlock; ++i) sum += plain[i];
+      zsum[a / per_group] += d[a] * static_cast<float>(sum);
+      int8_t* y = q + a * kDecodeBlock;
+      if (w.bits == 4) {  // byte 4i + j: input 8i + 2j (low half) and 8i + 2j + 1 (high half)
+        for (int64_t b = 0; b < 64; ++b) {
+          const int64_t k = 8 * (b / 4) + 2 * (b % 4);
+          y[b] = plain[k];
+          y[64 + b] = plain[k + 1];
+        }
+      } else {
+        std::copy(plain, plain + kDecodeBlock, y);
+      }
+    }
+  }
+}
+
+void int8_decode_rows(float* out, const void* prepared, const QuantizedWeight& w, const float* bias, int64_t N,
+                      int64_t o0, int64_t o1) {
+  const auto* x = static_cast<const std::byte*>(prepared);
+  if (w.bits == 4)
+    decode_rows<4>(out, x, w, bias, N, o0, o1);
+  else
+    decode_rows<8>(out, x, w, bias, N, o0, o1);
+}
+#else
+bool int8_decode_kernels() { return false; }
+size_t int8_decode_prepared_bytes(const QuantizedWeight&, int64_t) { return 0; }
+void int8_decode_prepare(const float*, const QuantizedWeight&, int64_t, void*) {
+  MT_ASSERT(false, "int8 decoding needs AVX512-VNNI");
+}
+void int8_decode_rows(float*, const void*, const QuantizedWeight&, const float*, int64_t, int64_t, int64_t) {
+  MT_ASSERT(false, "int8 decoding needs AVX512-VNNI");
+}
+#endif
+
 bool int8_activation_kernels() {
   return true;
 }
@@ -381,6 +495,14 @@ bool int8_activation_kernels() {
   return false;
 }
 const char* int8_activation_kernel() { return ""; }
+bool int8_decode_kernels() { return false; }
+size_t int8_decode_prepared_bytes(const QuantizedWeight&, int64_t) { return 0; }
+void int8_decode_prepare(const float*, const QuantizedWeight&, int64_t, void*) {
+  MT_ASSERT(false, "int8 decoding needs AVX512-VNNI");
+}
+void int8_decode_rows(float*, const void*, const QuantizedWeight&, const float*, int64_t, int64_t, int64_t) {
+  MT_ASSERT(false, "int8 decoding needs AVX512-VNNI");
+}
 
 #endif
 

@@ -82,6 +82,15 @@ void quantized_matmul_int8_activations(float* out, const float* inp, const Quant
                                        int64_t N, void* scratch, size_t scratch_bytes);
 size_t int8_activation_scratch_bytes(int64_t rows, const QuantizedWeight& weight);
 bool int8_activation_kernels();
+// Decoding's products with int8 activations (rounds_activations for at most kInt8ActivationRows
+// rows, where the model sets QuantizedWeight::int8_decode): int8_decode_prepare rounds N input
+// rows into `prepared` (int8_decode_prepared_bytes), int8_decode_rows writes output rows
+// [o0, o1) of them. int8_decode_kernels(): this build has them (AVX512-VNNI).
+bool int8_decode_kernels();
+size_t int8_decode_prepared_bytes(const QuantizedWeight& weight, int64_t rows);
+void int8_decode_prepare(const float* inp, const QuantizedWeight& weight, int64_t N, void* prepared);
+void int8_decode_rows(float* out, const void* prepared, const QuantizedWeight& weight, const float* bias, int64_t N,
+                      int64_t o0, int64_t o1);
 // Which of them: "memtune int8 x int8 (AVX512-VNNI)", "(AVX-VNNI)" or "(AVX2)".
 const char* int8_activation_kernel();
 

@@ -342,16 +342,26 @@ void quantized_matmul_bf16(float* out, const float* inp, const QuantizedWeight& 
 void QuantizedSkinny::prepare(const float* in, float* scratch) {
   inp = in;
   prepared = scratch;
-  prepare_input(in, Layout(*weight), N, scratch);
+  if (rounds_activations(*weight, N))
+    int8_decode_prepare(in, *weight, N, scratch);
+  else
+    prepare_input(in, Layout(*weight), N, scratch);
 }
 
 int64_t QuantizedSkinny::tasks() const { return (weight->out + kTaskOutputs - 1) / kTaskOutputs; }
 
-void QuantizedSkinny::run(int64_t task) const { run_task(out, inp, prepared, Layout(*weight), bias, N, task); }
+void QuantizedSkinny::run(int64_t task) const {
+  if (rounds_activations(*weight, N))
+    return int8_decode_rows(out, prepared, *weight, bias, N, task * kTaskOutputs,
+                            std::min(weight->out, (task + 1) * kTaskOutputs));
+  run_task(out, inp, prepared, Layout(*weight), bias, N, task);
+}
 
 bool same_input_layout(const QuantizedWeight& a, const QuantizedWeight& b) {
   const Layout x(a), y(b);
-  return x.chunked() && y.chunked() && x.bits == y.bits && x.in == y.in && x.group_size == y.group_size;
+  return x.chunked() && y.chunked() && x.bits == y.bits && x.in == y.in && x.group_size == y.group_size &&
+         a.int8_activations == b.int8_activations && a.int8_decode == b.int8_decode &&
+         a.bf16_products == b.bf16_products;
 }
 
 void quantized_matmul_forward(float* out, const float* inp, const QuantizedWeight& weight, const float* bias,

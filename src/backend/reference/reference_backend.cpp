@@ -141,6 +141,9 @@ class ReferenceBackend final : public Backend {
       }
   }
   bool takes_int8_activations() const override { return true; }
+  // As the cpu backend of this build decides (its decoding kernels need AVX512-VNNI), so the two
+  // compute decoding's products with the same operands.
+  bool takes_int8_decode_activations() const override { return cpu_backend().takes_int8_decode_activations(); }
   std::string bf16_quantized_products() const override { return "exact products summed in float64"; }
   void quantized_matmul_backward_input(const Tensor& dinp, const Tensor& dout, const QuantizedWeight& w,
                                        const Tensor&) override {
