@@ -12,6 +12,7 @@
 #include <cmath>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 
 #include "backend/backend.h"
 #include "core/error.h"
@@ -179,6 +180,29 @@ void check_attention_layout(const JsonReader& doc, int64_t num_hidden_layers) {
   }
 }
 
+// A mixture of experts' GPTQ files name the projections a block packs
+// (modules_in_block_to_quantize, optimum's GPTQ loader reads it): attention's and every expert's
+// (and a dense layer's MLP, and the shared expert's), never the router nor the shared expert's
+// gate, which keep their stored weights (packed_bits). In optimum's order: q / k / v, o, the
+// MLPs' gate / up, their down.
+std::vector<std::vector<std::string>> moe_modules_in_block(const ModelConfig& c) {
+  const MoeConfig& m = c.moe;
+  std::vector<std::vector<std::string>> lists = {
+      {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"}, {"self_attn.o_proj"}, {}, {}};
+  bool dense = false;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) dense = dense || !m.sparse(l);
+  std::vector<std::string> mlps;
+  if (dense) mlps.push_back("mlp");
+  for (int64_t e = 0; e < m.num_experts; ++e) mlps.push_back(fmt::format("mlp.experts.{}", e));
+  if (m.shared_expert_intermediate_size > 0) mlps.push_back("mlp.shared_expert");
+  for (const std::string& mlp : mlps) {
+    lists[2].push_back(mlp + ".gate_proj");
+    lists[2].push_back(mlp + ".up_proj");
+    lists[3].push_back(mlp + ".down_proj");
+  }
+  return lists;
+}
+
 // quantization_config: GPTQ (4 or 8 bits, AutoGPTQ's "gptq" checkpoint format) and AWQ (4 bits,
 // version "gemm", with zero points); every other method is refused by name.
 QuantConfig parse_quant_config(const JsonReader& doc, const ModelConfig& c) {
@@ -212,6 +236,30 @@ QuantConfig parse_quant_config(const JsonReader& doc, const ModelConfig& c) {
     q.sym = false;
   } else {
     section->fail("quant_method", fmt::format("is \"{}\"; supported: \"gptq\", \"awq\"", method));
+  }
+  // Which projections a block packs, where the file says (a mixture of experts' GPTQ files): they
+  // must be the ones memtune packs, every expert's and attention's but not the router's.
+  if (const std::optional<JsonReader> listed = section->optional_array("modules_in_block_to_quantize")) {
+    std::set<std::string> names, want;
+    for (size_t i = 0; i < listed->size(); ++i) {
+      const JsonReader inner = (*listed)[i];
+      inner.as_array();
+      for (size_t j = 0; j < inner.size(); ++j) names.insert(inner[j].as_string());
+    }
+    if (c.moe.enabled())
+      for (const auto& list : moe_modules_in_block(c)) want.insert(list.begin(), list.end());
+    else
+      for (const char* n : {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"})
+        want.insert(n);
+    for (const std::string& n : names)
+      if (!want.contains(n))
+        listed->fail(fmt::format("names \"{}\"; memtune packs attention's and the MLPs' (every expert's) projections, "
+                                 "and keeps {} as stored", n,
+                                 c.moe.enabled() ? "the router (mlp.gate) and the shared expert's gate" : "the rest"));
+    for (const std::string& n : want)
+      if (!names.contains(n))
+        listed->fail(fmt::format("leaves out \"{}\"; memtune reads every attention and MLP projection packed", n));
   }
   // A packed LM head (gptqmodel's "lm_head": true; "lm_head_bits" when it differs from the layers').
   if (section->optional_bool("lm_head").value_or(false)) {
@@ -416,6 +464,8 @@ nlohmann::json config_to_json(const ModelConfig& c) {
     j["quantization_config"] = {{"quant_method", "gptq"}, {"bits", q.bits},           {"group_size", q.group_size},
                                 {"desc_act", q.desc_act},  {"sym", q.sym},             {"checkpoint_format", "gptq"},
                                 {"static_groups", false},  {"true_sequential", true}};
+  if (q.method == QuantMethod::Gptq && c.moe.enabled())
+    j["quantization_config"]["modules_in_block_to_quantize"] = moe_modules_in_block(c);
   if (q.method == QuantMethod::Gptq && q.lm_head_bits) {
     j["quantization_config"]["lm_head"] = true;
     if (q.lm_head_bits != q.bits) j["quantization_config"]["lm_head_bits"] = q.lm_head_bits;

@@ -3,12 +3,15 @@ auto-gptq on the CPU, give memtune's logits.
 
     PY tests/interop/hf_gptq_test.py --memtune BIN --workdir DIR
 
-For Qwen2.5, Qwen3 and Llama 3 (the tiny presets with every projection a multiple of 32 wide,
+For Qwen2.5, Qwen3, Llama 3, Qwen3-MoE and Qwen2-MoE (the tiny presets with every projection a
+multiple of 32 wide,
 which auto-gptq's CPU layers need, as every real Qwen and Llama shape is), three files each:
 round-to-nearest 4-bit and 8-bit with groups of 32, and GPTQ 4-bit with act-order (desc_act, a
 g_idx) calibrated on a few lines. Each loads with AutoModelForCausalLM.from_pretrained(device_map
-"cpu") with no missing or unexpected tensor, its linear layers become auto-gptq's quantized
-layers (the packed codes are what computes, nothing was dequantized on the way), and its logits
+"cpu") with no missing or unexpected tensor, exactly the layers the file packs become auto-gptq's
+quantized layers (the packed codes are what computes, nothing was dequantized on the way; a
+mixture of experts' router stays a float layer, as in Qwen's GPTQ MoE checkpoints, because the
+file's modules_in_block_to_quantize names every expert's projections and not it), and its logits
 equal `memtune dump --quantized_activations float` (both dequantize the same codes and compute in
 float32) within 1e-4 of the largest logit. A NaN fails (tests/support/numeric.py).
 
@@ -37,7 +40,12 @@ from safetensors.numpy import load_file  # noqa: E402
 
 LOGIT_RTOL = 1e-4
 FAMILIES = {"qwen2": ["--preset", "tiny"], "qwen3": ["--preset", "tiny-qwen3", "--set", "head_dim=32"],
-            "llama": ["--preset", "tiny-llama"]}
+            "llama": ["--preset", "tiny-llama"],
+            # Mixtures of experts: every expert's projections packed, the router (and Qwen2-MoE's
+            # shared-expert gate) as stored, which the file says in modules_in_block_to_quantize.
+            "qwen3_moe": ["--preset", "tiny-qwen3-moe", "--set", "head_dim=32", "--set", "moe_intermediate_size=64"],
+            "qwen2_moe": ["--preset", "tiny-qwen2-moe", "--set", "moe_intermediate_size=64",
+                          "--set", "shared_expert_intermediate_size=64"]}
 VARIANTS = {"rtn4": ["--bits", 4, "--group_size", 32], "rtn8": ["--bits", 8, "--group_size", 32],
             "gptq4_act_order": ["--bits", 4, "--group_size", 32, "--method", "gptq", "--act_order",
                                 "--num_samples", 8, "--max_length", 64]}
@@ -66,8 +74,11 @@ def check_variant(memtune, workdir, base, name):
     for key in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
         check(not info[key], lambda: f"{out}: transformers reports {key} {info[key]}")
     quantized = [n for n, m in model.named_modules() if type(m).__module__.startswith("auto_gptq.nn_modules.qlinear")]
-    check(len(quantized) == 7 * model.config.num_hidden_layers,
-          lambda: f"{out}: {len(quantized)} auto-gptq layers, want 7 per layer: {quantized}")
+    with open(os.path.join(out, "model.safetensors"), "rb") as f:  # the packed layers the file holds
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    packed = sorted(k[: -len(".qweight")] for k in header if k.endswith(".qweight"))
+    check(sorted(quantized) == packed and len(packed) >= 7 * model.config.num_hidden_layers,
+          lambda: f"{out}: auto-gptq layers {quantized}, the file packs {packed}")
     inp = os.path.join(workdir, "ids.json")
     with open(inp, "w") as f:
         json.dump({"input_ids": IDS}, f)

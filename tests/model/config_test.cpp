@@ -586,6 +586,28 @@ TEST(ModelConfigTest, RefusesWhatMixtureOfExpertsConfigsCannotHold) {
   more = doc;
   more["quantization_config"] = {{"quant_method", "gptq"}, {"bits", 4}, {"group_size", 32}};
   EXPECT_EQ(error(more), "accepted");
+  // What memtune writes for a quantized MoE names every expert's projections and not the router
+  // (optimum's modules_in_block_to_quantize), and reads back; a list naming the router or leaving
+  // an expert out is refused, naming the field and the module.
+  ModelConfig packed = model_preset("tiny-qwen2-moe");
+  packed.quant = parse_quantization_name("gptq-int4");
+  packed.quant.group_size = 32;
+  json written = config_to_json(packed);
+  const json listed = written["quantization_config"]["modules_in_block_to_quantize"];
+  ASSERT_EQ(listed.size(), 4u);
+  EXPECT_EQ(listed[0], json({"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"}));
+  // Its dense layer's MLP (decoder_sparse_step 2), 6 experts and the shared expert, gate and up.
+  EXPECT_EQ(listed[2].size(), 2u * (1 + 6 + 1));
+  EXPECT_EQ(listed[3][1], "mlp.experts.0.down_proj");
+  EXPECT_EQ(listed[3].back(), "mlp.shared_expert.down_proj");
+  EXPECT_EQ(error(written), "accepted");
+  json router = written;
+  router["quantization_config"]["modules_in_block_to_quantize"][1].push_back("mlp.gate");
+  EXPECT_NE(error(router).find("modules_in_block_to_quantize\": names \"mlp.gate\""), std::string::npos)
+      << error(router);
+  json missing = written;
+  missing["quantization_config"]["modules_in_block_to_quantize"][3].erase(1);
+  EXPECT_NE(error(missing).find("leaves out \"mlp.experts.0.down_proj\""), std::string::npos) << error(missing);
 }
 
 TEST(ModelConfigTest, Llama3RopeScalingKeepsHighFrequenciesAndSlowsLowOnes) {
