@@ -458,15 +458,6 @@ void int8_decode_rows(float* out, const void* prepared, const QuantizedWeight& w
   else
     decode_rows<8>(out, x, w, bias, N, o0, o1);
 }
-#else
-bool int8_decode_kernels() { return false; }
-size_t int8_decode_prepared_bytes(const QuantizedWeight&, int64_t) { return 0; }
-void int8_decode_prepare(const float*, const QuantizedWeight&, int64_t, void*) {
-  MT_ASSERT(false, "int8 decoding needs AVX512-VNNI");
-}
-void int8_decode_rows(float*, const void*, const QuantizedWeight&, const float*, int64_t, int64_t, int64_t) {
-  MT_ASSERT(false, "int8 decoding needs AVX512-VNNI");
-}
 #endif
 
 bool int8_activation_kernels() {
@@ -495,6 +486,11 @@ bool int8_activation_kernels() {
   return false;
 }
 const char* int8_activation_kernel() { return ""; }
+
+#endif
+
+// Without AVX512-VNNI, decoding keeps float32 inputs (int8_decode is never set).
+#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
 bool int8_decode_kernels() { return false; }
 size_t int8_decode_prepared_bytes(const QuantizedWeight&, int64_t) { return 0; }
 void int8_decode_prepare(const float*, const QuantizedWeight&, int64_t, void*) {
@@ -503,7 +499,6 @@ void int8_decode_prepare(const float*, const QuantizedWeight&, int64_t, void*) {
 void int8_decode_rows(float*, const void*, const QuantizedWeight&, const float*, int64_t, int64_t, int64_t) {
   MT_ASSERT(false, "int8 decoding needs AVX512-VNNI");
 }
-
 #endif
 
 }  // namespace memtune::cpu
