@@ -339,8 +339,9 @@ namespace {
 // Attention on the matrix units takes, per pass, the largest tile of 64, 32 and 16 rows whose
 // shared memory fits the device's: on lavapipe (8 x 8 x 8, subgroups of 8, 32 KiB) and on an
 // NVIDIA GPU (16 x 16 x 16, subgroups of 32, the 48 KiB its Vulkan driver reports), at Qwen's head
-// dimensions; where none fits (the dK/dV pass at head_dim 128 in 48 KiB) or the head dimension
-// does not divide into the unit, 0: the float32 shaders run.
+// dimensions (the dK/dV pass at head_dim 128 takes 32 keys in 48 KiB: its S^T and dP^T share one
+// float32 array); where the head dimension does not divide into the unit, 0: the float32 shaders
+// run.
 TEST(VulkanGeometry, AttentionOnTheMatrixUnitsTakesTheLargestTileThatFits) {
   namespace g = vulkan_geometry;
   using g::AttentionPass;
@@ -350,8 +351,8 @@ TEST(VulkanGeometry, AttentionOnTheMatrixUnitsTakesTheLargestTileThatFits) {
     int64_t hd;
     uint32_t forward, query, key;
   };
-  for (const Case& c : {Case{lavapipe, 64, 32, 32, 16}, Case{lavapipe, 128, 16, 16, 16}, Case{lavapipe, 16, 32, 32, 32},
-                        Case{nvidia, 64, 32, 32, 32}, Case{nvidia, 128, 32, 32, 0}, Case{nvidia, 16, 0, 0, 0},
+  for (const Case& c : {Case{lavapipe, 64, 32, 32, 32}, Case{lavapipe, 128, 16, 16, 16}, Case{lavapipe, 16, 32, 32, 32},
+                        Case{nvidia, 64, 32, 32, 32}, Case{nvidia, 128, 32, 32, 32}, Case{nvidia, 16, 0, 0, 0},
                         Case{nvidia, 96, 32, 32, 32}}) {
     SCOPED_TRACE(fmt::format("{}x{}x{}, head_dim {}", c.unit.m, c.unit.n, c.unit.k, c.hd));
     const std::array<std::pair<AttentionPass, uint32_t>, 3> passes = {
@@ -371,6 +372,34 @@ TEST(VulkanGeometry, AttentionOnTheMatrixUnitsTakesTheLargestTileThatFits) {
       EXPECT_EQ(d.constants[1], tile);
       EXPECT_EQ(d.constants.back(), 4 * c.unit.subgroup);
     }
+  }
+}
+
+// The forward on flexible subgroup matrices (attention_coopmat2.comp) takes four subgroups of one
+// granule of rows each: 32 rows on lavapipe's granularity of 8, 64 with a granularity of 16 (at
+// head_dim 128 too, within 48 KiB); none where the head dimension is no multiple of the
+// granularity or the arrays do not fit.
+TEST(VulkanGeometry, TheForwardOnFlexibleMatricesTakesOneGranuleOfRowsPerSubgroup) {
+  namespace g = vulkan_geometry;
+  const g::MatrixUnit lavapipe{8, 8, 8, 8, 32768}, sixteen{16, 16, 16, 32, 49152}, small{16, 16, 16, 32, 32768};
+  struct Case {
+    const g::MatrixUnit& unit;
+    int64_t hd;
+    uint32_t tile;
+  };
+  for (const Case& c : {Case{lavapipe, 64, 32}, Case{lavapipe, 128, 32}, Case{lavapipe, 16, 32},
+                        Case{sixteen, 64, 64}, Case{sixteen, 128, 64}, Case{sixteen, 24, 0}, Case{lavapipe, 20, 0},
+                        Case{small, 128, 0}}) {
+    SCOPED_TRACE(fmt::format("granularity {}, {} bytes, head_dim {}", c.unit.m, c.unit.shared_bytes, c.hd));
+    EXPECT_EQ(g::attention_coopmat2_tile(c.hd, c.unit), c.tile);
+    if (c.tile == 0) continue;
+    EXPECT_LE(g::attention_coopmat2_shared_bytes(c.hd, c.tile, c.unit), c.unit.shared_bytes);
+    const VulkanDispatch d = g::attention_coopmat2({4096, 8, 14, 2, c.hd}, c.unit);
+    EXPECT_EQ(d.shader, "attention_coopmat2");
+    EXPECT_EQ(d.x, 4096 / c.tile);
+    EXPECT_EQ(d.y, 14u);
+    EXPECT_EQ(d.constants, (std::vector<uint32_t>{uint32_t(c.hd), c.tile, c.unit.subgroup, c.unit.n, c.unit.k,
+                                                  4 * c.unit.subgroup}));
   }
 }
 

@@ -974,17 +974,21 @@ TEST_F(VulkanCoopmat, FloatSixteenProductsEqualTheReferenceInEveryTilingAndRepea
 }
 
 // FlashAttention-2 with its products on the matrix units (attention_coopmat.comp and its backward
-// passes): float16 operands asked for at head dimensions 64 (tiles of 32 / 32 / 16 rows on
+// passes): float16 operands asked for at head dimensions 64 (tiles of 32 / 32 / 32 rows on
 // lavapipe) and 128 (16 / 16 / 16), three packed sequences whose borders fall inside tiles, three
 // query heads per kv head and four (the dk/dv pass split over two shares of them). Forward (out,
 // lse) and backward (dq, dk, dv) equal the reference at the same float16 rounding points; a
 // second run gives the same bits; and the rounding is there: the float32 reference is further
-// away than the bound.
+// away than the bound. The forward runs twice on a device with VK_NV_cooperative_matrix2's
+// flexible matrices (Mesa 26's lavapipe has them): on those (attention_coopmat2.comp, the
+// softmax on the matrices, the output in registers), and with MEMTUNE_VULKAN_COOPMAT2=0 on the
+// KHR shader; the dispatch counts say which ran.
 TEST_F(VulkanCoopmat, FlashAttentionOnTheMatrixUnitsEqualsTheReferenceAtFloat16RoundingPoints) {
   const int64_t N = 77, Hkv = 2;
   const std::vector<int32_t> cu = {0, 33, 34, 77};
   ASSERT_FALSE(vk().sixteen_bit_attention(DType::F16).empty());
   EXPECT_TRUE(vk().sixteen_bit_attention(DType::BF16).empty());
+  const bool flexible = vk().sixteen_bit_attention(DType::F16).find("attention_coopmat2") != std::string::npos;
   for (const int64_t Hq : {6, 8})
   for (const int64_t hd : {64, 128}) {
     SCOPED_TRACE(fmt::format("{} query heads, head_dim {}", Hq, hd));
@@ -1005,14 +1009,27 @@ TEST_F(VulkanCoopmat, FlashAttentionOnTheMatrixUnitsEqualsTheReferenceAtFloat16R
       for (auto [b, p, n] : held) b->deallocate(p, n);
       return r;
     };
-    const auto got = run(vk(), DType::F16), again = run(vk(), DType::F16), want = run(ref(), DType::F16),
-               exact = run(ref(), DType::F32);
+    // The forward's shader in each run: where the device has flexible matrices, coopmat2 first.
+    std::vector<std::string> forwards = {"attention_coopmat"};
+    if (flexible) forwards.insert(forwards.begin(), "attention_coopmat2");
+    const auto want = run(ref(), DType::F16), exact = run(ref(), DType::F32);
+    for (const std::string& forward : forwards) {
+    SCOPED_TRACE(forward);
+    if (forward == "attention_coopmat" && flexible) ASSERT_EQ(setenv("MEMTUNE_VULKAN_COOPMAT2", "0", 1), 0);
+    const std::map<std::string, uint64_t> before = vk().dispatches_by_shader();
+    const auto got = run(vk(), DType::F16), again = run(vk(), DType::F16);
+    std::map<std::string, uint64_t> ran = vk().dispatches_by_shader();
+    unsetenv("MEMTUNE_VULKAN_COOPMAT2");
+    for (auto& [shader, count] : ran) count -= before.count(shader) ? before.at(shader) : 0;
+    EXPECT_EQ(ran[forward], 2u);
+    EXPECT_EQ(ran[forward == "attention_coopmat" ? "attention_coopmat2" : "attention_coopmat"], 0u);
     const char* names[] = {"out", "lse", "dq", "dk", "dv"};
     for (size_t i = 0; i < got.size(); ++i) {
       SCOPED_TRACE(names[i]);
       const testing_support::Difference rounded = testing_support::difference(got[i], want[i]),
                                         unrounded = testing_support::difference(got[i], exact[i]);
-      std::printf("head_dim %ld %s: %s from the float16 reference, %s from the float32 one\n", long(hd), names[i],
+      std::printf("%s, head_dim %ld %s: %s from the float16 reference, %s from the float32 one\n", forward.c_str(),
+                  long(hd), names[i],
                   rounded.describe().c_str(), unrounded.describe().c_str());
       // A few float16 roundings (2^-11) apart, within 1e-3 of (1 + |want|): up to 1.3e-3 measured
       // (dq at head_dim 128, |want| 1.5). The float32 reference is 1.3e-3 to 3.1e-3 away (lse:
@@ -1022,7 +1039,11 @@ TEST_F(VulkanCoopmat, FlashAttentionOnTheMatrixUnitsEqualsTheReferenceAtFloat16R
       EXPECT_GT(unrounded.worst, 1e-4);
       EXPECT_EQ(0, std::memcmp(got[i].data(), again[i].data(), got[i].size() * sizeof(float)));
     }
+    }
   }
+  if (!flexible)
+    SKIP_OR_FAIL_WHERE_REQUIRED("no forward on VK_NV_cooperative_matrix2's flexible matrices here: " +
+                                vk().sixteen_bit_attention(DType::F16));
 }
 
 // Quantized products of many rows with int8 activations on the int8 matrix units

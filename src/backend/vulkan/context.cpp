@@ -96,6 +96,18 @@ VulkanContext::VulkanContext(std::optional<int> requested_device) {
     f12.shaderFloat16 = half_matrices ? VK_TRUE : VK_FALSE;
     f12.shaderInt8 = int8_matrices ? VK_TRUE : VK_FALSE;
   }
+  // VK_NV_cooperative_matrix2's flexible dimensions, reductions, conversions and per-element
+  // operations where attention_coopmat2.comp will run.
+  auto matrices2 = vk_struct<VkPhysicalDeviceCooperativeMatrix2FeaturesNV>(
+      VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_2_FEATURES_NV);
+  if (half_matrices && cooperative_flexible_shape(info_)) {
+    extensions.push_back(VK_NV_COOPERATIVE_MATRIX_2_EXTENSION_NAME);
+    matrices2.cooperativeMatrixFlexibleDimensions = VK_TRUE;
+    matrices2.cooperativeMatrixReductions = VK_TRUE;
+    matrices2.cooperativeMatrixConversions = VK_TRUE;
+    matrices2.cooperativeMatrixPerElementOperations = VK_TRUE;
+    matrices.pNext = &matrices2;
+  }
   device_info.enabledExtensionCount = static_cast<uint32_t>(extensions.size());
   device_info.ppEnabledExtensionNames = extensions.data();
   check(vkCreateDevice(physical_, &device_info, nullptr, &device_), "vkCreateDevice");
@@ -607,7 +619,7 @@ VulkanContext::Pipeline& VulkanContext::pipeline(std::string_view shader, std::s
   // subgroup_size (a driver may otherwise pick another size per pipeline).
   auto subgroup_size = vk_struct<VkPipelineShaderStageRequiredSubgroupSizeCreateInfo>(
       VK_STRUCTURE_TYPE_PIPELINE_SHADER_STAGE_REQUIRED_SUBGROUP_SIZE_CREATE_INFO);
-  if (shader.ends_with("_coopmat")) {
+  if (shader.find("_coopmat") != std::string_view::npos) {
     subgroup_size.requiredSubgroupSize = info_.subgroup_size;
     pipeline_info.stage.pNext = &subgroup_size;
     pipeline_info.stage.flags = VK_PIPELINE_SHADER_STAGE_CREATE_REQUIRE_FULL_SUBGROUPS_BIT;

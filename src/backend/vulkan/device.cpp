@@ -132,7 +132,13 @@ VulkanDeviceInfo read_device(VkInstance instance, VkPhysicalDevice pd, int index
     *tail = &f13;
     tail = &f13.pNext;
   }
-  if (has(VK_KHR_COOPERATIVE_MATRIX_EXTENSION_NAME)) *tail = &matrices;
+  auto matrices2 = vk_struct<VkPhysicalDeviceCooperativeMatrix2FeaturesNV>(
+      VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_2_FEATURES_NV);
+  if (has(VK_KHR_COOPERATIVE_MATRIX_EXTENSION_NAME)) {
+    *tail = &matrices;
+    tail = &matrices.pNext;
+    if (has(VK_NV_COOPERATIVE_MATRIX_2_EXTENSION_NAME)) *tail = &matrices2;
+  }
   auto features = vk_struct<VkPhysicalDeviceFeatures2>(VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_FEATURES_2);
   features.pNext = &f11;
   vkGetPhysicalDeviceFeatures2(pd, &features);
@@ -154,6 +160,30 @@ VulkanDeviceInfo read_device(VkInstance instance, VkPhysicalDevice pd, int index
     for (const VkCooperativeMatrixPropertiesKHR& s : list)
       d.matrix_shapes.push_back({s.MSize, s.NSize, s.KSize, component_name(s.AType), component_name(s.BType),
                                  component_name(s.CType), component_name(s.ResultType), scope_name(s.scope)});
+  }
+  d.nv_cooperative_matrix2 = d.khr_cooperative_matrix && matrices2.cooperativeMatrixFlexibleDimensions == VK_TRUE &&
+                             matrices2.cooperativeMatrixReductions == VK_TRUE &&
+                             matrices2.cooperativeMatrixConversions == VK_TRUE &&
+                             matrices2.cooperativeMatrixPerElementOperations == VK_TRUE;
+  const auto flexible = reinterpret_cast<PFN_vkGetPhysicalDeviceCooperativeMatrixFlexibleDimensionsPropertiesNV>(
+      vkGetInstanceProcAddr(instance, "vkGetPhysicalDeviceCooperativeMatrixFlexibleDimensionsPropertiesNV"));
+  if (d.nv_cooperative_matrix2 && flexible) {
+    auto limits = vk_struct<VkPhysicalDeviceCooperativeMatrix2PropertiesNV>(
+        VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_2_PROPERTIES_NV);
+    auto limits2 = vk_struct<VkPhysicalDeviceProperties2>(VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_PROPERTIES_2);
+    limits2.pNext = &limits;
+    vkGetPhysicalDeviceProperties2(pd, &limits2);
+    d.flexible_max_dimension = limits.cooperativeMatrixFlexibleDimensionsMaxDimension;
+    uint32_t n = 0;
+    flexible(pd, &n, nullptr);
+    std::vector<VkCooperativeMatrixFlexibleDimensionsPropertiesNV> list(
+        n, vk_struct<VkCooperativeMatrixFlexibleDimensionsPropertiesNV>(
+               VK_STRUCTURE_TYPE_COOPERATIVE_MATRIX_FLEXIBLE_DIMENSIONS_PROPERTIES_NV));
+    flexible(pd, &n, list.data());
+    for (const VkCooperativeMatrixFlexibleDimensionsPropertiesNV& s : list)
+      d.flexible_shapes.push_back({s.MGranularity, s.NGranularity, s.KGranularity, component_name(s.AType),
+                                   component_name(s.BType), component_name(s.CType), component_name(s.ResultType),
+                                   scope_name(s.scope)});
   }
   d.storage_16bit = f11.storageBuffer16BitAccess == VK_TRUE;
   d.shader_int64 = features.features.shaderInt64 == VK_TRUE;
@@ -280,6 +310,25 @@ std::optional<VulkanMatrixShape> cooperative_int8_shape(const VulkanDeviceInfo& 
   return matrix_shape(d, "quantized_matmul_int8_coopmat", d.shader_int8, "8-bit integer", "sint8", "sint32", why);
 }
 
+std::optional<VulkanMatrixShape> cooperative_flexible_shape(const VulkanDeviceInfo& d, std::string* why) {
+  auto no = [&](std::string reason) {
+    if (why) *why = std::move(reason);
+    return std::nullopt;
+  };
+  if (vulkan_shader("attention_coopmat2").empty())
+    return no("built without a shader compiler that knows GL_NV_cooperative_matrix2 (scripts/coopmat-root.sh)");
+  if (!cooperative_product_shape(d, DType::F16, why)) return std::nullopt;
+  if (!d.nv_cooperative_matrix2)
+    return no("the device has no VK_NV_cooperative_matrix2 with flexible dimensions, reductions, conversions and "
+              "per-element operations");
+  if (d.flexible_max_dimension < 256) return no("the device's flexible matrices stop short of 256");
+  for (const VulkanMatrixShape& s : d.flexible_shapes)
+    if (s.a == "float16" && s.b == "float16" && s.c == "float32" && s.result == "float32" && s.scope == "subgroup" &&
+        s.m > 0 && s.n > 0 && s.k > 0 && s.m <= 16 && s.n <= 16 && s.k <= 32)
+      return s;
+  return no("the device reports no flexible subgroup float16 x float16 -> float32 shape of granularity 16 or less");
+}
+
 std::vector<std::pair<std::string, std::string>> vulkan_kernel_variants(const VulkanDeviceInfo& d) {
   std::vector<std::pair<std::string, std::string>> out;
   out.emplace_back("float32 products", "register-tiled float32 FMAs (gemm.comp; matvec.comp up to 32 rows)");
@@ -310,6 +359,17 @@ std::vector<std::pair<std::string, std::string>> vulkan_kernel_variants(const Vu
                          "attention_backward_dkv_coopmat.comp); tiles of forward / dq / dk-dv rows at {} (0: float32 "
                          "FMAs)",
                          s->m, s->n, s->k, tiles);
+      std::string why2;
+      if (const std::optional<VulkanMatrixShape> f = cooperative_flexible_shape(d, &why2)) {
+        const vulkan_geometry::MatrixUnit granularity{f->m, f->n, f->k, d.subgroup_size, d.shared_memory_bytes};
+        text += fmt::format("; the forward on flexible subgroup matrices of granularity {}x{}x{} "
+                            "(VK_NV_cooperative_matrix2, attention_coopmat2.comp), tiles of {} / {} rows at head_dim "
+                            "64 / 128",
+                            f->m, f->n, f->k, vulkan_geometry::attention_coopmat2_tile(64, granularity),
+                            vulkan_geometry::attention_coopmat2_tile(128, granularity));
+      } else {
+        text += fmt::format("; the forward as the KHR shader: {}", why2);
+      }
     }
     out.emplace_back("attention (--fp16)", text);
   }
@@ -345,15 +405,31 @@ std::string describe_vulkan_device(const VulkanDeviceInfo& d) {
       d.subgroup_size, d.subgroup_shuffle ? " with shuffles" : " without shuffles", format_bytes(d.shared_memory_bytes), yes(d.cooperative_matrix), yes(d.memory_budget),
       yes(d.timestamps)) +
          [&] {
-           std::string shapes;
-           for (const VulkanMatrixShape& s : d.matrix_shapes)
-             shapes += fmt::format("{}{}x{}x{} {} x {} -> {}", shapes.empty() ? "" : ", ", s.m, s.n, s.k, s.a, s.b,
-                                   s.result);
-           std::string text = shapes.empty() ? "" : "\n  cooperative matrix shapes: " + shapes;
+           auto list = [](const std::vector<VulkanMatrixShape>& shapes) {
+             std::string out;
+             for (const VulkanMatrixShape& s : shapes)
+               out += fmt::format("{}{}x{}x{} {} x {} -> {}", out.empty() ? "" : ", ", s.m, s.n, s.k, s.a, s.b,
+                                  s.result);
+             return out;
+           };
+           std::string text = d.matrix_shapes.empty() ? "" : "\n  cooperative matrix shapes: " + list(d.matrix_shapes);
+           if (!d.flexible_shapes.empty())
+             text += fmt::format("\n  flexible matrix granularities (VK_NV_cooperative_matrix2, up to {}): {}",
+                                 d.flexible_max_dimension, list(d.flexible_shapes));
            for (const auto& [family, kernel] : vulkan_kernel_variants(d)) text += fmt::format("\n  {}: {}", family, kernel);
            return text;
          }();
 }
+
+namespace {
+nlohmann::json shapes_json(const std::vector<VulkanMatrixShape>& shapes) {
+  nlohmann::json list = nlohmann::json::array();
+  for (const VulkanMatrixShape& s : shapes)
+    list.push_back({{"m", s.m}, {"n", s.n}, {"k", s.k}, {"a", s.a}, {"b", s.b}, {"c", s.c}, {"result", s.result},
+                    {"scope", s.scope}});
+  return list;
+}
+}  // namespace
 
 nlohmann::json vulkan_device_json(const VulkanDeviceInfo& d) {
   nlohmann::json heaps = nlohmann::json::array();
@@ -376,14 +452,10 @@ nlohmann::json vulkan_device_json(const VulkanDeviceInfo& d) {
           {"shader_float64", d.shader_float64},
           {"buffer_device_address", d.buffer_device_address},
           {"cooperative_matrix", d.cooperative_matrix},
-          {"cooperative_matrix_shapes",
-           [&] {
-             nlohmann::json list = nlohmann::json::array();
-             for (const VulkanMatrixShape& s : d.matrix_shapes)
-               list.push_back({{"m", s.m}, {"n", s.n}, {"k", s.k}, {"a", s.a}, {"b", s.b}, {"c", s.c},
-                               {"result", s.result}, {"scope", s.scope}});
-             return list;
-           }()},
+          {"cooperative_matrix_shapes", shapes_json(d.matrix_shapes)},
+          {"cooperative_matrix2", d.nv_cooperative_matrix2},
+          {"flexible_matrix_max_dimension", d.flexible_max_dimension},
+          {"flexible_matrix_granularities", shapes_json(d.flexible_shapes)},
           {"kernels",
            [&] {
              nlohmann::json kernels = nlohmann::json::object();

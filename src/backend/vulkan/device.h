@@ -58,6 +58,12 @@ struct VulkanDeviceInfo {
   // subgroup size (gemm_coopmat.comp's four subgroups per workgroup need subgroup_size exactly).
   bool subgroup_size_control = false;
   std::vector<VulkanMatrixShape> matrix_shapes;
+  // VK_NV_cooperative_matrix2 with the features attention_coopmat2.comp uses on (flexible
+  // dimensions, reductions, conversions, per-element operations), the largest flexible dimension,
+  // and the flexible shapes it reports (m, n, k: the granularities every dimension is a multiple of).
+  bool nv_cooperative_matrix2 = false;
+  uint32_t flexible_max_dimension = 0;
+  std::vector<VulkanMatrixShape> flexible_shapes;
   float timestamp_period_ns = 0;  // nanoseconds per timestamp tick
   // What the backend needs: buffer device addresses, 64-bit integers and 16-bit storage for its
   // memory, and subgroups of at least 8 invocations that shuffle (the attention shaders split a
@@ -93,6 +99,12 @@ std::optional<VulkanMatrixShape> cooperative_product_shape(const VulkanDeviceInf
 // 32; the largest), or none, `why` saying why (as cooperative_product_shape, with 8-bit integer
 // arithmetic in place of float16).
 std::optional<VulkanMatrixShape> cooperative_int8_shape(const VulkanDeviceInfo& d, std::string* why = nullptr);
+// The granularity of the float16 x float16 -> float32 subgroup matrices of flexible size that
+// attention's forward with float16 operands takes (attention_coopmat2.comp), where the build has
+// the shader, the device has what cooperative_product_shape asks for float16 and
+// VK_NV_cooperative_matrix2's flexible dimensions (up to 256 at least), reductions, conversions and
+// per-element operations; or none, `why` saying why.
+std::optional<VulkanMatrixShape> cooperative_flexible_shape(const VulkanDeviceInfo& d, std::string* why = nullptr);
 // Which kernel each family of products and attention takes on this device, for `memtune
 // devices` (name, then the kernel and shape, or why not).
 std::vector<std::pair<std::string, std::string>> vulkan_kernel_variants(const VulkanDeviceInfo& d);

@@ -308,8 +308,8 @@ uint32_t attention_coopmat_shared_bytes(int64_t head_dim, uint32_t tile, const M
       return static_cast<uint32_t>(2 * (2 * b * h) + 4 * b * s + 2 * b * t + 4 * b * (h - 4) + 3 * 4 * b);
     case AttentionPass::Query:  // q, dout, k, v; s, dp; ds; lse, D, begin
       return static_cast<uint32_t>(4 * (2 * b * h) + 2 * (4 * b * s) + 2 * b * t + 3 * 4 * b);
-    case AttentionPass::Key:  // k, v, q, dout; s, dp; p, ds; lse, D, end
-      return static_cast<uint32_t>(4 * (2 * b * h) + 2 * (4 * b * s) + 2 * (2 * b * t) + 3 * 4 * b);
+    case AttentionPass::Key:  // k, v, q, dout; s then dp (one array); p, ds; lse, D, end
+      return static_cast<uint32_t>(4 * (2 * b * h) + 4 * b * s + 2 * (2 * b * t) + 3 * 4 * b);
   }
   return 0;
 }
@@ -348,6 +348,33 @@ VulkanDispatch attention_coopmat(const Attention& a, const MatrixUnit& unit, Att
       break;
   }
   return coopmat_attention_dispatch("attention_backward_dkv_coopmat", a, unit, pass, 8, 3, 4);
+}
+
+uint32_t attention_coopmat2_shared_bytes(int64_t head_dim, uint32_t tile, const MatrixUnit& granularity) {
+  // the queries; each key tile, then its value tile (float16); the output stage; the rows' starts
+  const uint64_t b = tile, h = static_cast<uint64_t>(head_dim) + 8;
+  return static_cast<uint32_t>(2 * (2 * b * h) + 4 * b * granularity.n + 4 * b);
+}
+
+uint32_t attention_coopmat2_tile(int64_t head_dim, const MatrixUnit& granularity) {
+  const auto hd = static_cast<uint32_t>(head_dim);
+  if (head_dim <= 0 || head_dim > 256 || hd % granularity.k != 0 || hd % granularity.n != 0) return 0;
+  // A subgroup's rows are one row of the device's granules (16 on NVIDIA: FlashAttention-2's 16
+  // rows a warp); rows of two granules gave wrong rows past the first 8 on Mesa 26's lavapipe
+  // (not narrowed down to the driver or the shader).
+  const uint32_t tile = 4 * granularity.m;
+  const bool fits = tile <= 64 && tile % granularity.n == 0 && tile % granularity.k == 0 &&
+                    attention_coopmat2_shared_bytes(head_dim, tile, granularity) <= granularity.shared_bytes;
+  return fits ? tile : 0;
+}
+
+VulkanDispatch attention_coopmat2(const Attention& a, const MatrixUnit& granularity) {
+  const uint32_t tile = attention_coopmat2_tile(a.head_dim, granularity);
+  MT_ASSERT(tile != 0, "attention_coopmat2 for a head dimension no tile takes");
+  return attention_pass("attention_coopmat2", a,
+                        {static_cast<uint32_t>(a.head_dim), tile, granularity.subgroup, granularity.n,
+                         granularity.k, 4 * granularity.subgroup},
+                        tile, false, 4, 2, 2);
 }
 
 uint32_t paged_attention_heads(const PagedAttention& a) {

@@ -4,10 +4,12 @@
 // subgroups, keeps its keys and values as float16 in shared memory and streams, for every query
 // head of the group, the tiles of queries that see them (from the tile's first key to the end of
 // its last key's sequence): their q and dout as float16, lse and D = dout . out. Per tile:
-// S^T = K Q^T and dP^T = V dO^T into shared memory; elementwise p = exp(s scale - lse) where the
-// key counts for the query and ds = p (dp - D) scale, both rounded to float16; then dV += P^T dO
-// and dK += dS^T Q in accumulators held across all tiles, written once at the end (staged
-// through the scores' array, free by then).
+// S^T = K Q^T into shared memory, elementwise p = exp(s scale - lse) where the key counts for the
+// query (kept in registers, and rounded to float16 for dV += P^T dO); then dP^T = V dO^T into the
+// same float32 array, and ds = p (dp - D) scale rounded to float16 for dK += dS^T Q. One float32
+// array instead of two: at head_dim 128, tiles of 32 keys fit the 48 KiB NVIDIA's driver reports
+// (and 32 at head_dim 64 fit lavapipe's 32 KiB). The accumulators are held across all tiles and
+// written once at the end (staged through the scores' array, free by then).
 #include "attention_coopmat.glsl"
 layout(push_constant) uniform Push {
   F32 dk; F32 dv; F32 dout; F32 out_; F32 lse; F32 q; F32 k; F32 v; I32 cu; uint N, S, Hq, Hkv; float scale;
@@ -17,12 +19,12 @@ shared float16_t k_s[B * H_STRIDE];
 shared float16_t v_s[B * H_STRIDE];
 shared float16_t q_s[B * H_STRIDE];
 shared float16_t do_s[B * H_STRIDE];
-shared float st_s[B * S_STRIDE];   // [key][query]
-shared float dpt_s[B * S_STRIDE];
+shared float st_s[B * S_STRIDE];   // [key][query]: S^T, then dP^T
 shared float16_t pt_s[B * T_STRIDE];
 shared float16_t dst_s[B * T_STRIDE];
 shared float lse_s[B], d_s[B];
 shared uint end_s[B];
+const uint PER_THREAD = (B * B + THREADS - 1u) / THREADS;
 uint key_row(uint r) {
   const uint j = gl_WorkGroupID.x * B + r;
   return j < p.N ? (j * p.Hkv + gl_WorkGroupID.y / p.head_splits) * HD : ~0u;
@@ -41,6 +43,7 @@ void main() {
   for (uint c = tid; c < B; c += THREADS) end_s[c] = j0 + c < p.N ? uint(p.cu.v[sequence_of(p.cu, p.S, j0 + c) + 1u]) : 0u;
   ACC acc[QM][QN];
   ACC dk[QM][HN], dv[QM][HN];
+  float w[PER_THREAD];  // this invocation's p of the tile, elements tid, tid + THREADS, ...
   for (uint i = 0u; i < QM; ++i)
     for (uint j = 0u; j < HN; ++j) {
       dk[i][j] = ACC(0.0);
@@ -64,17 +67,24 @@ void main() {
       barrier();
       PRODUCT_XYT(acc, k_s, q_s, sm, sn)
       STORE_SCORES(acc, st_s, sm, sn)
-      PRODUCT_XYT(acc, v_s, do_s, sm, sn)
-      STORE_SCORES(acc, dpt_s, sm, sn)
       barrier();
-      for (uint e = tid; e < B * B; e += THREADS) {
-        const uint c = e / B, r = e % B, j = j0 + c, t = t0 + r;
-        const float w = (t >= j && t < end_s[c]) ? exp(st_s[c * S_STRIDE + r] * p.scale - lse_s[r]) : 0.0;
-        pt_s[c * T_STRIDE + r] = half_of(w);
-        dst_s[c * T_STRIDE + r] = half_of(w * (dpt_s[c * S_STRIDE + r] - d_s[r]) * p.scale);
+      for (uint i = 0u; i < PER_THREAD; ++i) {
+        const uint e = tid + i * THREADS, c = e / B, r = e % B, j = j0 + c, t = t0 + r;
+        if (e >= B * B) break;
+        w[i] = (t >= j && t < end_s[c]) ? exp(st_s[c * S_STRIDE + r] * p.scale - lse_s[r]) : 0.0;
+        pt_s[c * T_STRIDE + r] = half_of(w[i]);
       }
       barrier();
+      PRODUCT_XYT(acc, v_s, do_s, sm, sn)
+      STORE_SCORES(acc, st_s, sm, sn)
       PRODUCT_PY(dv, pt_s, do_s, sm, hn)
+      barrier();
+      for (uint i = 0u; i < PER_THREAD; ++i) {
+        const uint e = tid + i * THREADS, c = e / B, r = e % B;
+        if (e >= B * B) break;
+        dst_s[c * T_STRIDE + r] = half_of(w[i] * (st_s[c * S_STRIDE + r] - d_s[r]) * p.scale);
+      }
+      barrier();
       PRODUCT_PY(dk, dst_s, q_s, sm, hn)
       barrier();
     }
