@@ -312,6 +312,17 @@ class Backend {
   // rotates the gradient back by the same angles.
   virtual void rope_forward(const Tensor& x, const Tensor& positions, const Tensor& inv_freq) = 0;
   virtual void rope_backward(const Tensor& dx, const Tensor& positions, const Tensor& inv_freq) = 0;
+  // Both of a layer's rotations (q and k, or their gradients: the same rows and positions) as
+  // one op; a backend with a fused form (vulkan: one dispatch) overrides them.
+  virtual void rope_forward_pair(const Tensor& q, const Tensor& k, const Tensor& positions, const Tensor& inv_freq) {
+    rope_forward(q, positions, inv_freq);
+    rope_forward(k, positions, inv_freq);
+  }
+  virtual void rope_backward_pair(const Tensor& dq, const Tensor& dk, const Tensor& positions,
+                                  const Tensor& inv_freq) {
+    rope_backward(dq, positions, inv_freq);
+    rope_backward(dk, positions, inv_freq);
+  }
   // Causal grouped-query attention over packed sequences (cu_seqlens [S+1]), never a [T, T]
   // score matrix; head_dim is at most kMaxAttentionHeadDim. q[N, Hq*hd], k/v[N, Hkv*hd] ->
   // out[N, Hq*hd]; saves lse[N, Hq]. All tensors are float32; `operands` F16 lets the products

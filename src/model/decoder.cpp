@@ -232,7 +232,8 @@ void Decoder::generation_forward(const GenerationBatch& batch) {
   const int64_t N = num_tokens_, R = sample_rows_;
   be.embedding_forward(act(buf_.residual[0], D), A.i32(buf_.ids, {N}), params_->param(params_->embed()));
   for (int64_t l = 0; l < L; ++l)
-    layer_forward(l, buf_.fwd_scratch, act(buf_.residual[l % 2], D), act(buf_.residual[(l + 1) % 2], D));
+    layer_forward(l, buf_.fwd_scratch, act(buf_.residual[l % 2], D), act(buf_.residual[(l + 1) % 2], D), l > 0,
+                  l + 1 < L);
   A.enter_phase(Phase::Loss, sample);
   if (R == 0) return;
   // The final norm and the head over the sampled rows only.
@@ -821,7 +822,8 @@ void Decoder::linear_backward(int64_t l, LinearSite s, const LayerActs& a, const
     lora_backward(lin, dropout_key(l, s), dy, x, dx, act(a.lora_u[static_cast<size_t>(s)], options_.lora.rank));
 }
 
-void Decoder::layer_forward(int64_t l, const LayerActs& a, const Tensor& x, const Tensor& x_out) {
+void Decoder::layer_forward(int64_t l, const LayerActs& a, const Tensor& x, const Tensor& x_out, bool input_normed,
+                            bool norm_next) {
   const auto& p = params_->layer(l);
   const ModelConfig& c = config_;
   const int64_t D = c.hidden_size, I = c.intermediate_size, qd = c.q_dim(), kvd = c.kv_dim();
@@ -832,7 +834,7 @@ void Decoder::layer_forward(int64_t l, const LayerActs& a, const Tensor& x, cons
   const Tensor ln1 = act(a.ln1, D), q = act(a.q, qd), k = act(a.k, kvd), v = act(a.v, kvd), att = act(a.att, qd);
   const Tensor res1 = act(a.res1, D), ln2 = act(a.ln2, D);
 
-  be.rmsnorm_forward(ln1, act(a.rstd1, 1), x, weight_f32(p.ln1), eps);
+  if (!input_normed) be.rmsnorm_forward(ln1, act(a.rstd1, 1), x, weight_f32(p.ln1), eps);
   if (c.qk_norm) {
     // Qwen3: q and k are normalized over each head (rows of head_dim) before RoPE.
     const Tensor q_raw = act(a.q_raw, qd), k_raw = act(a.k_raw, kvd);
@@ -847,8 +849,7 @@ void Decoder::layer_forward(int64_t l, const LayerActs& a, const Tensor& x, cons
         l, std::array{SiteOutput{LinearSite::Q, q}, SiteOutput{LinearSite::K, k}, SiteOutput{LinearSite::V, v}}, a,
         ln1);
   }
-  be.rope_forward(q, pos, freqs);
-  be.rope_forward(k, pos, freqs);
+  be.rope_forward_pair(q, k, pos, freqs);
   if (options_.inference()) {
     const KvCacheOptions& kv = options_.kv_cache;
     const int64_t slots = kv.blocks * kv.block_size;
@@ -872,7 +873,10 @@ void Decoder::layer_forward(int64_t l, const LayerActs& a, const Tensor& x, cons
     be.swiglu_forward(h, gate, up);
     linear_forward(l, LinearSite::Down, a, h, x_out);
   }
-  be.add_inplace(x_out, res1);
+  if (norm_next)  // x_out += res1, then layer l + 1's input norm of it, in one pass
+    be.add_rmsnorm_forward(ln1, act(a.rstd1, 1), x_out, res1, weight_f32(params_->layer(l + 1).ln1), eps);
+  else
+    be.add_inplace(x_out, res1);
 }
 
 // Gradient of layer l. On entry dstream holds d(loss)/d(layer output); on exit d(loss)/d(x).
@@ -906,8 +910,7 @@ void Decoder::layer_backward(int64_t l, const LayerActs& a, const Tensor& x, con
   linear_backward(l, LinearSite::O, a, dstream, act(a.att, qd), datt);
   be.attention_backward(dq, dk, dv, datt, act(a.att, qd), act(a.lse, Hq), act(a.q, qd), act(a.k, kvd), act(a.v, kvd),
                         arena_->i32(buf_.cu_seqlens, {num_seqs_ + 1}), hd, attention_operands());
-  be.rope_backward(dq, pos, freqs);
-  be.rope_backward(dk, pos, freqs);
+  be.rope_backward_pair(dq, dk, pos, freqs);
   Tensor dq_in = dq, dk_in = dk;  // d(loss)/d(q and k projections)
   if (c.qk_norm) {
     dq_in = act(buf_.dq_raw, qd);

@@ -358,7 +358,9 @@ TEST(BackendOps, Rmsnorm) {
 }
 
 TEST(BackendOps, RopeAtAnOffset) {
-  // Positions continue after 37 cached tokens: what a decode step after a KV cache feeds.
+  // Positions continue after 37 cached tokens: what a decode step after a KV cache feeds. q (two
+  // heads) and k (one) turn in one op, as a layer does (rope_forward_pair: one dispatch on vulkan,
+  // equal to the reference's two).
   const int64_t N = 5, heads = 2, hd = 8;
   std::vector<int32_t> pos;
   for (int32_t t = 0; t < N; ++t) pos.push_back(37 + t);
@@ -371,20 +373,23 @@ TEST(BackendOps, RopeAtAnOffset) {
                          .values = std::vector<float>(freqs.begin(), freqs.begin() + hd / 2),
                          .ints = {}};
     check_case({.name = "rope",
-                .inputs = {f32_input("x", {N, heads * hd}, 8), i32_input("pos", pos), inv_freq},
-                .outputs = {{"out", {N, heads * hd}}},
+                .inputs = {f32_input("x", {N, heads * hd}, 8), f32_input("k", {N, hd}, 18), i32_input("pos", pos),
+                           inv_freq},
+                .outputs = {{"out", {N, heads * hd}}, {"out_k", {N, hd}}},
                 .forward =
                     [](Backend& be, const Views& in, const Views& out) {
                       be.copy(out.at("out"), in.at("x"));
-                      be.rope_forward(out.at("out"), in.at("pos"), in.at("inv_freq"));
+                      be.copy(out.at("out_k"), in.at("k"));
+                      be.rope_forward_pair(out.at("out"), out.at("out_k"), in.at("pos"), in.at("inv_freq"));
                       return 0.0;
                     },
                 .backward =
                     [](Backend& be, const Views& in, const Views&, const Views& dout, const Views& din) {
                       be.copy(din.at("x"), dout.at("out"));
-                      be.rope_backward(din.at("x"), in.at("pos"), in.at("inv_freq"));
+                      be.copy(din.at("k"), dout.at("out_k"));
+                      be.rope_backward_pair(din.at("x"), din.at("k"), in.at("pos"), in.at("inv_freq"));
                     },
-                .overwrites = {"x"}});
+                .overwrites = {"x", "k"}});
   }
 }
 

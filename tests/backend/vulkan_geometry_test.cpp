@@ -94,9 +94,12 @@ Layer layer_of(const Model& m) {
 
 // One layer's forward over N rows; `attention` is what runs between RoPE and o_proj (packed
 // causal attention in training, the KV cache's write and paged attention in decoding).
-void layer_forward(Dispatches& d, const Model& m, const Training& t, int64_t N, const Dispatches& attention) {
+// Generation fuses the add that ends a layer with the next layer's input norm (one rmsnorm pass
+// with the residual add): `input_normed` and `norm_next` as decoder.cpp's layer_forward takes them.
+void layer_forward(Dispatches& d, const Model& m, const Training& t, int64_t N, const Dispatches& attention,
+                   bool input_normed = false, bool norm_next = false) {
   const Layer l = layer_of(m);
-  add(d, g::rmsnorm(N, m.D, false));
+  if (!input_normed) add(d, g::rmsnorm(N, m.D, false));
   // Decoding's q / k / v and gate / up run as one matvec each (matmul_forward_group).
   const bool grouped = N <= g::kMatvecRows && t.lora_rank == 0;
   if (grouped)
@@ -107,8 +110,7 @@ void layer_forward(Dispatches& d, const Model& m, const Training& t, int64_t N, 
     add(d, g::rmsnorm(N * m.Hq, m.hd, false));
     add(d, g::rmsnorm(N * m.Hkv, m.hd, false));
   }
-  add(d, g::elementwise("rope", N * m.Hq * m.hd / 2, 16, 6));
-  add(d, g::elementwise("rope", N * m.Hkv * m.hd / 2, 16, 6));
+  add(d, g::elementwise("rope", N * (m.Hq + m.Hkv) * m.hd / 2, 16, 6));  // q and k in one dispatch
   add(d, attention);
   linear_forward(d, t, N, l.o);
   add(d, g::rmsnorm(N, m.D, true));  // the residual add and the norm in one pass
@@ -120,7 +122,10 @@ void layer_forward(Dispatches& d, const Model& m, const Training& t, int64_t N, 
   }
   add(d, g::elementwise("swiglu", N * m.I, 12, 8));
   linear_forward(d, t, N, l.down);
-  add(d, g::elementwise("add_inplace", N * m.D, 12));
+  if (norm_next)
+    add(d, g::rmsnorm(N, m.D, true));
+  else
+    add(d, g::elementwise("add_inplace", N * m.D, 12));
 }
 void layer_forward(Dispatches& d, const Model& m, const Training& t) {
   layer_forward(d, m, t, t.tokens, {g::attention_forward({t.tokens, t.sequences, m.Hq, m.Hkv, m.hd})});
@@ -141,8 +146,7 @@ void layer_backward(Dispatches& d, const Model& m, const Training& t) {
   add(d, g::attention_backward_dq(a));
   add(d, g::attention_backward_dkv(a));
   add(d, g::attention_key_reduce(a, g::attention_key_splits(a, g::attention_tiles(m.hd, true).rows)));
-  add(d, g::elementwise("rope", N * m.Hq * m.hd / 2, 16, 6));
-  add(d, g::elementwise("rope", N * m.Hkv * m.hd / 2, 16, 6));
+  add(d, g::elementwise("rope", N * (m.Hq + m.Hkv) * m.hd / 2, 16, 6));  // q and k in one dispatch
   if (m.qk_norm)
     for (const int64_t heads : {m.Hq, m.Hkv}) {
       add(d, g::per_row("rmsnorm_backward", N * heads, m.hd, 12, 6));
@@ -218,7 +222,7 @@ Dispatches decode_step(const Model& m, int64_t batch, int64_t context, DType wei
                                      .context = context,
                                      .cache = weights},
                                     g::kScratchFloats));
-  for (int64_t i = 0; i < m.L; ++i) layer_forward(d, m, t, batch, attention);
+  for (int64_t i = 0; i < m.L; ++i) layer_forward(d, m, t, batch, attention, i > 0, i + 1 < m.L);
   const int64_t sampled = prefill ? 1 : batch;
   add(d, g::elementwise("gather_rows", sampled * m.D, 8, 0));
   add(d, g::rmsnorm(sampled, m.D, false));

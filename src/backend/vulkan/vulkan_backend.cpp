@@ -284,10 +284,17 @@ class VulkanBackend final : public Backend {
     if (dweight) column_sums(dweight, dout, inp, rstd, inp.rows(), inp.cols(), 1.0f);
   }
   void rope_forward(const Tensor& x, const Tensor& positions, const Tensor& inv_freq) override {
-    rope(x, positions, inv_freq, 1.0f);
+    rope(x, Tensor{}, positions, inv_freq, 1.0f);
   }
   void rope_backward(const Tensor& dx, const Tensor& positions, const Tensor& inv_freq) override {
-    rope(dx, positions, inv_freq, -1.0f);
+    rope(dx, Tensor{}, positions, inv_freq, -1.0f);
+  }
+  void rope_forward_pair(const Tensor& q, const Tensor& k, const Tensor& positions, const Tensor& inv_freq) override {
+    rope(q, k, positions, inv_freq, 1.0f);
+  }
+  void rope_backward_pair(const Tensor& dq, const Tensor& dk, const Tensor& positions,
+                          const Tensor& inv_freq) override {
+    rope(dq, dk, positions, inv_freq, -1.0f);
   }
   void kv_cache_write(const Tensor& k_cache, const Tensor& v_cache, const Tensor& k, const Tensor& v,
                       const Tensor& slots) override {
@@ -1019,15 +1026,18 @@ class VulkanBackend final : public Backend {
     MT_ASSERT(hd > 0 && hd <= kMaxAttentionHeadDim, "head_dim within kMaxAttentionHeadDim");
     return static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
   }
-  void rope(const Tensor& x, const Tensor& positions, const Tensor& inv_freq, float direction) {
-    const int64_t half = inv_freq.numel(), heads = x.cols() / (2 * half);
+  // x's heads, then y's where given (the same rows: q and k), in one dispatch.
+  void rope(const Tensor& x, const Tensor& y, const Tensor& positions, const Tensor& inv_freq, float direction) {
+    const int64_t half = inv_freq.numel(), heads = x.cols() / (2 * half), y_heads = y ? y.cols() / (2 * half) : 0;
+    MT_ASSERT(!y || y.rows() == x.rows(), "rope: a pair of tensors of the same rows");
     struct {
-      uint64_t x, positions, inv_freq;
-      uint32_t N, half_dim, heads;
+      uint64_t x, y, positions, inv_freq;
+      uint32_t N, half_dim, heads, y_heads;
       float direction;
-    } push{address(x), address(positions), address(inv_freq), u32(x.rows()), u32(half), u32(heads), direction};
-    ctx().dispatch(vulkan_geometry::elementwise("rope", x.rows() * half * heads, 16, 6), push,
-                   {writes(x), reads(positions), reads(inv_freq)});
+    } push{address(x), y ? address(y) : address(x), address(positions), address(inv_freq), u32(x.rows()), u32(half),
+           u32(heads), u32(y_heads), direction};
+    ctx().dispatch(vulkan_geometry::elementwise("rope", x.rows() * half * (heads + y_heads), 16, 6), push,
+                   {writes(x), writes(y), reads(positions), reads(inv_freq)});
   }
   void embedding(const Tensor& table, const Tensor& rows, const Tensor& ids, uint32_t tdtype, uint32_t mode,
                  const VulkanDispatch& geometry) {
