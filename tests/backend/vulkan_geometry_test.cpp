@@ -399,7 +399,7 @@ TEST(VulkanGeometry, TheForwardOnFlexibleMatricesTakesOneGranuleOfRowsPerSubgrou
     if (c.tile == 0) continue;
     EXPECT_LE(g::attention_coopmat2_shared_bytes(c.hd, c.tile, c.unit), c.unit.shared_bytes);
     const VulkanDispatch d = g::attention_coopmat2({4096, 8, 14, 2, c.hd}, c.unit);
-    EXPECT_EQ(d.shader, "attention_coopmat2");
+    EXPECT_STREQ(d.shader, "attention_coopmat2");
     EXPECT_EQ(d.x, 4096 / c.tile);
     EXPECT_EQ(d.y, 14u);
     EXPECT_EQ(d.constants, (std::vector<uint32_t>{uint32_t(c.hd), c.tile, c.unit.subgroup, c.unit.n, c.unit.k,

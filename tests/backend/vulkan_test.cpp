@@ -1014,31 +1014,33 @@ TEST_F(VulkanCoopmat, FlashAttentionOnTheMatrixUnitsEqualsTheReferenceAtFloat16R
     if (flexible) forwards.insert(forwards.begin(), "attention_coopmat2");
     const auto want = run(ref(), DType::F16), exact = run(ref(), DType::F32);
     for (const std::string& forward : forwards) {
-    SCOPED_TRACE(forward);
-    if (forward == "attention_coopmat" && flexible) ASSERT_EQ(setenv("MEMTUNE_VULKAN_COOPMAT2", "0", 1), 0);
-    const std::map<std::string, uint64_t> before = vk().dispatches_by_shader();
-    const auto got = run(vk(), DType::F16), again = run(vk(), DType::F16);
-    std::map<std::string, uint64_t> ran = vk().dispatches_by_shader();
-    unsetenv("MEMTUNE_VULKAN_COOPMAT2");
-    for (auto& [shader, count] : ran) count -= before.count(shader) ? before.at(shader) : 0;
-    EXPECT_EQ(ran[forward], 2u);
-    EXPECT_EQ(ran[forward == "attention_coopmat" ? "attention_coopmat2" : "attention_coopmat"], 0u);
-    const char* names[] = {"out", "lse", "dq", "dk", "dv"};
-    for (size_t i = 0; i < got.size(); ++i) {
-      SCOPED_TRACE(names[i]);
-      const testing_support::Difference rounded = testing_support::difference(got[i], want[i]),
-                                        unrounded = testing_support::difference(got[i], exact[i]);
-      std::printf("%s, head_dim %ld %s: %s from the float16 reference, %s from the float32 one\n", forward.c_str(),
-                  long(hd), names[i],
-                  rounded.describe().c_str(), unrounded.describe().c_str());
-      // A few float16 roundings (2^-11) apart, within 1e-3 of (1 + |want|): up to 1.3e-3 measured
-      // (dq at head_dim 128, |want| 1.5). The float32 reference is 1.3e-3 to 3.1e-3 away (lse:
-      // 4.8e-7 against 5.5e-4), where float32 operands come within 2e-5 of it
-      // (FlashAttentionAtRealHeadDimensions...): the rounding is there.
-      expect_close(got[i], want[i], 1e-3f);
-      EXPECT_GT(unrounded.worst, 1e-4);
-      EXPECT_EQ(0, std::memcmp(got[i].data(), again[i].data(), got[i].size() * sizeof(float)));
-    }
+      SCOPED_TRACE(forward);
+      if (forward == "attention_coopmat" && flexible) {
+        ASSERT_EQ(setenv("MEMTUNE_VULKAN_COOPMAT2", "0", 1), 0);
+      }
+      const std::map<std::string, uint64_t> before = vk().dispatches_by_shader();
+      const auto got = run(vk(), DType::F16), again = run(vk(), DType::F16);
+      std::map<std::string, uint64_t> ran = vk().dispatches_by_shader();
+      unsetenv("MEMTUNE_VULKAN_COOPMAT2");
+      for (auto& [shader, count] : ran) count -= before.count(shader) ? before.at(shader) : 0;
+      EXPECT_EQ(ran[forward], 2u);
+      EXPECT_EQ(ran[forward == "attention_coopmat" ? "attention_coopmat2" : "attention_coopmat"], 0u);
+      const char* names[] = {"out", "lse", "dq", "dk", "dv"};
+      for (size_t i = 0; i < got.size(); ++i) {
+        SCOPED_TRACE(names[i]);
+        const testing_support::Difference rounded = testing_support::difference(got[i], want[i]),
+                                          unrounded = testing_support::difference(got[i], exact[i]);
+        std::printf("%s, head_dim %ld %s: %s from the float16 reference, %s from the float32 one\n", forward.c_str(),
+                    long(hd), names[i],
+                    rounded.describe().c_str(), unrounded.describe().c_str());
+        // A few float16 roundings (2^-11) apart, within 1e-3 of (1 + |want|): up to 1.3e-3 measured
+        // (dq at head_dim 128, |want| 1.5). The float32 reference is 1.3e-3 to 3.1e-3 away (lse:
+        // 4.8e-7 against 5.5e-4), where float32 operands come within 2e-5 of it
+        // (FlashAttentionAtRealHeadDimensions...): the rounding is there.
+        expect_close(got[i], want[i], 1e-3f);
+        EXPECT_GT(unrounded.worst, 1e-4);
+        EXPECT_EQ(0, std::memcmp(got[i].data(), again[i].data(), got[i].size() * sizeof(float)));
+      }
     }
   }
   if (!flexible)
