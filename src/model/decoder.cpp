@@ -232,8 +232,7 @@ void Decoder::generation_forward(const GenerationBatch& batch) {
   const int64_t N = num_tokens_, R = sample_rows_;
   be.embedding_forward(act(buf_.residual[0], D), A.i32(buf_.ids, {N}), params_->param(params_->embed()));
   for (int64_t l = 0; l < L; ++l)
-    layer_forward(l, buf_.fwd_scratch, act(buf_.residual[l % 2], D), act(buf_.residual[(l + 1) % 2], D), l > 0,
-                  l + 1 < L);
+    layer_forward(l, buf_.fwd_scratch, act(buf_.residual[l % 2], D), act(buf_.residual[(l + 1) % 2], D), true);
   A.enter_phase(Phase::Loss, sample);
   if (R == 0) return;
   // The final norm and the head over the sampled rows only.
@@ -822,8 +821,7 @@ void Decoder::linear_backward(int64_t l, LinearSite s, const LayerActs& a, const
     lora_backward(lin, dropout_key(l, s), dy, x, dx, act(a.lora_u[static_cast<size_t>(s)], options_.lora.rank));
 }
 
-void Decoder::layer_forward(int64_t l, const LayerActs& a, const Tensor& x, const Tensor& x_out, bool input_normed,
-                            bool norm_next) {
+void Decoder::layer_forward(int64_t l, const LayerActs& a, const Tensor& x, const Tensor& x_out, bool chained) {
   const auto& p = params_->layer(l);
   const ModelConfig& c = config_;
   const int64_t D = c.hidden_size, I = c.intermediate_size, qd = c.q_dim(), kvd = c.kv_dim();
@@ -834,6 +832,7 @@ void Decoder::layer_forward(int64_t l, const LayerActs& a, const Tensor& x, cons
   const Tensor ln1 = act(a.ln1, D), q = act(a.q, qd), k = act(a.k, kvd), v = act(a.v, kvd), att = act(a.att, qd);
   const Tensor res1 = act(a.res1, D), ln2 = act(a.ln2, D);
 
+  const bool input_normed = chained && l > 0, norm_next = chained && l + 1 < c.num_hidden_layers;
   if (!input_normed) be.rmsnorm_forward(ln1, act(a.rstd1, 1), x, weight_f32(p.ln1), eps);
   if (c.qk_norm) {
     // Qwen3: q and k are normalized over each head (rows of head_dim) before RoPE.

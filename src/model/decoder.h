@@ -148,12 +148,11 @@ class Decoder {
   void upload_batch(const TokenBatch& batch);
   void upload_generation_batch(const GenerationBatch& batch);
   LossSum run_step(const TokenBatch& batch, float* logits_out, bool backward);
-  // With `input_normed`, a.ln1 already holds the normalized x (the previous layer's fused add);
-  // with `norm_next`, the add that ends the layer also normalizes its output into a.ln1 / a.rstd1
-  // by layer l + 1's norm (add_rmsnorm_forward: one pass instead of two). Generation takes both,
-  // where every layer works in the same activations (fwd_scratch).
-  void layer_forward(int64_t l, const LayerActs& a, const Tensor& x, const Tensor& x_out, bool input_normed = false,
-                     bool norm_next = false);
+  // `chained` (generation, where every layer works in the same activations, fwd_scratch): the add
+  // that ends a layer below the last also normalizes its output into a.ln1 / a.rstd1 by layer
+  // l + 1's norm (add_rmsnorm_forward: one pass instead of two), and a layer above the first starts
+  // from them.
+  void layer_forward(int64_t l, const LayerActs& a, const Tensor& x, const Tensor& x_out, bool chained = false);
   void layer_backward(int64_t l, const LayerActs& a, const Tensor& x, const Tensor& dstream);
   // y = x W^T + b (+ scaling * dropout(x) A^T B^T)
   // With 16-bit products, x16 may hold x already rounded (several products of one input).

@@ -95,10 +95,11 @@ Layer layer_of(const Model& m) {
 // One layer's forward over N rows; `attention` is what runs between RoPE and o_proj (packed
 // causal attention in training, the KV cache's write and paged attention in decoding).
 // Generation fuses the add that ends a layer with the next layer's input norm (one rmsnorm pass
-// with the residual add): `input_normed` and `norm_next` as decoder.cpp's layer_forward takes them.
+// with the residual add): layer `index` of a `chained` run, as decoder.cpp's layer_forward.
 void layer_forward(Dispatches& d, const Model& m, const Training& t, int64_t N, const Dispatches& attention,
-                   bool input_normed = false, bool norm_next = false) {
+                   bool chained = false, int64_t index = 0) {
   const Layer l = layer_of(m);
+  const bool input_normed = chained && index > 0, norm_next = chained && index + 1 < m.L;
   if (!input_normed) add(d, g::rmsnorm(N, m.D, false));
   // Decoding's q / k / v and gate / up run as one matvec each (matmul_forward_group).
   const bool grouped = N <= g::kMatvecRows && t.lora_rank == 0;
@@ -222,7 +223,7 @@ Dispatches decode_step(const Model& m, int64_t batch, int64_t context, DType wei
                                      .context = context,
                                      .cache = weights},
                                     g::kScratchFloats));
-  for (int64_t i = 0; i < m.L; ++i) layer_forward(d, m, t, batch, attention, i > 0, i + 1 < m.L);
+  for (int64_t i = 0; i < m.L; ++i) layer_forward(d, m, t, batch, attention, true, i);
   const int64_t sampled = prefill ? 1 : batch;
   add(d, g::elementwise("gather_rows", sampled * m.D, 8, 0));
   add(d, g::rmsnorm(sampled, m.D, false));

@@ -100,7 +100,7 @@ VulkanContext::VulkanContext(std::optional<int> requested_device) {
   // operations where attention_coopmat2.comp will run.
   auto matrices2 = vk_struct<VkPhysicalDeviceCooperativeMatrix2FeaturesNV>(
       VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_2_FEATURES_NV);
-  if (half_matrices && cooperative_flexible_shape(info_)) {
+  if (cooperative_flexible_shape(info_)) {  // implies half_matrices: `matrices` is in the chain
     extensions.push_back(VK_NV_COOPERATIVE_MATRIX_2_EXTENSION_NAME);
     matrices2.cooperativeMatrixFlexibleDimensions = VK_TRUE;
     matrices2.cooperativeMatrixReductions = VK_TRUE;
