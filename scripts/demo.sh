@@ -37,7 +37,8 @@ else
   "$root/scripts/install-deps.sh"
   step="building memtune (scripts/build.sh; the build's output is in $root/build.build.log)"
   echo "== building memtune in $root/build"
-  "$root/scripts/build.sh" "$root/build" > /dev/null
+  # The binary alone: the tests and benchmarks are built by scripts/test.sh.
+  MEMTUNE_BUILD_TARGETS=memtune "$root/scripts/build.sh" "$root/build" > /dev/null
   memtune="$root/build/memtune"
 fi
 tokenizer="${MEMTUNE_TOKENIZER_DIR:-}"

@@ -24,10 +24,9 @@ if ((${#targets[@]} == 0)); then
 fi
 
 # -O1 with line tables: fast enough to fuzz, quick to build, and findings come with file:line.
-cmake -S "$root" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_C_COMPILER=clang \
-  -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -gline-tables-only" -DMEMTUNE_FUZZ=ON \
-  > "$dir.cmake.log" 2>&1 || { cat "$dir.cmake.log"; exit 1; }
-cmake --build "$dir" -j "${MEMTUNE_BUILD_JOBS:-$(nproc)}" --target "${targets[@]/#/fuzz_}"
+MEMTUNE_BUILD_TARGETS="${targets[*]/#/fuzz_}" "$root/scripts/build.sh" "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -gline-tables-only" \
+  -DMEMTUNE_FUZZ=ON
 
 export OMP_NUM_THREADS=1
 export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1}"

@@ -9,12 +9,13 @@ set -euo pipefail
 # environment of the hf_* tests (scripts/prepare-hf-env.sh) and python3-dev the Python package's headers; patchelf makes the GPU check's bundle
 # (scripts/device-check.sh --bundle); oneDNN (libdnnl-dev) runs the cpu backend's 16-bit products, and
 # its CMake config asks for OpenCL's (ocl-icd-opencl-dev, a Recommends that --no-install-recommends
-# skips); debootstrap makes the fresh Debian root in which scripts/fresh-root-check.sh proves this list.
+# skips); debootstrap makes the fresh Debian root in which scripts/fresh-root-check.sh proves this list;
+# ccache keeps compiled objects between builds (scripts/build.sh).
 packages=(build-essential cmake ninja-build pkg-config libopenblas-openmp-dev libdnnl-dev nlohmann-json3-dev libcli11-dev libfmt-dev libpcre2-dev libutf8proc-dev
           libgtest-dev libyaml-cpp-dev libcpp-httplib-dev python3 python3-dev python3-numpy python3-torch chromium
           libopenmpi-dev openmpi-bin clang libclang-rt-14-dev libomp-dev
           libvulkan-dev glslc mesa-vulkan-drivers vulkan-tools python3-venv patchelf libglvnd0
-          ocl-icd-opencl-dev debootstrap)
+          ocl-icd-opencl-dev debootstrap ccache)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

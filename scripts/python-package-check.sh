@@ -6,12 +6,17 @@
 #
 #   scripts/python-package-check.sh
 #
-# The package's CMake build directory is kept in the cache (one per clone path), so a second run
-# compiles only what changed; the virtual environment is made anew every time.
+# The package's CMake build directory is build-pip/ in the clone, so a second run compiles only what
+# changed, and its compiles go through ccache as scripts/build.sh's do (scripts/ccache-launcher.sh):
+# the same flags and the same paths relative to the build directory, so after a release build the
+# package's layers come from the cache. The virtual environment is made anew every time.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
-cache="${XDG_CACHE_HOME:-$HOME/.cache}/memtune"
-build_dir="$cache/pip-build-$(printf '%s' "$root" | sha256sum | cut -c1-12)"
+build_dir="$root/build-pip"
+launcher="$("$root/scripts/ccache-launcher.sh")"
+settings=("--config-settings=build-dir=$build_dir")
+[[ -z "$launcher" ]] || settings+=("--config-settings=cmake.define.CMAKE_CXX_COMPILER_LAUNCHER=$launcher"
+                                   "--config-settings=cmake.define.CMAKE_C_COMPILER_LAUNCHER=$launcher")
 work="$(mktemp -d -t memtune-python-package.XXXXXX)"
 trap 'rm -rf "$work"' EXIT
 tokenizer="${MEMTUNE_TOKENIZER_DIR:-}"
@@ -22,7 +27,7 @@ py="$work/venv/bin/python3"
 "$py" -m pip install --quiet --disable-pip-version-check --only-binary=:all: numpy==2.2.5 tqdm==4.70.1
 echo "python-package-check: pip install . (build directory $build_dir)"
 start=$SECONDS
-"$py" -m pip install --quiet --disable-pip-version-check "$root" --config-settings="build-dir=$build_dir"
+"$py" -m pip install --quiet --disable-pip-version-check "$root" "${settings[@]}"
 echo "python-package-check: installed in $((SECONDS - start)) s"
 "$py" -c 'import memtune; print("import memtune:", memtune.__file__)'
 

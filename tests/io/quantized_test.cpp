@@ -27,7 +27,7 @@ class QuantizedTest : public ::testing::Test {
   static void SetUpTestSuite() {
     dir_ = testing_support::make_temp_dir("quantized_vectors");
     const auto r = testing_support::run_command(
-        "/usr/bin/python3 " MEMTUNE_SOURCE_DIR "/tests/io/quantized_vectors.py " + dir_.string());
+        "/usr/bin/python3 " + testing_support::source_dir() + "/tests/io/quantized_vectors.py " + dir_.string());
     ASSERT_EQ(r.status, 0) << r.output;
   }
   static void TearDownTestSuite() { fs::remove_all(dir_); }

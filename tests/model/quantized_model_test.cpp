@@ -151,7 +151,7 @@ TEST_F(QuantizedModelTest, FilesReadBackByAnIndependentReaderAndComputeLikeTheir
     SCOPED_TRACE(c.name);
     quantize(c.name, flags_of(c, path("calibration.jsonl")));
     // The numpy reader (tests/io/quantized_vectors.py) dequantizes our files to the same weights.
-    auto r = testing_support::run_command("/usr/bin/python3 " MEMTUNE_SOURCE_DIR "/tests/io/quantized_vectors.py --check " +
+    auto r = testing_support::run_command("/usr/bin/python3 " + testing_support::source_dir() + "/tests/io/quantized_vectors.py --check " +
                                           path(c.name) + " " + path(std::string(c.name) + "_f32"));
     ASSERT_EQ(r.status, 0) << r.output;
     EXPECT_NE(r.output.find("14 quantized layers equal"), std::string::npos) << r.output;
@@ -275,7 +275,7 @@ TEST_F(QuantizedModelTest, APackedLmHeadComputesLikeItsFloatCopyWhetherWrittenOr
     ASSERT_EQ(q.status, 0) << q.output;
   };
   quantize_tied("head8", "--bits 4 --group_size 32 --lm_head_bits 8");
-  r = testing_support::run_command("/usr/bin/python3 " MEMTUNE_SOURCE_DIR "/tests/io/quantized_vectors.py --check " +
+  r = testing_support::run_command("/usr/bin/python3 " + testing_support::source_dir() + "/tests/io/quantized_vectors.py --check " +
                                         path("head8") + " " + path("head8_f32"));
   ASSERT_EQ(r.status, 0) << r.output;
   EXPECT_NE(r.output.find("15 quantized layers equal"), std::string::npos) << r.output;  // 14 layers and the head
@@ -390,7 +390,7 @@ TEST_F(QuantizedModelTest, MixturesOfExpertsPackTheirExpertsAndTrainLoraOnThem) 
       packed += s.shape.size() == 2 && s.name.starts_with("model.layers.") && !s.name.ends_with("mlp.gate.weight") &&
                 !s.name.ends_with("shared_expert_gate.weight");
     EXPECT_GT(packed, 2 * 4 + 3 * config.moe.num_experts);
-    r = testing_support::run_command("/usr/bin/python3 " MEMTUNE_SOURCE_DIR "/tests/io/quantized_vectors.py --check " +
+    r = testing_support::run_command("/usr/bin/python3 " + testing_support::source_dir() + "/tests/io/quantized_vectors.py --check " +
                                      path(name + "_q4") + " " + path(name + "_q4_f32"));
     ASSERT_EQ(r.status, 0) << r.output;
     EXPECT_NE(r.output.find(fmt::format("{} quantized layers equal", packed)), std::string::npos) << r.output;
@@ -428,7 +428,7 @@ TEST_F(QuantizedModelTest, MixturesOfExpertsPackTheirExpertsAndTrainLoraOnThem) 
     r = run_memtune("dequantize --model " + path(name + "_gptq") + " --out " + path(name + "_gptq_f32") +
                     " --torch_dtype float32");
     ASSERT_EQ(r.status, 0) << r.output;
-    r = testing_support::run_command("/usr/bin/python3 " MEMTUNE_SOURCE_DIR "/tests/io/quantized_vectors.py --check " +
+    r = testing_support::run_command("/usr/bin/python3 " + testing_support::source_dir() + "/tests/io/quantized_vectors.py --check " +
                                      path(name + "_gptq") + " " + path(name + "_gptq_f32"));
     ASSERT_EQ(r.status, 0) << r.output;
     EXPECT_NE(r.output.find(fmt::format("{} quantized layers equal", packed)), std::string::npos) << r.output;

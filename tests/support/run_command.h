@@ -26,11 +26,17 @@ inline CommandResult run_command(const std::string& command) {
   return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, out};
 }
 
+// Where this test suite was built from and the memtune binary built with it. They are defined in
+// one generated file of the build tree (CMakeLists.txt), not on every test file's command line, so
+// the test files compile the same in any clone and build directory (what ccache needs to share them).
+std::string source_dir();
+std::string built_memtune_binary();
+
 // The memtune binary the CLI tests run: $MEMTUNE_BINARY when set (a bundle moved to another
 // machine, scripts/device-check.sh), else the one this test suite was built with.
 inline std::string memtune_binary() {
   const char* env = std::getenv("MEMTUNE_BINARY");
-  return env && *env ? std::string(env) : std::string(MEMTUNE_BINARY);
+  return env && *env ? std::string(env) : built_memtune_binary();
 }
 
 // `memtune ARGS` with memtune_binary().

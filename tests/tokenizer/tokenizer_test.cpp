@@ -19,6 +19,7 @@
 #include <thread>
 
 #include "data/synthetic_tokenizer.h"
+#include "support/run_command.h"
 #include "support/test_util.h"
 #include "tokenizer/split_regex.h"
 #include "tokenizer/unicode.h"
@@ -539,7 +540,8 @@ TEST(QwenTokenizer, ChatPromptHasTheExactIds) {
 TEST(QwenTokenizer, MatchesLlamaCppPublishedVectors) {
   REQUIRE_QWEN_TOKENIZER(dir);
   const Tokenizer t = Tokenizer::load(*dir);
-  const auto path = std::filesystem::path(__FILE__).parent_path() / "data" / "llama_cpp_qwen2_vectors.json";
+  const auto path =
+      std::filesystem::path(testing_support::source_dir()) / "tests" / "tokenizer" / "data" / "llama_cpp_qwen2_vectors.json";
   std::ifstream in(path);
   ASSERT_TRUE(in) << path;
   const json doc = json::parse(in);
