@@ -15,8 +15,12 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 build_dir="$root/build-pip"
 launcher="$("$root/scripts/ccache-launcher.sh")"
 settings=("--config-settings=build-dir=$build_dir")
+# (The compilers CMake itself picks, where the build backend would take Python's: ccache tells
+# compilers apart by the name they are called by.)
 [[ -z "$launcher" ]] || settings+=("--config-settings=cmake.define.CMAKE_CXX_COMPILER_LAUNCHER=$launcher"
-                                   "--config-settings=cmake.define.CMAKE_C_COMPILER_LAUNCHER=$launcher")
+                                   "--config-settings=cmake.define.CMAKE_C_COMPILER_LAUNCHER=$launcher"
+                                   "--config-settings=cmake.define.CMAKE_CXX_COMPILER=$(command -v "${CXX:-c++}")"
+                                   "--config-settings=cmake.define.CMAKE_C_COMPILER=$(command -v "${CC:-cc}")")
 work="$(mktemp -d -t memtune-python-package.XXXXXX)"
 trap 'rm -rf "$work"' EXIT
 tokenizer="${MEMTUNE_TOKENIZER_DIR:-}"
