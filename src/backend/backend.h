@@ -287,6 +287,15 @@ class Backend {
   // (scratch as quantized_matmul_forward's for the widest input). A backend may run them as one
   // pass; by default they run one after another.
   virtual void matmul_forward_group(std::span<const GroupMember> group, const Tensor& inp, const Tensor& scratch);
+  // The MLP's gate and up (`gate_up`, two members as matmul_forward_group takes them), then
+  // h = silu(gate) * up as swiglu_forward computes it. A device backend runs the three as one pass
+  // where it runs the group as one (decoding's few rows); by default they run one after the other.
+  virtual void matmul_forward_group_swiglu(std::span<const GroupMember> gate_up, const Tensor& inp,
+                                           const Tensor& scratch, const Tensor& h) {
+    MT_ASSERT(gate_up.size() == 2, "matmul_forward_group_swiglu takes gate and up");
+    matmul_forward_group(gate_up, inp, scratch);
+    swiglu_forward(h, gate_up[0].out, gate_up[1].out);
+  }
   // dinp[N,C] += dout[N,OC] @ W: the gradient through a frozen quantized weight (QLoRA), tile by
   // tile through the same scratch.
   virtual void quantized_matmul_backward_input(const Tensor& dinp, const Tensor& dout, const QuantizedWeight& weight,

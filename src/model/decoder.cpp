@@ -714,12 +714,14 @@ void Decoder::moe_backward(int64_t l, const LayerActs& a, const Tensor& x, const
 }
 
 void Decoder::linear_group_forward(int64_t l, std::span<const SiteOutput> sites, const LayerActs& a,
-                                      const Tensor& x) {
+                                      const Tensor& x, const Tensor& swiglu) {
+  MT_ASSERT(!swiglu || (sites.size() == 2 && sites[0].site == LinearSite::Gate && sites[1].site == LinearSite::Up));
   // Many rows widen each weight into one shared scratch buffer: one layer at a time. With 16-bit
   // products the input is rounded once for the group.
   if (sixteen_bit_step() || num_tokens_ > backend_->stored_weight_rows()) {
     const Tensor x16 = sixteen_bit_step() ? rounded(x) : Tensor{};
     for (const SiteOutput& s : sites) linear_forward(l, s.site, a, x, s.y, x16);
+    if (swiglu) backend_->swiglu_forward(swiglu, sites[0].y, sites[1].y);
     return;
   }
   constexpr size_t kMaxSites = DecoderBuffers::kMaxGroupSites;
@@ -763,9 +765,15 @@ void Decoder::linear_group_forward(int64_t l, std::span<const SiteOutput> sites,
     backend_->convert(group[i].bias, stored_bias[i]);
     at += stored_bias[i].numel();
   }
-  backend_->matmul_forward_group(std::span(group.data(), sites.size()), x,
-                                 quantized ? quantized_scratch(x.cols()) : Tensor{});
+  const std::span<const GroupMember> members(group.data(), sites.size());
+  const Tensor scratch = quantized ? quantized_scratch(x.cols()) : Tensor{};
+  // The activation joins the products' pass unless adapters add to gate or up after them.
+  const bool adapted = !batch_adapters_.empty() || params_->linear(l, LinearSite::Gate).lora >= 0 ||
+                       params_->linear(l, LinearSite::Up).lora >= 0;
+  if (swiglu && !adapted) return backend_->matmul_forward_group_swiglu(members, x, scratch, swiglu);
+  backend_->matmul_forward_group(members, x, scratch);
   for (const SiteOutput& s : sites) linear_adapters_forward(l, s.site, a, x, s.y);
+  if (swiglu) backend_->swiglu_forward(swiglu, sites[0].y, sites[1].y);
 }
 
 void Decoder::linear_adapters_forward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& x,
@@ -868,8 +876,8 @@ void Decoder::layer_forward(int64_t l, const LayerActs& a, const Tensor& x, cons
     moe_forward(l, a, ln2, x_out);
   } else {
     const Tensor gate = act(a.gate, I), up = act(a.up, I), h = act(a.h, I);
-    linear_group_forward(l, std::array{SiteOutput{LinearSite::Gate, gate}, SiteOutput{LinearSite::Up, up}}, a, ln2);
-    be.swiglu_forward(h, gate, up);
+    linear_group_forward(l, std::array{SiteOutput{LinearSite::Gate, gate}, SiteOutput{LinearSite::Up, up}}, a, ln2,
+                         h);
     linear_forward(l, LinearSite::Down, a, h, x_out);
   }
   if (norm_next)  // x_out += res1, then layer l + 1's input norm of it, in one pass

@@ -208,12 +208,15 @@ class Decoder {
     std::vector<float> dprobability;
     int64_t rows = 0;  // tokens x sparse layers counted
   } router_aux_;
-  // Linear layers of one input (q / k / v, gate / up) as one matmul_forward_group when decoding.
+  // Linear layers of one input (q / k / v, gate / up) as one matmul_forward_group when decoding;
+  // given `swiglu` (the sites are gate and up), swiglu = silu(gate) * up after them, in the same
+  // pass (matmul_forward_group_swiglu) where nothing adds to gate or up between.
   struct SiteOutput {
     LinearSite site;
     Tensor y;
   };
-  void linear_group_forward(int64_t l, std::span<const SiteOutput> sites, const LayerActs& a, const Tensor& x);
+  void linear_group_forward(int64_t l, std::span<const SiteOutput> sites, const LayerActs& a, const Tensor& x,
+                            const Tensor& swiglu = {});
   // What follows the base product: adapters chosen per sequence, the trained LoRA pair.
   void linear_adapters_forward(int64_t l, LinearSite s, const LayerActs& a, const Tensor& x, const Tensor& y);
   // y += s_k (x A_k^T) B_k^T over the rows of the sequences that use adapter set k.

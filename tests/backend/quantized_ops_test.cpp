@@ -12,7 +12,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <map>
 #include <numeric>
 #include <vector>
 
@@ -398,6 +400,61 @@ TEST(MatmulGroup, EachMemberEqualsItsProductAlone) {
           EXPECT_EQ(got, want) << fmt::format("{}: group {}, member {}, {} rows", name, gi, i, N);
         }
       }
+}
+
+// matmul_forward_group_swiglu (decoding's gate and up, then the MLP's activation) gives gate, up
+// and h exactly what matmul_forward_group and swiglu_forward give them one after the other:
+// float32 and 16-bit weights, with and without biases, few rows and more than one pass takes.
+// On a backend that counts its dispatches (vulkan), few rows take no activation pass of its own.
+TEST(MatmulGroup, GateAndUpWithTheActivationEqualTheGroupThenSwiglu) {
+  const int64_t C = 256;
+  for (const std::string_view name : backend_list())
+    for (const DType dtype : {DType::F32, DType::BF16, DType::F16})
+      for (const bool bias : {false, true})
+        for (const int64_t N : {1, 3, 32, 40}) {
+          SCOPED_TRACE(fmt::format("{}: {} weights, {}, {} rows", name, dtype_torch_name(dtype), bias ? "biases" : "no biases", N));
+          Backend& be = backend_named(name);
+          if (dtype != DType::F32 && N > be.stored_weight_rows()) continue;  // the caller widens them
+          Device d(be);
+          const int64_t cols = 70;  // the last workgroup of 4 columns has two
+          const Tensor inp = d.f32(randn(N * C, 3 + N), {N, C});
+          std::array<GroupMember, 2> fused, apart;
+          for (size_t i = 0; i < 2; ++i) {
+            const std::vector<float> w = randn(cols * C, 50 + i);
+            std::vector<uint16_t> half(w.size());
+            Tensor weight = d.alloc(dtype, {cols, C});
+            if (dtype == DType::F32) {
+              be.copy_to_device(weight, w.data());
+            } else {
+              convert_from_f32(w.data(), half.data(), dtype, w.size());
+              be.copy_to_device(weight, half.data());
+            }
+            const Tensor b = bias ? d.f32(randn(cols, 60 + i), {cols}) : Tensor{};
+            fused[i] = GroupMember{d.alloc(DType::F32, {N, cols}), weight, b, nullptr, Tensor{}};
+            apart[i] = GroupMember{d.alloc(DType::F32, {N, cols}), weight, b, nullptr, Tensor{}};
+          }
+          const Tensor h = d.alloc(DType::F32, {N, cols}), h_apart = d.alloc(DType::F32, {N, cols});
+          be.matmul_forward_group(apart, inp, Tensor{});
+          be.swiglu_forward(h_apart, apart[0].out, apart[1].out);
+          const std::map<std::string, uint64_t> before = be.dispatches_by_shader();
+          be.matmul_forward_group_swiglu(fused, inp, Tensor{}, h);
+          const std::map<std::string, uint64_t> after = be.dispatches_by_shader();
+          for (const auto& [got, want] : {std::pair{fused[0].out, apart[0].out}, std::pair{fused[1].out, apart[1].out},
+                                          std::pair{h, h_apart}}) {
+            std::vector<float> g(static_cast<size_t>(got.numel())), w(g.size());
+            be.copy_to_host(g.data(), got);
+            be.copy_to_host(w.data(), want);
+            EXPECT_EQ(g, w);
+          }
+          if (!after.empty() && N <= 32) {
+            const auto count = [](const std::map<std::string, uint64_t>& m, const char* shader) {
+              const auto it = m.find(shader);
+              return it == m.end() ? uint64_t{0} : it->second;
+            };
+            EXPECT_EQ(count(after, "swiglu"), count(before, "swiglu"));
+            EXPECT_EQ(count(after, "matvec"), count(before, "matvec") + 1);
+          }
+        }
 }
 
 // Members with their own inputs (a mixture of experts' routed rows: each expert's gate and up

@@ -115,13 +115,13 @@ void layer_forward(Dispatches& d, const Model& m, const Training& t, int64_t N, 
   add(d, attention);
   linear_forward(d, t, N, l.o);
   add(d, g::rmsnorm(N, m.D, true));  // the residual add and the norm in one pass
-  if (grouped) {
-    add(d, g::matvec(N, l.gate.out + l.up.out, m.D, t.weights, true));
+  if (grouped) {  // with the activation in the same pass (matmul_forward_group_swiglu)
+    add(d, g::matvec_swiglu(N, m.I, m.D, t.weights, true));
   } else {
     linear_forward(d, t, N, l.gate);
     linear_forward(d, t, N, l.up);
+    add(d, g::elementwise("swiglu", N * m.I, 12, 8));
   }
-  add(d, g::elementwise("swiglu", N * m.I, 12, 8));
   linear_forward(d, t, N, l.down);
   if (norm_next)
     add(d, g::rmsnorm(N, m.D, true));

@@ -100,6 +100,9 @@ uint32_t gemm_vector_loads(int64_t line_stride, int64_t k_stride, int64_t lines,
 // workgroup per kMatvecOutputs output columns, vector loads where C and the addresses allow.
 constexpr int64_t kMatvecRows = 32, kMatvecOutputs = 4;
 VulkanDispatch matvec(int64_t rows, int64_t OC, int64_t C, DType w, bool vector_loads);
+// The MLP's gate and up (I columns each, over C) and then h = silu(gate) * up, in one matvec.comp
+// pass (Backend::matmul_forward_group_swiglu).
+VulkanDispatch matvec_swiglu(int64_t rows, int64_t I, int64_t C, DType w, bool vector_loads);
 
 // Products with GPTQ / AWQ codes (quantized_matmul.comp, 16 x 16 tiles): `outputs` columns of
 // `rows` rows over `inner`.

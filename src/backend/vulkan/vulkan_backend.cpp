@@ -220,11 +220,22 @@ class VulkanBackend final : public Backend {
   // Decoding's products of one input (q / k / v, gate / up) in one matvec.comp dispatch where
   // they are float weights of one dtype over at most kMatvecRows rows; otherwise one by one.
   void matmul_forward_group(std::span<const GroupMember> group, const Tensor& inp, const Tensor& scratch) override {
-    bool one = group.size() <= kMatvecMembers && inp.rows() <= vulkan_geometry::kMatvecRows && inp.dtype == DType::F32;
+    if (!one_matvec(group, inp)) return Backend::matmul_forward_group(group, inp, scratch);
+    matvec(group, inp, false, 1.0f);
+  }
+  // ... and gate / up with the activation after them in that same pass.
+  void matmul_forward_group_swiglu(std::span<const GroupMember> gate_up, const Tensor& inp, const Tensor& scratch,
+                                   const Tensor& h) override {
+    if (!one_matvec(gate_up, inp) || gate_up.size() != 2 || gate_up[0].weight.rows() != gate_up[1].weight.rows())
+      return Backend::matmul_forward_group_swiglu(gate_up, inp, scratch, h);
+    matvec(gate_up, inp, false, 1.0f, h);
+  }
+  bool one_matvec(std::span<const GroupMember> group, const Tensor& inp) const {
+    bool one = !group.empty() && group.size() <= kMatvecMembers && inp.rows() <= vulkan_geometry::kMatvecRows &&
+               inp.dtype == DType::F32;
     for (const GroupMember& m : group)
       one = one && !m.quantized && !m.inp && m.weight.dtype == group.front().weight.dtype;
-    if (!one || group.empty()) return Backend::matmul_forward_group(group, inp, scratch);
-    matvec(group, inp, false, 1.0f);
+    return one;
   }
   void matmul_accumulate(const Tensor& out, const Tensor& inp, const Tensor& weight, float scale) override {
     matmul(out, inp, weight, Tensor{}, true, scale);
@@ -844,9 +855,11 @@ class VulkanBackend final : public Backend {
     matvec(std::span(&one, 1), inp, accumulate, scale);
   }
   // matvec.comp: up to three products of one input of at most kMatvecRows rows in one dispatch,
-  // the members' weights of one dtype.
-  void matvec(std::span<const GroupMember> group, const Tensor& inp, bool accumulate, float scale) {
+  // the members' weights of one dtype; with `swiglu`, gate and up and then swiglu = silu(gate) * up.
+  void matvec(std::span<const GroupMember> group, const Tensor& inp, bool accumulate, float scale,
+              const Tensor& swiglu = {}) {
     MT_ASSERT(!group.empty() && group.size() <= kMatvecMembers, "matvec of one to three products");
+    MT_ASSERT(!swiglu || (group.size() == 2 && !accumulate), "matvec's activation follows gate and up");
     const int64_t N = inp.rows(), C = inp.cols();
     inp.f32();
     bool vector_loads = C % 8 == 0 && address(inp) % 16 == 0;
@@ -865,6 +878,11 @@ class VulkanBackend final : public Backend {
       if (m.bias) has_bias |= 1u << i;
       accesses.insert(accesses.end(), {writes(m.out), reads(m.weight), reads(m.bias)});
     }
+    if (swiglu) {
+      MT_ASSERT(swiglu.rows() == N && swiglu.cols() == oc[0] && oc[1] == oc[0], "matvec: the activation's shape");
+      out[2] = address(swiglu);
+      accesses.push_back(writes(swiglu));
+    }
     struct {
       uint64_t out0, out1, out2, inp, w0, w1, w2, bias0, bias1, bias2;
       uint32_t N, OC0, OC1, OC2, C, has_bias, accumulate;
@@ -875,7 +893,9 @@ class VulkanBackend final : public Backend {
     int64_t columns = 0;
     for (const uint32_t n : oc)
       columns += (n + vulkan_geometry::kMatvecOutputs - 1) / vulkan_geometry::kMatvecOutputs * vulkan_geometry::kMatvecOutputs;
-    const VulkanDispatch d = vulkan_geometry::matvec(N, columns, C, group[0].weight.dtype, vector_loads);
+    const VulkanDispatch d =
+        swiglu ? vulkan_geometry::matvec_swiglu(N, oc[0], C, group[0].weight.dtype, vector_loads)
+               : vulkan_geometry::matvec(N, columns, C, group[0].weight.dtype, vector_loads);
     ctx().dispatch(d.shader, d.constants, std::as_bytes(std::span(&push, 1)), d.x, d.y, d.z, d.flops, d.bytes,
                    accesses);
   }
