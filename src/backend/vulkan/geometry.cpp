@@ -232,15 +232,13 @@ VulkanDispatch matvec(int64_t rows, int64_t OC, int64_t C, DType w, bool vector_
 }
 
 VulkanDispatch matvec_swiglu(int64_t rows, int64_t I, int64_t C, DType w, bool vector_loads) {
-  MT_ASSERT(rows <= kMatvecRows, "matvec takes at most kMatvecRows rows");
-  const uint32_t groups = ceil_div(I, kMatvecOutputs), x = std::min(groups, kMaxGroups);
+  // matvec's grid over gate's columns, each workgroup taking up's too.
+  VulkanDispatch d = matvec(rows, I, C, w, vector_loads);
   const double r = static_cast<double>(rows), i = static_cast<double>(I), c = static_cast<double>(C);
-  return {.shader = "matvec",
-          .constants = {dtype_code(w), vector_loads ? 1u : 0u, 1u},
-          .x = x,
-          .y = ceil_div(groups, x),
-          .flops = 4 * r * i * c + 6 * r * i,
-          .bytes = 2.0 * static_cast<double>(dtype_size(w)) * i * c + 4 * r * (c + 3 * i)};
+  d.constants.back() = 1u;
+  d.flops = 4 * r * i * c + 6 * r * i;
+  d.bytes = 2.0 * static_cast<double>(dtype_size(w)) * i * c + 4 * r * (c + 3 * i);
+  return d;
 }
 
 AttentionTiles attention_tiles(int64_t head_dim, bool key_side) {
