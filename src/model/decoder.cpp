@@ -716,10 +716,34 @@ void Decoder::moe_backward(int64_t l, const LayerActs& a, const Tensor& x, const
 void Decoder::linear_group_forward(int64_t l, std::span<const SiteOutput> sites, const LayerActs& a,
                                       const Tensor& x, const Tensor& swiglu) {
   MT_ASSERT(!swiglu || (sites.size() == 2 && sites[0].site == LinearSite::Gate && sites[1].site == LinearSite::Up));
+  // The activation joins the products' pass unless adapters add to gate or up after them.
+  const bool adapted = swiglu && (!batch_adapters_.empty() || params_->linear(l, LinearSite::Gate).lora >= 0 ||
+                                  params_->linear(l, LinearSite::Up).lora >= 0);
   // Many rows widen each weight into one shared scratch buffer: one layer at a time. With 16-bit
   // products the input is rounded once for the group.
   if (sixteen_bit_step() || num_tokens_ > backend_->stored_weight_rows()) {
     const Tensor x16 = sixteen_bit_step() ? rounded(x) : Tensor{};
+    // Gate, up and the activation in one pass: the weights as stored (not quantized), both
+    // biases live at once (float32, or 16-bit ones widened once: weight_f32 would otherwise
+    // widen both into the one vector scratch).
+    const auto fuses = [&] {
+      for (const LinearSite site : {LinearSite::Gate, LinearSite::Up}) {
+        const ModelParameters::Linear lin = params_->linear(l, site);
+        if (params_->quantized(lin.weight)) return false;
+        if (lin.bias && params_->param(*lin.bias).dtype != DType::F32 && !buf_.vectors_f32) return false;
+      }
+      return true;
+    };
+    if (swiglu && !adapted && sixteen_bit_step() && fuses()) {
+      std::array<GroupMember, 2> gate_up;
+      for (size_t i = 0; i < 2; ++i) {
+        const ModelParameters::Linear lin = params_->linear(l, sites[i].site);
+        if (linear_input_observer_) linear_input_observer_(l, sites[i].site, std::nullopt, x);
+        gate_up[i] = GroupMember{sites[i].y, params_->param(lin.weight), lin.bias ? weight_f32(*lin.bias) : Tensor{},
+                                 nullptr, Tensor{}};
+      }
+      return backend_->matmul_forward_group_swiglu(gate_up, x16, Tensor{}, swiglu);
+    }
     for (const SiteOutput& s : sites) linear_forward(l, s.site, a, x, s.y, x16);
     if (swiglu) backend_->swiglu_forward(swiglu, sites[0].y, sites[1].y);
     return;
@@ -767,9 +791,6 @@ void Decoder::linear_group_forward(int64_t l, std::span<const SiteOutput> sites,
   }
   const std::span<const GroupMember> members(group.data(), sites.size());
   const Tensor scratch = quantized ? quantized_scratch(x.cols()) : Tensor{};
-  // The activation joins the products' pass unless adapters add to gate or up after them.
-  const bool adapted = !batch_adapters_.empty() || params_->linear(l, LinearSite::Gate).lora >= 0 ||
-                       params_->linear(l, LinearSite::Up).lora >= 0;
   if (swiglu && !adapted) return backend_->matmul_forward_group_swiglu(members, x, scratch, swiglu);
   backend_->matmul_forward_group(members, x, scratch);
   for (const SiteOutput& s : sites) linear_adapters_forward(l, s.site, a, x, s.y);

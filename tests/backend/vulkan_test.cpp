@@ -973,6 +973,67 @@ TEST_F(VulkanCoopmat, FloatSixteenProductsEqualTheReferenceInEveryTilingAndRepea
   }
 }
 
+// The MLP's gate and up over many rows of float16 operands (mixed-precision training) in one
+// gemm_coopmat.comp pass that also writes h = silu(gate) * up (matmul_forward_group_swiglu): gate,
+// up and h are the bits of the two products and swiglu.comp after them where those run unsplit
+// (a ragged 32-tile shape, a 64-tile one), and within the products' bound where the products
+// alone would split K (the pass never does); with and without biases; against the reference's
+// products of the same float16 operands; one dispatch, no swiglu or gemm_reduce pass.
+TEST_F(VulkanCoopmat, GateUpAndTheActivationInOnePassEqualTheProductsThenSwiglu) {
+  struct Shape {
+    int64_t N, C, I;
+  };
+  const auto count = [](const std::map<std::string, uint64_t>& m, const char* shader) {
+    const auto it = m.find(shader);
+    return it == m.end() ? uint64_t{0} : it->second;
+  };
+  for (const Shape& sh : {Shape{37, 96, 80}, Shape{1536, 40, 1472}, Shape{24, 2048, 40}})
+    for (const bool bias : {false, true}) {
+      const auto [N, C, I] = sh;
+      SCOPED_TRACE(fmt::format("{} x {} over {}, {}", N, I, C, bias ? "biases" : "no biases"));
+      const bool split = vulkan_geometry::gemm_split(N, I, C, vulkan_geometry::kScratchFloats).splits > 1;
+      ASSERT_EQ(split, C == 2048);
+      const std::vector<float> x = randn(N * C, 71), wg = randn(I * C, 72), wu = randn(I * C, 73),
+                               bg = randn(I, 74), bu = randn(I, 75);
+      // gate, up and h: in one pass (fused) or one by one (apart)
+      auto run = [&](Backend& be, bool fused) {
+        const Tensor tx = make(be, DType::F16, {N, C}, x), tg = make(be, DType::F16, {I, C}, wg),
+                     tu = make(be, DType::F16, {I, C}, wu), tbg = bias ? make(be, DType::F32, {I}, bg) : Tensor{},
+                     tbu = bias ? make(be, DType::F32, {I}, bu) : Tensor{}, h = make(be, DType::F32, {N, I});
+        const std::array<GroupMember, 2> gate_up{GroupMember{make(be, DType::F32, {N, I}), tg, tbg, nullptr, Tensor{}},
+                                                 GroupMember{make(be, DType::F32, {N, I}), tu, tbu, nullptr, Tensor{}}};
+        if (fused) {
+          be.matmul_forward_group_swiglu(gate_up, tx, Tensor{}, h);
+        } else {
+          for (const GroupMember& m : gate_up) be.matmul_forward(m.out, tx, m.weight, m.bias);
+          be.swiglu_forward(h, gate_up[0].out, gate_up[1].out);
+        }
+        return std::vector{download_f32(be, gate_up[0].out), download_f32(be, gate_up[1].out), download_f32(be, h)};
+      };
+      const std::map<std::string, uint64_t> before = vk().dispatches_by_shader();
+      const auto fused = run(vk(), true);
+      const std::map<std::string, uint64_t> after = vk().dispatches_by_shader();
+      EXPECT_EQ(count(after, "gemm_coopmat"), count(before, "gemm_coopmat") + 1);
+      EXPECT_EQ(count(after, "swiglu"), count(before, "swiglu"));
+      EXPECT_EQ(count(after, "gemm_reduce"), count(before, "gemm_reduce"));
+      const auto apart = run(vk(), false), want = run(ref(), false);
+      const char* names[] = {"gate", "up", "h"};
+      for (size_t i = 0; i < fused.size(); ++i) {
+        SCOPED_TRACE(names[i]);
+        if (!split) EXPECT_EQ(fused[i], apart[i]);
+        if (i == 2) continue;
+        if (split) expect_close(fused[i], apart[i], 5e-5f);
+        expect_close(fused[i], want[i], 5e-5f);
+      }
+      // h = silu(g) u within what gate's and up's bound carries through it: |silu'| <= 1.1.
+      for (const auto* other : {&apart, &want})
+        for (size_t e = 0; e < fused[2].size(); ++e) {
+          const double g = std::abs((*other)[0][e]), u = std::abs((*other)[1][e]);
+          ASSERT_NEAR(fused[2][e], (*other)[2][e], 5e-5 * (1.1 * (1 + g) * u + (1 + g) * (1 + u))) << "h, element " << e;
+        }
+    }
+}
+
 // FlashAttention-2 with its products on the matrix units (attention_coopmat.comp and its backward
 // passes): float16 operands asked for at head dimensions 64 (tiles of 32 / 32 / 32 rows on
 // lavapipe) and 128 (16 / 16 / 16), three packed sequences whose borders fall inside tiles, three

@@ -522,7 +522,8 @@ TEST_F(TrainCliTest, VulkanCoopmatFloat16MixedPrecisionTrainsAsTheReference) {
   std::map<std::string, std::vector<double>> losses;
   for (const std::string backend : {"reference", "vulkan"}) {
     // On vulkan with the device's profile: the products and attention's three passes ran on the
-    // matrix units, and no float32 product or attention shader did.
+    // matrix units, and no float32 product or attention shader did; the MLP's activation ran in
+    // its gate and up's pass (no swiglu.comp).
     const Result r = testing_support::run_command(std::string(backend == "vulkan" ? "MEMTUNE_VULKAN_PROFILE=1 " : "") +
                                                   testing_support::memtune_binary() +
                                  " train --backend " + backend + " --output_dir " + path("fp16_" + backend) + flags);
@@ -535,7 +536,7 @@ TEST_F(TrainCliTest, VulkanCoopmatFloat16MixedPrecisionTrainsAsTheReference) {
                                  "attention_backward_dq_coopmat", "attention_backward_dkv_coopmat"})
         EXPECT_CONTAINS(r.output, fmt::format("vulkan profile: {} ", shader));
       for (const char* shader : {"gemm", "attention", "attention_backward_dq", "attention_backward_dkv",
-                                 flexible ? "attention_coopmat" : "attention_coopmat2"})
+                                 flexible ? "attention_coopmat" : "attention_coopmat2", "swiglu"})
         EXPECT_EQ(r.output.find(fmt::format("vulkan profile: {} ", shader)), std::string::npos) << shader;
     }
     // A step's loss, or -1 where dynamic loss scaling skipped it (the first steps overflow float16

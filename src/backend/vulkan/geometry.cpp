@@ -189,7 +189,7 @@ std::vector<VulkanDispatch> gemm_coopmat(int64_t M, int64_t N, int64_t K, const 
   const double m = static_cast<double>(M), n = static_cast<double>(N), k = static_cast<double>(K);
   std::vector<VulkanDispatch> d{{.shader = "gemm_coopmat",
                                  .constants = {s.tile, unit.subgroup, unit.m, unit.n, unit.k, 4 * unit.subgroup,
-                                               dtype_code(a), dtype_code(b)},
+                                               dtype_code(a), dtype_code(b), 0u},
                                  .x = ceil_div(N, s.tile),
                                  .y = ceil_div(M, s.tile),
                                  .z = s.splits,
@@ -198,6 +198,18 @@ std::vector<VulkanDispatch> gemm_coopmat(int64_t M, int64_t N, int64_t K, const 
                                           static_cast<double>(dtype_size(b)) * k * n + 4 * m * n * s.splits}};
   MT_ASSERT(d[0].x <= kMaxGroups && d[0].y <= kMaxGroups, "vulkan: a product beyond one dispatch's grid");
   if (s.splits > 1) d.push_back(elementwise("gemm_reduce", M * N, 4.0 * (s.splits + 2), s.splits));
+  return d;
+}
+
+VulkanDispatch gemm_coopmat_swiglu(int64_t M, int64_t I, int64_t K, const MatrixUnit& unit, DType a, DType b) {
+  // gemm_coopmat's tiles over gate's columns, never split over K (the activation takes whole
+  // sums), each workgroup computing up's tile after gate's.
+  VulkanDispatch d = gemm_coopmat(M, I, K, unit, a, b, /*scratch_floats=*/0).front();
+  const double m = static_cast<double>(M), i = static_cast<double>(I), k = static_cast<double>(K);
+  d.constants.back() = 1u;
+  d.flops = 4 * m * i * k + 6 * m * i;
+  d.bytes = 2.0 * (static_cast<double>(dtype_size(a)) * m * k + static_cast<double>(dtype_size(b)) * k * i) +
+            4 * m * i * 4;  // gate written and read back, up and h written
   return d;
 }
 

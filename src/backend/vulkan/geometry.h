@@ -81,13 +81,17 @@ std::vector<VulkanDispatch> gemm(int64_t M, int64_t N, int64_t K, DType b, int64
 // float16 (or float32, rounded as loaded), a workgroup of four subgroups per 64 x 64 output tile
 // (32 x 32 where gemm_split would take 32), each subgroup a quarter of it as unit-shaped
 // cooperative matrices; split-K as gemm(). Constants: tile, subgroup size, m, n, k, workgroup size,
-// A's and B's dtype codes.
+// A's and B's dtype codes, and 0 (the activation pass's constant, below).
 struct MatrixUnit {
   uint32_t m = 16, n = 16, k = 16, subgroup = 32;
   uint32_t shared_bytes = 32768;  // a workgroup's shared memory on the device
 };
 std::vector<VulkanDispatch> gemm_coopmat(int64_t M, int64_t N, int64_t K, const MatrixUnit& unit, DType a, DType b,
                                          int64_t scratch_floats);
+// The MLP's gate and up over many rows (I columns each, over K), and h = silu(gate) * up, in one
+// gemm_coopmat.comp pass (Backend::matmul_forward_group_swiglu): gemm_coopmat's grid over gate's
+// columns, unsplit, its last constant 1.
+VulkanDispatch gemm_coopmat_swiglu(int64_t M, int64_t I, int64_t K, const MatrixUnit& unit, DType a, DType b);
 // gemm.comp's `vectors` bit for one operand: 1 where it may load it 128 bits at a time. The
 // operand's strides along its output dimension (m of A, n of B) and along K, in elements, its
 // number of lines (M or N), K, and the address of its first element: float32 four values along

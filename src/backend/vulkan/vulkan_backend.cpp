@@ -223,12 +223,18 @@ class VulkanBackend final : public Backend {
     if (!one_matvec(group, inp)) return Backend::matmul_forward_group(group, inp, scratch);
     matvec(group, inp, false, 1.0f);
   }
-  // ... and gate / up with the activation after them in that same pass.
+  // ... and gate / up with the activation after them in that same pass; over many rows of float16
+  // operands (mixed-precision training), in one gemm_coopmat.comp pass.
   void matmul_forward_group_swiglu(std::span<const GroupMember> gate_up, const Tensor& inp, const Tensor& scratch,
                                    const Tensor& h) override {
-    if (!one_matvec(gate_up, inp) || gate_up.size() != 2 || gate_up[0].weight.rows() != gate_up[1].weight.rows())
-      return Backend::matmul_forward_group_swiglu(gate_up, inp, scratch, h);
-    matvec(gate_up, inp, false, 1.0f, h);
+    MT_ASSERT(gate_up.size() == 2, "matmul_forward_group_swiglu takes gate and up");
+    const GroupMember &gate = gate_up[0], &up = gate_up[1];
+    const bool alike = !gate.quantized && !up.quantized && !gate.inp && !up.inp &&
+                       gate.weight.dtype == up.weight.dtype && gate.weight.rows() == up.weight.rows();
+    if (alike && one_matvec(gate_up, inp)) return matvec(gate_up, inp, false, 1.0f, h);
+    if (alike && half_unit_ && inp.dtype == DType::F16 && gate.weight.dtype == DType::F16)
+      return half_gemm_swiglu(gate, up, inp, h);
+    Backend::matmul_forward_group_swiglu(gate_up, inp, scratch, h);
   }
   bool one_matvec(std::span<const GroupMember> group, const Tensor& inp) const {
     bool one = !group.empty() && group.size() <= kMatvecMembers && inp.rows() <= vulkan_geometry::kMatvecRows &&
@@ -933,19 +939,58 @@ class VulkanBackend final : public Backend {
     product(vulkan_geometry::gemm_coopmat(M, Nc, K, *half_unit_, a.dtype, b.dtype, kSplitScratchFloats), out, a, b, M,
             Nc, K, a_m, a_k, b_k, b_n, alpha, accumulate, bias, 0, a_scale);
   }
-  // One product's dispatches as the geometry gave them (gemm.comp or gemm_coopmat.comp, which share
-  // their push-constant block), then gemm_reduce.comp where K was split.
+  // gemm.comp's and gemm_coopmat.comp's push constants (the two share their block).
+  struct ProductPush {
+    uint64_t out, a, b, bias;
+    uint32_t M, Nc, K, a_m, a_k, b_k, b_n, has_bias, accumulate, k_split, partial, vectors;
+    float alpha, a_scale;
+    uint64_t out2 = 0, b2 = 0, bias2 = 0, h = 0;  // gemm_coopmat.comp's activation pass
+  };
+  // gate = inp @ Wg^T (+ bias), up = inp @ Wu^T (+ bias) and h = silu(gate) * up, float16 operands
+  // over any rows, in one gemm_coopmat.comp pass (its SWIGLU variant: each workgroup's tile of
+  // gate, then the same tile of up and the activation).
+  void half_gemm_swiglu(const GroupMember& gate, const GroupMember& up, const Tensor& inp, const Tensor& h) {
+    const int64_t N = inp.rows(), C = inp.cols(), I = gate.weight.rows();
+    for (const Tensor* t : {&gate.out, &up.out, &h}) {
+      t->f32();
+      MT_ASSERT(t->rows() == N && t->cols() == I, "vulkan: gate, up and h are [rows, intermediate]");
+    }
+    MT_ASSERT(gate.weight.cols() == C && up.weight.cols() == C && up.weight.rows() == I, "vulkan: gate and up shapes");
+    const ProductPush push{.out = address(gate.out),
+                           .a = address(inp),
+                           .b = address(gate.weight),
+                           .bias = address(gate.bias),
+                           .M = u32(N),
+                           .Nc = u32(I),
+                           .K = u32(C),
+                           .a_m = u32(C),
+                           .a_k = 1,
+                           .b_k = 1,
+                           .b_n = u32(C),
+                           .has_bias = (gate.bias ? 1u : 0u) | (up.bias ? 2u : 0u),
+                           .accumulate = 0,
+                           .k_split = u32(std::max<int64_t>(C, 1)),
+                           .partial = 0,
+                           .vectors = 0,
+                           .alpha = 1.0f,
+                           .a_scale = 1.0f,
+                           .out2 = address(up.out),
+                           .b2 = address(up.weight),
+                           .bias2 = address(up.bias),
+                           .h = address(h)};
+    ctx().dispatch(vulkan_geometry::gemm_coopmat_swiglu(N, I, C, *half_unit_, inp.dtype, gate.weight.dtype), push,
+                   {writes(gate.out), writes(up.out), writes(h), reads(inp), reads(gate.weight), reads(up.weight),
+                    reads(gate.bias), reads(up.bias)});
+  }
+  // One product's dispatches as the geometry gave them (gemm.comp or gemm_coopmat.comp), then
+  // gemm_reduce.comp where K was split.
   void product(const std::vector<VulkanDispatch>& d, const Tensor& out, const Tensor& a, const Tensor& b, int64_t M,
                int64_t Nc, int64_t K, int64_t a_m, int64_t a_k, int64_t b_k, int64_t b_n, float alpha, bool accumulate,
                const Tensor& bias, uint32_t vectors, float a_scale) {
     out.f32();
     const vulkan_geometry::GemmSplit split = vulkan_geometry::gemm_split(M, Nc, K, kSplitScratchFloats);
     const bool partial = d.size() > 1;
-    struct {
-      uint64_t out, a, b, bias;
-      uint32_t M, Nc, K, a_m, a_k, b_k, b_n, has_bias, accumulate, k_split, partial, vectors;
-      float alpha, a_scale;
-    } push{partial ? split_scratch_ : address(out),
+    const ProductPush push{partial ? split_scratch_ : address(out),
            address(a),
            address(b),
            address(bias),

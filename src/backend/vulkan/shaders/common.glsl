@@ -27,6 +27,9 @@ uint sequence_of(I32 cu, uint S, uint token) {
 const float NEG_INF = -1.0 / 0.0;
 
 // A grid-stride loop over n elements for a 1-D dispatch of 256-wide workgroups.
+// The MLP's activation, h = silu(gate) * up: swiglu.comp's, and matvec.comp's and
+// gemm_coopmat.comp's where it runs in their products' pass (the same bits in each).
+float silu_times(float g, float u) { return g / (1.0 + exp(-g)) * u; }
 #define FOR_EACH(i, n) for (uint i = gl_GlobalInvocationID.x; i < (n); i += gl_NumWorkGroups.x * 256u)
 
 // Element i of a tensor stored in `dtype` (0 float32, 1 bfloat16, 2 float16: the numbering every

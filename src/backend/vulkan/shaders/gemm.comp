@@ -38,6 +38,7 @@ layout(push_constant) uniform Push {
   uint M, Nc, K, a_m, a_k, b_k, b_n, has_bias, accumulate, k_split, partial;
   uint vectors;  // bit 0: A's 128-bit loads, bit 1: B's (the strides and addresses allow them)
   float alpha, a_scale;  // a_scale: gemm_coopmat.comp's (the two share this block); 1 here
+  F32 out2; uint64_t b2; F32 bias2; F32 h;  // gemm_coopmat.comp's activation pass; unused here
 } p;
 const bool B16 = BDTYPE == 1u;
 const uint STEP = (TILE == 128u && BDTYPE != 1u) ? 8u : 16u;

@@ -89,7 +89,7 @@ void main() {
     if ((p.has_bias & 2u) != 0u) u += p.bias1.v[oc];
     p.out0.v[at] = g;
     p.out1.v[at] = u;
-    p.out2.v[at] = g / (1.0 + exp(-g)) * u;
+    p.out2.v[at] = silu_times(g, u);
     return;
   }
   const uint g0 = (p.OC0 + OUTS - 1u) / OUTS, g1 = (p.OC1 + OUTS - 1u) / OUTS;

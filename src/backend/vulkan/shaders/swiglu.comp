@@ -5,7 +5,6 @@ layout(local_size_x = 256) in;
 layout(push_constant) uniform Push { F32 h; F32 gate; F32 up; uint n; } p;
 void main() {
   FOR_EACH(i, p.n) {
-    const float g = p.gate.v[i];
-    p.h.v[i] = g / (1.0 + exp(-g)) * p.up.v[i];
+    p.h.v[i] = silu_times(p.gate.v[i], p.up.v[i]);
   }
 }
