@@ -14,7 +14,8 @@
 #       runs memtune_tests on the root's lavapipe, every test required (MEMTUNE_REQUIRE_ALL_TESTS),
 #       by default the vulkan tests: every test named *VulkanCoopmat* (they need cooperative
 #       matrices), VulkanOps.*, VulkanShaders.*, VulkanDevice.*, BackendOps.*, VulkanGeometry.*,
-#       QuantizedOps.* (int8 activations on the int8 matrices) and the end-to-end
+#       QuantizedOps.* (int8 activations on the int8 matrices), MatmulGroup.SixteenBit* (float16
+#       gate / up and the activation in one pass) and the end-to-end
 #       TrainCliTest.EveryCommandRunsOnVulkanAndAgreesWithCpu. Its log is out/coopmat-root/test.log.
 #   scripts/coopmat-root.sh check BUILD_DIR
 #       the GPU check (scripts/device-check.sh --from) with its small settings (MEMTUNE_CHECK_*
@@ -57,7 +58,7 @@ base="$cache/coopmat-root-$key"
 fs="$base/fs"
 glslc="$base/glslc"
 work="$root/out/coopmat-root"
-default_filter='*VulkanCoopmat*:TrainCliTest.EveryCommandRunsOnVulkanAndAgreesWithCpu:VulkanOps.*:VulkanShaders.*:VulkanDevice.*:BackendOps.*:VulkanGeometry.*:QuantizedOps.*'
+default_filter='*VulkanCoopmat*:TrainCliTest.EveryCommandRunsOnVulkanAndAgreesWithCpu:VulkanOps.*:VulkanShaders.*:VulkanDevice.*:BackendOps.*:VulkanGeometry.*:QuantizedOps.*:MatmulGroup.SixteenBit*'
 
 # mounted_under, run_in (the root entered with unshare and chroot) and network_ca.
 source "$root/scripts/root-common.sh"

@@ -723,18 +723,20 @@ void Decoder::linear_group_forward(int64_t l, std::span<const SiteOutput> sites,
   // products the input is rounded once for the group.
   if (sixteen_bit_step() || num_tokens_ > backend_->stored_weight_rows()) {
     const Tensor x16 = sixteen_bit_step() ? rounded(x) : Tensor{};
-    // Gate, up and the activation in one pass: the weights as stored (not quantized), both
-    // biases live at once (float32, or 16-bit ones widened once: weight_f32 would otherwise
-    // widen both into the one vector scratch).
+    // Gate, up and the activation in one pass where both weights are read as stored (16-bit
+    // operands, or float32 weights: not quantized, not widened one at a time into the one matrix
+    // scratch) and both biases are live at once (float32, or 16-bit ones widened once:
+    // weight_f32 would otherwise widen both into the one vector scratch).
     const auto fuses = [&] {
       for (const LinearSite site : {LinearSite::Gate, LinearSite::Up}) {
         const ModelParameters::Linear lin = params_->linear(l, site);
         if (params_->quantized(lin.weight)) return false;
+        if (!sixteen_bit_step() && params_->param(lin.weight).dtype != DType::F32) return false;
         if (lin.bias && params_->param(*lin.bias).dtype != DType::F32 && !buf_.vectors_f32) return false;
       }
       return true;
     };
-    if (swiglu && !adapted && sixteen_bit_step() && fuses()) {
+    if (swiglu && !adapted && fuses()) {
       std::array<GroupMember, 2> gate_up;
       for (size_t i = 0; i < 2; ++i) {
         const ModelParameters::Linear lin = params_->linear(l, sites[i].site);
@@ -742,7 +744,7 @@ void Decoder::linear_group_forward(int64_t l, std::span<const SiteOutput> sites,
         gate_up[i] = GroupMember{sites[i].y, params_->param(lin.weight), lin.bias ? weight_f32(*lin.bias) : Tensor{},
                                  nullptr, Tensor{}};
       }
-      return backend_->matmul_forward_group_swiglu(gate_up, x16, Tensor{}, swiglu);
+      return backend_->matmul_forward_group_swiglu(gate_up, x16 ? x16 : x, Tensor{}, swiglu);
     }
     for (const SiteOutput& s : sites) linear_forward(l, s.site, a, x, s.y, x16);
     if (swiglu) backend_->swiglu_forward(swiglu, sites[0].y, sites[1].y);

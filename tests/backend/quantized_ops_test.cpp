@@ -402,10 +402,11 @@ TEST(MatmulGroup, EachMemberEqualsItsProductAlone) {
       }
 }
 
-// matmul_forward_group_swiglu (decoding's gate and up, then the MLP's activation) gives gate, up
-// and h exactly what matmul_forward_group and swiglu_forward give them one after the other:
-// float32 and 16-bit weights, with and without biases, few rows and more than one pass takes.
-// On a backend that counts its dispatches (vulkan), few rows take no activation pass of its own.
+// matmul_forward_group_swiglu (the MLP's gate and up, then its activation) gives gate, up and h
+// exactly what matmul_forward_group and swiglu_forward give them one after the other: float32
+// and 16-bit weights, with and without biases, few rows (decoding) and more than one matvec pass
+// takes (float32 weights: training's forward). On a backend that counts its dispatches (vulkan),
+// they take one product pass and no activation pass of its own.
 TEST(MatmulGroup, GateAndUpWithTheActivationEqualTheGroupThenSwiglu) {
   const int64_t C = 256;
   for (const std::string_view name : backend_list())
@@ -446,15 +447,61 @@ TEST(MatmulGroup, GateAndUpWithTheActivationEqualTheGroupThenSwiglu) {
             be.copy_to_host(w.data(), want);
             EXPECT_EQ(g, w);
           }
-          if (!after.empty() && N <= 32) {
+          if (!after.empty()) {  // few rows: one matvec; more (float32 weights here): one gemm
             const auto count = [](const std::map<std::string, uint64_t>& m, const char* shader) {
               const auto it = m.find(shader);
               return it == m.end() ? uint64_t{0} : it->second;
             };
+            const char* pass = N <= 32 ? "matvec" : "gemm";
             EXPECT_EQ(count(after, "swiglu"), count(before, "swiglu"));
-            EXPECT_EQ(count(after, "matvec"), count(before, "matvec") + 1);
+            EXPECT_EQ(count(after, pass), count(before, pass) + 1);
           }
         }
+}
+
+// Mixed precision's gate and up (16-bit inputs and weights over more rows than decoding's, on
+// every backend that multiplies 16-bit operands: the reference everywhere, the cpu where oneDNN
+// has the kernels, vulkan on float16 cooperative matrices): matmul_forward_group_swiglu gives
+// gate, up and h what the two products and swiglu_forward give them, bit for bit where a device
+// backend does not split the products over K (none of these shapes does).
+TEST(MatmulGroup, SixteenBitGateAndUpWithTheActivationEqualTheProductsThenSwiglu) {
+  const int64_t C = 96, I = 80;
+  int ran = 0;
+  for (const std::string_view name : backend_list())
+    for (const DType dtype : {DType::BF16, DType::F16}) {
+      Backend& be = backend_named(name);
+      if (be.sixteen_bit_products(dtype).empty()) continue;
+      for (const bool bias : {false, true})
+        for (const int64_t N : {40, 100}) {
+          SCOPED_TRACE(fmt::format("{}: {} operands, {}, {} rows", name, dtype_torch_name(dtype),
+                                   bias ? "biases" : "no biases", N));
+          ++ran;
+          Device d(be);
+          auto half = [&](const std::vector<float>& v, std::initializer_list<int64_t> shape) {
+            std::vector<uint16_t> h(v.size());
+            convert_from_f32(v.data(), h.data(), dtype, v.size());
+            const Tensor t = d.alloc(dtype, shape);
+            be.copy_to_device(t, h.data());
+            return t;
+          };
+          const Tensor x = half(randn(N * C, 80 + N), {N, C});
+          std::array<GroupMember, 2> fused, apart;
+          for (size_t i = 0; i < 2; ++i) {
+            const Tensor w = half(randn(I * C, 81 + i), {I, C});
+            const Tensor b = bias ? d.f32(randn(I, 83 + i), {I}) : Tensor{};
+            fused[i] = GroupMember{d.alloc(DType::F32, {N, I}), w, b, nullptr, Tensor{}};
+            apart[i] = GroupMember{d.alloc(DType::F32, {N, I}), w, b, nullptr, Tensor{}};
+          }
+          const Tensor h = d.alloc(DType::F32, {N, I}), h_apart = d.alloc(DType::F32, {N, I});
+          for (const GroupMember& m : apart) be.matmul_forward(m.out, x, m.weight, m.bias);
+          be.swiglu_forward(h_apart, apart[0].out, apart[1].out);
+          be.matmul_forward_group_swiglu(fused, x, Tensor{}, h);
+          for (const auto& [got, want] : {std::pair{fused[0].out, apart[0].out}, std::pair{fused[1].out, apart[1].out},
+                                          std::pair{h, h_apart}})
+            EXPECT_EQ(download_f32(be, got), download_f32(be, want));
+        }
+    }
+  EXPECT_GT(ran, 0) << "the reference backend multiplies 16-bit operands everywhere";
 }
 
 // Members with their own inputs (a mixture of experts' routed rows: each expert's gate and up

@@ -115,8 +115,12 @@ void layer_forward(Dispatches& d, const Model& m, const Training& t, int64_t N, 
   add(d, attention);
   linear_forward(d, t, N, l.o);
   add(d, g::rmsnorm(N, m.D, true));  // the residual add and the norm in one pass
-  if (grouped) {  // with the activation in the same pass (matmul_forward_group_swiglu)
+  // The activation in gate and up's pass (matmul_forward_group_swiglu): decoding's matvec, or
+  // the GEMM where the weights are read as stored (float32) and no adapter adds to gate or up.
+  if (grouped) {
     add(d, g::matvec_swiglu(N, m.I, m.D, t.weights, true));
+  } else if (t.weights == DType::F32 && t.lora_rank == 0) {
+    add(d, g::gemm_swiglu(N, m.I, m.D, DType::F32));
   } else {
     linear_forward(d, t, N, l.gate);
     linear_forward(d, t, N, l.up);

@@ -109,7 +109,8 @@ class CpuBackend final : public Backend {
   // Decoding's products as few parallel regions (one fork and join instead of one per product;
   // the small k / v products and each routed expert's no longer run alone). A pass takes members
   // while the scratch holds their prepared inputs: the quantized members of one input and one
-  // layout read one. Members that would not take the skinny kernels make the group run one by one.
+  // layout read one. Members that would not take the skinny kernels (more rows of float32 weights;
+  // 16-bit inputs, mixed precision's products on oneDNN) make the group run one by one.
   void matmul_forward_group(std::span<const GroupMember> group, const Tensor& inp, const Tensor& scratch) override {
     for (const GroupMember& m : group) {
       const Tensor& x = m.inp ? m.inp : inp;
@@ -121,7 +122,8 @@ class CpuBackend final : public Backend {
           return Backend::matmul_forward_group(group, inp, scratch);
       } else {
         MT_ASSERT(x.cols() == m.weight.cols() && m.out.cols() == m.weight.rows());
-        if (m.weight.dtype == DType::F32 && x.rows() > kSkinnyRows) return Backend::matmul_forward_group(group, inp, scratch);
+        if (x.dtype != DType::F32 || (m.weight.dtype == DType::F32 && x.rows() > kSkinnyRows))
+          return Backend::matmul_forward_group(group, inp, scratch);
       }
     }
     constexpr size_t kMaxMembers = 32;

@@ -168,7 +168,7 @@ std::vector<VulkanDispatch> gemm(int64_t M, int64_t N, int64_t K, DType b, int64
   const GemmSplit s = gemm_split(M, N, K, scratch_floats);
   const double m = static_cast<double>(M), n = static_cast<double>(N), k = static_cast<double>(K);
   std::vector<VulkanDispatch> d{{.shader = "gemm",
-                                 .constants = {s.tile, dtype_code(b)},
+                                 .constants = {s.tile, dtype_code(b), 0u},
                                  .x = ceil_div(N, s.tile),
                                  .y = ceil_div(M, s.tile),
                                  .z = s.splits,
@@ -201,16 +201,25 @@ std::vector<VulkanDispatch> gemm_coopmat(int64_t M, int64_t N, int64_t K, const 
   return d;
 }
 
-VulkanDispatch gemm_coopmat_swiglu(int64_t M, int64_t I, int64_t K, const MatrixUnit& unit, DType a, DType b) {
-  // gemm_coopmat's tiles over gate's columns, never split over K (the activation takes whole
-  // sums), each workgroup computing up's tile after gate's.
-  VulkanDispatch d = gemm_coopmat(M, I, K, unit, a, b, /*scratch_floats=*/0).front();
+namespace {
+// A product's grid (unsplit) turned into gate / up / activation's pass: its last constant 1, each
+// workgroup computing up's tile after gate's, and the work of both.
+VulkanDispatch swiglu_pass(VulkanDispatch d, int64_t M, int64_t I, int64_t K, DType a, DType b) {
   const double m = static_cast<double>(M), i = static_cast<double>(I), k = static_cast<double>(K);
   d.constants.back() = 1u;
   d.flops = 4 * m * i * k + 6 * m * i;
   d.bytes = 2.0 * (static_cast<double>(dtype_size(a)) * m * k + static_cast<double>(dtype_size(b)) * k * i) +
             4 * m * i * 4;  // gate written and read back, up and h written
   return d;
+}
+}  // namespace
+
+// Never split over K: the activation takes whole sums.
+VulkanDispatch gemm_swiglu(int64_t M, int64_t I, int64_t K, DType b) {
+  return swiglu_pass(gemm(M, I, K, b, /*scratch_floats=*/0).front(), M, I, K, DType::F32, b);
+}
+VulkanDispatch gemm_coopmat_swiglu(int64_t M, int64_t I, int64_t K, const MatrixUnit& unit, DType a, DType b) {
+  return swiglu_pass(gemm_coopmat(M, I, K, unit, a, b, /*scratch_floats=*/0).front(), M, I, K, a, b);
 }
 
 uint32_t gemm_vector_loads(int64_t line_stride, int64_t k_stride, int64_t lines, int64_t K, uint64_t address,

@@ -77,6 +77,10 @@ struct GemmSplit {
 };
 GemmSplit gemm_split(int64_t M, int64_t N, int64_t K, int64_t scratch_floats);
 std::vector<VulkanDispatch> gemm(int64_t M, int64_t N, int64_t K, DType b, int64_t scratch_floats);
+// The MLP's gate and up over many rows (I columns each, over K), and h = silu(gate) * up, in one
+// gemm.comp pass (Backend::matmul_forward_group_swiglu): gemm's grid over gate's columns,
+// unsplit, its last constant (SWIGLU) 1; gemm's constants are tile, B's dtype code, 0.
+VulkanDispatch gemm_swiglu(int64_t M, int64_t I, int64_t K, DType b);
 // The same product with 16-bit operands on the device's matrix units (gemm_coopmat.comp): A and B
 // float16 (or float32, rounded as loaded), a workgroup of four subgroups per 64 x 64 output tile
 // (32 x 32 where gemm_split would take 32), each subgroup a quarter of it as unit-shaped
@@ -88,9 +92,7 @@ struct MatrixUnit {
 };
 std::vector<VulkanDispatch> gemm_coopmat(int64_t M, int64_t N, int64_t K, const MatrixUnit& unit, DType a, DType b,
                                          int64_t scratch_floats);
-// The MLP's gate and up over many rows (I columns each, over K), and h = silu(gate) * up, in one
-// gemm_coopmat.comp pass (Backend::matmul_forward_group_swiglu): gemm_coopmat's grid over gate's
-// columns, unsplit, its last constant 1.
+// The same pass with float16 operands on the device's matrix units (gemm_coopmat.comp).
 VulkanDispatch gemm_coopmat_swiglu(int64_t M, int64_t I, int64_t K, const MatrixUnit& unit, DType a, DType b);
 // gemm.comp's `vectors` bit for one operand: 1 where it may load it 128 bits at a time. The
 // operand's strides along its output dimension (m of A, n of B) and along K, in elements, its

@@ -223,8 +223,8 @@ class VulkanBackend final : public Backend {
     if (!one_matvec(group, inp)) return Backend::matmul_forward_group(group, inp, scratch);
     matvec(group, inp, false, 1.0f);
   }
-  // ... and gate / up with the activation after them in that same pass; over many rows of float16
-  // operands (mixed-precision training), in one gemm_coopmat.comp pass.
+  // ... and gate / up with the activation after them in that same pass; over more rows (training),
+  // in one gemm.comp pass (float32 operands) or gemm_coopmat.comp pass (float16 ones).
   void matmul_forward_group_swiglu(std::span<const GroupMember> gate_up, const Tensor& inp, const Tensor& scratch,
                                    const Tensor& h) override {
     MT_ASSERT(gate_up.size() == 2, "matmul_forward_group_swiglu takes gate and up");
@@ -232,8 +232,9 @@ class VulkanBackend final : public Backend {
     const bool alike = !gate.quantized && !up.quantized && !gate.inp && !up.inp &&
                        gate.weight.dtype == up.weight.dtype && gate.weight.rows() == up.weight.rows();
     if (alike && one_matvec(gate_up, inp)) return matvec(gate_up, inp, false, 1.0f, h);
+    if (alike && inp.dtype == DType::F32 && gate.weight.dtype == DType::F32) return gemm_swiglu(gate, up, inp, h);
     if (alike && half_unit_ && inp.dtype == DType::F16 && gate.weight.dtype == DType::F16)
-      return half_gemm_swiglu(gate, up, inp, h);
+      return gemm_swiglu(gate, up, inp, h);
     Backend::matmul_forward_group_swiglu(gate_up, inp, scratch, h);
   }
   bool one_matvec(std::span<const GroupMember> group, const Tensor& inp) const {
@@ -946,16 +947,24 @@ class VulkanBackend final : public Backend {
     float alpha, a_scale;
     uint64_t out2 = 0, b2 = 0, bias2 = 0, h = 0;  // gemm_coopmat.comp's activation pass
   };
-  // gate = inp @ Wg^T (+ bias), up = inp @ Wu^T (+ bias) and h = silu(gate) * up, float16 operands
-  // over any rows, in one gemm_coopmat.comp pass (its SWIGLU variant: each workgroup's tile of
-  // gate, then the same tile of up and the activation).
-  void half_gemm_swiglu(const GroupMember& gate, const GroupMember& up, const Tensor& inp, const Tensor& h) {
+  // gate = inp @ Wg^T (+ bias), up = inp @ Wu^T (+ bias) and h = silu(gate) * up over any rows, in
+  // one pass of gemm.comp (float32 operands) or gemm_coopmat.comp (float16 ones), their SWIGLU
+  // variant: each workgroup's tile of gate, then the same tile of up and the activation.
+  void gemm_swiglu(const GroupMember& gate, const GroupMember& up, const Tensor& inp, const Tensor& h) {
     const int64_t N = inp.rows(), C = inp.cols(), I = gate.weight.rows();
     for (const Tensor* t : {&gate.out, &up.out, &h}) {
       t->f32();
       MT_ASSERT(t->rows() == N && t->cols() == I, "vulkan: gate, up and h are [rows, intermediate]");
     }
     MT_ASSERT(gate.weight.cols() == C && up.weight.cols() == C && up.weight.rows() == I, "vulkan: gate and up shapes");
+    const bool half = inp.dtype != DType::F32;
+    // 128-bit loads where the input and both weights allow them (float32 only, as gemm()).
+    const uint32_t vectors =
+        half ? 0u
+             : vulkan_geometry::gemm_vector_loads(C, 1, N, C, address(inp), DType::F32) |
+                   ((vulkan_geometry::gemm_vector_loads(C, 1, I, C, address(gate.weight), gate.weight.dtype) &
+                     vulkan_geometry::gemm_vector_loads(C, 1, I, C, address(up.weight), up.weight.dtype))
+                    << 1);
     const ProductPush push{.out = address(gate.out),
                            .a = address(inp),
                            .b = address(gate.weight),
@@ -971,14 +980,16 @@ class VulkanBackend final : public Backend {
                            .accumulate = 0,
                            .k_split = u32(std::max<int64_t>(C, 1)),
                            .partial = 0,
-                           .vectors = 0,
+                           .vectors = vectors,
                            .alpha = 1.0f,
                            .a_scale = 1.0f,
                            .out2 = address(up.out),
                            .b2 = address(up.weight),
                            .bias2 = address(up.bias),
                            .h = address(h)};
-    ctx().dispatch(vulkan_geometry::gemm_coopmat_swiglu(N, I, C, *half_unit_, inp.dtype, gate.weight.dtype), push,
+    ctx().dispatch(half ? vulkan_geometry::gemm_coopmat_swiglu(N, I, C, *half_unit_, inp.dtype, gate.weight.dtype)
+                        : vulkan_geometry::gemm_swiglu(N, I, C, gate.weight.dtype),
+                   push,
                    {writes(gate.out), writes(up.out), writes(h), reads(inp), reads(gate.weight), reads(up.weight),
                     reads(gate.bias), reads(up.bias)});
   }

@@ -22,7 +22,15 @@
 // where B is 32-bit), 16.6 KiB in all at 64 x 64.
 //
 // Each output is written by one invocation, in a fixed order over K: no atomics, the same bits
-// every run. Split-K (a product whose output tiles alone would leave the device idle against a
+// every run.
+//
+// SWIGLU (Backend::matmul_forward_group_swiglu over many rows of float32 operands, the training
+// forward's gate and up): b is gate's weight and b2 up's, of one shape and dtype; the workgroup
+// computes its tile of gate and writes it (out_, plus bias where has_bias bit 0), then the same
+// tile of up (out2, plus bias2 where bit 1) and h = silu(gate) * up, each invocation reading
+// back the gate values it wrote itself. No split, no accumulation, alpha 1.
+//
+// Split-K (a product whose output tiles alone would leave the device idle against a
 // long K): workgroup z multiplies K range [z k_split, (z + 1) k_split) into its own slice of
 // out_ (a scratch of splits x M x Nc, written whole), and gemm_reduce.comp adds the slices in
 // order.
@@ -32,14 +40,16 @@ layout(buffer_reference, std430, buffer_reference_align = 16) buffer U4 { uvec4 
 layout(buffer_reference, std430, buffer_reference_align = 8) buffer U2 { uvec2 v[]; };
 layout(constant_id = 0) const uint TILE = 64;
 layout(constant_id = 1) const uint BDTYPE = 0;
+layout(constant_id = 2) const uint SWIGLU = 0;
 layout(local_size_x = 16, local_size_y = 16) in;
 layout(push_constant) uniform Push {
   F32 out_; uint64_t a; uint64_t b; F32 bias;
   uint M, Nc, K, a_m, a_k, b_k, b_n, has_bias, accumulate, k_split, partial;
   uint vectors;  // bit 0: A's 128-bit loads, bit 1: B's (the strides and addresses allow them)
   float alpha, a_scale;  // a_scale: gemm_coopmat.comp's (the two share this block); 1 here
-  F32 out2; uint64_t b2; F32 bias2; F32 h;  // gemm_coopmat.comp's activation pass; unused here
+  F32 out2; uint64_t b2; F32 bias2; F32 h;  // SWIGLU: up's output, weight and bias; the activation
 } p;
+uint64_t b_operand;  // B: p.b, or in SWIGLU's second pass p.b2
 const bool B16 = BDTYPE == 1u;
 const uint STEP = (TILE == 128u && BDTYPE != 1u) ? 8u : 16u;
 const uint OUT = TILE / 16u;
@@ -77,14 +87,14 @@ void load_f32_tile(uint operand, uint64_t base, uint line_stride, uint k_stride,
 
 // bfloat16 B as pairs: the word of (k, k + 1) for column n.
 uint bf16_at(uint k, uint n, uint k_end) {
-  return (n < p.Nc && k < k_end) ? uint(U16(p.b).v[k * p.b_k + n * p.b_n]) : 0u;
+  return (n < p.Nc && k < k_end) ? uint(U16(b_operand).v[k * p.b_k + n * p.b_n]) : 0u;
 }
 void load_b_pairs(uint buf, uint k0, uint k_end, uint id, uint n0) {
   const bool vectors = (p.vectors & 2u) != 0u;
   if (vectors && p.b_k == 1u) {  // eight k of one column per 128-bit load: four pairs
     for (uint e = id; e < STEP * TILE / 8u; e += 256u) {
       const uint n = e / (STEP / 8u), kq = 8u * (e % (STEP / 8u)), gn = n0 + n, gk = k0 + kq;
-      const uvec4 w = gn < p.Nc && gk < k_end ? U4(p.b).v[(gn * p.b_n + gk) / 8u] : uvec4(0u);
+      const uvec4 w = gn < p.Nc && gk < k_end ? U4(b_operand).v[(gn * p.b_n + gk) / 8u] : uvec4(0u);
       for (uint c = 0u; c < 4u; ++c) b_pair[buf][kq / 2u + c][n] = w[c];
     }
   } else if (vectors && p.b_n == 1u) {  // four columns of rows k and k + 1 per two 64-bit loads
@@ -92,7 +102,7 @@ void load_b_pairs(uint buf, uint k0, uint k_end, uint id, uint n0) {
       const uint kk = e / (TILE / 4u), nq = 4u * (e % (TILE / 4u)), gk = k0 + 2u * kk, gn = n0 + nq;
       uvec2 rows[2];
       for (uint r = 0u; r < 2u; ++r)
-        rows[r] = gn < p.Nc && gk + r < k_end ? U2(p.b).v[((gk + r) * p.b_k + gn) / 4u] : uvec2(0u);
+        rows[r] = gn < p.Nc && gk + r < k_end ? U2(b_operand).v[((gk + r) * p.b_k + gn) / 4u] : uvec2(0u);
       for (uint c = 0u; c < 4u; ++c) {
         const uint shift = 16u * (c & 1u);
         b_pair[buf][kk][nq + c] = ((rows[0][c / 2u] >> shift) & 0xffffu) | (((rows[1][c / 2u] >> shift) & 0xffffu) << 16);
@@ -112,12 +122,12 @@ void load(uint buf, uint k0, uint k_end, uint id, uint m0, uint n0) {
   if (B16) {
     load_b_pairs(buf, k0, k_end, id, n0);
   } else if (BDTYPE == 0u) {
-    load_f32_tile(1u, p.b, p.b_n, p.b_k, p.Nc, (p.vectors & 2u) != 0u, buf, k0, k_end, id, n0);
+    load_f32_tile(1u, b_operand, p.b_n, p.b_k, p.Nc, (p.vectors & 2u) != 0u, buf, k0, k_end, id, n0);
   } else {  // float16, widened as loaded
     for (uint e = id; e < STEP * TILE; e += 256u) {
       const uint n = p.b_n == 1u ? e % TILE : e / STEP, k = p.b_n == 1u ? e / TILE : e % STEP;
       const uint gn = n0 + n, gk = k0 + k;
-      b_tile[buf][k][n] = (gn < p.Nc && gk < k_end) ? f16_to_f32(U16(p.b).v[gk * p.b_k + gn * p.b_n]) : 0.0;
+      b_tile[buf][k][n] = (gn < p.Nc && gk < k_end) ? f16_to_f32(U16(b_operand).v[gk * p.b_k + gn * p.b_n]) : 0.0;
     }
   }
 }
@@ -125,54 +135,67 @@ void load(uint buf, uint k0, uint k_end, uint id, uint m0, uint n0) {
 void main() {
   const uint lx = gl_LocalInvocationID.x, ly = gl_LocalInvocationID.y, id = ly * 16u + lx;
   const uint m0 = gl_WorkGroupID.y * TILE, n0 = gl_WorkGroupID.x * TILE;
-  float acc[OUT][OUT];
-  for (uint i = 0u; i < OUT; ++i)
-    for (uint j = 0u; j < OUT; ++j) acc[i][j] = 0.0;
-  const uint k_begin = gl_WorkGroupID.z * p.k_split, k_end = min(k_begin + p.k_split, p.K);
-  load(0u, k_begin, k_end, id, m0, n0);
-  barrier();
-  uint buf = 0u;
-  for (uint k0 = k_begin; k0 < k_end; k0 += STEP) {
-    if (k0 + STEP < k_end) load(buf ^ 1u, k0 + STEP, k_end, id, m0, n0);
-    if (B16) {
-      for (uint kk = 0u; kk < STEP / 2u; ++kk) {
-        float a0[OUT], a1[OUT];
-        uint bw[OUT];
-        for (uint i = 0u; i < OUT; ++i) {
-          a0[i] = a_tile[buf][2u * kk][ly + 16u * i];
-          a1[i] = a_tile[buf][2u * kk + 1u][ly + 16u * i];
-        }
-        for (uint j = 0u; j < OUT; ++j) bw[j] = b_pair[buf][kk][lx + 16u * j];
-        for (uint j = 0u; j < OUT; ++j) {
-          const float b0 = uintBitsToFloat(bw[j] << 16), b1 = uintBitsToFloat(bw[j] & 0xffff0000u);
+  const uint passes = SWIGLU == 1u ? 2u : 1u;
+  for (uint pass = 0u; pass < passes; ++pass) {
+    b_operand = pass == 0u ? p.b : p.b2;
+    if (pass > 0u) barrier();  // every invocation is done with the first pass's tiles
+    float acc[OUT][OUT];
+    for (uint i = 0u; i < OUT; ++i)
+      for (uint j = 0u; j < OUT; ++j) acc[i][j] = 0.0;
+    const uint k_begin = gl_WorkGroupID.z * p.k_split, k_end = min(k_begin + p.k_split, p.K);
+    load(0u, k_begin, k_end, id, m0, n0);
+    barrier();
+    uint buf = 0u;
+    for (uint k0 = k_begin; k0 < k_end; k0 += STEP) {
+      if (k0 + STEP < k_end) load(buf ^ 1u, k0 + STEP, k_end, id, m0, n0);
+      if (B16) {
+        for (uint kk = 0u; kk < STEP / 2u; ++kk) {
+          float a0[OUT], a1[OUT];
+          uint bw[OUT];
           for (uint i = 0u; i < OUT; ++i) {
-            acc[i][j] += a0[i] * b0;
-            acc[i][j] += a1[i] * b1;
+            a0[i] = a_tile[buf][2u * kk][ly + 16u * i];
+            a1[i] = a_tile[buf][2u * kk + 1u][ly + 16u * i];
+          }
+          for (uint j = 0u; j < OUT; ++j) bw[j] = b_pair[buf][kk][lx + 16u * j];
+          for (uint j = 0u; j < OUT; ++j) {
+            const float b0 = uintBitsToFloat(bw[j] << 16), b1 = uintBitsToFloat(bw[j] & 0xffff0000u);
+            for (uint i = 0u; i < OUT; ++i) {
+              acc[i][j] += a0[i] * b0;
+              acc[i][j] += a1[i] * b1;
+            }
           }
         }
+      } else {
+        for (uint k = 0u; k < STEP; ++k) {
+          float av[OUT], bv[OUT];
+          for (uint i = 0u; i < OUT; ++i) av[i] = a_tile[buf][k][ly + 16u * i];
+          for (uint j = 0u; j < OUT; ++j) bv[j] = b_tile[buf][k][lx + 16u * j];
+          for (uint i = 0u; i < OUT; ++i)
+            for (uint j = 0u; j < OUT; ++j) acc[i][j] += av[i] * bv[j];
+        }
       }
-    } else {
-      for (uint k = 0u; k < STEP; ++k) {
-        float av[OUT], bv[OUT];
-        for (uint i = 0u; i < OUT; ++i) av[i] = a_tile[buf][k][ly + 16u * i];
-        for (uint j = 0u; j < OUT; ++j) bv[j] = b_tile[buf][k][lx + 16u * j];
-        for (uint i = 0u; i < OUT; ++i)
-          for (uint j = 0u; j < OUT; ++j) acc[i][j] += av[i] * bv[j];
-      }
+      barrier();
+      buf ^= 1u;
     }
-    barrier();
-    buf ^= 1u;
-  }
-  for (uint i = 0u; i < OUT; ++i) {
-    const uint m = m0 + ly + 16u * i;
-    if (m >= p.M) break;
-    for (uint j = 0u; j < OUT; ++j) {
-      const uint n = n0 + lx + 16u * j;
-      if (n >= p.Nc) break;
-      const uint at = m * p.Nc + n;
-      if (p.partial != 0u) p.out_.v[gl_WorkGroupID.z * p.M * p.Nc + at] = acc[i][j];
-      else if (p.accumulate != 0u) p.out_.v[at] += p.alpha * acc[i][j];
-      else p.out_.v[at] = p.alpha * acc[i][j] + (p.has_bias != 0u ? p.bias.v[n] : 0.0);
+    for (uint i = 0u; i < OUT; ++i) {
+      const uint m = m0 + ly + 16u * i;
+      if (m >= p.M) break;
+      for (uint j = 0u; j < OUT; ++j) {
+        const uint n = n0 + lx + 16u * j;
+        if (n >= p.Nc) break;
+        const uint at = m * p.Nc + n;
+        if (SWIGLU == 1u) {
+          if (pass == 0u) {
+            p.out_.v[at] = p.alpha * acc[i][j] + ((p.has_bias & 1u) != 0u ? p.bias.v[n] : 0.0);
+          } else {
+            const float u = p.alpha * acc[i][j] + ((p.has_bias & 2u) != 0u ? p.bias2.v[n] : 0.0);
+            p.out2.v[at] = u;
+            p.h.v[at] = silu_times(p.out_.v[at], u);  // this invocation's own write in the first pass
+          }
+        } else if (p.partial != 0u) p.out_.v[gl_WorkGroupID.z * p.M * p.Nc + at] = acc[i][j];
+        else if (p.accumulate != 0u) p.out_.v[at] += p.alpha * acc[i][j];
+        else p.out_.v[at] = p.alpha * acc[i][j] + (p.has_bias != 0u ? p.bias.v[n] : 0.0);
+      }
     }
   }
 }
