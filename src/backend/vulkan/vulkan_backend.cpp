@@ -232,8 +232,8 @@ class VulkanBackend final : public Backend {
     const bool alike = !gate.quantized && !up.quantized && !gate.inp && !up.inp &&
                        gate.weight.dtype == up.weight.dtype && gate.weight.rows() == up.weight.rows();
     if (alike && one_matvec(gate_up, inp)) return matvec(gate_up, inp, false, 1.0f, h);
-    if (alike && inp.dtype == DType::F32 && gate.weight.dtype == DType::F32) return gemm_swiglu(gate, up, inp, h);
-    if (alike && half_unit_ && inp.dtype == DType::F16 && gate.weight.dtype == DType::F16)
+    const DType operands = inp.dtype;
+    if (alike && gate.weight.dtype == operands && (operands == DType::F32 || (operands == DType::F16 && half_unit_)))
       return gemm_swiglu(gate, up, inp, h);
     Backend::matmul_forward_group_swiglu(gate_up, inp, scratch, h);
   }
@@ -945,7 +945,7 @@ class VulkanBackend final : public Backend {
     uint64_t out, a, b, bias;
     uint32_t M, Nc, K, a_m, a_k, b_k, b_n, has_bias, accumulate, k_split, partial, vectors;
     float alpha, a_scale;
-    uint64_t out2 = 0, b2 = 0, bias2 = 0, h = 0;  // gemm_coopmat.comp's activation pass
+    uint64_t out2 = 0, b2 = 0, bias2 = 0, h = 0;  // the SWIGLU pass's (gemm_swiglu)
   };
   // gate = inp @ Wg^T (+ bias), up = inp @ Wu^T (+ bias) and h = silu(gate) * up over any rows, in
   // one pass of gemm.comp (float32 operands) or gemm_coopmat.comp (float16 ones), their SWIGLU
