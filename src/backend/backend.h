@@ -162,9 +162,13 @@ struct DeviceMemoryFigures {
 // dispatches, command buffers submitted, and waits for the device to finish.
 // overlapped_waits: waits after which the device still had work the host had submitted since
 // (the host waited for a step's result while the next step was queued).
+// replayed_dispatches: of the dispatches, those the backend ran again as it had recorded them
+// (replay_commands), which the host did not record again; replayed_command_buffers: the recorded
+// command buffers they were in.
 struct DeviceCounters {
   uint64_t dispatches = 0, submissions = 0, waits = 0, overlapped_waits = 0;
   uint64_t barriers = 0;  // execution and memory dependencies recorded between commands
+  uint64_t replayed_dispatches = 0, replayed_command_buffers = 0;
 };
 
 class Backend {
@@ -197,6 +201,15 @@ class Backend {
   static constexpr int kTimeMarks = 8;
   virtual void time_mark(int) {}
   virtual std::vector<double> time_marks() { return {}; }
+  // Work that repeats (a decode step's forward): begin_commands(key) ... end_commands() brackets
+  // ops whose commands are a pure function of `key` (the shapes and host values they depend on)
+  // and that hand nothing to or from host memory; where the backend keeps what it recorded,
+  // replay_commands(key) runs those commands again over the device memory as it is now and
+  // returns true, and the caller skips the ops. The default keeps nothing (a backend that runs
+  // ops as the host calls them has nothing recorded to reuse).
+  virtual bool replay_commands(std::span<const int64_t> /*key*/) { return false; }
+  virtual void begin_commands(std::span<const int64_t> /*key*/) {}
+  virtual void end_commands() {}
   // Whether quantized products of many rows round their input to int8 when the weight asks
   // (QuantizedWeight::int8_activations, int8_activations.h); a backend that says no computes
   // them with float32 inputs.

@@ -25,13 +25,22 @@ void DeviceWork::end() {
   submissions_.add(now->submissions - start_->submissions);
   dispatches_.add(now->dispatches - start_->dispatches);
   barriers_.add(now->barriers - start_->barriers);
+  replayed_command_buffers_.add(now->replayed_command_buffers - start_->replayed_command_buffers);
+  replayed_dispatches_.add(now->replayed_dispatches - start_->replayed_dispatches);
   ++units_;
   start_.reset();
 }
 
 std::optional<DeviceWork::Totals> DeviceWork::totals() const {
   if (!backend_->device_counters()) return std::nullopt;
-  return Totals{units_, waits_.total, overlapped_waits_.total, submissions_.total, dispatches_.total, barriers_.total};
+  return Totals{units_,
+                waits_.total,
+                overlapped_waits_.total,
+                submissions_.total,
+                dispatches_.total,
+                barriers_.total,
+                replayed_command_buffers_.total,
+                replayed_dispatches_.total};
 }
 
 nlohmann::json DeviceWork::to_json(const std::string& unit) const {
@@ -49,6 +58,8 @@ nlohmann::json DeviceWork::to_json(const std::string& unit) const {
           {"submissions", submissions_.to_json(units_)},
           {"dispatches", dispatches_.to_json(units_)},
           {"barriers", barriers_.to_json(units_)},
+          {"replayed_command_buffers", replayed_command_buffers_.to_json(units_)},
+          {"replayed_dispatches", replayed_dispatches_.to_json(units_)},
           {"dispatches_by_shader", by_shader}};
 }
 

@@ -32,9 +32,12 @@ class DeviceWork {
   struct Totals {
     int64_t units = 0;
     uint64_t waits = 0, overlapped_waits = 0, submissions = 0, dispatches = 0, barriers = 0;
+    uint64_t replayed_command_buffers = 0, replayed_dispatches = 0;
   };
   std::optional<Totals> totals() const;
-  // {"unit", "units", "waits", "overlapped_waits", "submissions", "dispatches", "barriers": {"min", "max", "mean"},
+  // {"unit", "units", "waits", "overlapped_waits", "submissions", "dispatches", "barriers",
+  // "replayed_dispatches" (of the dispatches, those of recorded commands run again:
+  // Backend::replay_commands), "replayed_command_buffers" (those commands' buffers): {"min", "max", "mean"},
   // "dispatches_by_shader" (since counting began)}; null for a backend without device counters.
   nlohmann::json to_json(const std::string& unit) const;
 
@@ -47,7 +50,7 @@ class DeviceWork {
   const Backend* backend_;
   std::map<std::string, uint64_t> shaders_at_start_;
   std::optional<DeviceCounters> start_;
-  Range waits_, overlapped_waits_, submissions_, dispatches_, barriers_;
+  Range waits_, overlapped_waits_, submissions_, dispatches_, barriers_, replayed_command_buffers_, replayed_dispatches_;
   int64_t units_ = 0;
 };
 

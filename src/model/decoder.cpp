@@ -61,6 +61,7 @@ Decoder::Decoder(const ModelConfig& config, const ModelOptions& options, ModelPa
   batch_last_rows_.reserve(static_cast<size_t>(kv.max_seqs));
   batch_cu_.reserve(static_cast<size_t>(kv.max_seqs) + 1);
   batch_adapters_.reserve(static_cast<size_t>(kv.max_seqs));
+  step_key_.reserve(static_cast<size_t>(kv.max_seqs) + 3);
   if (router_aux_loss()) {
     const size_t E = static_cast<size_t>(config.moe.num_experts);
     router_aux_.selections.assign(E, 0.0);
@@ -222,13 +223,43 @@ void Decoder::generation_forward(const GenerationBatch& batch) {
   MT_ASSERT(options_.inference(), "generation_step needs a model planned with a KV cache");
   Arena& A = *arena_;
   Backend& be = *backend_;
-  const ModelConfig& c = config_;
-  const int64_t D = c.hidden_size, V = c.vocab_size, L = c.num_hidden_layers;
   // Residency is sampled every kGenerationSampleSteps steps: mincore walks the whole arena, a
   // visible share of a short decode step, and decoding steps repeat (docs/benchmarks.md).
   const bool sample = generation_steps_++ % kGenerationSampleSteps == 0;
   A.enter_phase(Phase::Forward, sample);
   upload_generation_batch(batch);
+  // The frozen base's vectors widened (where the weights changed) before any step's commands, so
+  // that those are the same every time.
+  if (buf_.vectors_f32 && widened_version_ != params_->values_version())
+    for (size_t p = 0; p < params_->specs().size(); ++p)
+      if (params_->specs()[p].shape.size() == 1) {
+        widened_vector(p);  // all of them
+        break;
+      }
+  // A decoding step (one new token per sequence) runs the same commands whenever its sequences,
+  // sampled rows and adapters are the same: recorded once per such key, run again after (where
+  // the backend keeps commands). The uploads above are the step's data. A mixture of experts
+  // routes on the host, between its commands, so it records nothing.
+  const int64_t N = num_tokens_, R = sample_rows_;
+  const bool repeats = N == num_seqs_ && !config_.moe.enabled();
+  if (repeats) {
+    step_key_.assign({static_cast<int64_t>(reinterpret_cast<uintptr_t>(this)), N, R});
+    step_key_.insert(step_key_.end(), batch_adapters_.begin(), batch_adapters_.end());
+    if (be.replay_commands(step_key_)) {
+      A.enter_phase(Phase::Loss, sample);
+      return;
+    }
+    be.begin_commands(step_key_);
+  }
+  generation_commands(sample);
+  if (repeats) be.end_commands();
+}
+
+void Decoder::generation_commands(bool sample) {
+  Arena& A = *arena_;
+  Backend& be = *backend_;
+  const ModelConfig& c = config_;
+  const int64_t D = c.hidden_size, V = c.vocab_size, L = c.num_hidden_layers;
   const int64_t N = num_tokens_, R = sample_rows_;
   be.embedding_forward(act(buf_.residual[0], D), A.i32(buf_.ids, {N}), params_->param(params_->embed()));
   for (int64_t l = 0; l < L; ++l)

@@ -278,6 +278,9 @@ class Decoder {
   // Generation with adapter sets: each sequence's token range and adapter (reserved for max_seqs).
   std::vector<int32_t> batch_cu_, batch_adapters_;
   int64_t sample_rows_ = 0;               // R of the last generation step
+  // generation_forward's ops after the uploads (sample: the arena's phases measure residency).
+  void generation_commands(bool sample);
+  std::vector<int64_t> step_key_;  // a decoding step's key (Backend::replay_commands), reserved
   StepTimings timings_;
   static inline const CrossEntropyLoss kCrossEntropy{};
   const ChunkLoss* loss_ = &kCrossEntropy;

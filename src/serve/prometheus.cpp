@@ -73,10 +73,13 @@ std::string ServerMetrics::text(const EngineGauges& gauges) const {
     counter("memtune_device_waits_total", "Waits of the host for the device during engine steps.", d.waits, p.waits);
     counter("memtune_device_submissions_total", "Command buffers submitted to the device during engine steps.",
             d.submissions, p.submissions);
-    counter("memtune_device_dispatches_total", "Compute dispatches recorded during engine steps.", d.dispatches,
+    counter("memtune_device_dispatches_total", "Compute dispatches run during engine steps.", d.dispatches,
             p.dispatches);
-    counter("memtune_device_barriers_total", "Barriers recorded between device commands during engine steps.",
-            d.barriers, p.barriers);
+    counter("memtune_device_barriers_total", "Barriers between device commands during engine steps.", d.barriers,
+            p.barriers);
+    counter("memtune_device_replayed_dispatches_total",
+            "Of the dispatches, those of recorded command buffers submitted again (not recorded by the host).",
+            d.replayed_dispatches, p.replayed_dispatches);
   }
   time_to_first_token_.write(out, "memtune_time_to_first_token_seconds",
                              "Seconds from a request's arrival to its first generated token.");

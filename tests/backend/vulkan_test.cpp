@@ -901,6 +901,80 @@ TEST_F(VulkanOps, ADispatchHandedAnAddressItDoesNotStateIsRefused) {
   ctx.deallocate(y);
 }
 
+// Commands recorded under a key run again over the memory as it is when they are replayed, with
+// the counts of their first run; another key, or any key after memory is freed, has nothing to
+// replay; nothing reaches host memory while commands are recorded; and the check mode refuses a key
+// whose commands differ from its recording.
+TEST_F(VulkanOps, RecordedCommandsRunAgainOverTheMemoryAsItIsNow) {
+  VulkanContext ctx;
+  ctx.set_reuse(VulkanContext::Reuse::On);
+  const uint32_t n = 300;
+  const size_t bytes = n * sizeof(float);
+  const uint64_t y = ctx.allocate(bytes), x = ctx.allocate(bytes);
+  const std::vector<float> a = randn(n, 1), b = randn(n, 2), c = randn(n, 3);
+  struct {
+    uint64_t y, x;
+    uint32_t n;
+  } push{y, x, n};
+  const VulkanDispatch add = vulkan_geometry::elementwise("add_inplace", n, 12);
+  auto y_plus_x_twice = [&] {
+    ctx.dispatch(add, push, {{y, bytes, true}, {x, bytes, false}});
+    ctx.dispatch(add, push, {{y, bytes, true}, {x, bytes, false}});
+  };
+  auto download = [&] {
+    std::vector<float> out(n);
+    ctx.download(out.data(), y, bytes);
+    return out;
+  };
+  auto expect = [&](const std::vector<float>& got, const std::vector<float>& x1, const std::vector<float>& x2) {
+    for (uint32_t i = 0; i < n; ++i) {
+      float want = a[i];
+      for (const float v : {x1[i], x1[i], x2[i], x2[i]}) want += v;  // the shader's order of additions
+      ASSERT_EQ(got[i], want) << i;
+    }
+  };
+  const std::vector<float> zeros(n, 0.0f);
+  const std::vector<int64_t> key = {7, n};
+  ctx.upload(y, a.data(), bytes);
+  ctx.upload(x, b.data(), bytes);
+  const VulkanContext::Counters first = ctx.counters();
+  ctx.begin_commands(key);
+  y_plus_x_twice();
+  EXPECT_THROW(ctx.upload(x, c.data(), bytes), InternalError);
+  EXPECT_THROW(ctx.download(std::vector<float>(n).data(), y, bytes), InternalError);
+  ctx.end_commands();
+  expect(download(), b, zeros);
+  const VulkanContext::Counters second = ctx.counters();
+  ctx.upload(x, c.data(), bytes);
+  ASSERT_TRUE(ctx.replay(key));
+  expect(download(), b, c);
+  const VulkanContext::Counters third = ctx.counters();
+  EXPECT_EQ(third.dispatches - second.dispatches, 2u);
+  EXPECT_EQ(third.dispatches - second.dispatches, second.dispatches - first.dispatches);
+  EXPECT_EQ(third.barriers - second.barriers, second.barriers - first.barriers);
+  EXPECT_EQ(third.replayed_dispatches - second.replayed_dispatches, 2u);
+  EXPECT_EQ(third.replayed_command_buffers - second.replayed_command_buffers, 1u);
+  EXPECT_EQ(second.replayed_dispatches, 0u);
+  EXPECT_FALSE(ctx.replay(std::vector<int64_t>{8, n}));
+  ctx.deallocate(ctx.allocate(256));
+  EXPECT_FALSE(ctx.replay(key));
+  ctx.set_reuse(VulkanContext::Reuse::Check);
+  ctx.begin_commands(key);
+  y_plus_x_twice();
+  ctx.end_commands();
+  EXPECT_FALSE(ctx.replay(key));  // the check records every time
+  ctx.begin_commands(key);
+  y_plus_x_twice();
+  EXPECT_NO_THROW(ctx.end_commands());
+  ctx.begin_commands(key);
+  y_plus_x_twice();
+  ctx.dispatch(add, push, {{y, bytes, true}, {x, bytes, false}});
+  EXPECT_THROW(ctx.end_commands(), InternalError);
+  ctx.flush();
+  ctx.deallocate(x);
+  ctx.deallocate(y);
+}
+
 // The cooperative-matrix variants (gemm_coopmat.comp), on a device whose VK_KHR_cooperative_matrix
 // has float16 x float16 -> float32 in subgroup scope (Mesa 26's lavapipe: 8 x 8 x 8; CI runs these
 // in the Debian sid root of scripts/coopmat-root.sh). Elsewhere they say why they cannot run

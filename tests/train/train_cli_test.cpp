@@ -462,6 +462,44 @@ TEST_F(TrainCliTest, ProfileOnVulkanGivesEachShadersWorkByDesignAndItsRates) {
   EXPECT_GT(by_shader["matvec"][3], 0.0);
 }
 
+// Decoding steps of the same sequences, sampled rows and adapters run the commands recorded at the
+// first of them again (MEMTUNE_VULKAN_REUSE, default on): requests of several lengths, sampled with
+// penalties, two at a time (so the batch changes), give the same tokens with reuse off, on and
+// checked (every step recorded and compared with the first recording, command by command), with the
+// same dispatches, barriers and submissions per step; on, the host records only sampling's.
+TEST_F(TrainCliTest, DecodingStepsReplayTheirRecordedCommandsOnVulkan) {
+  if (run("devices --json").output.find("\"backend_vulkan_device\": null") != std::string::npos)
+    SKIP_OR_FAIL_WHERE_REQUIRED("no usable Vulkan device: " + run("devices").output);
+  std::ofstream(dir_ / "p.jsonl") << R"({"prompt_ids": [5]})" << "\n"
+                                  << R"({"prompt_ids": [5, 17, 200, 3, 9]})" << "\n"
+                                  << R"({"prompt_ids": [8, 1, 2, 3, 4, 5, 6, 7, 9]})" << "\n";
+  std::map<std::string, nlohmann::json> outputs, work;
+  for (const std::string mode : {"0", "1", "check"}) {
+    const Result r = testing_support::run_command(
+        "MEMTUNE_VULKAN_REUSE=" + mode + " " + testing_support::memtune_binary() + " generate --backend vulkan --model " +
+        path("model") + " --input " + path("p.jsonl") + " --output " + path("reuse_" + mode + ".jsonl") +
+        " --max_new_tokens 4 --temperature 0.8 --top_p 0.9 --repetition_penalty 1.1 --seed 3 --ignore_eos "
+        "--max_num_seqs 2 --json");
+    ASSERT_EQ(r.status, 0) << mode << ": " << r.output;
+    work[mode] = nlohmann::json::parse(r.output.substr(r.output.rfind("\n{") + 1))["device_work"]["decode_step"];
+    outputs[mode] = read_jsonl(dir_ / ("reuse_" + mode + ".jsonl"));
+    ASSERT_EQ(outputs[mode].size(), 3u);
+  }
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(outputs["1"][i]["token_ids"], outputs["0"][i]["token_ids"]) << i;
+    EXPECT_EQ(outputs["check"][i]["token_ids"], outputs["0"][i]["token_ids"]) << i;
+  }
+  for (const char* count : {"dispatches", "barriers", "submissions"})
+    for (const char* mode : {"1", "check"}) EXPECT_EQ(work[mode][count], work["0"][count]) << count << " " << mode;
+  EXPECT_EQ(work["0"]["replayed_dispatches"]["max"], 0);
+  EXPECT_EQ(work["check"]["replayed_dispatches"]["max"], 0);
+  const nlohmann::json& on = work["1"];
+  EXPECT_GT(on["replayed_dispatches"]["mean"].get<double>(), 0.0) << on.dump();
+  // The step that replays most leaves the host sampling's dispatches (penalties, then the draw).
+  EXPECT_GE(on["replayed_dispatches"]["max"].get<int64_t>() + 2, on["dispatches"]["max"].get<int64_t>()) << on.dump();
+  EXPECT_GE(on["replayed_command_buffers"]["max"].get<int64_t>(), 1) << on.dump();
+}
+
 // A bfloat16 model's norm weights and biases are widened to float32 once per load, not at every
 // use: generating five tokens on vulkan runs one convert per 1-D parameter in all (the device's
 // profile counts the dispatches), and the plan holds them in one persistent buffer instead of

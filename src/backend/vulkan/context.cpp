@@ -149,6 +149,9 @@ VulkanContext::VulkanContext(std::optional<int> requested_device) {
   readback_host_ = static_cast<std::byte*>(readback);
   const char* profile = std::getenv("MEMTUNE_VULKAN_PROFILE");
   profile_ = profile && std::string(profile) == "1";
+  const char* reuse = std::getenv("MEMTUNE_VULKAN_REUSE");
+  const std::string reuse_value = reuse ? reuse : "";
+  reuse_ = profile_ || reuse_value == "0" ? Reuse::Off : reuse_value == "check" ? Reuse::Check : Reuse::On;
   if (profile_ && timestamps_) {
     auto query_info = vk_struct<VkQueryPoolCreateInfo>(VK_STRUCTURE_TYPE_QUERY_POOL_CREATE_INFO);
     query_info.queryType = VK_QUERY_TYPE_TIMESTAMP;
@@ -159,6 +162,8 @@ VulkanContext::VulkanContext(std::optional<int> requested_device) {
 
 VulkanContext::~VulkanContext() {
   if (device_) vkDeviceWaitIdle(device_);
+  for (auto& [key, r] : recordings_) release(r);
+  release(building_);
   for (const auto& [shader, e] : profile_entries_)
     std::fprintf(stderr,
                  "vulkan profile: %-24s %.6g s in %lld dispatches, %llu workgroups, %.6g GFLOP, %.6g GB: %.6g "
@@ -241,6 +246,7 @@ void VulkanContext::destroy(Allocation& a) {
 }
 
 uint64_t VulkanContext::allocate(size_t bytes) {
+  assert_not_recording("an allocation");
   bytes = std::max<size_t>((bytes + 255) / 256 * 256, 256);
   if (bytes > info_.max_allocation_bytes)
     throw Error(fmt::format("--backend vulkan: an arena of {} is more than one allocation may hold on {} ({})",
@@ -278,6 +284,7 @@ void VulkanContext::deallocate(uint64_t address) {
   const auto it = allocations_.find(address);
   MT_ASSERT(it != allocations_.end(), "vulkan: freeing memory that was not allocated");
   flush();
+  release_recordings();  // their addresses may be reused
   allocated_bytes_ -= it->second.bytes;
   destroy(it->second);
   allocations_.erase(it);
@@ -311,7 +318,7 @@ std::optional<VulkanContext::MemoryBudget> VulkanContext::memory_budget() const 
   return b;
 }
 
-VkCommandBuffer VulkanContext::recording() {
+VkCommandBuffer VulkanContext::primary() {
   if (!recording_) {
     // A command buffer the device is done with (its fence signalled, checked without waiting),
     // or a new one: recording never waits for the device.
@@ -342,8 +349,40 @@ VkCommandBuffer VulkanContext::recording() {
   return batches_[current_].commands;
 }
 
+VkCommandBuffer VulkanContext::recording() {
+  VkCommandBuffer open = primary();
+  if (!recording_key_) return open;
+  // Between begin_commands and end_commands: a secondary command buffer of the recording, which
+  // the primary executes where it ends.
+  if (!chunk_open_) {
+    VkCommandBuffer chunk = VK_NULL_HANDLE;
+    auto command_info = vk_struct<VkCommandBufferAllocateInfo>(VK_STRUCTURE_TYPE_COMMAND_BUFFER_ALLOCATE_INFO);
+    command_info.commandPool = pool_;
+    command_info.level = VK_COMMAND_BUFFER_LEVEL_SECONDARY;
+    command_info.commandBufferCount = 1;
+    check(vkAllocateCommandBuffers(device_, &command_info, &chunk), "vkAllocateCommandBuffers");
+    building_.chunks.push_back(chunk);
+    const auto inheritance =
+        vk_struct<VkCommandBufferInheritanceInfo>(VK_STRUCTURE_TYPE_COMMAND_BUFFER_INHERITANCE_INFO);
+    auto begin = vk_struct<VkCommandBufferBeginInfo>(VK_STRUCTURE_TYPE_COMMAND_BUFFER_BEGIN_INFO);
+    begin.pInheritanceInfo = &inheritance;
+    check(vkBeginCommandBuffer(chunk, &begin), "vkBeginCommandBuffer");
+    chunk_open_ = true;
+  }
+  return building_.chunks.back();
+}
+
+void VulkanContext::close_chunk() {
+  if (!chunk_open_) return;
+  chunk_open_ = false;
+  VkCommandBuffer chunk = building_.chunks.back();
+  check(vkEndCommandBuffer(chunk), "vkEndCommandBuffer");
+  vkCmdExecuteCommands(primary(), 1, &chunk);
+}
+
 void VulkanContext::barrier(bool host) {
   ++counters_.barriers;
+  note({.kind = Command::Barrier, .a = host});
   auto b = vk_struct<VkMemoryBarrier>(VK_STRUCTURE_TYPE_MEMORY_BARRIER);
   b.srcAccessMask = VK_ACCESS_SHADER_WRITE_BIT | VK_ACCESS_TRANSFER_WRITE_BIT;
   b.dstAccessMask = VK_ACCESS_SHADER_READ_BIT | VK_ACCESS_SHADER_WRITE_BIT | VK_ACCESS_TRANSFER_READ_BIT |
@@ -395,6 +434,7 @@ void VulkanContext::check_stated(std::span<const std::byte> push, std::span<cons
 }
 
 void VulkanContext::submit() {
+  close_chunk();
   if (!recording_) return;
   Batch& b = batches_[current_];
   check(vkEndCommandBuffer(b.commands), "vkEndCommandBuffer");
@@ -407,18 +447,23 @@ void VulkanContext::submit() {
   b.submission = ++counters_.submissions;
 }
 
+void VulkanContext::finished(Batch& b) {
+  check(vkResetFences(device_, 1, &b.fence), "vkResetFences");
+  check(vkResetCommandBuffer(b.commands, 0), "vkResetCommandBuffer");
+  b.in_flight = false;
+}
+
 void VulkanContext::retire(size_t batch, uint64_t submission) {
   Batch& b = batches_[batch];
   if (!b.in_flight || b.submission != submission) return;  // a flush already saw it through
   check(vkWaitForFences(device_, 1, &b.fence, VK_TRUE, UINT64_MAX), "vkWaitForFences");
   ++counters_.waits;
   if (counters_.submissions > submission) ++counters_.overlapped_waits;
-  check(vkResetFences(device_, 1, &b.fence), "vkResetFences");
-  check(vkResetCommandBuffer(b.commands, 0), "vkResetCommandBuffer");
-  b.in_flight = false;
+  finished(b);
 }
 
 void VulkanContext::flush() {
+  assert_not_recording("a wait for the device");
   submit();
   std::vector<VkFence>& fences = fence_list_;
   fences.clear();
@@ -428,13 +473,119 @@ void VulkanContext::flush() {
   check(vkWaitForFences(device_, static_cast<uint32_t>(fences.size()), fences.data(), VK_TRUE, UINT64_MAX),
         "vkWaitForFences");
   ++counters_.waits;
-  check(vkResetFences(device_, static_cast<uint32_t>(fences.size()), fences.data()), "vkResetFences");
   for (Batch& b : batches_)
-    if (b.in_flight) {
-      check(vkResetCommandBuffer(b.commands, 0), "vkResetCommandBuffer");
-      b.in_flight = false;
-    }
+    if (b.in_flight) finished(b);
   marks_pending_ = false;
+}
+
+bool VulkanContext::Command::operator==(const Command& o) const {
+  return kind == o.kind && object == o.object && buffer == o.buffer && a == o.a && b == o.b && c == o.c &&
+         push_bytes == o.push_bytes && std::memcmp(push, o.push, push_bytes) == 0;
+}
+
+void VulkanContext::assert_not_recording(const char* what) const {
+  MT_ASSERT(!recording_key_, fmt::format("vulkan: {} between begin_commands and end_commands (recorded commands "
+                                         "read device memory only)",
+                                         what));
+}
+
+void VulkanContext::release(Recording& r) {
+  if (r.user_submission != 0) {
+    if (recording_ && r.user_submission > counters_.submissions) submit();  // its primary, still open
+    retire(r.user, r.user_submission);
+  }
+  if (!r.chunks.empty())
+    vkFreeCommandBuffers(device_, pool_, static_cast<uint32_t>(r.chunks.size()), r.chunks.data());
+  r = {};
+}
+
+void VulkanContext::release_recordings() {
+  for (auto& [key, r] : recordings_) release(r);
+  recordings_.clear();
+}
+
+void VulkanContext::begin_commands(std::span<const int64_t> key) {
+  assert_not_recording("begin_commands");
+  if (reuse_ == Reuse::Off) return;  // recorded as any other commands
+  recording_key_.emplace(key.begin(), key.end());
+  building_ = {};
+  at_recording_start_ = counters_;
+  // The first command recorded waits for everything before it, whatever that was when it is replayed.
+  pending_.clear();
+  pending_unstated_ = true;
+}
+
+void VulkanContext::end_commands() {
+  if (reuse_ == Reuse::Off) return;
+  MT_ASSERT(recording_key_, "vulkan: end_commands without begin_commands");
+  close_chunk();  // executed by the open primary, which goes on with what follows
+  Recording& built = building_;
+  built.user = current_;
+  built.user_submission = counters_.submissions + 1;
+  built.dispatches = counters_.dispatches - at_recording_start_.dispatches;
+  built.barriers = counters_.barriers - at_recording_start_.barriers;
+  built.last_use = ++recording_uses_;
+  const std::vector<int64_t> key = std::move(*recording_key_);
+  recording_key_.reset();
+  // What the commands after them are ordered against, after each replay too.
+  built.pending_after = pending_;
+  built.unstated_after = pending_unstated_;
+  const auto it = recordings_.find(key);
+  if (it != recordings_.end()) {
+    const std::vector<Command>& was = it->second.commands;
+    if (reuse_ == Reuse::Check) {
+      const size_t n = std::min(was.size(), built.commands.size());
+      size_t i = 0;
+      while (i < n && was[i] == built.commands[i]) ++i;
+      std::string what = "the end of one of them";
+      if (i < n && built.commands[i].kind == Command::Dispatch)
+        for (const auto& [k, p] : pipelines_)
+          if (&p == built.commands[i].object) what = "a dispatch of " + k.shader;
+      if (i != was.size() || i != built.commands.size()) release(built);
+      MT_ASSERT(i == was.size() && i == built.commands.size(),
+                fmt::format("vulkan: a repeated key's commands differ from its earlier recording at command {} of "
+                            "{} ({})",
+                            i, built.commands.size(), what));
+    }
+    release(it->second);
+    recordings_.erase(it);
+  }
+  if (recordings_.size() >= kKeptRecordings) {
+    auto oldest = recordings_.begin();
+    for (auto r = recordings_.begin(); r != recordings_.end(); ++r)
+      if (r->second.last_use < oldest->second.last_use) oldest = r;
+    release(oldest->second);
+    recordings_.erase(oldest);
+  }
+  recordings_.emplace(key, std::move(built));
+  built = {};
+}
+
+bool VulkanContext::replay(std::span<const int64_t> key) {
+  assert_not_recording("replay");
+  if (reuse_ != Reuse::On) return false;
+  const auto it = recordings_.find(key);
+  if (it == recordings_.end()) return false;
+  Recording& r = it->second;
+  r.last_use = ++recording_uses_;
+  // A command buffer runs once at a time: the last primary that executed these goes first (a
+  // decoding step waits for its tokens, so it is done by then).
+  if (recording_ && r.user == current_ && r.user_submission > counters_.submissions) submit();
+  retire(r.user, r.user_submission);
+  vkCmdExecuteCommands(primary(), static_cast<uint32_t>(r.chunks.size()), r.chunks.data());
+  r.user = current_;
+  r.user_submission = counters_.submissions + 1;
+  counters_.replayed_command_buffers += r.chunks.size();
+  counters_.dispatches += r.dispatches;
+  counters_.replayed_dispatches += r.dispatches;
+  counters_.barriers += r.barriers;
+  for (const auto& [p, n] : r.by_pipeline) p->dispatches += n;
+  pending_ = r.pending_after;
+  pending_unstated_ = r.unstated_after;
+  // The device starts once a primary holds kSubmitEvery dispatches, as when they are recorded.
+  recorded_ += static_cast<uint32_t>(std::min<uint64_t>(r.dispatches, kSubmitEvery));
+  if (recorded_ >= kSubmitEvery) submit();
+  return true;
 }
 
 std::map<std::string, uint64_t> VulkanContext::dispatches_by_shader() const {
@@ -445,6 +596,7 @@ std::map<std::string, uint64_t> VulkanContext::dispatches_by_shader() const {
 }
 
 void VulkanContext::mark(int i) {
+  assert_not_recording("a time mark");
   if (!timestamps_) return;
   MT_ASSERT(i >= 0 && i < Backend::kTimeMarks, "vulkan: a time mark out of range");
   if (i == 0) marked_ = 0;  // a new series
@@ -484,6 +636,7 @@ std::vector<double> VulkanContext::seconds_since_first(const uint64_t* ticks, ui
 
 VulkanContext::PendingRead VulkanContext::read_later(uint64_t src, size_t bytes) {
   MT_ASSERT(bytes <= kReadbackBytes, "vulkan: a pending read larger than its slot");
+  assert_not_recording("a read");
   PendingRead r{.slot = next_readback_, .bytes = bytes, .marks = series_length()};
   next_readback_ = (next_readback_ + 1) % kReadbackSlots;
   const VkDeviceSize at = r.slot * kSlotBytes;
@@ -516,6 +669,7 @@ std::span<const std::byte> VulkanContext::collect(const PendingRead& read, std::
 }
 
 void VulkanContext::upload(uint64_t dst, const void* src, size_t bytes) {
+  assert_not_recording("an upload");
   const auto [a, offset] = locate(dst, bytes);
   if (bytes <= kRecordedUploadBytes && bytes % 4 == 0 && offset % 4 == 0) {
     // Small: the bytes go into the command buffer itself, so nothing waits (a step's batch).
@@ -550,6 +704,7 @@ void VulkanContext::download(void* dst, uint64_t src, size_t bytes) {
 }
 
 void VulkanContext::download(std::initializer_list<Range> ranges) {
+  assert_not_recording("a download");
   size_t at = 0;  // where the next piece goes in the staging buffer
   auto read_staged = [&] {
     barrier(/*host=*/true);
@@ -582,6 +737,8 @@ void VulkanContext::copy(uint64_t dst, uint64_t src, size_t bytes) {
   const VkBufferCopy region{from_offset, to_offset, bytes};
   order({{src, bytes, false}, {dst, bytes, true}});
   vkCmdCopyBuffer(recording(), from->buffer, to->buffer, 1, &region);
+  note({.kind = Command::Copy, .object = from->buffer, .buffer = to->buffer, .a = from_offset, .b = to_offset,
+        .c = bytes});
 }
 
 void VulkanContext::fill_words(uint64_t dst, uint32_t word, size_t bytes) {
@@ -590,6 +747,7 @@ void VulkanContext::fill_words(uint64_t dst, uint32_t word, size_t bytes) {
   MT_ASSERT(offset % 4 == 0 && bytes % 4 == 0, "vulkan: a fill of whole 4-byte words");
   order({{dst, bytes, true}});
   vkCmdFillBuffer(recording(), a->buffer, offset, bytes, word);
+  note({.kind = Command::Fill, .buffer = a->buffer, .a = offset, .b = bytes, .c = word});
 }
 
 VulkanContext::Pipeline& VulkanContext::pipeline(std::string_view shader, std::span<const uint32_t> constants) {
@@ -656,6 +814,13 @@ void VulkanContext::dispatch(std::string_view shader, std::span<const uint32_t> 
   if (profile_queries_) vkCmdWriteTimestamp(c, VK_PIPELINE_STAGE_BOTTOM_OF_PIPE_BIT, profile_queries_, 1);
   ++counters_.dispatches;
   ++p.dispatches;
+  if (recording_key_) {
+    Command command{.kind = Command::Dispatch, .object = &p, .a = groups_x, .b = groups_y, .c = groups_z,
+                    .push_bytes = static_cast<uint32_t>(push.size())};
+    std::memcpy(command.push, push.data(), push.size());
+    note(command);
+    ++building_.by_pipeline[&p];
+  }
   // The device starts on what is recorded while the host records the rest of the step.
   if (++recorded_ >= kSubmitEvery) submit();
   if (profile_) {

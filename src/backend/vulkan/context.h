@@ -124,6 +124,28 @@ class VulkanContext {
   static constexpr size_t kMarkBytes = Backend::kTimeMarks * sizeof(uint64_t), kSlotBytes = kMarkBytes + kReadbackBytes;
   PendingRead read_later(uint64_t src, size_t bytes);
   std::span<const std::byte> collect(const PendingRead& read, std::vector<double>& marks);
+  // Commands recorded once and submitted again (a decode step's forward, whose commands are a pure
+  // function of a few shapes the caller puts in `key`). begin_commands(key) ... end_commands():
+  // what is recorded between goes into command buffers that are kept under key (their first
+  // command waits for all earlier work; the commands after them are ordered against their last
+  // ones as after any others; they are submitted as they fill, as always); between the two, nothing may reach host memory (no
+  // upload, download, read or flush: MT_ASSERT), so the commands read only device memory.
+  // replay(key): where key has commands, submits them again (after the commands recorded before,
+  // the step's uploads) and returns true; the caller then skips the work. Up to kKeptRecordings
+  // keys, the least recently used given back first; all are given back when memory is freed
+  // (their addresses could then be reused). MEMTUNE_VULKAN_REUSE=0 keeps nothing (replay is
+  // always false; begin and end do nothing), MEMTUNE_VULKAN_REUSE=check records every time, and
+  // end_commands then asserts that the
+  // commands equal the key's earlier recording, command by command (pipeline, push constants,
+  // grid, copies, fills, barriers), before it takes their place: the tests' proof that a key
+  // decides the commands. Off under MEMTUNE_VULKAN_PROFILE.
+  void begin_commands(std::span<const int64_t> key);
+  void end_commands();
+  bool replay(std::span<const int64_t> key);
+  static constexpr size_t kKeptRecordings = 16;
+  enum class Reuse { Off, On, Check };
+  Reuse reuse() const { return reuse_; }
+  void set_reuse(Reuse reuse) { reuse_ = reuse; }  // the environment's choice, or a test's
   // Submits what is recorded and waits for everything submitted.
   void flush();
   // Submits what is recorded without waiting (the device starts on it; the next recording goes to
@@ -136,8 +158,11 @@ class VulkanContext {
   // overlapped_waits: the waits for a command buffer that later submissions followed (the device
   // had more work queued while the host waited: a pending read collected after the next step was
   // recorded).
+  // replayed_*: the dispatches that replay() ran again and its recorded command buffers (the
+  // dispatches include them; the host recorded dispatches - replayed_dispatches).
   struct Counters {
     uint64_t dispatches = 0, submissions = 0, waits = 0, overlapped_waits = 0, barriers = 0;
+    uint64_t replayed_dispatches = 0, replayed_command_buffers = 0;
   };
   const Counters& counters() const { return counters_; }
   std::map<std::string, uint64_t> dispatches_by_shader() const;
@@ -195,6 +220,9 @@ class VulkanContext {
   Allocation make_buffer(size_t bytes, VkBufferUsageFlags usage, VkMemoryPropertyFlags properties,
                          VkMemoryPropertyFlags preferred = 0);
   void destroy(Allocation& a);
+  // The primary command buffer being recorded (begun where none is); recording(): where the next
+  // command goes, the primary or, between begin_commands and end_commands, the recording's chunk.
+  VkCommandBuffer primary();
   VkCommandBuffer recording();
   // A barrier between device commands, or (host) also before the host reads.
   void barrier(bool host = false);
@@ -224,6 +252,55 @@ class VulkanContext {
     bool in_flight = false;
     uint64_t submission = 0;  // counters_.submissions when it was submitted
   };
+  // A batch the device is done with: its fence and commands reset.
+  void finished(Batch& b);
+  // A recording's commands, as the check compares them: a dispatch (its pipeline, grid and push
+  // constants), a copy, a fill, or a barrier.
+  struct Command {
+    enum Kind : uint32_t { Dispatch, Copy, Fill, Barrier } kind = Dispatch;
+    const void* object = nullptr;  // the pipeline; the copy's source buffer
+    VkBuffer buffer = VK_NULL_HANDLE;  // the copy's or fill's destination
+    uint64_t a = 0, b = 0, c = 0;   // grid x y z; offsets and bytes; the fill's word; host
+    uint32_t push_bytes = 0;
+    std::byte push[128] = {};
+    bool operator==(const Command& o) const;
+  };
+  // A key's commands: secondary command buffers (chunks of at most kSubmitEvery dispatches), which
+  // a primary executes; the primary that last did (its batch and submission number: it may still
+  // run) is waited for before they are executed again or freed.
+  struct Recording {
+    std::vector<VkCommandBuffer> chunks;
+    std::vector<Command> commands;
+    uint64_t dispatches = 0, barriers = 0, last_use = 0;
+    std::map<Pipeline*, uint64_t> by_pipeline;
+    size_t user = 0;
+    uint64_t user_submission = 0;
+    // The barrier state they leave: the accesses since their last barrier.
+    std::vector<Access> pending_after;
+    bool unstated_after = false;
+  };
+  void note(const Command& c) {
+    if (recording_key_) building_.commands.push_back(c);
+  }
+  // Ends the recording's open chunk, executed by the primary.
+  void close_chunk();
+  bool chunk_open_ = false;
+  // Gives a recording's command buffers back (waiting for them where they still run).
+  void release(Recording& r);
+  void release_recordings();
+  void assert_not_recording(const char* what) const;
+  Reuse reuse_ = Reuse::On;
+  struct KeyLess {  // looks a key up from a span: a replay allocates nothing
+    using is_transparent = void;
+    bool operator()(std::span<const int64_t> a, std::span<const int64_t> b) const {
+      return std::lexicographical_compare(a.begin(), a.end(), b.begin(), b.end());
+    }
+  };
+  std::map<std::vector<int64_t>, Recording, KeyLess> recordings_;
+  std::optional<std::vector<int64_t>> recording_key_;  // between begin_commands and end_commands
+  Recording building_;
+  Counters at_recording_start_;
+  uint64_t recording_uses_ = 0;
   // Waits for one submitted batch (if still in flight) and makes it reusable.
   void retire(size_t batch, uint64_t submission);
   // Large uploads go through the staging buffer's two halves in turn: the batch that copies out

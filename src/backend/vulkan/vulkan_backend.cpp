@@ -102,8 +102,13 @@ class VulkanBackend final : public Backend {
                           .submissions = c.submissions,
                           .waits = c.waits,
                           .overlapped_waits = c.overlapped_waits,
-                          .barriers = c.barriers};
+                          .barriers = c.barriers,
+                          .replayed_dispatches = c.replayed_dispatches,
+                          .replayed_command_buffers = c.replayed_command_buffers};
   }
+  bool replay_commands(std::span<const int64_t> key) override { return ctx().replay(key); }
+  void begin_commands(std::span<const int64_t> key) override { ctx().begin_commands(key); }
+  void end_commands() override { ctx().end_commands(); }
   std::map<std::string, uint64_t> dispatches_by_shader() const override {
     return ctx_ ? ctx_->dispatches_by_shader() : std::map<std::string, uint64_t>{};
   }
