@@ -489,11 +489,14 @@ void VulkanContext::assert_not_recording(const char* what) const {
                                          what));
 }
 
+void VulkanContext::wait_through(uint64_t submission) {
+  if (recording_ && submission > counters_.submissions) submit();  // still open
+  for (size_t i = 0; i < batches_.size(); ++i)
+    if (batches_[i].in_flight && batches_[i].submission <= submission) retire(i, batches_[i].submission);
+}
+
 void VulkanContext::release(Recording& r) {
-  if (r.user_submission != 0) {
-    if (recording_ && r.user_submission > counters_.submissions) submit();  // its primary, still open
-    retire(r.user, r.user_submission);
-  }
+  if (r.user_submission != 0) wait_through(r.user_submission);
   if (!r.chunks.empty())
     vkFreeCommandBuffers(device_, pool_, static_cast<uint32_t>(r.chunks.size()), r.chunks.data());
   r = {};
@@ -520,7 +523,6 @@ void VulkanContext::end_commands() {
   MT_ASSERT(recording_key_, "vulkan: end_commands without begin_commands");
   close_chunk();  // executed by the open primary, which goes on with what follows
   Recording& built = building_;
-  built.user = current_;
   built.user_submission = counters_.submissions + 1;
   built.dispatches = counters_.dispatches - at_recording_start_.dispatches;
   built.barriers = counters_.barriers - at_recording_start_.barriers;
@@ -568,12 +570,10 @@ bool VulkanContext::replay(std::span<const int64_t> key) {
   if (it == recordings_.end()) return false;
   Recording& r = it->second;
   r.last_use = ++recording_uses_;
-  // A command buffer runs once at a time: the last primary that executed these goes first (a
-  // decoding step waits for its tokens, so it is done by then).
-  if (recording_ && r.user == current_ && r.user_submission > counters_.submissions) submit();
-  retire(r.user, r.user_submission);
+  // A command buffer runs once at a time: the primaries that last executed these finish first (a
+  // decoding step waits for its tokens, so they are done by then).
+  wait_through(r.user_submission);
   vkCmdExecuteCommands(primary(), static_cast<uint32_t>(r.chunks.size()), r.chunks.data());
-  r.user = current_;
   r.user_submission = counters_.submissions + 1;
   counters_.replayed_command_buffers += r.chunks.size();
   counters_.dispatches += r.dispatches;

@@ -266,14 +266,13 @@ class VulkanContext {
     bool operator==(const Command& o) const;
   };
   // A key's commands: secondary command buffers (chunks of at most kSubmitEvery dispatches), which
-  // a primary executes; the primary that last did (its batch and submission number: it may still
-  // run) is waited for before they are executed again or freed.
+  // primaries execute; the primaries up to the last that did (its submission number: they may
+  // still run) are waited for before they are executed again or freed.
   struct Recording {
     std::vector<VkCommandBuffer> chunks;
     std::vector<Command> commands;
     uint64_t dispatches = 0, barriers = 0, last_use = 0;
     std::map<Pipeline*, uint64_t> by_pipeline;
-    size_t user = 0;
     uint64_t user_submission = 0;
     // The barrier state they leave: the accesses since their last barrier.
     std::vector<Access> pending_after;
@@ -287,6 +286,8 @@ class VulkanContext {
   bool chunk_open_ = false;
   // Gives a recording's command buffers back (waiting for them where they still run).
   void release(Recording& r);
+  // Waits for every submitted batch up to `submission` (submitting the open one if it is that).
+  void wait_through(uint64_t submission);
   void release_recordings();
   void assert_not_recording(const char* what) const;
   Reuse reuse_ = Reuse::On;
