@@ -58,7 +58,7 @@ base="$cache/coopmat-root-$key"
 fs="$base/fs"
 glslc="$base/glslc"
 work="$root/out/coopmat-root"
-default_filter='*VulkanCoopmat*:TrainCliTest.EveryCommandRunsOnVulkanAndAgreesWithCpu:VulkanOps.*:VulkanShaders.*:VulkanDevice.*:BackendOps.*:VulkanGeometry.*:QuantizedOps.*:MatmulGroup.SixteenBit*'
+default_filter='*VulkanCoopmat*:TrainCliTest.EveryCommandRunsOnVulkanAndAgreesWithCpu:TrainCliTest.DecodingStepsReplayTheirRecordedCommandsOnVulkan:VulkanOps.*:VulkanShaders.*:VulkanDevice.*:BackendOps.*:VulkanGeometry.*:QuantizedOps.*:MatmulGroup.SixteenBit*'
 
 # mounted_under, run_in (the root entered with unshare and chroot) and network_ca.
 source "$root/scripts/root-common.sh"

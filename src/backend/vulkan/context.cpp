@@ -540,14 +540,24 @@ void VulkanContext::end_commands() {
       size_t i = 0;
       while (i < n && was[i] == built.commands[i]) ++i;
       std::string what = "the end of one of them";
-      if (i < n && built.commands[i].kind == Command::Dispatch)
-        for (const auto& [k, p] : pipelines_)
-          if (&p == built.commands[i].object) what = "a dispatch of " + k.shader;
-      if (i != was.size() || i != built.commands.size()) release(built);
-      MT_ASSERT(i == was.size() && i == built.commands.size(),
-                fmt::format("vulkan: a repeated key's commands differ from its earlier recording at command {} of "
-                            "{} ({})",
-                            i, built.commands.size(), what));
+      if (i < n) {
+        const Command &now = built.commands[i], &then = was[i];
+        what = fmt::format("kind {} then {}", static_cast<uint32_t>(now.kind), static_cast<uint32_t>(then.kind));
+        if (now.kind == Command::Dispatch && then.kind == Command::Dispatch) {
+          for (const auto& [k, p] : pipelines_)
+            if (&p == now.object) what = "a dispatch of " + k.shader;
+          size_t at = 0;
+          while (at < now.push_bytes && now.push[at] == then.push[at]) ++at;
+          what += fmt::format(", grid {}x{}x{} then {}x{}x{}, push constants from byte {}", now.a, now.b, now.c, then.a,
+                              then.b, then.c, at);
+        }
+      }
+      const size_t recorded = built.commands.size(), first = was.size();
+      if (i != first || i != recorded) release(built);
+      MT_ASSERT(i == first && i == recorded,
+                fmt::format("vulkan: a repeated key's commands differ from its earlier recording at command {} ({} "
+                            "now, {} then: {})",
+                            i, recorded, first, what));
     }
     release(it->second);
     recordings_.erase(it);
@@ -815,9 +825,10 @@ void VulkanContext::dispatch(std::string_view shader, std::span<const uint32_t> 
   ++counters_.dispatches;
   ++p.dispatches;
   if (recording_key_) {
+    // The bytes the shader declares (a C++ struct's padding after them is no part of the command).
     Command command{.kind = Command::Dispatch, .object = &p, .a = groups_x, .b = groups_y, .c = groups_z,
-                    .push_bytes = static_cast<uint32_t>(push.size())};
-    std::memcpy(command.push, push.data(), push.size());
+                    .push_bytes = static_cast<uint32_t>(p.push_bytes)};
+    std::memcpy(command.push, push.data(), p.push_bytes);
     note(command);
     ++building_.by_pipeline[&p];
   }
