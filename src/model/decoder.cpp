@@ -91,20 +91,28 @@ Tensor Decoder::weight_f32(size_t p) {
 
 // The frozen base's vectors, widened together the first time one is asked for after the weights
 // changed (ModelParameters::values_version): a convert per vector per load, not per step.
-Tensor Decoder::widened_vector(size_t p) {
+void Decoder::widen_vectors() {
+  if (widened_version_ == params_->values_version()) return;
   const std::vector<ParamSpec>& specs = params_->specs();
   const Tensor all = arena_->f32(*buf_.vectors_f32, {static_cast<int64_t>(frozen_vector_elems(config_, specs, true))});
-  int64_t at = 0, found = -1;
-  const bool stale = widened_version_ != params_->values_version();
+  int64_t at = 0;
   for (size_t i = 0; i < specs.size(); ++i) {
     if (specs[i].shape.size() != 1) continue;
-    if (stale) backend_->convert(all.flat_range(at, specs[i].numel()), params_->param(i));
-    if (i == p) found = at;
+    backend_->convert(all.flat_range(at, specs[i].numel()), params_->param(i));
     at += specs[i].numel();
   }
   widened_version_ = params_->values_version();
-  MT_ASSERT(found >= 0, "widened_vector of a vector parameter");
-  return all.flat_range(found, specs[p].numel());
+}
+
+Tensor Decoder::widened_vector(size_t p) {
+  widen_vectors();
+  const std::vector<ParamSpec>& specs = params_->specs();
+  const Tensor all = arena_->f32(*buf_.vectors_f32, {static_cast<int64_t>(frozen_vector_elems(config_, specs, true))});
+  int64_t at = 0;
+  for (size_t i = 0; i < p; ++i)
+    if (specs[i].shape.size() == 1) at += specs[i].numel();
+  MT_ASSERT(specs[p].shape.size() == 1, "widened_vector of a vector parameter");
+  return all.flat_range(at, specs[p].numel());
 }
 
 Tensor Decoder::rounded(const Tensor& x, bool dout) {
@@ -230,12 +238,7 @@ void Decoder::generation_forward(const GenerationBatch& batch) {
   upload_generation_batch(batch);
   // The frozen base's vectors widened (where the weights changed) before any step's commands, so
   // that those are the same every time.
-  if (buf_.vectors_f32 && widened_version_ != params_->values_version())
-    for (size_t p = 0; p < params_->specs().size(); ++p)
-      if (params_->specs()[p].shape.size() == 1) {
-        widened_vector(p);  // all of them
-        break;
-      }
+  if (buf_.vectors_f32) widen_vectors();
   // A decoding step (one new token per sequence) runs the same commands whenever its sequences,
   // sampled rows and adapters are the same: recorded once per such key, run again after (where
   // the backend keeps commands). The uploads above are the step's data. A mixture of experts

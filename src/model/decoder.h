@@ -242,6 +242,7 @@ class Decoder {
   // and bias can be live together). Valid until the next call for a parameter of the same rank.
   Tensor weight_f32(size_t param);
   Tensor widened_vector(size_t param);
+  void widen_vectors();  // where the weights changed since the last widening
   uint64_t widened_version_ = 0;  // the parameters' values_version the vectors were widened at
   // Mixed precision (half_): x rounded to the 16-bit dtype into the current phase's input buffer,
   // or, for an output gradient (dout), into the backward's dout buffer.

@@ -144,7 +144,6 @@ class VulkanContext {
   bool replay(std::span<const int64_t> key);
   static constexpr size_t kKeptRecordings = 16;
   enum class Reuse { Off, On, Check };
-  Reuse reuse() const { return reuse_; }
   void set_reuse(Reuse reuse) { reuse_ = reuse; }  // the environment's choice, or a test's
   // Submits what is recorded and waits for everything submitted.
   void flush();
