@@ -807,12 +807,14 @@ class HeadSlices {
 inline constexpr int64_t kHalfHeadSliceRows = 16384;
 
 HeadProducts head_products(DType operands) {
-  if (operands == DType::F32 || half_gemm_kernel(operands).empty()) return HeadProducts::Strided;
+  // The switch is read before anything decides, so a bad value is an error on every CPU.
   const char* env = std::getenv("MEMTUNE_HEAD_PRODUCTS");
   const std::string asked = env && *env ? env : "auto";
+  if (asked != "auto" && asked != "dense" && asked != "strided")
+    throw Error(fmt::format("MEMTUNE_HEAD_PRODUCTS: expected auto, dense or strided, got '{}'", asked));
+  if (operands == DType::F32 || half_gemm_kernel(operands).empty()) return HeadProducts::Strided;
   if (asked == "dense") return HeadProducts::Dense;
   if (asked == "strided") return HeadProducts::Strided;
-  if (asked != "auto") throw Error(fmt::format("MEMTUNE_HEAD_PRODUCTS: expected auto, dense or strided, got '{}'", asked));
   // A representative slice: the hidden size does not change which unit oneDNN runs it on.
   return tile_unit_kernel(half_gemm_kernel(operands, 256, kDenseHeadSliceRows, 1024, kDenseHeadSliceRows))
              ? HeadProducts::Dense
