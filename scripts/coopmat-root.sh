@@ -28,9 +28,10 @@
 # As root (debootstrap, chroot, mount). The root is kept under
 # ~/.cache/memtune/coopmat-root-<key>/fs, where the key hashes the suite, the mirror and the
 # package list below (a change makes it again from nothing; sid moves on, the kept root does
-# not: remove the directory to take today's sid). Making it takes 35 to 50 s on 2 cores
-# (debootstrap, then the packages), once; `test` with the default filter about 60 s (the bundle,
-# then the tests on lavapipe); `check` about 3 minutes (the bundle, python3 from the mirror, then
+# not: remove the directory to take today's sid). Beside it, coopmat-root-<key>/mesa-shader-cache
+# keeps lavapipe's compiled shaders from one run to the next. Making the root takes 35 to 50 s on 2 cores
+# (debootstrap, then the packages), once; `test` with the default filter about 105 s from a full
+# shader cache, a few minutes more with an empty one (the bundle, then the tests on lavapipe); `check` about 3 minutes (the bundle, python3 from the mirror, then
 # the check). Progress goes to stderr, so `path` and `glslc-path` print only the
 # path on stdout.
 set -euo pipefail
@@ -173,6 +174,25 @@ prepare_run() {
   mounted_under "$run_dir" && fail "$run_dir is still mounted"
   rm -rf "$run_dir"
   mkdir -p "$run_dir/upper" "$run_dir/work" "$run_dir/fs"
+  # Lavapipe's compiled shaders (Mesa's on-disk cache, keyed by the shader, its constants and the
+  # driver's build) kept beside the root, as a user's ~/.cache keeps them: compiling the
+  # cooperative-matrix pipelines is most of the tests' time on lavapipe (attention's backward
+  # passes on flexible matrices: 112 s at head_dim 64 compiled, 2.5 s from the cache).
+  if [[ -d "$base/mesa-shader-cache" ]]; then
+    mkdir -p "$run_dir/upper/root/.cache"
+    cp -a "$base/mesa-shader-cache" "$run_dir/upper/root/.cache/mesa_shader_cache"
+  fi
+}
+
+# keep_shader_cache: what the run added to lavapipe's cache, kept for the next run (replacing the
+# kept one whole, so an interrupted copy leaves the old one).
+keep_shader_cache() {
+  local made="$run_dir/upper/root/.cache/mesa_shader_cache"
+  [[ -d "$made" ]] || return 0
+  rm -rf "$base/mesa-shader-cache.new"
+  cp -a "$made" "$base/mesa-shader-cache.new"
+  rm -rf "$base/mesa-shader-cache"
+  mv "$base/mesa-shader-cache.new" "$base/mesa-shader-cache"
 }
 
 # test BUILD_DIR [FILTER]: BUILD_DIR's binaries, bundled, in a throw-away overlay of the root.
@@ -204,7 +224,10 @@ env OMP_WAIT_POLICY=PASSIVE MEMTUNE_REQUIRE_ALL_TESTS=1 MEMTUNE_BINARY="$b/bin/m
   ((status <= 128)) || echo "memtune_tests: killed by signal $((status - 128)) ($(kill -l "$status"))"
   exit "$status"
 }'
-  if ! run_in "$fs" "$work/test.log" "$script" "$run_dir"; then
+  local status=0
+  run_in "$fs" "$work/test.log" "$script" "$run_dir" || status=$?
+  keep_shader_cache
+  if ((status != 0)); then
     tail -n 60 "$work/test.log" >&2
     fail "test: failed in the root after $((SECONDS - t0)) s ($work/test.log)"
   fi
@@ -237,6 +260,7 @@ cd /work/memtune
 env MEMTUNE_CHECK_ALLOW_CPU=1 $(printf '%q ' "${settings[@]}")scripts/device-check.sh --from /work/bundle.tar.gz"
   local rc=0
   run_in "$fs" "$work/check.log" "$script" "$run_dir" || rc=$?
+  keep_shader_cache
   rm -rf "$work/device-check"
   [[ ! -d "$run_dir/upper/work/memtune/out/device-check" ]] ||
     cp -r "$run_dir/upper/work/memtune/out/device-check" "$work/device-check"

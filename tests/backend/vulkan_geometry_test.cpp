@@ -384,31 +384,47 @@ TEST(VulkanGeometry, AttentionOnTheMatrixUnitsTakesTheLargestTileThatFits) {
   }
 }
 
-// The forward on flexible subgroup matrices (attention_coopmat2.comp) takes four subgroups of one
+// The passes on flexible subgroup matrices (attention_coopmat2.glsl) take four subgroups of one
 // granule of rows each: 32 rows on lavapipe's granularity of 8, 64 with a granularity of 16 (at
-// head_dim 128 too, within 48 KiB); none where the head dimension is no multiple of the
-// granularity or the arrays do not fit.
-TEST(VulkanGeometry, TheForwardOnFlexibleMatricesTakesOneGranuleOfRowsPerSubgroup) {
+// head_dim 128 within 48 KiB, and the forward and dq passes, whose one array holds the subgroups'
+// rows once and then each key-side tile, within 32 KiB too; dk-dv streams q and dout in two); none
+// where the head dimension is no multiple of the granularity or the pass's arrays do not fit.
+TEST(VulkanGeometry, AttentionOnFlexibleMatricesTakesOneGranuleOfRowsPerSubgroup) {
   namespace g = vulkan_geometry;
+  using g::AttentionPass;
   const g::MatrixUnit lavapipe{8, 8, 8, 8, 32768}, sixteen{16, 16, 16, 32, 49152}, small{16, 16, 16, 32, 32768};
   struct Case {
     const g::MatrixUnit& unit;
     int64_t hd;
-    uint32_t tile;
+    uint32_t forward, query, key;
   };
-  for (const Case& c : {Case{lavapipe, 64, 32}, Case{lavapipe, 128, 32}, Case{lavapipe, 16, 32},
-                        Case{sixteen, 64, 64}, Case{sixteen, 128, 64}, Case{sixteen, 24, 0}, Case{lavapipe, 20, 0},
-                        Case{small, 128, 0}}) {
-    SCOPED_TRACE(fmt::format("granularity {}, {} bytes, head_dim {}", c.unit.m, c.unit.shared_bytes, c.hd));
-    EXPECT_EQ(g::attention_coopmat2_tile(c.hd, c.unit), c.tile);
-    if (c.tile == 0) continue;
-    EXPECT_LE(g::attention_coopmat2_shared_bytes(c.hd, c.tile, c.unit), c.unit.shared_bytes);
-    const VulkanDispatch d = g::attention_coopmat2({4096, 8, 14, 2, c.hd}, c.unit);
-    EXPECT_STREQ(d.shader, "attention_coopmat2");
-    EXPECT_EQ(d.x, 4096 / c.tile);
-    EXPECT_EQ(d.y, 14u);
-    EXPECT_EQ(d.constants, (std::vector<uint32_t>{uint32_t(c.hd), c.tile, c.unit.subgroup, c.unit.n, c.unit.k,
-                                                  4 * c.unit.subgroup}));
+  for (const Case& c : {Case{lavapipe, 64, 32, 32, 32}, Case{lavapipe, 128, 32, 32, 32}, Case{lavapipe, 16, 32, 32, 32},
+                        Case{sixteen, 64, 64, 64, 64}, Case{sixteen, 128, 64, 64, 64}, Case{sixteen, 256, 64, 64, 0},
+                        Case{sixteen, 24, 0, 0, 0}, Case{lavapipe, 20, 0, 0, 0}, Case{small, 128, 64, 64, 0}}) {
+    for (const auto [pass, tile] : {std::pair{AttentionPass::Forward, c.forward}, std::pair{AttentionPass::Query, c.query},
+                                    std::pair{AttentionPass::Key, c.key}}) {
+      SCOPED_TRACE(fmt::format("granularity {}, {} bytes, head_dim {}, pass {}", c.unit.m, c.unit.shared_bytes, c.hd,
+                               static_cast<int>(pass)));
+      EXPECT_EQ(g::attention_coopmat2_tile(c.hd, c.unit, pass), tile);
+      const uint32_t bytes = g::attention_coopmat2_shared_bytes(c.hd, 4 * c.unit.m, c.unit, pass);
+      if (c.hd % c.unit.n == 0) EXPECT_EQ(bytes <= c.unit.shared_bytes, tile != 0) << bytes;
+      if (tile == 0) continue;
+      const g::Attention a{4096, 8, 14, 2, c.hd};
+      const VulkanDispatch d = g::attention_coopmat2(a, c.unit, pass);
+      EXPECT_STREQ(d.shader, pass == AttentionPass::Forward ? "attention_coopmat2"
+                             : pass == AttentionPass::Query ? "attention_backward_dq_coopmat2"
+                                                            : "attention_backward_dkv_coopmat2");
+      EXPECT_EQ(d.x, 4096 / tile);
+      EXPECT_EQ(d.y, pass == AttentionPass::Key ? 2 * g::attention_key_splits(a, tile) : 14u);
+      EXPECT_EQ(d.constants, (std::vector<uint32_t>{uint32_t(c.hd), tile, c.unit.subgroup, c.unit.n, c.unit.k,
+                                                    4 * c.unit.subgroup}));
+      // FLOPs and bytes as the float32 pass counts them.
+      const VulkanDispatch scalar = pass == AttentionPass::Forward ? g::attention_forward(a)
+                                    : pass == AttentionPass::Query ? g::attention_backward_dq(a)
+                                                                   : g::attention_backward_dkv(a);
+      EXPECT_EQ(d.flops, scalar.flops);
+      EXPECT_EQ(d.bytes, scalar.bytes);
+    }
   }
 }
 

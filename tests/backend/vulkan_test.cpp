@@ -1114,10 +1114,13 @@ TEST_F(VulkanCoopmat, GateUpAndTheActivationInOnePassEqualTheProductsThenSwiglu)
 // query heads per kv head and four (the dk/dv pass split over two shares of them). Forward (out,
 // lse) and backward (dq, dk, dv) equal the reference at the same float16 rounding points; a
 // second run gives the same bits; and the rounding is there: the float32 reference is further
-// away than the bound. The forward runs twice on a device with VK_NV_cooperative_matrix2's
-// flexible matrices (Mesa 26's lavapipe has them): on those (attention_coopmat2.comp, the
-// softmax on the matrices, the output in registers), and with MEMTUNE_VULKAN_COOPMAT2=0 on the
-// KHR shader; the dispatch counts say which ran.
+// away than the bound. On a device with VK_NV_cooperative_matrix2's flexible matrices (Mesa 26's
+// lavapipe has them) head_dim 64 runs twice: on those (attention_coopmat2.glsl's three passes, the
+// softmax and the scores' gradient on the matrices, the results in registers; tiles of 32 rows),
+// and with MEMTUNE_VULKAN_COOPMAT2=0 on the KHR shaders; head_dim 128 runs on the KHR shaders
+// only (their tiles of 16 rows): the flexible passes' code differs between the two head
+// dimensions only in its specialization constants, and lavapipe takes minutes to compile them at
+// 128 (TrainCliTest's --fp16 run takes them at head_dim 16). The dispatch counts say which ran.
 TEST_F(VulkanCoopmat, FlashAttentionOnTheMatrixUnitsEqualsTheReferenceAtFloat16RoundingPoints) {
   const int64_t N = 77, Hkv = 2;
   const std::vector<int32_t> cu = {0, 33, 34, 77};
@@ -1144,13 +1147,18 @@ TEST_F(VulkanCoopmat, FlashAttentionOnTheMatrixUnitsEqualsTheReferenceAtFloat16R
       for (auto [b, p, n] : held) b->deallocate(p, n);
       return r;
     };
-    // The forward's shader in each run: where the device has flexible matrices, coopmat2 first.
-    std::vector<std::string> forwards = {"attention_coopmat"};
-    if (flexible) forwards.insert(forwards.begin(), "attention_coopmat2");
+    // The passes' shaders: where the device has flexible matrices, coopmat2's run first.
+    const std::vector<std::string> khr = {"attention_coopmat", "attention_backward_dq_coopmat",
+                                          "attention_backward_dkv_coopmat"},
+                                   flexible_passes = {"attention_coopmat2", "attention_backward_dq_coopmat2",
+                                                      "attention_backward_dkv_coopmat2"};
+    std::vector<bool> variants = {false};
+    if (flexible && hd == 64) variants.insert(variants.begin(), true);
     const auto want = run(ref(), DType::F16), exact = run(ref(), DType::F32);
-    for (const std::string& forward : forwards) {
+    for (const bool on_flexible : variants) {
+      const std::string forward = on_flexible ? "attention_coopmat2" : "attention_coopmat";
       SCOPED_TRACE(forward);
-      if (forward == "attention_coopmat" && flexible) {
+      if (!on_flexible && flexible) {  // (and head_dim 128 takes the KHR shaders too)
         ASSERT_EQ(setenv("MEMTUNE_VULKAN_COOPMAT2", "0", 1), 0);
       }
       const std::map<std::string, uint64_t> before = vk().dispatches_by_shader();
@@ -1158,8 +1166,8 @@ TEST_F(VulkanCoopmat, FlashAttentionOnTheMatrixUnitsEqualsTheReferenceAtFloat16R
       std::map<std::string, uint64_t> ran = vk().dispatches_by_shader();
       unsetenv("MEMTUNE_VULKAN_COOPMAT2");
       for (auto& [shader, count] : ran) count -= before.count(shader) ? before.at(shader) : 0;
-      EXPECT_EQ(ran[forward], 2u);
-      EXPECT_EQ(ran[forward == "attention_coopmat" ? "attention_coopmat2" : "attention_coopmat"], 0u);
+      for (const std::string& shader : on_flexible ? flexible_passes : khr) EXPECT_EQ(ran[shader], 2u) << shader;
+      for (const std::string& shader : on_flexible ? khr : flexible_passes) EXPECT_EQ(ran[shader], 0u) << shader;
       const char* names[] = {"out", "lse", "dq", "dk", "dv"};
       for (size_t i = 0; i < got.size(); ++i) {
         SCOPED_TRACE(names[i]);
@@ -1179,7 +1187,7 @@ TEST_F(VulkanCoopmat, FlashAttentionOnTheMatrixUnitsEqualsTheReferenceAtFloat16R
     }
   }
   if (!flexible)
-    SKIP_OR_FAIL_WHERE_REQUIRED("no forward on VK_NV_cooperative_matrix2's flexible matrices here: " +
+    SKIP_OR_FAIL_WHERE_REQUIRED("no attention on VK_NV_cooperative_matrix2's flexible matrices here: " +
                                 vk().sixteen_bit_attention(DType::F16));
 }
 

@@ -568,13 +568,16 @@ TEST_F(TrainCliTest, VulkanCoopmatFloat16MixedPrecisionTrainsAsTheReference) {
     ASSERT_EQ(r.status, 0) << r.output;
     EXPECT_CONTAINS(r.output, "arithmetic: mixed precision");
     if (backend == "vulkan") {
-      // The forward on flexible matrices where the device has them (attention_coopmat2.comp).
+      // Attention's passes on flexible matrices where the device has them (attention_coopmat2.glsl).
       const bool flexible = devices.output.find("attention_coopmat2.comp") != std::string::npos;
-      for (const char* shader : {"gemm_coopmat", flexible ? "attention_coopmat2" : "attention_coopmat",
-                                 "attention_backward_dq_coopmat", "attention_backward_dkv_coopmat"})
+      const std::string on = flexible ? "2" : "", off = flexible ? "" : "2";
+      for (const std::string shader : {std::string("gemm_coopmat"), "attention_coopmat" + on,
+                                       "attention_backward_dq_coopmat" + on, "attention_backward_dkv_coopmat" + on})
         EXPECT_CONTAINS(r.output, fmt::format("vulkan profile: {} ", shader));
-      for (const char* shader : {"gemm", "attention", "attention_backward_dq", "attention_backward_dkv",
-                                 flexible ? "attention_coopmat" : "attention_coopmat2", "swiglu"})
+      for (const std::string shader :
+           {std::string("gemm"), std::string("attention"), std::string("attention_backward_dq"),
+            std::string("attention_backward_dkv"), "attention_coopmat" + off, "attention_backward_dq_coopmat" + off,
+            "attention_backward_dkv_coopmat" + off, std::string("swiglu")})
         EXPECT_EQ(r.output.find(fmt::format("vulkan profile: {} ", shader)), std::string::npos) << shader;
     }
     // A step's loss, or -1 where dynamic loss scaling skipped it (the first steps overflow float16

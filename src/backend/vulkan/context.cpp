@@ -97,7 +97,7 @@ VulkanContext::VulkanContext(std::optional<int> requested_device) {
     f12.shaderInt8 = int8_matrices ? VK_TRUE : VK_FALSE;
   }
   // VK_NV_cooperative_matrix2's flexible dimensions, reductions, conversions and per-element
-  // operations where attention_coopmat2.comp will run.
+  // operations where attention_coopmat2.glsl's shaders will run.
   auto matrices2 = vk_struct<VkPhysicalDeviceCooperativeMatrix2FeaturesNV>(
       VK_STRUCTURE_TYPE_PHYSICAL_DEVICE_COOPERATIVE_MATRIX_2_FEATURES_NV);
   if (cooperative_flexible_shape(info_)) {  // implies half_matrices: `matrices` is in the chain

@@ -51,7 +51,7 @@ typedef VkResult(VKAPI_PTR* PFN_vkGetPhysicalDeviceCooperativeMatrixPropertiesKH
 #endif
 
 // VK_NV_cooperative_matrix2's features, properties and flexible-dimension shapes (attention's
-// forward on subgroup matrices of flexible size, shaders/coopmat/attention_coopmat2.comp), for
+// passes on subgroup matrices of flexible size, shaders/coopmat/attention_coopmat2.glsl), for
 // headers older than it (the registry's values and layouts).
 #ifndef VK_NV_cooperative_matrix2
 #define VK_NV_cooperative_matrix2 1

@@ -362,13 +362,22 @@ std::vector<std::pair<std::string, std::string>> vulkan_kernel_variants(const Vu
       std::string why2;
       if (const std::optional<VulkanMatrixShape> f = cooperative_flexible_shape(d, &why2)) {
         const vulkan_geometry::MatrixUnit granularity{f->m, f->n, f->k, d.subgroup_size, d.shared_memory_bytes};
-        text += fmt::format("; the forward on flexible subgroup matrices of granularity {}x{}x{} "
-                            "(VK_NV_cooperative_matrix2, attention_coopmat2.comp), tiles of {} / {} rows at head_dim "
-                            "64 / 128",
-                            f->m, f->n, f->k, vulkan_geometry::attention_coopmat2_tile(64, granularity),
-                            vulkan_geometry::attention_coopmat2_tile(128, granularity));
+        std::string flexible_tiles;
+        for (const int64_t hd : {64, 128}) {
+          using vulkan_geometry::AttentionPass;
+          flexible_tiles += fmt::format(
+              "{}head_dim {}: {} / {} / {}", flexible_tiles.empty() ? "" : ", ", hd,
+              vulkan_geometry::attention_coopmat2_tile(hd, granularity, AttentionPass::Forward),
+              vulkan_geometry::attention_coopmat2_tile(hd, granularity, AttentionPass::Query),
+              vulkan_geometry::attention_coopmat2_tile(hd, granularity, AttentionPass::Key));
+        }
+        text += fmt::format("; before those, on flexible subgroup matrices of granularity {}x{}x{} "
+                            "(VK_NV_cooperative_matrix2: attention_coopmat2.comp, attention_backward_dq_coopmat2.comp, "
+                            "attention_backward_dkv_coopmat2.comp), tiles of forward / dq / dk-dv rows at {} (0: the "
+                            "KHR shader)",
+                            f->m, f->n, f->k, flexible_tiles);
       } else {
-        text += fmt::format("; the forward as the KHR shader: {}", why2);
+        text += fmt::format("; no flexible matrices: {}", why2);
       }
     }
     out.emplace_back("attention (--fp16)", text);

@@ -58,7 +58,7 @@ struct VulkanDeviceInfo {
   // subgroup size (gemm_coopmat.comp's four subgroups per workgroup need subgroup_size exactly).
   bool subgroup_size_control = false;
   std::vector<VulkanMatrixShape> matrix_shapes;
-  // VK_NV_cooperative_matrix2 with the features attention_coopmat2.comp uses on (flexible
+  // VK_NV_cooperative_matrix2 with the features attention_coopmat2.glsl uses on (flexible
   // dimensions, reductions, conversions, per-element operations), the largest flexible dimension,
   // and the flexible shapes it reports (m, n, k: the granularities every dimension is a multiple of).
   bool nv_cooperative_matrix2 = false;
@@ -100,8 +100,8 @@ std::optional<VulkanMatrixShape> cooperative_product_shape(const VulkanDeviceInf
 // arithmetic in place of float16).
 std::optional<VulkanMatrixShape> cooperative_int8_shape(const VulkanDeviceInfo& d, std::string* why = nullptr);
 // The granularity of the float16 x float16 -> float32 subgroup matrices of flexible size that
-// attention's forward with float16 operands takes (attention_coopmat2.comp), where the build has
-// the shader, the device has what cooperative_product_shape asks for float16 and
+// attention's passes with float16 operands take (attention_coopmat2.glsl's shaders), where the
+// build has the shaders, the device has what cooperative_product_shape asks for float16 and
 // VK_NV_cooperative_matrix2's flexible dimensions (up to 256 at least), reductions, conversions and
 // per-element operations; or none, `why` saying why.
 std::optional<VulkanMatrixShape> cooperative_flexible_shape(const VulkanDeviceInfo& d, std::string* why = nullptr);

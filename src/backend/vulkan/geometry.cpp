@@ -381,13 +381,17 @@ VulkanDispatch attention_coopmat(const Attention& a, const MatrixUnit& unit, Att
   return coopmat_attention_dispatch("attention_backward_dkv_coopmat", a, unit, pass, 8, 3, 4);
 }
 
-uint32_t attention_coopmat2_shared_bytes(int64_t head_dim, uint32_t tile, const MatrixUnit& granularity) {
-  // the queries; each key tile, then its value tile (float16); the output stage; the rows' starts
+uint32_t attention_coopmat2_shared_bytes(int64_t head_dim, uint32_t tile, const MatrixUnit& granularity,
+                                         AttentionPass pass) {
+  // The float16 tiles (forward and dq: one array, which stages the subgroups' rows once, then
+  // holds the key and value tiles; dk-dv: two, for each query tile's q and dout), the output stage
+  // and per row: forward, its sequence's start; dq, lse, D and the start; dk-dv, lse, D and the end.
   const uint64_t b = tile, h = static_cast<uint64_t>(head_dim) + 8;
-  return static_cast<uint32_t>(2 * (2 * b * h) + 4 * b * granularity.n + 4 * b);
+  const uint64_t arrays = pass == AttentionPass::Key ? 2 : 1, per_row = pass == AttentionPass::Forward ? 1 : 3;
+  return static_cast<uint32_t>(arrays * (2 * b * h) + 4 * b * granularity.n + per_row * 4 * b);
 }
 
-uint32_t attention_coopmat2_tile(int64_t head_dim, const MatrixUnit& granularity) {
+uint32_t attention_coopmat2_tile(int64_t head_dim, const MatrixUnit& granularity, AttentionPass pass) {
   const auto hd = static_cast<uint32_t>(head_dim);
   if (head_dim <= 0 || head_dim > 256 || hd % granularity.k != 0 || hd % granularity.n != 0) return 0;
   // A subgroup's rows are one row of the device's granules (16 on NVIDIA: FlashAttention-2's 16
@@ -395,17 +399,34 @@ uint32_t attention_coopmat2_tile(int64_t head_dim, const MatrixUnit& granularity
   // (not narrowed down to the driver or the shader).
   const uint32_t tile = 4 * granularity.m;
   const bool fits = tile <= 64 && tile % granularity.n == 0 && tile % granularity.k == 0 &&
-                    attention_coopmat2_shared_bytes(head_dim, tile, granularity) <= granularity.shared_bytes;
+                    attention_coopmat2_shared_bytes(head_dim, tile, granularity, pass) <= granularity.shared_bytes;
   return fits ? tile : 0;
 }
 
-VulkanDispatch attention_coopmat2(const Attention& a, const MatrixUnit& granularity) {
-  const uint32_t tile = attention_coopmat2_tile(a.head_dim, granularity);
+namespace {
+// FLOPs and tensors as the float32 passes count them (attention_dispatch).
+VulkanDispatch coopmat2_attention_dispatch(const char* shader, const Attention& a, const MatrixUnit& granularity,
+                                           AttentionPass pass, double flops_per_pair, double q_side_tensors,
+                                           double kv_side_tensors) {
+  const uint32_t tile = attention_coopmat2_tile(a.head_dim, granularity, pass);
   MT_ASSERT(tile != 0, "attention_coopmat2 for a head dimension no tile takes");
-  return attention_pass("attention_coopmat2", a,
+  return attention_pass(shader, a,
                         {static_cast<uint32_t>(a.head_dim), tile, granularity.subgroup, granularity.n,
                          granularity.k, 4 * granularity.subgroup},
-                        tile, false, 4, 2, 2);
+                        tile, pass == AttentionPass::Key, flops_per_pair, q_side_tensors, kv_side_tensors);
+}
+}  // namespace
+
+VulkanDispatch attention_coopmat2(const Attention& a, const MatrixUnit& granularity, AttentionPass pass) {
+  switch (pass) {
+    case AttentionPass::Forward:
+      return coopmat2_attention_dispatch("attention_coopmat2", a, granularity, pass, 4, 2, 2);
+    case AttentionPass::Query:
+      return coopmat2_attention_dispatch("attention_backward_dq_coopmat2", a, granularity, pass, 6, 4, 2);
+    case AttentionPass::Key:
+      break;
+  }
+  return coopmat2_attention_dispatch("attention_backward_dkv_coopmat2", a, granularity, pass, 8, 3, 4);
 }
 
 uint32_t paged_attention_heads(const PagedAttention& a) {

@@ -160,18 +160,19 @@ uint32_t attention_coopmat_tile(int64_t head_dim, const MatrixUnit& unit, Attent
 // The shared memory the pass's shader declares at that tile (its arrays, as they are written).
 uint32_t attention_coopmat_shared_bytes(int64_t head_dim, uint32_t tile, const MatrixUnit& unit, AttentionPass pass);
 VulkanDispatch attention_coopmat(const Attention& a, const MatrixUnit& unit, AttentionPass pass);
-// The forward on VK_NV_cooperative_matrix2's subgroup matrices of flexible size
-// (shaders/coopmat/attention_coopmat2.comp): a workgroup of four subgroups per tile of `tile`
-// query rows, each subgroup a quarter of its rows with the whole head dimension, the output in
-// registers. `granularity` is the device's flexible shape (m, n, k: what the rows, the columns and
-// the inner dimension of every matrix must be multiples of), its subgroup size and shared memory.
-// The tile is four subgroups of m rows each where the arrays fit the shared memory and the head
-// dimension is a multiple of n and k; else 0 (attention_coopmat then runs). Constants: head_dim,
-// tile, subgroup, the output matrices' width (n), the inner dimension of a product of Q K^T (k),
-// workgroup size.
-uint32_t attention_coopmat2_tile(int64_t head_dim, const MatrixUnit& granularity);
-uint32_t attention_coopmat2_shared_bytes(int64_t head_dim, uint32_t tile, const MatrixUnit& granularity);
-VulkanDispatch attention_coopmat2(const Attention& a, const MatrixUnit& granularity);
+// The same three passes on VK_NV_cooperative_matrix2's subgroup matrices of flexible size
+// (shaders/coopmat/attention_coopmat2.glsl): a workgroup of four subgroups per tile of `tile`
+// query (or key) rows, each subgroup a quarter of its rows with the whole head dimension, its
+// operand rows and its results in registers. `granularity` is the device's flexible shape (m, n,
+// k: what the rows, the columns and the inner dimension of every matrix must be multiples of),
+// its subgroup size and shared memory. The tile is four subgroups of m rows each where the pass's
+// arrays fit the shared memory and the head dimension is a multiple of n and k; else 0
+// (attention_coopmat then runs). Constants: head_dim, tile, subgroup, the output matrices' width
+// (n), the inner dimension of a product over the head dimension (k), workgroup size.
+uint32_t attention_coopmat2_tile(int64_t head_dim, const MatrixUnit& granularity, AttentionPass pass);
+uint32_t attention_coopmat2_shared_bytes(int64_t head_dim, uint32_t tile, const MatrixUnit& granularity,
+                                         AttentionPass pass);
+VulkanDispatch attention_coopmat2(const Attention& a, const MatrixUnit& granularity, AttentionPass pass);
 
 // New queries over a paged KV cache: `rows` query tokens, keys up to max_context (the block
 // table's width), split over the context so that few rows still fill the device, within the

@@ -45,9 +45,9 @@ bool target_piece_first() {
   return v && std::string_view(v) == "1";
 }
 
-// MEMTUNE_VULKAN_COOPMAT2=0: attention's forward with float16 operands takes the KHR shader
-// (attention_coopmat.comp) even where VK_NV_cooperative_matrix2's one would run (a test compares
-// both on one device).
+// MEMTUNE_VULKAN_COOPMAT2=0: attention's passes with float16 operands take the KHR shaders
+// (attention_coopmat.comp and its backward passes) even where VK_NV_cooperative_matrix2's would
+// run (a test compares both on one device).
 bool coopmat2_off() {
   const char* v = std::getenv("MEMTUNE_VULKAN_COOPMAT2");
   return v && std::string_view(v) == "0";
@@ -161,7 +161,8 @@ class VulkanBackend final : public Backend {
   std::string sixteen_bit_attention(DType dtype) const override {
     if (dtype != DType::F16 || !half_unit_) return {};
     return fmt::format("cooperative matrices {}x{}x{} ({}attention_coopmat.comp)", half_unit_->m, half_unit_->n,
-                       half_unit_->k, flexible_unit_ ? "the forward on flexible ones, attention_coopmat2.comp; " : "");
+                       half_unit_->k,
+                       flexible_unit_ ? "on flexible ones, attention_coopmat2.comp and its backward passes; else " : "");
   }
   // Quantized products of many rows round their input to int8 where the device has int8 matrices
   // (quantized_matmul_int8_coopmat.comp); elsewhere they keep float32 inputs.
@@ -1086,16 +1087,16 @@ class VulkanBackend final : public Backend {
             .kv_heads = k.cols() / hd, .head_dim = hd};
   }
   // An attention pass's dispatch: on the matrix units where float16 operands are asked for and a
-  // tile of the pass takes this head dimension within the device's shared memory (the forward on
-  // flexible matrices, attention_coopmat2.comp, where the device has them), else the float32
+  // tile of the pass takes this head dimension within the device's shared memory (on flexible
+  // matrices, attention_coopmat2.glsl's shaders, where the device has them), else the float32
   // shader.
   VulkanDispatch attention_pass(vulkan_geometry::AttentionPass pass, const vulkan_geometry::Attention& shape,
                                 DType operands) const {
     using vulkan_geometry::AttentionPass;
     MT_ASSERT(operands == DType::F32 || operands == DType::F16, "vulkan attention: float32 or float16 operands");
-    if (pass == AttentionPass::Forward && operands == DType::F16 && flexible_unit_ && !coopmat2_off() &&
-        vulkan_geometry::attention_coopmat2_tile(shape.head_dim, *flexible_unit_) != 0)
-      return vulkan_geometry::attention_coopmat2(shape, *flexible_unit_);
+    if (operands == DType::F16 && flexible_unit_ && !coopmat2_off() &&
+        vulkan_geometry::attention_coopmat2_tile(shape.head_dim, *flexible_unit_, pass) != 0)
+      return vulkan_geometry::attention_coopmat2(shape, *flexible_unit_, pass);
     if (operands == DType::F16 && half_unit_ &&
         vulkan_geometry::attention_coopmat_tile(shape.head_dim, *half_unit_, pass) != 0)
       return vulkan_geometry::attention_coopmat(shape, *half_unit_, pass);
@@ -1158,7 +1159,7 @@ class VulkanBackend final : public Backend {
   // Its int8 ones (cooperative_int8_shape), where quantized_matmul_int8_coopmat.comp runs.
   std::optional<vulkan_geometry::MatrixUnit> int8_unit_;
   // The granularity of its flexible float16 matrices (cooperative_flexible_shape), where
-  // attention_coopmat2.comp runs attention's forward.
+  // attention_coopmat2.glsl's shaders run attention's passes.
   std::optional<vulkan_geometry::MatrixUnit> flexible_unit_;
   uint64_t partials_ = 0;
   // step_decision.comp's output (tensor_table.glsl's Decision), just before the partials.
