@@ -120,7 +120,9 @@ TEST(CpuSixteenBitProducts, TheHeadsLayoutIsChosenFromTheKernelOrAskedFor) {
   std::printf("a dense head slice runs on %s: the head's products are %s\n", dense.c_str(),
               cpu.head_product_slice(DType::BF16) ? "dense" : "strided");
   EXPECT_EQ(cpu.head_product_slice(DType::BF16), cpu::tile_unit_kernel(dense) ? cpu::kDenseHeadSliceRows : 0);
-  if (cpu_has("amx_bf16") && onednn_cap() == "ALL") EXPECT_TRUE(cpu::tile_unit_kernel(dense)) << dense;
+  if (cpu_has("amx_bf16") && onednn_cap() == "ALL") {
+    EXPECT_TRUE(cpu::tile_unit_kernel(dense)) << dense;
+  }
   EXPECT_EQ(cpu.head_product_slice(DType::F32), 0);
 }
 

@@ -407,7 +407,9 @@ TEST(VulkanGeometry, AttentionOnFlexibleMatricesTakesOneGranuleOfRowsPerSubgroup
                                static_cast<int>(pass)));
       EXPECT_EQ(g::attention_coopmat2_tile(c.hd, c.unit, pass), tile);
       const uint32_t bytes = g::attention_coopmat2_shared_bytes(c.hd, 4 * c.unit.m, c.unit, pass);
-      if (c.hd % c.unit.n == 0) EXPECT_EQ(bytes <= c.unit.shared_bytes, tile != 0) << bytes;
+      if (c.hd % c.unit.n == 0) {
+        EXPECT_EQ(bytes <= c.unit.shared_bytes, tile != 0) << bytes;
+      }
       if (tile == 0) continue;
       const g::Attention a{4096, 8, 14, 2, c.hd};
       const VulkanDispatch d = g::attention_coopmat2(a, c.unit, pass);

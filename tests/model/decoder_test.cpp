@@ -359,7 +359,9 @@ TEST(Qwen2, MixedPrecisionStepsAllocateOnlyOneDnnsPerCallTables) {
   bool widens = false;
   for (const BufferDecl& buffer : model.plan().buffers()) widens |= buffer.name.ends_with(".matrix_f32");
   EXPECT_EQ(widens, !products);
-  if (!products) EXPECT_EQ(a.count + b.count, 0u) << "float32 arithmetic allocates nothing inside a step";
+  if (!products) {
+    EXPECT_EQ(a.count + b.count, 0u) << "float32 arithmetic allocates nothing inside a step";
+  }
   RecordProperty("heap_allocations_per_step", std::to_string(a.count));
   std::printf("a mixed-precision step (20 tokens): %llu allocations, %llu bytes; 47 tokens: %llu, %llu\n",
               static_cast<unsigned long long>(a.count), static_cast<unsigned long long>(a.bytes),

@@ -397,8 +397,9 @@ TEST_F(QuantizedModelTest, MixturesOfExpertsPackTheirExpertsAndTrainLoraOnThem) 
     const SafetensorsFile file(path(name + "_q4") + "/model.safetensors");
     EXPECT_NE(file.find("model.layers.1.mlp.experts.3.down_proj.qweight"), nullptr);
     EXPECT_NE(file.find("model.layers.1.mlp.gate.weight"), nullptr);  // the router as stored
-    if (config.moe.shared_expert_intermediate_size > 0)
+    if (config.moe.shared_expert_intermediate_size > 0) {
       EXPECT_NE(file.find("model.layers.1.mlp.shared_expert_gate.weight"), nullptr);
+    }
     for (const std::string backend : {"cpu", "vulkan"}) {
       const std::vector<std::string_view> built = backend_list();
       if (std::find(built.begin(), built.end(), backend) == built.end()) continue;
