@@ -401,7 +401,7 @@ TEST(VulkanGeometry, AttentionOnFlexibleMatricesTakesOneGranuleOfRowsPerSubgroup
   for (const Case& c : {Case{lavapipe, 64, 32, 32, 32}, Case{lavapipe, 128, 32, 32, 32}, Case{lavapipe, 16, 32, 32, 32},
                         Case{sixteen, 64, 64, 64, 64}, Case{sixteen, 128, 64, 64, 64}, Case{sixteen, 256, 64, 64, 0},
                         Case{sixteen, 24, 0, 0, 0}, Case{lavapipe, 20, 0, 0, 0}, Case{small, 128, 64, 64, 0}}) {
-    for (const auto [pass, tile] : {std::pair{AttentionPass::Forward, c.forward}, std::pair{AttentionPass::Query, c.query},
+    for (const auto& [pass, tile] : {std::pair{AttentionPass::Forward, c.forward}, std::pair{AttentionPass::Query, c.query},
                                     std::pair{AttentionPass::Key, c.key}}) {
       SCOPED_TRACE(fmt::format("granularity {}, {} bytes, head_dim {}, pass {}", c.unit.m, c.unit.shared_bytes, c.hd,
                                static_cast<int>(pass)));
