@@ -296,10 +296,18 @@ std::vector<VulkanDispatch> attention_key_reduce(const Attention& a, uint32_t sp
 }
 
 namespace {
-// A pass over tiles of `rows` query (or, key_side, key) rows per head: FLOPs per (query, key)
-// pair and dimension, and the float32 tensors of the query side and of the key side it moves.
+// A pass over tiles of `rows` query (or, for the key side, key) rows per head. Its FLOPs per
+// (query, key) pair and dimension, and the float32 tensors of the query side and of the key side
+// it moves, whichever shader runs it (the matrix units' stage float16 copies in shared memory):
+//   forward: q, out; k, v. FLOPs: q.k and p.v.
+//   dq: q, dout, out, dq; k, v. FLOPs: q.k, dout.v, ds k.
+//   dk, dv: q, dout, out; k, v, dk, dv. FLOPs: q.k, dout.v, p dout, ds q.
 VulkanDispatch attention_pass(const char* shader, const Attention& a, std::vector<uint32_t> constants, uint32_t rows,
-                              bool key_side, double flops_per_pair, double q_side_tensors, double kv_side_tensors) {
+                              AttentionPass pass) {
+  const bool key_side = pass == AttentionPass::Key;
+  const double flops_per_pair = pass == AttentionPass::Forward ? 4 : pass == AttentionPass::Query ? 6 : 8;
+  const double q_side_tensors = pass == AttentionPass::Forward ? 2 : pass == AttentionPass::Query ? 4 : 3;
+  const double kv_side_tensors = key_side ? 4 : 2;
   const double hd = static_cast<double>(a.head_dim), n = static_cast<double>(a.tokens);
   VulkanDispatch d{
       .shader = shader,
@@ -312,23 +320,20 @@ VulkanDispatch attention_pass(const char* shader, const Attention& a, std::vecto
   MT_ASSERT(d.x <= kMaxGroups, "vulkan: more tokens than one attention dispatch takes");
   return d;
 }
-VulkanDispatch attention_dispatch(const char* shader, const Attention& a, bool key_side, double flops_per_pair,
-                                  double q_side_tensors, double kv_side_tensors) {
-  const AttentionTiles t = attention_tiles(a.head_dim, key_side);
-  return attention_pass(shader, a, {static_cast<uint32_t>(a.head_dim), t.lanes, t.tile, t.threads}, t.rows, key_side,
-                        flops_per_pair, q_side_tensors, kv_side_tensors);
+VulkanDispatch attention_dispatch(const char* shader, const Attention& a, AttentionPass pass) {
+  const AttentionTiles t = attention_tiles(a.head_dim, pass == AttentionPass::Key);
+  return attention_pass(shader, a, {static_cast<uint32_t>(a.head_dim), t.lanes, t.tile, t.threads}, t.rows, pass);
 }
 }  // namespace
 
-// Forward: q, out read / written, k, v read. FLOPs: q.k and p.v per pair.
-VulkanDispatch attention_forward(const Attention& a) { return attention_dispatch("attention", a, false, 4, 2, 2); }
-// dq: q, dout, out, dq; k, v. FLOPs: q.k, dout.v, ds k.
-VulkanDispatch attention_backward_dq(const Attention& a) {
-  return attention_dispatch("attention_backward_dq", a, false, 6, 4, 2);
+VulkanDispatch attention_forward(const Attention& a) {
+  return attention_dispatch("attention", a, AttentionPass::Forward);
 }
-// dk, dv: q, dout, out; k, v, dk, dv. FLOPs: q.k, dout.v, p dout, ds q.
+VulkanDispatch attention_backward_dq(const Attention& a) {
+  return attention_dispatch("attention_backward_dq", a, AttentionPass::Query);
+}
 VulkanDispatch attention_backward_dkv(const Attention& a) {
-  return attention_dispatch("attention_backward_dkv", a, true, 8, 3, 4);
+  return attention_dispatch("attention_backward_dkv", a, AttentionPass::Key);
 }
 
 uint32_t attention_coopmat_shared_bytes(int64_t head_dim, uint32_t tile, const MatrixUnit& unit, AttentionPass pass) {
@@ -355,30 +360,27 @@ uint32_t attention_coopmat_tile(int64_t head_dim, const MatrixUnit& unit, Attent
 }
 
 namespace {
-// FLOPs and tensors as the float32 passes count them (attention_dispatch): the operands are
-// float16 in shared memory, float32 in memory.
 VulkanDispatch coopmat_attention_dispatch(const char* shader, const Attention& a, const MatrixUnit& unit,
-                                          AttentionPass pass, double flops_per_pair, double q_side_tensors,
-                                          double kv_side_tensors) {
+                                          AttentionPass pass) {
   const uint32_t tile = attention_coopmat_tile(a.head_dim, unit, pass);
   MT_ASSERT(tile != 0, "attention_coopmat for a head dimension no tile takes");
   return attention_pass(shader, a,
                         {static_cast<uint32_t>(a.head_dim), tile, unit.subgroup, unit.m, unit.n, unit.k,
                          4 * unit.subgroup},
-                        tile, pass == AttentionPass::Key, flops_per_pair, q_side_tensors, kv_side_tensors);
+                        tile, pass);
 }
 }  // namespace
 
 VulkanDispatch attention_coopmat(const Attention& a, const MatrixUnit& unit, AttentionPass pass) {
   switch (pass) {
     case AttentionPass::Forward:
-      return coopmat_attention_dispatch("attention_coopmat", a, unit, pass, 4, 2, 2);
+      return coopmat_attention_dispatch("attention_coopmat", a, unit, pass);
     case AttentionPass::Query:
-      return coopmat_attention_dispatch("attention_backward_dq_coopmat", a, unit, pass, 6, 4, 2);
+      return coopmat_attention_dispatch("attention_backward_dq_coopmat", a, unit, pass);
     case AttentionPass::Key:
       break;
   }
-  return coopmat_attention_dispatch("attention_backward_dkv_coopmat", a, unit, pass, 8, 3, 4);
+  return coopmat_attention_dispatch("attention_backward_dkv_coopmat", a, unit, pass);
 }
 
 uint32_t attention_coopmat2_shared_bytes(int64_t head_dim, uint32_t tile, const MatrixUnit& granularity,
@@ -404,29 +406,27 @@ uint32_t attention_coopmat2_tile(int64_t head_dim, const MatrixUnit& granularity
 }
 
 namespace {
-// FLOPs and tensors as the float32 passes count them (attention_dispatch).
 VulkanDispatch coopmat2_attention_dispatch(const char* shader, const Attention& a, const MatrixUnit& granularity,
-                                           AttentionPass pass, double flops_per_pair, double q_side_tensors,
-                                           double kv_side_tensors) {
+                                           AttentionPass pass) {
   const uint32_t tile = attention_coopmat2_tile(a.head_dim, granularity, pass);
   MT_ASSERT(tile != 0, "attention_coopmat2 for a head dimension no tile takes");
   return attention_pass(shader, a,
                         {static_cast<uint32_t>(a.head_dim), tile, granularity.subgroup, granularity.n,
                          granularity.k, 4 * granularity.subgroup},
-                        tile, pass == AttentionPass::Key, flops_per_pair, q_side_tensors, kv_side_tensors);
+                        tile, pass);
 }
 }  // namespace
 
 VulkanDispatch attention_coopmat2(const Attention& a, const MatrixUnit& granularity, AttentionPass pass) {
   switch (pass) {
     case AttentionPass::Forward:
-      return coopmat2_attention_dispatch("attention_coopmat2", a, granularity, pass, 4, 2, 2);
+      return coopmat2_attention_dispatch("attention_coopmat2", a, granularity, pass);
     case AttentionPass::Query:
-      return coopmat2_attention_dispatch("attention_backward_dq_coopmat2", a, granularity, pass, 6, 4, 2);
+      return coopmat2_attention_dispatch("attention_backward_dq_coopmat2", a, granularity, pass);
     case AttentionPass::Key:
       break;
   }
-  return coopmat2_attention_dispatch("attention_backward_dkv_coopmat2", a, granularity, pass, 8, 3, 4);
+  return coopmat2_attention_dispatch("attention_backward_dkv_coopmat2", a, granularity, pass);
 }
 
 uint32_t paged_attention_heads(const PagedAttention& a) {
