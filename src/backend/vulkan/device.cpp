@@ -347,14 +347,19 @@ std::vector<std::pair<std::string, std::string>> vulkan_kernel_variants(const Vu
     if (s) {
       // The tiles (forward / dq / dk and dv) the device's shared memory gives Qwen's head dimensions.
       const vulkan_geometry::MatrixUnit unit{s->m, s->n, s->k, d.subgroup_size, d.shared_memory_bytes};
-      std::string tiles;
-      for (const int64_t hd : {64, 128}) {
+      // "head_dim 64: F / Q / K, head_dim 128: ..." for a family's tile function.
+      const auto tiles_of = [](auto tile) {
         using vulkan_geometry::AttentionPass;
-        tiles += fmt::format("{}head_dim {}: {} / {} / {}", tiles.empty() ? "" : ", ", hd,
-                             vulkan_geometry::attention_coopmat_tile(hd, unit, AttentionPass::Forward),
-                             vulkan_geometry::attention_coopmat_tile(hd, unit, AttentionPass::Query),
-                             vulkan_geometry::attention_coopmat_tile(hd, unit, AttentionPass::Key));
-      }
+        std::string tiles;
+        for (const int64_t hd : {64, 128})
+          tiles += fmt::format("{}head_dim {}: {} / {} / {}", tiles.empty() ? "" : ", ", hd,
+                               tile(hd, AttentionPass::Forward), tile(hd, AttentionPass::Query),
+                               tile(hd, AttentionPass::Key));
+        return tiles;
+      };
+      const std::string tiles = tiles_of([&](int64_t hd, vulkan_geometry::AttentionPass pass) {
+        return vulkan_geometry::attention_coopmat_tile(hd, unit, pass);
+      });
       text = fmt::format("cooperative matrices {}x{}x{} (attention_coopmat.comp, attention_backward_dq_coopmat.comp, "
                          "attention_backward_dkv_coopmat.comp); tiles of forward / dq / dk-dv rows at {} (0: float32 "
                          "FMAs)",
@@ -362,15 +367,9 @@ std::vector<std::pair<std::string, std::string>> vulkan_kernel_variants(const Vu
       std::string why2;
       if (const std::optional<VulkanMatrixShape> f = cooperative_flexible_shape(d, &why2)) {
         const vulkan_geometry::MatrixUnit granularity{f->m, f->n, f->k, d.subgroup_size, d.shared_memory_bytes};
-        std::string flexible_tiles;
-        for (const int64_t hd : {64, 128}) {
-          using vulkan_geometry::AttentionPass;
-          flexible_tiles += fmt::format(
-              "{}head_dim {}: {} / {} / {}", flexible_tiles.empty() ? "" : ", ", hd,
-              vulkan_geometry::attention_coopmat2_tile(hd, granularity, AttentionPass::Forward),
-              vulkan_geometry::attention_coopmat2_tile(hd, granularity, AttentionPass::Query),
-              vulkan_geometry::attention_coopmat2_tile(hd, granularity, AttentionPass::Key));
-        }
+        const std::string flexible_tiles = tiles_of([&](int64_t hd, vulkan_geometry::AttentionPass pass) {
+          return vulkan_geometry::attention_coopmat2_tile(hd, granularity, pass);
+        });
         text += fmt::format("; before those, on flexible subgroup matrices of granularity {}x{}x{} "
                             "(VK_NV_cooperative_matrix2: attention_coopmat2.comp, attention_backward_dq_coopmat2.comp, "
                             "attention_backward_dkv_coopmat2.comp), tiles of forward / dq / dk-dv rows at {} (0: the "

@@ -359,28 +359,21 @@ uint32_t attention_coopmat_tile(int64_t head_dim, const MatrixUnit& unit, Attent
   return 0;
 }
 
-namespace {
-VulkanDispatch coopmat_attention_dispatch(const char* shader, const Attention& a, const MatrixUnit& unit,
-                                          AttentionPass pass) {
+// FLOPs and tensors as the float32 passes count them (attention_pass).
+VulkanDispatch attention_coopmat(const Attention& a, const MatrixUnit& unit, AttentionPass pass) {
   const uint32_t tile = attention_coopmat_tile(a.head_dim, unit, pass);
   MT_ASSERT(tile != 0, "attention_coopmat for a head dimension no tile takes");
-  return attention_pass(shader, a,
-                        {static_cast<uint32_t>(a.head_dim), tile, unit.subgroup, unit.m, unit.n, unit.k,
-                         4 * unit.subgroup},
-                        tile, pass);
-}
-}  // namespace
-
-VulkanDispatch attention_coopmat(const Attention& a, const MatrixUnit& unit, AttentionPass pass) {
+  const std::vector<uint32_t> c{static_cast<uint32_t>(a.head_dim), tile, unit.subgroup, unit.m, unit.n, unit.k,
+                                4 * unit.subgroup};
   switch (pass) {
     case AttentionPass::Forward:
-      return coopmat_attention_dispatch("attention_coopmat", a, unit, pass);
+      return attention_pass("attention_coopmat", a, c, tile, pass);
     case AttentionPass::Query:
-      return coopmat_attention_dispatch("attention_backward_dq_coopmat", a, unit, pass);
+      return attention_pass("attention_backward_dq_coopmat", a, c, tile, pass);
     case AttentionPass::Key:
       break;
   }
-  return coopmat_attention_dispatch("attention_backward_dkv_coopmat", a, unit, pass);
+  return attention_pass("attention_backward_dkv_coopmat", a, c, tile, pass);
 }
 
 uint32_t attention_coopmat2_shared_bytes(int64_t head_dim, uint32_t tile, const MatrixUnit& granularity,
@@ -405,28 +398,20 @@ uint32_t attention_coopmat2_tile(int64_t head_dim, const MatrixUnit& granularity
   return fits ? tile : 0;
 }
 
-namespace {
-VulkanDispatch coopmat2_attention_dispatch(const char* shader, const Attention& a, const MatrixUnit& granularity,
-                                           AttentionPass pass) {
+VulkanDispatch attention_coopmat2(const Attention& a, const MatrixUnit& granularity, AttentionPass pass) {
   const uint32_t tile = attention_coopmat2_tile(a.head_dim, granularity, pass);
   MT_ASSERT(tile != 0, "attention_coopmat2 for a head dimension no tile takes");
-  return attention_pass(shader, a,
-                        {static_cast<uint32_t>(a.head_dim), tile, granularity.subgroup, granularity.n,
-                         granularity.k, 4 * granularity.subgroup},
-                        tile, pass);
-}
-}  // namespace
-
-VulkanDispatch attention_coopmat2(const Attention& a, const MatrixUnit& granularity, AttentionPass pass) {
+  const std::vector<uint32_t> c{static_cast<uint32_t>(a.head_dim), tile, granularity.subgroup, granularity.n,
+                                granularity.k, 4 * granularity.subgroup};
   switch (pass) {
     case AttentionPass::Forward:
-      return coopmat2_attention_dispatch("attention_coopmat2", a, granularity, pass);
+      return attention_pass("attention_coopmat2", a, c, tile, pass);
     case AttentionPass::Query:
-      return coopmat2_attention_dispatch("attention_backward_dq_coopmat2", a, granularity, pass);
+      return attention_pass("attention_backward_dq_coopmat2", a, c, tile, pass);
     case AttentionPass::Key:
       break;
   }
-  return coopmat2_attention_dispatch("attention_backward_dkv_coopmat2", a, granularity, pass);
+  return attention_pass("attention_backward_dkv_coopmat2", a, c, tile, pass);
 }
 
 uint32_t paged_attention_heads(const PagedAttention& a) {
